@@ -1,0 +1,5 @@
+import sys
+
+from orangetron.cli import main
+
+sys.exit(main())

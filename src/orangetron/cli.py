@@ -1,0 +1,40 @@
+"""The `orangetron` command: one subcommand per job, each defined beside the code it drives."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from orangetron.plan.commands import add_plan_commands
+    from orangetron.train.commands import add_train_commands
+
+    parser = argparse.ArgumentParser(
+        prog="orangetron",
+        description="Train and plan long-context and MoE transformers with TP, CP, EP, DP and PP.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_train_commands(sub)
+    add_plan_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point. Bad input prints one line on standard error and returns 2, never a traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"orangetron {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"orangetron {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Every collective orangetron runs, autograd-aware, and the ledger that counts their bytes.
+
+Each public collective is one `torch.autograd.Function` whose backward is the mirror collective, so
+model code composes them like ordinary ops. A collective over a group of one rank returns its input
+untouched and records nothing. Each call that moves data appends a `CommRecord` to this process's
+ledger, with bytes from `orangetron.plan.collectives`, the formulas the cost model uses too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from orangetron.mesh import MeshGroup
+from orangetron.plan import collectives as formulas
+from orangetron.plan.collectives import CommRecord
+
+__all__ = [
+    "CommRecord", "RingExchange", "all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to_group",
+    "ledger", "measure", "reduce_scatter", "reset_ledger", "bytes_by_key",
+]
+
+# ---- the ledger -------------------------------------------------------------------------------------
+
+_records: list[CommRecord] = []
+_scopes: list[list[CommRecord]] = []
+
+
+def _record(op: str, group: MeshGroup, payload: int, sent_received: tuple[int, int]) -> None:
+    record = CommRecord(op, group.name, payload, *sent_received)
+    _records.append(record)
+    for scope in _scopes:
+        scope.append(record)
+
+
+def ledger() -> list[CommRecord]:
+    """Every record this process made since the last `reset_ledger()`."""
+    return list(_records)
+
+
+def reset_ledger() -> None:
+    _records.clear()
+
+
+@contextmanager
+def measure() -> Iterator[list[CommRecord]]:
+    """Collect the records made inside the block into the yielded list (scopes may nest)."""
+    scope: list[CommRecord] = []
+    _scopes.append(scope)
+    try:
+        yield scope
+    finally:
+        _scopes.remove(scope)
+
+
+def bytes_by_key(records: Sequence[CommRecord]) -> dict[str, int]:
+    """Bytes sent per "op/dim", e.g. {"all_gather/dp": 1024}."""
+    totals: dict[str, int] = {}
+    for r in records:
+        totals[r.key] = totals.get(r.key, 0) + r.bytes_sent
+    return totals
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---- raw collectives (no autograd) ------------------------------------------------------------------
+
+
+def _all_gather_raw(x: torch.Tensor, group: MeshGroup, dim: int) -> torch.Tensor:
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x, group=group.group)
+    _record("all_gather", group, _nbytes(out), formulas.all_gather_bytes(_nbytes(out), group.size))
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_raw(x: torch.Tensor, group: MeshGroup, dim: int) -> torch.Tensor:
+    if x.shape[dim] % group.size:
+        raise ValueError(f"reduce_scatter over {group.name}: dim {dim} of size {x.shape[dim]} "
+                         f"is not divisible by the group size {group.size}")
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+    dist.reduce_scatter_single(out, x, group=group.group)
+    _record("reduce_scatter", group, _nbytes(x), formulas.reduce_scatter_bytes(_nbytes(x), group.size))
+    return out.movedim(0, dim)
+
+
+def _all_reduce_raw(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group.group)
+    _record("all_reduce", group, _nbytes(out), formulas.all_reduce_bytes(_nbytes(out), group.size))
+    return out
+
+
+def _all_to_all_raw(x: torch.Tensor, group: MeshGroup, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    dist.all_to_all_single(out, x, recv_rows, send_rows, group=group.group)
+    row = math.prod(x.shape[1:]) * x.element_size()
+    sent, received = formulas.all_to_all_bytes([n * row for n in send_rows], [n * row for n in recv_rows], group.rank)
+    _record("all_to_all", group, _nbytes(x), (sent, received))
+    return out
+
+
+def _broadcast_raw(x: torch.Tensor, group: MeshGroup, src: int) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.broadcast(out, group=group.group, group_src=src)
+    _record("broadcast", group, _nbytes(out), formulas.broadcast_bytes(_nbytes(out), group.size, group.rank == src))
+    return out
+
+
+def _reduce_raw(x: torch.Tensor, group: MeshGroup, dst: int) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.reduce(out, group=group.group, group_dst=dst)
+    _record("reduce", group, _nbytes(out), formulas.reduce_bytes(_nbytes(out), group.size, group.rank == dst))
+    return out if group.rank == dst else torch.zeros_like(out)
+
+
+# ---- autograd pairs ---------------------------------------------------------------------------------
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: MeshGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_raw(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: MeshGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_raw(grad, ctx.group, ctx.dim), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    """All-reduce forward, identity backward (every rank already holds the summed gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+        return _all_reduce_raw(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce backward (a replicated input feeding rank-local compute)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce_raw(grad, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Variable all-to-all forward, the reverse all-to-all backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: MeshGroup, send_rows: list[int], recv_rows: list[int]):
+        ctx.group, ctx.send_rows, ctx.recv_rows = group, send_rows, recv_rows
+        return _all_to_all_raw(x, group, send_rows, recv_rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all_raw(grad, ctx.group, ctx.recv_rows, ctx.send_rows), None, None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    """Broadcast from `src` forward, reduce to `src` backward (other ranks' inputs get zero gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: MeshGroup, src: int) -> torch.Tensor:
+        ctx.group, ctx.src = group, src
+        return _broadcast_raw(x, group, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_raw(grad, ctx.group, ctx.src), None, None
+
+
+# ---- public collectives -----------------------------------------------------------------------------
+
+
+def all_gather(x: torch.Tensor, group: MeshGroup, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` in group order; backward reduce-scatters the gradient."""
+    return x if group.size == 1 else _AllGather.apply(x, group, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group: MeshGroup, dim: int = 0) -> torch.Tensor:
+    """Sum `x` over the group and keep this rank's 1/n slice along `dim`; backward all-gathers."""
+    return x if group.size == 1 else _ReduceScatter.apply(x, group, dim)
+
+
+def all_reduce(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+    """Sum `x` over the group (out of place); backward passes the gradient through."""
+    return x if group.size == 1 else _AllReduce.apply(x, group)
+
+
+def copy_to_group(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+    """Identity; backward sums the gradient over the group."""
+    return x if group.size == 1 else _CopyToGroup.apply(x, group)
+
+
+def all_to_all(x: torch.Tensor, group: MeshGroup, send_rows: Sequence[int], recv_rows: Sequence[int]) -> torch.Tensor:
+    """Send `send_rows[j]` consecutive rows of `x` (dim 0) to member j, receive `recv_rows[j]` from it.
+
+    Rows arrive grouped by source in group order. Backward returns each gradient row to its sender.
+    """
+    send_rows, recv_rows = [int(n) for n in send_rows], [int(n) for n in recv_rows]
+    if len(send_rows) != group.size or len(recv_rows) != group.size:
+        raise ValueError(f"all_to_all over {group.name}: need {group.size} split sizes, "
+                         f"got send {len(send_rows)} and receive {len(recv_rows)}")
+    if sum(send_rows) != x.shape[0]:
+        raise ValueError(f"all_to_all over {group.name}: send_rows sum to {sum(send_rows)} but x has {x.shape[0]} rows")
+    return x if group.size == 1 else _AllToAll.apply(x, group, send_rows, recv_rows)
+
+
+def broadcast(x: torch.Tensor, group: MeshGroup, src: int = 0) -> torch.Tensor:
+    """Every member gets member `src`'s `x` (a multicast to this sub-group); backward reduces to `src`."""
+    if not 0 <= src < group.size:
+        raise ValueError(f"broadcast over {group.name}: src={src} is not a member index in [0, {group.size})")
+    return x if group.size == 1 else _Broadcast.apply(x, group, src)
+
+
+# ---- ring exchange ----------------------------------------------------------------------------------
+
+
+def _shift(x: torch.Tensor, group: MeshGroup, step: int) -> tuple[torch.Tensor, list]:
+    """Post send of `x` to member rank+step and receive from rank-step; returns (buffer, works)."""
+    x = x.contiguous()
+    received = torch.empty_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x, group.global_rank(group.rank + step), group.group),
+        dist.P2POp(dist.irecv, received, group.global_rank(group.rank - step), group.group),
+    ]
+    _record("send_recv", group, _nbytes(x), formulas.send_recv_bytes(_nbytes(x), _nbytes(received)))
+    return received, dist.batch_isend_irecv(ops)
+
+
+class _RingLink(torch.autograd.Function):
+    """Receive-from-previous forward; backward sends the gradient back to the previous member."""
+
+    @staticmethod
+    def forward(ctx, sent: torch.Tensor, received: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+        ctx.group = group
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_sent, works = _shift(grad, ctx.group, step=-1)
+        for work in works:
+            work.wait()
+        return grad_sent, None, None
+
+
+class RingExchange:
+    """Send a tensor to the next group member and receive the previous member's, asynchronously.
+
+    `start(x)` posts the transfer and returns at once so compute can overlap; `wait()` completes it and
+    returns the received tensor. The result is autograd-aware: its gradient flows back to the sender's
+    `x`. Misuse (wait before start, start twice) raises instead of deadlocking.
+    """
+
+    def __init__(self, group: MeshGroup) -> None:
+        self.group = group
+        self._pending: tuple[torch.Tensor, torch.Tensor, list] | None = None
+
+    def start(self, x: torch.Tensor) -> None:
+        if self._pending is not None:
+            raise RuntimeError("RingExchange.start called twice without wait")
+        if self.group.size == 1:
+            self._pending = (x, x, [])
+            return
+        received, works = _shift(x.detach(), self.group, step=1)
+        self._pending = (x, received, works)
+
+    def wait(self) -> torch.Tensor:
+        if self._pending is None:
+            raise RuntimeError("RingExchange.wait called before start")
+        sent, received, works = self._pending
+        self._pending = None
+        if self.group.size == 1:
+            return sent
+        for work in works:
+            work.wait()
+        return _RingLink.apply(sent, received, self.group)
+
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """`start(x)` then `wait()`: a blocking ring shift."""
+        self.start(x)
+        return self.wait()

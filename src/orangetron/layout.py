@@ -1,0 +1,148 @@
+"""`Layout`: the parallel degrees of a job, their validation, and rank <-> coordinates.
+
+world_size = tp * cp * pp * dp. Ranks are numbered in Megatron-Core's order `tp-cp-ep-dp-pp`, tp
+fastest: consecutive ranks share a node's fast links for the most talkative dimension. Experts are
+sharded over the dp * cp ranks of one (tp, pp) position: within that block, ep varies fastest and the
+remaining factor forms the expert-data-parallel group edp = dp * cp / ep.
+
+Pure Python, so the planner can validate layouts without torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DIMS = ("tp", "cp", "pp", "dp", "ep")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; the message names the field, the value and the rule."""
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one rank sits in each mesh dimension (each value in [0, degree))."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    dp_cp: int  # index in the combined dp x cp group (cp fastest); dense optimizer state shards over it
+    ep: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees. `etp` (expert tensor parallelism) is fixed at 1 for now."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in (*DIMS, "etp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name}={value!r}: degree must be a positive integer")
+        if self.etp != 1:
+            raise LayoutError(f"etp={self.etp}: expert tensor parallelism is not supported; use etp=1")
+        if (self.dp * self.cp) % self.ep:
+            raise LayoutError(
+                f"ep={self.ep}: dp*cp={self.dp * self.cp} (dp={self.dp} x cp={self.cp}) is not divisible by ep; "
+                "experts shard over the dp x cp ranks"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: replicas of each expert shard."""
+        return self.dp * self.cp // self.ep
+
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DIMS}
+
+    def __str__(self) -> str:
+        return " ".join(f"{name}={getattr(self, name)}" for name in DIMS)
+
+    # ---- rank <-> coordinates -------------------------------------------------------------------
+
+    def coordinates(self, rank: int) -> Coordinates:
+        """Coordinates of `rank` in order tp-cp-ep-dp-pp, tp fastest."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank={rank}: must lie in [0, world_size={self.world_size})")
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        dp_cp = dp * self.cp + cp
+        return Coordinates(tp=tp, cp=cp, dp=dp, pp=pp, dp_cp=dp_cp, ep=dp_cp % self.ep, edp=dp_cp // self.ep)
+
+    def rank(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """Global rank at the given coordinates (the inverse of `coordinates`)."""
+        for name, value in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)):
+            if not 0 <= value < getattr(self, name):
+                raise LayoutError(f"{name}={value}: coordinate must lie in [0, {getattr(self, name)})")
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """Shape (pp, dp, cp, tp) of the dense mesh; row-major, so tp is fastest."""
+        return (self.pp, self.dp, self.cp, self.tp)
+
+    def expert_mesh_shape(self) -> tuple[int, int, int, int]:
+        """Shape (pp, edp, ep, tp) of the expert mesh over the same ranks."""
+        return (self.pp, self.edp, self.ep, self.tp)
+
+    # ---- validation against a model and a sequence ---------------------------------------------
+
+    def validate(self, model: Any | None = None, seq_len: int | None = None, sequence_parallel: bool = False) -> None:
+        """Raise `LayoutError` if this layout cannot run `model` on sequences of `seq_len` tokens.
+
+        `model` needs the attributes of `ModelConfig` (n_heads, n_kv_heads, n_layers, n_experts,
+        vocab_size); any of them may be absent.
+        """
+        if model is not None:
+            self._validate_model(model)
+        if seq_len is not None:
+            self._validate_seq(seq_len, sequence_parallel)
+
+    def _validate_model(self, model: Any) -> None:
+        heads = getattr(model, "n_heads", None)
+        kv_heads = getattr(model, "n_kv_heads", None) or heads
+        if heads is not None and heads % self.tp:
+            raise LayoutError(f"tp={self.tp}: n_heads={heads} is not divisible by tp")
+        if kv_heads is not None and kv_heads % self.tp and self.tp % kv_heads:
+            raise LayoutError(
+                f"tp={self.tp}: n_kv_heads={kv_heads} must divide tp or be divisible by it "
+                "(kv heads are split, or replicated across tp ranks)"
+            )
+        layers = getattr(model, "n_layers", None)
+        if layers is not None and layers % self.pp:
+            raise LayoutError(f"pp={self.pp}: n_layers={layers} is not divisible by pp")
+        experts = getattr(model, "n_experts", 0) or 0
+        if self.ep > 1 and experts == 0:
+            raise LayoutError(f"ep={self.ep}: the model has no experts (n_experts=0); use ep=1")
+        if experts and experts % self.ep:
+            raise LayoutError(f"ep={self.ep}: n_experts={experts} is not divisible by ep")
+        vocab = getattr(model, "vocab_size", None)
+        if vocab is not None and vocab % self.tp:
+            raise LayoutError(f"tp={self.tp}: vocab_size={vocab} is not divisible by tp (vocab-parallel output)")
+
+    def _validate_seq(self, seq_len: int, sequence_parallel: bool) -> None:
+        if seq_len < 1:
+            raise LayoutError(f"seq_len={seq_len}: must be positive")
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise LayoutError(
+                f"cp={self.cp}: seq_len {seq_len} is not divisible by 2*cp={2 * self.cp} (head-tail chunks)"
+            )
+        local = seq_len // self.cp
+        if sequence_parallel and local % self.tp:
+            raise LayoutError(
+                f"tp={self.tp}: sequence_parallel needs seq_len/cp={local} divisible by tp"
+            )

@@ -1,0 +1,125 @@
+"""Bytes a rank keeps: model state by category, and activations saved for backward.
+
+Every figure is read off the actual tensors; storages shared by several tensors (tied embeddings, views,
+a flat gradient buffer) are counted once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations")
+
+_last_report: dict[str, int] = {}
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    storage = t.untyped_storage()
+    return str(t.device), storage.data_ptr()
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a storage reached twice counts once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
+    if optimizer is None:
+        return
+    for state in optimizer.state.values():
+        for value in state.values():
+            # Scalar step counters are bookkeeping, not state that scales with the model.
+            if torch.is_tensor(value) and value.dim() > 0:
+                yield value
+
+
+def model_state_bytes(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    main_params: Iterable[torch.Tensor] = (),
+) -> dict[str, int]:
+    """Bytes of params, grads, fp32 main params and optimizer state held by this rank.
+
+    `main_params` are the fp32 master copies a mixed-precision optimizer keeps; when the model itself
+    trains in fp32 there are none and the category is 0, as in the cost model.
+    """
+    params = list(model.parameters())
+    report = {
+        "params": unique_storage_bytes(params),
+        "grads": unique_storage_bytes(p.grad for p in params if p.grad is not None),
+        "main_params": unique_storage_bytes(main_params),
+        "optimizer": unique_storage_bytes(_optimizer_tensors(optimizer)),
+    }
+    _last_report.update(report)
+    return report
+
+
+@dataclass
+class ActivationMeter:
+    """Live and peak bytes of distinct storages that autograd holds for backward."""
+
+    excluded: set[tuple[str, int]] = field(default_factory=set)
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    _refcounts: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def _pack(self, t: torch.Tensor) -> object:
+        key = _storage_key(t)
+        if key in self.excluded or t.numel() == 0:
+            return t
+        if self._refcounts.get(key, 0) == 0:
+            self.live_bytes += t.untyped_storage().nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refcounts[key] = self._refcounts.get(key, 0) + 1
+        holder = _SavedTensor(t)
+        # Autograd drops the holder when it frees the graph; that is when the bytes are released.
+        weakref.finalize(holder, self._release, key, t.untyped_storage().nbytes())
+        return holder
+
+    def _release(self, key: tuple[str, int], nbytes: int) -> None:
+        self._refcounts[key] -= 1
+        if self._refcounts[key] == 0:
+            del self._refcounts[key]
+            self.live_bytes -= nbytes
+
+    @staticmethod
+    def _unpack(saved: object) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _SavedTensor) else saved
+
+
+class _SavedTensor:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+@contextmanager
+def track_activations(model: nn.Module | None = None) -> Iterator[ActivationMeter]:
+    """Measure the bytes saved for backward inside the block (forward and backward both).
+
+    Parameters of `model` that autograd saves (a weight kept by a matmul) are model state, not
+    activations, and are excluded. The peak covers the whole block; run forward and backward in it.
+    """
+    meter = ActivationMeter()
+    if model is not None:
+        meter.excluded = {_storage_key(p) for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(meter._pack, meter._unpack):
+        yield meter
+    _last_report["activations"] = meter.peak_bytes
+
+
+def report() -> dict[str, int]:
+    """The latest measurement of this process, bytes by category (missing categories are 0)."""
+    return {name: _last_report.get(name, 0) for name in CATEGORIES}

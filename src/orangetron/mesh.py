@@ -1,0 +1,112 @@
+"""`ParallelMesh`: the process groups of a `Layout`, one per mesh dimension and per combined dimension.
+
+Built on `torch.distributed.device_mesh`, so gloo (CPU) and NCCL (GPU) share one code path. The dense
+mesh is (pp, dp, cp, tp), tp fastest; combined groups are flattened from it (dp_cp for sharding dense
+optimizer state, tp_cp), and the expert groups unflatten dp_cp into (edp, ep), ep fastest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from orangetron.layout import Coordinates, Layout
+
+GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "ep", "edp")
+
+
+class MeshError(RuntimeError):
+    """The mesh cannot be built in this process (no process group, or the wrong world size)."""
+
+
+@dataclass(frozen=True)
+class MeshGroup:
+    """One process group as this rank sees it: its name, members and this rank's place among them."""
+
+    name: str
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]  # global ranks, in group order
+    rank: int  # this rank's index in `ranks`
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, index: int) -> int:
+        """Global rank of the member at `index` (taken modulo the size, for ring neighbours)."""
+        return self.ranks[index % self.size]
+
+
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _mesh_group(mesh: DeviceMesh, name: str) -> MeshGroup:
+    group = mesh.get_group(name)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return MeshGroup(name=name, group=group, ranks=ranks, rank=ranks.index(dist.get_rank()))
+
+
+class ParallelMesh:
+    """Process groups for every dimension of `layout`; build it inside an initialized process group."""
+
+    def __init__(self, layout: Layout) -> None:
+        if not dist.is_initialized():
+            raise MeshError("torch.distributed is not initialized; call init_process_group first")
+        if dist.get_world_size() != layout.world_size:
+            raise MeshError(
+                f"world size {dist.get_world_size()} does not match layout {layout} "
+                f"(tp*cp*pp*dp={layout.world_size})"
+            )
+        self.layout = layout
+        self.rank = dist.get_rank()
+        self.coords: Coordinates = layout.coordinates(self.rank)
+        dense = init_device_mesh(_device_type(), layout.mesh_shape(), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        # Flatten/unflatten are private in torch.distributed today; torchtitan builds its meshes the same way.
+        dp_cp = dense["dp", "cp"]._flatten("dp_cp")
+        tp_cp = dense["cp", "tp"]._flatten("tp_cp")
+        expert = dp_cp._unflatten(0, (layout.edp, layout.ep), ("edp", "ep"))
+        sources = {"tp": dense, "cp": dense, "pp": dense, "dp": dense, "dp_cp": dp_cp, "tp_cp": tp_cp,
+                   "ep": expert, "edp": expert}
+        self.groups = {name: _mesh_group(source, name) for name, source in sources.items()}
+        self._check_against_layout()
+
+    def _check_against_layout(self) -> None:
+        # The device mesh and Layout.coordinates must agree on who is where, or ledgers mislabel bytes.
+        c = self.coords
+        expected = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "dp_cp": c.dp_cp, "ep": c.ep, "edp": c.edp,
+                    "tp_cp": c.cp * self.layout.tp + c.tp}
+        for name, index in expected.items():
+            if self.groups[name].rank != index:
+                found = self.groups[name].rank
+                raise MeshError(f"{name}: device mesh puts rank {self.rank} at index {found}, layout at {index}")
+
+    def __getitem__(self, name: str) -> MeshGroup:
+        if name not in self.groups:
+            raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join(GROUP_NAMES)}")
+        return self.groups[name]
+
+    def size(self, name: str) -> int:
+        return self[name].size
+
+    def device(self) -> torch.device:
+        if _device_type() == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"ParallelMesh({self.layout}, rank={self.rank})"
+
+
+_meshes: dict[tuple[Layout, int], ParallelMesh] = {}
+
+
+def init_mesh(layout: Layout) -> ParallelMesh:
+    """The `ParallelMesh` of `layout` for the current process group (built once, then reused)."""
+    key = (layout, id(dist.group.WORLD))
+    if key not in _meshes:
+        _meshes[key] = ParallelMesh(layout)
+    return _meshes[key]

@@ -1,0 +1,1 @@
+"""Cost model and layout search. Pure Python: importable without torch.distributed."""

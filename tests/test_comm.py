@@ -1,0 +1,217 @@
+"""Collectives on 2, 4 and 8 gloo ranks: values, gradients, and ledger bytes against closed forms.
+
+All checks for one world size run in one launch; each rank asserts its own values and gradients and
+returns its ledger, which the test compares with byte counts written out by hand.
+"""
+
+import pytest
+import torch
+
+from orangetron import comm
+from orangetron.layout import Layout
+from orangetron.mesh import init_mesh
+from orangetron.testing import run_distributed
+
+F64 = 8  # bytes per float64 element
+
+
+def value(rank: int, *shape: int, salt: int = 0) -> torch.Tensor:
+    """A tensor every rank can compute for any other rank."""
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def leaf(rank: int, *shape: int, salt: int = 0) -> torch.Tensor:
+    return value(rank, *shape, salt=salt).requires_grad_()
+
+
+def check_all_gather(g):
+    x = leaf(g.rank, 2, 3)
+    out = comm.all_gather(x, g, dim=1)
+    torch.testing.assert_close(out, torch.cat([value(i, 2, 3) for i in range(g.size)], dim=1), rtol=0, atol=0)
+    (out * value(g.rank, 2, 3 * g.size, salt=1)).sum().backward()
+    expected = sum(value(i, 2, 3 * g.size, salt=1) for i in range(g.size))[:, 3 * g.rank:3 * g.rank + 3]
+    torch.testing.assert_close(x.grad, expected)
+
+
+def check_reduce_scatter(g):
+    x = leaf(g.rank, 2 * g.size, 3)
+    out = comm.reduce_scatter(x, g, dim=0)
+    total = sum(value(i, 2 * g.size, 3) for i in range(g.size))
+    torch.testing.assert_close(out, total[2 * g.rank:2 * g.rank + 2])
+    (out * value(g.rank, 2, 3, salt=2)).sum().backward()
+    torch.testing.assert_close(x.grad, torch.cat([value(i, 2, 3, salt=2) for i in range(g.size)]), rtol=0, atol=0)
+
+
+def check_all_reduce_pair(g):
+    x = leaf(g.rank, 4)
+    out = comm.all_reduce(x, g)
+    torch.testing.assert_close(out, sum(value(i, 4) for i in range(g.size)))
+    (out * value(g.rank, 4, salt=3)).sum().backward()
+    torch.testing.assert_close(x.grad, value(g.rank, 4, salt=3), rtol=0, atol=0)
+    y = leaf(g.rank, 4)
+    copied = comm.copy_to_group(y, g)
+    torch.testing.assert_close(copied, y, rtol=0, atol=0)
+    (copied * value(g.rank, 4, salt=4)).sum().backward()
+    torch.testing.assert_close(y.grad, sum(value(i, 4, salt=4) for i in range(g.size)))
+
+
+def rows(src: int, dst: int) -> int:
+    return (src + 2 * dst) % 3  # includes zero-row transfers on purpose
+
+
+def check_all_to_all(g):
+    send = [rows(g.rank, j) for j in range(g.size)]
+    recv = [rows(j, g.rank) for j in range(g.size)]
+    # Row k of the block sent i->j holds (i, j, k) so every row is identifiable.
+    blocks = [torch.tensor([[g.rank, j, k] for k in range(send[j])], dtype=torch.float64).reshape(-1, 3)
+              for j in range(g.size)]
+    x = torch.cat(blocks).requires_grad_()
+    out = comm.all_to_all(x, g, send, recv)
+    expected = torch.cat([torch.tensor([[i, g.rank, k] for k in range(recv[i])], dtype=torch.float64).reshape(-1, 3)
+                          for i in range(g.size)])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    (out * (out + 1)).sum().backward()  # d/dout = 2*out + 1, which travels back to the row's sender
+    torch.testing.assert_close(x.grad, 2 * x.detach() + 1, rtol=0, atol=0)
+    return sum(send), sum(recv)
+
+
+def check_broadcast(g):
+    src = g.size - 1
+    x = leaf(g.rank, 5)
+    out = comm.broadcast(x, g, src=src)
+    torch.testing.assert_close(out, value(src, 5), rtol=0, atol=0)
+    (out * value(g.rank, 5, salt=5)).sum().backward()
+    expected = sum(value(i, 5, salt=5) for i in range(g.size)) if g.rank == src else torch.zeros(5, dtype=torch.float64)
+    torch.testing.assert_close(x.grad, expected)
+
+
+def check_ring(g):
+    ring = comm.RingExchange(g)
+    with pytest.raises(RuntimeError, match="wait called before start"):
+        ring.wait()
+    x = leaf(g.rank, 3, 2)
+    ring.start(x * 2)
+    with pytest.raises(RuntimeError, match="start called twice"):
+        ring.start(x)
+    local = x.sum()  # compute that overlaps the transfer
+    received = ring.wait()
+    torch.testing.assert_close(received, 2 * value((g.rank - 1) % g.size, 3, 2), rtol=0, atol=0)
+    (received * value(g.rank, 3, 2, salt=6)).sum().add(local).backward()
+    expected = 2 * value((g.rank + 1) % g.size, 3, 2, salt=6) + 1
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+def run_checks(layout: Layout, dims: list[str]):
+    """Each collective once per dimension; returns this rank's ledger and all-to-all row counts."""
+    mesh = init_mesh(layout)
+    a2a_rows = {}
+    for dim in dims:
+        g = mesh[dim]
+        check_all_gather(g)
+        check_reduce_scatter(g)
+        check_all_reduce_pair(g)
+        a2a_rows[dim] = check_all_to_all(g)
+        check_broadcast(g)
+        check_ring(g)
+    groups = {name: (mesh[name].ranks, mesh[name].rank) for name in mesh.groups}
+    return [(r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in comm.ledger()], a2a_rows, groups
+
+
+def expected_ledger(n: int, group_rank: int, dim: str, a2a: tuple[int, int], a2a_self: int):
+    """Hand-written record list for one run of the checks over a group of n ranks."""
+    full_ag, full_rs = 2 * 3 * n * F64, 2 * n * 3 * F64
+    share = lambda full: full * (n - 1) // n
+    sent_rows, recv_rows = a2a
+    src = n - 1
+    records = [
+        ("all_gather", dim, full_ag, share(full_ag), share(full_ag)),
+        ("reduce_scatter", dim, full_ag, share(full_ag), share(full_ag)),  # backward of all-gather
+        ("reduce_scatter", dim, full_rs, share(full_rs), share(full_rs)),
+        ("all_gather", dim, full_rs, share(full_rs), share(full_rs)),  # backward of reduce-scatter
+        ("all_reduce", dim, 4 * F64, 2 * share(4 * F64), 2 * share(4 * F64)),
+        ("all_reduce", dim, 4 * F64, 2 * share(4 * F64), 2 * share(4 * F64)),  # backward of copy_to_group
+        ("all_to_all", dim, sent_rows * 3 * F64, (sent_rows - a2a_self) * 3 * F64, (recv_rows - a2a_self) * 3 * F64),
+        ("all_to_all", dim, recv_rows * 3 * F64, (recv_rows - a2a_self) * 3 * F64, (sent_rows - a2a_self) * 3 * F64),
+        ("broadcast", dim, 5 * F64, 5 * F64 if group_rank == src else 0, 0 if group_rank == src else 5 * F64),
+        ("reduce", dim, 5 * F64, 0 if group_rank == src else 5 * F64, 5 * F64 if group_rank == src else 0),
+        ("send_recv", dim, 6 * F64, 6 * F64, 6 * F64),
+        ("send_recv", dim, 6 * F64, 6 * F64, 6 * F64),  # backward of the ring shift
+    ]
+    return records
+
+
+CASES = [
+    (Layout(dp=2), ["dp"]),
+    (Layout(tp=2, dp=2), ["tp", "dp"]),
+    (Layout(tp=2, cp=2, dp=2, ep=2), ["dp_cp", "cp", "ep", "tp_cp"]),
+]
+
+
+@pytest.mark.parametrize("layout, dims", CASES, ids=lambda v: str(v) if isinstance(v, Layout) else None)
+def test_collectives_values_grads_and_ledger(layout, dims):
+    results = run_distributed(run_checks, layout.world_size, args=(layout, dims))
+    for rank, (records, a2a_rows, groups) in enumerate(results):
+        expected = []
+        for dim in dims:
+            members, group_rank = groups[dim]
+            expected += expected_ledger(len(members), group_rank, dim, a2a_rows[dim], rows(group_rank, group_rank))
+        assert records == expected, f"rank {rank}"
+
+
+def test_mesh_groups_match_hand_table():
+    layout = Layout(tp=2, cp=2, dp=2, ep=2)
+    results = run_distributed(run_checks, 8, args=(layout, []))
+    groups = results[5][2]
+    assert groups["tp"] == ((4, 5), 1)
+    assert groups["cp"] == ((5, 7), 0)
+    assert groups["dp"] == ((1, 5), 1)
+    assert groups["pp"] == ((5,), 0)
+    assert groups["dp_cp"] == ((1, 3, 5, 7), 2)
+    assert groups["tp_cp"] == ((4, 5, 6, 7), 1)
+    assert groups["ep"] == ((5, 7), 0)
+    assert groups["edp"] == ((1, 5), 1)
+    assert results[2][2]["ep"] == ((0, 2), 1)  # tp=0, cp=1, dp=0: dp_cp index 1
+
+
+def check_single_rank_groups_are_identity():
+    mesh = init_mesh(Layout())
+    x = torch.ones(3, requires_grad=True)
+    g = mesh["tp"]
+    outs = [comm.all_gather(x, g), comm.reduce_scatter(x, g), comm.all_reduce(x, g), comm.copy_to_group(x, g),
+            comm.all_to_all(x, g, [3], [3]), comm.broadcast(x, g)]
+    return all(o is x for o in outs) and comm.RingExchange(g).exchange(x) is x and comm.ledger() == []
+
+
+def test_group_of_one_returns_input_untouched():
+    assert run_distributed(check_single_rank_groups_are_identity, 1) == [True]
+
+
+def check_bad_splits():
+    g = init_mesh(Layout(dp=2))["dp"]
+    with pytest.raises(ValueError, match="need 2 split sizes"):
+        comm.all_to_all(torch.ones(2), g, [2], [2])
+    with pytest.raises(ValueError, match="send_rows sum to 3 but x has 2 rows"):
+        comm.all_to_all(torch.ones(2), g, [1, 2], [1, 1])
+    with pytest.raises(ValueError, match="not divisible by the group size 2"):
+        comm.reduce_scatter(torch.ones(3), g)
+    with pytest.raises(ValueError, match="src=2 is not a member index"):
+        comm.broadcast(torch.ones(3), g, src=2)
+    return True
+
+
+def test_bad_arguments_are_rejected_before_communicating():
+    assert run_distributed(check_bad_splits, 2) == [True, True]
+
+
+def test_measure_scopes_records():
+    from orangetron.mesh import MeshGroup
+
+    fake = MeshGroup(name="dp", group=None, ranks=(0, 1), rank=0)
+    with comm.measure() as outer:
+        comm._record("all_gather", fake, 16, (8, 8))
+        with comm.measure() as inner:
+            comm._record("all_reduce", fake, 16, (16, 16))
+    assert [r.op for r in outer] == ["all_gather", "all_reduce"]
+    assert [r.op for r in inner] == ["all_reduce"]
+    assert comm.bytes_by_key(outer) == {"all_gather/dp": 8, "all_reduce/dp": 16}

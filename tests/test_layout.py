@@ -1,0 +1,106 @@
+"""Layout validation (one test per rule) and rank <-> coordinate mapping against hand-written tables."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from orangetron.layout import Layout, LayoutError
+
+
+def model(**overrides):
+    fields = dict(n_heads=8, n_kv_heads=4, n_layers=4, n_experts=8, vocab_size=256)
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(tp=0), r"tp=0: degree must be a positive integer"),
+        (dict(cp=-2), r"cp=-2: degree must be a positive integer"),
+        (dict(dp=1.5), r"dp=1.5: degree must be a positive integer"),
+        (dict(pp=True), r"pp=True: degree must be a positive integer"),
+        (dict(etp=2), r"etp=2: expert tensor parallelism is not supported"),
+        (dict(dp=2, cp=3, ep=4), r"ep=4: dp\*cp=6 .* not divisible by ep"),
+    ],
+)
+def test_degree_rules(kwargs, pattern):
+    with pytest.raises(LayoutError, match=pattern):
+        Layout(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "layout, cfg, pattern",
+    [
+        (Layout(tp=3), model(n_heads=8), r"tp=3: n_heads=8 is not divisible by tp"),
+        (Layout(tp=4), model(n_heads=8, n_kv_heads=2), None),  # kv heads replicated over tp
+        (Layout(tp=8, dp=1), model(n_heads=8, n_kv_heads=3), r"n_kv_heads=3 must divide tp"),
+        (Layout(pp=3), model(n_layers=4), r"pp=3: n_layers=4 is not divisible by pp"),
+        (Layout(dp=2, ep=2), model(n_experts=0), r"ep=2: the model has no experts"),
+        (Layout(dp=4, ep=4), model(n_experts=6), r"ep=4: n_experts=6 is not divisible by ep"),
+        (Layout(tp=2), model(vocab_size=255, n_heads=8), r"tp=2: vocab_size=255 is not divisible by tp"),
+    ],
+)
+def test_model_rules(layout, cfg, pattern):
+    if pattern is None:
+        layout.validate(cfg)
+        return
+    with pytest.raises(LayoutError, match=pattern):
+        layout.validate(cfg)
+
+
+def test_sequence_rules():
+    with pytest.raises(LayoutError, match=r"cp=3: seq_len 1000 is not divisible by 2\*cp=6"):
+        Layout(cp=3).validate(seq_len=1000)
+    with pytest.raises(LayoutError, match=r"tp=4: sequence_parallel needs seq_len/cp=6 divisible by tp"):
+        Layout(tp=4, cp=2).validate(seq_len=12, sequence_parallel=True)
+    with pytest.raises(LayoutError, match=r"seq_len=0: must be positive"):
+        Layout().validate(seq_len=0)
+    Layout(cp=3).validate(seq_len=1002)
+    Layout(tp=4).validate(seq_len=6)  # without SP, tp does not constrain the sequence
+
+
+def test_layout_error_is_value_error():
+    assert issubclass(LayoutError, ValueError)
+
+
+def test_world_size_and_edp():
+    layout = Layout(tp=2, cp=2, pp=3, dp=2, ep=2)
+    assert layout.world_size == 24
+    assert layout.edp == 2
+    assert str(layout) == "tp=2 cp=2 pp=3 dp=2 ep=2"
+
+
+# (layout, rank) -> (tp, cp, dp, pp, dp_cp, ep, edp), worked out by hand from the tp-cp-ep-dp-pp order.
+COORDINATE_TABLE = [
+    (Layout(tp=2, dp=2, pp=2), 0, (0, 0, 0, 0, 0, 0, 0)),
+    (Layout(tp=2, dp=2, pp=2), 3, (1, 0, 1, 0, 1, 0, 1)),
+    (Layout(tp=2, dp=2, pp=2), 6, (0, 0, 1, 1, 1, 0, 1)),
+    (Layout(tp=2, dp=2, pp=2), 7, (1, 0, 1, 1, 1, 0, 1)),
+    (Layout(tp=2, cp=2, dp=2, ep=2), 2, (0, 1, 0, 0, 1, 1, 0)),
+    (Layout(tp=2, cp=2, dp=2, ep=2), 5, (1, 0, 1, 0, 2, 0, 1)),
+    (Layout(tp=2, cp=2, dp=2, ep=2), 6, (0, 1, 1, 0, 3, 1, 1)),
+    (Layout(cp=4, dp=2, ep=4), 5, (0, 1, 1, 0, 5, 1, 1)),
+    (Layout(cp=4, dp=2, ep=4), 3, (0, 3, 0, 0, 3, 3, 0)),
+    (Layout(tp=4, pp=2), 6, (2, 0, 0, 1, 0, 0, 0)),
+]
+
+
+@pytest.mark.parametrize("layout, rank, expected", COORDINATE_TABLE)
+def test_coordinates(layout, rank, expected):
+    c = layout.coordinates(rank)
+    assert (c.tp, c.cp, c.dp, c.pp, c.dp_cp, c.ep, c.edp) == expected
+    assert layout.rank(tp=c.tp, cp=c.cp, dp=c.dp, pp=c.pp) == rank
+
+
+def test_coordinates_are_a_bijection():
+    layout = Layout(tp=2, cp=3, pp=2, dp=2, ep=3)
+    seen = {(c.tp, c.cp, c.dp, c.pp) for c in map(layout.coordinates, range(layout.world_size))}
+    assert len(seen) == layout.world_size
+
+
+def test_rank_out_of_range():
+    with pytest.raises(LayoutError, match=r"rank=8: must lie in \[0, world_size=8\)"):
+        Layout(tp=2, dp=4).coordinates(8)
+    with pytest.raises(LayoutError, match=r"cp=1: coordinate must lie in \[0, 1\)"):
+        Layout(tp=2).rank(cp=1)
