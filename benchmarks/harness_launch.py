@@ -1,0 +1,74 @@
+"""Cost of running a function on N local gloo ranks: orangetron.testing vs torch.multiprocessing.spawn.
+
+torch.multiprocessing.spawn starts N fresh interpreters per call, each importing torch and joining a new
+process group; run_distributed forks its ranks from a warm fork server once and reuses them. Prints one
+JSON line per (world size, measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from orangetron import comm
+from orangetron.layout import Layout
+from orangetron.mesh import init_mesh
+from orangetron.testing import run_distributed, shutdown_workers
+
+
+def one_all_reduce() -> float:
+    group = init_mesh(Layout(dp=dist.get_world_size()))["dp"]
+    return float(comm.all_reduce(torch.ones(4), group).sum())
+
+
+def _spawned_rank(rank: int, world_size: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_spawn(world_size: int) -> float:
+    start = time.perf_counter()
+    torch_mp.spawn(_spawned_rank, args=(world_size, _free_port()), nprocs=world_size)
+    return time.perf_counter() - start
+
+
+def time_call(world_size: int) -> float:
+    start = time.perf_counter()
+    run_distributed(one_all_reduce, world_size)
+    return time.perf_counter() - start
+
+
+def line(world_size: int, metric: str, value: float, baseline: float) -> str:
+    return json.dumps({
+        "name": "harness_launch", "config": {"world_size": world_size, "backend": "gloo"}, "metric": metric,
+        "value": round(value, 4), "unit": "s", "baseline": round(baseline, 4), "ratio": round(baseline / value, 2),
+    })
+
+
+def main() -> None:
+    for world_size in (2, 4, 8):
+        spawn_s = time_spawn(world_size)
+        cold_s = time_call(world_size)  # starts (forks) the pool for this world size
+        warm_s = statistics.median(time_call(world_size) for _ in range(5))
+        print(line(world_size, "first_call_s_vs_torch_spawn", cold_s, spawn_s), flush=True)
+        print(line(world_size, "reused_call_s_vs_torch_spawn", warm_s, spawn_s), flush=True)
+    shutdown_workers()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The multi-rank harness: results in rank order, errors with rank and traceback, hangs become failures."""
+
+import os
+import time
+
+import pytest
+
+from orangetron.testing import DistributedError, run_distributed
+
+
+def rank_and_pid(scale):
+    import torch.distributed as dist
+
+    return dist.get_rank() * scale, dist.get_world_size(), os.getpid()
+
+
+def fail_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom from a worker")
+    return "fine"
+
+
+def hang_on_rank_zero():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+    return "done"
+
+
+def test_results_come_back_in_rank_order_and_workers_are_reused():
+    first = run_distributed(rank_and_pid, 2, args=(10,))
+    assert [r[:2] for r in first] == [(0, 2), (10, 2)]
+    second = run_distributed(rank_and_pid, 2, kwargs={"scale": 1})
+    assert [r[2] for r in second] == [r[2] for r in first]  # same processes: launch cost paid once
+
+
+def test_exception_names_rank_and_traceback_then_recovers():
+    with pytest.raises(DistributedError) as info:
+        run_distributed(fail_on_rank_one, 2)
+    message = str(info.value)
+    assert "rank 1:" in message and "ValueError: boom from a worker" in message
+    assert "fail_on_rank_one" in message  # the traceback, not just the message
+    assert [r[0] for r in run_distributed(rank_and_pid, 2, args=(1,))] == [0, 1]
+
+
+def test_hung_rank_times_out_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"ranks \[0\] did not answer within 2s"):
+        run_distributed(hang_on_rank_zero, 2, timeout=2)
+    assert time.monotonic() - start < 30
+    assert [r[0] for r in run_distributed(rank_and_pid, 2, args=(1,))] == [0, 1]
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size=0"):
+        run_distributed(rank_and_pid, 0)
