@@ -1,0 +1,137 @@
+"""Single-device attention kernels that return `(out, lse)`.
+
+The log-sum-exp lets partial results over key chunks be merged exactly (context parallelism), so every
+kernel returns it next to the output. Layout follows the rest of the library: `[batch, seq, heads, dim]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL_IMPLS = ("fused", "reference")
+
+
+def attention_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    impl: str = "fused",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention returning the output and the log-sum-exp of the scores.
+
+    q: [B, Sq, Hq, D]; k, v: [B, Sk, Hk, D] with Hq % Hk == 0 (grouped-query: kv head g serves query heads
+    g*Hq/Hk .. (g+1)*Hq/Hk - 1). `causal=True` lets query i see keys j <= i and requires Sq == Sk.
+    `scale` defaults to D ** -0.5.
+
+    Returns out: [B, Sq, Hq, D] in q's dtype, and lse: [B, Hq, Sq], the natural-log log-sum-exp over keys
+    of the scaled (masked) scores, float64 for float64 inputs and float32 otherwise.
+
+    impl "fused" calls PyTorch's fused flash / memory-efficient op (falling back to "reference" where the
+    device or dtype has none); its lse is detached and carries no gradient. impl "reference" is plain
+    PyTorch accumulating in float32 (float64 for float64) and its lse is differentiable. Both are
+    differentiable in q, k, v through `out`.
+    """
+    _check_inputs(q, k, v, causal)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if impl == "fused":
+        return _fused(q, k, v, causal, scale)
+    if impl == "reference":
+        return _reference(q, k, v, causal, scale)
+    raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [B, S, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    (b, sq, hq, d), (bk, sk, hk, dk) = q.shape, k.shape
+    if b != bk or d != dk:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and head_dim")
+    if hq % hk != 0:
+        raise ValueError(f"q heads {hq} are not divisible by kv heads {hk}")
+    if sk == 0:
+        raise ValueError("k and v have no keys (Sk == 0)")
+    if causal and sq != sk:
+        raise ValueError(f"causal attention requires Sq == Sk; got Sq={sq}, Sk={sk}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[B, S, Hk, D] -> [B, S, n_heads, D], each kv head repeated for its group of query heads."""
+    b, s, hk, d = x.shape
+    if hk == n_heads:
+        return x
+    return x[:, :, :, None, :].expand(b, s, hk, n_heads // hk, d).reshape(b, s, n_heads, d)
+
+
+def _reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = _lse_dtype(q.dtype)
+    hq = q.shape[2]
+    qh = q.transpose(1, 2).to(acc)  # [B, Hq, Sq, D]
+    kh = _expand_kv(k, hq).transpose(1, 2).to(acc)  # [B, Hq, Sk, D]
+    vh = _expand_kv(v, hq).transpose(1, 2).to(acc)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
+    if causal:
+        sq, sk = scores.shape[-2:]
+        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, Sq]
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    out = torch.matmul(probs, vh).transpose(1, 2).to(q.dtype)  # [B, Sq, Hq, D]
+    return out, lse
+
+
+def _fused(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    op = _fused_op(q)
+    if op is None:
+        out, lse = _reference(q, k, v, causal, scale)
+        return out, lse.detach()
+    hq, sq = q.shape[2], q.shape[1]
+    # The fused ops take [B, H, S, D] and equal head counts.
+    qh = q.transpose(1, 2)
+    kh = _expand_kv(k, hq).transpose(1, 2)
+    vh = _expand_kv(v, hq).transpose(1, 2)
+    out, lse = op(qh, kh, vh, causal, scale)
+    # Memory-efficient attention pads lse along the query axis to a multiple of its block size.
+    lse = lse[..., :sq].to(_lse_dtype(q.dtype)).detach()
+    return out.transpose(1, 2), lse
+
+
+def _fused_op(q: torch.Tensor):
+    """The fused op for q's device and dtype as f(q, k, v, causal, scale) -> (out, lse), or None."""
+    d = q.shape[-1]
+    if q.device.type == "cpu" and q.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        return _cpu_flash
+    if q.device.type != "cuda" or d % 8 != 0:
+        return None
+    flash_ok = torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (8, 0)
+    if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and flash_ok:
+        return _cuda_flash
+    if q.dtype in (torch.float32, torch.float16, torch.bfloat16) and torch.backends.cuda.mem_efficient_sdp_enabled():
+        return _cuda_efficient
+    return None
+
+
+def _cpu_flash(q, k, v, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cuda_flash(q, k, v, causal: bool, scale: float):
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return res[0], res[1]
+
+
+def _cuda_efficient(q, k, v, causal: bool, scale: float):
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return res[0], res[1]

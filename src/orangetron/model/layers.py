@@ -1,0 +1,105 @@
+"""Dense building blocks: RMSNorm, rotary embedding, SwiGLU and grouped-query attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import attention_kernel
+from .config import ModelConfig
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs (and float32), float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dimension, computed in float32 (float64 for float64)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_compute_dtype(x.dtype))
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for explicit positions.
+
+    position_ids: [B, S] or [S] integer positions (any order, not necessarily 0..S-1, so a context-parallel
+    rank can pass the global positions of its chunks). Returns cos, sin: [..., S, head_dim // 2] in `dtype`.
+    Angles are computed in float64, so a position's table is the same whatever else is in the batch.
+    """
+    if head_dim % 2 != 0:
+        raise ValueError(f"head_dim={head_dim}: must be even for rotary embeddings")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # [D/2]
+    angles = position_ids.to(torch.float64).unsqueeze(-1) * inv_freq  # [..., S, D/2]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: [B, S, H, D] by position; cos, sin: [B, S, D/2] or [S, D/2] from `rope_cos_sin`.
+
+    Pairs dimension i with i + D/2 (the "rotate half" convention). Returns x's shape and dtype.
+    """
+    half = x.shape[-1] // 2
+    if cos.shape[-1] != half or cos.shape[-2] != x.shape[1]:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not match x {tuple(x.shape)}: expected [..., S, D/2]")
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads: [..., S, 1, D/2]
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the up projection, w2 the down projection."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary embedding; x: [B, S, dim] -> [B, S, dim].
+
+    Head counts are read from the projection sizes at run time, so a tensor-parallel copy with sliced
+    wq/wk/wv/wo works unchanged. `kernel_impl` selects the `attention_kernel` implementation; a context-
+    parallel wrapper replaces `core_attention`.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.kernel_impl = "fused"
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, Hq, D]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hk, D]
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core_attention(q, k, v)  # [B, S, Hq, D]
+        return self.wo(out.reshape(b, s, -1))
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over the local sequence; q: [B, S, Hq, D], k, v: [B, S, Hk, D]."""
+        out, _ = attention_kernel(q, k, v, causal=True, impl=self.kernel_impl)
+        return out

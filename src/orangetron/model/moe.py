@@ -1,0 +1,132 @@
+"""Mixture-of-Experts feed-forward: router, grouped experts, and the single-device dispatch/combine.
+
+The dispatch and combine steps mirror `expert.Dispatcher` (dispatch hands each expert its token copies
+with their routing weights; combine sums a token's weighted copies), so an expert-parallel dispatcher can
+replace `MoE._dispatch` / `MoE._combine` without touching the router or the experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import SwiGLU
+
+
+def load_balancing_loss(scores: torch.Tensor, topk_idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Switch/GShard auxiliary loss `n_experts * sum_e f_e * P_e` (without the coefficient).
+
+    scores: [T, E] router scores; topk_idx: [T, k]. f_e is the fraction of the T*k assignments routed to e
+    (no gradient), P_e the mean over tokens of e's score after normalizing each token's scores to sum 1.
+    Returns a 0-d tensor in scores' dtype; 0 when T == 0.
+    """
+    if scores.shape[0] == 0:
+        return scores.new_zeros(())
+    counts = torch.bincount(topk_idx.reshape(-1), minlength=n_experts)  # [E]
+    f = counts.to(scores.dtype) / topk_idx.numel()
+    p = (scores / scores.sum(-1, keepdim=True)).mean(0)  # [E]
+    return n_experts * (f * p).sum()
+
+
+class Router(nn.Module):
+    """Top-k router: x [T, dim] -> (topk_idx [T, k] int64, topk_weights [T, k], aux_loss 0-d).
+
+    Scores are computed in float32 (float64 for float64 inputs) and the weights and aux loss come back in
+    that dtype. Softmax weights are the raw top-k probabilities; sigmoid weights are renormalized to sum 1
+    over the top-k. aux_loss is `aux_loss_coef * load_balancing_loss`.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.score_func, self.aux_loss_coef = cfg.router_score, cfg.aux_loss_coef
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))  # [T, E]
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        topk_weights, topk_idx = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
+        if self.score_func == "sigmoid":
+            topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
+        aux_loss = self.aux_loss_coef * load_balancing_loss(scores, topk_idx, self.n_experts)
+        return topk_idx, topk_weights, aux_loss
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights w1, w3: [E, dim, hidden], w2: [E, hidden, dim].
+
+    forward(x_sorted [N, dim], tokens_per_expert) -> [N, dim]: rows are grouped by expert, expert e owning
+    the next tokens_per_expert[e] rows. An expert-parallel shard is the same module over its local experts.
+    """
+
+    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """normal(0, std) for standalone use; `Transformer` re-initializes by name (`init_parameter`)."""
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.normal_(w, std=std)
+
+    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor) -> torch.Tensor:
+        counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+        if len(counts) != self.w1.shape[0] or sum(counts) != x_sorted.shape[0]:
+            raise ValueError(f"tokens_per_expert {counts} must have {self.w1.shape[0]} entries summing to "
+                             f"the {x_sorted.shape[0]} rows of x_sorted")
+        outs = []
+        for e, x_e in enumerate(torch.split(x_sorted, counts)):
+            h = F.silu(x_e @ self.w1[e]) * (x_e @ self.w3[e])  # [n_e, hidden]
+            outs.append(h @ self.w2[e])
+        return torch.cat(outs) if outs else x_sorted.new_zeros(0, x_sorted.shape[-1])
+
+
+class MoE(nn.Module):
+    """Routed experts plus an optional shared expert; x: [B, S, dim] -> [B, S, dim].
+
+    After each forward `last_aux_loss` holds the router's load-balancing loss (already scaled).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.moe_ffn_dim)
+        shared_hidden = cfg.n_shared_experts * cfg.moe_ffn_dim
+        self.shared_expert = SwiGLU(cfg.dim, shared_hidden) if cfg.n_shared_experts > 0 else None
+        self.last_aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_flat = x.reshape(-1, x.shape[-1])  # [T, dim]
+        topk_idx, topk_weights, self.last_aux_loss = self.router(x_flat)
+        x_sorted, weights_sorted, tokens_per_expert, handle = self._dispatch(x_flat, topk_idx, topk_weights)
+        y_sorted = self.experts(x_sorted, tokens_per_expert)  # [T*k, dim]
+        y_sorted = y_sorted * weights_sorted.to(y_sorted.dtype).unsqueeze(-1)
+        y = self._combine(y_sorted, handle)  # [T, dim]
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(x_flat)
+        return y.view_as(x)
+
+    def _dispatch(
+        self, x_flat: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token copies grouped by expert: (x_sorted [T*k, dim], weights_sorted [T*k], tokens_per_expert
+        [E], handle for `_combine`). Within an expert, copies keep token order (stable sort)."""
+        t, k = topk_idx.shape
+        order = torch.argsort(topk_idx.reshape(-1), stable=True)  # copy slot (token*k + j) per sorted row
+        # Expanding (rather than indexing x_flat by token) keeps the backward a plain sum over copies.
+        x_copies = x_flat.unsqueeze(1).expand(t, k, x_flat.shape[-1]).reshape(t * k, -1)  # [T*k, dim]
+        tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=self.experts.w1.shape[0])
+        return x_copies[order], topk_weights.reshape(-1)[order], tokens_per_expert, order
+
+    def _combine(self, y_sorted: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        """Sum each token's (already weighted) expert outputs: y_sorted [T*k, dim] -> [T, dim]."""
+        order = handle
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        # A permutation gather then a sum over k, instead of index_add: bitwise deterministic on GPUs too.
+        y_copies = y_sorted[inverse]  # [T*k, dim] back in (token, j) order
+        return y_copies.view(-1, self.router.top_k, y_sorted.shape[-1]).sum(1)

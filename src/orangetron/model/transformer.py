@@ -1,0 +1,135 @@
+"""The reference decoder: pre-norm blocks, name-seeded initialization, loss with ignored labels."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
+from .moe import MoE
+
+# Output projections feed the residual stream; scaling them keeps its variance flat in depth (GPT-2).
+_RESIDUAL_OUTPUTS = ("wo", "w2")
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # fits the generator's signed 64-bit seed
+
+
+def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The initial value of parameter `name` (its qualified name in `Transformer`), float32 on CPU.
+
+    A pure function of (name, shape, cfg, seed): a sharded copy regenerates the full tensor and slices it.
+    Norm weights are ones; other parameters are normal(0, init_std), divided by sqrt(2 * n_layers) for the
+    residual output projections (`wo`, `w2`, including stacked expert `w2`).
+    """
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2].endswith("norm"):
+        return torch.ones(shape)
+    std = cfg.init_std
+    if any(p in _RESIDUAL_OUTPUTS for p in parts[-2:]):
+        std /= math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator().manual_seed(_param_seed(seed, name))
+    return torch.normal(0.0, std, size=tuple(shape), generator=gen)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(.)); x: [B, S, dim]."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama-style decoder with optional MoE layers; forward(tokens [B, S]) -> logits [B, S, vocab].
+
+    Parameters are created in `dtype` on `device` and initialized by `init_parameter` from (seed, cfg)
+    alone; the global RNG is left as it was. With `tied_embeddings`, `output` is None and the embedding
+    matrix projects to logits.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.seed = cfg, seed
+        device = torch.device(device if device is not None else "cpu")
+        # nn's default init draws from the global RNG; fork it so building a model leaves callers' random
+        # streams alone. (A meta-device build would skip that init, but its first use imports
+        # torch._dynamo: seconds of start-up on a small machine.)
+        rng_devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices), device:
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.output = None if cfg.tied_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.to(dtype)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialize every parameter from (seed, cfg, its qualified name)."""
+        for name, p in self.named_parameters():
+            p.copy_(init_parameter(name, p.shape, self.cfg, self.seed))
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [B, S] int64; position_ids: [B, S] or [S] (default 0..S-1) -> logits [B, S, vocab]."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, S]; got shape {tuple(tokens.shape)}")
+        seq_len = tokens.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"seq_len={seq_len}: exceeds max_seq_len={self.cfg.max_seq_len}")
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=tokens.device)
+        h = self.tok_embeddings(tokens)  # [B, S, dim]
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, weight)  # [B, S, vocab]
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE layers' load-balancing losses from the last forward; a 0-d zero when dense."""
+        total = torch.zeros((), device=self.tok_embeddings.weight.device)
+        for layer in self.layers:
+            ff = layer.feed_forward
+            if isinstance(ff, MoE) and ff.last_aux_loss is not None:
+                total = total + ff.last_aux_loss
+        return total
+
+    def loss(
+        self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+        ignore_index: int = -100,
+    ) -> torch.Tensor:
+        """Mean cross entropy over labels != ignore_index, in float32 (float64 for float64), plus aux loss.
+
+        labels: [B, S] int64, already shifted. All-ignored labels give a cross entropy of 0, not NaN.
+        """
+        logits = self.forward(tokens, position_ids)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1)  # [B*S, V]
+        labels = labels.reshape(-1)
+        ce_sum = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+        n_valid = (labels != ignore_index).sum().clamp(min=1)
+        return ce_sum / n_valid + self.aux_loss()
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        """Number of distinct parameters (a tied matrix counts once)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
