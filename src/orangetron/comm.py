@@ -20,8 +20,8 @@ from orangetron.plan import collectives as formulas
 from orangetron.plan.collectives import CommRecord
 
 __all__ = [
-    "CommRecord", "RingExchange", "all_gather", "all_reduce", "all_to_all", "broadcast", "copy_to_group",
-    "ledger", "measure", "reduce_scatter", "reset_ledger", "bytes_by_key",
+    "CommRecord", "RingExchange", "all_gather", "all_gather_into", "all_reduce", "all_to_all", "broadcast",
+    "copy_to_group", "ledger", "measure", "reduce_scatter", "reset_ledger", "bytes_by_key",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -120,6 +120,22 @@ def _reduce_raw(x: torch.Tensor, group: MeshGroup, dst: int) -> torch.Tensor:
     dist.reduce(out, group=group.group, group_dst=dst)
     _record("reduce", group, _nbytes(out), formulas.reduce_bytes(_nbytes(out), group.size, group.rank == dst))
     return out if group.rank == dst else torch.zeros_like(out)
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: MeshGroup) -> None:
+    """Fill the flat buffer `out` with every member's `shard` in group order, in place, without autograd.
+
+    For parameter buffers (ZeRO): the write bypasses autograd's version counter, so tensors saved for
+    backward that view `out` see the gathered values rather than failing a version check.
+    """
+    if out.numel() != shard.numel() * group.size:
+        raise ValueError(f"all_gather_into over {group.name}: out has {out.numel()} elements, "
+                         f"expected {group.size} x {shard.numel()}")
+    if group.size == 1:
+        out.data.copy_(shard.reshape(out.shape))
+        return
+    dist.all_gather_single(out, shard.contiguous(), group=group.group)
+    _record("all_gather", group, _nbytes(out), formulas.all_gather_bytes(_nbytes(out), group.size))
 
 
 # ---- autograd pairs ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,8 +35,11 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
+def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
     if optimizer is None:
+        return
+    if hasattr(optimizer, "state_tensors"):
+        yield from optimizer.state_tensors()
         return
     for state in optimizer.state.values():
         for value in state.values():
@@ -46,18 +50,24 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[torc
 
 def model_state_bytes(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
     main_params: Iterable[torch.Tensor] = (),
 ) -> dict[str, int]:
     """Bytes of params, grads, fp32 main params and optimizer state held by this rank.
 
     `main_params` are the fp32 master copies a mixed-precision optimizer keeps; when the model itself
-    trains in fp32 there are none and the category is 0, as in the cost model.
+    trains in fp32 there are none and the category is 0, as in the cost model. A wrapper that owns its
+    buffers (`DataParallel`) reports them through `state_tensors()`; an optimizer may do the same.
     """
-    params = list(model.parameters())
+    if hasattr(model, "state_tensors"):
+        owned = model.state_tensors()
+        params, grads, main_params = owned["params"], owned["grads"], [*owned["main_params"], *main_params]
+    else:
+        params = list(model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
     report = {
         "params": unique_storage_bytes(params),
-        "grads": unique_storage_bytes(p.grad for p in params if p.grad is not None),
+        "grads": unique_storage_bytes(grads),
         "main_params": unique_storage_bytes(main_params),
         "optimizer": unique_storage_bytes(_optimizer_tensors(optimizer)),
     }

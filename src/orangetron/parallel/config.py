@@ -1,0 +1,83 @@
+"""`ParallelConfig`: how a layout is applied to a model. Validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+CP_MODES = ("ring", "allgather", "ulysses", "usp", "rsa")
+DISPATCHERS = ("ragged", "capacity", "allgather")
+DROP_POLICIES = ("probs", "position")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+
+
+class ParallelConfigError(ValueError):
+    """A parallel option that cannot run; the message names the field, the value and the rule."""
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ParallelConfigError(f"{name}={value!r}: must be one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Options of every parallel dimension; each has a CLI flag of the same name with dashes."""
+
+    sequence_parallel: bool = False  # TP's all-reduce becomes reduce-scatter + all-gather; norms on shards
+    cp_mode: str = "ring"  # context-parallel attention: ring, allgather, ulysses, usp, rsa
+    ulysses_degree: int = 1  # for cp_mode="usp": the all-to-all factor of cp (the rest is ring)
+    dispatcher: str = "ragged"  # expert dispatch: ragged (dropless), capacity, allgather
+    capacity_factor: float = 1.0  # for dispatcher="capacity": slots per expert = factor * fair share
+    drop_policy: str = "probs"  # for dispatcher="capacity": drop the lowest-probability or latest tokens
+    zero_stage: int = 0  # 0 = DDP, 1 = optimizer state, 2 = + gradients, 3 = + parameters sharded
+    distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
+    param_dtype: str = "float32"  # model parameters (fp32 main params and grads are kept when lower)
+    reduce_dtype: str | None = None  # gradient reduction dtype; None: param_dtype, as the seed's tables
+    bucket_numel: int = 50_000_000  # elements per gradient-reduction bucket
+    pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved
+    microbatches: int = 1  # micro-batches per step
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    recompute: str = "none"  # none, selective (attention core), full (whole layer)
+
+    def __post_init__(self) -> None:
+        _choice("cp_mode", self.cp_mode, CP_MODES)
+        _choice("dispatcher", self.dispatcher, DISPATCHERS)
+        _choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        _choice("param_dtype", self.param_dtype, tuple(DTYPES))
+        if self.reduce_dtype is not None:
+            _choice("reduce_dtype", self.reduce_dtype, tuple(DTYPES))
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ParallelConfigError(f"zero_stage={self.zero_stage!r}: must be 0 (DDP), 1, 2 or 3")
+        if self.distributed_optimizer and self.zero_stage not in (0, 1):
+            raise ParallelConfigError(
+                f"distributed_optimizer with zero_stage={self.zero_stage}: the distributed optimizer is ZeRO-1 "
+                "sharding with an eager all-gather; use zero_stage 0 or 1 with it")
+        for name in ("ulysses_degree", "bucket_numel", "microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParallelConfigError(f"{name}={value!r}: must be a positive integer")
+        if not self.capacity_factor > 0:
+            raise ParallelConfigError(f"capacity_factor={self.capacity_factor!r}: must be positive")
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.zero_stage >= 1 or self.distributed_optimizer
+
+    @property
+    def torch_param_dtype(self) -> torch.dtype:
+        return DTYPES[self.param_dtype]
+
+    @property
+    def torch_reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce_dtype or self.param_dtype]
+
+    @property
+    def mixed_precision(self) -> bool:
+        """fp32 main params and main grads exist only when the model params are in a lower precision."""
+        return self.torch_param_dtype.itemsize < 4

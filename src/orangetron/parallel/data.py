@@ -1,0 +1,219 @@
+"""Data parallelism over the dp x cp ranks: DDP, ZeRO-1/2/3 and Megatron's distributed optimizer.
+
+Every parameter lives in one flat buffer, padded so that each of the d = dp * cp ranks owns an equal slice.
+What each stage keeps and sends (the seed's tables, DESIGN section 5):
+
+| stage | params | main grads | main params, optimizer | after backward | parameter sync |
+|---|---|---|---|---|---|
+| DDP (0) | full | full | full | all-reduce | none |
+| ZeRO-1, ZeRO-2 | full | full / 1/d | 1/d | reduce-scatter | all-gather before the next forward (lazy) |
+| distributed optimizer | full | full | 1/d | reduce-scatter | all-gather right after the step (eager) |
+| ZeRO-3 | 1/d | 1/d | 1/d | reduce-scatter | all-gather before forward and before backward |
+
+Gradients are averaged over the d ranks, so each rank's loss must be the mean over an equal share of the
+batch. Every rank must build the model from the same seed (orangetron's initialization depends only on the
+seed and the config), because the wrapper does not broadcast the initial weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from orangetron import comm
+from orangetron.mesh import ParallelMesh
+from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.optim import FlatAdamW
+from orangetron.plan.sharding import padded_numel, shard_numel
+
+
+class DataParallel(nn.Module):
+    """Wrap `module` for data parallelism over `mesh["dp_cp"]`; build the optimizer with `optimizer()`."""
+
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config or ParallelConfig()
+        self.group = mesh["dp_cp"]
+        self.zero3 = self.config.zero_stage == 3
+        self.shards = self.group.size if self.config.shards_optimizer else 1
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for _, p in self._named)
+        self.shard_numel = shard_numel(self.numel, self.shards)
+        self.padded_numel = padded_numel(self.numel, self.shards)
+        start = self.group.rank * self.shard_numel if self.shards > 1 else 0
+        self.owned = slice(start, start + self.shard_numel)  # this rank's slice of every flat buffer
+        self._build_buffers()
+        self._params_stale = False
+        self._grads_pending = False
+
+    # ---- buffers ---------------------------------------------------------------------------------
+
+    def _build_buffers(self) -> None:
+        cfg = self.config
+        flat = torch.zeros(self.padded_numel, dtype=cfg.torch_param_dtype)
+        offset = 0
+        with torch.no_grad():
+            for _, p in self._named:
+                flat[offset:offset + p.numel()].copy_(p.reshape(-1))
+                p.data = flat[offset:offset + p.numel()].view(p.shape)  # the module now computes on `flat`
+                offset += p.numel()
+        self.flat_params = flat
+        self.param_shard = flat[self.owned].clone() if self.zero3 else flat[self.owned]
+        main_dtype = torch.float32 if cfg.mixed_precision else cfg.torch_param_dtype
+        self.main_params = self.param_shard.to(main_dtype, copy=True) if cfg.mixed_precision else self.param_shard
+        if cfg.zero_stage >= 2:
+            self.main_grads = torch.zeros(self.shard_numel, dtype=main_dtype)
+        else:
+            self.main_grads = torch.zeros(self.padded_numel, dtype=main_dtype)
+        if self.zero3:
+            self._release_params()
+
+    def _release_params(self) -> None:
+        # The parameters stay views of `flat_params`; only its storage goes (tensors saved for backward
+        # keep referring to it and see the values again once it is re-gathered).
+        self.flat_params.untyped_storage().resize_(0)
+
+    def _gather_params(self) -> None:
+        nbytes = self.padded_numel * self.flat_params.element_size()
+        if self.flat_params.untyped_storage().nbytes() != nbytes:
+            self.flat_params.untyped_storage().resize_(nbytes)
+        # Under ZeRO-1/2 the shard is a view of the buffer being gathered into, so it travels as a copy.
+        shard = self.param_shard if self.zero3 else self.param_shard.clone()
+        comm.all_gather_into(self.flat_params, shard, self.group)
+        self._params_stale = False
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank keeps between steps, by memory category (see `orangetron.memory`)."""
+        mixed = self.config.mixed_precision
+        return {
+            "params": [self.param_shard] if self.zero3 else [self.flat_params],
+            "grads": [self.main_grads],
+            "main_params": [self.main_params] if mixed else [],
+        }
+
+    # ---- forward and backward ----------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.zero3 or self._params_stale:
+            self._gather_params()
+        out = self.module(*args, **kwargs)
+        if self.zero3:
+            self._release_params()
+            first = next((t for t in _tensors(out) if t.requires_grad), None)
+            if first is not None:
+                first.register_hook(self._regather_for_backward)
+        self._grads_pending = True
+        return out
+
+    def _regather_for_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self._gather_params()
+        # Free the gathered parameters again once this backward pass has finished.
+        torch.autograd.Variable._execution_engine.queue_callback(self._release_params)
+        return grad
+
+    def reduce_gradients(self) -> None:
+        """Average the gradients over the dp x cp ranks into `main_grads` (the step calls this)."""
+        if not self._grads_pending:
+            return
+        # DDP and ZeRO-1 collect into the persistent full buffer; ZeRO-2/3 only into a temporary one.
+        if self.config.zero_stage >= 2:
+            full = torch.zeros(self.padded_numel, dtype=self.config.torch_reduce_dtype)
+        else:
+            full = self.main_grads
+        offset = 0
+        for _, p in self._named:
+            if p.grad is not None:
+                full[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+            else:
+                full[offset:offset + p.numel()].zero_()
+            p.grad = None
+            offset += p.numel()
+        wire = full.to(self.config.torch_reduce_dtype)  # no copy when the dtypes already agree
+        if self.shards == 1:
+            self.main_grads.copy_(comm.all_reduce(wire, self.group))
+        else:
+            self.owned_grads().copy_(comm.reduce_scatter(wire, self.group))
+        self.owned_grads().div_(self.group.size)
+        self._grads_pending = False
+
+    def owned_grads(self) -> torch.Tensor:
+        """This rank's averaged main gradients, aligned with `main_params` (after `reduce_gradients`)."""
+        return self.main_grads if self.config.zero_stage >= 2 else self.main_grads[self.owned]
+
+    def after_step(self) -> None:
+        """Copy updated main params into the model dtype, then sync parameters as the stage prescribes."""
+        if self.config.mixed_precision:
+            with torch.no_grad():
+                self.param_shard.copy_(self.main_params)
+        if self.config.distributed_optimizer:
+            self._gather_params()
+        elif self.config.shards_optimizer and not self.zero3:
+            self._params_stale = True
+
+    def decay_mask(self) -> torch.Tensor:
+        """True for the owned elements of matrices (weight decay applies), False for norms and biases."""
+        mask = torch.zeros(self.padded_numel, dtype=torch.bool)
+        offset = 0
+        for _, p in self._named:
+            mask[offset:offset + p.numel()] = p.dim() >= 2
+            offset += p.numel()
+        return mask[self.owned].clone()
+
+    def optimizer(self, lr: float, **adamw: Any) -> ShardedAdamW:
+        """AdamW over this rank's shard (the whole buffer under DDP)."""
+        return ShardedAdamW(self, lr=lr, **adamw)
+
+
+class ShardedAdamW:
+    """AdamW on the slice of the flat parameters a rank owns; `step()` reduces gradients first."""
+
+    def __init__(self, dp: DataParallel, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, decay_matrices_only: bool = True) -> None:
+        self.dp = dp
+        mask = dp.decay_mask() if weight_decay and decay_matrices_only else None
+        self.adamw = FlatAdamW(dp.main_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                               decay_mask=mask)
+
+    @property
+    def lr(self) -> float:
+        return self.adamw.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.adamw.lr = value
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
+        self.dp.reduce_gradients()
+        grads = self.dp.owned_grads()
+        squares = grads.square().sum().reshape(1)
+        if self.dp.shards > 1:
+            squares = comm.all_reduce(squares, self.dp.group)
+        norm = squares.sqrt()[0]
+        grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    def step(self) -> None:
+        self.dp.reduce_gradients()
+        self.adamw.step(self.dp.owned_grads())
+        self.dp.after_step()
+
+    def zero_grad(self) -> None:
+        for _, p in self.dp._named:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.adamw.state_tensors()
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors(item)]
+    if isinstance(out, dict):
+        return [t for item in out.values() for t in _tensors(item)]
+    return []

@@ -1,0 +1,147 @@
+"""DDP, ZeRO-1/2/3 and the distributed optimizer against one device, in float64, with ledger and memory
+checked against the seed's tables written out by hand."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orangetron import comm, memory
+from orangetron.layout import Layout
+from orangetron.mesh import init_mesh
+from orangetron.model import ModelConfig, Transformer
+from orangetron.parallel import DataParallel, ParallelConfig, ParallelConfigError
+from orangetron.testing import run_distributed
+
+CFG = ModelConfig(dim=18, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=32, ffn_dim=24, n_experts=4, top_k=2,
+                  moe_ffn_dim=8, n_shared_experts=1, aux_loss_coef=0.0)  # local aux losses are not additive
+SEQ, PER_RANK, STEPS, LR, CLIP = 8, 2, 3, 3e-2, 0.5
+STAGES = {"ddp": dict(zero_stage=0), "zero1": dict(zero_stage=1), "distopt": dict(distributed_optimizer=True),
+          "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3)}
+
+
+def batch(step: int, rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, CFG.vocab_size, (rows, SEQ + 1), generator=g)
+
+
+def ce(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def reference(d: int) -> tuple[list[float], torch.Tensor]:
+    """One device, the whole batch, torch.optim.AdamW and torch's gradient clipping."""
+    model = Transformer(CFG, seed=0, dtype=torch.float64)
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=False)
+    losses = []
+    for step in range(STEPS):
+        tokens = batch(step, d * PER_RANK)
+        loss = ce(model(tokens[:, :-1]), tokens)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def data_parallel_run(layout: Layout, stage: str, param_dtype: str = "float64"):
+    """STEPS steps on this rank's share of the batch; returns losses, final params, step-2 ledger, memory."""
+    mesh = init_mesh(layout)
+    dtype = {"float64": torch.float64, "bfloat16": torch.float32}[param_dtype]
+    dp = DataParallel(Transformer(CFG, seed=0, dtype=dtype), mesh, ParallelConfig(param_dtype=param_dtype,
+                                                                                   **STAGES[stage]))
+    opt = dp.optimizer(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    g, losses, step_records = mesh["dp_cp"], [], []
+    for step in range(STEPS):
+        rows = batch(step, g.size * PER_RANK)[g.rank * PER_RANK:(g.rank + 1) * PER_RANK]
+        with comm.measure() as records:
+            loss = ce(dp(rows[:, :-1]), rows)
+            loss.backward()
+            opt.clip_grad_norm_(CLIP)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+        step_records.append([(r.op, r.dim, r.payload_bytes, r.bytes_sent) for r in records])
+    state = memory.model_state_bytes(dp, opt)
+    if dp.zero3 or dp._params_stale:
+        dp._gather_params()
+    params = torch.cat([p.detach().reshape(-1).double() for p in dp.module.parameters()])
+    return losses, params, step_records, state, dp.numel
+
+
+LAYOUTS = [Layout(dp=2), Layout(dp=4), Layout(tp=2, dp=2)]
+
+
+def all_stages(layout: Layout):
+    return {stage: data_parallel_run(layout, stage) for stage in STAGES}
+
+
+def expected_records(stage: str, step: int, numel: int, d: int):
+    """The seed's communication table for one step, float64 bytes, flat buffers padded to a multiple of d."""
+    padded = -(-numel // d) * d * 8
+    share = padded * (d - 1) // d
+    if stage == "ddp":
+        return [("all_reduce", "dp_cp", numel * 8, 2 * (numel * 8) * (d - 1) // d)]
+    clip = ("all_reduce", "dp_cp", 8, 2 * 8 * (d - 1) // d)
+    rs, ag = ("reduce_scatter", "dp_cp", padded, share), ("all_gather", "dp_cp", padded, share)
+    return {
+        "zero1": [ag] * (step > 0) + [rs, clip],  # lazy: gathered before the next forward
+        "zero2": [ag] * (step > 0) + [rs, clip],
+        "distopt": [rs, clip, ag],  # eager: gathered right after the step
+        "zero3": [ag, ag, rs, clip],  # before forward, before backward
+    }[stage]
+
+
+def expected_state(stage: str, numel: int, d: int):
+    shard, padded = -(-numel // d) * 8, -(-numel // d) * d * 8
+    if stage == "ddp":
+        return {"params": numel * 8, "grads": numel * 8, "main_params": 0, "optimizer": 2 * numel * 8}
+    return {"params": shard if stage == "zero3" else padded, "grads": shard if stage in ("zero2", "zero3") else padded,
+            "main_params": 0, "optimizer": 2 * shard}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_every_stage_matches_one_device_with_exact_ledger_and_memory(layout):
+    d = layout.dp * layout.cp
+    ref_losses, ref_params = reference(d)
+    results = run_distributed(all_stages, layout.world_size, args=(layout,))
+    for rank, by_stage in enumerate(results):
+        for stage, (_, params, step_records, state, numel) in by_stage.items():
+            assert d == 2 or numel % d, "the test model should exercise padding"
+            where = f"rank {rank} {stage}"
+            mean_losses = [sum(r[stage][0][s] for r in results[:: layout.tp]) / d for s in range(STEPS)]
+            torch.testing.assert_close(mean_losses, ref_losses, rtol=1e-9, atol=0, msg=where)
+            torch.testing.assert_close(params, ref_params, rtol=1e-9, atol=1e-12, msg=where)
+            for step, records in enumerate(step_records):
+                assert records == expected_records(stage, step, numel, d), f"{where} step {step}"
+            assert state == expected_state(stage, numel, d), where
+
+
+def bf16_zero2():
+    losses, _, step_records, state, numel = data_parallel_run(Layout(dp=2), "zero2", param_dtype="bfloat16")
+    return losses, step_records[-1], state, numel
+
+
+def test_bfloat16_params_keep_fp32_main_state_and_reduce_in_bf16():
+    (losses, records, state, numel), (other_losses, *_) = run_distributed(bf16_zero2, 2)
+    mean_losses = [(a + b) / 2 for a, b in zip(losses, other_losses, strict=True)]
+    torch.testing.assert_close(mean_losses, reference(2)[0], rtol=2e-2, atol=0)  # bf16 tracks float64
+    shard, padded = -(-numel // 2), -(-numel // 2) * 2
+    assert state == {"params": padded * 2, "grads": shard * 4, "main_params": shard * 4, "optimizer": shard * 8}
+    assert records[0] == ("all_gather", "dp_cp", padded * 2, shard * 2)  # params travel in bf16
+    assert records[1] == ("reduce_scatter", "dp_cp", padded * 2, shard * 2)  # and so do gradients
+
+
+def test_parallel_config_rules():
+    with pytest.raises(ParallelConfigError, match=r"zero_stage=4: must be 0 \(DDP\), 1, 2 or 3"):
+        ParallelConfig(zero_stage=4)
+    with pytest.raises(ParallelConfigError, match=r"distributed_optimizer with zero_stage=3"):
+        ParallelConfig(zero_stage=3, distributed_optimizer=True)
+    with pytest.raises(ParallelConfigError, match=r"cp_mode='spiral': must be one of ring"):
+        ParallelConfig(cp_mode="spiral")
+    with pytest.raises(ParallelConfigError, match=r"param_dtype='float16'"):
+        ParallelConfig(param_dtype="float16")
+    with pytest.raises(ParallelConfigError, match=r"microbatches=0: must be a positive integer"):
+        ParallelConfig(microbatches=0)
