@@ -1,0 +1,86 @@
+"""`orangetron train`: flags -> TrainConfig -> train() -> progress on stderr, JSON on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+DEFAULTS_NOTE = "With no flags: the small-moe model on the embedded stdlib corpus, on one CPU rank."
+
+
+def add_train_commands(sub: Any) -> None:
+    """Register the `train` subcommand on an argparse subparsers object."""
+    from orangetron.model import MODEL_PRESETS
+    from orangetron.train.trainer import DTYPES, TrainConfig
+
+    fields = TrainConfig.__dataclass_fields__
+    p = sub.add_parser(
+        "train",
+        help="train a model (one CPU rank for now)",
+        description="Train a byte-level transformer and report losses, memory and communication. "
+        + DEFAULTS_NOTE,
+    )
+
+    def option(flag: str, text: str, **kwargs: Any) -> None:
+        # Defaults come from TrainConfig, so the CLI and the Python API cannot drift apart.
+        name = flag[2:].replace("-", "_")
+        p.add_argument(flag, default=fields[name].default, help=text + " (default: %(default)s)", **kwargs)
+
+    option("--model", "model preset: " + ", ".join(MODEL_PRESETS))
+    option("--steps", "optimizer steps", type=int)
+    option("--seq-len", "tokens per sample", type=int)
+    option("--batch-size", "samples per step", type=int)
+    option("--lr", "peak learning rate; the cosine decay ends at lr/10", type=float)
+    option("--warmup", "linear warmup steps", type=int)
+    option("--seed", "seed for init and batch order; the same seed gives identical losses", type=int)
+    option("--eval-every", "also evaluate held-out loss every N steps; 0: only at the end", type=int)
+    option("--dtype", "parameter dtype", choices=list(DTYPES))
+    option("--threads", "CPU threads for torch ops; 1 stays fast when other processes share the cores",
+           type=int)
+    p.add_argument("--data", nargs="+", metavar="FILE", default=None,
+                   help="UTF-8 text files to train on (default: the Python standard library's sources)")
+    p.add_argument("--out", metavar="DIR", default=None, help="run folder; metrics.jsonl is written there")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with the results as the last line of standard output")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or logs on standard error")
+    for dim, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"), ("dp", "data"),
+                      ("ep", "expert")):
+        p.add_argument(f"--{dim}", type=int, default=1, help=f"{what}-parallel degree (only 1 for now)")
+    p.set_defaults(run=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Run `orangetron train`; configuration errors propagate as ValueError (cli prints one line)."""
+    from orangetron.train.trainer import TrainConfig, train
+
+    cfg = TrainConfig(
+        model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+        warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, data=args.data, out=args.out,
+        dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
+        min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
+    )
+    result = train(cfg, progress=not args.quiet)
+    if not args.quiet:
+        _summary(result, sys.stderr)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+def _summary(result: dict[str, Any], stream: Any) -> None:
+    losses = result["losses"]
+    mem = result["memory"][0]
+    eval_loss = result["eval_loss"]
+    eval_text = "n/a" if eval_loss is None else f"{eval_loss:.4f}"
+    recent = losses[-10:]
+    lines = [
+        f"loss {losses[0]:.4f} at step 1 -> {sum(recent) / len(recent):.4f} (mean of the last {len(recent)} "
+        f"steps); held-out loss {eval_text}",
+        f"{result['params']:,} params, {result['tokens_per_s']:,.0f} tokens/s, {result['time_s']:.1f} s",
+        "memory (MiB): " + ", ".join(f"{k} {mem[k] / 2**20:.1f}" for k in mem if k != "rank"),
+    ]
+    comm_bytes = {k: v for k, v in result["comm"][0].items() if k != "rank"}
+    lines.append("comm: " + (", ".join(f"{k} {v:,} B" for k, v in comm_bytes.items()) or "none (one rank)"))
+    stream.write("\n".join(lines) + "\n")

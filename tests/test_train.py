@@ -1,0 +1,198 @@
+"""The single-rank trainer, its progress bar and the `orangetron train` command."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from orangetron.train.progress import ProgressBar
+from orangetron.train.trainer import TrainConfig, lr_at, train
+
+torch.set_num_threads(1)
+
+# Small enough that a run takes well under a second: the tiny presets, short windows, 200 kB of text.
+TINY = dict(model="tiny-moe", steps=5, seq_len=32, batch_size=4, warmup=2, eval_batches=2,
+            corpus_bytes=200_000)
+
+
+def _run(**overrides) -> dict:
+    return train(TrainConfig(**{**TINY, **overrides}), progress=False)
+
+
+# ---- train() ------------------------------------------------------------------------------------------
+
+
+def test_train_result_keys_types_and_determinism(tmp_path) -> None:
+    result = _run(out=str(tmp_path / "run"))
+    assert len(result["losses"]) == 5
+    assert all(isinstance(x, float) and math.isfinite(x) for x in result["losses"])
+    assert result["final_loss"] == result["losses"][-1]
+    assert 4.5 < result["losses"][0] < 6.5  # about ln(256) = 5.55 at initialization
+    assert isinstance(result["eval_loss"], float) and math.isfinite(result["eval_loss"])
+    assert result["layout"] == {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1}
+    assert result["steps"] == 5
+    assert isinstance(result["params"], int) and result["params"] > 0
+    assert result["tokens_per_s"] > 0
+    [mem] = result["memory"]
+    assert set(mem) == {"rank", "params", "grads", "main_params", "optimizer", "activations_peak"}
+    assert mem["rank"] == 0 and mem["params"] == 4 * result["params"]  # float32
+    assert mem["grads"] == mem["params"] and mem["optimizer"] == 2 * mem["params"]  # AdamW: m and v
+    assert mem["main_params"] == 0 and mem["activations_peak"] > 0
+    assert result["comm"] == [{"rank": 0}]  # one rank: no collectives
+    json.dumps(result)  # the whole result is JSON-serializable
+
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in records] == result["losses"]
+    assert records[-1]["eval_loss"] == result["eval_loss"]
+
+    again = _run()
+    assert again["losses"] == result["losses"]  # bitwise, not approximately
+    assert again["eval_loss"] == result["eval_loss"]
+    assert _run(seed=1)["losses"] != result["losses"]
+
+
+def test_train_learns_a_repetitive_text(tmp_path) -> None:
+    data = tmp_path / "abc.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    result = _run(model="tiny", data=[str(data)], steps=40, lr=1e-2, warmup=5, eval_every=20)
+    assert result["losses"][-1] < result["losses"][0] - 2.0
+    assert result["eval_loss"] < 3.0
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_train_other_dtypes(dtype: str) -> None:
+    result = _run(model="tiny", steps=2, dtype=dtype)
+    assert all(math.isfinite(x) for x in result["losses"])
+    mem = result["memory"][0]
+    if dtype == "bfloat16":  # bf16 params and grads, fp32 main params and optimizer state
+        assert mem["params"] == 2 * result["params"] and mem["main_params"] == 4 * result["params"]
+        assert mem["optimizer"] == 8 * result["params"]
+    else:
+        assert mem["params"] == 8 * result["params"] and mem["main_params"] == 0
+
+
+def test_train_restores_thread_count() -> None:
+    torch.set_num_threads(1)
+    _run(model="tiny", steps=1, threads=2)
+    assert torch.get_num_threads() == 1
+
+
+def test_lr_schedule() -> None:
+    cfg = TrainConfig(steps=10, warmup=2, lr=1.0, min_lr=0.1)
+    lrs = [lr_at(s, cfg) for s in range(10)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]  # warmup ends at the peak, decay starts there
+    assert lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:], strict=False))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"tp": 2}, r"tp=2 \(--tp\): multi-rank training is not available yet; run with world size 1"),
+        ({"ep": 4}, r"ep=4 \(--ep\)"),
+        ({"steps": 0}, r"steps=0 \(--steps\)"),
+        ({"seq_len": -1}, r"seq_len=-1 \(--seq-len\)"),
+        ({"model": "huge"}, r"model='huge' \(--model\): unknown preset"),
+        ({"data": ["/no/such/file.txt"]}, r"--data\): no such file"),
+        ({"dtype": "float16"}, r"--dtype"),
+        ({"lr": float("nan")}, r"lr=nan"),
+    ],
+)
+def test_config_rejects_bad_values(overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{**TINY, **overrides})
+
+
+def test_too_little_data_names_the_flag(tmp_path) -> None:
+    data = tmp_path / "short.txt"
+    data.write_text("x" * 100)
+    with pytest.raises(ValueError, match="--batch-size"):
+        _run(data=[str(data)])
+
+
+# ---- progress bar -------------------------------------------------------------------------------------
+
+
+def test_progress_bar_without_tty_prints_every_tenth() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(100, stream=stream)
+    for step in range(1, 101):
+        bar.update(step, 5.0 - step / 100, 1234.0)
+    bar.log("done")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 11 and "\r" not in stream.getvalue()
+    assert "step  10/100" in lines[0] and "loss 4.9000" in lines[0] and "1,234 tok/s" in lines[0]
+    assert "step 100/100" in lines[9] and lines[10] == "done"
+
+
+def test_progress_bar_on_tty_redraws_in_place() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    bar = ProgressBar(3, stream=stream)
+    for step in (1, 2, 3):
+        bar.update(step, 1.0)
+    bar.close()
+    out = stream.getvalue()
+    assert out.count("\r") == 3 and out.endswith("\n") and out.count("\n") == 1
+
+
+def test_disabled_progress_bar_is_silent() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(3, stream=stream, enabled=False)
+    bar.update(1, 1.0)
+    bar.log("x")
+    bar.close()
+    assert stream.getvalue() == ""
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+
+TINY_FLAGS = ["--model", "tiny", "--steps", "3", "--seq-len", "32", "--batch-size", "4"]
+
+
+def test_cli_train_json(capsys, tmp_path) -> None:
+    from orangetron.cli import main
+
+    data = tmp_path / "text.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 300)
+    assert main(["train", *TINY_FLAGS, "--data", str(data), "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["steps"] == 3 and len(result["losses"]) == 3
+    assert {"layout", "final_loss", "eval_loss", "params", "tokens_per_s", "memory", "comm"} <= set(result)
+    assert "orangetron train: model tiny" in err  # logs go to stderr, not stdout
+
+
+def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
+    from orangetron.cli import main
+
+    assert main(["train", *TINY_FLAGS, "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and err == ""
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--steps", "0"], "--steps"),
+        (["--tp", "2"], "tp=2 (--tp): multi-rank training is not available yet"),
+        (["--model", "nope"], "--model"),
+        (["--data", "/no/such/file.txt"], "--data"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: str) -> None:
+    from orangetron.cli import main
+
+    assert main(["train", *TINY_FLAGS, *flags, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and needle in err
