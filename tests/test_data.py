@@ -194,16 +194,14 @@ def test_pad_to_multiple_keeps_loss_and_grads(preset: str) -> None:
     padded_inputs, padded_labels = pad_to_multiple(inputs, labels, 2 * 3)  # as for cp=3: S -> 12
     assert padded_inputs.shape[1] == 12
 
-    def lm_loss_and_grads(i: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def loss_and_grads(i: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad()
-        # The MoE load-balancing loss sees every routed token, padded ones included, so the
-        # language-model part is what padding must leave unchanged.
-        lm_loss = model.loss(i, lab) - model.aux_loss()
-        lm_loss.backward()
-        return lm_loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        loss = model.loss(i, lab)  # MoE: the load-balancing loss skips padded positions as well
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    loss, grads = lm_loss_and_grads(inputs, labels)
-    padded_loss, padded_grads = lm_loss_and_grads(padded_inputs, padded_labels)
+    loss, grads = loss_and_grads(inputs, labels)
+    padded_loss, padded_grads = loss_and_grads(padded_inputs, padded_labels)
     torch.testing.assert_close(padded_loss, loss, rtol=1e-12, atol=0)
     assert len(padded_grads) == len(grads)
     for g_pad, g in zip(padded_grads, grads, strict=True):

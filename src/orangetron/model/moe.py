@@ -44,13 +44,20 @@ class Router(nn.Module):
         self.score_func, self.aux_loss_coef = cfg.router_score, cfg.aux_loss_coef
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """token_mask: [T] bool, False for padding; padded tokens are routed but not balanced."""
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))  # [T, E]
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         topk_weights, topk_idx = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
         if self.score_func == "sigmoid":
             topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
-        aux_loss = self.aux_loss_coef * load_balancing_loss(scores, topk_idx, self.n_experts)
+        if token_mask is not None:
+            scores, topk_for_loss = scores[token_mask], topk_idx[token_mask]
+        else:
+            topk_for_loss = topk_idx
+        aux_loss = self.aux_loss_coef * load_balancing_loss(scores, topk_for_loss, self.n_experts)
         return topk_idx, topk_weights, aux_loss
 
 
@@ -99,9 +106,12 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(cfg.dim, shared_hidden) if cfg.n_shared_experts > 0 else None
         self.last_aux_loss: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, S, dim]; token_mask: [B, S] bool, False where the token is padding (kept out of the
+        load-balancing loss so that padding never changes the loss)."""
         x_flat = x.reshape(-1, x.shape[-1])  # [T, dim]
-        topk_idx, topk_weights, self.last_aux_loss = self.router(x_flat)
+        mask = None if token_mask is None else token_mask.reshape(-1)
+        topk_idx, topk_weights, self.last_aux_loss = self.router(x_flat, mask)
         x_sorted, weights_sorted, tokens_per_expert, handle = self._dispatch(x_flat, topk_idx, topk_weights)
         y_sorted = self.experts(x_sorted, tokens_per_expert)  # [T*k, dim]
         y_sorted = y_sorted * weights_sorted.to(y_sorted.dtype).unsqueeze(-1)

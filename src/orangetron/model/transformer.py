@@ -50,8 +50,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
+        if isinstance(self.feed_forward, MoE):
+            return h + self.feed_forward(self.ffn_norm(h), token_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -88,8 +92,13 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(init_parameter(name, p.shape, self.cfg, self.seed))
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [B, S] int64; position_ids: [B, S] or [S] (default 0..S-1) -> logits [B, S, vocab]."""
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens: [B, S] int64; position_ids: [B, S] or [S] (default 0..S-1) -> logits [B, S, vocab].
+
+        token_mask: [B, S] bool, False at padding; only the MoE load-balancing loss reads it.
+        """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S]; got shape {tuple(tokens.shape)}")
         seq_len = tokens.shape[1]
@@ -100,7 +109,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)  # [B, S, dim]
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, token_mask)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(h, weight)  # [B, S, vocab]
@@ -120,9 +129,10 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Mean cross entropy over labels != ignore_index, in float32 (float64 for float64), plus aux loss.
 
-        labels: [B, S] int64, already shifted. All-ignored labels give a cross entropy of 0, not NaN.
+        labels: [B, S] int64, already shifted. Positions whose label is ignored are padding: they are kept
+        out of the load-balancing loss too. All-ignored labels give a cross entropy of 0, not NaN.
         """
-        logits = self.forward(tokens, position_ids)
+        logits = self.forward(tokens, position_ids, token_mask=labels != ignore_index)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1)  # [B*S, V]
         labels = labels.reshape(-1)
         ce_sum = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
