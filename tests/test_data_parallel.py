@@ -53,22 +53,23 @@ def data_parallel_run(layout: Layout, stage: str, param_dtype: str = "float64"):
     dp = DataParallel(Transformer(CFG, seed=0, dtype=dtype), mesh, ParallelConfig(param_dtype=param_dtype,
                                                                                    **STAGES[stage]))
     opt = dp.optimizer(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
-    g, losses, step_records = mesh["dp_cp"], [], []
+    g, losses, step_records, peaks = mesh["dp_cp"], [], [], []
     for step in range(STEPS):
         rows = batch(step, g.size * PER_RANK)[g.rank * PER_RANK:(g.rank + 1) * PER_RANK]
-        with comm.measure() as records:
+        with comm.measure() as records, memory.track_activations(dp.module) as meter:
             loss = ce(dp(rows[:, :-1]), rows)
             loss.backward()
             opt.clip_grad_norm_(CLIP)
             opt.step()
             opt.zero_grad()
         losses.append(loss.item())
+        peaks.append(meter.peak_bytes)
         step_records.append([(r.op, r.dim, r.payload_bytes, r.bytes_sent) for r in records])
     state = memory.model_state_bytes(dp, opt)
     if dp.zero3 or dp._params_stale:
         dp._gather_params()
     params = torch.cat([p.detach().reshape(-1).double() for p in dp.module.parameters()])
-    return losses, params, step_records, state, dp.numel
+    return losses, params, step_records, state | {"activations": max(peaks)}, dp.numel
 
 
 LAYOUTS = [Layout(dp=2), Layout(dp=4), Layout(tp=2, dp=2)]
@@ -116,11 +117,15 @@ def test_every_stage_matches_one_device_with_exact_ledger_and_memory(layout):
             torch.testing.assert_close(params, ref_params, rtol=1e-9, atol=1e-12, msg=where)
             for step, records in enumerate(step_records):
                 assert records == expected_records(stage, step, numel, d), f"{where} step {step}"
-            assert state == expected_state(stage, numel, d), where
+            model_state = {k: v for k, v in state.items() if k != "activations"}
+            assert model_state == expected_state(stage, numel, d), where
+            # Sharding is model state only: ZeRO-3's gathered weights must not count as activations.
+            assert state["activations"] == by_stage["ddp"][3]["activations"] > 0, where
 
 
 def bf16_zero2():
     losses, _, step_records, state, numel = data_parallel_run(Layout(dp=2), "zero2", param_dtype="bfloat16")
+    state.pop("activations")
     return losses, step_records[-1], state, numel
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -9,6 +10,7 @@ import math
 import pytest
 import torch
 
+from orangetron.model import model_preset
 from orangetron.train.progress import ProgressBar
 from orangetron.train.trainer import TrainConfig, lr_at, train
 
@@ -94,7 +96,7 @@ def test_lr_schedule() -> None:
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"tp": 2}, r"tp=2 \(--tp\): multi-rank training is not available yet; run with world size 1"),
+        ({"tp": 2}, r"tp=2 \(--tp\): tensor parallelism is not available yet; only --dp may be above 1"),
         ({"ep": 4}, r"ep=4 \(--ep\)"),
         ({"steps": 0}, r"steps=0 \(--steps\)"),
         ({"seq_len": -1}, r"seq_len=-1 \(--seq-len\)"),
@@ -184,7 +186,7 @@ def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
     ("flags", "needle"),
     [
         (["--steps", "0"], "--steps"),
-        (["--tp", "2"], "tp=2 (--tp): multi-rank training is not available yet"),
+        (["--tp", "2"], "tp=2 (--tp): tensor parallelism is not available yet"),
         (["--model", "nope"], "--model"),
         (["--data", "/no/such/file.txt"], "--data"),
     ],
@@ -196,3 +198,47 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: s
     out, err = capsys.readouterr()
     assert out == ""
     assert len(err.strip().splitlines()) == 1 and needle in err
+
+
+# ---- data-parallel training on local ranks -------------------------------------------------------------
+
+
+def test_two_rank_zero3_training_matches_one_rank() -> None:
+    """`train` with dp=2 starts two local processes; ZeRO-3 in float64 reproduces the one-rank run.
+
+    The MoE load-balancing loss is switched off: each rank balances its own tokens (as Megatron does per
+    micro-batch), and the mean of per-rank balance losses is not the balance loss of the whole batch.
+    """
+    model = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0)
+    one = _run(model=model, dtype="float64", steps=3)
+    two = _run(model=model, dtype="float64", steps=3, dp=2, zero_stage=3)
+    torch.testing.assert_close(two["losses"], one["losses"], rtol=1e-9, atol=0)
+    torch.testing.assert_close(two["eval_loss"], one["eval_loss"], rtol=1e-9, atol=0)
+    assert [m["rank"] for m in two["memory"]] == [0, 1] and [c["rank"] for c in two["comm"]] == [0, 1]
+    n = one["params"]
+    shard = -(-n // 2) * 8
+    for mem in two["memory"]:  # ZeRO-3 on two ranks keeps half of every model-state category
+        assert (mem["params"], mem["grads"], mem["optimizer"]) == (shard, shard, 2 * shard)
+    assert one["memory"][0]["params"] == 8 * n
+    # Per step: all-gather before forward and before backward; the held-out pass gathers once per batch.
+    gathers = 2 * 3 + 1 * 2  # steps, then eval_batches=2 batches
+    assert two["comm"][0]["all_gather/dp_cp"] == gathers * shard
+    assert two["comm"][0]["reduce_scatter/dp_cp"] == 3 * shard
+
+
+def test_cli_passes_every_parallel_flag(monkeypatch) -> None:
+    from orangetron import cli
+    from orangetron.train import trainer
+
+    seen = {}
+
+    def fake_train(cfg, progress=True):
+        seen["cfg"] = cfg
+        return {"losses": [1.0], "final_loss": 1.0, "eval_loss": None, "params": 1, "tokens_per_s": 1.0,
+                "time_s": 0.0, "memory": [], "comm": []}
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    assert cli.main(["train", "--quiet", "--dp", "2", "--zero-stage", "2", "--batch-size", "4"]) == 0
+    assert (seen["cfg"].dp, seen["cfg"].zero_stage, seen["cfg"].distributed_optimizer) == (2, 2, False)
+    assert cli.main(["train", "--quiet", "--dp", "2", "--distributed-optimizer", "--batch-size", "4"]) == 0
+    assert seen["cfg"].distributed_optimizer and seen["cfg"].parallel_config().distributed_optimizer

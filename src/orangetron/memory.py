@@ -21,8 +21,9 @@ _last_report: dict[str, int] = {}
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    storage = t.untyped_storage()
-    return str(t.device), storage.data_ptr()
+    # The storage object's identity, not its data pointer: ZeRO-3 frees and re-allocates a parameter
+    # buffer's memory between forward and backward, and its weights must still be recognized as such.
+    return str(t.device), t.untyped_storage()._cdata
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

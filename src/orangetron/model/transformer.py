@@ -133,6 +133,10 @@ class Transformer(nn.Module):
         out of the load-balancing loss too. All-ignored labels give a cross entropy of 0, not NaN.
         """
         logits = self.forward(tokens, position_ids, token_mask=labels != ignore_index)
+        return self.loss_from_logits(logits, labels, ignore_index)
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """`loss` for logits [B, S, V] already computed (by a wrapper such as DataParallel) by this model."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1)  # [B*S, V]
         labels = labels.reshape(-1)
         ce_sum = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")

@@ -18,7 +18,7 @@ def add_train_commands(sub: Any) -> None:
     fields = TrainConfig.__dataclass_fields__
     p = sub.add_parser(
         "train",
-        help="train a model (one CPU rank for now)",
+        help="train a model on one or more local CPU ranks",
         description="Train a byte-level transformer and report losses, memory and communication. "
         + DEFAULTS_NOTE,
     )
@@ -45,9 +45,14 @@ def add_train_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the results as the last line of standard output")
     p.add_argument("--quiet", action="store_true", help="no progress bar or logs on standard error")
-    for dim, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"), ("dp", "data"),
-                      ("ep", "expert")):
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel degree: local CPU ranks that split each batch (started for you)")
+    for dim, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"), ("ep", "expert")):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{what}-parallel degree (only 1 for now)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks)")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="ZeRO-1 sharding with the parameter all-gather right after the step (Megatron)")
     p.set_defaults(run=run_train)
 
 
@@ -59,6 +64,7 @@ def run_train(args: argparse.Namespace) -> int:
         model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, data=args.data, out=args.out,
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
+        zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
     result = train(cfg, progress=not args.quiet)
@@ -82,5 +88,5 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         "memory (MiB): " + ", ".join(f"{k} {mem[k] / 2**20:.1f}" for k in mem if k != "rank"),
     ]
     comm_bytes = {k: v for k, v in result["comm"][0].items() if k != "rank"}
-    lines.append("comm: " + (", ".join(f"{k} {v:,} B" for k, v in comm_bytes.items()) or "none (one rank)"))
+    lines.append("comm: " + (", ".join(f"{k} {v:,} B" for k, v in comm_bytes.items()) or "none"))
     stream.write("\n".join(lines) + "\n")

@@ -1,7 +1,8 @@
-"""The single-rank training loop: data -> model -> AdamW with warmup + cosine -> metrics.
+"""The training loop: data -> model (data-parallel wrapper) -> AdamW with warmup + cosine -> metrics.
 
-Multi-rank layouts will reuse this loop once `parallelize` exists; for now every degree must be 1 and
-the run is the single-device reference that layouts are checked against.
+One rank runs in this process; with dp > 1 the local launcher starts one process per rank and every rank
+runs this same loop on its share of each batch. With dp = 1 it is the single-device reference that
+layouts are checked against (the wrapper over a one-rank group only adds flat buffers).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 from orangetron import comm, memory
 from orangetron.layout import Layout
+from orangetron.mesh import init_mesh
 from orangetron.model import MODEL_PRESETS, ModelConfig, Transformer, model_preset
+from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW
 from orangetron.train.data import (
     DEFAULT_CORPUS_BYTES,
     BatchIterator,
@@ -28,6 +31,7 @@ from orangetron.train.data import (
     split_train_eval,
     stdlib_corpus,
 )
+from orangetron.train.launch import launch_local, process_group
 from orangetron.train.progress import ProgressBar
 from orangetron.train.tokenizer import ByteTokenizer
 
@@ -73,8 +77,10 @@ class TrainConfig:
     tp: int = 1  # tensor-parallel degree (only 1 for now)
     cp: int = 1  # context-parallel degree (only 1 for now)
     pp: int = 1  # pipeline-parallel degree (only 1 for now)
-    dp: int = 1  # data-parallel degree (only 1 for now)
+    dp: int = 1  # data-parallel degree: local ranks that split each batch
     ep: int = 1  # expert-parallel degree (only 1 for now)
+    zero_stage: int = 0  # 0 = DDP, 1-3 = ZeRO stage (sharding over the dp ranks)
+    distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
 
     def __post_init__(self) -> None:
         self._check_layout()
@@ -94,18 +100,28 @@ class TrainConfig:
             raise TrainConfigError(f"eval_fraction={self.eval_fraction}: must be in [0, 1)")
         if self.dtype not in DTYPES:
             raise TrainConfigError(f"dtype={self.dtype!r} (--dtype): choose one of {', '.join(DTYPES)}")
+        self.parallel_config()  # raises for an impossible ZeRO setting
         self.model_config()  # raises for an unknown preset name
         self._check_data()
 
     def _check_layout(self) -> None:
         for name in ("tp", "cp", "pp", "dp", "ep"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"), ("ep", "expert")):
             value = getattr(self, name)
-            _check_int(name, value, minimum=1)
             if value > 1:
                 raise TrainConfigError(
-                    f"{name}={value} ({_flag(name)}): multi-rank training is not available yet; "
-                    "run with world size 1"
+                    f"{name}={value} ({_flag(name)}): {what} parallelism is not available yet; "
+                    "only --dp may be above 1"
                 )
+        if self.batch_size % self.dp:
+            raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp={self.dp}, "
+                                   "each data-parallel rank takes an equal share of the batch")
+
+    def parallel_config(self) -> ParallelConfig:
+        """How the model is replicated and sharded over the data-parallel ranks."""
+        return ParallelConfig(zero_stage=self.zero_stage, distributed_optimizer=self.distributed_optimizer,
+                              param_dtype=self.dtype)
 
     def _check_data(self) -> None:
         if self.data is None:
@@ -176,106 +192,89 @@ def _load_data(cfg: TrainConfig) -> _Data:
     return _Data(train=train, eval_samples=eval_samples, n_tokens=tokens.numel())
 
 
-class _Optimizer:
-    """AdamW over fp32 main parameters when the model holds bfloat16 ones, else over the model's own.
-
-    Matrices get weight decay; norms, biases and other vectors do not (as nanoGPT and Megatron do).
-    """
-
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        low_precision = any(p.dtype == torch.bfloat16 for p in self.params)
-        self.main = [torch.nn.Parameter(p.detach().float()) for p in self.params] if low_precision else []
-        opt_params = self.main or self.params
-        groups = [
-            {"params": [p for p in opt_params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in opt_params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        self.cfg = cfg
-        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                                       foreach=False, fused=False)
-
-    def step(self, lr: float) -> float:
-        """Clip, update, copy main params back; returns the gradient norm before clipping."""
-        if self.main:
-            for main, p in zip(self.main, self.params, strict=True):
-                main.grad = None if p.grad is None else p.grad.float()
-        opt_params = self.main or self.params
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(opt_params, max_norm, foreach=False)
-        for group in self.inner.param_groups:
-            group["lr"] = lr
-        self.inner.step()
-        if self.main:
-            with torch.no_grad():
-                for main, p in zip(self.main, self.params, strict=True):
-                    p.copy_(main)
-                    main.grad = None  # the fp32 copy of a gradient only lives for the update
-        return float(grad_norm)
-
-    def zero_grad(self) -> None:
-        for p in self.params + self.main:
-            p.grad = None
-
-
-def _lm_loss(model: Transformer, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _lm_loss(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(objective, language-model loss) of samples [B, S+1].
 
-    The objective is the model's own `loss` (mean next-token cross entropy plus the MoE aux loss), so
+    The objective is the model's own loss (mean next-token cross entropy plus the MoE aux loss), so
     every layout optimizes the same definition; the language-model loss drops the aux term for reporting.
     """
     inputs, labels = samples[:, :-1], samples[:, 1:]  # [B, S] each
-    objective = model.loss(inputs, labels, ignore_index=IGNORE_INDEX)
+    model: Transformer = dp.module
+    logits = dp(inputs, token_mask=labels != IGNORE_INDEX)  # through the wrapper: ZeRO gathers parameters
+    objective = model.loss_from_logits(logits, labels, ignore_index=IGNORE_INDEX)
     return objective, objective.detach() - model.aux_loss().detach()
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, samples: torch.Tensor, batch_size: int, max_batches: int) -> float | None:
+def evaluate(dp: DataParallel, samples: torch.Tensor, batch_size: int, max_batches: int) -> float | None:
     """Mean next-token cross entropy (no aux loss) over the first max_batches batches of samples
-    [n, S+1], in order; None when there are no samples."""
+    [n, S+1], in order; None when there are no samples. Every rank evaluates the same samples."""
     n = min(samples.shape[0], batch_size * max_batches)
     if n == 0:
         return None
-    was_training = model.training
-    model.eval()
+    was_training = dp.training
+    dp.eval()
     total = 0.0
     for start in range(0, n, batch_size):
         batch = samples[start : min(start + batch_size, n)]
-        total += float(_lm_loss(model, batch)[1]) * batch.shape[0]  # equal-length rows: weight by rows
-    model.train(was_training)
+        total += float(_lm_loss(dp, batch)[1]) * batch.shape[0]  # equal-length rows: weight by rows
+    dp.train(was_training)
     return total / n
 
 
 def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
-    """Train on one rank and return the `train --json` result.
+    """Train and return the `train --json` result.
 
-    Keys: layout (degrees), steps, losses (language-model loss per step, floats), final_loss,
-    eval_loss (held-out loss after the last step, or None without held-out data), params,
-    tokens_per_s, memory (one entry per rank, bytes), comm (one entry per rank, bytes sent per
-    "op/dim"), time_s. Deterministic: the same cfg gives bitwise-identical losses. With cfg.out,
-    metrics.jsonl (one JSON object per step) is written there. torch's thread count is set to
-    cfg.threads for the run and restored afterwards.
+    Keys: layout (degrees), steps, losses (language-model loss per step, the mean over data-parallel
+    ranks), final_loss, eval_loss (held-out loss after the last step, or None without held-out data),
+    params, tokens_per_s, memory (one entry per rank, bytes), comm (one entry per rank, bytes sent per
+    "op/dim"), time_s. With dp > 1 the ranks are local processes started by `launch_local`, unless this
+    process already belongs to a process group of that size (torchrun). Deterministic: the same cfg
+    gives bitwise-identical losses. With cfg.out, metrics.jsonl is written there by rank 0. torch's
+    thread count is set to cfg.threads for the run and restored afterwards.
     """
+    world_size = cfg.layout.world_size
+    if world_size > 1 and not torch.distributed.is_initialized():
+        return _merge_ranks(launch_local(_train_rank, world_size, args=(cfg, progress)))
     # One thread by default: these models run many small ops, and on a shared 2-core machine a second
     # OpenMP thread that waits for a busy core at every op made steps 10x slower, not faster.
     previous_threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, progress)
+        with process_group():
+            return _train(cfg, progress)
     finally:
         torch.set_num_threads(previous_threads)
 
 
+def _train_rank(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
+    return _train(cfg, progress and torch.distributed.get_rank() == 0)
+
+
+def _merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from every rank's: losses averaged over ranks (equal shares), per-rank lists joined."""
+    merged = dict(results[0])
+    merged["losses"] = [sum(step) / len(results) for step in zip(*(r["losses"] for r in results), strict=True)]
+    merged["final_loss"] = merged["losses"][-1]
+    merged["memory"] = [entry for r in results for entry in r["memory"]]
+    merged["comm"] = [entry for r in results for entry in r["comm"]]
+    return merged
+
+
 def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
+    mesh = init_mesh(cfg.layout)
+    rank, dp_group = mesh.rank, mesh["dp"]
     bar = ProgressBar(cfg.steps, enabled=progress)
     torch.manual_seed(cfg.seed)
     data = _load_data(cfg)
-    model = Transformer(cfg.model_config(), seed=cfg.seed, dtype=DTYPES[cfg.dtype])
-    model.train()
-    optimizer = _Optimizer(model, cfg)
-    bar.log(f"orangetron train: {_describe(cfg, model, data)}")
-    run = _RunLog(cfg, bar)
+    model_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # bf16: cast by the wrapper
+    dp = DataParallel(Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype), mesh, cfg.parallel_config())
+    dp.train()
+    optimizer = dp.optimizer(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    bar.log(f"orangetron train: {_describe(cfg, dp.module, data)}")
+    run = _RunLog(cfg, bar, write=rank == 0)
+    share = cfg.batch_size // dp_group.size
     eval_loss: float | None = None
     mem: dict[str, int] = {}
     with comm.measure() as records, run:
@@ -283,13 +282,14 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
+            rows = next(batches)[dp_group.rank * share:(dp_group.rank + 1) * share]  # this rank's share
             # Step 0 also measures memory; its hooks cost time, so run.step leaves it out of tokens/s.
-            loss, grad_norm, step_mem = _train_step(model, optimizer, next(batches), lr, measure=step == 0)
+            loss, grad_norm, step_mem = _train_step(dp, optimizer, rows, lr, cfg.grad_clip, measure=step == 0)
             seconds = time.perf_counter() - t0  # evaluation below is not training throughput
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
             if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
-                eval_loss = evaluate(model, data.eval_samples, cfg.batch_size, cfg.eval_batches)
+                eval_loss = evaluate(dp, data.eval_samples, cfg.batch_size, cfg.eval_batches)
                 record["eval_loss"] = eval_loss
             run.step(record, seconds)
     if eval_loss is None:
@@ -300,39 +300,40 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "losses": run.losses,
         "final_loss": run.losses[-1],
         "eval_loss": eval_loss,
-        "params": model.num_parameters(),
+        "params": dp.module.num_parameters(),
         "tokens_per_s": run.tokens_per_s() or 0.0,
-        "memory": [{"rank": 0, **mem}],
-        "comm": [{"rank": 0, **dict(sorted(comm.bytes_by_key(records).items()))}],
+        "memory": [{"rank": rank, **mem}],
+        "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
         "time_s": time.perf_counter() - run.started,
     }
 
 
 def _train_step(
-    model: Transformer, optimizer: _Optimizer, batch: torch.Tensor, lr: float, *, measure: bool
+    dp: DataParallel, optimizer: ShardedAdamW, batch: torch.Tensor, lr: float, grad_clip: float, *, measure: bool
 ) -> tuple[float, float, dict[str, int]]:
     """One forward, backward and update on batch [B, S+1] -> (loss, grad norm, memory by category).
 
     The memory dict is empty unless `measure`; then it holds the model state after the update
     (params, grads, main_params, optimizer) and the peak of activations saved for backward.
     """
-    with memory.track_activations(model) if measure else nullcontext() as meter:
-        objective, lm_loss = _lm_loss(model, batch)
+    with memory.track_activations(dp.module) if measure else nullcontext() as meter:
+        objective, lm_loss = _lm_loss(dp, batch)
         objective.backward()
-    grad_norm = optimizer.step(lr)
+    optimizer.lr = lr
+    grad_norm = optimizer.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
+    optimizer.step()
     mem: dict[str, int] = {}
     if measure:
-        mem = {**memory.model_state_bytes(model, optimizer.inner, optimizer.main),
-               "activations_peak": meter.peak_bytes}
+        mem = {**memory.model_state_bytes(dp, optimizer), "activations_peak": meter.peak_bytes}
     optimizer.zero_grad()
-    return float(lm_loss), grad_norm, mem
+    return float(lm_loss), float(grad_norm), mem
 
 
 class _RunLog:
     """Per-step bookkeeping: losses, tokens/s (step 0 excluded), progress bar, metrics.jsonl."""
 
-    def __init__(self, cfg: TrainConfig, bar: ProgressBar):
-        self.cfg, self.bar = cfg, bar
+    def __init__(self, cfg: TrainConfig, bar: ProgressBar, write: bool = True):
+        self.cfg, self.bar, self.write = cfg, bar, write
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.losses: list[float] = []
         self.timed_s, self.timed_tokens = 0.0, 0
@@ -340,7 +341,7 @@ class _RunLog:
         self.file = None
 
     def __enter__(self) -> _RunLog:
-        if self.cfg.out is not None:
+        if self.cfg.out is not None and self.write:
             folder = Path(self.cfg.out)
             folder.mkdir(parents=True, exist_ok=True)
             self.file = open(folder / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
