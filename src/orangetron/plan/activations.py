@@ -1,0 +1,145 @@
+"""Saved activations per transformer layer and per pipeline stage.
+
+Korthikanti et al. 2022 (arXiv:2205.05198), section 4, count the bytes one layer keeps for backward with
+16-bit activations and 1-byte dropout masks: s*b*h*(34 + 5*a*s/h) without parallelism; with tensor
+parallelism s*b*h*(10 + 24/t + 5*a*s/(h*t)); with sequence parallelism everything divides by t; selective
+recompute drops the 5*a*s/h attention-score term; full recompute keeps only the layer input (2*s*b*h).
+`layer_activation_bytes` reproduces these term by term for GPT-style layers and extends them to GQA,
+SwiGLU, MoE, context parallelism (the local sequence s/cp) and flash attention (no s x s scores, plus the
+attention output and its log-sum-exp). Pipeline in-flight counts follow the paper's section 4.2.3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from orangetron.plan.config import Degrees, Job, without_data_parallel
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.stages import stage_layers
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The sizes every activation formula needs, for one micro-batch on one GPU."""
+
+    s: int  # local sequence (seq / cp)
+    s_kv: int  # keys each query attends to (full sequence)
+    b: int
+    t: int
+    sp: bool
+    a: int  # bytes per activation element (the param dtype)
+
+    @property
+    def rep(self) -> int:
+        """Divisor of the pieces TP alone leaves replicated (norms, block inputs, dropout masks)."""
+        return self.t if self.sp else 1
+
+
+def layer_shape(deg: Degrees, job: Job) -> LayerShape:
+    return LayerShape(job.seq_len // deg.cp, job.seq_len, job.micro_batch, deg.tp,
+                      job.sequence_parallel and deg.tp > 1, job.param_bytes)
+
+
+def _heads(n: int, t: int) -> int:
+    # KV heads fewer than tp are replicated, one per rank.
+    return max(1, n // t)
+
+
+def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
+    """Attention block (its input norm excluded): QKV input, Q, K, V, output, masks, optional scores."""
+    sb, h, a = x.s * x.b, m.hidden_size, x.a
+    heads, kv = _heads(m.num_heads, x.t), _heads(m.kv_heads, x.t)
+    total = a * sb * h // x.rep  # QKV projection input
+    total += a * sb * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)  # Q, K, V
+    total += a * sb * heads * m.v_dim  # attention output = output-projection input
+    if m.dropout:
+        total += sb * h // x.rep  # dropout mask after the output projection (1 byte)
+    if job.attention_kernel == "flash":
+        return total + 4 * x.b * heads * x.s  # fp32 log-sum-exp per query and head
+    if job.recompute != "selective":
+        scores = x.b * heads * x.s * x.s_kv
+        total += a * scores  # softmax output
+        if m.dropout:
+            total += scores + a * scores  # attention-dropout mask (1 byte) and output
+    return total
+
+
+def mlp_bytes(m: ModelSpec, x: LayerShape, ffn: int, tokens: int | None = None, shard_h: bool = True,
+              split: int | None = None) -> int:
+    """One MLP of width `ffn` (split `split` ways, default tp) over `tokens` rows (default s*b)."""
+    rows = x.s * x.b if tokens is None else tokens
+    f = ffn // (x.t if split is None else split)
+    inp = x.a * rows * m.hidden_size // (x.rep if shard_h else 1)
+    hidden = (3 if m.mlp == "swiglu" else 2) * x.a * rows * f  # gate+up and product, or fc1 out and GeLU out
+    return inp + hidden
+
+
+def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
+    """Router, routed experts on this GPU (its dispatched tokens, full hidden) and shared experts."""
+    sb = x.s * x.b
+    router = x.a * sb * m.hidden_size // x.rep + 4 * sb * m.num_experts // x.rep  # input, fp32 probs
+    # Each EP rank receives, on balance, top_k copies of its own token count; capacity pads to the factor.
+    routed = sb // x.rep * m.top_k
+    if job.dispatcher == "capacity":
+        routed = int(routed * job.capacity_factor)
+    total = router + mlp_bytes(m, x, m.moe_ffn_hidden_size, tokens=routed, shard_h=False, split=etp)
+    if m.num_shared_experts:
+        shared = mlp_bytes(m, x, m.num_shared_experts * m.moe_ffn_hidden_size)
+        total += shared - x.a * sb * m.hidden_size // x.rep  # shares the router's input
+    return total
+
+
+def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> int:
+    """Bytes one layer saves for backward for one micro-batch on one GPU, under `job.recompute`."""
+    x = layer_shape(deg, job)
+    sb, h = x.s * x.b, m.hidden_size
+    if job.recompute == "full":
+        return x.a * sb * h // x.rep  # the checkpointed layer input
+    norms = 2 * x.a * sb * h // x.rep
+    ffn = moe_bytes(m, x, job, deg.etp) if moe else mlp_bytes(m, x, m.ffn_hidden_size)
+    mask = sb * h // x.rep if m.dropout else 0
+    return norms + attention_bytes(m, x, job) + ffn + mask
+
+
+def in_flight(deg: Degrees, job: Job, stage: int) -> float:
+    """Layer-chunks' worth of micro-batches a stage holds at its peak, in units of the stage's layers.
+
+    1F1B: stage s holds pp - s micro-batches (stage 0 holds pp); GPipe holds all of them; interleaved with v
+    chunks holds v*pp + pp - 1 - 2s chunk-micro-batches of 1/v of its layers (Korthikanti's 1 + (p-1)/(p*v)).
+    """
+    p, m, v = deg.pp, job.microbatches(deg), job.virtual_stages
+    if p == 1:
+        return 1.0
+    if job.pp_schedule == "gpipe":
+        return float(m)
+    if job.pp_schedule == "interleaved" and v > 1:
+        return min(v * p + p - 1 - 2 * stage, m * v) / v
+    return float(min(p - stage, m))
+
+
+def stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
+    """Peak saved activations on one GPU of `stage`, including embedding and output/loss buffers."""
+    # Optimizer sharding never changes activations: drop it from the cache key.
+    return _stage_activation_bytes(m, deg, without_data_parallel(job), stage)
+
+
+@lru_cache(maxsize=16384)
+def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
+    x = layer_shape(deg, job)
+    layers = stage_layers(m.num_layers, deg.pp, job.virtual_stages, stage)
+    moe_layers = sum(m.is_moe_layer(i) for i in layers)
+    per_mb = (moe_layers * layer_activation_bytes(m, deg, job, True)
+              + (len(layers) - moe_layers) * layer_activation_bytes(m, deg, job, False))
+    total = int(per_mb * in_flight(deg, job, stage))
+    if job.recompute == "full" and layers:
+        # Backward re-runs one layer's forward: its full activations exist transiently.
+        total += layer_activation_bytes(m, deg, replace(job, recompute="none"),
+                                        m.is_moe_layer(layers[0]))
+    sb, h = x.s * x.b, m.hidden_size
+    if stage == 0 and m.dropout:
+        total += int(sb * h // x.rep * in_flight(deg, job, 0))  # embedding-dropout mask
+    if stage == deg.pp - 1:
+        # Final-norm input, output-projection input, fp32 logits for the loss (vocab-parallel).
+        total += 2 * x.a * sb * h // x.rep + 4 * sb * m.vocab_size // x.t
+    return total

@@ -1,0 +1,37 @@
+"""The runtime's objects seen by the cost model, so a test can compare a measured step with its prediction.
+
+Read by attribute (no torch import): `orangetron.ModelConfig` -> `ModelSpec`, `orangetron.Layout` ->
+`Degrees`, `orangetron.ParallelConfig` -> `Job`.
+"""
+
+from __future__ import annotations
+
+from orangetron.plan.collectives import CommRecord
+from orangetron.plan.config import Degrees, Job
+from orangetron.plan.memory import stage_memory
+from orangetron.plan.models import spec_from_model_config
+from orangetron.plan.traffic import step_records
+
+
+def degrees_from_layout(layout: object) -> Degrees:
+    return Degrees(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
+                   etp=getattr(layout, "etp", 1))
+
+
+def job_from_parallel_config(pc: object, seq_len: int, micro_batch: int) -> Job:
+    """A `Job` with the runtime's options; every micro-batch has `micro_batch` sequences of `seq_len`."""
+    return Job(seq_len=seq_len, micro_batch=micro_batch, num_microbatches=pc.microbatches,
+               sequence_parallel=pc.sequence_parallel, cp_mode=pc.cp_mode, ulysses_degree=pc.ulysses_degree,
+               dispatcher=pc.dispatcher, capacity_factor=pc.capacity_factor, zero_stage=pc.zero_stage,
+               distributed_optimizer=pc.distributed_optimizer, param_dtype=pc.param_dtype,
+               reduce_dtype=pc.reduce_dtype or "", bucket_numel=pc.bucket_numel, pp_schedule=pc.pp_schedule,
+               virtual_stages=pc.virtual_stages, recompute=pc.recompute)
+
+
+def predicted_step(model_config: object, layout: object, parallel_config: object, seq_len: int,
+                   micro_batch: int, stage: int = 0) -> tuple[list[CommRecord], dict[str, int]]:
+    """(CommRecords of one step, bytes by memory category) predicted for one rank of pipeline `stage`."""
+    model = spec_from_model_config(model_config)
+    deg = degrees_from_layout(layout)
+    job = job_from_parallel_config(parallel_config, seq_len, micro_batch)
+    return step_records(model, deg, job, stage), stage_memory(model, deg, job, stage)

@@ -1,0 +1,50 @@
+"""Bar charts of the memory and time breakdown of the best configurations (matplotlib, optional)."""
+
+from __future__ import annotations
+
+from orangetron.plan.estimate import Estimate
+from orangetron.plan.hardware import GIB
+
+MEMORY_PARTS = ("params", "grads", "main_params", "optimizer", "activations", "buffers")
+TIME_PARTS = ("compute_s", "bubble_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s", "optimizer_s")
+
+
+def _label(e: Estimate) -> str:
+    d, j = e.degrees, e.job
+    zero = "distopt" if j.distributed_optimizer else f"zero{j.zero_stage}"
+    mode = f" {j.cp_mode}" if d.cp > 1 else ""
+    return f"tp{d.tp} cp{d.cp} pp{d.pp} v{j.virtual_stages}\ndp{d.dp} ep{d.ep} mb{j.micro_batch}\n{zero}{mode}"
+
+
+def breakdown_chart(estimates: list[Estimate], path: str) -> None:
+    """Two stacked-bar panels (memory GiB, step seconds) for `estimates`, saved to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [_label(e) for e in estimates]
+    xs = range(len(estimates))
+    bottom = [0.0] * len(estimates)
+    for part in MEMORY_PARTS:
+        vals = [e.memory.get(part, 0) / GIB for e in estimates]
+        ax_mem.bar(xs, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax_mem.axhline(estimates[0].cluster.gpu.memory_gib, color="k", linestyle="--", linewidth=1)
+    ax_mem.set_ylabel("GiB per GPU")
+    ax_mem.set_title("memory")
+    bottom = [0.0] * len(estimates)
+    for part in TIME_PARTS:
+        vals = [getattr(e.time, part) for e in estimates]
+        ax_time.bar(xs, vals, bottom=bottom, label=part[:-2])
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax_time.set_ylabel("seconds per step")
+    ax_time.set_title("step time")
+    for ax in (ax_mem, ax_time):
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{estimates[0].model.name} on {estimates[0].degrees.world_size} x {estimates[0].cluster.gpu.name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,224 @@
+"""`orangetron estimate` and `orangetron plan`: argparse wiring and text/JSON output.
+
+Every user error is raised as ValueError with one line naming the field; `orangetron.cli.main` prints it
+and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+
+from orangetron.plan.config import CP_MODES, DISPATCHERS, DTYPE_BYTES, RECOMPUTE, SCHEDULES, Degrees, Job
+from orangetron.plan.estimate import Estimate, estimate, require_fit
+from orangetron.plan.hardware import GIB, Cluster, make_cluster
+from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model
+from orangetron.plan.search import SearchSpace, search
+
+
+def add_plan_commands(sub: argparse._SubParsersAction) -> None:
+    """Add `estimate` and `plan` to the `orangetron` subcommands."""
+    est = sub.add_parser("estimate", help="memory, communication, step time and MFU of one configuration",
+                         description="Price one configuration: memory per GPU by category, bytes per collective "
+                                     "per step, step time and MFU.")
+    _common(est)
+    for dim in ("tp", "cp", "pp", "dp", "ep"):
+        est.add_argument(f"--{dim}", type=int, default=None if dim == "dp" else 1,
+                         help=f"{dim} degree" + (" (default: gpus / (tp*cp*pp))" if dim == "dp" else ""))
+    est.add_argument("--virtual-stages", type=int, default=1, help="interleaved pipeline chunks per stage")
+    est.add_argument("--micro-batch", type=int, default=1)
+    est.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    est.add_argument("--sequence-parallel", action="store_true")
+    est.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
+    est.add_argument("--distributed-optimizer", action="store_true")
+    est.add_argument("--cp-mode", choices=CP_MODES, default="ring")
+    est.add_argument("--dispatcher", choices=DISPATCHERS, default="ragged")
+    est.add_argument("--capacity-factor", type=float, default=1.0)
+    est.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES), default="",
+                     help="gradient reduction dtype (default: the param dtype, as the seed's tables)")
+    est.add_argument("--no-overlap-ep", action="store_true", help="expose expert all-to-all (no DeepEP overlap)")
+    est.add_argument("--pp-schedule", choices=SCHEDULES, default=None,
+                     help="default: interleaved when --virtual-stages > 1, else 1f1b")
+    est.add_argument("--allow-oom", action="store_true", help="report a configuration even if it does not fit")
+    est.set_defaults(run=run_estimate)
+
+    plan = sub.add_parser("plan", help="search layouts for a model on a cluster and rank them",
+                          description="Search tp, cp, pp, virtual stages, dp, ep, ZeRO stage, recompute, cp mode, "
+                                      "dispatcher and micro-batch; print the fastest configurations that fit. "
+                                      "Dual-encoder models get a DistMM plan instead.")
+    _common(plan)
+    plan.add_argument("--top", type=int, default=10, help="rows to show")
+    plan.add_argument("--memory-fraction", type=float, default=0.9,
+                      help="share of GPU memory a configuration may use (the rest: allocator, CUDA context)")
+    plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations (needs matplotlib)")
+    for dim in ("tp", "cp", "pp", "ep"):
+        plan.add_argument(f"--{dim}", type=_int_list, default=None, metavar="N[,N...]",
+                          help=f"only these {dim} degrees (default: every sensible value)")
+    plan.set_defaults(run=run_plan)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name (e.g. llama3-8b) or a model .toml file")
+    p.add_argument("--gpu", default="h100", help="GPU preset (h100, h200, a100-80gb, b200, rtx3090) or .toml file")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in the cluster")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPU preset's node size")
+    p.add_argument("--nic-gbps", type=float, default=None, help="inter-node NIC line rate per GPU, Gbit/s")
+    p.add_argument("--transport", choices=("proxy", "ibgda"), default="proxy",
+                   help="who posts inter-node work: a CPU proxy thread or the GPU (IBGDA)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length")
+    p.add_argument("--global-batch", type=int, default=0,
+                   help="sequences per step (default: one micro-batch per replica)")
+    p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bfloat16")
+    p.add_argument("--attention-kernel", choices=("flash", "eager"), default="flash")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+
+
+def _cluster(args: argparse.Namespace, gpus: int) -> Cluster:
+    return make_cluster(args.gpu, gpus, args.gpus_per_node, args.nic_gbps, args.transport)
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"--{name.replace('_', '-')}={value}: must be >= 1")
+
+
+def _degrees(args: argparse.Namespace) -> Degrees:
+    for name in ("tp", "cp", "pp", "dp", "ep", "gpus", "gpus_per_node", "micro_batch", "virtual_stages", "seq"):
+        _positive(name, getattr(args, name, None))
+    model_par = args.tp * args.cp * args.pp
+    dp = args.dp
+    if dp is None:
+        gpus = args.gpus or model_par
+        if gpus % model_par:
+            raise ValueError(f"--gpus={gpus} is not divisible by tp*cp*pp={model_par}")
+        dp = gpus // model_par
+    deg = Degrees(tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep)
+    if args.gpus and args.gpus != deg.world_size:
+        raise ValueError(f"--gpus={args.gpus} but tp*cp*pp*dp = {deg.world_size}")
+    return deg
+
+
+def _decoder(name: str) -> ModelSpec:
+    spec = load_model(name)
+    if isinstance(spec, DualEncoderSpec):
+        raise ValueError(f"model {spec.name} is a dual encoder: use `orangetron plan --model {name}` (DistMM)")
+    return spec
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    model = _decoder(args.model)
+    deg = _degrees(args)
+    schedule = args.pp_schedule or ("interleaved" if args.virtual_stages > 1 else "1f1b")
+    job = Job(seq_len=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
+              sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, dispatcher=args.dispatcher,
+              capacity_factor=args.capacity_factor, zero_stage=args.zero_stage,
+              distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
+              pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
+              attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
+              overlap_ep=not args.no_overlap_ep)
+    est = estimate(model, deg, job, _cluster(args, deg.world_size))
+    if not args.allow_oom:
+        require_fit(est)
+    if args.json:
+        print(json.dumps(est.to_json()))
+    else:
+        print(format_estimate(est))
+    return 0
+
+
+def format_estimate(est: Estimate) -> str:
+    """Human-readable report of one estimate."""
+    d, mem, t = est.degrees, est.memory, est.time
+    lines = [f"{est.model.name} on {d.world_size} x {est.cluster.gpu.name} "
+             f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): tp={d.tp} cp={d.cp} pp={d.pp} "
+             f"dp={d.dp} ep={d.ep}, seq {est.job.seq_len}, micro-batch {est.job.micro_batch}, "
+             f"{est.job.microbatches(d)} micro-batch(es) per step",
+             "memory per GPU (GiB):"]
+    for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "total"):
+        lines.append(f"  {key:<12} {mem[key] / GIB:10.2f}")
+    lines.append(f"  capacity     {est.cluster.gpu.memory_gib:10.2f}" + ("" if est.fits else "  (does NOT fit)"))
+    lines.append("communication per step (GiB sent by one rank of stage 0):")
+    for key, row in est.comm.items():
+        lines.append(f"  {key:<22} {row['sent'] / GIB:10.3f}  ({row['calls']} calls)")
+    lines.append(f"step time {t.step_s:.3f} s: compute {t.compute_s:.3f}, bubble {t.bubble_s:.3f}, exposed comm "
+                 f"tp {t.tp_s:.3f} cp {t.cp_s:.3f} ep {t.ep_s:.3f} pp {t.pp_s:.3f} dp {t.dp_s:.3f}, "
+                 f"optimizer {t.optimizer_s:.3f}")
+    lines.append(f"{t.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * t.mfu:.1f}% (HFU {100 * t.hfu:.1f}%)")
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.chart:
+        _require_matplotlib()
+    for name in ("gpus", "gpus_per_node", "seq", "top"):
+        _positive(name, getattr(args, name))
+    if not args.gpus:
+        raise ValueError("--gpus is required for plan")
+    spec = load_model(args.model)
+    cluster = _cluster(args, args.gpus)
+    if isinstance(spec, DualEncoderSpec):
+        from orangetron.plan.distmm import format_plan, plan_distmm
+
+        batch = args.global_batch or 32 * args.gpus
+        plan = plan_distmm(spec, cluster, batch, param_dtype=args.param_dtype)
+        print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
+        return 0
+    global_batch = args.global_batch or args.gpus
+    base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel)
+    space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep)
+    if args.attention_kernel == "flash":
+        space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
+    start = time.perf_counter()
+    result = search(spec, cluster, args.seq, global_batch, space, base, args.top, args.memory_fraction)
+    elapsed = time.perf_counter() - start
+    if not result.ranked:
+        raise ValueError(f"no layout of {args.gpus} x {cluster.gpu.name} fits {spec.name} with seq {args.seq} and "
+                         f"global batch {global_batch} in {args.memory_fraction:.0%} of "
+                         f"{cluster.gpu.memory_gib:.0f} GiB; add GPUs or shorten the sequence")
+    print(f"priced {result.evaluated} fitting of {result.considered} configurations in {elapsed:.2f} s",
+          file=sys.stderr)
+    if args.chart:
+        from orangetron.plan.chart import breakdown_chart
+
+        breakdown_chart(result.ranked[: min(5, len(result.ranked))], args.chart)
+    if args.json:
+        print(json.dumps({"model": spec.name, "gpu": cluster.gpu.name, "gpus": args.gpus,
+                          "evaluated": result.evaluated, "considered": result.considered,
+                          "search_s": elapsed, "ranked": [e.to_json() for e in result.ranked]}))
+    else:
+        print(format_ranking(result.ranked))
+    return 0
+
+
+def format_ranking(ranked: list[Estimate]) -> str:
+    head = (f"{'#':>2} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>4} {'ep':>3} {'mb':>3} {'zero':<8} "
+            f"{'recomp':<9} {'cp mode':<9} {'mem GiB':>8} {'step s':>8} {'MFU %':>6}")
+    rows = [head]
+    for i, e in enumerate(ranked, 1):
+        d, j = e.degrees, e.job
+        zero = "distopt" if j.distributed_optimizer else ("ddp" if j.zero_stage == 0 else f"zero{j.zero_stage}")
+        mode = j.cp_mode if d.cp > 1 else "-"
+        rows.append(f"{i:>2} {d.tp:>3} {d.cp:>3} {d.pp:>3} {j.virtual_stages:>2} {d.dp:>4} {d.ep:>3} "
+                    f"{j.micro_batch:>3} {zero:<8} {j.recompute:<9} {mode:<9} {e.memory['total'] / GIB:>8.1f} "
+                    f"{e.time.step_s:>8.3f} {100 * e.time.mfu:>6.1f}")
+    return "\n".join(rows)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: degrees must be >= 1")
+    return values
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--chart needs matplotlib: pip install 'orangetron[plot]'") from None

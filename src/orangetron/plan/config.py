@@ -1,0 +1,150 @@
+"""What the cost model is asked about: parallel degrees and the training options of one configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from orangetron.plan.models import ModelSpec
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+RECOMPUTE = ("none", "selective", "full")
+CP_MODES = ("ring", "allgather", "ulysses", "usp", "rsa")
+DISPATCHERS = ("ragged", "capacity", "allgather")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """`world = tp * cp * pp * dp`; ep is folded over dp * cp (edp = dp * cp / ep), as the runtime's Layout."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1  # expert tensor parallelism: 1 (the runtime's only value) or tp
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "pp", "dp", "ep", "etp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: every degree must be >= 1")
+        if self.etp not in (1, self.tp):
+            raise ValueError(f"etp={self.etp}: expert tensor parallelism must be 1 or tp={self.tp}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep}: must divide dp*cp={self.dp * self.cp} (experts fold over dp x cp)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.cp // self.ep
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+
+@dataclass(frozen=True)
+class Job:
+    """Training options that change memory, traffic or time. Field names match `ot.ParallelConfig`."""
+
+    seq_len: int
+    micro_batch: int = 1
+    global_batch: int = 0  # sequences per step; 0: `num_microbatches` micro-batches per replica
+    num_microbatches: int = 1  # used when global_batch is 0 (the runtime's ParallelConfig.microbatches)
+    bucket_numel: int = 0  # gradient-reduction bucket size in elements; 0: one bucket per group
+    clip_grad: bool = False  # sharded gradient clipping all-reduces one sum of squares per group
+    sequence_parallel: bool = False
+    cp_mode: str = "ring"
+    ulysses_degree: int = 1  # for cp_mode "usp"
+    dispatcher: str = "ragged"
+    capacity_factor: float = 1.0
+    zero_stage: int = 0
+    distributed_optimizer: bool = False
+    param_dtype: str = "bfloat16"
+    grad_dtype: str = "float32"  # main-gradient buffer (DESIGN section 5: fp32, 4 B)
+    reduce_dtype: str = ""  # gradient reduction dtype; "" = param_dtype (the seed's default)
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    attention_kernel: str = "flash"  # "flash" keeps no [s, s] scores; "eager" stores them
+    overlap_ep: bool = True  # DeepEP-style: expert all-to-all hidden behind expert compute where possible
+
+    def __post_init__(self) -> None:
+        _check_choice("recompute", self.recompute, RECOMPUTE)
+        _check_choice("cp_mode", self.cp_mode, CP_MODES)
+        _check_choice("dispatcher", self.dispatcher, DISPATCHERS)
+        _check_choice("pp_schedule", self.pp_schedule, SCHEDULES)
+        _check_choice("attention_kernel", self.attention_kernel, ("flash", "eager"))
+        for name in ("param_dtype", "grad_dtype"):
+            _check_choice(name, getattr(self, name), tuple(DTYPE_BYTES))
+        if self.reduce_dtype:
+            _check_choice("reduce_dtype", self.reduce_dtype, tuple(DTYPE_BYTES))
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage}: must be 0 (DDP), 1, 2 or 3")
+        if self.distributed_optimizer and self.zero_stage in (2, 3):
+            raise ValueError(f"distributed_optimizer with zero_stage={self.zero_stage}: pick one sharding scheme")
+        for name in ("seq_len", "micro_batch", "virtual_stages", "num_microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def reduce_bytes(self) -> int:
+        return DTYPE_BYTES[self.reduce_dtype or self.param_dtype]
+
+    @property
+    def mixed_precision(self) -> bool:
+        """fp32 main params exist only when the model params are in a lower precision."""
+        return DTYPE_BYTES[self.param_dtype] < 4
+
+    def microbatches(self, degrees: Degrees) -> int:
+        """Micro-batches per step on each data-parallel replica."""
+        if not self.global_batch:
+            return self.num_microbatches
+        return self.global_batch // (self.micro_batch * degrees.dp)
+
+
+@lru_cache(maxsize=65536)
+def without_data_parallel(job: Job) -> Job:
+    """`job` with its optimizer sharding reset: the key for costs that sharding cannot change."""
+    return replace(job, zero_stage=0, distributed_optimizer=False)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(choices)}")
+
+
+def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
+    """Raise ValueError (naming the field, value and rule) for a layout the runtime could not run."""
+    t, c, p = degrees.tp, degrees.cp, degrees.pp
+    if model.num_heads % t or model.kv_heads % t and t % model.kv_heads:
+        raise ValueError(f"tp={t}: num_heads={model.num_heads} and num_kv_heads={model.kv_heads} "
+                         "must divide by tp (or kv heads be replicated across it)")
+    if model.num_layers < p * job.virtual_stages:
+        raise ValueError(f"pp={p}: num_layers={model.num_layers} < pp*virtual_stages={p * job.virtual_stages}")
+    if job.virtual_stages > 1 and job.pp_schedule != "interleaved":
+        raise ValueError(f"virtual_stages={job.virtual_stages}: needs pp_schedule 'interleaved'")
+    if c > 1 and job.seq_len % (2 * c):
+        raise ValueError(f"cp={c}: seq_len {job.seq_len} is not divisible by 2*cp={2 * c}")
+    if job.sequence_parallel and t > 1 and (job.seq_len // c) % t:
+        raise ValueError(f"tp={t}: sequence shard {job.seq_len // c} is not divisible by tp under sequence_parallel")
+    if job.cp_mode == "ulysses" and c > 1 and (model.num_heads // t) % c:
+        raise ValueError(f"cp={c}: ulysses needs heads per tp rank ({model.num_heads // t}) divisible by cp")
+    if model.is_moe and model.num_experts % degrees.ep:
+        raise ValueError(f"ep={degrees.ep}: num_experts={model.num_experts} is not divisible by ep")
+    if not model.is_moe and degrees.ep > 1:
+        raise ValueError(f"ep={degrees.ep}: model {model.name} has no experts")
+    if job.global_batch and job.global_batch % (job.micro_batch * degrees.dp):
+        raise ValueError(f"global_batch={job.global_batch} is not divisible by micro_batch*dp="
+                         f"{job.micro_batch * degrees.dp}")
+    m = job.microbatches(degrees)
+    if job.pp_schedule == "interleaved" and p > 1 and m % p:
+        raise ValueError(f"pp={p}: interleaved schedule needs micro-batches ({m}) divisible by pp")

@@ -1,0 +1,84 @@
+"""One configuration, priced: memory per GPU, communication per step, step time and MFU."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from orangetron.plan.config import Degrees, Job, validate
+from orangetron.plan.hardware import GIB, Cluster
+from orangetron.plan.memory import memory_per_gpu
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.network import DEFAULT_PARAMS, NetworkParams
+from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, step_time
+from orangetron.plan.traffic import step_records, summarize
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Everything `orangetron estimate` reports for one configuration."""
+
+    model: ModelSpec
+    degrees: Degrees
+    job: Job
+    cluster: Cluster
+    memory: dict[str, int]
+    comm: dict[str, dict[str, int]]
+    time: StepTime
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.cluster.gpu.memory_bytes
+
+    def to_json(self) -> dict:
+        """The `estimate --json` object (DESIGN section 3)."""
+        return {
+            "model": self.model.name,
+            "gpu": self.cluster.gpu.name,
+            "gpus": self.degrees.world_size,
+            "gpus_per_node": self.cluster.gpus_per_node,
+            "layout": asdict(self.degrees),
+            "job": asdict(self.job),
+            "memory_bytes": self.memory,
+            "memory_capacity_bytes": int(self.cluster.gpu.memory_bytes),
+            "fits": self.fits,
+            "comm_bytes": {key: row["sent"] for key, row in self.comm.items()},
+            "comm": self.comm,
+            "step_time_s": self.time.step_s,
+            "time_breakdown_s": {k: v for k, v in asdict(self.time).items() if k.endswith("_s") and k != "step_s"},
+            "tokens_per_s": self.tokens_per_step / self.time.step_s,
+            "tflops_per_gpu": self.time.tflops_per_gpu,
+            "mfu": self.time.mfu,
+            "hfu": self.time.hfu,
+        }
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.job.microbatches(self.degrees) * self.job.micro_batch * self.degrees.dp * self.job.seq_len
+
+
+def check_cluster(deg: Degrees, cluster: Cluster) -> None:
+    if deg.world_size != cluster.num_gpus:
+        raise ValueError(f"tp*cp*pp*dp = {deg.tp}*{deg.cp}*{deg.pp}*{deg.dp} = {deg.world_size} "
+                         f"does not equal gpus={cluster.num_gpus}")
+
+
+def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: NetworkParams = DEFAULT_PARAMS,
+             eff: Efficiency = DEFAULT_EFFICIENCY) -> Estimate:
+    """Price one configuration; ValueError for a layout the runtime could not run."""
+    validate(model, deg, job)
+    check_cluster(deg, cluster)
+    memory = memory_per_gpu(model, deg, job)
+    comm = summarize(step_records(model, deg, job, stage=0))
+    return Estimate(model, deg, job, cluster, memory, comm, step_time(model, deg, job, cluster, net, eff))
+
+
+def require_fit(est: Estimate) -> None:
+    """ValueError with the breakdown when the busiest GPU needs more memory than it has."""
+    if est.fits:
+        return
+    mem = est.memory
+    parts = ", ".join(f"{k} {mem[k] / GIB:.1f}" for k in ("params", "grads", "main_params", "optimizer",
+                                                           "activations", "buffers") if mem.get(k))
+    raise ValueError(f"{est.model.name} does not fit: {mem['total'] / GIB:.1f} GiB per GPU ({parts}) > "
+                     f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; try more GPUs, larger "
+                     "tp/pp, a ZeRO stage, --recompute full or a smaller --micro-batch")

@@ -1,0 +1,98 @@
+"""GPU presets (TOML in `presets/gpus`, each citing its public datasheet) and the cluster they form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+
+import tomllib
+
+_PRESET_DIR = "presets/gpus"
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator and the node it sits in. Bandwidths are per direction, in GB/s (10^9 B/s)."""
+
+    name: str
+    sms: int
+    bf16_tflops: float  # dense tensor-core peak
+    fp32_tflops: float  # non-tensor FP32 peak
+    memory_gib: float
+    memory_bw_gbs: float
+    intra_node: str  # "nvswitch" | "nvlink" | "pcie"
+    intra_bw_gbs: float
+    nvls: bool  # NVSwitch in-switch reduction (NVLink SHARP) available
+    gpus_per_node: int
+    nic_gbps: float  # inter-node NIC line rate per GPU, Gbit/s
+    gemm_efficiency: float  # share of dense peak reached by large GEMMs
+
+    def peak_flops(self, dtype: str = "bfloat16") -> float:
+        """Dense peak in FLOP/s for matmuls in `dtype` (float32 runs on the FP32 cores; TF32 is not assumed)."""
+        return (self.fp32_tflops if dtype in ("float32", "float64") else self.bf16_tflops) * 1e12
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`num_gpus` GPUs in nodes of `gpus_per_node`, NICs of `nic_gbps` each, and a transport for GPU traffic."""
+
+    gpu: GPUSpec
+    num_gpus: int
+    gpus_per_node: int
+    nic_gbps: float
+    transport: str = "proxy"  # "proxy" (CPU proxy thread) | "ibgda" (GPU-initiated)
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"gpus={self.num_gpus}, gpus_per_node={self.gpus_per_node}: both must be >= 1")
+        if self.transport not in ("proxy", "ibgda"):
+            raise ValueError(f"transport={self.transport!r} must be 'proxy' or 'ibgda'")
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.num_gpus // self.gpus_per_node)  # a sub-cluster (DistMM) may end in a partial node
+
+    @property
+    def nic_bytes_per_s(self) -> float:
+        return self.nic_gbps * 1e9 / 8
+
+
+def gpu_names() -> list[str]:
+    root = resources.files("orangetron.plan").joinpath(_PRESET_DIR)
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def load_gpu(name_or_path: str) -> GPUSpec:
+    """A GPU preset name (`h100`) or a TOML file with the `GPUSpec` fields."""
+    if name_or_path.endswith(".toml"):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ValueError(f"gpu file {name_or_path} does not exist")
+        text = path.read_text()
+    else:
+        key = name_or_path.lower()
+        if key not in gpu_names():
+            raise ValueError(f"unknown gpu preset {name_or_path!r}; choose one of {', '.join(gpu_names())}")
+        text = resources.files("orangetron.plan").joinpath(_PRESET_DIR, f"{key}.toml").read_text()
+    table = tomllib.loads(text)
+    names = {f.name for f in fields(GPUSpec)}
+    missing = sorted(names - set(table))
+    if missing:
+        raise ValueError(f"gpu {name_or_path}: missing key(s) {', '.join(missing)}")
+    return GPUSpec(**{k: table[k] for k in names})
+
+
+def make_cluster(gpu: str | GPUSpec, num_gpus: int, gpus_per_node: int | None = None,
+                 nic_gbps: float | None = None, transport: str = "proxy") -> Cluster:
+    """A cluster of `num_gpus` preset GPUs; node size and NIC default to the preset's."""
+    spec = load_gpu(gpu) if isinstance(gpu, str) else gpu
+    per_node = gpus_per_node or spec.gpus_per_node
+    if num_gpus > per_node and num_gpus % per_node:
+        raise ValueError(f"gpus={num_gpus} is not a multiple of gpus_per_node={per_node}")
+    return Cluster(spec, num_gpus, min(per_node, num_gpus), nic_gbps or spec.nic_gbps, transport)

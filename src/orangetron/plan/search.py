@@ -1,0 +1,135 @@
+"""Layout search: enumerate tp, cp, pp, virtual stages, dp, ep, ZeRO stage, recompute, cp mode, dispatcher
+and micro-batch for a fixed cluster and global batch; keep what fits; rank by step time."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate
+from orangetron.plan.estimate import Estimate
+from orangetron.plan.hardware import Cluster
+from orangetron.plan.memory import memory_per_gpu
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.timing import step_time
+from orangetron.plan.traffic import step_records, summarize
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values each knob may take; `None` means every sensible value for the cluster."""
+
+    tp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    virtual_stages: tuple[int, ...] = (1, 2, 4)
+    micro_batch: tuple[int, ...] = (1, 2, 4)
+    zero: tuple[str, ...] = ("ddp", "zero1", "distopt", "zero2", "zero3")
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    cp_mode: tuple[str, ...] = ("ring", "allgather", "ulysses")
+    dispatcher: tuple[str, ...] = ("ragged",)  # capacity only adds padding at the same traffic pattern
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    ranked: list[Estimate]
+    evaluated: int  # configurations priced for time
+    considered: int  # configurations enumerated (valid or not)
+
+
+def _powers_of_two(limit: int) -> tuple[int, ...]:
+    return tuple(1 << i for i in range(limit.bit_length()) if 1 << i <= limit)
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+_ZERO = {"ddp": (0, False), "zero1": (1, False), "distopt": (0, True), "zero2": (2, False), "zero3": (3, False)}
+
+
+def candidate_degrees(model: ModelSpec, cluster: Cluster, space: SearchSpace, seq_len: int = 0) -> Iterator[Degrees]:
+    """Every (tp, cp, pp, dp, ep) whose product is the cluster size; tp stays inside a node."""
+    world = cluster.num_gpus
+    tps = space.tp or tuple(t for t in _powers_of_two(cluster.gpus_per_node) if model.num_heads % t == 0)
+    # A CP rank below 512 tokens (256 per head-tail chunk) only adds latency-bound steps.
+    cps = space.cp or tuple(c for c in _powers_of_two(world) if not seq_len or seq_len // c >= 512)
+    pps = space.pp or tuple(p for p in _divisors(world) if p <= model.num_layers)
+    for tp, cp, pp in itertools.product(tps, cps, pps):
+        if world % (tp * cp * pp):
+            continue
+        dp = world // (tp * cp * pp)
+        eps = space.ep or (tuple(e for e in _divisors(dp * cp) if model.num_experts % e == 0)
+                           if model.is_moe else (1,))
+        for ep in eps:
+            if (dp * cp) % ep == 0:
+                yield Degrees(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep)
+
+
+def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: int, space: SearchSpace,
+                   base: Job) -> Iterator[list[Job]]:
+    """Groups of training options for one layout, each group in order of preference: the same micro-batch,
+    schedule, cp mode and dispatcher with less sharding and less recompute first."""
+    vs = space.virtual_stages if deg.pp > 1 else (1,)
+    modes = space.cp_mode if deg.cp > 1 else (base.cp_mode,)
+    dispatchers = space.dispatcher if deg.ep > 1 else (base.dispatcher,)
+    zeros = [z for z in _ZERO if z in space.zero]
+    recomputes = [r for r in RECOMPUTE if r in space.recompute]
+    for mb, v, mode, disp in itertools.product(space.micro_batch, vs, modes, dispatchers):
+        if global_batch % (mb * deg.dp):
+            continue
+        group = []
+        for rc, zero in itertools.product(recomputes, zeros):
+            stage, distopt = _ZERO[zero]
+            group.append(Job(seq_len=seq_len, micro_batch=mb, global_batch=global_batch,
+                             sequence_parallel=deg.tp > 1, cp_mode=mode, dispatcher=disp,
+                             capacity_factor=base.capacity_factor, zero_stage=stage, distributed_optimizer=distopt,
+                             param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",
+                             virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
+                             overlap_ep=base.overlap_ep))
+        yield group
+
+
+def _pricing_class(job: Job) -> int:
+    # DDP, ZeRO-1/2 and the distributed optimizer move the same bytes per step and overlap them the same
+    # way, and less recompute is never slower, so within a class the first option that fits (groups are
+    # ordered by recompute, then sharding) is never slower than the later ones. ZeRO-3 adds
+    # per-micro-batch gathers and is its own class.
+    return 3 if job.zero_stage == 3 else 0
+
+
+def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, space: SearchSpace | None = None,
+           base: Job | None = None, top: int = 10, memory_fraction: float = 0.9) -> SearchResult:
+    """Price every valid configuration that fits in `memory_fraction` of GPU memory; fastest first.
+
+    Options dominated by a cheaper one that fits (more sharding or more recompute at the same traffic) are
+    counted as considered but not priced.
+    """
+    space = space or SearchSpace()
+    base = base or Job(seq_len=seq_len)
+    limit = cluster.gpu.memory_bytes * memory_fraction
+    scored: list[tuple[float, int, Degrees, Job, dict[str, int]]] = []
+    considered = 0
+    for deg in candidate_degrees(model, cluster, space, seq_len):
+        for group in candidate_jobs(model, deg, seq_len, global_batch, space, base):
+            considered += len(group)
+            priced: set[int] = set()
+            for job in group:
+                cls = _pricing_class(job)
+                if cls in priced:
+                    continue
+                try:
+                    validate(model, deg, job)
+                except ValueError:
+                    break  # the group shares every degree-dependent rule
+                mem = memory_per_gpu(model, deg, job)
+                if mem["total"] > limit:
+                    continue
+                priced.add(cls)
+                scored.append((step_time(model, deg, job, cluster).step_s, mem["total"], deg, job, mem))
+    scored.sort(key=lambda row: (row[0], row[1]))
+    ranked = [Estimate(model, deg, job, cluster, mem, summarize(step_records(model, deg, job)),
+                       step_time(model, deg, job, cluster)) for _, _, deg, job, mem in scored[:top]]
+    return SearchResult(ranked, len(scored), considered)

@@ -1,0 +1,23 @@
+"""Which layers each pipeline stage (and each virtual chunk) holds."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+def chunk_layers(num_layers: int, chunks: int) -> list[range]:
+    """Contiguous layer ranges of `chunks` model chunks; the first `num_layers % chunks` get one extra."""
+    base, extra = divmod(num_layers, chunks)
+    out, start = [], 0
+    for i in range(chunks):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+@lru_cache(maxsize=8192)
+def stage_layers(num_layers: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
+    """Layer indices on pipeline `stage`: chunks stage, stage+pp, ... (Megatron's interleaved assignment)."""
+    chunks = chunk_layers(num_layers, pp * virtual_stages)
+    return tuple(i for v in range(virtual_stages) for i in chunks[stage + v * pp])

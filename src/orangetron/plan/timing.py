@@ -1,0 +1,348 @@
+"""Step time: compute from FLOPs and a roofline efficiency model, communication from the network model,
+overlap where the runtime overlaps, and the pipeline bubble; MFU by the Megatron/PaLM convention.
+
+Compute. Every matmul is timed on a roofline: max(FLOPs / (peak x gemm_efficiency), bytes / HBM bandwidth),
+so small or skinny GEMMs become memory bound by themselves. Flash attention runs at `flash_efficiency` of
+peak, on half the score matrix for causal models. Norms, residuals, activations and RoPE are memory bound:
+their bytes over `elementwise_bw` x HBM bandwidth. Backward costs twice the forward (dgrad + wgrad), flash
+backward 2.5x; full recompute replays the forward.
+
+Overlap (what the runtime overlaps): DP gradient reduction hides behind the last micro-batch's backward,
+parameter gathers behind the first forward; ring CP hides behind attention; EP all-to-all hides behind expert
+compute when `overlap_ep` (DeepEP); TP and PP transfers are exposed.
+
+Pipeline: step = (m + (pp-1)/v) x the slowest stage's micro-batch time (Narayanan et al. 2021).
+MFU counts model FLOPs only (no recompute), attention as full (non-causal) s x s products, as Megatron's
+72*B*s*L*h^2*(1 + s/(6h) + V/(12hL)) and PaLM's 6N + 12LHQT do; HFU adds recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from orangetron.plan.config import Degrees, Job, without_data_parallel
+from orangetron.plan.hardware import Cluster
+from orangetron.plan.memory import stage_params
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.network import (
+    DEFAULT_PARAMS,
+    NetworkParams,
+    Placement,
+    all_to_all_time,
+    collective_time,
+    p2p_time,
+    placement,
+)
+from orangetron.plan.stages import stage_layers
+from orangetron.plan.traffic import (
+    context_parallel_records,
+    data_parallel_records,
+    expert_parallel_records,
+    pipeline_records,
+    tensor_parallel_records,
+)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Global constants of the compute model (not fitted per configuration; sources in docs/planner.md)."""
+
+    flash_efficiency: float = 0.55  # FlashAttention-2 fwd+bwd, head dim 128: ~50-60% of peak (Dao 2023)
+    eager_attention_efficiency: float = 0.35  # batched QK^T/AV GEMMs with head-dim K, plus fused softmax
+    elementwise_bw: float = 0.70  # share of HBM bandwidth elementwise kernels reach
+    optimizer_bytes_per_param: int = 36  # Adam: read grad, m, v, main param; write m, v, main param, param
+    overlap_contention: float = 0.10  # hidden communication still costs this share of its time (NCCL SMs, HBM)
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per step and their parts (communication parts are the exposed remainder)."""
+
+    step_s: float
+    compute_s: float
+    bubble_s: float
+    tp_s: float
+    cp_s: float
+    ep_s: float
+    pp_s: float
+    dp_s: float
+    optimizer_s: float
+    model_flops: float  # whole cluster, one step
+    hardware_flops: float
+    tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    mfu_causal: float  # MFU counting only the unmasked half of causal attention
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------
+def _gemm_time(m: int, k: int, n: int, cluster: Cluster, job: Job) -> float:
+    gpu = cluster.gpu
+    flops = 2.0 * m * k * n
+    nbytes = job.param_bytes * (m * k + k * n + m * n)
+    return max(flops / (gpu.peak_flops(job.param_dtype) * gpu.gemm_efficiency), nbytes / (gpu.memory_bw_gbs * 1e9))
+
+
+def _attention_flops(model: ModelSpec, rows: int, keys: int, heads: int) -> float:
+    """Forward FLOPs of QK^T and AV for `rows` queries against `keys` keys."""
+    return 2.0 * rows * keys * heads * (model.qk_head_dim + model.v_dim)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Forward seconds of one layer for one micro-batch on one GPU, split by part."""
+
+    gemm: float
+    attention: float
+    elementwise: float
+    experts: float  # the routed-expert GEMMs (part of `gemm`), the window EP traffic can hide behind
+
+
+@lru_cache(maxsize=4096)
+def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: bool,
+               eff: Efficiency = DEFAULT_EFFICIENCY) -> LayerCost:
+    """Forward seconds of one layer (dense or MoE) for one micro-batch on one GPU."""
+    t = deg.tp
+    rows = job.seq_len // deg.cp * job.micro_batch
+    h = model.hidden_size
+    q_w = model.num_heads * model.qk_head_dim // t
+    kv_w = max(1, model.kv_heads // t) * model.qk_head_dim
+    o_in = model.num_heads * model.v_dim // t
+    gemm = _gemm_time(rows, h, q_w + 2 * kv_w, cluster, job) + _gemm_time(rows, o_in, h, cluster, job)
+    experts = 0.0
+    if moe:
+        experts = _routed_experts_time(model, deg, job, cluster, rows)
+        shared = model.num_shared_experts * model.moe_ffn_hidden_size // t
+        gemm += experts + (_mlp_time(model, rows, shared, cluster, job) if shared else 0.0)
+        ffn = model.moe_ffn_hidden_size * model.top_k
+    else:
+        gemm += _mlp_time(model, rows, model.ffn_hidden_size // t, cluster, job)
+        ffn = model.ffn_hidden_size
+    flash = job.attention_kernel == "flash"
+    # Flash skips the masked half of causal scores (head-tail CP keeps it balanced); eager computes them all.
+    keys = job.seq_len / 2 if (model.causal and flash) else job.seq_len
+    att_eff = eff.flash_efficiency if flash else eff.eager_attention_efficiency
+    attention = _attention_flops(model, rows, keys, model.num_heads // t) / (
+        cluster.gpu.peak_flops(job.param_dtype) * att_eff)
+    return LayerCost(gemm, attention, _elementwise_time(model, deg, job, cluster, ffn, eff), experts)
+
+
+def _mlp_time(model: ModelSpec, rows: int, ffn: int, cluster: Cluster, job: Job) -> float:
+    """Up (gate + up for SwiGLU) and down projections of width `ffn` on this GPU."""
+    up = 2 if model.mlp == "swiglu" else 1
+    h = model.hidden_size
+    return _gemm_time(rows, h, up * ffn, cluster, job) + _gemm_time(rows, ffn, h, cluster, job)
+
+
+def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, rows: int) -> float:
+    """This GPU's experts on their balanced share of the routed token copies (grouped GEMMs)."""
+    sp = job.sequence_parallel and deg.tp > 1
+    routed = rows // (deg.tp if sp else 1) * model.top_k
+    if job.dispatcher == "capacity":
+        routed = int(routed * job.capacity_factor)
+    local = max(1, model.num_experts // deg.ep)
+    per_expert = max(1, routed // local)
+    return local * _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job)
+
+
+def _elementwise_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, ffn: int,
+                      eff: Efficiency) -> float:
+    """Memory-bound work: norms, residuals, RoPE, activation, dropout (and eager softmax)."""
+    t = deg.tp
+    rep = t if job.sequence_parallel and t > 1 else 1
+    s_local = job.seq_len // deg.cp
+    rows = s_local * job.micro_batch
+    h = model.hidden_size
+    nbytes = job.param_bytes * rows * (14 * h / rep + 3 * ffn / t + (4 * h / rep if model.dropout else 0))
+    if job.attention_kernel == "eager":
+        # Softmax (read scores, write probabilities) and dropout (read, write, 1-byte mask) on [s, s] per head.
+        scores = job.micro_batch * (model.num_heads // t) * s_local * job.seq_len
+        nbytes += scores * (2 * job.param_bytes + ((2 * job.param_bytes + 1) if model.dropout else 0))
+    return nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
+
+
+def _fwd_bwd(c: LayerCost, job: Job) -> tuple[float, float]:
+    """(executed seconds, of which attention) for forward + backward (+ recompute) of one layer."""
+    fwd = c.gemm + c.attention + c.elementwise
+    total = 3 * c.gemm + 3.5 * c.attention + 3 * c.elementwise
+    if job.recompute == "full":
+        total += fwd
+    elif job.recompute == "selective" and job.attention_kernel == "eager":
+        total += c.attention
+    return total, 3.5 * c.attention
+
+
+@lru_cache(maxsize=4096)
+def model_flops_per_step(model: ModelSpec, job: Job, sequences: int, causal_attention: bool = False) -> float:
+    """Model FLOPs of one step (forward + backward, no recompute). Attention counts the full s x s products
+    (Megatron's and PaLM's convention) unless `causal_attention`, which counts the unmasked half."""
+    s = job.seq_len
+    tokens = sequences * s
+    layer_params = model.all_layer_params()
+    if model.is_moe:
+        idle = (model.num_experts - model.top_k) * model.mlp_params(model.moe_ffn_hidden_size)
+        layer_params -= idle * model.num_moe_layers
+    dense = 2.0 * tokens * layer_params
+    keys = s / 2 if (causal_attention and model.causal) else s
+    attention = _attention_flops(model, tokens, keys, model.num_heads) * model.num_layers
+    head = 2.0 * tokens * model.hidden_size * model.vocab_size
+    return 3.0 * (dense + attention + head)
+
+
+def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
+    """Where each mesh dimension's group lands (rank order tp, cp, ep/dp, pp with tp fastest)."""
+    g = cluster.gpus_per_node
+    return {
+        "tp": placement(deg.tp, 1, g), "cp": placement(deg.cp, deg.tp, g),
+        "dp": placement(deg.dp, deg.tp * deg.cp, g), "dp_cp": placement(deg.dp_cp, deg.tp, g),
+        "ep": placement(deg.ep, deg.tp, g), "edp": placement(deg.edp, deg.tp * deg.ep, g),
+        "pp": placement(deg.pp, deg.tp * deg.cp * deg.dp, g),
+    }
+
+
+def _records_time(records, places: dict[str, Placement], cluster: Cluster, net: NetworkParams,
+                  msg_bytes: float = 0.0) -> float:
+    # Record lists repeat the same few objects (one per layer, micro-batch or gather): price each once.
+    total, cache = 0.0, {}
+    for r in records:
+        t = cache.get(id(r))
+        if t is None:
+            t = cache[id(r)] = _record_time(r, places[r.dim], cluster, net, msg_bytes)
+        total += t
+    return total
+
+
+def _record_time(r, where: Placement, cluster: Cluster, net: NetworkParams, msg_bytes: float) -> float:
+    if r.op == "all_to_all":
+        return all_to_all_time(r.bytes_sent, where, cluster, msg_bytes or r.payload_bytes, net)
+    if r.op == "send_recv":
+        return p2p_time(r.bytes_sent, where.nodes > 1, cluster, net)
+    return collective_time(r.op, r.payload_bytes, where, cluster, params=net)[0]
+
+
+@dataclass(frozen=True)
+class _StageTime:
+    compute: float
+    tp: float
+    cp: float
+    ep: float
+    pp: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.ep + self.pp
+
+
+def _stage_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, stage: int,
+                net: NetworkParams, eff: Efficiency) -> _StageTime:
+    """Seconds of one micro-batch (forward + backward) on one GPU of `stage`."""
+    # Data-parallel sharding never changes a micro-batch's time: drop it from the cache key.
+    return _stage_time_cached(model, deg, without_data_parallel(job), cluster, stage, net, eff)
+
+
+@lru_cache(maxsize=16384)
+def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, stage: int,
+                       net: NetworkParams, eff: Efficiency) -> _StageTime:
+    places = _places(deg, cluster)
+    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
+    n_moe = sum(model.is_moe_layer(i) for i in layers)
+    tp_layer = _records_time(tensor_parallel_records(model, deg, job), places, cluster, net)
+    cp_records = context_parallel_records(model, deg, job)
+    compute = tp = cp = ep = 0.0
+    for moe, count in ((False, len(layers) - n_moe), (True, n_moe)):
+        if not count:
+            continue
+        cost = layer_cost(model, deg, job, cluster, moe, eff)
+        run, attention = _fwd_bwd(cost, job)
+        cp_t = _records_time(cp_records, places, cluster, net)
+        if job.cp_mode in ("ring", "rsa"):
+            cp_t = _hide(cp_t, attention, eff)  # each ring step hides behind the previous block's attention
+        ep_t = 0.0
+        if moe:
+            row = job.param_bytes * model.hidden_size
+            ep_t = _records_time(expert_parallel_records(model, deg, job), places, cluster, net, msg_bytes=row)
+            if job.overlap_ep:
+                ep_t = _hide(ep_t, 3 * cost.experts, eff)
+        compute += count * run
+        tp += count * tp_layer
+        cp += count * cp_t
+        ep += count * ep_t
+    if stage == deg.pp - 1 and model.vocab_size:
+        rows = job.seq_len // deg.cp * job.micro_batch
+        compute += 3 * _gemm_time(rows, model.hidden_size, model.vocab_size // deg.tp, cluster, job)
+    pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
+                       places, cluster, net)
+    return _StageTime(compute, tp, cp, ep, pp)
+
+
+@lru_cache(maxsize=4096)
+def _hardware_flops(model: ModelSpec, job: Job, sequences: int) -> float:
+    flops = model_flops_per_step(model, job, sequences)
+    if job.recompute == "full":
+        head = 3.0 * 2 * sequences * job.seq_len * model.hidden_size * model.vocab_size
+        flops += (flops - head) / 3  # one more forward of every layer
+    elif job.recompute == "selective" and job.attention_kernel == "eager":
+        flops += _attention_flops(model, sequences * job.seq_len, job.seq_len, model.num_heads) * model.num_layers
+    return flops
+
+
+def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: NetworkParams = DEFAULT_PARAMS,
+              eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
+    """Predicted seconds per training step and MFU for one configuration on `cluster`."""
+    m = job.microbatches(deg)
+    stages = [_stage_time(model, deg, job, cluster, s, net, eff) for s in sorted({0, deg.pp - 1})]
+    slow = max(stages, key=lambda st: st.total)
+    v = job.virtual_stages if job.pp_schedule == "interleaved" else 1
+    bubble = (deg.pp - 1) / v * slow.total
+    dp = _dp_exposed(model, deg, job, cluster, slow.total, m, net, eff)
+    optimizer = _optimizer_time(model, deg, job, cluster, eff)
+    step = m * slow.total + bubble + dp + optimizer
+    sequences = m * job.micro_batch * deg.dp
+    flops = model_flops_per_step(model, job, sequences)
+    hardware = _hardware_flops(model, job, sequences)
+    causal = model_flops_per_step(model, job, sequences, causal_attention=True)
+    peak = cluster.gpu.peak_flops(job.param_dtype) * deg.world_size
+    return StepTime(step, m * slow.compute, bubble, m * slow.tp, m * slow.cp, m * slow.ep, m * slow.pp, dp,
+                    optimizer, flops, hardware, flops / step / deg.world_size / 1e12, flops / step / peak,
+                    hardware / step / peak, causal / step / peak)
+
+
+def _optimizer_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, eff: Efficiency) -> float:
+    """Adam over this GPU's shard: memory bound."""
+    params = stage_params(model, deg, 0, job.virtual_stages)
+    sharded = job.zero_stage > 0 or job.distributed_optimizer
+    shard = params.dense / (deg.dp_cp if sharded else 1) + params.expert / (deg.edp if sharded else 1)
+    return shard * eff.optimizer_bytes_per_param / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
+
+
+def _hide(comm: float, window: float, eff: Efficiency) -> float:
+    """Seconds `comm` adds when overlapped with `window` seconds of compute: what does not fit, plus the
+    contention of what does (communication kernels take SMs and memory bandwidth from compute)."""
+    hidden = min(comm, window)
+    return comm - hidden + eff.overlap_contention * hidden
+
+
+def _dp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, t_mb: float, m: int,
+                net: NetworkParams, eff: Efficiency) -> float:
+    """DP traffic left over after overlapping reductions with the last backward and gathers with the
+    first forward (ZeRO-3's per-micro-batch gathers hide behind each micro-batch)."""
+    reduce, gather, layers = _dp_times(model, deg, job, cluster, net)
+    tail = reduce / layers  # the last bucket never overlaps
+    exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)
+    window = m * t_mb if job.zero_stage == 3 else t_mb / 3
+    return exposed + _hide(gather, window, eff)
+
+
+@lru_cache(maxsize=16384)
+def _dp_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
+              net: NetworkParams) -> tuple[float, float, int]:
+    """(reduction seconds, gather seconds, layers on stage 0) of one step's data-parallel traffic."""
+    places = _places(deg, cluster)
+    records = data_parallel_records(model, deg, job, 0)
+    reduce = _records_time([r for r in records if r.op != "all_gather"], places, cluster, net)
+    gather = _records_time([r for r in records if r.op == "all_gather"], places, cluster, net)
+    return reduce, gather, max(1, len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, 0)))

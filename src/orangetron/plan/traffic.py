@@ -1,0 +1,214 @@
+"""Per-step communication of one rank as `CommRecord`s: the same records the runtime ledger writes.
+
+Every byte count goes through `orangetron.plan.collectives`, the formulas the ledger uses. Counts follow the
+runtime's conventions (DESIGN sections 4 and 5):
+- DP: DDP all-reduces gradients over dp_cp (dense) and edp (experts); ZeRO-1/2 reduce-scatter gradients and
+  all-gather parameters lazily before the next forward; the distributed optimizer reduce-scatters and
+  all-gathers eagerly after the step; ZeRO-3 all-gathers parameters before each forward and each backward
+  (per micro-batch) and reduce-scatters gradients. Gradients travel in `reduce_dtype` (default param dtype),
+  parameters in the param dtype. Flat buffers are padded to a multiple of the shard count.
+- TP per layer and micro-batch: without SP, forward all-reduces after the attention and MLP output
+  projections and backward all-reduces the input gradients of the two column-parallel inputs (4 AR); with
+  SP, forward all-gathers before and reduce-scatters after each block, backward mirrors them and re-gathers
+  the two sequence-sharded inputs it saved (6 AG + 4 RS, as Megatron). Full recompute replays the forward.
+- CP per layer and micro-batch: ring passes K,V cp-1 times forward, K,V cp-1 times and dK,dV cp times
+  backward; all-gather gathers K,V forward and reduce-scatters dK,dV backward; Ulysses all-to-alls Q,K,V
+  and the output forward and their gradients backward.
+- EP per MoE layer and micro-batch: dispatch and combine all-to-alls forward and backward, with balanced
+  routing (every rank sends (ep-1)/ep of its routed token copies away).
+- PP per micro-batch and model chunk: activations forward and their gradients backward, one record for the
+  sending side and one for the receiving side.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from orangetron.plan import collectives as cf
+from orangetron.plan.collectives import CommRecord
+from orangetron.plan.config import Degrees, Job
+from orangetron.plan.memory import shard_groups, stage_params
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.sharding import padded_numel
+from orangetron.plan.stages import stage_layers
+
+
+def _gather(op: str, dim: str, full: int, n: int) -> CommRecord:
+    fn = {"all_gather": cf.all_gather_bytes, "reduce_scatter": cf.reduce_scatter_bytes,
+          "all_reduce": cf.all_reduce_bytes}[op]
+    return CommRecord(op, dim, full, *fn(full, n))
+
+
+def _a2a(dim: str, payload: int, n: int) -> CommRecord:
+    per_peer = payload // n  # balanced: equal rows to every rank
+    sent, received = cf.all_to_all_bytes([per_peer] * n, [per_peer] * n, 0)
+    return CommRecord("all_to_all", dim, payload, sent, received)
+
+
+# ---- data parallel ------------------------------------------------------------------------------
+def _buckets(numel: int, bucket_numel: int) -> list[int]:
+    if bucket_numel <= 0 or numel <= bucket_numel:
+        return [numel]
+    full, rest = divmod(numel, bucket_numel)
+    return [bucket_numel] * full + ([rest] if rest else [])
+
+
+def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[CommRecord]:
+    """Gradient reduction and parameter gathers of one step (DESIGN section 5's communication table),
+    one record per bucket of `job.bucket_numel` elements."""
+    params = stage_params(model, deg, stage, job.virtual_stages)
+    m = job.microbatches(deg)
+    sharding = job.zero_stage >= 1 or job.distributed_optimizer
+    out: list[CommRecord] = []
+    for dim, n, numel in shard_groups(params, deg):
+        if n <= 1 or numel == 0:
+            continue
+        for bucket in _buckets(numel, job.bucket_numel):
+            out += _bucket_records(dim, n, padded_numel(bucket, n if sharding else 1), job, m)
+        if sharding and job.clip_grad:
+            # The global gradient norm: one all-reduce of this rank's sum of squares (main-grad dtype).
+            out.append(_gather("all_reduce", dim, 4 if job.mixed_precision else job.param_bytes, n))
+    return out
+
+
+def _bucket_records(dim: str, n: int, numel: int, job: Job, m: int) -> list[CommRecord]:
+    grads, weights = numel * job.reduce_bytes, numel * job.param_bytes
+    if job.zero_stage == 0 and not job.distributed_optimizer:
+        return [_gather("all_reduce", dim, grads, n)]
+    if job.zero_stage == 3:  # before every forward and every backward
+        gathers = [_gather("all_gather", dim, weights, n)] * (2 * m)
+    else:  # lazy (ZeRO-1/2) or eager (distributed optimizer): once per step
+        gathers = [_gather("all_gather", dim, weights, n)]
+    return gathers + [_gather("reduce_scatter", dim, grads, n)]
+
+
+# ---- per-layer model parallel traffic ----------------------------------------------------------
+def _act_bytes(model: ModelSpec, deg: Degrees, job: Job) -> int:
+    """The [s/cp, b, h] activation of one micro-batch, gathered over tp (TP's payload)."""
+    return job.param_bytes * (job.seq_len // deg.cp) * job.micro_batch * model.hidden_size
+
+
+def tensor_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
+    """TP collectives of one layer, one micro-batch, forward + backward (+ replayed forward)."""
+    t = deg.tp
+    if t == 1:
+        return []
+    a = _act_bytes(model, deg, job)
+    replay = job.recompute == "full"
+    if not job.sequence_parallel:
+        return [_gather("all_reduce", "tp", a, t)] * (4 + (2 if replay else 0))
+    ag, rs = 6 + (2 if replay else 0), 4 + (2 if replay else 0)
+    return [_gather("all_gather", "tp", a, t)] * ag + [_gather("reduce_scatter", "tp", a, t)] * rs
+
+
+def _kv_bytes(model: ModelSpec, deg: Degrees, job: Job) -> int:
+    kv_heads = max(1, model.kv_heads // deg.tp)
+    tokens = (job.seq_len // deg.cp) * job.micro_batch
+    return job.param_bytes * tokens * kv_heads * (model.qk_head_dim + model.v_dim)
+
+
+def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
+    """CP collectives of one layer, one micro-batch, forward + backward (+ replayed forward)."""
+    c = deg.cp
+    if c == 1:
+        return []
+    kv = _kv_bytes(model, deg, job)
+    fwd_passes = 2 if job.recompute == "full" else 1
+    if job.cp_mode in ("ring", "rsa"):
+        step = CommRecord("send_recv", "cp", kv, *cf.send_recv_bytes(kv, kv))
+        return [step] * ((c - 1) * (fwd_passes + 1) + c)
+    if job.cp_mode == "allgather":
+        gathered = kv * c
+        return ([_gather("all_gather", "cp", gathered, c)] * fwd_passes
+                + [_gather("reduce_scatter", "cp", gathered, c)])
+    # Ulysses (and the Ulysses part of USP): sequence shards <-> head shards for Q, K, V and the output.
+    tokens = (job.seq_len // c) * job.micro_batch
+    heads = model.num_heads // deg.tp
+    q = job.param_bytes * tokens * heads * model.qk_head_dim
+    o = job.param_bytes * tokens * heads * model.v_dim
+    per_pass = [_a2a("cp", q, c), _a2a("cp", kv, c), _a2a("cp", o, c)]  # K and V travel together
+    return per_pass * (fwd_passes + 1)
+
+
+def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
+    """EP collectives of one MoE layer, one micro-batch: dispatch and combine, forward and backward."""
+    e = deg.ep
+    if e == 1:
+        return []
+    tokens = (job.seq_len // deg.cp) * job.micro_batch
+    if job.sequence_parallel:
+        tokens //= deg.tp
+    copies = tokens * model.top_k
+    if job.dispatcher == "capacity":
+        copies = int(copies * job.capacity_factor)
+    row = job.param_bytes * model.hidden_size
+    passes = 2 + (1 if job.recompute == "full" else 0)
+    if job.dispatcher == "allgather":
+        full = tokens * row * e
+        return [_gather("all_gather", "ep", full, e), _gather("reduce_scatter", "ep", full, e)] * passes
+    payload = (copies * row // e) * e
+    return [_a2a("ep", payload, e)] * (2 * passes)
+
+
+def pipeline_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:
+    """PP transfers of one micro-batch on `stage`: activations forward, gradients backward, per chunk."""
+    p = deg.pp
+    if p == 1:
+        return []
+    a = _act_bytes(model, deg, job) // (deg.tp if job.sequence_parallel else 1)
+    chunks = p * job.virtual_stages
+    send = CommRecord("send_recv", "pp", a, a, 0)
+    recv = CommRecord("send_recv", "pp", 0, 0, a)
+    out: list[CommRecord] = []
+    for v in range(job.virtual_stages):
+        c = stage + v * p
+        if c > 0:  # receive the input, send its gradient back
+            out += [recv, send]
+        if c < chunks - 1:  # send the output, receive its gradient
+            out += [send, recv]
+    return out
+
+
+def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[CommRecord]:
+    """Every collective one rank of pipeline `stage` issues in one training step, in the ledger's shape."""
+    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
+    moe = sum(model.is_moe_layer(i) for i in layers)
+    m = job.microbatches(deg)
+    per_layer = tensor_parallel_records(model, deg, job) + context_parallel_records(model, deg, job)
+    per_mb = per_layer * len(layers) + expert_parallel_records(model, deg, job) * moe
+    per_mb += pipeline_records(model, deg, job, stage) + _vocab_records(model, deg, job, stage)
+    return per_mb * m + data_parallel_records(model, deg, job, stage)
+
+
+def _vocab_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:
+    """Vocab-parallel embedding (stage 0) and output layer + cross entropy (last stage) under TP."""
+    t = deg.tp
+    if t == 1:
+        return []
+    a = _act_bytes(model, deg, job)
+    sp = job.sequence_parallel
+    out: list[CommRecord] = []
+    if stage == 0:
+        out.append(_gather("reduce_scatter" if sp else "all_reduce", "tp", a, t))
+    if stage == deg.pp - 1 and model.vocab_size:
+        if sp:  # gather the sequence for the output projection; backward scatters its gradient, re-gathers input
+            out += [_gather("all_gather", "tp", a, t)] * 2 + [_gather("reduce_scatter", "tp", a, t)]
+        else:
+            out.append(_gather("all_reduce", "tp", a, t))
+        rows = 4 * (job.seq_len // deg.cp) * job.micro_batch // (t if sp else 1)  # fp32 per token
+        out += [_gather("all_reduce", "tp", rows, t)] * 3  # max, sum of exp, target logit
+    return out
+
+
+def summarize(records: Iterable[CommRecord]) -> dict[str, dict[str, int]]:
+    """Totals per `op/dim`: calls, payload, sent and received bytes."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "payload": 0, "sent": 0, "received": 0})
+    for r in records:
+        row = out[r.key]
+        row["calls"] += 1
+        row["payload"] += r.payload_bytes
+        row["sent"] += r.bytes_sent
+        row["received"] += r.bytes_received
+    return dict(sorted(out.items()))
+

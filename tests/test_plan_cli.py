@@ -1,0 +1,119 @@
+"""`orangetron estimate` / `orangetron plan`: JSON contract, ranked table, one-line errors with exit 2."""
+
+import argparse
+import json
+
+import pytest
+
+from orangetron.plan.commands import add_plan_commands
+
+try:  # the full CLI also imports the training commands, which other work may still be changing
+    from orangetron.cli import main as cli_main
+except Exception:  # pragma: no cover - fall back to our own parser
+    cli_main = None
+
+
+def run(argv):
+    """Run like `orangetron.cli.main`: ValueError/KeyError/FileNotFoundError -> one line, exit 2."""
+    if cli_main is not None:
+        return cli_main(argv)
+    parser = argparse.ArgumentParser(prog="orangetron")
+    add_plan_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        import sys
+
+        print(f"orangetron {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def last_json(capsys):
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_estimate_json_contract(capsys):
+    code = run(["estimate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "16", "--tp", "2", "--seq", "8192",
+                "--micro-batch", "1", "--global-batch", "32", "--sequence-parallel", "--distributed-optimizer",
+                "--json"])
+    assert code == 0
+    data = last_json(capsys)
+    assert set(data["memory_bytes"]) >= {"params", "grads", "main_params", "optimizer", "activations", "total"}
+    assert data["layout"]["dp"] == 8
+    assert data["comm_bytes"]["reduce_scatter/dp_cp"] > 0 and "all_gather/tp" in data["comm_bytes"]
+    assert data["step_time_s"] > 0 and 0 < data["mfu"] < 1 and data["tflops_per_gpu"] > 0
+
+
+def test_estimate_text_report(capsys):
+    assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "64", "--ep", "8", "--tp", "2",
+                "--sequence-parallel", "--zero-stage", "1", "--seq", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per GPU" in out and "all_to_all/ep" in out and "MFU" in out
+
+
+def test_estimate_from_toml_file(tmp_path, capsys):
+    path = tmp_path / "tiny.toml"
+    path.write_text("hidden_size = 512\nnum_layers = 4\nnum_heads = 8\nffn_hidden_size = 1024\nvocab_size = 1000\n")
+    assert run(["estimate", "--model", str(path), "--gpu", "rtx3090", "--gpus", "2", "--seq", "1024", "--json"]) == 0
+    assert last_json(capsys)["model"] == "tiny"
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["estimate", "--model", "llama-9000"], "unknown model preset"),
+    (["estimate", "--model", "llama3-8b", "--gpu", "tpu-v9"], "unknown gpu preset"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"], "divisible"),
+    (["estimate", "--model", "llama3-8b", "--tp", "2", "--cp", "3", "--seq", "1000"], "2*cp"),
+    (["estimate", "--model", "llama3-8b", "--ep", "2", "--dp", "2"], "no experts"),
+    (["estimate", "--model", "llama3-405b", "--gpus", "8"], "does not fit"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "0"], "must be >= 1"),
+    (["estimate", "--model", "clip-vit-bigg14"], "dual encoder"),
+    (["estimate", "--model", "missing.toml"], "does not exist"),
+    (["plan", "--model", "llama3-405b", "--gpus", "8", "--seq", "8192"], "no layout"),
+    (["plan", "--model", "llama3-8b"], "--gpus is required"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    assert run(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_plan_ranked_table_and_json(capsys):
+    argv = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "16", "--seq", "8192", "--global-batch",
+            "64", "--top", "5"]
+    assert run(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:4] == ["#", "tp", "cp", "pp"] and len(out) == 6
+    assert run([*argv, "--json"]) == 0
+    data = last_json(capsys)
+    times = [e["step_time_s"] for e in data["ranked"]]
+    assert times == sorted(times) and len(times) == 5
+    assert all(e["fits"] for e in data["ranked"])
+    assert data["considered"] >= data["evaluated"] >= 5
+
+
+def test_plan_restricted_degrees(capsys):
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "4096", "--global-batch", "32",
+                "--tp", "2,4", "--pp", "1", "--json"]) == 0
+    ranked = last_json(capsys)["ranked"]
+    assert ranked and all(e["layout"]["tp"] in (2, 4) and e["layout"]["pp"] == 1 for e in ranked)
+
+
+def test_plan_dual_encoder_runs_distmm(capsys):
+    assert run(["plan", "--model", "lit-b16-text-g", "--gpus", "8", "--global-batch", "512", "--json"]) == 0
+    data = last_json(capsys)
+    assert {t["name"] for t in data["towers"]} == {"image", "text"} and data["predicted_gain"] > 0
+
+
+def test_chart_without_matplotlib_is_a_clear_error(capsys, tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--chart", str(tmp_path / "c.png")]) == 2
+        assert "matplotlib" in capsys.readouterr().err
+    else:
+        assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3",
+                    "--chart", str(tmp_path / "c.png")]) == 0
+        assert (tmp_path / "c.png").stat().st_size > 0

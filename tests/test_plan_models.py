@@ -1,0 +1,96 @@
+"""Parameter counts of the shipped presets against the totals their authors publish.
+
+Tolerance: 1% of the published figure (published totals are themselves rounded to 3 significant digits).
+"""
+
+import pytest
+
+from orangetron.plan.hardware import gpu_names, load_gpu, make_cluster
+from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model, preset_names
+
+# (preset, published total, published active or None, source)
+PUBLISHED = [
+    ("llama3-8b", 8.03e9, None, "meta-llama/Meta-Llama-3-8B model card"),
+    ("llama3-70b", 70.6e9, None, "meta-llama/Meta-Llama-3-70B model card"),
+    ("llama3-405b", 405.9e9, None, "meta-llama/Llama-3.1-405B model card"),
+    ("gpt3-175b", 175.0e9, None, "Brown et al. 2020, Table 2.1"),
+    ("mixtral-8x7b", 46.7e9, 12.9e9, "Jiang et al. 2024, arXiv:2401.04088"),
+    ("deepseek-v3", 671e9, 37e9, "DeepSeek-V3 technical report, arXiv:2412.19437"),
+    ("gpt-oss-120b", 116.8e9, None, "gpt-oss model card, arXiv:2508.10925"),
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9, "Qwen3 technical report, arXiv:2505.09388"),
+]
+
+
+@pytest.mark.parametrize(("name", "total", "active", "source"), PUBLISHED)
+def test_preset_param_counts_match_published(name, total, active, source):
+    spec = load_model(name)
+    assert isinstance(spec, ModelSpec)
+    assert spec.total_params() == pytest.approx(total, rel=0.01), source
+    if active is not None:
+        # DeepSeek's "37B" is rounded from our 37.55B: allow 2% there.
+        assert spec.active_params() == pytest.approx(active, rel=0.02), source
+
+
+def test_dense_models_are_fully_active():
+    spec = load_model("llama3-70b")
+    assert spec.active_params() == spec.total_params()
+    assert spec.expert_params() == 0
+
+
+def test_moe_structure_deepseek():
+    spec = load_model("deepseek-v3")
+    assert spec.num_moe_layers == 58  # 61 layers, first 3 dense
+    assert not spec.is_moe_layer(2) and spec.is_moe_layer(3)
+
+
+def test_dual_encoders_have_two_towers():
+    for name in ("clip-vit-bigg14", "coca-2b", "lit-b16-text-g"):
+        spec = load_model(name)
+        assert isinstance(spec, DualEncoderSpec)
+        assert set(spec.towers) == {"image", "text"}
+    clip = load_model("clip-vit-bigg14")
+    assert clip.total_params() == pytest.approx(2.54e9, rel=0.02)  # OpenCLIP ViT-bigG-14: 2.54B
+
+
+def test_every_preset_loads():
+    for name in preset_names():
+        load_model(name)
+
+
+def test_model_from_file(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text('hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden_size = 128\nvocab_size = 100\n')
+    spec = load_model(str(path))
+    # 2 layers x (4*64*64 attention + 3*64*128 MLP + 2*64 norms) + 2 * 100*64 embeddings + 64 final norm
+    assert spec.total_params() == 2 * (4 * 64 * 64 + 3 * 64 * 128 + 128) + 2 * 6400 + 64
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("hidden_size = 64\nnum_layers = 2\n", "missing key"),
+    ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden_size = 8\nwidth = 3\n", "unknown key"),
+    ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden_size = 8\nmlp = 'relu'\n", "mlp"),
+    ("hidden_size = = 3\n", "invalid TOML"),
+])
+def test_bad_model_files_raise_value_error(tmp_path, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_model(str(path))
+
+
+def test_unknown_presets_raise_value_error():
+    with pytest.raises(ValueError, match="unknown model preset"):
+        load_model("llama-9000")
+    with pytest.raises(ValueError, match="unknown gpu preset"):
+        load_gpu("tpu")
+
+
+def test_gpu_presets():
+    assert set(gpu_names()) >= {"h100", "h200", "a100-80gb", "b200", "rtx3090"}
+    rtx = load_gpu("rtx3090")
+    assert rtx.sms == 82 and rtx.intra_node == "pcie" and not rtx.nvls
+    assert load_gpu("h100").peak_flops() == pytest.approx(989.4e12)
+    cluster = make_cluster("h100", 64)
+    assert cluster.nodes == 8 and cluster.nic_bytes_per_s == pytest.approx(50e9)
+    with pytest.raises(ValueError, match="multiple"):
+        make_cluster("h100", 12)

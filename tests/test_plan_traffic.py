@@ -1,0 +1,138 @@
+"""Per-step CommRecords: DESIGN section 5's communication table and the seed's per-layer volumes.
+
+These are the records the runtime ledger will be compared with (op, mesh dim, payload, sent, received),
+computed with `orangetron.plan.collectives`, the ledger's own formulas.
+"""
+
+import pytest
+
+from orangetron.plan import collectives as cf
+from orangetron.plan.config import Degrees, Job
+from orangetron.plan.memory import stage_params
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.traffic import (
+    context_parallel_records,
+    data_parallel_records,
+    expert_parallel_records,
+    pipeline_records,
+    step_records,
+    summarize,
+    tensor_parallel_records,
+)
+
+DENSE = ModelSpec(name="dense", hidden_size=256, num_layers=4, num_heads=8, vocab_size=512, ffn_hidden_size=512)
+MOE = ModelSpec(name="moe", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, vocab_size=512,
+                ffn_hidden_size=512, num_experts=8, top_k=2, moe_ffn_hidden_size=128, moe_layer_freq=2)
+
+
+def keys(records):
+    return {k: v["calls"] for k, v in summarize(records).items()}
+
+
+@pytest.mark.parametrize(("zero", "distopt", "expected"), [
+    (0, False, {"all_reduce/dp_cp": 1}),
+    (1, False, {"reduce_scatter/dp_cp": 1, "all_gather/dp_cp": 1}),
+    (2, False, {"reduce_scatter/dp_cp": 1, "all_gather/dp_cp": 1}),
+    (0, True, {"reduce_scatter/dp_cp": 1, "all_gather/dp_cp": 1}),
+    (3, False, {"reduce_scatter/dp_cp": 1, "all_gather/dp_cp": 2 * 3}),  # before fwd and bwd, 3 micro-batches
+])
+def test_design_communication_table(zero, distopt, expected):
+    deg = Degrees(dp=2, cp=2)
+    job = Job(seq_len=64, global_batch=6, zero_stage=zero, distributed_optimizer=distopt)
+    records = data_parallel_records(DENSE, deg, job)
+    assert keys(records) == expected
+    n = stage_params(DENSE, deg, 0).dense
+    padded = -(-n // 4) * 4
+    for r in records:
+        # Every entry moves 2N bytes of bf16 (AR = RS + AG), through the ledger's formulas.
+        assert r.payload_bytes == 2 * padded
+        fn = {"all_reduce": cf.all_reduce_bytes, "all_gather": cf.all_gather_bytes,
+              "reduce_scatter": cf.reduce_scatter_bytes}[r.op]
+        assert (r.bytes_sent, r.bytes_received) == fn(2 * padded, 4)
+
+
+def test_fp32_gradient_reduction_option():
+    job = Job(seq_len=64, reduce_dtype="float32")
+    (record,) = data_parallel_records(DENSE, Degrees(dp=4), job)
+    n = stage_params(DENSE, Degrees(dp=4), 0).dense
+    assert record.payload_bytes == 4 * (-(-n // 4) * 4)
+
+
+def test_experts_reduce_over_edp_and_dense_over_dp_cp():
+    deg = Degrees(dp=4, cp=2, ep=2)  # edp = 4
+    records = data_parallel_records(MOE, deg, Job(seq_len=64, distributed_optimizer=True))
+    assert keys(records) == {"all_gather/dp_cp": 1, "reduce_scatter/dp_cp": 1, "all_gather/edp": 1,
+                             "reduce_scatter/edp": 1}
+    expert = next(r for r in records if r.dim == "edp")
+    assert expert.payload_bytes == 2 * stage_params(MOE, deg, 0).expert
+
+
+def test_tp_volume_per_layer_matches_seed():
+    """Seed: per layer with batch B, TP moves 8(N-1)BLH/N (elements, forward + backward)."""
+    t, s, b, h = 4, 64, 2, DENSE.hidden_size
+    job = Job(seq_len=s, micro_batch=b)
+    sent = sum(r.bytes_sent for r in tensor_parallel_records(DENSE, Degrees(tp=t), job))
+    assert sent == 2 * 8 * (t - 1) * b * s * h // t
+    sp = Job(seq_len=s, micro_batch=b, sequence_parallel=True)
+    sp_records = tensor_parallel_records(DENSE, Degrees(tp=t), sp)
+    # Same volume as TP, plus backward re-gathering the two sequence-sharded inputs it saved.
+    assert sum(r.bytes_sent for r in sp_records) == 2 * 10 * (t - 1) * b * s * h // t
+    assert keys(sp_records) == {"all_gather/tp": 6, "reduce_scatter/tp": 4}
+
+
+def test_cp_ring_and_rsa_volume():
+    """Ring: K,V forward cp-1 times, K,V and dK,dV backward (cp-1 and cp times); the seed's ring
+    self-attention volume 6(N-1)BLH/N is the same minus the final dK,dV hop home."""
+    c, s, b, h = 4, 64, 1, DENSE.hidden_size
+    job = Job(seq_len=s, micro_batch=b)
+    records = context_parallel_records(DENSE, Degrees(cp=c), job)
+    chunk = 2 * (2 * (s // c) * b * h)  # K and V of this rank, bf16
+    assert all(r.bytes_sent == r.bytes_received == chunk for r in records)
+    assert len(records) == 3 * c - 2
+    elements = sum(r.bytes_sent for r in records) // 2
+    assert elements - 2 * b * (s // c) * h == 6 * (c - 1) * b * s * h // c
+
+
+def test_cp_allgather_and_ulysses():
+    c, s, h = 4, 64, DENSE.hidden_size
+    ag = context_parallel_records(DENSE, Degrees(cp=c), Job(seq_len=s, cp_mode="allgather"))
+    assert keys(ag) == {"all_gather/cp": 1, "reduce_scatter/cp": 1}
+    assert ag[0].payload_bytes == 2 * (2 * s * h)  # gathered K and V of the whole sequence
+    uly = context_parallel_records(DENSE, Degrees(cp=c), Job(seq_len=s, cp_mode="ulysses"))
+    # Seed: Ulysses moves 4Nd/P per layer forward (Q, K, V, output); backward mirrors it.
+    assert sum(r.bytes_sent for r in uly) == 2 * 4 * (c - 1) * (s // c) * h * 2 // c
+
+
+def test_ep_dispatch_and_combine():
+    e, s = 4, 64
+    job = Job(seq_len=s)
+    records = expert_parallel_records(MOE, Degrees(dp=4, ep=e), job)
+    assert keys(records) == {"all_to_all/ep": 4}
+    payload = s * MOE.top_k * MOE.hidden_size * 2
+    assert all(r.payload_bytes == payload and r.bytes_sent == payload * (e - 1) // e for r in records)
+
+
+def test_pp_sends_and_receives():
+    deg = Degrees(pp=4)
+    job = Job(seq_len=64)
+    a = 2 * 64 * DENSE.hidden_size
+    assert keys(pipeline_records(DENSE, deg, job, 0)) == {"send_recv/pp": 2}
+    middle = pipeline_records(DENSE, deg, job, 1)
+    assert sum(r.bytes_sent for r in middle) == 2 * a and sum(r.bytes_received for r in middle) == 2 * a
+    inter = Job(seq_len=64, global_batch=4, pp_schedule="interleaved", virtual_stages=2)
+    assert len(pipeline_records(ModelSpec(**{**DENSE.__dict__, "num_layers": 8}), deg, inter, 0)) == 6
+
+
+def test_step_records_compose():
+    deg = Degrees(tp=2, cp=2, pp=2, dp=2, ep=2)
+    job = Job(seq_len=64, global_batch=4, sequence_parallel=True, distributed_optimizer=True)
+    got = keys(step_records(MOE, deg, job, stage=0))
+    m = job.microbatches(deg)  # 2
+    # Stage 0 holds layers 0, 1 (layer 1 is MoE with moe_layer_freq=2).
+    assert got["all_to_all/ep"] == 4 * m
+    assert got["send_recv/cp"] == 2 * (3 * 2 - 2) * m
+    assert got["send_recv/pp"] == 2 * m
+    assert got["reduce_scatter/tp"] == (4 * 2 + 1) * m  # 4 per layer + the embedding's
+    for record in step_records(MOE, deg, job, stage=0):
+        assert record.op in cf.OPS
+        assert record.dim in {"tp", "cp", "pp", "dp", "ep", "edp", "dp_cp", "tp_cp"}
