@@ -45,6 +45,12 @@ def add_train_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the results as the last line of standard output")
     p.add_argument("--quiet", action="store_true", help="no progress bar or logs on standard error")
+    _add_layout_flags(p)
+    p.set_defaults(run=run_train)
+    _add_verify_command(sub)
+
+
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel degree: local CPU ranks that split each batch (started for you)")
     for dim, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"), ("ep", "expert")):
@@ -53,7 +59,49 @@ def add_train_commands(sub: Any) -> None:
                    help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks)")
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="ZeRO-1 sharding with the parameter all-gather right after the step (Megatron)")
-    p.set_defaults(run=run_train)
+
+
+def _add_verify_command(sub: Any) -> None:
+    from orangetron.train.trainer import DTYPES
+    from orangetron.train.verify import DEFAULT_TOLERANCE
+
+    p = sub.add_parser(
+        "verify", help="check that a layout reproduces one rank",
+        description="Run the same steps on one rank and on the layout; print the largest relative loss and "
+        "gradient differences; exit 1 past the tolerance. The MoE load-balancing loss is off in both runs.",
+    )
+    p.add_argument("--model", default="tiny-moe", help="model preset (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per step (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    p.add_argument("--dtype", default="float64", choices=list(DTYPES), help="parameter dtype (default: %(default)s)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="largest relative difference accepted (default by dtype: "
+                   + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + ")")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
+    _add_layout_flags(p)
+    p.set_defaults(run=run_verify)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Run `orangetron verify`; returns 0 when the layout is within tolerance, 1 otherwise."""
+    from orangetron.train.trainer import TrainConfig
+    from orangetron.train.verify import verify
+
+    cfg = TrainConfig(
+        model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+        dtype=args.dtype, warmup=0, corpus_bytes=200_000, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
+        ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
+    )
+    result = verify(cfg, args.tolerance)
+    verdict = "ok" if result["ok"] else "FAILED"
+    print(f"orangetron verify: {cfg.layout}, {cfg.steps} steps in {cfg.dtype}: max loss difference "
+          f"{result['max_loss_rel_diff']:.2e}, max gradient difference {result['max_grad_rel_diff']:.2e} "
+          f"(tolerance {result['tolerance']:g}): {verdict}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
 
 
 def run_train(args: argparse.Namespace) -> int:

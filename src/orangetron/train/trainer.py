@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,19 +262,39 @@ def _merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
+@dataclass
+class _Run:
+    """What every rank builds before its first step."""
+
+    data: _Data
+    dp: DataParallel
+    optimizer: ShardedAdamW
+    rank: int
+    dp_rank: int
+    share: int  # rows of each batch this rank trains on
+
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch[self.dp_rank * self.share:(self.dp_rank + 1) * self.share]
+
+
+def _setup(cfg: TrainConfig) -> _Run:
+    """Data, wrapped model and optimizer of this rank, inside an initialized process group."""
     mesh = init_mesh(cfg.layout)
-    rank, dp_group = mesh.rank, mesh["dp"]
-    bar = ProgressBar(cfg.steps, enabled=progress)
     torch.manual_seed(cfg.seed)
     data = _load_data(cfg)
     model_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # bf16: cast by the wrapper
     dp = DataParallel(Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype), mesh, cfg.parallel_config())
     dp.train()
     optimizer = dp.optimizer(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    return _Run(data, dp, optimizer, mesh.rank, mesh["dp"].rank, cfg.batch_size // mesh["dp"].size)
+
+
+def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
+    setup = _setup(cfg)
+    data, dp, optimizer, rank = setup.data, setup.dp, setup.optimizer, setup.rank
+    bar = ProgressBar(cfg.steps, enabled=progress)
     bar.log(f"orangetron train: {_describe(cfg, dp.module, data)}")
     run = _RunLog(cfg, bar, write=rank == 0)
-    share = cfg.batch_size // dp_group.size
     eval_loss: float | None = None
     mem: dict[str, int] = {}
     with comm.measure() as records, run:
@@ -282,7 +302,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
-            rows = next(batches)[dp_group.rank * share:(dp_group.rank + 1) * share]  # this rank's share
+            rows = setup.rows(next(batches))
             # Step 0 also measures memory; its hooks cost time, so run.step leaves it out of tokens/s.
             loss, grad_norm, step_mem = _train_step(dp, optimizer, rows, lr, cfg.grad_clip, measure=step == 0)
             seconds = time.perf_counter() - t0  # evaluation below is not training throughput
@@ -309,16 +329,21 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
 
 
 def _train_step(
-    dp: DataParallel, optimizer: ShardedAdamW, batch: torch.Tensor, lr: float, grad_clip: float, *, measure: bool
+    dp: DataParallel, optimizer: ShardedAdamW, batch: torch.Tensor, lr: float, grad_clip: float, *, measure: bool,
+    on_grads: Callable[[DataParallel], None] | None = None,
 ) -> tuple[float, float, dict[str, int]]:
     """One forward, backward and update on batch [B, S+1] -> (loss, grad norm, memory by category).
 
     The memory dict is empty unless `measure`; then it holds the model state after the update
     (params, grads, main_params, optimizer) and the peak of activations saved for backward.
+    `on_grads(dp)` sees the averaged gradients before clipping (`orangetron verify` reads them there).
     """
     with memory.track_activations(dp.module) if measure else nullcontext() as meter:
         objective, lm_loss = _lm_loss(dp, batch)
         objective.backward()
+    if on_grads is not None:
+        dp.reduce_gradients()
+        on_grads(dp)
     optimizer.lr = lr
     grad_norm = optimizer.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
     optimizer.step()
