@@ -1,32 +1,11 @@
 """`orangetron estimate` / `orangetron plan`: JSON contract, ranked table, one-line errors with exit 2."""
 
-import argparse
 import json
+import sys
 
 import pytest
 
-from orangetron.plan.commands import add_plan_commands
-
-try:  # the full CLI also imports the training commands, which other work may still be changing
-    from orangetron.cli import main as cli_main
-except Exception:  # pragma: no cover - fall back to our own parser
-    cli_main = None
-
-
-def run(argv):
-    """Run like `orangetron.cli.main`: ValueError/KeyError/FileNotFoundError -> one line, exit 2."""
-    if cli_main is not None:
-        return cli_main(argv)
-    parser = argparse.ArgumentParser(prog="orangetron")
-    add_plan_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except (ValueError, KeyError, FileNotFoundError) as err:
-        import sys
-
-        print(f"orangetron {args.command}: error: {err}", file=sys.stderr)
-        return 2
+from orangetron.cli import main as run
 
 
 def last_json(capsys):
@@ -107,13 +86,13 @@ def test_plan_dual_encoder_runs_distmm(capsys):
     assert {t["name"] for t in data["towers"]} == {"image", "text"} and data["predicted_gain"] > 0
 
 
-def test_chart_without_matplotlib_is_a_clear_error(capsys, tmp_path):
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--chart", str(tmp_path / "c.png")]) == 2
-        assert "matplotlib" in capsys.readouterr().err
-    else:
-        assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3",
-                    "--chart", str(tmp_path / "c.png")]) == 0
-        assert (tmp_path / "c.png").stat().st_size > 0
+def test_chart_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--chart", str(tmp_path / "c.png")]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+def test_chart_is_written(tmp_path):
+    chart = tmp_path / "c.png"
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3", "--chart", str(chart)]) == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
