@@ -1,0 +1,62 @@
+"""Head-tail sharding of the sequence over the cp ranks.
+
+Causal attention gives late tokens more work than early ones, so the sequence is cut into 2*cp equal chunks
+and cp rank r keeps chunks r and 2*cp-1-r: one from the cheap head and one from the expensive tail, the
+same work on every rank. RoPE then needs each token's global position, not its local index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orangetron import comm
+from orangetron.layout import LayoutError
+from orangetron.mesh import ParallelMesh
+
+
+def _chunk_len(seq_len: int, cp: int) -> int:
+    if seq_len % (2 * cp):
+        raise LayoutError(f"cp={cp}: seq_len {seq_len} is not divisible by 2*cp={2 * cp} (head-tail chunks)")
+    return seq_len // (2 * cp)
+
+
+def head_tail_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Global positions, in local order, of the tokens cp rank `cp_rank` keeps: chunk r, then 2*cp-1-r."""
+    if not 0 <= cp_rank < cp:
+        raise LayoutError(f"cp_rank={cp_rank}: must lie in [0, cp={cp})")
+    chunk = _chunk_len(seq_len, cp)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    tail_start = (2 * cp - 1 - cp_rank) * chunk
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
+
+
+def position_ids(seq_len: int, mesh: ParallelMesh) -> torch.Tensor:
+    """Global positions of this rank's tokens ([seq_len / cp], int64), for RoPE."""
+    cp = mesh["cp"]
+    return head_tail_indices(seq_len, cp.size, cp.rank)
+
+
+def shard(x: torch.Tensor, mesh: ParallelMesh, seq_dim: int = 1) -> torch.Tensor:
+    """This rank's head-tail share of the full sequence `x` (the same on every cp rank) along `seq_dim`."""
+    cp = mesh["cp"]
+    if cp.size == 1:
+        return x
+    index = head_tail_indices(x.shape[seq_dim], cp.size, cp.rank).to(x.device)
+    return x.index_select(seq_dim, index)
+
+
+def unshard(x_local: torch.Tensor, mesh: ParallelMesh, seq_dim: int = 1) -> torch.Tensor:
+    """The full sequence from every cp rank's share, in natural order (an all-gather over cp).
+
+    Backward returns to each rank the sum of every rank's gradient for its tokens (the all-gather's
+    reduce-scatter), which is right when each rank's copy feeds a different part of the loss.
+    """
+    cp = mesh["cp"]
+    if cp.size == 1:
+        return x_local
+    gathered = comm.all_gather(x_local, cp, dim=seq_dim)  # rank order: (head_0, tail_0, head_1, tail_1, ...)
+    seq_len = gathered.shape[seq_dim]
+    local_order = torch.cat([head_tail_indices(seq_len, cp.size, r) for r in range(cp.size)])
+    natural = torch.empty_like(local_order)
+    natural[local_order] = torch.arange(seq_len)  # where each global position sits in the gathered tensor
+    return gathered.index_select(seq_dim, natural.to(gathered.device))
