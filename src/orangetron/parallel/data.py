@@ -162,6 +162,64 @@ class DataParallel(nn.Module):
             offset += p.numel()
         return mask[self.owned].clone()
 
+    # ---- layout-independent state (checkpoints) -----------------------------------------------------
+
+    def _gather_owned(self, owned: torch.Tensor) -> torch.Tensor:
+        """The full padded flat buffer from every rank's owned slice (no copy when nothing is sharded)."""
+        if self.shards == 1:
+            return owned
+        full = owned.new_empty(self.padded_numel)
+        comm.all_gather_into(full, owned.contiguous(), self.group)
+        return full
+
+    def _by_name(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for name, p in self._named:
+            out[name] = flat[offset:offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+        return out
+
+    def _flat_from(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        missing = [name for name, _ in self._named if name not in tensors]
+        if missing:
+            raise KeyError(f"state has no entry for {missing[0]!r} (and {len(missing) - 1} more)")
+        flat = torch.zeros(self.padded_numel, dtype=dtype)
+        offset = 0
+        for name, p in self._named:
+            if tuple(tensors[name].shape) != tuple(p.shape):
+                raise ValueError(f"{name}: state holds shape {tuple(tensors[name].shape)}, the model {tuple(p.shape)}")
+            flat[offset:offset + p.numel()].copy_(tensors[name].reshape(-1))
+            offset += p.numel()
+        return flat
+
+    def full_state(self, optimizer: ShardedAdamW) -> dict[str, Any]:
+        """Whole (unsharded) main parameters and AdamW moments by parameter name, on every rank.
+
+        The same on any layout, so a run can resume on another one. Gathers over dp_cp when sharded.
+        """
+        adamw = optimizer.adamw
+        return {
+            "params": self._by_name(self._gather_owned(self.main_params)),
+            "exp_avg": self._by_name(self._gather_owned(adamw.exp_avg)),
+            "exp_avg_sq": self._by_name(self._gather_owned(adamw.exp_avg_sq)),
+            "optimizer_steps": adamw.steps,
+        }
+
+    def load_full_state(self, state: dict[str, Any], optimizer: ShardedAdamW) -> None:
+        """Take this rank's share of a `full_state` (from any layout) into params, main params and moments."""
+        adamw = optimizer.adamw
+        main = self._flat_from(state["params"], self.main_params.dtype)
+        with torch.no_grad():
+            self.main_params.copy_(main[self.owned])
+            if self.config.mixed_precision:
+                self.param_shard.copy_(main[self.owned])
+            if not self.zero3:
+                self.flat_params.copy_(main)  # every rank holds full parameters outside ZeRO-3
+            adamw.exp_avg.copy_(self._flat_from(state["exp_avg"], adamw.exp_avg.dtype)[self.owned])
+            adamw.exp_avg_sq.copy_(self._flat_from(state["exp_avg_sq"], adamw.exp_avg_sq.dtype)[self.owned])
+        adamw.steps = int(state["optimizer_steps"])
+        self._params_stale = False
+
     def optimizer(self, lr: float, **adamw: Any) -> ShardedAdamW:
         """AdamW over this rank's shard (the whole buffer under DDP)."""
         return ShardedAdamW(self, lr=lr, **adamw)

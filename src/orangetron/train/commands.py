@@ -41,7 +41,12 @@ def add_train_commands(sub: Any) -> None:
            type=int)
     p.add_argument("--data", nargs="+", metavar="FILE", default=None,
                    help="UTF-8 text files to train on (default: the Python standard library's sources)")
-    p.add_argument("--out", metavar="DIR", default=None, help="run folder; metrics.jsonl is written there")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="run folder: metrics.jsonl, and checkpoints/ with --save-every")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="write a checkpoint every N steps and after the last one (default: never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --out, on whatever layout this run has")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the results as the last line of standard output")
     p.add_argument("--quiet", action="store_true", help="no progress bar or logs on standard error")
@@ -113,6 +118,7 @@ def run_train(args: argparse.Namespace) -> int:
         warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, data=args.data, out=args.out,
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
+        save_every=args.save_every, resume=args.resume,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
     result = train(cfg, progress=not args.quiet)

@@ -7,6 +7,7 @@ layouts are checked against (the wrapper over a one-rank group only adds flat bu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -23,6 +24,7 @@ from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import MODEL_PRESETS, ModelConfig, Transformer, model_preset
 from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW
+from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from orangetron.train.data import (
     DEFAULT_CORPUS_BYTES,
     BatchIterator,
@@ -72,7 +74,9 @@ class TrainConfig:
     dtype: str = "float32"  # parameter dtype: float32, float64 or bfloat16 (with float32 main params)
     data: Sequence[str] | None = None  # text files to train on; None: the embedded stdlib corpus
     corpus_bytes: int = DEFAULT_CORPUS_BYTES  # bytes of the stdlib corpus to use when `data` is None
-    out: str | None = None  # run folder for metrics.jsonl; None writes nothing
+    out: str | None = None  # run folder for metrics.jsonl and checkpoints; None writes nothing
+    save_every: int = 0  # write a checkpoint every N steps and after the last one (0: never); needs `out`
+    resume: bool = False  # continue from the latest checkpoint in `out`, on whatever layout this run has
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
     tp: int = 1  # tensor-parallel degree (only 1 for now)
     cp: int = 1  # context-parallel degree (only 1 for now)
@@ -100,6 +104,7 @@ class TrainConfig:
             raise TrainConfigError(f"eval_fraction={self.eval_fraction}: must be in [0, 1)")
         if self.dtype not in DTYPES:
             raise TrainConfigError(f"dtype={self.dtype!r} (--dtype): choose one of {', '.join(DTYPES)}")
+        self._check_checkpointing()
         self.parallel_config()  # raises for an impossible ZeRO setting
         self.model_config()  # raises for an unknown preset name
         self._check_data()
@@ -122,6 +127,13 @@ class TrainConfig:
         """How the model is replicated and sharded over the data-parallel ranks."""
         return ParallelConfig(zero_stage=self.zero_stage, distributed_optimizer=self.distributed_optimizer,
                               param_dtype=self.dtype)
+
+    def _check_checkpointing(self) -> None:
+        _check_int("save_every", self.save_every, minimum=0)
+        for name in ("save_every", "resume"):
+            if getattr(self, name) and self.out is None:
+                raise TrainConfigError(f"{name}={getattr(self, name)!r} ({_flag(name)}): needs --out DIR, "
+                                       "where checkpoints live")
 
     def _check_data(self) -> None:
         if self.data is None:
@@ -294,17 +306,21 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     data, dp, optimizer, rank = setup.data, setup.dp, setup.optimizer, setup.rank
     bar = ProgressBar(cfg.steps, enabled=progress)
     bar.log(f"orangetron train: {_describe(cfg, dp.module, data)}")
-    run = _RunLog(cfg, bar, write=rank == 0)
+    start = _resume(cfg, setup) if cfg.resume else _Resumed(0, [])
+    run = _RunLog(cfg, bar, write=rank == 0, start=start)
     eval_loss: float | None = None
     mem: dict[str, int] = {}
     with comm.measure() as records, run:
         batches: Iterator[torch.Tensor] = iter(data.train)
-        for step in range(cfg.steps):
+        for _ in range(start.step):  # the batches the checkpointed steps consumed
+            next(batches)
+        for step in range(start.step, cfg.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             rows = setup.rows(next(batches))
-            # Step 0 also measures memory; its hooks cost time, so run.step leaves it out of tokens/s.
-            loss, grad_norm, step_mem = _train_step(dp, optimizer, rows, lr, cfg.grad_clip, measure=step == 0)
+            # The first step also measures memory; its hooks cost time, so run.step leaves it out of tokens/s.
+            loss, grad_norm, step_mem = _train_step(dp, optimizer, rows, lr, cfg.grad_clip,
+                                                    measure=step == start.step)
             seconds = time.perf_counter() - t0  # evaluation below is not training throughput
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
@@ -312,6 +328,8 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
                 eval_loss = evaluate(dp, data.eval_samples, cfg.batch_size, cfg.eval_batches)
                 record["eval_loss"] = eval_loss
             run.step(record, seconds)
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+                _save(cfg, setup, step + 1, run.losses)
     if eval_loss is None:
         bar.log("no held-out loss: the eval split is shorter than one sample (raise eval_fraction)")
     return {
@@ -326,6 +344,43 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
         "time_s": time.perf_counter() - run.started,
     }
+
+
+@dataclass
+class _Resumed:
+    step: int  # steps already taken
+    losses: list[float]  # their losses
+
+
+def _checkpoint_folder(cfg: TrainConfig) -> Path:
+    return Path(cfg.out) / "checkpoints"
+
+
+def _save(cfg: TrainConfig, setup: _Run, step: int, losses: list[float]) -> None:
+    state = setup.dp.full_state(setup.optimizer)  # every rank takes part: it gathers the shards
+    # Each rank's losses are over its share of the batch; the history a checkpoint keeps is their mean.
+    group = setup.dp.group
+    mean_losses = (comm.all_reduce(torch.tensor(losses, dtype=torch.float64), group) / group.size).tolist()
+    if setup.rank == 0:
+        model = dataclasses.asdict(cfg.model_config())
+        save_checkpoint(_checkpoint_folder(cfg), step, {**state, "step": step, "losses": mean_losses, "model": model})
+
+
+def _resume(cfg: TrainConfig, setup: _Run) -> _Resumed:
+    path = latest_checkpoint(_checkpoint_folder(cfg))
+    if path is None:
+        raise TrainConfigError(f"resume=True (--resume): no checkpoint under {_checkpoint_folder(cfg)}")
+    state = load_checkpoint(path)
+    model = dataclasses.asdict(cfg.model_config())
+    for name, value in state["model"].items():
+        if model.get(name) != value:
+            raise TrainConfigError(f"resume=True (--resume): {path} holds a model with {name}={value!r}, "
+                                   f"this run builds {name}={model.get(name)!r}")
+    if state["step"] >= cfg.steps:
+        raise TrainConfigError(f"steps={cfg.steps} (--steps): {path} is already at step {state['step']}; "
+                               "raise --steps to train further")
+    setup.dp.load_full_state(state, setup.optimizer)
+    return _Resumed(int(state["step"]), [float(x) for x in state["losses"]])
 
 
 def _train_step(
@@ -357,10 +412,11 @@ def _train_step(
 class _RunLog:
     """Per-step bookkeeping: losses, tokens/s (step 0 excluded), progress bar, metrics.jsonl."""
 
-    def __init__(self, cfg: TrainConfig, bar: ProgressBar, write: bool = True):
+    def __init__(self, cfg: TrainConfig, bar: ProgressBar, write: bool = True, start: _Resumed | None = None):
         self.cfg, self.bar, self.write = cfg, bar, write
+        self.first_step = 1 if start is None else start.step + 1  # 1-based number of this run's first step
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
-        self.losses: list[float] = []
+        self.losses: list[float] = [] if start is None else list(start.losses)
         self.timed_s, self.timed_tokens = 0.0, 0
         self.started = time.perf_counter()
         self.file = None
@@ -369,7 +425,8 @@ class _RunLog:
         if self.cfg.out is not None and self.write:
             folder = Path(self.cfg.out)
             folder.mkdir(parents=True, exist_ok=True)
-            self.file = open(folder / "metrics.jsonl", "w", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
+            mode = "a" if self.first_step > 1 else "w"  # a resumed run continues the same file
+            self.file = open(folder / "metrics.jsonl", mode, encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -383,7 +440,7 @@ class _RunLog:
     def step(self, record: dict[str, Any], seconds: float) -> None:
         self.losses.append(record["loss"])
         step = record["step"]
-        if step > 1 or self.cfg.steps == 1:
+        if step > self.first_step or self.cfg.steps == self.first_step:
             self.timed_s += seconds
             self.timed_tokens += self.tokens_per_step
         record["tokens"] = step * self.tokens_per_step

@@ -1,0 +1,83 @@
+"""Checkpoints that are complete or absent, verified on load, and loadable on any layout.
+
+A checkpoint is a folder `step-00000123/` holding `state.pt` (tensors, numbers and strings only, read
+back with `torch.load(weights_only=True)`, so loading never runs pickled code) and `manifest.json` with the
+size and SHA-256 of every file. It is written under a temporary name and renamed into place, so a crash
+leaves no half-written checkpoint behind; on load every file is checked against the manifest and a
+mismatch is refused with a message naming the file, before anything is read into the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or corrupt."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_dir(folder: str | Path, step: int) -> Path:
+    return Path(folder) / f"step-{step:08d}"
+
+
+def save_checkpoint(folder: str | Path, step: int, state: dict[str, Any]) -> Path:
+    """Write `state` as the checkpoint of `step` under `folder`, atomically; returns its path."""
+    final = checkpoint_dir(folder, step)
+    staging = final.with_name(f".{final.name}.partial-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(parents=True)
+    torch.save(state, staging / STATE_FILE)
+    files = {STATE_FILE: {"bytes": (staging / STATE_FILE).stat().st_size, "sha256": _sha256(staging / STATE_FILE)}}
+    manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
+    (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    return final
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The checkpoint of the highest step under `folder` (partial ones never match), or None."""
+    found = sorted(p for p in Path(folder).glob("step-*") if p.is_dir())
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The state saved at `path`, after checking every file against the manifest."""
+    path = Path(path)
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST_FILE}; not a complete checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({err})") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing")
+        if file.stat().st_size != expected["bytes"] or _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{file}: size or checksum differs from the manifest; the checkpoint is corrupt")
+    return torch.load(path / STATE_FILE, weights_only=True)
