@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .autograd import CPUFlashAttention, expand_kv
+
 KERNEL_IMPLS = ("fused", "reference")
 
 
@@ -30,7 +32,8 @@ def attention_kernel(
     of the scaled (masked) scores, float64 for float64 inputs and float32 otherwise.
 
     impl "fused" calls PyTorch's fused flash / memory-efficient op (falling back to "reference" where the
-    device or dtype has none); its lse is detached and carries no gradient. impl "reference" is plain
+    device or dtype has none); its lse is detached and carries no gradient. On CPU it keeps for backward
+    q, the unexpanded k and v, out and lse, and nothing else (`CPUFlashAttention`). impl "reference" is plain
     PyTorch accumulating in float32 (float64 for float64) and its lse is differentiable. Both are
     differentiable in q, k, v through `out`.
     """
@@ -67,20 +70,12 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[B, S, Hk, D] -> [B, S, n_heads, D], each kv head repeated for its group of query heads."""
-    b, s, hk, d = x.shape
-    if hk == n_heads:
-        return x
-    return x[:, :, :, None, :].expand(b, s, hk, n_heads // hk, d).reshape(b, s, n_heads, d)
-
-
 def _reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     acc = _lse_dtype(q.dtype)
     hq = q.shape[2]
     qh = q.transpose(1, 2).to(acc)  # [B, Hq, Sq, D]
-    kh = _expand_kv(k, hq).transpose(1, 2).to(acc)  # [B, Hq, Sk, D]
-    vh = _expand_kv(v, hq).transpose(1, 2).to(acc)
+    kh = expand_kv(k, hq).transpose(1, 2).to(acc)  # [B, Hq, Sk, D]
+    vh = expand_kv(v, hq).transpose(1, 2).to(acc)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
     if causal:
         sq, sk = scores.shape[-2:]
@@ -93,15 +88,18 @@ def _reference(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch
 
 
 def _fused(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu" and q.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        # Takes [B, S, H, D] and grouped kv heads itself; keeps k and v unexpanded for backward.
+        return CPUFlashAttention.apply(q, k, v, causal, scale)
     op = _fused_op(q)
     if op is None:
         out, lse = _reference(q, k, v, causal, scale)
         return out, lse.detach()
     hq, sq = q.shape[2], q.shape[1]
-    # The fused ops take [B, H, S, D] and equal head counts.
+    # The fused ops take [B, H, S, D] and equal head counts (under GQA autograd keeps the expanded k, v).
     qh = q.transpose(1, 2)
-    kh = _expand_kv(k, hq).transpose(1, 2)
-    vh = _expand_kv(v, hq).transpose(1, 2)
+    kh = expand_kv(k, hq).transpose(1, 2)
+    vh = expand_kv(v, hq).transpose(1, 2)
     out, lse = op(qh, kh, vh, causal, scale)
     # Memory-efficient attention pads lse along the query axis to a multiple of its block size.
     lse = lse[..., :sq].to(_lse_dtype(q.dtype)).detach()
@@ -109,10 +107,8 @@ def _fused(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Ten
 
 
 def _fused_op(q: torch.Tensor):
-    """The fused op for q's device and dtype as f(q, k, v, causal, scale) -> (out, lse), or None."""
+    """The CUDA fused op for q's device and dtype as f(q, k, v, causal, scale) -> (out, lse), or None."""
     d = q.shape[-1]
-    if q.device.type == "cpu" and q.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
-        return _cpu_flash
     if q.device.type != "cuda" or d % 8 != 0:
         return None
     flash_ok = torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device) >= (8, 0)
@@ -121,10 +117,6 @@ def _fused_op(q: torch.Tensor):
     if q.dtype in (torch.float32, torch.float16, torch.bfloat16) and torch.backends.cuda.mem_efficient_sdp_enabled():
         return _cuda_efficient
     return None
-
-
-def _cpu_flash(q, k, v, causal: bool, scale: float):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
 def _cuda_flash(q, k, v, causal: bool, scale: float):

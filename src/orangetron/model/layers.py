@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention_kernel
+from .autograd import RMSNormFunction, swiglu_activation
 from .config import ModelConfig
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for 16-bit inputs (and float32), float64 for float64."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dimension, computed in float32 (float64 for float64)."""
+    """x / rms(x) * weight over the last dimension, computed in float32 (float64 for float64).
+
+    Keeps only x for backward (and the weight); 1/rms is recomputed.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -24,9 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(_compute_dtype(x.dtype))
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_cos_sin(
@@ -61,7 +57,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the up projection, w2 the down projection."""
+    """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the up projection, w2 the down projection.
+
+    Keeps x, the gate, the up projection and their product for backward (silu is recomputed).
+    """
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -70,7 +69,7 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu_activation(self.w1(x), self.w3(x)))
 
 
 class Attention(nn.Module):

@@ -3,14 +3,18 @@
 The dispatch and combine steps mirror `expert.Dispatcher` (dispatch hands each expert its token copies
 with their routing weights; combine sums a token's weighted copies), so an expert-parallel dispatcher can
 replace `MoE._dispatch` / `MoE._combine` without touching the router or the experts.
+
+For backward a layer keeps (see `orangetron.plan.activations`): the router input, the router scores, the
+top-k expert ids, the dispatched token copies, each copy's routing weight, and per copy the experts'
+gate, up and weighted product; the permutations are recomputed from the top-k ids.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .autograd import FromExpertOrder, LoadBalancingLoss, ToExpertOrder, TopKWeights, swiglu_activation
 from .config import ModelConfig
 from .layers import SwiGLU
 
@@ -50,22 +54,18 @@ class Router(nn.Module):
         """token_mask: [T] bool, False for padding; padded tokens are routed but not balanced."""
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))  # [T, E]
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        topk_weights, topk_idx = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
-        if self.score_func == "sigmoid":
-            topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
-        if token_mask is not None:
-            scores, topk_for_loss = scores[token_mask], topk_idx[token_mask]
-        else:
-            topk_for_loss = topk_idx
-        aux_loss = self.aux_loss_coef * load_balancing_loss(scores, topk_for_loss, self.n_experts)
+        topk_idx = torch.topk(scores.detach(), self.top_k, dim=-1).indices  # [T, k]
+        topk_weights = TopKWeights.apply(scores, topk_idx, self.score_func == "sigmoid")
+        aux_loss = self.aux_loss_coef * LoadBalancingLoss.apply(scores, topk_idx, token_mask)
         return topk_idx, topk_weights, aux_loss
 
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts with stacked weights w1, w3: [E, dim, hidden], w2: [E, hidden, dim].
 
-    forward(x_sorted [N, dim], tokens_per_expert) -> [N, dim]: rows are grouped by expert, expert e owning
-    the next tokens_per_expert[e] rows. An expert-parallel shard is the same module over its local experts.
+    forward(x_sorted [N, dim], tokens_per_expert, weights_sorted [N] or None) -> [N, dim]: rows are grouped
+    by expert, expert e owning the next tokens_per_expert[e] rows; a row's output is scaled by its weight.
+    An expert-parallel shard is the same module over its local experts.
     """
 
     def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
@@ -80,14 +80,18 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=std)
 
-    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_sorted: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor,
+        weights_sorted: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
         if len(counts) != self.w1.shape[0] or sum(counts) != x_sorted.shape[0]:
             raise ValueError(f"tokens_per_expert {counts} must have {self.w1.shape[0]} entries summing to "
                              f"the {x_sorted.shape[0]} rows of x_sorted")
+        weights = [None] * len(counts) if weights_sorted is None else torch.split(weights_sorted, counts)
         outs = []
-        for e, x_e in enumerate(torch.split(x_sorted, counts)):
-            h = F.silu(x_e @ self.w1[e]) * (x_e @ self.w3[e])  # [n_e, hidden]
+        for e, (x_e, w_e) in enumerate(zip(torch.split(x_sorted, counts), weights, strict=True)):
+            h = swiglu_activation(x_e @ self.w1[e], x_e @ self.w3[e], w_e)  # [n_e, hidden], weighted
             outs.append(h @ self.w2[e])
         return torch.cat(outs) if outs else x_sorted.new_zeros(0, x_sorted.shape[-1])
 
@@ -113,8 +117,7 @@ class MoE(nn.Module):
         mask = None if token_mask is None else token_mask.reshape(-1)
         topk_idx, topk_weights, self.last_aux_loss = self.router(x_flat, mask)
         x_sorted, weights_sorted, tokens_per_expert, handle = self._dispatch(x_flat, topk_idx, topk_weights)
-        y_sorted = self.experts(x_sorted, tokens_per_expert)  # [T*k, dim]
-        y_sorted = y_sorted * weights_sorted.to(y_sorted.dtype).unsqueeze(-1)
+        y_sorted = self.experts(x_sorted, tokens_per_expert, weights_sorted)  # [T*k, dim], weighted
         y = self._combine(y_sorted, handle)  # [T, dim]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x_flat)
@@ -125,18 +128,12 @@ class MoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token copies grouped by expert: (x_sorted [T*k, dim], weights_sorted [T*k], tokens_per_expert
         [E], handle for `_combine`). Within an expert, copies keep token order (stable sort)."""
-        t, k = topk_idx.shape
-        order = torch.argsort(topk_idx.reshape(-1), stable=True)  # copy slot (token*k + j) per sorted row
-        # Expanding (rather than indexing x_flat by token) keeps the backward a plain sum over copies.
-        x_copies = x_flat.unsqueeze(1).expand(t, k, x_flat.shape[-1]).reshape(t * k, -1)  # [T*k, dim]
+        k = topk_idx.shape[-1]
         tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=self.experts.w1.shape[0])
-        return x_copies[order], topk_weights.reshape(-1)[order], tokens_per_expert, order
+        x_sorted = ToExpertOrder.apply(x_flat, topk_idx, k)
+        weights_sorted = ToExpertOrder.apply(topk_weights.reshape(-1), topk_idx, 1)
+        return x_sorted, weights_sorted, tokens_per_expert, topk_idx
 
     def _combine(self, y_sorted: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
         """Sum each token's (already weighted) expert outputs: y_sorted [T*k, dim] -> [T, dim]."""
-        order = handle
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        # A permutation gather then a sum over k, instead of index_add: bitwise deterministic on GPUs too.
-        y_copies = y_sorted[inverse]  # [T*k, dim] back in (token, j) order
-        return y_copies.view(-1, self.router.top_k, y_sorted.shape[-1]).sum(1)
+        return FromExpertOrder.apply(y_sorted, handle)

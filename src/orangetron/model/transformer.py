@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .autograd import CrossEntropy
 from .config import ModelConfig
 from .layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from .moe import MoE
@@ -106,7 +107,8 @@ class Transformer(nn.Module):
             raise ValueError(f"seq_len={seq_len}: exceeds max_seq_len={self.cfg.max_seq_len}")
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=tokens.device)
-        h = self.tok_embeddings(tokens)  # [B, S, dim]
+        # The embedding keeps the ids for backward; a copy keeps them from pinning a larger tensor they view.
+        h = self.tok_embeddings(tokens.clone(memory_format=torch.contiguous_format))  # [B, S, dim]
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, token_mask)
@@ -138,10 +140,8 @@ class Transformer(nn.Module):
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """`loss` for logits [B, S, V] already computed (by a wrapper such as DataParallel) by this model."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1)  # [B*S, V]
-        labels = labels.reshape(-1)
-        ce_sum = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
-        n_valid = (labels != ignore_index).sum().clamp(min=1)
-        return ce_sum / n_valid + self.aux_loss()
+        # Keeps only the float32 (float64) logits' gradient for backward, not the logits or the labels.
+        return CrossEntropy.apply(logits, labels.reshape(-1), ignore_index) + self.aux_loss()
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (a tied matrix counts once)."""

@@ -7,6 +7,16 @@ recompute drops the 5*a*s/h attention-score term; full recompute keeps only the 
 `layer_activation_bytes` reproduces these term by term for GPT-style layers and extends them to GQA,
 SwiGLU, MoE, context parallelism (the local sequence s/cp) and flash attention (no s x s scores, plus the
 attention output and its log-sum-exp). Pipeline in-flight counts follow the paper's section 4.2.3.
+
+For Llama-style models (SwiGLU, RMSNorm, RoPE: orangetron's reference model) the count is exact: it is
+what `orangetron.model.Transformer` keeps for backward, as `orangetron.memory.track_activations` measures
+it (tests/test_plan_activations_exact.py). Per layer: each norm's input; the QKV input; Q and K after RoPE
+and V with their own head counts (K and V not expanded to the query heads); the attention output; a
+log-sum-exp per query and head; the MLP input, gate, up and their product. Softmax statistics, router
+scores and the loss's logits are float32, float64 for float64 activations. Besides these, such models count
+the small buffers Korthikanti et al. leave out: the int64 token ids (first stage), the RoPE cos/sin tables,
+and for MoE the int64 top-k expert ids, each routed copy's routing weight and the 1-byte padding mask read
+by the load-balancing loss. GPT-style layers keep the paper's terms unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +41,11 @@ class LayerShape:
     a: int  # bytes per activation element (the param dtype)
 
     @property
+    def acc(self) -> int:
+        """Bytes per element of softmax statistics, router scores and logits: float32, float64 for float64."""
+        return 8 if self.a == 8 else 4
+
+    @property
     def rep(self) -> int:
         """Divisor of the pieces TP alone leaves replicated (norms, block inputs, dropout masks)."""
         return self.t if self.sp else 1
@@ -46,6 +61,11 @@ def _heads(n: int, t: int) -> int:
     return max(1, n // t)
 
 
+def _counts_small_buffers(m: ModelSpec) -> bool:
+    """Llama-style (SwiGLU) models count the small buffers exactly; GPT-style layers follow the paper."""
+    return m.mlp == "swiglu"
+
+
 def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     """Attention block (its input norm excluded): QKV input, Q, K, V, output, masks, optional scores."""
     sb, h, a = x.s * x.b, m.hidden_size, x.a
@@ -56,7 +76,7 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     if m.dropout:
         total += sb * h // x.rep  # dropout mask after the output projection (1 byte)
     if job.attention_kernel == "flash":
-        return total + 4 * x.b * heads * x.s  # fp32 log-sum-exp per query and head
+        return total + x.acc * x.b * heads * x.s  # fp32 (fp64) log-sum-exp per query and head
     if job.recompute != "selective":
         scores = x.b * heads * x.s * x.s_kv
         total += a * scores  # softmax output
@@ -78,12 +98,14 @@ def mlp_bytes(m: ModelSpec, x: LayerShape, ffn: int, tokens: int | None = None, 
 def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
     """Router, routed experts on this GPU (its dispatched tokens, full hidden) and shared experts."""
     sb = x.s * x.b
-    router = x.a * sb * m.hidden_size // x.rep + 4 * sb * m.num_experts // x.rep  # input, fp32 probs
+    router = x.a * sb * m.hidden_size // x.rep + x.acc * sb * m.num_experts // x.rep  # input, fp32 probs
     # Each EP rank receives, on balance, top_k copies of its own token count; capacity pads to the factor.
     routed = sb // x.rep * m.top_k
     if job.dispatcher == "capacity":
         routed = int(routed * job.capacity_factor)
     total = router + mlp_bytes(m, x, m.moe_ffn_hidden_size, tokens=routed, shard_h=False, split=etp)
+    if _counts_small_buffers(m):
+        total += 8 * (sb // x.rep * m.top_k) + x.acc * routed  # int64 top-k ids, each copy's routing weight
     if m.num_shared_experts:
         shared = mlp_bytes(m, x, m.num_shared_experts * m.moe_ffn_hidden_size)
         total += shared - x.a * sb * m.hidden_size // x.rep  # shares the router's input
@@ -139,7 +161,21 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     sb, h = x.s * x.b, m.hidden_size
     if stage == 0 and m.dropout:
         total += int(sb * h // x.rep * in_flight(deg, job, 0))  # embedding-dropout mask
+    if _counts_small_buffers(m):
+        total += int(_small_stage_buffers(m, x, stage, layers, moe_layers) * in_flight(deg, job, stage))
     if stage == deg.pp - 1:
-        # Final-norm input, output-projection input, fp32 logits for the loss (vocab-parallel).
-        total += 2 * x.a * sb * h // x.rep + 4 * sb * m.vocab_size // x.t
+        # Final-norm input, output-projection input, fp32 (fp64) logits' gradient for the loss (vocab-parallel).
+        total += 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
+    return total
+
+
+def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: tuple[int, ...], moe_layers: int) -> int:
+    """Per micro-batch: int64 token ids (embedding), RoPE cos/sin [s, rope_dim/2] each in the activation
+    dtype (shared by the stage's layers and, with the default positions, by the micro-batch's sequences),
+    and the 1-byte padding mask that the load-balancing loss reads."""
+    total = 8 * x.s * x.b if stage == 0 else 0
+    if layers and not m.max_position_embeddings:
+        total += x.a * x.s * (m.qk_rope_head_dim or m.qk_head_dim)
+    if moe_layers:
+        total += x.s * x.b
     return total
