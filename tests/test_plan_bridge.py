@@ -101,3 +101,17 @@ def test_planner_equals_runtime_ledger_and_memory_for_data_parallel(world, param
             got_records, got_state = per_rank[stage]
             assert got_records == want, f"{stage} rank {rank}"
             assert got_state == {k: mem[k] for k in got_state}, f"{stage} rank {rank}"
+
+
+@pytest.mark.parametrize("dtype, zero_stage", [("float32", 0), ("bfloat16", 0), ("bfloat16", 3), ("float64", 1)])
+def test_train_json_memory_equals_the_cost_model(dtype, zero_stage):
+    """`orangetron train --json` reports what `estimate` predicts, category by category (one rank)."""
+    from orangetron.train.trainer import TrainConfig, train
+
+    cfg = TrainConfig(model="tiny-moe", steps=1, seq_len=32, batch_size=4, corpus_bytes=200_000, dtype=dtype,
+                      zero_stage=zero_stage)
+    [measured] = train(cfg, progress=False)["memory"]
+    _, predicted = predicted_step(cfg.model_config(), cfg.layout, cfg.parallel_config(), seq_len=32, micro_batch=4)
+    assert measured["activations_peak"] == predicted["activations"]
+    assert {k: measured[k] for k in ("params", "grads", "main_params", "optimizer")} == {
+        k: predicted[k] for k in ("params", "grads", "main_params", "optimizer")}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from orangetron.model import model_preset
+from orangetron.plan.bridge import predicted_step
 from orangetron.train.progress import ProgressBar
 from orangetron.train.trainer import TrainConfig, lr_at, train
 
@@ -217,8 +218,13 @@ def test_two_rank_zero3_training_matches_one_rank() -> None:
     assert [m["rank"] for m in two["memory"]] == [0, 1] and [c["rank"] for c in two["comm"]] == [0, 1]
     n = one["params"]
     shard = -(-n // 2) * 8
+    cfg = TrainConfig(**{**TINY, "model": model, "dtype": "float64", "dp": 2, "zero_stage": 3})
+    _, predicted = predicted_step(model, cfg.layout, cfg.parallel_config(), seq_len=cfg.seq_len,
+                                  micro_batch=cfg.batch_size // 2)
     for mem in two["memory"]:  # ZeRO-3 on two ranks keeps half of every model-state category
         assert (mem["params"], mem["grads"], mem["optimizer"]) == (shard, shard, 2 * shard)
+        assert mem["activations_peak"] == predicted["activations"]  # each rank's half of the batch
+        assert all(mem[k] == predicted[k] for k in ("params", "grads", "main_params", "optimizer"))
     assert one["memory"][0]["params"] == 8 * n
     # Per step: all-gather before forward and before backward; the held-out pass gathers once per batch.
     gathers = 2 * 3 + 1 * 2  # steps, then eval_batches=2 batches
