@@ -48,3 +48,30 @@ def breakdown_chart(estimates: list[Estimate], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def schedule_chart(slots: list, pp: int, title: str, path: str) -> None:
+    """A timeline of a pipeline schedule: one row per rank, forwards light, backwards dark, labelled by
+    micro-batch (and chunk when there are several)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chunks = 1 + max(s.action.chunk for s in slots)
+    makespan = max(s.end for s in slots)
+    fig, ax = plt.subplots(figsize=(min(4 + makespan * 0.6, 24), 0.6 * pp + 1.2))
+    palette = plt.get_cmap("tab10")
+    for s in slots:
+        shade = palette(s.action.chunk % 10)
+        alpha = 0.45 if s.action.kind == "F" else 0.95
+        ax.barh(s.rank, s.end - s.start, left=s.start, color=shade, alpha=alpha, edgecolor="black", linewidth=0.5)
+        text = f"{s.action.kind}{s.action.microbatch}" + (f".{s.action.chunk}" if chunks > 1 else "")
+        ax.text((s.start + s.end) / 2, s.rank, text, ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (forward of one stage = 1)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

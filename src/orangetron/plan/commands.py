@@ -20,7 +20,8 @@ from orangetron.plan.search import SearchSpace, search
 
 
 def add_plan_commands(sub: argparse._SubParsersAction) -> None:
-    """Add `estimate` and `plan` to the `orangetron` subcommands."""
+    """Add `estimate`, `plan` and `schedule` to the `orangetron` subcommands."""
+    _add_schedule_command(sub)
     est = sub.add_parser("estimate", help="memory, communication, step time and MFU of one configuration",
                          description="Price one configuration: memory per GPU by category, bytes per collective "
                                      "per step, step time and MFU.")
@@ -215,6 +216,51 @@ def _int_list(text: str) -> tuple[int, ...]:
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: degrees must be >= 1")
     return values
+
+
+def _add_schedule_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("schedule", help="simulate and draw a pipeline schedule",
+                       description="Order of forward and backward passes on every pipeline rank, simulated with "
+                                   "backward = 2 x forward: bubble fraction, peak activations in flight per rank, "
+                                   "and a timeline chart.")
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument("-o", "--output", metavar="FILE.png", help="draw the timeline (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
+    p.set_defaults(run=run_schedule)
+
+
+def run_schedule(args: argparse.Namespace) -> int:
+    from orangetron.plan.schedule import actions, bubble_fraction, peak_in_flight, simulate
+
+    if args.output:
+        _require_matplotlib()
+    slots = simulate(args.pp, args.microbatches, args.schedule, args.virtual_stages)
+    result = {
+        "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
+        "virtual_stages": args.virtual_stages, "bubble_fraction": bubble_fraction(slots, args.pp),
+        "makespan": max(s.end for s in slots),
+        "peak_in_flight": [peak_in_flight(slots, r) for r in range(args.pp)],
+        "order": [[f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if args.virtual_stages > 1 else "") for a in rank]
+                  for rank in actions(args.pp, args.microbatches, args.schedule, args.virtual_stages)],
+    }
+    title = (f"{args.schedule}, pp={args.pp}, {args.microbatches} micro-batches"
+             + (f", {args.virtual_stages} chunks" if args.virtual_stages > 1 else "")
+             + f": bubble {result['bubble_fraction']:.1%}")
+    out = sys.stdout if not args.json else sys.stderr
+    print(title, file=out)
+    for rank, order in enumerate(result["order"]):
+        print(f"  rank {rank} (holds {result['peak_in_flight'][rank]} at peak): {' '.join(order)}", file=out)
+    if args.output:
+        from orangetron.plan.chart import schedule_chart
+
+        schedule_chart(slots, args.pp, title, args.output)
+        print(f"chart written to {args.output}", file=out)
+    if args.json:
+        print(json.dumps(result))
+    return 0
 
 
 def _require_matplotlib() -> None:

@@ -1,0 +1,135 @@
+"""Pipeline schedules as data: the order of forward and backward passes on every stage, and their timeline.
+
+A schedule is, for each pipeline rank, the list of (kind, chunk, micro-batch) it runs in order; `simulate`
+replays those lists under the true dependencies (a chunk's forward needs the previous virtual stage's
+forward of that micro-batch, a backward needs the next virtual stage's backward) with fixed forward and
+backward costs, which gives the bubble and how many micro-batches' activations each rank holds at its
+peak. The cost model's closed forms (the bubble (p-1)/(v*m + p-1) of Narayanan et al. 2021, the in-flight
+counts of Korthikanti et al. 2022) are tested against this simulation.
+
+Virtual stage g = chunk * pp + rank: with v chunks, rank r holds chunks r, r + pp, ... of the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run; the message names the field, the value and the rule."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" or "B"
+    chunk: int
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One action placed on the timeline."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+def _check(pp: int, microbatches: int, schedule: str, virtual_stages: int) -> None:
+    for name, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name}={value!r}: must be a positive integer")
+    if schedule not in SCHEDULES:
+        raise ScheduleError(f"schedule={schedule!r}: must be one of {', '.join(SCHEDULES)}")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ScheduleError(f"virtual_stages={virtual_stages}: needs schedule 'interleaved'")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ScheduleError(f"microbatches={microbatches}: the interleaved schedule needs a multiple of pp={pp}")
+
+
+def actions(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> list[list[Action]]:
+    """The ordered actions of every pipeline rank."""
+    _check(pp, microbatches, schedule, virtual_stages)
+    m = microbatches
+    if schedule == "gpipe":
+        return [[Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in reversed(range(m))]
+                for _ in range(pp)]
+    if schedule == "1f1b":
+        return [_one_forward_one_backward(m, warmup=min(pp - r - 1, m), chunks=1, pp=pp) for r in range(pp)]
+    v = virtual_stages
+    # Megatron's interleaved warmup: two extra forwards per rank below, plus a full round of the other chunks.
+    return [_one_forward_one_backward(m, warmup=min((pp - r - 1) * 2 + (v - 1) * pp, m * v), chunks=v, pp=pp)
+            for r in range(pp)]
+
+
+def _one_forward_one_backward(m: int, warmup: int, chunks: int, pp: int) -> list[Action]:
+    """Warmup forwards, then alternate one forward and one backward, then the remaining backwards."""
+    total = m * chunks
+
+    def nth(k: int, backward: bool) -> Action:
+        # Micro-batches advance in groups of pp through the chunks (forward: chunk 0 first; backward: last).
+        group, within = divmod(k, pp * chunks)
+        chunk = within // pp
+        if backward:
+            chunk = chunks - 1 - chunk
+        return Action("B" if backward else "F", chunk, group * pp + within % pp)
+
+    order = [nth(k, False) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [nth(warmup + k, False), nth(k, True)]
+    order += [nth(k, True) for k in range(total - warmup, total)]
+    return order
+
+
+def simulate(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1,
+             forward_cost: float = 1.0, backward_cost: float = 2.0) -> list[Slot]:
+    """Place every action at the earliest time its rank is free and its input has arrived.
+
+    Costs are per chunk (a rank's whole stage costs `forward_cost`, each of its v chunks 1/v of it).
+    """
+    plan = actions(pp, microbatches, schedule, virtual_stages)
+    v = virtual_stages
+    last = v * pp - 1
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
+    cursor, free = [0] * pp, [0.0] * pp
+    slots: list[Slot] = []
+    while len(slots) < sum(len(a) for a in plan):
+        progressed = False
+        for rank in range(pp):
+            if cursor[rank] == len(plan[rank]):
+                continue
+            act = plan[rank][cursor[rank]]
+            g = act.chunk * pp + rank
+            needs = (("F", g - 1) if g > 0 else None) if act.kind == "F" else (("B", g + 1) if g < last else ("F", g))
+            ready = 0.0 if needs is None else done.get((*needs, act.microbatch))
+            if ready is None:
+                continue
+            start = max(free[rank], ready)
+            end = start + (forward_cost if act.kind == "F" else backward_cost) / v
+            done[(act.kind, g, act.microbatch)] = free[rank] = end
+            slots.append(Slot(rank, act, start, end))
+            cursor[rank] += 1
+            progressed = True
+        if not progressed:
+            raise ScheduleError(f"schedule={schedule!r} deadlocks with pp={pp}, microbatches={microbatches}")
+    return slots
+
+
+def bubble_fraction(slots: list[Slot], pp: int) -> float:
+    """Idle share of pp ranks over the makespan."""
+    makespan = max(s.end for s in slots)
+    busy = sum(s.end - s.start for s in slots)
+    return 1.0 - busy / (pp * makespan)
+
+
+def peak_in_flight(slots: list[Slot], rank: int) -> int:
+    """Most (chunk, micro-batch) activations `rank` holds at once: from a forward's start to its backward's end."""
+    events = sorted(((s.start, 1) if s.action.kind == "F" else (s.end, -1)) for s in slots if s.rank == rank)
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return peak

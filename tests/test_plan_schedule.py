@@ -1,0 +1,72 @@
+"""Pipeline schedules: dependencies hold, and the simulated bubble and in-flight activations equal the cost
+model's closed forms."""
+
+import pytest
+
+from orangetron.plan.activations import in_flight
+from orangetron.plan.config import Degrees, Job
+from orangetron.plan.schedule import ScheduleError, actions, bubble_fraction, peak_in_flight, simulate
+
+CASES = [("gpipe", 1, 4, 8), ("gpipe", 1, 3, 2), ("1f1b", 1, 4, 8), ("1f1b", 1, 4, 2), ("1f1b", 1, 8, 16),
+         ("interleaved", 2, 4, 8), ("interleaved", 2, 4, 4), ("interleaved", 3, 2, 6), ("interleaved", 4, 4, 12)]
+
+
+@pytest.mark.parametrize("schedule, v, pp, m", CASES)
+def test_every_pass_runs_once_after_its_inputs(schedule, v, pp, m):
+    slots = simulate(pp, m, schedule, v)
+    end = {(s.action.kind, s.action.chunk * pp + s.rank, s.action.microbatch): s.end for s in slots}
+    assert len(end) == len(slots) == 2 * pp * v * m  # every (pass, virtual stage, micro-batch) exactly once
+    for s in slots:
+        g, i = s.action.chunk * pp + s.rank, s.action.microbatch
+        if s.action.kind == "F" and g > 0:
+            assert s.start >= end[("F", g - 1, i)]
+        if s.action.kind == "B":
+            assert s.start >= end[("B", g + 1, i)] if g < v * pp - 1 else s.start >= end[("F", g, i)]
+    for rank in range(pp):  # one pass at a time per rank
+        mine = sorted((s.start, s.end) for s in slots if s.rank == rank)
+        assert all(a[1] <= b[0] for a, b in zip(mine, mine[1:], strict=False))
+
+
+@pytest.mark.parametrize("schedule, v, pp, m", CASES)
+def test_simulation_equals_the_cost_models_closed_forms(schedule, v, pp, m):
+    slots = simulate(pp, m, schedule, v, forward_cost=1.0, backward_cost=2.0)
+    # Narayanan et al. 2021: a step takes (m + (pp-1)/v) stage times, so the bubble is (pp-1)/(v*m + pp-1).
+    assert max(s.end for s in slots) == pytest.approx((m + (pp - 1) / v) * 3.0)
+    assert bubble_fraction(slots, pp) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    job = Job(seq_len=8, global_batch=m, pp_schedule=schedule, virtual_stages=v)
+    deg = Degrees(pp=pp)
+    for rank in range(pp):  # the activation model's in-flight counts, in chunk-micro-batches
+        assert peak_in_flight(slots, rank) == pytest.approx(in_flight(deg, job, rank) * v), f"rank {rank}"
+
+
+def test_one_f_one_b_order_by_hand():
+    # pp=2, m=3: rank 0 warms up with one forward, then alternates; rank 1 alternates from the start.
+    names = [[f"{a.kind}{a.microbatch}" for a in rank] for rank in actions(2, 3, "1f1b")]
+    assert names == [["F0", "F1", "B0", "F2", "B1", "B2"], ["F0", "B0", "F1", "B1", "F2", "B2"]]
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(pp=0, microbatches=4), r"pp=0: must be a positive integer"),
+    (dict(pp=2, microbatches=4, schedule="zigzag"), r"schedule='zigzag': must be one of gpipe"),
+    (dict(pp=2, microbatches=4, virtual_stages=2), r"virtual_stages=2: needs schedule 'interleaved'"),
+    (dict(pp=4, microbatches=6, schedule="interleaved", virtual_stages=2), r"microbatches=6: .* multiple of pp=4"),
+])
+def test_bad_schedules(kwargs, pattern):
+    with pytest.raises(ScheduleError, match=pattern):
+        actions(**kwargs)
+
+
+def test_schedule_command(capsys, tmp_path):
+    import json
+
+    from orangetron.cli import main
+
+    chart = tmp_path / "s.png"
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "-o", str(chart), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bubble_fraction"] == pytest.approx(3 / 11) and result["peak_in_flight"] == [4, 3, 2, 1]
+    assert result["order"][3][:4] == ["F0", "B0", "F1", "B1"]
+    assert chart.read_bytes()[:4] == b"\x89PNG"
+    assert main(["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved",
+                 "--virtual-stages", "2"]) == 2
+    assert "microbatches=6" in capsys.readouterr().err
