@@ -204,6 +204,34 @@ def test_bad_arguments_are_rejected_before_communicating():
     assert run_distributed(check_bad_splits, 2) == [True, True]
 
 
+def test_nested_measure_scopes_close_in_order():
+    from orangetron.mesh import MeshGroup
+
+    fake = MeshGroup(name="dp", group=None, ranks=(0, 1), rank=0)
+    with comm.measure() as outer:  # empty when the inner scope opens: equal to it as a list
+        with comm.measure() as inner:
+            comm._record("all_gather", fake, 16, (8, 8))
+        comm._record("all_reduce", fake, 16, (16, 16))
+    assert [r.op for r in inner] == ["all_gather"]
+    assert [r.op for r in outer] == ["all_gather", "all_reduce"]
+    assert comm._scopes == []
+
+
+def check_all_gather_objects():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return comm.all_gather_objects({"rank": rank, "payload": "x" * (10 + rank)}), comm.ledger()
+
+
+def test_all_gather_objects_returns_every_ranks_object_and_is_recorded():
+    results = run_distributed(check_all_gather_objects, 3)
+    for objects, records in results:
+        assert objects == [{"rank": r, "payload": "x" * (10 + r)} for r in range(3)]
+        assert [(r.op, r.dim) for r in records] == [("all_gather", "world"), ("all_gather", "world")]
+        assert records[0].payload_bytes == 3 * 8  # one int64 size per rank
+
+
 def test_measure_scopes_records():
     from orangetron.mesh import MeshGroup
 

@@ -57,3 +57,35 @@ def test_hung_rank_times_out_instead_of_hanging():
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size=0"):
         run_distributed(rank_and_pid, 0)
+
+
+def fail_while_peer_waits():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 gives up")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that will never come
+    return "unreachable"
+
+
+def test_failure_while_a_peer_is_blocked_names_both():
+    with pytest.raises(DistributedError) as info:
+        run_distributed(fail_while_peer_waits, 2, timeout=60)
+    message = str(info.value)
+    assert "RuntimeError: rank 1 gives up" in message
+    assert "ranks [0] did not finish after another rank failed" in message
+
+
+def die_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return "alive"
+
+
+def test_a_dying_rank_is_reported_and_replaced():
+    with pytest.raises(DistributedError, match=r"died \(ranks \[1\]\)"):
+        run_distributed(die_on_rank_one, 2, timeout=60)
+    assert [r[0] for r in run_distributed(rank_and_pid, 2, args=(1,))] == [0, 1]

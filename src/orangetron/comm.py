@@ -9,6 +9,7 @@ ledger, with bytes from `orangetron.plan.collectives`, the formulas the cost mod
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -20,8 +21,8 @@ from orangetron.plan import collectives as formulas
 from orangetron.plan.collectives import CommRecord
 
 __all__ = [
-    "CommRecord", "RingExchange", "all_gather", "all_gather_into", "all_reduce", "all_to_all", "broadcast",
-    "copy_to_group", "ledger", "measure", "reduce_scatter", "reset_ledger", "bytes_by_key",
+    "CommRecord", "RingExchange", "all_gather", "all_gather_into", "all_gather_objects", "all_reduce", "all_to_all",
+    "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure", "reduce_scatter", "reset_ledger", "world_group",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -54,7 +55,8 @@ def measure() -> Iterator[list[CommRecord]]:
     try:
         yield scope
     finally:
-        _scopes.remove(scope)
+        # By identity: an inner scope may hold records equal to an outer one's (or none, like it).
+        del _scopes[next(i for i, s in enumerate(_scopes) if s is scope)]
 
 
 def bytes_by_key(records: Sequence[CommRecord]) -> dict[str, int]:
@@ -136,6 +138,28 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: MeshGroup) ->
         return
     dist.all_gather_single(out, shard.contiguous(), group=group.group)
     _record("all_gather", group, _nbytes(out), formulas.all_gather_bytes(_nbytes(out), group.size))
+
+
+def world_group() -> MeshGroup:
+    """Every rank of the default process group, as a `MeshGroup` named "world"."""
+    n = dist.get_world_size()
+    return MeshGroup(name="world", group=dist.group.WORLD, ranks=tuple(range(n)), rank=dist.get_rank())
+
+
+def all_gather_objects(obj: object, group: MeshGroup | None = None) -> list:
+    """Every member's picklable `obj`, in group order (results and other bookkeeping, not tensors).
+
+    Two recorded all-gathers: the pickled sizes, then the pickles padded to the largest.
+    """
+    group = group or world_group()
+    if group.size == 1:
+        return [obj]
+    blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = _all_gather_raw(torch.tensor([blob.numel()]), group, 0).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: blob.numel()] = blob
+    gathered = _all_gather_raw(padded, group, 0).view(group.size, -1)
+    return [pickle.loads(gathered[i, :n].numpy().tobytes()) for i, n in enumerate(sizes)]
 
 
 # ---- autograd pairs ---------------------------------------------------------------------------------

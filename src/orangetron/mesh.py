@@ -104,6 +104,11 @@ class ParallelMesh:
 _meshes: dict[tuple[Layout, int], ParallelMesh] = {}
 
 
+def forget_meshes() -> None:
+    """Drop cached meshes (call after destroying the process group they were built in)."""
+    _meshes.clear()
+
+
 def init_mesh(layout: Layout) -> ParallelMesh:
     """The `ParallelMesh` of `layout` for the current process group (built once, then reused)."""
     key = (layout, id(dist.group.WORLD))

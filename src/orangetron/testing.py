@@ -14,8 +14,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -31,13 +32,7 @@ class DistributedError(RuntimeError):
     """A rank raised, died or hung during `run_distributed`."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def _worker_main(rank: int, world_size: int, store: str, tasks: mp.Queue, results: mp.Queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -47,9 +42,8 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results
     from orangetron import comm
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    # A file store in a private folder: the ranks meet without any listening socket.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     while (task := tasks.get()) is not _STOP:
         task_id, payload = task
         comm.reset_ledger()
@@ -80,9 +74,10 @@ class _WorkerPool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        self.folder = tempfile.mkdtemp(prefix="orangetron-ranks-")
+        store = os.path.join(self.folder, "store")
         self.procs = [
-            ctx.Process(target=_worker_main, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker_main, args=(r, world_size, store, self.tasks[r], self.results), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -120,7 +115,12 @@ class _WorkerPool:
             self.close(force=True)
             lines = errors[:]
             if missing:
-                why = f"died (ranks {dead})" if dead else f"did not answer within {timeout:.0f}s"
+                if dead:
+                    why = f"died (ranks {dead})"
+                elif errors:
+                    why = "did not finish after another rank failed (blocked in a collective?)"
+                else:
+                    why = f"did not answer within {timeout:.0f}s"
                 lines.append(f"ranks {missing} {why}")
             raise DistributedError("\n".join(lines))
         return [pickle.loads(replies[r][1]) for r in range(self.world_size)]
@@ -135,6 +135,7 @@ class _WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _pools: dict[int, _WorkerPool] = {}
@@ -157,7 +158,10 @@ def run_distributed(
         raise ValueError(f"world_size={world_size}: must be at least 1")
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
     pool = _pools.get(world_size)
-    if pool is None or pool._dead_ranks():
+    if pool is not None and pool._dead_ranks():
+        pool.close(force=True)  # its surviving ranks cannot work without the dead one
+        pool = None
+    if pool is None:
         pool = _pools[world_size] = _WorkerPool(world_size)
     try:
         return pool.run(payload, timeout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -122,6 +123,8 @@ def run_train(args: argparse.Namespace) -> int:
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
     result = train(cfg, progress=not args.quiet)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun every process holds the merged result
+        return 0
     if not args.quiet:
         _summary(result, sys.stderr)
     if args.json:

@@ -1,70 +1,84 @@
-"""Local launcher: run a function on N processes of this machine with torch's elastic launcher.
+"""Local launcher: run a function on N processes of this machine, each inside a gloo process group.
 
-The rendezvous listens on 127.0.0.1 unless the caller names another address, so a training run never
-opens a port to the network by default. Each process joins a gloo process group (NCCL when every rank
-has a GPU) before the function runs, and the function's return values come back in rank order.
+The ranks meet through a file store in a private temporary folder, so starting a job opens no network
+rendezvous; gloo's own connections are pinned to the loopback interface (GLOO_SOCKET_IFNAME=lo on Linux,
+unless the caller set it). Each rank's return value comes back through a file in that folder. A rank that
+raises stops the job; a `ValueError` (bad input found on a rank) is raised again as a `ValueError` naming
+the rank, anything else as `LaunchError`, both carrying the rank's message.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
-import uuid
+import pickle
+import sys
+import tempfile
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from orangetron.mesh import forget_meshes
 
 
 class LaunchError(RuntimeError):
     """A launched rank failed; the message carries its rank and error."""
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _pin_gloo_to_loopback() -> None:
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "gloo"
-
-
-def _run_rank(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+def _run_rank(rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: Sequence[Any]) -> None:
     torch.set_num_threads(1)  # N ranks share this machine's cores
-    dist.init_process_group(_backend())
+    _pin_gloo_to_loopback()
+    outcome: tuple[str, Any]
     try:
-        return fn(*args)
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
+        try:
+            outcome = ("ok", fn(*args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent
+        kind = "value_error" if isinstance(err, ValueError) else "error"
+        outcome = (kind, f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+    with open(Path(folder) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(outcome, f)
+    if outcome[0] != "ok":
+        sys.exit(1)
 
 
-def launch_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), host: str = "127.0.0.1") -> list:
-    """Run `fn(*args)` on `world_size` local processes inside a process group; return results by rank.
+def launch_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = ()) -> list[Any]:
+    """Run `fn(*args)` on `world_size` local processes inside one gloo process group; results by rank.
 
-    `fn` must be importable by name. A failing rank raises `LaunchError` with that rank's error.
+    `fn` must be importable by name, and its arguments and results picklable.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # A failed rank is reported once, by the LaunchError below, not by the agent's own error log.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"orangetron-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"{host}:{_free_port(host)}", max_restarts=0, local_addr=host,
-        start_method="spawn",
-    )
-    try:
-        results = elastic_launch(config, _run_rank)(fn, args)
-    except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
-        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
-        raise LaunchError(f"rank {rank} failed: {message or f'exit code {failure.exitcode}'}") from None
-    return [results[rank] for rank in range(world_size)]
+    with tempfile.TemporaryDirectory(prefix="orangetron-launch-") as folder:  # private: mode 0700
+        context = torch_mp.start_processes(_run_rank, args=(world_size, folder, fn, tuple(args)),
+                                           nprocs=world_size, join=False, start_method="spawn")
+        try:
+            while not context.join():
+                pass
+        except (torch_mp.ProcessExitedException, torch_mp.ProcessRaisedException):
+            pass  # the rank's own report, read below, says more than the exit code
+        outcomes = []
+        for rank in range(world_size):
+            report = Path(folder) / f"rank{rank}.pkl"
+            outcomes.append(pickle.loads(report.read_bytes()) if report.exists() else ("error", "exited"))
+    failures = [(rank, kind, body) for rank, (kind, body) in enumerate(outcomes) if kind != "ok"]
+    if failures:
+        rank, kind, body = min(failures, key=lambda f: f[1] != "value_error")  # bad input explains the rest
+        first_line = body.splitlines()[0]
+        if kind == "value_error":
+            raise ValueError(f"rank {rank}: {first_line.split(': ', 1)[-1]}")
+        raise LaunchError(f"rank {rank} failed: {body}")
+    return [body for _, body in outcomes]
 
 
 @contextmanager
@@ -78,3 +92,4 @@ def process_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()

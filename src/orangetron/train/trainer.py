@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
@@ -21,7 +22,7 @@ import torch
 
 from orangetron import comm, memory
 from orangetron.layout import Layout
-from orangetron.mesh import init_mesh
+from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import MODEL_PRESETS, ModelConfig, Transformer, model_preset
 from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -247,6 +248,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """
     world_size = cfg.layout.world_size
     if world_size > 1 and not torch.distributed.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: join its group
+            return _train_under_torchrun(cfg, progress)
         return _merge_ranks(launch_local(_train_rank, world_size, args=(cfg, progress)))
     # One thread by default: these models run many small ops, and on a shared 2-core machine a second
     # OpenMP thread that waits for a busy core at every op made steps 10x slower, not faster.
@@ -258,6 +261,21 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
             return _train(cfg, progress)
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def _train_under_torchrun(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
+    """Every torchrun process runs one rank; each returns the merged result of all ranks."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != cfg.layout.world_size:
+        raise TrainConfigError(f"dp={cfg.dp} (--dp): torchrun started {world_size} processes but the layout "
+                               f"{cfg.layout} needs {cfg.layout.world_size}")
+    torch.distributed.init_process_group("gloo")  # the trainer keeps its tensors on the CPU for now
+    try:
+        result = _train_rank(cfg, progress)
+        return _merge_ranks(comm.all_gather_objects(result))
+    finally:
+        torch.distributed.destroy_process_group()
+        forget_meshes()
 
 
 def _train_rank(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
