@@ -18,6 +18,10 @@ def test_head_tail_indices_by_hand():
     assert context.head_tail_indices(12, 3, 1).tolist() == [2, 3, 8, 9]
 
 
+def test_one_cp_rank_keeps_any_sequence_in_order():
+    assert context.head_tail_indices(7, 1, 0).tolist() == list(range(7))
+
+
 def test_every_token_is_kept_by_exactly_one_rank():
     kept = torch.cat([context.head_tail_indices(24, 4, r) for r in range(4)])
     assert sorted(kept.tolist()) == list(range(24))

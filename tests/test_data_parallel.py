@@ -150,3 +150,78 @@ def test_parallel_config_rules():
         ParallelConfig(param_dtype="float16")
     with pytest.raises(ParallelConfigError, match=r"microbatches=0: must be a positive integer"):
         ParallelConfig(microbatches=0)
+
+
+# ---- awkward uses: several outputs, a tied weight used last, accumulation, eval and unused forwards ------
+
+
+class TiedTwoOutputs(torch.nn.Module):
+    """Returns (h, logits) where logits reuse the embedding after h: ZeRO-3 must gather before either."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Embedding(11, 6, dtype=torch.float64)
+        self.lin = torch.nn.Linear(6, 6, dtype=torch.float64)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(self.emb(x)))
+        return h, h @ self.emb.weight.t()
+
+
+def awkward_steps(model, rows_of):
+    """Two steps of two accumulated micro-batches, with an eval forward and an unused forward in between."""
+    for step in range(2):
+        for mb in range(2):
+            x = rows_of(batch(10 * step + mb, 4)[:, :5] % 11)
+            model(x)  # a forward whose graph is dropped
+            h, logits = model(x)
+            with torch.no_grad():
+                model(x)  # evaluation between forward and backward
+            ((ce(logits[:, :-1], x) + h.square().mean()) / 2).backward()
+        yield step
+
+
+def awkward_reference():
+    model = TiedTwoOutputs()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.0, foreach=False)
+
+    class Mean(torch.nn.Module):  # the mean over 2 ranks of each rank's mean loss, on one device
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            parts = [self.inner(x[r * 2:(r + 1) * 2]) for r in range(2)]
+            return tuple(torch.cat([p[i] for p in parts]) for i in range(2))
+
+    for _ in awkward_steps(Mean(), lambda rows: rows):
+        opt.step()
+        opt.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def awkward_run():
+    mesh = init_mesh(Layout(dp=2))
+    r = mesh["dp_cp"].rank
+    out = {}
+    for stage, opts in STAGES.items():
+        dp = DataParallel(TiedTwoOutputs(), mesh, ParallelConfig(param_dtype="float64", **opts))
+        opt = dp.optimizer(lr=0.05)
+        for _ in awkward_steps(dp, lambda rows, r=r: rows[r * 2:(r + 1) * 2]):
+            opt.step()
+            opt.zero_grad()
+        if dp.zero3 or dp._params_stale:
+            dp._gather_params()
+        out[stage] = torch.cat([p.detach().reshape(-1) for p in dp.module.parameters()])
+    return out
+
+
+def test_several_outputs_accumulation_and_eval_match_one_device():
+    reference_params = awkward_reference()
+    for by_stage in run_distributed(awkward_run, 2):
+        for stage, params in by_stage.items():
+            torch.testing.assert_close(params, reference_params, rtol=1e-9, atol=1e-12, msg=stage)

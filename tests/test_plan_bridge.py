@@ -115,3 +115,13 @@ def test_train_json_memory_equals_the_cost_model(dtype, zero_stage):
     assert measured["activations_peak"] == predicted["activations"]
     assert {k: measured[k] for k in ("params", "grads", "main_params", "optimizer")} == {
         k: predicted[k] for k in ("params", "grads", "main_params", "optimizer")}
+
+
+def test_runtime_prediction_uses_one_gradient_bucket_at_any_size():
+    """The runtime reduces the whole flat buffer at once, so a 200M-parameter model gets one record too."""
+    big = _config(dim=2048, n_layers=4, n_heads=16, n_kv_heads=16, vocab_size=32000, ffn_dim=8192)
+    assert spec_from_model_config(big).total_params() > 50_000_000
+    for stage in ("zero1", "ddp"):
+        records, _ = predicted_step(big, Layout(dp=3), ParallelConfig(**STAGES[stage]), seq_len=16, micro_batch=1)
+        reductions = [r for r in records if r.op in ("reduce_scatter", "all_reduce")]
+        assert len(reductions) == 1, stage

@@ -20,6 +20,8 @@ _LAZY = {
     "ParallelMesh": ("orangetron.mesh", "ParallelMesh"),
     "ModelConfig": ("orangetron.model", "ModelConfig"),
     "Transformer": ("orangetron.model", "Transformer"),
+    "ParallelConfig": ("orangetron.parallel", "ParallelConfig"),
+    "DataParallel": ("orangetron.parallel", "DataParallel"),
 }
 
 __all__ = ["Layout", "LayoutError", "__version__", *_LAZY]

@@ -22,7 +22,8 @@ from orangetron.plan.collectives import CommRecord
 
 __all__ = [
     "CommRecord", "RingExchange", "all_gather", "all_gather_into", "all_gather_objects", "all_reduce", "all_to_all",
-    "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure", "reduce_scatter", "reset_ledger", "world_group",
+    "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure", "reduce_scatter", "reset_ledger", "unmeasured",
+    "world_group",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -57,6 +58,17 @@ def measure() -> Iterator[list[CommRecord]]:
     finally:
         # By identity: an inner scope may hold records equal to an outer one's (or none, like it).
         del _scopes[next(i for i, s in enumerate(_scopes) if s is scope)]
+
+
+@contextmanager
+def unmeasured() -> Iterator[None]:
+    """Records made inside reach the ledger but no open `measure` scope: bookkeeping such as checkpoints."""
+    hidden = _scopes[:]
+    _scopes.clear()
+    try:
+        yield
+    finally:
+        _scopes[:] = hidden
 
 
 def bytes_by_key(records: Sequence[CommRecord]) -> dict[str, int]:

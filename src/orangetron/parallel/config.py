@@ -37,7 +37,6 @@ class ParallelConfig:
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     param_dtype: str = "float32"  # model parameters (fp32 main params and grads are kept when lower)
     reduce_dtype: str | None = None  # gradient reduction dtype; None: param_dtype, as the seed's tables
-    bucket_numel: int = 50_000_000  # elements per gradient-reduction bucket
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved
     microbatches: int = 1  # micro-batches per step
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
@@ -58,7 +57,7 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"distributed_optimizer with zero_stage={self.zero_stage}: the distributed optimizer is ZeRO-1 "
                 "sharding with an eager all-gather; use zero_stage 0 or 1 with it")
-        for name in ("ulysses_degree", "bucket_numel", "microbatches", "virtual_stages"):
+        for name in ("ulysses_degree", "microbatches", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParallelConfigError(f"{name}={value!r}: must be a positive integer")

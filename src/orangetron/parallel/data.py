@@ -53,7 +53,8 @@ class DataParallel(nn.Module):
 
     def _build_buffers(self) -> None:
         cfg = self.config
-        flat = torch.zeros(self.padded_numel, dtype=cfg.torch_param_dtype)
+        self.device = next(iter(self.module.parameters())).device
+        flat = torch.zeros(self.padded_numel, dtype=cfg.torch_param_dtype, device=self.device)
         offset = 0
         with torch.no_grad():
             for _, p in self._named:
@@ -65,9 +66,9 @@ class DataParallel(nn.Module):
         main_dtype = torch.float32 if cfg.mixed_precision else cfg.torch_param_dtype
         self.main_params = self.param_shard.to(main_dtype, copy=True) if cfg.mixed_precision else self.param_shard
         if cfg.zero_stage >= 2:
-            self.main_grads = torch.zeros(self.shard_numel, dtype=main_dtype)
+            self.main_grads = torch.zeros(self.shard_numel, dtype=main_dtype, device=self.device)
         else:
-            self.main_grads = torch.zeros(self.padded_numel, dtype=main_dtype)
+            self.main_grads = torch.zeros(self.padded_numel, dtype=main_dtype, device=self.device)
         if self.zero3:
             self._release_params()
 
@@ -102,17 +103,21 @@ class DataParallel(nn.Module):
         out = self.module(*args, **kwargs)
         if self.zero3:
             self._release_params()
-            first = next((t for t in _tensors(out) if t.requires_grad), None)
-            if first is not None:
-                first.register_hook(self._regather_for_backward)
+            needs_grad = [t for t in _tensors(out) if t.requires_grad]
+            if needs_grad:
+                # Whichever output's gradient arrives first starts the backward: gather before any of it.
+                self._gathered_for_backward = False
+                torch.autograd.graph.register_multi_grad_hook(needs_grad, self._regather_for_backward, mode="any")
         self._grads_pending = True
         return out
 
-    def _regather_for_backward(self, grad: torch.Tensor) -> torch.Tensor:
+    def _regather_for_backward(self, grad: torch.Tensor) -> None:
+        if self._gathered_for_backward:
+            return
+        self._gathered_for_backward = True
         self._gather_params()
         # Free the gathered parameters again once this backward pass has finished.
         torch.autograd.Variable._execution_engine.queue_callback(self._release_params)
-        return grad
 
     def reduce_gradients(self) -> None:
         """Average the gradients over the dp x cp ranks into `main_grads` (the step calls this)."""
@@ -120,7 +125,7 @@ class DataParallel(nn.Module):
             return
         # DDP and ZeRO-1 collect into the persistent full buffer; ZeRO-2/3 only into a temporary one.
         if self.config.zero_stage >= 2:
-            full = torch.zeros(self.padded_numel, dtype=self.config.torch_reduce_dtype)
+            full = torch.zeros(self.padded_numel, dtype=self.config.torch_reduce_dtype, device=self.device)
         else:
             full = self.main_grads
         offset = 0
@@ -155,7 +160,7 @@ class DataParallel(nn.Module):
 
     def decay_mask(self) -> torch.Tensor:
         """True for the owned elements of matrices (weight decay applies), False for norms and biases."""
-        mask = torch.zeros(self.padded_numel, dtype=torch.bool)
+        mask = torch.zeros(self.padded_numel, dtype=torch.bool, device=self.device)
         offset = 0
         for _, p in self._named:
             mask[offset:offset + p.numel()] = p.dim() >= 2
@@ -183,7 +188,7 @@ class DataParallel(nn.Module):
         missing = [name for name, _ in self._named if name not in tensors]
         if missing:
             raise KeyError(f"state has no entry for {missing[0]!r} (and {len(missing) - 1} more)")
-        flat = torch.zeros(self.padded_numel, dtype=dtype)
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
         offset = 0
         for name, p in self._named:
             if tuple(tensors[name].shape) != tuple(p.shape):
@@ -251,7 +256,8 @@ class ShardedAdamW:
         if self.dp.shards > 1:
             squares = comm.all_reduce(squares, self.dp.group)
         norm = squares.sqrt()[0]
-        grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        if max_norm < float("inf"):  # "no clipping" must not multiply an infinite norm's grads by inf/inf
+            grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
 
     def step(self) -> None:

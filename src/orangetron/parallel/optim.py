@@ -6,8 +6,6 @@ and biases skip weight decay inside that one slice.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -42,7 +40,7 @@ class FlatAdamW:
         self.exp_avg.lerp_(grad, 1 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step_size = self.lr / (1 - beta1**self.steps)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**self.steps)).add_(self.eps)
+        denom = (self.exp_avg_sq.sqrt() / (1 - beta2**self.steps) ** 0.5).add_(self.eps)  # ** 0.5, as torch
         self.param.addcdiv_(self.exp_avg, denom, value=-step_size)
 
     def state_tensors(self) -> list[torch.Tensor]:

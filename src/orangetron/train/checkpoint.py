@@ -46,13 +46,24 @@ def save_checkpoint(folder: str | Path, step: int, state: dict[str, Any]) -> Pat
     staging = final.with_name(f".{final.name}.partial-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     torch.save(state, staging / STATE_FILE)
+    _fsync(staging / STATE_FILE)
     files = {STATE_FILE: {"bytes": (staging / STATE_FILE).stat().st_size, "sha256": _sha256(staging / STATE_FILE)}}
     manifest = {"format": FORMAT_VERSION, "step": step, "files": files}
     (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    _fsync(staging / MANIFEST_FILE)
     if final.exists():
         shutil.rmtree(final)
     os.replace(staging, final)
+    _fsync(final.parent)  # the rename itself reaches the disk
     return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
@@ -72,6 +83,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({err})") from None
+    if STATE_FILE not in files:
+        raise CheckpointError(f"{manifest_path}: lists no {STATE_FILE}")
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
     for name, expected in files.items():
@@ -80,4 +93,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"{file}: missing")
         if file.stat().st_size != expected["bytes"] or _sha256(file) != expected["sha256"]:
             raise CheckpointError(f"{file}: size or checksum differs from the manifest; the checkpoint is corrupt")
-    return torch.load(path / STATE_FILE, weights_only=True)
+    try:
+        return torch.load(path / STATE_FILE, weights_only=True)
+    except Exception as err:  # checksummed yet unreadable: written by something else
+        raise CheckpointError(f"{path / STATE_FILE}: cannot be read as a weights-only state ({err})") from None

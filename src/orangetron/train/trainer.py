@@ -375,6 +375,11 @@ def _checkpoint_folder(cfg: TrainConfig) -> Path:
 
 
 def _save(cfg: TrainConfig, setup: _Run, step: int, losses: list[float]) -> None:
+    with comm.unmeasured():  # checkpoint traffic is not training traffic
+        _write_checkpoint(cfg, setup, step, losses)
+
+
+def _write_checkpoint(cfg: TrainConfig, setup: _Run, step: int, losses: list[float]) -> None:
     state = setup.dp.full_state(setup.optimizer)  # every rank takes part: it gathers the shards
     # Each rank's losses are over its share of the batch; the history a checkpoint keeps is their mean.
     group = setup.dp.group

@@ -24,6 +24,8 @@ def head_tail_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
     """Global positions, in local order, of the tokens cp rank `cp_rank` keeps: chunk r, then 2*cp-1-r."""
     if not 0 <= cp_rank < cp:
         raise LayoutError(f"cp_rank={cp_rank}: must lie in [0, cp={cp})")
+    if cp == 1:
+        return torch.arange(seq_len)  # nothing to balance: any length, natural order
     chunk = _chunk_len(seq_len, cp)
     head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
     tail_start = (2 * cp - 1 - cp_rank) * chunk
