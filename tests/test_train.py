@@ -282,3 +282,13 @@ def test_verify_assembles_sharded_gradients_in_rank_order() -> None:
               for r in (1, 0, 1, 0)]
     torch.testing.assert_close(_full_grads(traces, 0), g, rtol=0, atol=0)
     assert _relative_gap(g + 0.06, g) == pytest.approx(0.01)
+
+
+def test_bad_input_found_on_a_rank_is_one_line_exit_2(capsys, tmp_path) -> None:
+    from orangetron import cli
+
+    code = cli.main(["train", "--dp", "2", "--model", "tiny", "--steps", "2", "--batch-size", "4", "--quiet",
+                     "--out", str(tmp_path), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("orangetron train: error: rank 0: resume=True (--resume): no checkpoint under")

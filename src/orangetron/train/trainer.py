@@ -25,6 +25,7 @@ from orangetron.layout import Layout
 from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import MODEL_PRESETS, ModelConfig, Transformer, model_preset
 from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW
+from orangetron.parallel.config import DTYPES
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from orangetron.train.data import (
     DEFAULT_CORPUS_BYTES,
@@ -38,7 +39,6 @@ from orangetron.train.launch import launch_local, process_group
 from orangetron.train.progress import ProgressBar
 from orangetron.train.tokenizer import ByteTokenizer
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 IGNORE_INDEX = -100
 
 
@@ -279,6 +279,8 @@ def _train_under_torchrun(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
 
 
 def _train_rank(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     return _train(cfg, progress and torch.distributed.get_rank() == 0)
 
 
