@@ -197,6 +197,10 @@ def check_bad_splits():
         comm.reduce_scatter(torch.ones(3), g)
     with pytest.raises(ValueError, match="src=2 is not a member index"):
         comm.broadcast(torch.ones(3), g, src=2)
+    from orangetron.mesh import MeshError
+
+    with pytest.raises(MeshError, match="etp=2: the runtime shards experts with etp=1 only"):
+        init_mesh(Layout(tp=2, etp=2))  # a layout the planner prices but the runtime cannot build
     return True
 
 

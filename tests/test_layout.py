@@ -20,7 +20,7 @@ def model(**overrides):
         (dict(cp=-2), r"cp=-2: degree must be a positive integer"),
         (dict(dp=1.5), r"dp=1.5: degree must be a positive integer"),
         (dict(pp=True), r"pp=True: degree must be a positive integer"),
-        (dict(etp=2), r"etp=2: expert tensor parallelism is not supported"),
+        (dict(etp=2), r"etp=2: expert tensor parallelism must be 1 or tp=1"),
         (dict(dp=2, cp=3, ep=4), r"ep=4: dp\*cp=6 .* not divisible by ep"),
     ],
 )

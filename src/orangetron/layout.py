@@ -35,7 +35,7 @@ class Coordinates:
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel degrees. `etp` (expert tensor parallelism) is fixed at 1 for now."""
+    """Parallel degrees. `etp` (expert tensor parallelism) is 1 or tp; the runtime runs etp=1 only."""
 
     tp: int = 1
     cp: int = 1
@@ -49,8 +49,8 @@ class Layout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name}={value!r}: degree must be a positive integer")
-        if self.etp != 1:
-            raise LayoutError(f"etp={self.etp}: expert tensor parallelism is not supported; use etp=1")
+        if self.etp not in (1, self.tp):
+            raise LayoutError(f"etp={self.etp}: expert tensor parallelism must be 1 or tp={self.tp}")
         if (self.dp * self.cp) % self.ep:
             raise LayoutError(
                 f"ep={self.ep}: dp*cp={self.dp * self.cp} (dp={self.dp} x cp={self.cp}) is not divisible by ep; "
@@ -60,6 +60,11 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that replicate dense parameters (and shard their optimizer state)."""
+        return self.dp * self.cp
 
     @property
     def edp(self) -> int:

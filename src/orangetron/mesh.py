@@ -56,6 +56,8 @@ class ParallelMesh:
     def __init__(self, layout: Layout) -> None:
         if not dist.is_initialized():
             raise MeshError("torch.distributed is not initialized; call init_process_group first")
+        if layout.etp != 1:
+            raise MeshError(f"etp={layout.etp}: the runtime shards experts with etp=1 only")
         if dist.get_world_size() != layout.world_size:
             raise MeshError(
                 f"world size {dist.get_world_size()} does not match layout {layout} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from orangetron.layout import Layout
 from orangetron.plan.models import ModelSpec
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -14,37 +15,8 @@ DISPATCHERS = ("ragged", "capacity", "allgather")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-@dataclass(frozen=True)
-class Degrees:
-    """`world = tp * cp * pp * dp`; ep is folded over dp * cp (edp = dp * cp / ep), as the runtime's Layout."""
-
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-    etp: int = 1  # expert tensor parallelism: 1 (the runtime's only value) or tp
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "cp", "pp", "dp", "ep", "etp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: every degree must be >= 1")
-        if self.etp not in (1, self.tp):
-            raise ValueError(f"etp={self.etp}: expert tensor parallelism must be 1 or tp={self.tp}")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"ep={self.ep}: must divide dp*cp={self.dp * self.cp} (experts fold over dp x cp)")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    @property
-    def edp(self) -> int:
-        return self.dp * self.cp // self.ep
-
-    @property
-    def dp_cp(self) -> int:
-        return self.dp * self.cp
+# The planner prices the runtime's own layouts: one class, one set of rules.
+Degrees = Layout
 
 
 @dataclass(frozen=True)
