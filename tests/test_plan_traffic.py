@@ -136,3 +136,26 @@ def test_step_records_compose():
     for record in step_records(MOE, deg, job, stage=0):
         assert record.op in cf.OPS
         assert record.dim in {"tp", "cp", "pp", "dp", "ep", "edp", "dp_cp", "tp_cp"}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_vocab_parallel_embedding_and_loss_records_by_hand(sp):
+    """tp=2, one stage: embedding sum, output-layer gather (SP) and the three cross-entropy reductions."""
+    from orangetron.plan.traffic import _vocab_records
+
+    model = ModelSpec(name="m", hidden_size=64, num_layers=2, num_heads=4, vocab_size=256, ffn_hidden_size=128)
+    job = Job(seq_len=16, micro_batch=2, sequence_parallel=sp, param_dtype="bfloat16")
+    act = 16 * 2 * 64 * 2  # [s, b, h] in bf16
+    per_token = 16 * 2 * 4  # one fp32 number per token: max, sum of exp, target logit
+
+    def rec(op, payload):
+        share = payload // 2 * (2 if op == "all_reduce" else 1)
+        return (op, payload, share)
+
+    got = [(r.op, r.payload_bytes, r.bytes_sent) for r in _vocab_records(model, Degrees(tp=2), job, 0)]
+    if sp:
+        want = [rec("reduce_scatter", act), rec("all_gather", act),  # embedding: forward, backward
+                rec("all_gather", act), rec("all_gather", act), rec("reduce_scatter", act)]  # output layer
+    else:
+        want = [rec("all_reduce", act), rec("all_reduce", act)]
+    assert got == want + [rec("all_reduce", per_token)] * 3

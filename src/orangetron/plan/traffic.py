@@ -189,14 +189,18 @@ def _vocab_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list
     a = _act_bytes(model, deg, job)
     sp = job.sequence_parallel
     out: list[CommRecord] = []
-    if stage == 0:
-        out.append(_gather("reduce_scatter" if sp else "all_reduce", "tp", a, t))
+    if stage == 0:  # the vocab shards' partial embeddings are summed (SP: and scattered over the sequence)
+        if sp:  # backward all-gathers the sequence-sharded gradient for the embedding lookup
+            out += [_gather("reduce_scatter", "tp", a, t), _gather("all_gather", "tp", a, t)]
+        else:  # backward of the all-reduce is the identity
+            out.append(_gather("all_reduce", "tp", a, t))
     if stage == deg.pp - 1 and model.vocab_size:
         if sp:  # gather the sequence for the output projection; backward scatters its gradient, re-gathers input
             out += [_gather("all_gather", "tp", a, t)] * 2 + [_gather("reduce_scatter", "tp", a, t)]
         else:
             out.append(_gather("all_reduce", "tp", a, t))
-        rows = 4 * (job.seq_len // deg.cp) * job.micro_batch // (t if sp else 1)  # fp32 per token
+        # Every tp rank holds logits for all s*b tokens (its vocab shard), gathered sequence or not.
+        rows = 4 * (job.seq_len // deg.cp) * job.micro_batch  # fp32 per token
         out += [_gather("all_reduce", "tp", rows, t)] * 3  # max, sum of exp, target logit
     return out
 
