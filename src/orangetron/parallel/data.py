@@ -108,7 +108,7 @@ class DataParallel(nn.Module):
                 # Whichever output's gradient arrives first starts the backward: gather before any of it.
                 self._gathered_for_backward = False
                 torch.autograd.graph.register_multi_grad_hook(needs_grad, self._regather_for_backward, mode="any")
-        self._grads_pending = True
+        self._grads_pending |= torch.is_grad_enabled()  # an evaluation forward leaves nothing to reduce
         return out
 
     def _regather_for_backward(self, grad: torch.Tensor) -> None:
