@@ -1,7 +1,8 @@
 """Data-parallel step time on 2 local gloo ranks: each ZeRO stage vs PyTorch's DistributedDataParallel.
 
 Same model, batch and AdamW on both sides; the ratio is torch DDP's step time over ours (above 1: ours is
-faster). Prints one JSON line per stage.
+faster). Prints one JSON line per stage, and one for bucketed DDP (all-reduces overlapped with backward)
+against DDP reducing once after backward.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from orangetron.parallel import DataParallel, ParallelConfig
 from orangetron.testing import run_distributed, shutdown_workers
 
 MODEL, BATCH, SEQ, STEPS = "tiny-moe", 4, 128, 8
-STAGES = {"ddp": {}, "zero1": {"zero_stage": 1}, "distributed_optimizer": {"distributed_optimizer": True},
-          "zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}}
+STAGES = {"ddp": {}, "ddp_buckets": {"grad_bucket_numel": 25_000}, "zero1": {"zero_stage": 1},
+          "distributed_optimizer": {"distributed_optimizer": True}, "zero2": {"zero_stage": 2},
+          "zero3": {"zero_stage": 3}}
 
 
 def _tokens(step: int) -> torch.Tensor:
@@ -54,16 +56,21 @@ def torch_ddp() -> float:
     return _median_step_s(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3, foreach=False))
 
 
+def _line(stage: str, value: float, baseline: float, against: str) -> str:
+    config = {"stage": stage, "model": MODEL, "batch_per_rank": BATCH, "seq_len": SEQ, "ranks": 2,
+              "backend": "gloo", "baseline": against}
+    return json.dumps({"name": "data_parallel_step", "config": config, "metric": "step_s", "value": round(value, 5),
+                       "unit": "s", "baseline": round(baseline, 5), "ratio": round(baseline / value, 3)})
+
+
 def main() -> None:
     baseline = max(run_distributed(torch_ddp, 2))
+    measured = {}
     for stage in STAGES:
-        value = max(run_distributed(ours, 2, args=(stage,)))
-        print(json.dumps({
-            "name": "data_parallel_step", "config": {"stage": stage, "model": MODEL, "batch_per_rank": BATCH,
-                                                     "seq_len": SEQ, "ranks": 2, "backend": "gloo"},
-            "metric": "step_s", "value": round(value, 5), "unit": "s", "baseline": round(baseline, 5),
-            "ratio": round(baseline / value, 3),
-        }), flush=True)
+        measured[stage] = max(run_distributed(ours, 2, args=(stage,)))
+        print(_line(stage, measured[stage], baseline, "torch DistributedDataParallel"), flush=True)
+    # Overlapped (buckets all-reduced during backward) vs serial (one all-reduce after backward).
+    print(_line("ddp_buckets", measured["ddp_buckets"], measured["ddp"], "ddp, one reduction after backward"))
     shutdown_workers()
 
 

@@ -1,6 +1,8 @@
 """DDP, ZeRO-1/2/3 and the distributed optimizer against one device, in float64, with ledger and memory
 checked against the seed's tables written out by hand."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +17,9 @@ from orangetron.testing import run_distributed
 CFG = ModelConfig(dim=18, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=32, ffn_dim=24, n_experts=4, top_k=2,
                   moe_ffn_dim=8, n_shared_experts=1, aux_loss_coef=0.0)  # local aux losses are not additive
 SEQ, PER_RANK, STEPS, LR, CLIP = 8, 2, 3, 3e-2, 0.5
-STAGES = {"ddp": dict(zero_stage=0), "zero1": dict(zero_stage=1), "distopt": dict(distributed_optimizer=True),
-          "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3)}
+BUCKET = 500  # elements: buckets cross parameter boundaries, and the last one is shorter
+STAGES = {"ddp": dict(zero_stage=0), "ddp_buckets": dict(grad_bucket_numel=BUCKET), "zero1": dict(zero_stage=1),
+          "distopt": dict(distributed_optimizer=True), "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3)}
 
 
 def batch(step: int, rows: int) -> torch.Tensor:
@@ -85,6 +88,9 @@ def expected_records(stage: str, step: int, numel: int, d: int):
     share = padded * (d - 1) // d
     if stage == "ddp":
         return [("all_reduce", "dp_cp", numel * 8, 2 * (numel * 8) * (d - 1) // d)]
+    if stage == "ddp_buckets":  # one all-reduce per bucket, launched in the order backward fills them
+        sizes = [min(BUCKET, numel - start) * 8 for start in range(0, numel, BUCKET)]
+        return sorted(("all_reduce", "dp_cp", b, 2 * b * (d - 1) // d) for b in sizes)
     clip = ("all_reduce", "dp_cp", 8, 2 * 8 * (d - 1) // d)
     rs, ag = ("reduce_scatter", "dp_cp", padded, share), ("all_gather", "dp_cp", padded, share)
     return {
@@ -97,7 +103,7 @@ def expected_records(stage: str, step: int, numel: int, d: int):
 
 def expected_state(stage: str, numel: int, d: int):
     shard, padded = -(-numel // d) * 8, -(-numel // d) * d * 8
-    if stage == "ddp":
+    if stage in ("ddp", "ddp_buckets"):
         return {"params": numel * 8, "grads": numel * 8, "main_params": 0, "optimizer": 2 * numel * 8}
     return {"params": shard if stage == "zero3" else padded, "grads": shard if stage in ("zero2", "zero3") else padded,
             "main_params": 0, "optimizer": 2 * shard}
@@ -116,7 +122,8 @@ def test_every_stage_matches_one_device_with_exact_ledger_and_memory(layout):
             torch.testing.assert_close(mean_losses, ref_losses, rtol=1e-9, atol=0, msg=where)
             torch.testing.assert_close(params, ref_params, rtol=1e-9, atol=1e-12, msg=where)
             for step, records in enumerate(step_records):
-                assert records == expected_records(stage, step, numel, d), f"{where} step {step}"
+                got = sorted(records) if stage == "ddp_buckets" else records
+                assert got == expected_records(stage, step, numel, d), f"{where} step {step}"
             model_state = {k: v for k, v in state.items() if k != "activations"}
             assert model_state == expected_state(stage, numel, d), where
             # Sharding is model state only: ZeRO-3's gathered weights must not count as activations.
@@ -181,7 +188,9 @@ def awkward_steps(model, rows_of):
             h, logits = model(x)
             with torch.no_grad():
                 model(x)  # evaluation between forward and backward
-            ((ce(logits[:, :-1], x) + h.square().mean()) / 2).backward()
+            loss = (ce(logits[:, :-1], x) + h.square().mean()) / 2
+            with getattr(model, "no_sync", contextlib.nullcontext)() if mb == 0 else contextlib.nullcontext():
+                loss.backward()
         yield step
 
 
@@ -225,3 +234,22 @@ def test_several_outputs_accumulation_and_eval_match_one_device():
     for by_stage in run_distributed(awkward_run, 2):
         for stage, params in by_stage.items():
             torch.testing.assert_close(params, reference_params, rtol=1e-9, atol=1e-12, msg=stage)
+
+
+def bucket_overlap_checks():
+    mesh = init_mesh(Layout(dp=2))
+    dp = DataParallel(Transformer(CFG, seed=0, dtype=torch.float64), mesh,
+                      ParallelConfig(param_dtype="float64", grad_bucket_numel=BUCKET))
+    rows = batch(0, 2)
+    ce(dp(rows[:, :-1]), rows).backward()
+    launched_during_backward = len(dp.buckets.in_flight)
+    dp.reduce_gradients()
+    with pytest.raises(RuntimeError, match="a second gradient arrived before the step; run the earlier"):
+        ce(dp(rows[:, :-1]), rows).backward()
+        ce(dp(rows[:, :-1]), rows).backward()  # accumulation without no_sync
+    return launched_during_backward, len(dp.buckets.bounds)
+
+
+def test_buckets_are_reduced_during_backward():
+    for launched, buckets in run_distributed(bucket_overlap_checks, 2):
+        assert buckets > 5 and launched == buckets  # every bucket left before the step asked for it

@@ -51,7 +51,8 @@ def test_predicted_step_from_runtime_objects():
 
 
 # ---- planner == ledger, for what the runtime can run today (data parallelism) ------------------------
-STAGES = {"ddp": dict(zero_stage=0), "zero1": dict(zero_stage=1), "distopt": dict(distributed_optimizer=True),
+STAGES = {"ddp": dict(zero_stage=0), "ddp_buckets": dict(grad_bucket_numel=3000), "zero1": dict(zero_stage=1),
+          "distopt": dict(distributed_optimizer=True),
           "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3)}
 
 

@@ -248,6 +248,8 @@ def test_cli_passes_every_parallel_flag(monkeypatch) -> None:
     assert (seen["cfg"].dp, seen["cfg"].zero_stage, seen["cfg"].distributed_optimizer) == (2, 2, False)
     assert cli.main(["train", "--quiet", "--dp", "2", "--distributed-optimizer", "--batch-size", "4"]) == 0
     assert seen["cfg"].distributed_optimizer and seen["cfg"].parallel_config().distributed_optimizer
+    assert cli.main(["train", "--quiet", "--dp", "2", "--grad-bucket-numel", "1000", "--batch-size", "4"]) == 0
+    assert seen["cfg"].parallel_config().grad_bucket_numel == 1000
 
 
 # ---- orangetron verify ------------------------------------------------------------------------------------

@@ -21,9 +21,9 @@ from orangetron.plan import collectives as formulas
 from orangetron.plan.collectives import CommRecord
 
 __all__ = [
-    "CommRecord", "RingExchange", "all_gather", "all_gather_into", "all_gather_objects", "all_reduce", "all_to_all",
-    "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure", "reduce_scatter", "reset_ledger", "unmeasured",
-    "world_group",
+    "CommRecord", "PendingAllReduce", "RingExchange", "all_gather", "all_gather_into", "all_gather_objects",
+    "all_reduce", "all_reduce_start", "all_to_all", "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure",
+    "reduce_scatter", "reset_ledger", "unmeasured", "world_group",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -150,6 +150,31 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: MeshGroup) ->
         return
     dist.all_gather_single(out, shard.contiguous(), group=group.group)
     _record("all_gather", group, _nbytes(out), formulas.all_gather_bytes(_nbytes(out), group.size))
+
+
+class PendingAllReduce:
+    """An all-reduce in flight (`all_reduce_start`); `wait()` returns the summed tensor."""
+
+    def __init__(self, tensor: torch.Tensor, work: object | None) -> None:
+        self.tensor, self._work = tensor, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self.tensor
+
+
+def all_reduce_start(x: torch.Tensor, group: MeshGroup) -> PendingAllReduce:
+    """Start summing the contiguous tensor `x` over the group in place and return at once, so compute can
+    overlap it (gradient buckets during backward). No autograd."""
+    if not x.is_contiguous():
+        raise ValueError(f"all_reduce_start over {group.name}: the tensor must be contiguous (it is reduced in place)")
+    if group.size == 1:
+        return PendingAllReduce(x, None)
+    work = dist.all_reduce(x, group=group.group, async_op=True)
+    _record("all_reduce", group, _nbytes(x), formulas.all_reduce_bytes(_nbytes(x), group.size))
+    return PendingAllReduce(x, work)
 
 
 def world_group() -> MeshGroup:

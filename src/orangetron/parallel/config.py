@@ -37,6 +37,8 @@ class ParallelConfig:
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     param_dtype: str = "float32"  # model parameters (fp32 main params and grads are kept when lower)
     reduce_dtype: str | None = None  # gradient reduction dtype; None: param_dtype, as the seed's tables
+    grad_bucket_numel: int = 0  # DDP: all-reduce gradients in buckets of this many elements during backward;
+    # 0: one reduction after backward (the only mode of the sharded stages for now)
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved
     microbatches: int = 1  # micro-batches per step
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
@@ -61,6 +63,14 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParallelConfigError(f"{name}={value!r}: must be a positive integer")
+        if isinstance(self.grad_bucket_numel, bool) or not isinstance(self.grad_bucket_numel, int) \
+                or self.grad_bucket_numel < 0:
+            raise ParallelConfigError(f"grad_bucket_numel={self.grad_bucket_numel!r}: must be an integer >= 0")
+        if self.grad_bucket_numel and self.shards_optimizer:
+            raise ParallelConfigError(
+                f"grad_bucket_numel={self.grad_bucket_numel} with zero_stage={self.zero_stage}"
+                f"{' and distributed_optimizer' if self.distributed_optimizer else ''}: bucketed reduction during "
+                "backward is implemented for DDP (zero_stage 0) only; use 0")
         if not self.capacity_factor > 0:
             raise ParallelConfigError(f"capacity_factor={self.capacity_factor!r}: must be positive")
 

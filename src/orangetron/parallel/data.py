@@ -17,6 +17,8 @@ seed and the config), because the wrapper does not broadcast the initial weights
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from torch import nn
 
 from orangetron import comm
 from orangetron.mesh import ParallelMesh
+from orangetron.parallel.buckets import GradBuckets
 from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.optim import FlatAdamW
 from orangetron.plan.sharding import padded_numel, shard_numel
@@ -48,6 +51,8 @@ class DataParallel(nn.Module):
         self._build_buffers()
         self._params_stale = False
         self._grads_pending = False
+        bucket_numel = self.config.grad_bucket_numel
+        self.buckets = GradBuckets(self, bucket_numel) if bucket_numel else None
 
     # ---- buffers ---------------------------------------------------------------------------------
 
@@ -119,9 +124,26 @@ class DataParallel(nn.Module):
         # Free the gathered parameters again once this backward pass has finished.
         torch.autograd.Variable._execution_engine.queue_callback(self._release_params)
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (the earlier micro-batches of a step)."""
+        if self.buckets is None:  # gradients wait in .grad until the step anyway
+            yield
+            return
+        self.buckets.sync = False
+        try:
+            yield
+        finally:
+            self.buckets.sync = True
+
     def reduce_gradients(self) -> None:
         """Average the gradients over the dp x cp ranks into `main_grads` (the step calls this)."""
         if not self._grads_pending:
+            return
+        if self.buckets is not None:  # already summed bucket by bucket during backward
+            self.buckets.finish()
+            self.main_grads.div_(self.group.size)
+            self._grads_pending = False
             return
         # DDP and ZeRO-1 collect into the persistent full buffer; ZeRO-2/3 only into a temporary one.
         if self.config.zero_stage >= 2:
@@ -268,6 +290,8 @@ class ShardedAdamW:
     def zero_grad(self) -> None:
         for _, p in self.dp._named:
             p.grad = None
+        if self.dp.buckets is not None:  # gradients accumulate in the flat buffer itself
+            self.dp.main_grads.zero_()
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.adamw.state_tensors()

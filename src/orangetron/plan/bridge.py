@@ -21,13 +21,14 @@ def degrees_from_layout(layout: object) -> Degrees:
 def job_from_parallel_config(pc: object, seq_len: int, micro_batch: int) -> Job:
     """A `Job` with the runtime's options; every micro-batch has `micro_batch` sequences of `seq_len`.
 
-    The runtime reduces gradients in one flat buffer (no buckets yet), hence `bucket_numel=0`.
+    Gradient buckets are the runtime's: fixed slices of the flat buffer (`grad_bucket_numel`, DDP), or one
+    reduction of the whole buffer (0).
     """
     return Job(seq_len=seq_len, micro_batch=micro_batch, num_microbatches=pc.microbatches,
                sequence_parallel=pc.sequence_parallel, cp_mode=pc.cp_mode, ulysses_degree=pc.ulysses_degree,
                dispatcher=pc.dispatcher, capacity_factor=pc.capacity_factor, zero_stage=pc.zero_stage,
                distributed_optimizer=pc.distributed_optimizer, param_dtype=pc.param_dtype,
-               reduce_dtype=pc.reduce_dtype or "", bucket_numel=0, pp_schedule=pc.pp_schedule,
+               reduce_dtype=pc.reduce_dtype or "", bucket_numel=pc.grad_bucket_numel, pp_schedule=pc.pp_schedule,
                virtual_stages=pc.virtual_stages, recompute=pc.recompute)
 
 

@@ -65,6 +65,8 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks)")
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="ZeRO-1 sharding with the parameter all-gather right after the step (Megatron)")
+    p.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",
+                   help="DDP: all-reduce gradients in buckets of N elements during backward (default: once after)")
 
 
 def _add_verify_command(sub: Any) -> None:
@@ -99,6 +101,7 @@ def run_verify(args: argparse.Namespace) -> int:
         model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         dtype=args.dtype, warmup=0, corpus_bytes=200_000, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
         ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
+        grad_bucket_numel=args.grad_bucket_numel,
     )
     result = verify(cfg, args.tolerance)
     verdict = "ok" if result["ok"] else "FAILED"
@@ -119,7 +122,7 @@ def run_train(args: argparse.Namespace) -> int:
         warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, data=args.data, out=args.out,
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
-        save_every=args.save_every, resume=args.resume,
+        grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
     result = train(cfg, progress=not args.quiet)

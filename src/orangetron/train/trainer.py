@@ -86,6 +86,7 @@ class TrainConfig:
     ep: int = 1  # expert-parallel degree (only 1 for now)
     zero_stage: int = 0  # 0 = DDP, 1-3 = ZeRO stage (sharding over the dp ranks)
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
+    grad_bucket_numel: int = 0  # DDP: all-reduce gradient buckets of this many elements during backward
 
     def __post_init__(self) -> None:
         self._check_layout()
@@ -127,7 +128,7 @@ class TrainConfig:
     def parallel_config(self) -> ParallelConfig:
         """How the model is replicated and sharded over the data-parallel ranks."""
         return ParallelConfig(zero_stage=self.zero_stage, distributed_optimizer=self.distributed_optimizer,
-                              param_dtype=self.dtype)
+                              param_dtype=self.dtype, grad_bucket_numel=self.grad_bucket_numel)
 
     def _check_checkpointing(self) -> None:
         _check_int("save_every", self.save_every, minimum=0)
