@@ -248,10 +248,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     thread count is set to cfg.threads for the run and restored afterwards.
     """
     world_size = cfg.layout.world_size
-    if world_size > 1 and not torch.distributed.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: join its group
+    torchrun_world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    if not torch.distributed.is_initialized():
+        if torchrun_world > 1:  # started by torchrun: join its group
             return _train_under_torchrun(cfg, progress)
-        return _merge_ranks(launch_local(_train_rank, world_size, args=(cfg, progress)))
+        if world_size > 1:
+            return _merge_ranks(launch_local(_train_rank, world_size, args=(cfg, progress)))
     # One thread by default: these models run many small ops, and on a shared 2-core machine a second
     # OpenMP thread that waits for a busy core at every op made steps 10x slower, not faster.
     previous_threads = torch.get_num_threads()
