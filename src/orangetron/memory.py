@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations")
+from orangetron.plan.memory import CATEGORIES  # the cost model's categories, measured here
 
 _last_report: dict[str, int] = {}
 

@@ -6,12 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from orangetron.plan.config import CP_MODES, DISPATCHERS, RECOMPUTE, SCHEDULES  # the planner prices the same choices
+
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
-CP_MODES = ("ring", "allgather", "ulysses", "usp", "rsa")
-DISPATCHERS = ("ragged", "capacity", "allgather")
 DROP_POLICIES = ("probs", "position")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-RECOMPUTE = ("none", "selective", "full")
 
 
 class ParallelConfigError(ValueError):
@@ -48,7 +46,7 @@ class ParallelConfig:
         _choice("cp_mode", self.cp_mode, CP_MODES)
         _choice("dispatcher", self.dispatcher, DISPATCHERS)
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
-        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _choice("pp_schedule", self.pp_schedule, SCHEDULES)
         _choice("recompute", self.recompute, RECOMPUTE)
         _choice("param_dtype", self.param_dtype, tuple(DTYPES))
         if self.reduce_dtype is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from orangetron.plan.config import SCHEDULES
 
 
 class ScheduleError(ValueError):
