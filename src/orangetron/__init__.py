@@ -22,6 +22,7 @@ _LAZY = {
     "Transformer": ("orangetron.model", "Transformer"),
     "ParallelConfig": ("orangetron.parallel", "ParallelConfig"),
     "DataParallel": ("orangetron.parallel", "DataParallel"),
+    "parallelize": ("orangetron.parallel", "parallelize"),
 }
 
 __all__ = ["Layout", "LayoutError", "__version__", *_LAZY]

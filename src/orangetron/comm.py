@@ -22,8 +22,8 @@ from orangetron.plan.collectives import CommRecord
 
 __all__ = [
     "CommRecord", "PendingAllReduce", "RingExchange", "all_gather", "all_gather_into", "all_gather_objects",
-    "all_reduce", "all_reduce_start", "all_to_all", "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure",
-    "reduce_scatter", "reset_ledger", "unmeasured", "world_group",
+    "all_reduce", "all_reduce_max", "all_reduce_start", "all_to_all", "broadcast", "bytes_by_key", "copy_to_group",
+    "ledger", "measure", "reduce_scatter", "reset_ledger", "unmeasured", "world_group",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -105,11 +105,14 @@ def _reduce_scatter_raw(x: torch.Tensor, group: MeshGroup, dim: int) -> torch.Te
     return out.movedim(0, dim)
 
 
-def _all_reduce_raw(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+def _all_reduce_raw(x: torch.Tensor, group: MeshGroup, op: str = "sum") -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group.group)
+    dist.all_reduce(out, op=_REDUCE_OPS[op], group=group.group)
     _record("all_reduce", group, _nbytes(out), formulas.all_reduce_bytes(_nbytes(out), group.size))
     return out
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def _all_to_all_raw(x: torch.Tensor, group: MeshGroup, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
@@ -175,6 +178,12 @@ def all_reduce_start(x: torch.Tensor, group: MeshGroup) -> PendingAllReduce:
     work = dist.all_reduce(x, group=group.group, async_op=True)
     _record("all_reduce", group, _nbytes(x), formulas.all_reduce_bytes(_nbytes(x), group.size))
     return PendingAllReduce(x, work)
+
+
+def all_reduce_max(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+    """Elementwise maximum of `x` over the group (out of place, no autograd: a maximum used as a shift,
+    such as the softmax's, needs no gradient)."""
+    return x if group.size == 1 else _all_reduce_raw(x.detach(), group, op="max")
 
 
 def world_group() -> MeshGroup:

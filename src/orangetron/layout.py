@@ -135,6 +135,10 @@ class Layout:
             raise LayoutError(f"ep={self.ep}: the model has no experts (n_experts=0); use ep=1")
         if experts and experts % self.ep:
             raise LayoutError(f"ep={self.ep}: n_experts={experts} is not divisible by ep")
+        for name in ("ffn_dim", "shared_ffn_dim"):
+            width = getattr(model, name, None) or 0
+            if width % self.tp:
+                raise LayoutError(f"tp={self.tp}: {name}={width} is not divisible by tp (SwiGLU split on its width)")
         vocab = getattr(model, "vocab_size", None)
         if vocab is not None and vocab % self.tp:
             raise LayoutError(f"tp={self.tp}: vocab_size={vocab} is not divisible by tp (vocab-parallel output)")

@@ -93,6 +93,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def shared_ffn_dim(self) -> int:
+        """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
+        return self.n_shared_experts * self.moe_ffn_dim
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether block `layer_idx` (0-based) uses an MoE feed-forward."""
         return self.n_experts > 0 and (layer_idx + 1) % self.moe_layer_freq == 0

@@ -106,8 +106,7 @@ class MoE(nn.Module):
         super().__init__()
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.moe_ffn_dim)
-        shared_hidden = cfg.n_shared_experts * cfg.moe_ffn_dim
-        self.shared_expert = SwiGLU(cfg.dim, shared_hidden) if cfg.n_shared_experts > 0 else None
+        self.shared_expert = SwiGLU(cfg.dim, cfg.shared_ffn_dim) if cfg.n_shared_experts > 0 else None
         self.last_aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:

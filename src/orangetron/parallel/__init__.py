@@ -2,5 +2,8 @@
 
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
 from orangetron.parallel.data import DataParallel, ShardedAdamW
+from orangetron.parallel.parallelize import parallelize
+from orangetron.parallel.tensor import TensorParallelTransformer, tensor_parallel
 
-__all__ = ["DataParallel", "ParallelConfig", "ParallelConfigError", "ShardedAdamW"]
+__all__ = ["DataParallel", "ParallelConfig", "ParallelConfigError", "ShardedAdamW", "TensorParallelTransformer",
+           "parallelize", "tensor_parallel"]

@@ -13,6 +13,10 @@ What each stage keeps and sends (the seed's tables, DESIGN section 5):
 Gradients are averaged over the d ranks, so each rank's loss must be the mean over an equal share of the
 batch. Every rank must build the model from the same seed (orangetron's initialization depends only on the
 seed and the config), because the wrapper does not broadcast the initial weights.
+
+A tensor-parallel module (one with `placements`, from `orangetron.parallel.tensor`) holds shards: its
+partial gradients are summed over tp before the data-parallel reduction, the gradient norm counts every
+distinct element once across tp, and `full_state` / `load_full_state` speak of whole tensors.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import ParallelMesh
 from orangetron.parallel.buckets import GradBuckets
-from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.config import ParallelConfig, ParallelConfigError
 from orangetron.parallel.optim import FlatAdamW
+from orangetron.parallel.tensor import gather_tensor, shard_tensor
 from orangetron.plan.sharding import padded_numel, shard_numel
 
 
@@ -40,6 +45,8 @@ class DataParallel(nn.Module):
         self.module = module
         self.config = config or ParallelConfig()
         self.group = mesh["dp_cp"]
+        self.placements = getattr(module, "placements", None)  # by parameter name, under tensor parallelism
+        self.tp = mesh["tp"] if self.placements is not None and mesh["tp"].size > 1 else None
         self.zero3 = self.config.zero_stage == 3
         self.shards = self.group.size if self.config.shards_optimizer else 1
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -52,6 +59,10 @@ class DataParallel(nn.Module):
         self._params_stale = False
         self._grads_pending = False
         bucket_numel = self.config.grad_bucket_numel
+        if bucket_numel and self.tp is not None and any(p.needs_sync() for p in self.placements.values()):
+            raise ParallelConfigError(
+                f"grad_bucket_numel={bucket_numel} with tp={self.tp.size}: gradients summed over tp before the "
+                "data-parallel reduction (sequence parallel, or kv heads fewer than tp) are not bucketed yet; use 0")
         self.buckets = GradBuckets(self, bucket_numel) if bucket_numel else None
 
     # ---- buffers ---------------------------------------------------------------------------------
@@ -145,6 +156,8 @@ class DataParallel(nn.Module):
             self.main_grads.div_(self.group.size)
             self._grads_pending = False
             return
+        if self.tp is not None:
+            self.module.sync_grads()
         # DDP and ZeRO-1 collect into the persistent full buffer; ZeRO-2/3 only into a temporary one.
         if self.config.zero_stage >= 2:
             full = torch.zeros(self.padded_numel, dtype=self.config.torch_reduce_dtype, device=self.device)
@@ -182,10 +195,20 @@ class DataParallel(nn.Module):
 
     def decay_mask(self) -> torch.Tensor:
         """True for the owned elements of matrices (weight decay applies), False for norms and biases."""
+        return self._owned_mask(lambda name, p: p.dim() >= 2)
+
+    def norm_mask(self) -> torch.Tensor | None:
+        """True for the owned elements that enter the global gradient norm on this rank (None: all of them);
+        under tensor parallelism each distinct element counts on exactly one tp rank."""
+        if self.tp is None:
+            return None
+        return self._owned_mask(lambda name, p: self.placements[name].counts_in_norm(self.tp.rank))
+
+    def _owned_mask(self, rule) -> torch.Tensor:
         mask = torch.zeros(self.padded_numel, dtype=torch.bool, device=self.device)
         offset = 0
-        for _, p in self._named:
-            mask[offset:offset + p.numel()] = p.dim() >= 2
+        for name, p in self._named:
+            mask[offset:offset + p.numel()] = rule(name, p)
             offset += p.numel()
         return mask[self.owned].clone()
 
@@ -200,9 +223,11 @@ class DataParallel(nn.Module):
         return full
 
     def _by_name(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Whole tensors by parameter name from a full flat buffer (gathered over tp when sharded)."""
         out, offset = {}, 0
         for name, p in self._named:
-            out[name] = flat[offset:offset + p.numel()].view(p.shape).clone()
+            local = flat[offset:offset + p.numel()].view(p.shape).clone()
+            out[name] = local if self.tp is None else gather_tensor(local, self.placements[name], self.tp)
             offset += p.numel()
         return out
 
@@ -213,11 +238,19 @@ class DataParallel(nn.Module):
         flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
         offset = 0
         for name, p in self._named:
-            if tuple(tensors[name].shape) != tuple(p.shape):
-                raise ValueError(f"{name}: state holds shape {tuple(tensors[name].shape)}, the model {tuple(p.shape)}")
-            flat[offset:offset + p.numel()].copy_(tensors[name].reshape(-1))
+            local = tensors[name]
+            if self.tp is not None:
+                local = shard_tensor(local, self.placements[name], self.tp.size, self.tp.rank)
+            if tuple(local.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: state holds shape {tuple(tensors[name].shape)}, which does not fit the "
+                                 f"model's {tuple(p.shape)} on this layout")
+            flat[offset:offset + p.numel()].copy_(local.reshape(-1))
             offset += p.numel()
         return flat
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Whole averaged gradients by parameter name, on every rank (after `reduce_gradients`)."""
+        return self._by_name(self._gather_owned(self.owned_grads()))
 
     def full_state(self, optimizer: ShardedAdamW) -> dict[str, Any]:
         """Whole (unsharded) main parameters and AdamW moments by parameter name, on every rank.
@@ -259,6 +292,7 @@ class ShardedAdamW:
                  weight_decay: float = 0.0, decay_matrices_only: bool = True) -> None:
         self.dp = dp
         mask = dp.decay_mask() if weight_decay and decay_matrices_only else None
+        self.norm_mask = dp.norm_mask()
         self.adamw = FlatAdamW(dp.main_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                decay_mask=mask)
 
@@ -274,9 +308,14 @@ class ShardedAdamW:
         """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
         self.dp.reduce_gradients()
         grads = self.dp.owned_grads()
-        squares = grads.square().sum().reshape(1)
+        counted = grads.square()
+        if self.norm_mask is not None:  # tensor parallel: each distinct element once over tp
+            counted.masked_fill_(~self.norm_mask, 0)
+        squares = counted.sum().reshape(1)
         if self.dp.shards > 1:
             squares = comm.all_reduce(squares, self.dp.group)
+        if self.dp.tp is not None:
+            squares = comm.all_reduce(squares, self.dp.tp)
         norm = squares.sqrt()[0]
         if max_norm < float("inf"):  # "no clipping" must not multiply an infinite norm's grads by inf/inf
             grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))

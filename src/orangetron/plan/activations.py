@@ -177,5 +177,5 @@ def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: tuple[
     if layers and not m.max_position_embeddings:
         total += x.a * x.s * (m.qk_rope_head_dim or m.qk_head_dim)
     if moe_layers:
-        total += x.s * x.b
+        total += x.s * x.b // x.rep  # under SP each rank keeps the mask of its own tokens
     return total

@@ -6,6 +6,8 @@ Read by attribute (no torch import): `orangetron.ModelConfig` -> `ModelSpec`, `o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from orangetron.plan.collectives import CommRecord
 from orangetron.plan.config import Degrees, Job
 from orangetron.plan.memory import stage_memory
@@ -32,10 +34,15 @@ def job_from_parallel_config(pc: object, seq_len: int, micro_batch: int) -> Job:
                virtual_stages=pc.virtual_stages, recompute=pc.recompute)
 
 
-def predicted_step(model_config: object, layout: object, parallel_config: object, seq_len: int,
-                   micro_batch: int, stage: int = 0) -> tuple[list[CommRecord], dict[str, int]]:
-    """(CommRecords of one step, bytes by memory category) predicted for one rank of pipeline `stage`."""
+def predicted_step(
+    model_config: object, layout: object, parallel_config: object, seq_len: int, micro_batch: int, stage: int = 0,
+    clip_grad: bool = False,
+) -> tuple[list[CommRecord], dict[str, int]]:
+    """(CommRecords of one step, bytes by memory category) predicted for one rank of pipeline `stage`.
+
+    `clip_grad`: the step clips gradients by their global norm (its reductions join the records).
+    """
     model = spec_from_model_config(model_config)
     deg = degrees_from_layout(layout)
-    job = job_from_parallel_config(parallel_config, seq_len, micro_batch)
+    job = replace(job_from_parallel_config(parallel_config, seq_len, micro_batch), clip_grad=clip_grad)
     return step_records(model, deg, job, stage), stage_memory(model, deg, job, stage)

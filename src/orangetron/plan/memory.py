@@ -46,10 +46,13 @@ def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: i
                   virtual_stages: int) -> StageParams:
     dense = expert = 0
     norms = model.norm_params()
+    kv_whole, kv_local = _kv_weights(model, t)
     for i in stage_layers(model.num_layers, pp, virtual_stages, stage):
-        # Norm weights and the router are replicated across tp; everything else is split.
+        # Norm weights and the router are replicated across tp; everything else is split, except kv heads
+        # fewer than tp, of which each rank keeps one.
         replicated = norms + (model.num_experts * model.hidden_size if model.is_moe_layer(i) else 0)
-        dense += replicated + _ceil_div(model.dense_params_of_layer(i) - replicated, t)
+        split = model.dense_params_of_layer(i) - replicated - kv_whole
+        dense += replicated + _ceil_div(split, t) + kv_local
         if model.is_moe_layer(i):
             expert += _ceil_div(model.expert_params_per_layer(), ep * etp)
     if stage == 0:
@@ -63,6 +66,15 @@ def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: i
             head = model.vocab_size * model.hidden_size
         dense += final_norm + _ceil_div(head, t)
     return StageParams(dense, expert)
+
+
+def _kv_weights(model: ModelSpec, t: int) -> tuple[int, int]:
+    """(whole, per-rank) K and V projection elements of a layer when its kv heads are fewer than tp and so
+    replicated, one per rank; (0, 0) when they split evenly like the other heads."""
+    if model.kv_lora_rank or model.kv_heads >= t:
+        return 0, 0
+    per_head = 2 * model.qk_head_dim * (model.hidden_size + (1 if model.bias else 0))
+    return model.kv_heads * per_head, per_head
 
 
 def shard_groups(params: StageParams, deg: Degrees) -> list[tuple[str, int, int]]:

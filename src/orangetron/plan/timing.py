@@ -250,7 +250,6 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
     places = _places(deg, cluster)
     layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
     n_moe = sum(model.is_moe_layer(i) for i in layers)
-    tp_layer = _records_time(tensor_parallel_records(model, deg, job), places, cluster, net)
     cp_records = context_parallel_records(model, deg, job)
     compute = tp = cp = ep = 0.0
     for moe, count in ((False, len(layers) - n_moe), (True, n_moe)):
@@ -268,7 +267,8 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
             if job.overlap_ep:
                 ep_t = _hide(ep_t, 3 * cost.experts, eff)
         compute += count * run
-        tp += count * tp_layer
+        blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
+        tp += count * _records_time(tensor_parallel_records(model, deg, job, blocks), places, cluster, net)
         cp += count * cp_t
         ep += count * ep_t
     if stage == deg.pp - 1 and model.vocab_size:

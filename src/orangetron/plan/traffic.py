@@ -11,6 +11,8 @@ runtime's conventions (DESIGN sections 4 and 5):
   projections and backward all-reduces the input gradients of the two column-parallel inputs (4 AR); with
   SP, forward all-gathers before and reduce-scatters after each block, backward mirrors them and re-gathers
   the two sequence-sharded inputs it saved (6 AG + 4 RS, as Megatron). Full recompute replays the forward.
+  An MoE layer without a shared expert splits only its attention (its experts stay whole on every tp
+  rank). Once per step, partial gradients are summed over tp (`tensor_parallel_grad_records`).
 - CP per layer and micro-batch: ring passes K,V cp-1 times forward, K,V cp-1 times and dK,dV cp times
   backward; all-gather gathers K,V forward and reduce-scatters dK,dV backward; Ulysses all-to-alls Q,K,V
   and the output forward and their gradients backward.
@@ -89,17 +91,67 @@ def _act_bytes(model: ModelSpec, deg: Degrees, job: Job) -> int:
     return job.param_bytes * (job.seq_len // deg.cp) * job.micro_batch * model.hidden_size
 
 
-def tensor_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
-    """TP collectives of one layer, one micro-batch, forward + backward (+ replayed forward)."""
+def tensor_parallel_records(model: ModelSpec, deg: Degrees, job: Job, blocks: int = 2) -> list[CommRecord]:
+    """TP collectives of one layer, one micro-batch, forward + backward (+ replayed forward).
+
+    `blocks` is the layer's split blocks: attention and the MLP (2), or attention alone (1, an MoE layer
+    whose experts stay whole on every tp rank and that has no shared expert). Per block: without SP an
+    all-reduce forward and one backward; with SP an all-gather and a reduce-scatter forward, and backward
+    their mirrors plus the re-gather of the saved sequence shard.
+    """
     t = deg.tp
     if t == 1:
         return []
     a = _act_bytes(model, deg, job)
-    replay = job.recompute == "full"
+    replay = 1 if job.recompute == "full" else 0
     if not job.sequence_parallel:
-        return [_gather("all_reduce", "tp", a, t)] * (4 + (2 if replay else 0))
-    ag, rs = 6 + (2 if replay else 0), 4 + (2 if replay else 0)
+        return [_gather("all_reduce", "tp", a, t)] * ((2 + replay) * blocks)
+    ag, rs = (3 + replay) * blocks, (2 + replay) * blocks
     return [_gather("all_gather", "tp", a, t)] * ag + [_gather("reduce_scatter", "tp", a, t)] * rs
+
+
+def _split_blocks(model: ModelSpec, index: int) -> int:
+    """Blocks of layer `index` that tensor parallelism splits (see `tensor_parallel_records`)."""
+    return 1 if model.is_moe_layer(index) and not model.num_shared_experts else 2
+
+
+def tensor_parallel_grad_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[CommRecord]:
+    """Once per step under TP: the all-reduce that sums partial gradients over tp, and with clipping the
+    all-reduce of the squared gradient norm's tp parts.
+
+    Partial gradients: with SP every parameter replicated over tp (norm weights, router, routed experts)
+    has seen only this rank's tokens; a kv head replicated over tp ranks has seen only their query heads
+    (each rank sends a zero-filled slot per kv head so that one all-reduce sums exactly the copies).
+    """
+    t = deg.tp
+    if t == 1:
+        return []
+    numel = _kv_slot_params(model, t) * len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage))
+    if job.sequence_parallel:
+        numel += _replicated_params(model, deg, job, stage)
+    out = [_gather("all_reduce", "tp", numel * job.param_bytes, t)] if numel else []
+    if job.clip_grad:
+        out.append(_gather("all_reduce", "tp", 4 if job.mixed_precision else job.param_bytes, t))
+    return out
+
+
+def _kv_slot_params(model: ModelSpec, t: int) -> int:
+    """Elements of one layer's K and V weights when kv heads are fewer than tp (else 0)."""
+    if model.kv_lora_rank or model.kv_heads >= t:
+        return 0
+    return 2 * model.kv_heads * model.qk_head_dim * (model.hidden_size + (1 if model.bias else 0))
+
+
+def _replicated_params(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
+    """Parameters of a stage that every tp rank holds whole: norms, routers, routed experts on this rank."""
+    total = 0
+    for i in stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage):
+        total += model.norm_params()
+        if model.is_moe_layer(i):
+            total += model.num_experts * model.hidden_size + model.expert_params_per_layer() // deg.ep
+    if stage == deg.pp - 1:
+        total += model.hidden_size * (2 if model.bias else 1)  # final norm
+    return total
 
 
 def _kv_bytes(model: ModelSpec, deg: Degrees, job: Job) -> int:
@@ -175,10 +227,12 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> li
     layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
     moe = sum(model.is_moe_layer(i) for i in layers)
     m = job.microbatches(deg)
-    per_layer = tensor_parallel_records(model, deg, job) + context_parallel_records(model, deg, job)
-    per_mb = per_layer * len(layers) + expert_parallel_records(model, deg, job) * moe
+    per_mb = context_parallel_records(model, deg, job) * len(layers) + expert_parallel_records(model, deg, job) * moe
+    for i in layers:
+        per_mb += tensor_parallel_records(model, deg, job, _split_blocks(model, i))
     per_mb += pipeline_records(model, deg, job, stage) + _vocab_records(model, deg, job, stage)
-    return per_mb * m + data_parallel_records(model, deg, job, stage)
+    per_step = tensor_parallel_grad_records(model, deg, job, stage) + data_parallel_records(model, deg, job, stage)
+    return per_mb * m + per_step
 
 
 def _vocab_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:
@@ -199,9 +253,11 @@ def _vocab_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list
             out += [_gather("all_gather", "tp", a, t)] * 2 + [_gather("reduce_scatter", "tp", a, t)]
         else:
             out.append(_gather("all_reduce", "tp", a, t))
-        # Every tp rank holds logits for all s*b tokens (its vocab shard), gathered sequence or not.
-        rows = 4 * (job.seq_len // deg.cp) * job.micro_batch  # fp32 per token
-        out += [_gather("all_reduce", "tp", rows, t)] * 3  # max, sum of exp, target logit
+        # Every tp rank holds logits for all s*b tokens (its vocab shard), gathered sequence or not; the
+        # vocab-parallel cross entropy reduces each token's maximum, then its sum of exponentials and
+        # target logit together, in float32 (float64 for float64).
+        rows = (8 if job.param_bytes == 8 else 4) * (job.seq_len // deg.cp) * job.micro_batch
+        out += [_gather("all_reduce", "tp", rows, t), _gather("all_reduce", "tp", 2 * rows, t)]
     return out
 
 

@@ -1,0 +1,32 @@
+"""`parallelize`: the one entry that applies every dimension a layout asks for to a reference model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from orangetron.layout import LayoutError
+from orangetron.mesh import ParallelMesh
+from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.data import DataParallel
+from orangetron.parallel.tensor import tensor_parallel
+
+_NOT_YET = {"cp": "context", "pp": "pipeline", "ep": "expert"}
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> DataParallel:
+    """Apply `mesh.layout` to the reference `model` (an `orangetron.Transformer`, sharded in place).
+
+    Tensor parallelism (with sequence parallelism when `config.sequence_parallel`) first, then data
+    parallelism over dp x cp with the ZeRO stage of `config`. Returns the `DataParallel` wrapper: call it
+    like the model, and build the optimizer with `.optimizer(lr=...)`. Every rank must build `model` from
+    the same seed. Dimensions the runtime does not run yet raise `LayoutError`.
+    """
+    config = config or ParallelConfig()
+    layout = mesh.layout
+    for dim, what in _NOT_YET.items():
+        if getattr(layout, dim) > 1:
+            raise LayoutError(f"{dim}={getattr(layout, dim)}: {what} parallelism is not in the runtime yet")
+    layout.validate(getattr(model, "cfg", None), sequence_parallel=config.sequence_parallel)
+    if layout.tp > 1:
+        model = tensor_parallel(model, mesh, config.sequence_parallel)
+    return DataParallel(model, mesh, config)

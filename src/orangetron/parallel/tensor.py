@@ -1,0 +1,374 @@
+"""Tensor parallelism with Megatron's sequence parallelism, applied to the reference model from outside.
+
+TP splits every weight matrix over the tp ranks (Megatron-LM, Shoeybi et al. 2019): column-parallel
+projections (QKV, SwiGLU's gate and up, the vocabulary) split their output features, row-parallel ones
+(attention output, SwiGLU's down) their input features, so one block needs one reduction forward and one
+backward. Without sequence parallelism (SP) those are all-reduces and everything between blocks (norms,
+residual adds, the router and the routed experts) is replicated. With SP (Korthikanti et al. 2022) the
+all-reduce becomes a reduce-scatter over the sequence after a block and an all-gather before the next, so
+the norms run on a sequence shard and no rank keeps a duplicate activation; the gathered input is not
+kept for backward: the shard is, and backward gathers it again.
+
+Attention heads split over tp; key/value heads split too when tp divides them, and are replicated (one
+per rank) when tp is a multiple of them. The embedding and the output projection split the vocabulary,
+and the cross entropy runs on vocabulary shards, so no rank ever holds full-vocabulary logits. MoE routed
+experts and the router stay whole on every tp rank (expert tensor parallelism 1); a shared expert splits
+like a dense MLP.
+
+Some gradients are partial sums over tp and are summed once per step (`TensorParallelTransformer.
+sync_grads`, one all-reduce): with SP, every replicated parameter (norm weights, router, routed experts)
+sees only this rank's tokens; and a replicated key/value head sees only this rank's query heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orangetron import comm
+from orangetron.layout import Layout, LayoutError
+from orangetron.mesh import MeshGroup, ParallelMesh
+from orangetron.model.attention import attention_kernel
+from orangetron.model.autograd import accumulate_dtype, swiglu_activation
+from orangetron.model.layers import apply_rope, rope_cos_sin
+from orangetron.model.moe import MoE
+from orangetron.model.transformer import Transformer
+
+
+# ---- where each parameter lives ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """How one parameter is laid out over the tp ranks.
+
+    `dim` is the dimension split over tp (None: every rank holds the whole tensor). `copies` tp ranks in a
+    row hold the same slice (key/value heads fewer than tp). `partial_grad`: this rank's gradient is a
+    partial sum that the tp ranks add up before the data-parallel reduction.
+    """
+
+    dim: int | None = None
+    copies: int = 1
+    partial_grad: bool = False
+
+    def slices(self, tp: int) -> int:
+        return tp // self.copies
+
+    def slice_index(self, tp_rank: int) -> int:
+        return tp_rank // self.copies
+
+    def counts_in_norm(self, tp_rank: int) -> bool:
+        """Whether this rank's copy enters the global gradient norm, so each distinct element counts once."""
+        if self.dim is None:
+            return tp_rank == 0
+        return tp_rank % self.copies == 0
+
+    def needs_sync(self) -> bool:
+        return self.partial_grad or self.copies > 1
+
+
+_COLUMN = ("wq", "w1", "w3")  # split output features
+_ROW = ("wo", "w2")  # split input features
+
+
+def placements(model: Transformer, tp: int, sequence_parallel: bool) -> dict[str, Placement]:
+    """The `Placement` of every parameter of the reference `model` (by qualified name) on tp ranks."""
+    kv_copies = max(1, tp // model.cfg.n_kv_heads)
+    out = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        owner = parts[-2]
+        if name in ("tok_embeddings.weight", "output.weight"):
+            out[name] = Placement(dim=0)
+        elif ".experts." in name or ".router." in name or owner.endswith("norm"):
+            out[name] = Placement(partial_grad=sequence_parallel and tp > 1)
+        elif owner in ("wk", "wv"):
+            out[name] = Placement(dim=0, copies=kv_copies)
+        elif owner in _COLUMN:
+            out[name] = Placement(dim=0)
+        elif owner in _ROW:
+            out[name] = Placement(dim=1)
+        else:
+            raise ValueError(f"{name}: no tensor-parallel placement known for this parameter")
+    return out
+
+
+def shard_tensor(full: torch.Tensor, placement: Placement, tp: int, tp_rank: int) -> torch.Tensor:
+    """This tp rank's piece of the whole tensor `full` (a view; the whole tensor when replicated)."""
+    if placement.dim is None or tp == 1:
+        return full
+    n = placement.slices(tp)
+    if full.shape[placement.dim] % n:
+        raise LayoutError(f"tp={tp}: dimension {placement.dim} of size {full.shape[placement.dim]} "
+                          f"does not split into {n} equal slices")
+    return full.chunk(n, dim=placement.dim)[placement.slice_index(tp_rank)]
+
+
+def gather_tensor(local: torch.Tensor, placement: Placement, group: MeshGroup) -> torch.Tensor:
+    """The whole tensor from every tp rank's piece (inverse of `shard_tensor`); no autograd."""
+    if placement.dim is None or group.size == 1:
+        return local
+    pieces = comm.all_gather(local.detach().contiguous(), group, dim=placement.dim)
+    return torch.cat(pieces.chunk(group.size, dim=placement.dim)[:: placement.copies], dim=placement.dim)
+
+
+def _check_layout(model: Transformer, tp: int) -> None:
+    Layout(tp=tp).validate(model.cfg)  # heads, kv heads, vocabulary and MLP widths against tp
+
+
+# ---- autograd pieces -----------------------------------------------------------------------------
+class _GatheredLinear(torch.autograd.Function):
+    """All-gather the sequence, then project by each weight (forward); gather again, project the gradient
+    back and reduce-scatter it (backward). Keeps the sequence shard for backward, not the gathered input."""
+
+    @staticmethod
+    def forward(ctx, x_shard: torch.Tensor, group: MeshGroup, dim: int, *weights: torch.Tensor):
+        ctx.save_for_backward(x_shard, *weights)
+        ctx.group, ctx.dim = group, dim
+        x_full = comm.all_gather(x_shard, group, dim)
+        return tuple(F.linear(x_full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x_shard, *weights = ctx.saved_tensors
+        x_full = comm.all_gather(x_shard, ctx.group, ctx.dim)  # [.., S, dim], re-gathered
+        x_rows = x_full.reshape(-1, x_full.shape[-1])
+        grad_x = sum(g @ w for g, w in zip(grads, weights, strict=True))  # [.., S, dim], partial over tp
+        grad_weights = [g.reshape(-1, g.shape[-1]).t() @ x_rows for g in grads]
+        return comm.reduce_scatter(grad_x, ctx.group, ctx.dim), None, None, *grad_weights
+
+
+def column_inputs(x: torch.Tensor, weights: list[torch.Tensor], group: MeshGroup, sp: bool) -> tuple[torch.Tensor, ...]:
+    """Column-parallel projections of one input: x [.., S/tp (SP) or S, dim] -> each [.., S, out/tp]."""
+    if sp and group.size > 1:
+        return _GatheredLinear.apply(x, group, x.dim() - 2, *weights)
+    x = comm.copy_to_group(x, group)  # backward sums the partial input gradients over tp
+    return tuple(F.linear(x, w) for w in weights)
+
+
+def row_output(partial: torch.Tensor, group: MeshGroup, sp: bool) -> torch.Tensor:
+    """Sum a row-parallel projection's partial output over tp (SP: and keep this rank's sequence shard)."""
+    if sp:
+        return comm.reduce_scatter(partial, group, dim=partial.dim() - 2)
+    return comm.all_reduce(partial, group)
+
+
+class _VocabEmbedding(torch.autograd.Function):
+    """Look up the rows of this rank's vocabulary slice (zeros elsewhere); backward adds into those rows.
+
+    Keeps only the local ids (int64, -1 outside the slice), as large as the token ids the reference keeps.
+    """
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+        local = tokens - start
+        local = local.masked_fill((local < 0) | (local >= weight.shape[0]), -1)  # [B, S]
+        ctx.save_for_backward(local, weight)
+        return F.embedding(local.clamp(min=0), weight) * (local >= 0).unsqueeze(-1).to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        local, weight = ctx.saved_tensors
+        rows = local.reshape(-1)
+        hit = rows >= 0
+        grad_weight = torch.zeros_like(weight).index_add_(0, rows[hit], grad.reshape(-1, grad.shape[-1])[hit])
+        return None, grad_weight, None
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy over labels != ignore_index from vocabulary-sharded logits [N, V/tp].
+
+    Two reductions over tp: the row maximum, then each row's sum of exponentials and target logit in one
+    tensor. Keeps only the local logits' gradient (softmax minus one-hot, this rank's columns).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, start: int, group: MeshGroup):
+        valid = labels != ignore_index  # [N]
+        local = labels - start
+        mine = valid & (local >= 0) & (local < logits.shape[-1])
+        target_col = local.masked_fill(~mine, 0).unsqueeze(-1)  # [N, 1]
+        row_max = comm.all_reduce_max(logits.max(-1, keepdim=True).values, group)  # [N, 1]
+        shifted = logits - row_max
+        exp = shifted.exp()
+        target = shifted.gather(-1, target_col) * mine.unsqueeze(-1)  # [N, 1], nonzero on one rank
+        sums = comm.all_reduce(torch.cat((exp.sum(-1, keepdim=True), target), dim=-1), group)  # [N, 2]
+        log_z = sums[:, :1].log()
+        n_valid = valid.sum().clamp(min=1)
+        loss = ((log_z - sums[:, 1:]).squeeze(-1) * valid).sum() / n_valid
+        if ctx.needs_input_grad[0]:
+            grad = exp.div_(sums[:, :1])  # softmax over the whole vocabulary, this rank's columns
+            grad.scatter_add_(-1, target_col, -mine.unsqueeze(-1).to(grad.dtype))
+            grad.mul_((valid / n_valid).to(grad.dtype).unsqueeze(-1))
+            ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss, None, None, None, None
+
+
+# ---- modules -------------------------------------------------------------------------------------
+class ParallelAttention(nn.Module):
+    """Grouped-query attention on this rank's heads: column-parallel wq/wk/wv, row-parallel wo.
+
+    x: [B, S/tp, dim] with SP, [B, S, dim] without; returns the same shape. The linear modules keep
+    their names, so parameter names equal the reference model's.
+    """
+
+    def __init__(self, dense: nn.Module, group: MeshGroup, sp: bool) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = dense.wq, dense.wk, dense.wv, dense.wo
+        self.head_dim, self.kernel_impl = dense.head_dim, dense.kernel_impl
+        self.group, self.sp = group, sp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = column_inputs(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.group, self.sp)
+        b, s, _ = q.shape
+        q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin)  # [B, S, Hq/tp, D]
+        k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin)  # [B, S, Hk/tp or 1, D]
+        v = v.view(b, s, -1, self.head_dim)
+        out, _ = attention_kernel(q, k, v, causal=True, impl=self.kernel_impl)
+        return row_output(F.linear(out.reshape(b, s, -1), self.wo.weight), self.group, self.sp)
+
+
+class ParallelSwiGLU(nn.Module):
+    """SwiGLU split on its hidden dimension: w1, w3 column-parallel, w2 row-parallel.
+
+    x: [..., S/tp or S, dim] (the second-to-last dimension is the one SP shards) -> the same shape.
+    """
+
+    def __init__(self, dense: nn.Module, group: MeshGroup, sp: bool) -> None:
+        super().__init__()
+        self.w1, self.w3, self.w2 = dense.w1, dense.w3, dense.w2
+        self.group, self.sp = group, sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = column_inputs(x, [self.w1.weight, self.w3.weight], self.group, self.sp)
+        return row_output(F.linear(swiglu_activation(gate, up), self.w2.weight), self.group, self.sp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding split over the vocabulary: tokens [B, S] -> [B, S/tp, dim] (SP) or [B, S, dim]."""
+
+    def __init__(self, dense: nn.Embedding, group: MeshGroup, sp: bool) -> None:
+        super().__init__()
+        self.weight = dense.weight
+        self.start = group.rank * dense.weight.shape[0]
+        self.group, self.sp = group, sp
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        partial = _VocabEmbedding.apply(tokens, self.weight, self.start)  # [B, S, dim], zeros off-slice
+        return row_output(partial, self.group, self.sp)
+
+
+class TensorParallelTransformer(nn.Module):
+    """The reference `Transformer` on one tp rank: same submodule and parameter names, sharded weights.
+
+    forward(tokens [B, S]) -> this rank's vocabulary slice of the logits, [B, S, vocab/tp]; every tp rank
+    gets the whole sequence. `loss_from_logits` is the vocabulary-parallel cross entropy (plus the MoE
+    load-balancing loss, computed per rank over the tokens it routes: its sequence shard under SP).
+    """
+
+    def __init__(self, model: Transformer, group: MeshGroup, sequence_parallel: bool) -> None:
+        super().__init__()
+        _check_layout(model, group.size)
+        self.cfg, self.seed, self.group = model.cfg, model.seed, group
+        self.sp = sequence_parallel and group.size > 1
+        self.placements = placements(model, group.size, sequence_parallel)
+        self._full_numel = model.num_parameters()
+        _shard_parameters(model, self.placements, group)
+        self.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, self.sp)
+        self.layers = model.layers
+        for block in self.layers:
+            block.attention = ParallelAttention(block.attention, group, self.sp)
+            ff = block.feed_forward
+            if isinstance(ff, MoE):
+                if ff.shared_expert is not None:
+                    ff.shared_expert = ParallelSwiGLU(ff.shared_expert, group, self.sp)
+            else:
+                block.feed_forward = ParallelSwiGLU(ff, group, self.sp)
+        self.norm = model.norm
+        self.output = model.output
+
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        seq_len = tokens.shape[1]
+        if self.sp and seq_len % self.group.size:
+            raise LayoutError(f"tp={self.group.size}: sequence_parallel needs seq_len {seq_len} divisible by tp")
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=tokens.device)
+        h = self.tok_embeddings(tokens)  # [B, S/tp or S, dim]
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        if self.sp and token_mask is not None:
+            # The router's tokens; a copy, so the load-balancing loss keeps this shard, not the whole mask.
+            token_mask = token_mask.chunk(self.group.size, dim=1)[self.group.rank].contiguous()
+        for layer in self.layers:
+            h = layer(h, cos, sin, token_mask)
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        (logits,) = column_inputs(h, [weight], self.group, self.sp)
+        return logits  # [B, S, vocab/tp]
+
+    def aux_loss(self) -> torch.Tensor:
+        return Transformer.aux_loss(self)
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Vocabulary-parallel `Transformer.loss_from_logits`: logits [B, S, V/tp], labels [B, S]."""
+        logits = logits.to(accumulate_dtype(logits.dtype)).flatten(0, 1)  # [B*S, V/tp]
+        start = self.group.rank * logits.shape[-1]
+        ce = _VocabParallelCrossEntropy.apply(logits, labels.reshape(-1), ignore_index, start, self.group)
+        return ce + self.aux_loss()
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+             ignore_index: int = -100) -> torch.Tensor:
+        logits = self.forward(tokens, position_ids, token_mask=labels != ignore_index)
+        return self.loss_from_logits(logits, labels, ignore_index)
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        """Parameters of the whole model (every shard), as the reference counts them."""
+        embeddings = self.cfg.vocab_size * self.cfg.dim if exclude_embeddings else 0
+        return self._full_numel - embeddings
+
+    def sync_grads(self) -> None:
+        """Sum the partial gradients over tp (see the module docstring): one all-reduce of all of them."""
+        pieces = [(p, self.placements[n]) for n, p in self.named_parameters()
+                  if self.placements[n].needs_sync() and p.grad is not None]
+        if not pieces or self.group.size == 1:
+            return
+        flat = torch.cat([_sync_slots(p.grad, pl, self.group) for p, pl in pieces])
+        flat = comm.all_reduce(flat, self.group)
+        offset = 0
+        for p, pl in pieces:
+            width = p.numel() * (pl.slices(self.group.size) if pl.copies > 1 else 1)
+            summed = flat[offset:offset + width]
+            if pl.copies > 1:
+                summed = summed.view(pl.slices(self.group.size), -1)[pl.slice_index(self.group.rank)]
+            p.grad.copy_(summed.view_as(p.grad))
+            offset += width
+
+
+def _sync_slots(grad: torch.Tensor, placement: Placement, group: MeshGroup) -> torch.Tensor:
+    """A gradient laid out for the tp sum: as is, or (replicated kv heads) in its slot of all the slices,
+    so that the sum adds up exactly the ranks holding the same slice."""
+    if placement.copies == 1:
+        return grad.reshape(-1)
+    slots = grad.new_zeros(placement.slices(group.size), grad.numel())
+    slots[placement.slice_index(group.rank)] = grad.reshape(-1)
+    return slots.reshape(-1)
+
+
+@torch.no_grad()
+def _shard_parameters(model: Transformer, by_name: dict[str, Placement], group: MeshGroup) -> None:
+    for name, p in model.named_parameters():
+        p.data = shard_tensor(p.data, by_name[name], group.size, group.rank).clone()
+
+
+def tensor_parallel(
+    model: Transformer, mesh: ParallelMesh, sequence_parallel: bool = False
+) -> TensorParallelTransformer:
+    """Shard the reference `model` in place over `mesh["tp"]` and return the module that runs it."""
+    return TensorParallelTransformer(model, mesh["tp"], sequence_parallel)
