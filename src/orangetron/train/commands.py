@@ -37,7 +37,8 @@ def add_train_commands(sub: Any) -> None:
     option("--warmup", "linear warmup steps", type=int)
     option("--seed", "seed for init and batch order; the same seed gives identical losses", type=int)
     option("--eval-every", "also evaluate held-out loss every N steps; 0: only at the end", type=int)
-    option("--dtype", "parameter dtype", choices=list(DTYPES))
+    p.add_argument("--param-dtype", "--dtype", dest="dtype", default=fields["dtype"].default, choices=list(DTYPES),
+                   help="parameter dtype; bfloat16 keeps float32 main params (default: %(default)s)")
     option("--threads", "CPU threads for torch ops; 1 stays fast when other processes share the cores",
            type=int)
     p.add_argument("--data", nargs="+", metavar="FILE", default=None,
@@ -59,7 +60,11 @@ def add_train_commands(sub: Any) -> None:
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel degree: local CPU ranks that split each batch (started for you)")
-    for dim, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"), ("ep", "expert")):
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: local ranks that split every weight matrix (started for you)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: norms on sequence shards, TP's all-reduces become reduce-scatter + all-gather")
+    for dim, what in (("cp", "context"), ("pp", "pipeline"), ("ep", "expert")):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{what}-parallel degree (only 1 for now)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks)")
@@ -83,7 +88,8 @@ def _add_verify_command(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
-    p.add_argument("--dtype", default="float64", choices=list(DTYPES), help="parameter dtype (default: %(default)s)")
+    p.add_argument("--param-dtype", "--dtype", dest="dtype", default="float64", choices=list(DTYPES),
+                   help="parameter dtype (default: %(default)s)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference accepted (default by dtype: "
                    + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + ")")
@@ -101,7 +107,7 @@ def run_verify(args: argparse.Namespace) -> int:
         model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         dtype=args.dtype, warmup=0, corpus_bytes=200_000, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
         ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
-        grad_bucket_numel=args.grad_bucket_numel,
+        grad_bucket_numel=args.grad_bucket_numel, sequence_parallel=args.sequence_parallel,
     )
     result = verify(cfg, args.tolerance)
     verdict = "ok" if result["ok"] else "FAILED"
@@ -123,6 +129,7 @@ def run_train(args: argparse.Namespace) -> int:
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
+        sequence_parallel=args.sequence_parallel,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
     result = train(cfg, progress=not args.quiet)

@@ -1,7 +1,8 @@
 """The training loop: data -> model (data-parallel wrapper) -> AdamW with warmup + cosine -> metrics.
 
-One rank runs in this process; with dp > 1 the local launcher starts one process per rank and every rank
-runs this same loop on its share of each batch. With dp = 1 it is the single-device reference that
+One rank runs in this process; with more than one rank the local launcher starts one process per rank and
+every rank runs this same loop: data-parallel ranks on their share of each batch, tensor-parallel ranks on
+the same rows with their shard of every weight. With one rank it is the single-device reference that
 layouts are checked against (the wrapper over a one-rank group only adds flat buffers).
 """
 
@@ -24,7 +25,7 @@ from orangetron import comm, memory
 from orangetron.layout import Layout
 from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import MODEL_PRESETS, ModelConfig, Transformer, model_preset
-from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW
+from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW, parallelize
 from orangetron.parallel.config import DTYPES
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from orangetron.train.data import (
@@ -79,7 +80,7 @@ class TrainConfig:
     save_every: int = 0  # write a checkpoint every N steps and after the last one (0: never); needs `out`
     resume: bool = False  # continue from the latest checkpoint in `out`, on whatever layout this run has
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
-    tp: int = 1  # tensor-parallel degree (only 1 for now)
+    tp: int = 1  # tensor-parallel degree: local ranks that split every weight matrix
     cp: int = 1  # context-parallel degree (only 1 for now)
     pp: int = 1  # pipeline-parallel degree (only 1 for now)
     dp: int = 1  # data-parallel degree: local ranks that split each batch
@@ -87,6 +88,7 @@ class TrainConfig:
     zero_stage: int = 0  # 0 = DDP, 1-3 = ZeRO stage (sharding over the dp ranks)
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     grad_bucket_numel: int = 0  # DDP: all-reduce gradient buckets of this many elements during backward
+    sequence_parallel: bool = False  # with tp > 1: norms on sequence shards, reduce-scatter + all-gather
 
     def __post_init__(self) -> None:
         self._check_layout()
@@ -108,18 +110,18 @@ class TrainConfig:
             raise TrainConfigError(f"dtype={self.dtype!r} (--dtype): choose one of {', '.join(DTYPES)}")
         self._check_checkpointing()
         self.parallel_config()  # raises for an impossible ZeRO setting
-        self.model_config()  # raises for an unknown preset name
+        self.layout.validate(self.model_config(), self.seq_len, self.sequence_parallel)  # and an unknown preset
         self._check_data()
 
     def _check_layout(self) -> None:
         for name in ("tp", "cp", "pp", "dp", "ep"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline"), ("ep", "expert")):
+        for name, what in (("cp", "context"), ("pp", "pipeline"), ("ep", "expert")):
             value = getattr(self, name)
             if value > 1:
                 raise TrainConfigError(
                     f"{name}={value} ({_flag(name)}): {what} parallelism is not available yet; "
-                    "only --dp may be above 1"
+                    "only --tp and --dp may be above 1"
                 )
         if self.batch_size % self.dp:
             raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp={self.dp}, "
@@ -128,7 +130,8 @@ class TrainConfig:
     def parallel_config(self) -> ParallelConfig:
         """How the model is replicated and sharded over the data-parallel ranks."""
         return ParallelConfig(zero_stage=self.zero_stage, distributed_optimizer=self.distributed_optimizer,
-                              param_dtype=self.dtype, grad_bucket_numel=self.grad_bucket_numel)
+                              param_dtype=self.dtype, grad_bucket_numel=self.grad_bucket_numel,
+                              sequence_parallel=self.sequence_parallel)
 
     def _check_checkpointing(self) -> None:
         _check_int("save_every", self.save_every, minimum=0)
@@ -213,7 +216,7 @@ def _lm_loss(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, tor
     every layout optimizes the same definition; the language-model loss drops the aux term for reporting.
     """
     inputs, labels = samples[:, :-1], samples[:, 1:]  # [B, S] each
-    model: Transformer = dp.module
+    model: Transformer = dp.module  # or its tensor-parallel shard, which speaks the same interface
     logits = dp(inputs, token_mask=labels != IGNORE_INDEX)  # through the wrapper: ZeRO gathers parameters
     objective = model.loss_from_logits(logits, labels, ignore_index=IGNORE_INDEX)
     return objective, objective.detach() - model.aux_loss().detach()
@@ -270,8 +273,8 @@ def _train_under_torchrun(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     """Every torchrun process runs one rank; each returns the merged result of all ranks."""
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != cfg.layout.world_size:
-        raise TrainConfigError(f"dp={cfg.dp} (--dp): torchrun started {world_size} processes but the layout "
-                               f"{cfg.layout} needs {cfg.layout.world_size}")
+        raise TrainConfigError(f"torchrun started {world_size} processes but the layout {cfg.layout} needs "
+                               f"{cfg.layout.world_size} (tp*cp*pp*dp)")
     torch.distributed.init_process_group("gloo")  # the trainer keeps its tensors on the CPU for now
     try:
         result = _train_rank(cfg, progress)
@@ -318,7 +321,8 @@ def _setup(cfg: TrainConfig) -> _Run:
     torch.manual_seed(cfg.seed)
     data = _load_data(cfg)
     model_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # bf16: cast by the wrapper
-    dp = DataParallel(Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype), mesh, cfg.parallel_config())
+    model = Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype)
+    dp = parallelize(model, mesh, cfg.parallel_config())
     dp.train()
     optimizer = dp.optimizer(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
     return _Run(data, dp, optimizer, mesh.rank, mesh["dp"].rank, cfg.batch_size // mesh["dp"].size)

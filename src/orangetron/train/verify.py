@@ -1,8 +1,9 @@
 """`orangetron verify`: the same steps on one rank and on a layout; the largest loss and gradient gaps.
 
 Both runs start from the same seed, see the same batches and take the same AdamW steps. Gradients are read
-after they are averaged over the data-parallel ranks and before clipping, on every step, and compared with
-the one-rank gradients as max|g - g_ref| / max|g_ref|. The MoE load-balancing loss is switched off in both
+after they are averaged over the data-parallel ranks and before clipping, on every step, gathered into whole
+tensors, and compared with the one-rank gradients as max|g - g_ref| / max|g_ref|, both maxima over every
+element of every parameter. The MoE load-balancing loss is switched off in both
 runs: each rank balances its own tokens, so that term differs between layouts by definition.
 """
 
@@ -21,12 +22,14 @@ DEFAULT_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 2e-2}
 
 
 def _trace(cfg: TrainConfig) -> dict[str, Any]:
-    """This rank's losses and the gradient slice it owns after averaging, step by step."""
+    """This rank's losses and, on rank 0, the whole averaged gradients by name, step by step."""
     setup = _setup(cfg)
-    grads: list[torch.Tensor] = []
+    grads: list[dict[str, torch.Tensor]] = []
 
     def keep(dp: DataParallel) -> None:
-        grads.append(dp.owned_grads().detach().double().clone())
+        whole = dp.full_grads()  # every rank takes part in the gathers
+        if setup.rank == 0:
+            grads.append({name: g.double() for name, g in whole.items()})
 
     losses, batches = [], iter(setup.data.train)
     for step in range(cfg.steps):
@@ -35,31 +38,21 @@ def _trace(cfg: TrainConfig) -> dict[str, Any]:
                                  measure=False, on_grads=keep)
         setup.optimizer.zero_grad()
         losses.append(loss)
-    dp = setup.dp
-    return {"losses": losses, "grads": grads, "start": dp.owned.start, "numel": dp.numel,
-            "sharded": dp.shards > 1, "dp_cp_rank": dp.group.rank}
+    return {"losses": losses, "grads": grads}
 
 
-def _full_grads(traces: list[dict[str, Any]], step: int) -> torch.Tensor:
-    """The whole gradient vector of `step`, from the slices the dp x cp ranks own (or any full copy)."""
-    first = traces[0]
-    if not first["sharded"]:
-        return first["grads"][step]
-    owners = {t["dp_cp_rank"]: t for t in traces}  # tensor-parallel peers hold the same slice
-    flat = torch.cat([owners[r]["grads"][step] for r in sorted(owners)])
-    return flat[: first["numel"]]
-
-
-def _relative_gap(value: torch.Tensor, reference: torch.Tensor) -> float:
-    scale = reference.abs().max().item() or 1.0
-    return (value - reference).abs().max().item() / scale
+def _gradient_gap(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """max |g - g_ref| over every element of every parameter, over max |g_ref| likewise."""
+    scale = max(ref.abs().max().item() for ref in reference.values()) or 1.0
+    return max((grads[name] - ref).abs().max().item() for name, ref in reference.items()) / scale
 
 
 def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     """Run `cfg` on one rank and on its layout; return the `verify --json` object."""
     model = dataclasses.replace(cfg.model_config(), aux_loss_coef=0.0)
     layout_cfg = dataclasses.replace(cfg, model=model)
-    one_cfg = dataclasses.replace(layout_cfg, dp=1, zero_stage=0, distributed_optimizer=False)
+    one_cfg = dataclasses.replace(layout_cfg, tp=1, cp=1, pp=1, dp=1, ep=1, zero_stage=0, distributed_optimizer=False,
+                                  sequence_parallel=False, grad_bucket_numel=0)
     with process_group():
         reference = _trace(one_cfg)
     traces = launch_local(_trace, cfg.layout.world_size, args=(layout_cfg,))
@@ -68,7 +61,7 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     for step, ref_loss in enumerate(reference["losses"]):
         loss = sum(t["losses"][step] for t in traces[:: cfg.layout.tp][:dp]) / dp  # equal shares
         loss_gaps.append(abs(loss - ref_loss) / abs(ref_loss))
-        grad_gaps.append(_relative_gap(_full_grads(traces, step), reference["grads"][step]))
+        grad_gaps.append(_gradient_gap(traces[0]["grads"][step], reference["grads"][step]))
     tolerance = DEFAULT_TOLERANCE[cfg.dtype] if tolerance is None else tolerance
     result = {"layout": cfg.layout.degrees(), "steps": cfg.steps, "dtype": cfg.dtype,
               "max_loss_rel_diff": max(loss_gaps), "max_grad_rel_diff": max(grad_gaps), "tolerance": tolerance}
