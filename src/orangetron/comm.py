@@ -125,14 +125,14 @@ def _all_to_all_raw(x: torch.Tensor, group: MeshGroup, send_rows: list[int], rec
 def _broadcast_raw(x: torch.Tensor, group: MeshGroup, src: int) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.broadcast(out, group=group.group, group_src=src)
-    _record("broadcast", group, _nbytes(out), formulas.broadcast_bytes(_nbytes(out), group.size, group.rank == src))
+    _record("broadcast", group, _nbytes(out), formulas.broadcast_bytes(_nbytes(out), group.size, group.rank, src))
     return out
 
 
 def _reduce_raw(x: torch.Tensor, group: MeshGroup, dst: int) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.reduce(out, group=group.group, group_dst=dst)
-    _record("reduce", group, _nbytes(out), formulas.reduce_bytes(_nbytes(out), group.size, group.rank == dst))
+    _record("reduce", group, _nbytes(out), formulas.reduce_bytes(_nbytes(out), group.size, group.rank, dst))
     return out if group.rank == dst else torch.zeros_like(out)
 
 
