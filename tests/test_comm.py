@@ -280,3 +280,36 @@ def test_uneven_payloads_on_three_ranks_match_hand_numbers():
          ("broadcast", 20, 20, 20), ("reduce", 20, 20, 20)],
     ]
     assert run_distributed(check_uneven_payloads, 3) == expected
+
+
+def test_ledger_outside_scopes_stays_bounded_and_never_reads_incomplete():
+    import tracemalloc
+
+    from orangetron.mesh import MeshGroup
+
+    fake = MeshGroup(name="dp", group=None, ranks=(0, 1), rank=0)
+    comm.reset_ledger()
+    tracemalloc.start()  # before the first records, so the ones dropped later are traced when freed
+    for _ in range(10_000):
+        comm._record("all_reduce", fake, 16, (16, 16))
+    assert len(comm._records) == comm.LEDGER_LIMIT == 4096
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(10_000):  # a plain list would grow by ~1 MB here
+        comm._record("all_reduce", fake, 16, (16, 16))
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 64 * 1024, grown
+    with pytest.raises(comm.LedgerOverflow, match="20000 records since the last reset_ledger"):
+        comm.ledger()
+    comm.reset_ledger()
+    assert comm.ledger() == []
+    with comm.measure() as records:  # a scope is not bounded: it holds what its block made
+        for _ in range(5000):
+            comm._record("all_gather", fake, 16, (8, 8))
+    assert len(records) == 5000
+    with pytest.raises(comm.LedgerOverflow, match="5000 records"):
+        comm.ledger()
+    comm.reset_ledger()
+    comm._record("all_gather", fake, 16, (8, 8))
+    assert comm.ledger() == [comm.CommRecord("all_gather", "dp", 16, 8, 8)]
+    comm.reset_ledger()
