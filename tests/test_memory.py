@@ -59,3 +59,41 @@ def test_tied_parameters_count_once():
     model = nn.ModuleDict({"emb": emb, "head": head})
     assert memory.unique_storage_bytes([emb.weight, head.weight, emb.weight[2:]]) == 160
     assert memory.model_state_bytes(model)["params"] == 160
+
+
+class Wrapper(nn.Module):
+    """Stands for DataParallel: the wrapped model is `.module`."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def linear_step(model):
+    with memory.track_activations(model):
+        model(torch.ones(2, 4)).sum().backward()  # saves the 2x4 float32 input: 32 B
+
+
+def test_report_never_returns_a_figure_of_another_model():
+    import gc
+
+    a = nn.Linear(4, 3)  # float32: 48 + 12 B of params
+    memory.model_state_bytes(a)
+    assert memory.report() == {"params": 60, "grads": 0, "main_params": 0, "optimizer": 0, "activations": None}
+    linear_step(a)
+    assert memory.report()["activations"] == 32 and memory.report()["params"] == 60
+    b = nn.Linear(4, 5)  # 80 + 20 B
+    memory.model_state_bytes(b)  # another model: a's activations are not b's
+    assert memory.report() == {"params": 100, "grads": 0, "main_params": 0, "optimizer": 0, "activations": None}
+    with memory.track_activations():  # no model named: a report of activations only
+        (torch.ones(3, requires_grad=True) * 2).exp().sum().backward()  # exp saves its 12 B result
+    assert memory.report() == {"params": None, "grads": None, "main_params": None, "optimizer": None,
+                               "activations": 12}
+    wrapped = Wrapper(b)
+    linear_step(b)
+    memory.model_state_bytes(wrapped)  # the wrapper's state joins the report of the module it wraps
+    assert memory.report()["params"] == 100 and memory.report()["grads"] == 100
+    assert memory.report()["activations"] == 32
+    del wrapped, b
+    gc.collect()
+    assert memory.report() == dict.fromkeys(["params", "grads", "main_params", "optimizer", "activations"])

@@ -17,7 +17,34 @@ from torch import nn
 
 from orangetron.plan.memory import CATEGORIES  # the cost model's categories, measured here
 
-_last_report: dict[str, int] = {}
+
+@dataclass
+class _Report:
+    """The figures `report()` returns, all measured on one model (`model` is a weak reference to it)."""
+
+    model: weakref.ref | None = None
+    values: dict[str, int] = field(default_factory=dict)
+
+
+_report = _Report()
+
+
+def _measured_model(model: nn.Module | None) -> nn.Module | None:
+    # A wrapper that exposes the wrapped model as `.module` (DataParallel, torch's DDP) counts as that model,
+    # so its model state and the activations of the module it wraps make one report.
+    while model is not None and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def _note(model: nn.Module | None, values: dict[str, int]) -> None:
+    """Add a measurement to the report; a measurement of another model (or of none) starts a new one."""
+    global _report
+    model = _measured_model(model)
+    same = model is not None and _report.model is not None and _report.model() is model
+    if not same:
+        _report = _Report(weakref.ref(model) if model is not None else None)
+    _report.values.update(values)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -72,7 +99,7 @@ def model_state_bytes(
         "main_params": unique_storage_bytes(main_params),
         "optimizer": unique_storage_bytes(_optimizer_tensors(optimizer)),
     }
-    _last_report.update(report)
+    _note(model, report)
     return report
 
 
@@ -128,9 +155,17 @@ def track_activations(model: nn.Module | None = None) -> Iterator[ActivationMete
         meter.excluded = {_storage_key(p) for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(meter._pack, meter._unpack):
         yield meter
-    _last_report["activations"] = meter.peak_bytes
+    _note(model, {"activations": meter.peak_bytes})
 
 
-def report() -> dict[str, int]:
-    """The latest measurement of this process, bytes by category (missing categories are 0)."""
-    return {name: _last_report.get(name, 0) for name in CATEGORIES}
+def report() -> dict[str, int | None]:
+    """Bytes by category of the model measured last in this process, None where that model has no figure.
+
+    The report belongs to one model: `model_state_bytes` and `track_activations` add to it while they
+    measure the same model, and a measurement of another model (or of none) starts a new report, so a
+    figure of an earlier model is never returned. Once the measured model is freed every entry is None.
+    """
+    model = _report.model
+    if model is not None and model() is None:
+        return dict.fromkeys(CATEGORIES)
+    return {name: _report.values.get(name) for name in CATEGORIES}
