@@ -169,3 +169,76 @@ def report() -> dict[str, int | None]:
     if model is not None and model() is None:
         return dict.fromkeys(CATEGORIES)
     return {name: _report.values.get(name) for name in CATEGORIES}
+
+
+# ---- tensors kept outside save_for_backward --------------------------------------------------------
+
+
+def custom_function_nodes(outputs: Any) -> list[Any]:
+    """The nodes of custom `torch.autograd.Function`s in the graph behind `outputs`, outputs first.
+
+    Such a node is the Function's `ctx`, so whatever its forward stored as an attribute lives on it.
+    `outputs`: a tensor or any nesting of lists, tuples and dicts of tensors.
+    """
+    stack = [t.grad_fn for t in _tensors_within(outputs) if t.grad_fn is not None]
+    seen: set[int] = set()
+    found = []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            found.append(node)
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return found
+
+
+def tensors_kept_on_ctx(outputs: Any) -> list[str]:
+    """Tensors that custom autograd Functions behind `outputs` keep as ctx attributes, e.g.
+    `["RMSNormFunctionBackward.x: float32[2, 8]"]`; empty when every Function saves via `save_for_backward`.
+
+    `track_activations` sees only tensors saved through `save_for_backward` (autograd's saved-tensor
+    hooks); one stored as `ctx.x = x`, or inside a list, dict or small object on ctx, escapes the count
+    while still held until backward. Call this on a forward's outputs (before backward) to prove none did.
+    """
+    kept = []
+    for node in custom_function_nodes(outputs):
+        for name, value in vars(node).items():
+            kept += [f"{type(node).__name__}.{name}{path}: {_describe(t)}" for path, t in _tensors_inside(value)]
+    return kept
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _tensors_within(value: Any) -> list[torch.Tensor]:
+    return [t for _, t in _tensors_inside(value)]
+
+
+def _tensors_inside(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in `value`, looking into containers and plain objects' attributes."""
+    if torch.is_tensor(value):
+        yield path, value
+        return
+    if depth > 6:  # deep enough for any handle a Function keeps; also stops reference cycles
+        return
+    if isinstance(value, dict):
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    elif _is_plain_object(value):
+        items = [(f".{k}", v) for k, v in vars(value).items()]
+    else:
+        return
+    for step, item in items:
+        yield from _tensors_inside(item, path + step, depth + 1)
+
+
+def _is_plain_object(value: Any) -> bool:
+    # Look inside the project's own objects (dispatch handles, mesh groups); a module's parameters are model
+    # state, and torch's own objects (process groups) hold no activations.
+    module = type(value).__module__ or ""
+    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
+            and not callable(value) and not module.startswith("torch"))
