@@ -124,6 +124,9 @@ def expected_ledger(n: int, group_rank: int, dim: str, a2a: tuple[int, int], a2a
     share = lambda full: full * (n - 1) // n
     sent_rows, recv_rows = a2a
     src = n - 1
+    # Broadcast as a chain src, src+1, ... (mod n): all but the last member (src - 1) send, all but src receive.
+    last = (src - 1) % n
+    chain = (0 if group_rank == last else 5 * F64, 0 if group_rank == src else 5 * F64)
     records = [
         ("all_gather", dim, full_ag, share(full_ag), share(full_ag)),
         ("reduce_scatter", dim, full_ag, share(full_ag), share(full_ag)),  # backward of all-gather
@@ -133,8 +136,8 @@ def expected_ledger(n: int, group_rank: int, dim: str, a2a: tuple[int, int], a2a
         ("all_reduce", dim, 4 * F64, 2 * share(4 * F64), 2 * share(4 * F64)),  # backward of copy_to_group
         ("all_to_all", dim, sent_rows * 3 * F64, (sent_rows - a2a_self) * 3 * F64, (recv_rows - a2a_self) * 3 * F64),
         ("all_to_all", dim, recv_rows * 3 * F64, (recv_rows - a2a_self) * 3 * F64, (sent_rows - a2a_self) * 3 * F64),
-        ("broadcast", dim, 5 * F64, 5 * F64 if group_rank == src else 0, 0 if group_rank == src else 5 * F64),
-        ("reduce", dim, 5 * F64, 0 if group_rank == src else 5 * F64, 5 * F64 if group_rank == src else 0),
+        ("broadcast", dim, 5 * F64, *chain),
+        ("reduce", dim, 5 * F64, *reversed(chain)),  # the mirror: partial sums flow down the chain to src
         ("send_recv", dim, 6 * F64, 6 * F64, 6 * F64),
         ("send_recv", dim, 6 * F64, 6 * F64, 6 * F64),  # backward of the ring shift
     ]
@@ -247,3 +250,66 @@ def test_measure_scopes_records():
     assert [r.op for r in outer] == ["all_gather", "all_reduce"]
     assert [r.op for r in inner] == ["all_reduce"]
     assert comm.bytes_by_key(outer) == {"all_gather/dp": 8, "all_reduce/dp": 16}
+
+
+def check_uneven_payloads():
+    """Collectives whose payload does not divide by the group size (3 ranks); returns this rank's ledger."""
+    g = init_mesh(Layout(dp=3))["dp"]
+    comm.all_reduce(torch.ones(5), g)  # 5 float32 = 20 B
+    comm.all_reduce(torch.ones(10, dtype=torch.uint8), g)  # 10 B
+    matrix = [[1, 2, 0], [3, 0, 1], [2, 2, 2]]  # rows rank i sends to rank j, 3 float32 (12 B) a row
+    send, recv = matrix[g.rank], [matrix[i][g.rank] for i in range(3)]
+    comm.all_to_all(torch.zeros(sum(send), 3), g, send, recv)
+    x = torch.ones(5, requires_grad=True)
+    comm.broadcast(x, g, src=1).sum().backward()  # backward: reduce to member 1
+    return [(r.op, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in comm.ledger()]
+
+
+def test_uneven_payloads_on_three_ranks_match_hand_numbers():
+    # all_reduce 20 B: each ring phase 2 * 20 // 3 = 13, so 26; 10 B: 2 * (20 // 3) = 12.
+    # all_to_all rows [[1, 2, 0], [3, 0, 1], [2, 2, 2]] of 12 B: rank 0 hands in 3 rows, sends 2 away and
+    # gets 3 + 2 from the others; rank 1 hands in 4, sends 3 + 1, gets 2 + 2; rank 2 hands in 6, sends
+    # 2 + 2, gets 0 + 1.
+    # broadcast from member 1 of 20 B, chain 1 -> 2 -> 0; the reduce back to 1 runs 0 -> 2 -> 1.
+    expected = [
+        [("all_reduce", 20, 26, 26), ("all_reduce", 10, 12, 12), ("all_to_all", 36, 24, 60),
+         ("broadcast", 20, 0, 20), ("reduce", 20, 20, 0)],
+        [("all_reduce", 20, 26, 26), ("all_reduce", 10, 12, 12), ("all_to_all", 48, 48, 48),
+         ("broadcast", 20, 20, 0), ("reduce", 20, 0, 20)],
+        [("all_reduce", 20, 26, 26), ("all_reduce", 10, 12, 12), ("all_to_all", 72, 48, 12),
+         ("broadcast", 20, 20, 20), ("reduce", 20, 20, 20)],
+    ]
+    assert run_distributed(check_uneven_payloads, 3) == expected
+
+
+def test_ledger_outside_scopes_stays_bounded_and_never_reads_incomplete():
+    import tracemalloc
+
+    from orangetron.mesh import MeshGroup
+
+    fake = MeshGroup(name="dp", group=None, ranks=(0, 1), rank=0)
+    comm.reset_ledger()
+    tracemalloc.start()  # before the first records, so the ones dropped later are traced when freed
+    for _ in range(10_000):
+        comm._record("all_reduce", fake, 16, (16, 16))
+    assert len(comm._records) == comm.LEDGER_LIMIT == 4096
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(10_000):  # a plain list would grow by ~1 MB here
+        comm._record("all_reduce", fake, 16, (16, 16))
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 64 * 1024, grown
+    with pytest.raises(comm.LedgerOverflow, match="20000 records since the last reset_ledger"):
+        comm.ledger()
+    comm.reset_ledger()
+    assert comm.ledger() == []
+    with comm.measure() as records:  # a scope is not bounded: it holds what its block made
+        for _ in range(5000):
+            comm._record("all_gather", fake, 16, (8, 8))
+    assert len(records) == 5000
+    with pytest.raises(comm.LedgerOverflow, match="5000 records"):
+        comm.ledger()
+    comm.reset_ledger()
+    comm._record("all_gather", fake, 16, (8, 8))
+    assert comm.ledger() == [comm.CommRecord("all_gather", "dp", 16, 8, 8)]
+    comm.reset_ledger()

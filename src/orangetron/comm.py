@@ -3,13 +3,15 @@
 Each public collective is one `torch.autograd.Function` whose backward is the mirror collective, so
 model code composes them like ordinary ops. A collective over a group of one rank returns its input
 untouched and records nothing. Each call that moves data appends a `CommRecord` to this process's
-ledger, with bytes from `orangetron.plan.collectives`, the formulas the cost model uses too.
+ledger, with bytes from `orangetron.plan.collectives`, the formulas the cost model uses too. The
+process-wide ledger keeps a bounded window of recent records; `measure()` scopes keep everything.
 """
 
 from __future__ import annotations
 
 import math
 import pickle
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -21,36 +23,58 @@ from orangetron.plan import collectives as formulas
 from orangetron.plan.collectives import CommRecord
 
 __all__ = [
-    "CommRecord", "PendingAllReduce", "RingExchange", "all_gather", "all_gather_into", "all_gather_objects",
-    "all_reduce", "all_reduce_max", "all_reduce_start", "all_to_all", "broadcast", "bytes_by_key", "copy_to_group",
-    "ledger", "measure", "reduce_scatter", "reset_ledger", "unmeasured", "world_group",
+    "LEDGER_LIMIT", "CommRecord", "LedgerOverflow", "PendingAllReduce", "RingExchange", "all_gather",
+    "all_gather_into", "all_gather_objects", "all_reduce", "all_reduce_max", "all_reduce_start", "all_to_all",
+    "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure", "reduce_scatter", "reset_ledger", "unmeasured",
+    "world_group",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
 
-_records: list[CommRecord] = []
+LEDGER_LIMIT = 4096
+"""Records `ledger()` keeps outside `measure` scopes: a long run must not grow memory without bound."""
+
+
+class LedgerOverflow(RuntimeError):
+    """`ledger()` was asked for records it has already dropped (more than LEDGER_LIMIT since the reset)."""
+
+
+_records: deque[CommRecord] = deque(maxlen=LEDGER_LIMIT)
+_dropped = 0
 _scopes: list[list[CommRecord]] = []
 
 
 def _record(op: str, group: MeshGroup, payload: int, sent_received: tuple[int, int]) -> None:
+    global _dropped
     record = CommRecord(op, group.name, payload, *sent_received)
+    if len(_records) == LEDGER_LIMIT:
+        _dropped += 1  # the deque drops its oldest record; remember that it is no longer complete
     _records.append(record)
     for scope in _scopes:
         scope.append(record)
 
 
 def ledger() -> list[CommRecord]:
-    """Every record this process made since the last `reset_ledger()`."""
+    """Every record this process made since the last `reset_ledger()`, oldest first.
+
+    Only the latest `LEDGER_LIMIT` records are kept; if more were made since the reset this raises
+    `LedgerOverflow` rather than return an incomplete list. To count a long run, open `measure()`.
+    """
+    if _dropped:
+        raise LedgerOverflow(f"{_dropped + len(_records)} records since the last reset_ledger(), only the latest "
+                             f"{LEDGER_LIMIT} are kept; count long runs inside comm.measure() or reset more often")
     return list(_records)
 
 
 def reset_ledger() -> None:
+    global _dropped
     _records.clear()
+    _dropped = 0
 
 
 @contextmanager
 def measure() -> Iterator[list[CommRecord]]:
-    """Collect the records made inside the block into the yielded list (scopes may nest)."""
+    """Collect every record made inside the block into the yielded list (scopes may nest; no limit)."""
     scope: list[CommRecord] = []
     _scopes.append(scope)
     try:
@@ -128,14 +152,14 @@ def _all_to_all_raw(x: torch.Tensor, group: MeshGroup, send_rows: list[int], rec
 def _broadcast_raw(x: torch.Tensor, group: MeshGroup, src: int) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.broadcast(out, group=group.group, group_src=src)
-    _record("broadcast", group, _nbytes(out), formulas.broadcast_bytes(_nbytes(out), group.size, group.rank == src))
+    _record("broadcast", group, _nbytes(out), formulas.broadcast_bytes(_nbytes(out), group.size, group.rank, src))
     return out
 
 
 def _reduce_raw(x: torch.Tensor, group: MeshGroup, dst: int) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.reduce(out, group=group.group, group_dst=dst)
-    _record("reduce", group, _nbytes(out), formulas.reduce_bytes(_nbytes(out), group.size, group.rank == dst))
+    _record("reduce", group, _nbytes(out), formulas.reduce_bytes(_nbytes(out), group.size, group.rank, dst))
     return out if group.rank == dst else torch.zeros_like(out)
 
 

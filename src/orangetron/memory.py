@@ -17,7 +17,34 @@ from torch import nn
 
 from orangetron.plan.memory import CATEGORIES  # the cost model's categories, measured here
 
-_last_report: dict[str, int] = {}
+
+@dataclass
+class _Report:
+    """The figures `report()` returns, all measured on one model (`model` is a weak reference to it)."""
+
+    model: weakref.ref | None = None
+    values: dict[str, int] = field(default_factory=dict)
+
+
+_report = _Report()
+
+
+def _measured_model(model: nn.Module | None) -> nn.Module | None:
+    # A wrapper that exposes the wrapped model as `.module` (DataParallel, torch's DDP) counts as that model,
+    # so its model state and the activations of the module it wraps make one report.
+    while model is not None and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def _note(model: nn.Module | None, values: dict[str, int]) -> None:
+    """Add a measurement to the report; a measurement of another model (or of none) starts a new one."""
+    global _report
+    model = _measured_model(model)
+    same = model is not None and _report.model is not None and _report.model() is model
+    if not same:
+        _report = _Report(weakref.ref(model) if model is not None else None)
+    _report.values.update(values)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -72,7 +99,7 @@ def model_state_bytes(
         "main_params": unique_storage_bytes(main_params),
         "optimizer": unique_storage_bytes(_optimizer_tensors(optimizer)),
     }
-    _last_report.update(report)
+    _note(model, report)
     return report
 
 
@@ -128,9 +155,90 @@ def track_activations(model: nn.Module | None = None) -> Iterator[ActivationMete
         meter.excluded = {_storage_key(p) for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(meter._pack, meter._unpack):
         yield meter
-    _last_report["activations"] = meter.peak_bytes
+    _note(model, {"activations": meter.peak_bytes})
 
 
-def report() -> dict[str, int]:
-    """The latest measurement of this process, bytes by category (missing categories are 0)."""
-    return {name: _last_report.get(name, 0) for name in CATEGORIES}
+def report() -> dict[str, int | None]:
+    """Bytes by category of the model measured last in this process, None where that model has no figure.
+
+    The report belongs to one model: `model_state_bytes` and `track_activations` add to it while they
+    measure the same model, and a measurement of another model (or of none) starts a new report, so a
+    figure of an earlier model is never returned. Once the measured model is freed every entry is None.
+    """
+    model = _report.model
+    if model is not None and model() is None:
+        return dict.fromkeys(CATEGORIES)
+    return {name: _report.values.get(name) for name in CATEGORIES}
+
+
+# ---- tensors kept outside save_for_backward --------------------------------------------------------
+
+
+def custom_function_nodes(outputs: Any) -> list[Any]:
+    """The nodes of custom `torch.autograd.Function`s in the graph behind `outputs`, outputs first.
+
+    Such a node is the Function's `ctx`, so whatever its forward stored as an attribute lives on it.
+    `outputs`: a tensor or any nesting of lists, tuples and dicts of tensors.
+    """
+    stack = [t.grad_fn for t in _tensors_within(outputs) if t.grad_fn is not None]
+    seen: set[int] = set()
+    found = []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            found.append(node)
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return found
+
+
+def tensors_kept_on_ctx(outputs: Any) -> list[str]:
+    """Tensors that custom autograd Functions behind `outputs` keep as ctx attributes, e.g.
+    `["RMSNormFunctionBackward.x: float32[2, 8]"]`; empty when every Function saves via `save_for_backward`.
+
+    `track_activations` sees only tensors saved through `save_for_backward` (autograd's saved-tensor
+    hooks); one stored as `ctx.x = x`, or inside a list, dict or small object on ctx, escapes the count
+    while still held until backward. Call this on a forward's outputs (before backward) to prove none did.
+    """
+    kept = []
+    for node in custom_function_nodes(outputs):
+        for name, value in vars(node).items():
+            kept += [f"{type(node).__name__}.{name}{path}: {_describe(t)}" for path, t in _tensors_inside(value)]
+    return kept
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _tensors_within(value: Any) -> list[torch.Tensor]:
+    return [t for _, t in _tensors_inside(value)]
+
+
+def _tensors_inside(value: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in `value`, looking into containers and plain objects' attributes."""
+    if torch.is_tensor(value):
+        yield path, value
+        return
+    if depth > 6:  # deep enough for any handle a Function keeps; also stops reference cycles
+        return
+    if isinstance(value, dict):
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    elif _is_plain_object(value):
+        items = [(f".{k}", v) for k, v in vars(value).items()]
+    else:
+        return
+    for step, item in items:
+        yield from _tensors_inside(item, path + step, depth + 1)
+
+
+def _is_plain_object(value: Any) -> bool:
+    # Look inside the project's own objects (dispatch handles, mesh groups); a module's parameters are model
+    # state, and torch's own objects (process groups) hold no activations.
+    module = type(value).__module__ or ""
+    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
+            and not callable(value) and not module.startswith("torch"))

@@ -64,6 +64,7 @@ class ParallelMesh:
                 f"(tp*cp*pp*dp={layout.world_size})"
             )
         self.layout = layout
+        self.world = dist.group.WORLD  # the process group this mesh was built in
         self.rank = dist.get_rank()
         self.coords: Coordinates = layout.coordinates(self.rank)
         dense = init_device_mesh(_device_type(), layout.mesh_shape(), mesh_dim_names=("pp", "dp", "cp", "tp"))
@@ -103,7 +104,10 @@ class ParallelMesh:
         return f"ParallelMesh({self.layout}, rank={self.rank})"
 
 
-_meshes: dict[tuple[Layout, int], ParallelMesh] = {}
+# Each mesh with the world group it was built in. The group object itself is kept (not its id, which
+# Python may hand to a new group once the old one is destroyed), so a cached mesh is reused only while
+# its world is the current one.
+_meshes: dict[Layout, tuple[dist.ProcessGroup, ParallelMesh]] = {}
 
 
 def forget_meshes() -> None:
@@ -112,8 +116,13 @@ def forget_meshes() -> None:
 
 
 def init_mesh(layout: Layout) -> ParallelMesh:
-    """The `ParallelMesh` of `layout` for the current process group (built once, then reused)."""
-    key = (layout, id(dist.group.WORLD))
-    if key not in _meshes:
-        _meshes[key] = ParallelMesh(layout)
-    return _meshes[key]
+    """The `ParallelMesh` of `layout` for the current process group (built once, then reused).
+
+    A mesh cached under an earlier process group (destroyed and initialized again since) is rebuilt.
+    """
+    world = dist.group.WORLD if dist.is_initialized() else None
+    for stale in [key for key, (built_in, _) in _meshes.items() if built_in is not world]:
+        del _meshes[stale]  # its groups died with their world; never hand them out again
+    if layout not in _meshes:
+        _meshes[layout] = (world, ParallelMesh(layout))
+    return _meshes[layout][1]

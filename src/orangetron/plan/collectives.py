@@ -2,8 +2,25 @@
 (`orangetron.comm`) and the planner use, so a measured step and a predicted step compare record by record.
 
 The payload is the tensor a caller hands in or gets back. For all-gather and reduce-scatter it is the
-full (gathered, pre-scatter) tensor. Ring algorithms move (n-1)/n of it out of every rank; all-reduce is
-a reduce-scatter followed by an all-gather. Nothing here models what a backend library does internally.
+full (gathered, pre-scatter) tensor. Nothing here models what a backend library does internally; each
+function states the algorithm it models, and over a whole group the bytes sent equal the bytes received.
+
+- all-gather, reduce-scatter: a ring; every rank moves (n-1)/n of the payload each way.
+- all-reduce: a ring reduce-scatter followed by a ring all-gather, 2(n-1)/n of the payload each way.
+- all-to-all: direct sends; the rows addressed to, and arriving from, other ranks.
+- send/recv: the tensors themselves.
+- broadcast, reduce: a pipelined chain over the members in order from the root (root, root+1, ...,
+  wrapping around). Broadcast: every member but the last forwards the tensor once, every member but the
+  root receives it once, so the busiest link carries T bytes whatever n is. Reduce is its mirror: partial
+  sums flow down the chain towards the root.
+
+Integer rule. Payloads need not divide by n (an all-reduce of 5 float32 over 3 ranks), and a real ring
+then gives ranks chunks that differ by an element; the ledger records one per-rank figure, rounded down:
+a ring phase moves `(n-1) * T // n` bytes, and an all-reduce moves twice that, `2 * ((n-1) * T // n)`,
+not `2 * (n-1) * T // n`. Rounding each phase keeps the seed's identity "an all-reduce moves exactly as
+much as a reduce-scatter plus an all-gather" true to the byte, which the data-parallel tables (DDP against
+ZeRO) compare; the other rule would make DDP cost up to one byte more than ZeRO for the same tensor.
+Integer arithmetic keeps ledger and model bit-identical.
 """
 
 from __future__ import annotations
@@ -29,8 +46,7 @@ class CommRecord:
 
 
 def _ring_share(full_bytes: int, group_size: int) -> int:
-    # Every rank owns exactly 1/n of the full tensor, so full_bytes is a multiple of n in practice;
-    # integer arithmetic keeps ledger and model bit-identical.
+    # Rounded down (the module docstring's integer rule): one ring phase, (n-1)/n of the payload.
     return full_bytes * (group_size - 1) // group_size
 
 
@@ -47,7 +63,7 @@ def reduce_scatter_bytes(full_bytes: int, group_size: int) -> tuple[int, int]:
 
 
 def all_reduce_bytes(full_bytes: int, group_size: int) -> tuple[int, int]:
-    """(sent, received): reduce-scatter then all-gather, 2(n-1)/n of the tensor each way."""
+    """(sent, received): reduce-scatter then all-gather, each phase rounded down: 2 * ((n-1) * T // n)."""
     share = 2 * _ring_share(full_bytes, group_size)
     return share, share
 
@@ -64,15 +80,24 @@ def send_recv_bytes(sent_tensor_bytes: int, received_tensor_bytes: int) -> tuple
     return sent_tensor_bytes, received_tensor_bytes
 
 
-def broadcast_bytes(tensor_bytes: int, group_size: int, is_root: bool) -> tuple[int, int]:
-    """(sent, received): the root sends the tensor once (a pipelined chain); the others receive it."""
-    if group_size == 1:
-        return 0, 0
-    return (tensor_bytes, 0) if is_root else (0, tensor_bytes)
+def _chain_position(rank: int, root: int, group_size: int) -> int:
+    if not (0 <= rank < group_size and 0 <= root < group_size):
+        raise ValueError(f"rank={rank}, root={root}: both must be member indices in [0, {group_size})")
+    return (rank - root) % group_size
 
 
-def reduce_bytes(tensor_bytes: int, group_size: int, is_root: bool) -> tuple[int, int]:
-    """(sent, received): the mirror of `broadcast_bytes`; each non-root forwards one partial sum."""
-    if group_size == 1:
-        return 0, 0
-    return (0, tensor_bytes) if is_root else (tensor_bytes, 0)
+def broadcast_bytes(tensor_bytes: int, group_size: int, rank: int, root: int) -> tuple[int, int]:
+    """(sent, received) of member `rank` in a pipelined chain from `root`: root, root+1, ... (mod n).
+
+    Every member but the last in the chain sends the tensor once; every member but the root receives it.
+    """
+    position = _chain_position(rank, root, group_size)
+    sent = tensor_bytes if position < group_size - 1 else 0
+    received = tensor_bytes if position > 0 else 0
+    return sent, received
+
+
+def reduce_bytes(tensor_bytes: int, group_size: int, rank: int, root: int) -> tuple[int, int]:
+    """(sent, received): the mirror of `broadcast_bytes`; partial sums flow down the chain to `root`."""
+    sent, received = broadcast_bytes(tensor_bytes, group_size, rank, root)
+    return received, sent
