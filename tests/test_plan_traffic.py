@@ -160,3 +160,37 @@ def test_vocab_parallel_embedding_and_loss_records_by_hand(sp):
     else:
         want = [rec("all_reduce", act), rec("all_reduce", act)]
     assert got == want + [rec("all_reduce", per_token), rec("all_reduce", 2 * per_token)]
+
+
+# ---- tensor parallelism's once-per-step gradient sums, by hand ------------------------------------------
+# hidden 16, 8 query heads of dim 2, 2 kv heads (fewer than tp=4: replicated), 3 layers, layer 1 MoE with 3
+# experts of width 4 and no shared expert.
+TP_MODEL = ModelSpec(name="tp", hidden_size=16, num_layers=3, num_heads=8, num_kv_heads=2, vocab_size=32,
+                     ffn_hidden_size=24, num_experts=3, top_k=1, moe_ffn_hidden_size=4, moe_layer_freq=2)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_grad_sums_by_hand(sp):
+    from orangetron.plan.traffic import tensor_parallel_grad_records
+
+    job = Job(seq_len=8, sequence_parallel=sp, param_dtype="float32", clip_grad=True)
+    kv_slots = 3 * (2 * 2 * 2 * 16)  # per layer: K and V, 2 kv heads x dim 2 x hidden 16 (each rank's in its slot)
+    replicated = 3 * 2 * 16 + (3 * 16 + 3 * 3 * 16 * 4) + 16  # norms, router + experts of layer 1, final norm
+    numel = kv_slots + (replicated if sp else 0)  # 384 + 736 with SP
+    payload = 4 * numel  # float32
+    got = [(r.op, r.dim, r.payload_bytes, r.bytes_sent) for r in tensor_parallel_grad_records(TP_MODEL,
+                                                                                             Degrees(tp=4), job)]
+    # all-reduce over 4 ranks: twice 3/4 of the payload; the clip's sum of squares is one float32.
+    assert got == [("all_reduce", "tp", payload, 2 * (3 * payload // 4)), ("all_reduce", "tp", 4, 6)]
+    assert payload == (4480 if sp else 1536)
+
+
+def test_replicated_kv_heads_keep_one_head_per_rank():
+    # Per layer and rank: q and o split 4 ways (2 * 256 / 4), one kv head's K and V whole (2 * 2 * 16),
+    # both norms; the dense MLP (layers 0, 2) split 4 ways (3 * 16 * 24 / 4); layer 1's router and experts
+    # whole. Stage 0 of 1 also holds the vocabulary split (32 * 16 / 4 twice: embedding and output).
+    attention = 2 * 256 // 4 + 2 * 2 * 16 + 2 * 16
+    expected_dense = 3 * attention + 2 * (3 * 16 * 24 // 4) + 3 * 16 + 2 * (32 * 16 // 4) + 16
+    params = stage_params(TP_MODEL, Degrees(tp=4), stage=0)
+    assert params.dense == expected_dense
+    assert params.expert == 3 * 3 * 16 * 4

@@ -83,6 +83,9 @@ def tp_run(model_name: str, layout: Layout, sp: bool, dp_options: dict):
         with comm.measure() as step_records, memory.track_activations(dp.module) as meter:
             logits = dp(rows[:, :-1], token_mask=rows[:, 1:] >= 0)  # as the trainer calls it
             loss = dp.module.loss_from_logits(logits, rows[:, 1:])
+            if step == 0:  # every tensor kept for backward must be one the activation meter sees
+                kept = memory.tensors_kept_on_ctx(loss)
+                functions = {type(node).__name__ for node in memory.custom_function_nodes(loss)}
             loss.backward()
             dp.reduce_gradients()
             with comm.unmeasured():
@@ -97,7 +100,7 @@ def tp_run(model_name: str, layout: Layout, sp: bool, dp_options: dict):
     params = dp.full_state(opt)["params"]
     ledger = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in records)
     whole = mesh.rank == 0  # tensors are the same on every rank; send them once
-    return losses, grads if whole else None, params if whole else None, ledger, state
+    return losses, grads if whole else None, params if whole else None, ledger, state, (kept, functions)
 
 
 def run_cases(world: int):
@@ -115,7 +118,7 @@ def test_tensor_parallel_matches_one_device_and_the_planner(world):
         where = f"{model_name} {layout} sp={sp} {dp_options}"
         cfg = MODELS[model_name]
         ref_losses, ref_grads, ref_params = reference(cfg, layout.dp)
-        _, grads, params, _, _ = results[0][i]
+        _, grads, params, _, _, _ = results[0][i]
         dp_losses = [r[i][0] for r in results[:: layout.tp]]  # one rank per data-parallel share
         losses = [sum(step) / layout.dp for step in zip(*dp_losses, strict=True)]
         torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=0, msg=where)
@@ -129,7 +132,10 @@ def test_tensor_parallel_matches_one_device_and_the_planner(world):
         want_records, want_mem = predicted_step(cfg, layout, pc, seq_len=SEQ, micro_batch=PER_RANK, clip_grad=True)
         want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in want_records)
         for rank, per_rank in enumerate(results):
-            rank_losses, _, _, ledger, state = per_rank[i]
+            rank_losses, _, _, ledger, state, (kept, functions) = per_rank[i]
+            assert kept == [], f"{where} rank {rank}"
+            tp_function = "_GatheredLinearBackward" if sp else "_VocabParallelCrossEntropyBackward"
+            assert tp_function in functions, f"{where}: the ctx check must see the tensor-parallel Functions"
             tp_peer = results[rank - rank % layout.tp][i][0]
             assert rank_losses == tp_peer, f"{where} rank {rank}: every tp rank reports the same loss"
             assert ledger == want, f"{where} rank {rank}"
