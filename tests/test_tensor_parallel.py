@@ -152,3 +152,21 @@ def test_layout_errors_name_the_rule():
         Layout(tp=2).validate(cfg, seq_len=7, sequence_parallel=True)
     with pytest.raises(LayoutError, match=r"tp=4: ffn_dim=6 is not divisible by tp"):
         Layout(tp=4).validate(ModelConfig(**{**BASE, "ffn_dim": 6}))
+
+
+LONG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=32, ffn_dim=64)
+
+
+def activation_peak(tp: int) -> int:
+    dp = parallelize(Transformer(LONG, seed=0), init_mesh(Layout(tp=tp)), ParallelConfig(sequence_parallel=tp > 1))
+    tokens = torch.randint(0, LONG.vocab_size, (2, 513), generator=torch.Generator().manual_seed(0))
+    with memory.track_activations(dp.module) as meter:
+        dp.module.loss_from_logits(dp(tokens[:, :-1]), tokens[:, 1:]).backward()
+    return meter.peak_bytes
+
+
+def test_sequence_parallel_divides_the_activation_peak():
+    """Activations dominate at 512 tokens: SP's peak per rank is within 10% of one device's over tp."""
+    [one] = run_distributed(activation_peak, 1, args=(1,))
+    for peak in run_distributed(activation_peak, 2, args=(2,)):
+        assert one / 2 <= peak <= 1.1 * one / 2
