@@ -183,9 +183,9 @@ def _status(code: int | None) -> str:
 
 
 def _failed_test(stdout: str) -> str | None:
-    for line in stdout.splitlines():
+    for line in stdout.splitlines():  # "FAILED tests/x.py::test_y[a b] - AssertionError: ..."
         if line.startswith(("FAILED ", "ERROR ")):
-            return line.split(" ")[1]
+            return line.split(" ", 1)[1].split(" - ", 1)[0]
     return None
 
 
