@@ -210,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         # A selection that fails on the unmutated tree would "kill" every mutant it is given.
         selections = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
         baseline = run_one(dataclasses.replace(NO_MUTANT, tests=selections), args.timeout)
+        baseline["status"] = "passed" if baseline["status"] == "SURVIVED" else "failed"
         print(json.dumps(baseline), flush=True)
-        if baseline["status"] != "SURVIVED":
+        if baseline["status"] != "passed":
             print("the selections fail without any mutant; fix the tests first", file=sys.stderr)
             return 2
     results = []
