@@ -31,37 +31,43 @@ def ce(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def reference(d: int) -> tuple[list[float], torch.Tensor]:
-    """One device, the whole batch, torch.optim.AdamW and torch's gradient clipping."""
+def reference(d: int) -> tuple[list[float], torch.Tensor, list[torch.Tensor]]:
+    """One device, the whole batch, torch.optim.AdamW and torch's gradient clipping.
+
+    Returns the losses, the final parameters and every step's gradients before clipping (all flat)."""
     model = Transformer(CFG, seed=0, dtype=torch.float64)
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=False)
-    losses = []
+    losses, grads = [], []
     for step in range(STEPS):
         tokens = batch(step, d * PER_RANK)
         loss = ce(model(tokens[:, :-1]), tokens)
         loss.backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), grads
 
 
 def data_parallel_run(layout: Layout, stage: str, param_dtype: str = "float64"):
-    """STEPS steps on this rank's share of the batch; returns losses, final params, step-2 ledger, memory."""
+    """STEPS steps on this rank's share of the batch; returns losses, final params, the ledger of every step,
+    memory, the number of parameters and the averaged gradients this rank owns at every step."""
     mesh = init_mesh(layout)
     dtype = {"float64": torch.float64, "bfloat16": torch.float32}[param_dtype]
     dp = DataParallel(Transformer(CFG, seed=0, dtype=dtype), mesh, ParallelConfig(param_dtype=param_dtype,
                                                                                    **STAGES[stage]))
     opt = dp.optimizer(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
-    g, losses, step_records, peaks = mesh["dp_cp"], [], [], []
+    g, losses, step_records, peaks, grads = mesh["dp_cp"], [], [], [], []
     for step in range(STEPS):
         rows = batch(step, g.size * PER_RANK)[g.rank * PER_RANK:(g.rank + 1) * PER_RANK]
         with comm.measure() as records, memory.track_activations(dp.module) as meter:
             loss = ce(dp(rows[:, :-1]), rows)
             loss.backward()
+            dp.reduce_gradients()  # what clipping would do first; the gradients are read before they are clipped
+            grads.append(dp.owned_grads().double().clone())
             opt.clip_grad_norm_(CLIP)
             opt.step()
             opt.zero_grad()
@@ -72,7 +78,7 @@ def data_parallel_run(layout: Layout, stage: str, param_dtype: str = "float64"):
     if dp.zero3 or dp._params_stale:
         dp._gather_params()
     params = torch.cat([p.detach().reshape(-1).double() for p in dp.module.parameters()])
-    return losses, params, step_records, state | {"activations": max(peaks)}, dp.numel
+    return losses, params, step_records, state | {"activations": max(peaks)}, dp.numel, grads
 
 
 LAYOUTS = [Layout(dp=2), Layout(dp=4), Layout(tp=2, dp=2)]
@@ -80,6 +86,13 @@ LAYOUTS = [Layout(dp=2), Layout(dp=4), Layout(tp=2, dp=2)]
 
 def all_stages(layout: Layout):
     return {stage: data_parallel_run(layout, stage) for stage in STAGES}
+
+
+def full_grads(results: list[dict], stage: str, step: int, layout: Layout) -> torch.Tensor:
+    """The whole averaged gradient of `step`, from the slices the dp ranks own (tp peers hold the same)."""
+    slices = [by_stage[stage][5][step] for by_stage in results[:: layout.tp]]
+    numel = results[0][stage][4]
+    return torch.cat(slices)[:numel] if stage not in ("ddp", "ddp_buckets") else slices[0]
 
 
 def expected_records(stage: str, step: int, numel: int, d: int):
@@ -112,15 +125,18 @@ def expected_state(stage: str, numel: int, d: int):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_every_stage_matches_one_device_with_exact_ledger_and_memory(layout):
     d = layout.dp * layout.cp
-    ref_losses, ref_params = reference(d)
+    ref_losses, ref_params, ref_grads = reference(d)
     results = run_distributed(all_stages, layout.world_size, args=(layout,))
     for rank, by_stage in enumerate(results):
-        for stage, (_, params, step_records, state, numel) in by_stage.items():
+        for stage, (_, params, step_records, state, numel, _) in by_stage.items():
             assert d == 2 or numel % d, "the test model should exercise padding"
             where = f"rank {rank} {stage}"
             mean_losses = [sum(r[stage][0][s] for r in results[:: layout.tp]) / d for s in range(STEPS)]
             torch.testing.assert_close(mean_losses, ref_losses, rtol=1e-9, atol=0, msg=where)
             torch.testing.assert_close(params, ref_params, rtol=1e-9, atol=1e-12, msg=where)
+            for step in range(STEPS):
+                torch.testing.assert_close(full_grads(results, stage, step, layout), ref_grads[step], rtol=1e-9,
+                                           atol=1e-12, msg=f"{where} step {step} gradients")
             for step, records in enumerate(step_records):
                 got = sorted(records) if stage == "ddp_buckets" else records
                 assert got == expected_records(stage, step, numel, d), f"{where} step {step}"
@@ -131,7 +147,7 @@ def test_every_stage_matches_one_device_with_exact_ledger_and_memory(layout):
 
 
 def bf16_zero2():
-    losses, _, step_records, state, numel = data_parallel_run(Layout(dp=2), "zero2", param_dtype="bfloat16")
+    losses, _, step_records, state, numel, _ = data_parallel_run(Layout(dp=2), "zero2", param_dtype="bfloat16")
     state.pop("activations")
     return losses, step_records[-1], state, numel
 
@@ -253,3 +269,31 @@ def bucket_overlap_checks():
 def test_buckets_are_reduced_during_backward():
     for launched, buckets in run_distributed(bucket_overlap_checks, 2):
         assert buckets > 5 and launched == buckets  # every bucket left before the step asked for it
+
+
+def zero3_gathered_bytes():
+    """Bytes held by ZeRO-3's gathered full-parameter buffer at each point of a training step."""
+    mesh = init_mesh(Layout(dp=2))
+    dp = DataParallel(Transformer(CFG, seed=0, dtype=torch.float64), mesh,
+                      ParallelConfig(param_dtype="float64", zero_stage=3))
+    held = {"built": dp.flat_params.untyped_storage().nbytes()}
+    # The embedding's gradient is the last one backward computes: the parameters must still be there.
+    def in_backward(_: torch.Tensor) -> None:
+        held.setdefault("in_backward", dp.flat_params.untyped_storage().nbytes())
+
+    dp.module.tok_embeddings.weight.register_post_accumulate_grad_hook(in_backward)
+    rows = batch(0, 2)
+    loss = ce(dp(rows[:, :-1]), rows)
+    held["after_forward"] = dp.flat_params.untyped_storage().nbytes()
+    loss.backward()
+    held["after_backward"] = dp.flat_params.untyped_storage().nbytes()
+    with torch.no_grad():
+        dp(rows[:, :-1])
+    held["after_eval_forward"] = dp.flat_params.untyped_storage().nbytes()
+    return held, dp.padded_numel * 8
+
+
+def test_zero3_frees_gathered_parameters_outside_forward_and_backward():
+    for held, full_bytes in run_distributed(zero3_gathered_bytes, 2):
+        assert held == {"built": 0, "in_backward": full_bytes, "after_forward": 0, "after_backward": 0,
+                        "after_eval_forward": 0}

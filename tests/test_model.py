@@ -181,6 +181,20 @@ def test_rope_scores_depend_only_on_relative_position():
     torch.testing.assert_close(score(7, 3), score(104, 100))
 
 
+def test_rope_rotation_direction_by_hand():
+    """Llama's rotate-half convention: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), pairing i with i + D/2.
+
+    Norms and relative positions cannot tell a rotation from its inverse; these hand-computed numbers can.
+    head_dim 4, theta 100: the frequencies are 1 and 100^-1/2 = 0.1, so position 1 turns by 1 and 0.1 rad.
+    """
+    cos, sin = rope_cos_sin(torch.tensor([1]), 4, 100.0, torch.float64)
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]], dtype=torch.float64).view(1, 1, 2, 4)
+    expected = torch.tensor([[0.5403023058681398, 0.0, 0.8414709848078965, 0.0],  # cos 1, sin 1
+                             [0.0, 0.9950041652780258, 0.0, 0.09983341664682815]],  # cos 0.1, sin 0.1
+                            dtype=torch.float64).view(1, 1, 2, 4)
+    torch.testing.assert_close(apply_rope(x, cos, sin), expected, rtol=0, atol=1e-15)
+
+
 # --- mixture of experts ----------------------------------------------------------------------------------
 
 def _naive_moe(moe: MoE, x: torch.Tensor, score: str) -> torch.Tensor:

@@ -1,0 +1,231 @@
+"""Plant plausible bugs one at a time and check that the tests catch each (a small mutation-testing run).
+
+Each mutant is a list of exact (original, replacement) edits to one file and the pytest selection meant to
+catch it. For every mutant the repository is copied to a temporary folder, the edits are applied there
+(never to the working tree), and `python -m pytest -q -x <selection>` runs with PYTHONPATH pointing at the
+copy's src. A failing selection kills the mutant; a passing one lets it survive. An original snippet that
+does not occur exactly once in its file is an error of the list, reported before anything runs.
+
+    python scripts/mutate.py                 # every mutant
+    python scripts/mutate.py zero3 comm      # only mutants whose name contains one of these words
+    python scripts/mutate.py --list          # names and selections, no runs
+
+First runs every selection on an unmutated copy (the "baseline" line, which must pass). Then prints one
+JSON object per mutant and a summary line; exits 1 when any mutant survives (or its selection cannot run),
+2 on a bad list or a failing baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the repository root
+    edits: tuple[tuple[str, str], ...]  # (exact original snippet, replacement), applied in order
+    tests: tuple[str, ...]  # pytest selection that should fail
+
+
+MUTANTS = [
+    # ---- the issue's five -------------------------------------------------------------------------------
+    Mutant("zero3_bf16_masters_never_copied_back", "src/orangetron/parallel/data.py",
+           (("        if self.config.mixed_precision:\n            with torch.no_grad():\n"
+             "                self.param_shard.copy_(self.main_params)",
+             "        if self.config.mixed_precision and not self.zero3:\n            with torch.no_grad():\n"
+             "                self.param_shard.copy_(self.main_params)"),),
+           ("tests/test_mixed_precision.py",)),
+    Mutant("zero3_gathered_params_never_freed", "src/orangetron/parallel/data.py",
+           (("        self.flat_params.untyped_storage().resize_(0)", "        pass"),),
+           ("tests/test_data_parallel.py::test_zero3_frees_gathered_parameters_outside_forward_and_backward",)),
+    Mutant("grads_averaged_over_d_squared", "src/orangetron/parallel/data.py",
+           (("        self.owned_grads().div_(self.group.size)\n",
+             "        self.owned_grads().div_(self.group.size ** 2)\n"),),
+           ("tests/test_train.py::test_two_rank_zero3_training_matches_plain_torch",)),
+    Mutant("ring_share_rounds_up", "src/orangetron/plan/collectives.py",
+           (("    return full_bytes * (group_size - 1) // group_size",
+             "    return -(-full_bytes * (group_size - 1) // group_size)"),),
+           ("tests/test_comm.py", "tests/test_plan_traffic.py")),
+    Mutant("rmsnorm_keeps_x_on_ctx", "src/orangetron/model/autograd.py",
+           (("        ctx.save_for_backward(x, weight)\n        ctx.eps = eps",
+             "        ctx.save_for_backward(weight)\n        ctx.x, ctx.eps = x, eps"),
+            ("        x, weight = ctx.saved_tensors\n        normed, rstd = _rms_normed(x, ctx.eps)",
+             "        (weight,), x = ctx.saved_tensors, ctx.x\n        normed, rstd = _rms_normed(x, ctx.eps)")),
+           ("tests/test_plan_activations_exact.py", "tests/test_model.py")),
+    # ---- collectives ------------------------------------------------------------------------------------
+    Mutant("all_gather_backward_slices_without_summing", "src/orangetron/comm.py",
+           (("        return _reduce_scatter_raw(grad, ctx.group, ctx.dim), None, None",
+             "        return grad.chunk(ctx.group.size, ctx.dim)[ctx.group.rank].contiguous(), None, None"),),
+           ("tests/test_comm.py",)),
+    Mutant("copy_to_group_backward_without_all_reduce", "src/orangetron/comm.py",
+           (("        return _all_reduce_raw(grad, ctx.group), None\n", "        return grad, None\n"),),
+           ("tests/test_comm.py",)),
+    # ---- data parallel ----------------------------------------------------------------------------------
+    Mutant("lazy_gather_skipped_before_forward", "src/orangetron/parallel/data.py",
+           (("        if self.zero3 or self._params_stale:\n            self._gather_params()\n        out =",
+             "        if self.zero3:\n            self._gather_params()\n        out ="),),
+           ("tests/test_mixed_precision.py",)),
+    Mutant("decay_mask_inverted", "src/orangetron/parallel/data.py",
+           (("            mask[offset:offset + p.numel()] = p.dim() >= 2",
+             "            mask[offset:offset + p.numel()] = p.dim() < 2"),),
+           ("tests/test_mixed_precision.py",)),
+    Mutant("clip_norm_of_local_shard_only", "src/orangetron/parallel/data.py",
+           (("        if self.dp.shards > 1:\n            squares = comm.all_reduce(squares, self.dp.group)\n", ""),),
+           ("tests/test_mixed_precision.py",)),
+    Mutant("bucketed_grads_summed_not_averaged", "src/orangetron/parallel/data.py",
+           (("            self.buckets.finish()\n            self.main_grads.div_(self.group.size)\n",
+             "            self.buckets.finish()\n"),),
+           ("tests/test_mixed_precision.py",)),
+    Mutant("adamw_without_first_moment_bias_correction", "src/orangetron/parallel/optim.py",
+           (("        step_size = self.lr / (1 - beta1**self.steps)", "        step_size = self.lr"),),
+           ("tests/test_mixed_precision.py",)),
+    # ---- memory accounting ------------------------------------------------------------------------------
+    Mutant("storage_counted_once_per_tensor", "src/orangetron/memory.py",
+           (("        seen[_storage_key(t)] = t.untyped_storage().nbytes()",
+             "        seen[(str(t.device), id(t))] = t.untyped_storage().nbytes()"),),
+           ("tests/test_memory.py", "tests/test_data_parallel.py")),
+    # ---- model functions --------------------------------------------------------------------------------
+    Mutant("rmsnorm_eps_outside_the_root", "src/orangetron/model/autograd.py",
+           (("    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)",
+             "    rstd = 1 / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)"),),
+           ("tests/test_model.py", "tests/test_plan_activations_exact.py")),
+    Mutant("rope_rotates_the_other_way", "src/orangetron/model/layers.py",
+           (("    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)",
+             "    rotated = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)"),),
+           ("tests/test_model.py",)),
+    Mutant("swiglu_gate_grad_drops_silu_derivative_term", "src/orangetron/model/autograd.py",
+           (("        grad_gate = dy * u * sig * (1 + g * (1 - sig))", "        grad_gate = dy * u * sig"),),
+           ("tests/test_model.py", "tests/test_plan_activations_exact.py")),
+    # ---- planner formulas -------------------------------------------------------------------------------
+    Mutant("plan_zero2_grads_not_sharded", "src/orangetron/plan/memory.py",
+           (('        "grads": g_bytes * (shard if job.zero_stage >= 2 else full),',
+             '        "grads": g_bytes * (shard if job.zero_stage >= 3 else full),'),),
+           ("tests/test_plan_memory.py",)),
+]
+
+
+def check(mutants: list[Mutant]) -> list[str]:
+    """Problems with the list itself: a snippet that is missing or occurs more than once, a missing test file."""
+    problems = []
+    for m in mutants:
+        text = (ROOT / m.file).read_text(encoding="utf-8")
+        for original, _ in m.edits:
+            count = text.count(original)
+            if count != 1:
+                problems.append(f"{m.name}: {m.file} holds the original snippet {count} times, not once: "
+                                f"{original.strip().splitlines()[0]!r}")
+        problems += [f"{m.name}: no test file {t}" for t in m.tests if not (ROOT / t.split("::")[0]).exists()]
+    return problems
+
+
+def plant(m: Mutant, tree: Path) -> None:
+    if not m.edits:
+        return
+    path = tree / m.file
+    text = path.read_text(encoding="utf-8")
+    for original, replacement in m.edits:
+        text = text.replace(original, replacement, 1)
+    path.write_text(text, encoding="utf-8")
+
+
+NO_MUTANT = Mutant("baseline", "", (), ())
+
+
+def run_one(m: Mutant, timeout: float) -> dict[str, object]:
+    """Copy the tree, plant `m`, run its selection; killed when the selection fails or hangs."""
+    with tempfile.TemporaryDirectory(prefix="orangetron-mutant-") as tmp:
+        tree = Path(tmp) / "repo"
+        shutil.copytree(ROOT, tree, ignore=COPY_IGNORE)
+        plant(m, tree)
+        # The copy's src first, so the installed package (an editable install of the working tree) loses.
+        paths = [str(tree / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        _check_imports_from(tree, env)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+            code, stdout = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired:
+            code, stdout = None, f"timed out after {timeout:.0f}s"
+    return {"mutant": m.name, "file": m.file, "tests": list(m.tests), "status": _status(code),
+            "caught_by": _failed_test(stdout), "pytest": (stdout.strip().splitlines() or [""])[-1],
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+def _check_imports_from(tree: Path, env: dict[str, str]) -> None:
+    probe = "import importlib.util; print(importlib.util.find_spec('orangetron').origin)"
+    origin = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.strip()
+    if not Path(origin).is_relative_to(tree):
+        raise RuntimeError(f"the tests would import orangetron from {origin}, not from the mutated copy {tree}")
+
+
+def _status(code: int | None) -> str:
+    # pytest exits 1 when a test fails and 2 when collection fails (the mutant broke an import); a hang
+    # (None) is caught too. 3-5 (internal error, bad usage, nothing collected) say nothing about the mutant.
+    if code == 0:
+        return "SURVIVED"
+    return "killed" if code in (1, 2, None) else f"error (pytest exit {code})"
+
+
+def _failed_test(stdout: str) -> str | None:
+    for line in stdout.splitlines():  # "FAILED tests/x.py::test_y[a b] - AssertionError: ..."
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" ", 1)[1].split(" - ", 1)[0]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("words", nargs="*", help="run only mutants whose name contains one of these")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the first run of every selection on the unmutated tree")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant's test run")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.words or any(w in m.name for w in args.words)]
+    problems = check(chosen)
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 2
+    if args.list:
+        for m in chosen:
+            print(json.dumps({"mutant": m.name, "file": m.file, "tests": list(m.tests)}))
+        return 0
+    if not args.no_baseline:
+        # A selection that fails on the unmutated tree would "kill" every mutant it is given.
+        selections = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        baseline = run_one(dataclasses.replace(NO_MUTANT, tests=selections), args.timeout)
+        baseline["status"] = "passed" if baseline["status"] == "SURVIVED" else "failed"
+        print(json.dumps(baseline), flush=True)
+        if baseline["status"] != "passed":
+            print("the selections fail without any mutant; fix the tests first", file=sys.stderr)
+            return 2
+    results = []
+    for m in chosen:
+        results.append(run_one(m, args.timeout))
+        print(json.dumps(results[-1]), flush=True)
+    survivors = [r["mutant"] for r in results if r["status"] == "SURVIVED"]
+    errors = [r["mutant"] for r in results if r["status"].startswith("error")]
+    killed = len(results) - len(survivors) - len(errors)
+    print(f"mutants: {len(results)}, killed: {killed}, survived: {len(survivors)}, errors: {len(errors)}"
+          + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
+    return 1 if survivors or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""`train()` redone on one device with plain torch: the independent reference for trainer-level tests.
+
+The unwrapped `Transformer`, `torch.optim.AdamW` (betas (0.9, 0.95), eps 1e-8, weight decay on matrices
+only), `torch.nn.utils.clip_grad_norm_` and the trainer's schedule `lr_at`, on the batches the trainer's
+data pipeline yields. Nothing from `orangetron.parallel` takes part, so a bug there cannot hide in both.
+A run's own numbers come from what it writes with `out=` and `save_every=`: the per-step gradient norm in
+metrics.jsonl and the final parameters and AdamW moments in its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from orangetron.model import Transformer
+from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint
+from orangetron.train.trainer import IGNORE_INDEX, TrainConfig, _load_data, lr_at
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # as the trainer: fp32 or wider
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def _adamw(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+
+@torch.no_grad()
+def _eval_loss(model: Transformer, samples: torch.Tensor, cfg: TrainConfig) -> float | None:
+    n = min(samples.shape[0], cfg.batch_size * cfg.eval_batches)
+    if n == 0:
+        return None
+    total = sum(_cross_entropy(model(rows[:, :-1]), rows[:, 1:]).item() * rows.shape[0]
+                for rows in samples[:n].split(cfg.batch_size))
+    return total / n
+
+
+def reference_training(cfg: TrainConfig) -> dict[str, Any]:
+    """losses and gradient norms (before clipping) per step, eval_loss, and the final params, exp_avg and
+    exp_avg_sq by parameter name, for `cfg` trained on one device (float32 or float64)."""
+    data = _load_data(cfg)
+    model = Transformer(cfg.model_config(), seed=cfg.seed, dtype=DTYPES[cfg.dtype])
+    opt = _adamw(model, cfg)
+    losses, grad_norms = [], []
+    for step, rows in zip(range(cfg.steps), data.train, strict=False):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        inputs, labels = rows[:, :-1], rows[:, 1:]
+        lm_loss = _cross_entropy(model(inputs, token_mask=labels != IGNORE_INDEX), labels)
+        (lm_loss + model.aux_loss()).backward()
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=False).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(lm_loss.item())
+    named = dict(model.named_parameters())
+    return {"losses": losses, "grad_norms": grad_norms, "eval_loss": _eval_loss(model, data.eval_samples, cfg),
+            "params": {n: p.detach().clone() for n, p in named.items()},
+            "exp_avg": {n: opt.state[p]["exp_avg"] for n, p in named.items()},
+            "exp_avg_sq": {n: opt.state[p]["exp_avg_sq"] for n, p in named.items()}}
+
+
+def written_run(out: str | Path) -> dict[str, Any]:
+    """grad_norms from a run folder's metrics.jsonl and params, exp_avg, exp_avg_sq from its last checkpoint."""
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    state = load_checkpoint(latest_checkpoint(Path(out) / "checkpoints"))
+    return {"grad_norms": [r["grad_norm"] for r in records],
+            **{key: state[key] for key in ("params", "exp_avg", "exp_avg_sq")}}
+
+
+def assert_matches_reference(result: dict[str, Any], out: str | Path, reference: dict[str, Any], rtol: float) -> None:
+    """Losses, eval loss, every step's gradient norm, and the final parameters and moments of each tensor."""
+    written = written_run(out)
+    torch.testing.assert_close(result["losses"], reference["losses"], rtol=rtol, atol=0, msg="losses")
+    torch.testing.assert_close(result["eval_loss"], reference["eval_loss"], rtol=rtol, atol=0, msg="eval loss")
+    torch.testing.assert_close(written["grad_norms"], reference["grad_norms"], rtol=rtol, atol=0, msg="grad norms")
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert written[key].keys() == reference[key].keys(), key
+        for name, value in reference[key].items():
+            scale = value.abs().max().item()
+            torch.testing.assert_close(written[key][name], value, rtol=rtol, atol=rtol * scale, msg=f"{key} {name}")
