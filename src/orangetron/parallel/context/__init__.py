@@ -1,5 +1,6 @@
-"""Context parallelism: sequence sharding over the cp ranks (attention modes arrive in their own files)."""
+"""Context parallelism: head-tail sequence sharding over the cp ranks and attention across them."""
 
+from orangetron.parallel.context.attention import MODES, attention
 from orangetron.parallel.context.sharding import head_tail_indices, position_ids, shard, unshard
 
-__all__ = ["head_tail_indices", "position_ids", "shard", "unshard"]
+__all__ = ["MODES", "attention", "head_tail_indices", "position_ids", "shard", "unshard"]

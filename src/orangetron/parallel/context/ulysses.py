@@ -1,0 +1,59 @@
+"""DeepSpeed-Ulysses: all-to-all from sequence shards to head shards, whole-sequence attention, and back.
+
+Q, K+V and the output each cross one all-to-all per direction ([B, S/P, H, D] <-> [B, S, H/P, D]), so the
+bytes per rank stay constant as the sequence and P grow together. Query heads must divide by P; kv heads
+either divide by P or divide P (then each rank gets the one kv head its query heads use, sent once to
+each rank that needs it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orangetron import comm
+from orangetron.mesh import MeshGroup
+from orangetron.model.autograd import expand_kv
+from orangetron.parallel.context.blocks import PositionalAttention, pack
+
+
+class HeadsError(ValueError):
+    """Heads that cannot be split over the Ulysses degree; names heads, kv heads and the degree."""
+
+
+def check_heads(q_heads: int, kv_heads: int, degree: int) -> None:
+    if q_heads % degree or (kv_heads % degree and degree % kv_heads):
+        raise HeadsError(f"ulysses degree {degree}: needs heads={q_heads} divisible by it and kv heads={kv_heads} "
+                         "divisible by it or dividing it")
+
+
+def to_heads(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+    """[B, L, H, D] sequence shard -> [B, n*L, H/n, D] head shard (sequence in rank order); all-to-all."""
+    b, length, h, d = x.shape
+    n = group.size
+    send = x.view(b, length, n, h // n, d).permute(2, 0, 1, 3, 4).reshape(n, -1)  # row j goes to rank j
+    got = comm.all_to_all(send, group, [1] * n, [1] * n)
+    return got.view(n, b, length, h // n, d).permute(1, 0, 2, 3, 4).reshape(b, n * length, h // n, d)
+
+
+def to_sequence(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+    """Inverse of `to_heads`: [B, n*L, H/n, D] -> [B, L, H, D]; all-to-all."""
+    b, seq, hh, d = x.shape
+    n = group.size
+    send = x.view(b, n, seq // n, hh, d).permute(1, 0, 2, 3, 4).reshape(n, -1)
+    got = comm.all_to_all(send, group, [1] * n, [1] * n)
+    return got.view(n, b, seq // n, hh, d).permute(1, 2, 0, 3, 4).reshape(b, seq // n, n * hh, d)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
+              scale: float) -> torch.Tensor:
+    """Ulysses attention of this rank's head-tail shard -> out [B, L, Hq, D]."""
+    n = group.size
+    check_heads(q.shape[2], k.shape[2], n)
+    kv = pack(k, v)
+    if kv.shape[2] < n:
+        kv = expand_kv(kv, n)  # one kv head per destination rank
+    q_h, kv_h = to_heads(q, group), to_heads(kv, group)  # [B, S, Hq/n, D], [B, S, max(Hk/n, 1), 2D]
+    k_h, v_h = kv_h.split(k.shape[-1], dim=-1)
+    spec = (q_h.shape[1], n, None)  # every rank's tokens, in rank order
+    out = PositionalAttention.apply(q_h, k_h, v_h, spec, spec, causal, scale)
+    return to_sequence(out, group)
