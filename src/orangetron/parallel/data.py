@@ -44,6 +44,7 @@ class DataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.config = config or ParallelConfig()
+        self.mesh = mesh
         self.group = mesh["dp_cp"]
         self.placements = getattr(module, "placements", None)  # by parameter name, under tensor parallelism
         self.tp = mesh["tp"] if self.placements is not None and mesh["tp"].size > 1 else None

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 
 from orangetron.layout import LayoutError
 from orangetron.mesh import ParallelMesh
+from orangetron.parallel import context
 from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.data import DataParallel
 from orangetron.parallel.tensor import tensor_parallel
 
-_NOT_YET = {"cp": "context", "pp": "pipeline", "ep": "expert"}
+_NOT_YET = {"pp": "pipeline", "ep": "expert"}
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> DataParallel:
     """Apply `mesh.layout` to the reference `model` (an `orangetron.Transformer`, sharded in place).
 
-    Tensor parallelism (with sequence parallelism when `config.sequence_parallel`) first, then data
-    parallelism over dp x cp with the ZeRO stage of `config`. Returns the `DataParallel` wrapper: call it
-    like the model, and build the optimizer with `.optimizer(lr=...)`. Every rank must build `model` from
-    the same seed. Dimensions the runtime does not run yet raise `LayoutError`.
+    Tensor parallelism (with sequence parallelism when `config.sequence_parallel`) first, then context
+    parallelism (every attention core attends across the cp ranks in `config.cp_mode`; the caller feeds
+    each rank its head-tail shard of the tokens with their global positions, `context.shard` and
+    `context.position_ids`), then data parallelism over dp x cp with the ZeRO stage of `config`. Returns
+    the `DataParallel` wrapper: call it like the model, and build the optimizer with `.optimizer(lr=...)`.
+    Every rank must build `model` from the same seed. Dimensions the runtime does not run yet raise
+    `LayoutError`.
     """
     config = config or ParallelConfig()
     layout = mesh.layout
@@ -29,4 +35,19 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     layout.validate(getattr(model, "cfg", None), sequence_parallel=config.sequence_parallel)
     if layout.tp > 1:
         model = tensor_parallel(model, mesh, config.sequence_parallel)
+    if layout.cp > 1:
+        context_parallel(model, mesh, config.cp_mode)
     return DataParallel(model, mesh, config)
+
+
+def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str) -> None:
+    """Make every attention block of `model` attend across the cp ranks in `mode`, in place."""
+    if mode not in context.MODES:
+        raise LayoutError(f"cp_mode={mode!r}: not in the runtime yet; it runs {', '.join(context.MODES)}")
+    for block in model.layers:
+        attention = block.attention
+        if mode == "ulysses":
+            heads = attention.wq.weight.shape[0] // attention.head_dim
+            kv_heads = attention.wk.weight.shape[0] // attention.head_dim
+            context.ulysses.check_heads(heads, kv_heads, mesh["cp"].size)
+        attention.core_attention = partial(context.attention, mesh=mesh, mode=mode, causal=True)

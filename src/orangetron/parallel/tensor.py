@@ -230,8 +230,12 @@ class ParallelAttention(nn.Module):
         q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin)  # [B, S, Hq/tp, D]
         k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin)  # [B, S, Hk/tp or 1, D]
         v = v.view(b, s, -1, self.head_dim)
-        out, _ = attention_kernel(q, k, v, causal=True, impl=self.kernel_impl)
+        out = self.core_attention(q, k, v)  # [B, S, Hq/tp, D]
         return row_output(F.linear(out.reshape(b, s, -1), self.wo.weight), self.group, self.sp)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over the local sequence (context parallelism replaces it, as in `Attention`)."""
+        return attention_kernel(q, k, v, causal=True, impl=self.kernel_impl)[0]
 
 
 class ParallelSwiGLU(nn.Module):

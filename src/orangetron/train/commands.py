@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+CONTEXT_MODES = ("ring", "allgather", "ulysses", "rsa")  # parallel.context.MODES, without importing torch
+
 DEFAULTS_NOTE = "With no flags: the small-moe model on the embedded stdlib corpus, on one CPU rank."
 
 
@@ -64,7 +66,11 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel degree: local ranks that split every weight matrix (started for you)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: norms on sequence shards, TP's all-reduces become reduce-scatter + all-gather")
-    for dim, what in (("cp", "context"), ("pp", "pipeline"), ("ep", "expert")):
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree: local ranks that split every sequence head-tail (started for you)")
+    p.add_argument("--cp-mode", default="ring", choices=list(CONTEXT_MODES),
+                   help="context-parallel attention (default: %(default)s)")
+    for dim, what in (("pp", "pipeline"), ("ep", "expert")):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{what}-parallel degree (only 1 for now)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks)")
@@ -107,7 +113,7 @@ def run_verify(args: argparse.Namespace) -> int:
         model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         dtype=args.dtype, warmup=0, corpus_bytes=200_000, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
         ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
-        grad_bucket_numel=args.grad_bucket_numel, sequence_parallel=args.sequence_parallel,
+        grad_bucket_numel=args.grad_bucket_numel, sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
     )
     result = verify(cfg, args.tolerance)
     verdict = "ok" if result["ok"] else "FAILED"
@@ -129,7 +135,7 @@ def run_train(args: argparse.Namespace) -> int:
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
     result = train(cfg, progress=not args.quiet)

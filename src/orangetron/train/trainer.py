@@ -25,7 +25,7 @@ from orangetron import comm, memory
 from orangetron.layout import Layout
 from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import MODEL_PRESETS, ModelConfig, Transformer, model_preset
-from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW, parallelize
+from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW, context, parallelize
 from orangetron.parallel.config import DTYPES
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from orangetron.train.data import (
@@ -89,6 +89,7 @@ class TrainConfig:
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     grad_bucket_numel: int = 0  # DDP: all-reduce gradient buckets of this many elements during backward
     sequence_parallel: bool = False  # with tp > 1: norms on sequence shards, reduce-scatter + all-gather
+    cp_mode: str = "ring"  # context-parallel attention with cp > 1: ring, allgather, ulysses, rsa
 
     def __post_init__(self) -> None:
         self._check_layout()
@@ -116,12 +117,12 @@ class TrainConfig:
     def _check_layout(self) -> None:
         for name in ("tp", "cp", "pp", "dp", "ep"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name, what in (("cp", "context"), ("pp", "pipeline"), ("ep", "expert")):
+        for name, what in (("pp", "pipeline"), ("ep", "expert")):
             value = getattr(self, name)
             if value > 1:
                 raise TrainConfigError(
                     f"{name}={value} ({_flag(name)}): {what} parallelism is not available yet; "
-                    "only --tp and --dp may be above 1"
+                    "only --tp, --cp and --dp may be above 1"
                 )
         if self.batch_size % self.dp:
             raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp={self.dp}, "
@@ -131,7 +132,7 @@ class TrainConfig:
         """How the model is replicated and sharded over the data-parallel ranks."""
         return ParallelConfig(zero_stage=self.zero_stage, distributed_optimizer=self.distributed_optimizer,
                               param_dtype=self.dtype, grad_bucket_numel=self.grad_bucket_numel,
-                              sequence_parallel=self.sequence_parallel)
+                              sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode)
 
     def _check_checkpointing(self) -> None:
         _check_int("save_every", self.save_every, minimum=0)
@@ -217,7 +218,12 @@ def _lm_loss(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, tor
     """
     inputs, labels = samples[:, :-1], samples[:, 1:]  # [B, S] each
     model: Transformer = dp.module  # or its tensor-parallel shard, which speaks the same interface
-    logits = dp(inputs, token_mask=labels != IGNORE_INDEX)  # through the wrapper: ZeRO gathers parameters
+    positions = None
+    if dp.mesh["cp"].size > 1:  # this rank's head-tail share of the sequence, with its global positions
+        positions = context.position_ids(inputs.shape[1], dp.mesh)
+        inputs, labels = context.shard(inputs, dp.mesh), context.shard(labels, dp.mesh)
+    # Through the wrapper: ZeRO gathers parameters.
+    logits = dp(inputs, position_ids=positions, token_mask=labels != IGNORE_INDEX)
     objective = model.loss_from_logits(logits, labels, ignore_index=IGNORE_INDEX)
     return objective, objective.detach() - model.aux_loss().detach()
 
@@ -295,6 +301,8 @@ def _merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(results[0])
     merged["losses"] = [sum(step) / len(results) for step in zip(*(r["losses"] for r in results), strict=True)]
     merged["final_loss"] = merged["losses"][-1]
+    if merged["eval_loss"] is not None:  # context-parallel ranks each evaluate an equal share of the tokens
+        merged["eval_loss"] = sum(r["eval_loss"] for r in results) / len(results)
     merged["memory"] = [entry for r in results for entry in r["memory"]]
     merged["comm"] = [entry for r in results for entry in r["comm"]]
     return merged
