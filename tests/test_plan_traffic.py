@@ -96,11 +96,23 @@ def test_cp_ring_and_rsa_volume():
 def test_cp_allgather_and_ulysses():
     c, s, h = 4, 64, DENSE.hidden_size
     ag = context_parallel_records(DENSE, Degrees(cp=c), Job(seq_len=s, cp_mode="allgather"))
-    assert keys(ag) == {"all_gather/cp": 1, "reduce_scatter/cp": 1}
+    assert keys(ag) == {"all_gather/cp": 2, "reduce_scatter/cp": 1}  # gathered again in backward, not kept
     assert ag[0].payload_bytes == 2 * (2 * s * h)  # gathered K and V of the whole sequence
     uly = context_parallel_records(DENSE, Degrees(cp=c), Job(seq_len=s, cp_mode="ulysses"))
     # Seed: Ulysses moves 4Nd/P per layer forward (Q, K, V, output); backward mirrors it.
     assert sum(r.bytes_sent for r in uly) == 2 * 4 * (c - 1) * (s // c) * h * 2 // c
+
+
+def test_cp_rsa_sends_keys_and_values_apart_and_ulysses_replicates_few_kv_heads():
+    c, s, h = 4, 64, DENSE.hidden_size  # DENSE: 8 heads of 32, multi-head
+    rsa = context_parallel_records(DENSE, Degrees(cp=c), Job(seq_len=s, cp_mode="rsa"))
+    k_bytes = 2 * (s // c) * h  # bf16 keys of this rank: 16 tokens x 256
+    # forward K ring 3 hops and V ring 3 hops; backward V ring 3 + dV home 4, K ring 3 + dK home 4
+    assert [r.payload_bytes for r in rsa] == [k_bytes] * 20
+    # MOE has 8 heads of 32 and 4 kv heads; over cp=8 each rank sends one kv head per destination (8, not
+    # its 4) for its 32 tokens: 2 B x 32 x 8 x (32 + 32). Q and the output are 2 x 32 x 8 x 32 each.
+    uly = context_parallel_records(MOE, Degrees(cp=8), Job(seq_len=256, cp_mode="ulysses"))
+    assert sorted(r.payload_bytes for r in uly) == [16384] * 4 + [32768] * 2
 
 
 def test_ep_dispatch_and_combine():

@@ -98,7 +98,7 @@ def test_lr_schedule() -> None:
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"cp": 2}, r"cp=2 \(--cp\): context parallelism is not available yet; only --tp and --dp may be above 1"),
+        ({"pp": 2}, r"pp=2 \(--pp\): pipeline parallelism is not available yet; only --tp, --cp and --dp"),
         ({"ep": 4}, r"ep=4 \(--ep\)"),
         ({"steps": 0}, r"steps=0 \(--steps\)"),
         ({"seq_len": -1}, r"seq_len=-1 \(--seq-len\)"),
@@ -188,7 +188,7 @@ def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
     ("flags", "needle"),
     [
         (["--steps", "0"], "--steps"),
-        (["--cp", "2"], "cp=2 (--cp): context parallelism is not available yet"),
+        (["--pp", "2"], "pp=2 (--pp): pipeline parallelism is not available yet"),
         (["--model", "nope"], "--model"),
         (["--data", "/no/such/file.txt"], "--data"),
     ],

@@ -14,8 +14,9 @@ runtime's conventions (DESIGN sections 4 and 5):
   An MoE layer without a shared expert splits only its attention (its experts stay whole on every tp
   rank). Once per step, partial gradients are summed over tp (`tensor_parallel_grad_records`).
 - CP per layer and micro-batch: ring passes K,V cp-1 times forward, K,V cp-1 times and dK,dV cp times
-  backward; all-gather gathers K,V forward and reduce-scatters dK,dV backward; Ulysses all-to-alls Q,K,V
-  and the output forward and their gradients backward.
+  backward; ring self-attention the same with K and V in separate rings; all-gather gathers K,V forward and
+  again in backward, and reduce-scatters dK,dV; Ulysses all-to-alls Q, K+V (kv heads replicated up to one
+  per rank) and the output forward and their gradients backward.
 - EP per MoE layer and micro-batch: dispatch and combine all-to-alls forward and backward, with balanced
   routing (every rank sends (ep-1)/ep of its routed token copies away).
 - PP per micro-batch and model chunk: activations forward and their gradients backward, one record for the
@@ -154,10 +155,11 @@ def _replicated_params(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> 
     return total
 
 
-def _kv_bytes(model: ModelSpec, deg: Degrees, job: Job) -> int:
-    kv_heads = max(1, model.kv_heads // deg.tp)
+def _kv_bytes(model: ModelSpec, deg: Degrees, job: Job, heads: int | None = None, dim: int | None = None) -> int:
+    """K and V (or `dim` per head) of this rank's tokens and kv heads (`heads`, default the tp share)."""
+    heads = max(1, model.kv_heads // deg.tp) if heads is None else heads
     tokens = (job.seq_len // deg.cp) * job.micro_batch
-    return job.param_bytes * tokens * kv_heads * (model.qk_head_dim + model.v_dim)
+    return job.param_bytes * tokens * heads * ((model.qk_head_dim + model.v_dim) if dim is None else dim)
 
 
 def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
@@ -167,20 +169,33 @@ def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[C
         return []
     kv = _kv_bytes(model, deg, job)
     fwd_passes = 2 if job.recompute == "full" else 1
-    if job.cp_mode in ("ring", "rsa"):
-        step = CommRecord("send_recv", "cp", kv, *cf.send_recv_bytes(kv, kv))
-        return [step] * ((c - 1) * (fwd_passes + 1) + c)
-    if job.cp_mode == "allgather":
+
+    def hops(payload: int, count: int) -> list[CommRecord]:
+        return [CommRecord("send_recv", "cp", payload, *cf.send_recv_bytes(payload, payload))] * count
+
+    if job.cp_mode == "ring":  # K,V together: cp-1 hops per forward and in backward, dK,dV cp hops home
+        return hops(kv, (c - 1) * (fwd_passes + 1) + c)
+    if job.cp_mode == "rsa":  # K and V apart: forward K then V rings; backward V (+dV home), K (+dK home)
+        k, v = (_kv_bytes(model, deg, job, dim=d) for d in (model.qk_head_dim, model.v_dim))
+        return (hops(k, (c - 1) * (fwd_passes + 1)) + hops(v, (c - 1) * (fwd_passes + 1))
+                + hops(k, c) + hops(v, c))
+    if job.cp_mode == "allgather":  # gathered forward and again in backward (not kept), dK,dV scattered
         gathered = kv * c
-        return ([_gather("all_gather", "cp", gathered, c)] * fwd_passes
+        return ([_gather("all_gather", "cp", gathered, c)] * (fwd_passes + 1)
                 + [_gather("reduce_scatter", "cp", gathered, c)])
-    # Ulysses (and the Ulysses part of USP): sequence shards <-> head shards for Q, K, V and the output.
+    # Ulysses (and the Ulysses part of USP): sequence shards <-> head shards for Q, K+V and the output.
     tokens = (job.seq_len // c) * job.micro_batch
     heads = model.num_heads // deg.tp
     q = job.param_bytes * tokens * heads * model.qk_head_dim
     o = job.param_bytes * tokens * heads * model.v_dim
+    kv = _kv_bytes(model, deg, job, heads=ulysses_kv_heads(model, deg))
     per_pass = [_a2a("cp", q, c), _a2a("cp", kv, c), _a2a("cp", o, c)]  # K and V travel together
     return per_pass * (fwd_passes + 1)
+
+
+def ulysses_kv_heads(model: ModelSpec, deg: Degrees) -> int:
+    """KV heads a rank sends into Ulysses' all-to-all: its own, or one per cp rank when it has fewer."""
+    return max(max(1, model.kv_heads // deg.tp), deg.cp)
 
 
 def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:

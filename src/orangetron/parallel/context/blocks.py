@@ -40,7 +40,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, Sq]
     probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # masked rows: exp(-inf) = 0
     vh = expand_kv(v, q.shape[2]).transpose(1, 2).to(scores.dtype)
-    return (probs @ vh).transpose(1, 2), lse  # out [B, Sq, Hq, D] in the accumulate dtype
+    return (probs @ vh).transpose(1, 2).contiguous(), lse  # out [B, Sq, Hq, D] in the accumulate dtype
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:

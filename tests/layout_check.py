@@ -1,0 +1,118 @@
+"""One layout against one device and against the planner: the harness the per-dimension tests share.
+
+`layout_run` trains STEPS steps on one rank of a layout through `ot.parallelize` (context-parallel ranks
+take their head-tail shard of every sequence); `check_layout` compares every rank's results with the plain
+single-device model (F.cross_entropy, torch.optim.AdamW, torch's clipping) in float64 to 1e-9, and each
+rank's ledger and memory of one step with `plan.bridge.predicted_step`, record for record and byte for byte.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from orangetron import comm, memory
+from orangetron.layout import Layout
+from orangetron.mesh import init_mesh
+from orangetron.model import ModelConfig, Transformer
+from orangetron.parallel import ParallelConfig, context, parallelize
+from orangetron.plan.bridge import predicted_step
+
+SEQ, PER_RANK, STEPS, LR, CLIP = 8, 2, 3, 3e-2, 0.5
+
+
+def batch(step: int, rows: int, vocab: int, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, seq + 1), generator=torch.Generator().manual_seed(step))
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=False)
+
+
+def reference(cfg: ModelConfig, dp: int, seq: int = SEQ):
+    """One device, the whole batch: losses, gradients by name per step, final parameters by name."""
+    model = Transformer(cfg, seed=0, dtype=torch.float64)
+    opt = adamw(model)
+    losses, grads = [], []
+    for step in range(STEPS):
+        tokens = batch(step, dp * PER_RANK, cfg.vocab_size, seq)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _forward_loss(dp, rows: torch.Tensor) -> torch.Tensor:
+    """As the trainer: this rank's head-tail share of the sequence under cp, global positions."""
+    inputs, labels, positions = rows[:, :-1], rows[:, 1:], None
+    if dp.mesh["cp"].size > 1:
+        positions = context.position_ids(inputs.shape[1], dp.mesh)
+        inputs, labels = context.shard(inputs, dp.mesh), context.shard(labels, dp.mesh)
+    logits = dp(inputs, position_ids=positions, token_mask=labels >= 0)
+    return dp.module.loss_from_logits(logits, labels)
+
+
+def layout_run(cfg: ModelConfig, layout: Layout, pc: ParallelConfig, seq: int = SEQ) -> dict:
+    """STEPS steps on this rank: losses, whole gradients and parameters (rank 0), step 2's ledger and
+    memory, what autograd Functions keep on ctx, and which custom Functions the graph holds."""
+    mesh = init_mesh(layout)
+    dp = parallelize(Transformer(cfg, seed=0, dtype=torch.float64), mesh, pc)
+    opt = dp.optimizer(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    g = mesh["dp"]
+    out = {"losses": [], "grads": []}
+    for step in range(STEPS):
+        rows = batch(step, g.size * PER_RANK, cfg.vocab_size, seq)[g.rank * PER_RANK:(g.rank + 1) * PER_RANK]
+        with comm.measure() as records, memory.track_activations(dp.module) as meter:
+            loss = _forward_loss(dp, rows)
+            if step == 0:  # every tensor kept for backward must be one the activation meter sees
+                out["kept"] = memory.tensors_kept_on_ctx(loss)
+                out["functions"] = {type(node).__name__ for node in memory.custom_function_nodes(loss)}
+            loss.backward()
+            dp.reduce_gradients()
+            with comm.unmeasured():
+                out["grads"].append(dp.full_grads())
+            opt.clip_grad_norm_(CLIP)
+            opt.step()
+            opt.zero_grad()
+        out["losses"].append(loss.item())
+        if step == 1:
+            out["ledger"] = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in records)
+            peak = meter.peak_bytes
+    out["memory"] = memory.model_state_bytes(dp, opt) | {"activations": peak}
+    out["params"] = dp.full_state(opt)["params"]
+    if mesh.rank != 0:  # whole tensors are the same on every rank; send them once
+        out["grads"] = out["params"] = None
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-300)).item()
+
+
+def check_layout(per_rank: list[dict], cfg: ModelConfig, layout: Layout, pc: ParallelConfig, where: str,
+                 seq: int = SEQ) -> None:
+    """Every rank of one `layout_run` against one device and against the planner."""
+    ref_losses, ref_grads, ref_params = reference(cfg, layout.dp, seq)
+    # Every rank's loss is the mean over an equal share of the tokens (tp ranks repeat theirs).
+    losses = [sum(step) / len(per_rank) for step in zip(*(r["losses"] for r in per_rank), strict=True)]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=0, msg=where)
+    grads, params = per_rank[0]["grads"], per_rank[0]["params"]
+    assert set(params) == set(ref_params), where
+    for step in range(STEPS):
+        for name, ref in ref_grads[step].items():
+            assert _rel(grads[step][name], ref) < 1e-9, f"{where} step {step} grad {name}"
+    for name, ref in ref_params.items():
+        assert _rel(params[name], ref) < 1e-9, f"{where} param {name}"
+    want_records, want_mem = predicted_step(cfg, layout, pc, seq_len=seq, micro_batch=PER_RANK, clip_grad=True)
+    want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in want_records)
+    for rank, result in enumerate(per_rank):
+        assert result["kept"] == [], f"{where} rank {rank}"
+        assert result["ledger"] == want, f"{where} rank {rank}"
+        want_state = {k: want_mem[k] for k in result["memory"]}
+        assert result["memory"] == want_state, f"{where} rank {rank}: {result['memory']} != {want_state}"
