@@ -49,3 +49,29 @@ def test_context_parallel_matches_one_device_and_the_planner(world):
 def test_cp_layout_rules():
     with pytest.raises(LayoutError, match=r"cp=3: seq_len 16 is not divisible by 2\*cp=6"):
         Layout(cp=3).validate(seq_len=16)
+
+
+def test_padding_to_whole_chunks_never_changes_the_training(tmp_path):
+    """seq_len 30 on cp=2 (and tp=2 with SP: a multiple of 8) pads with ignored labels; losses, held-out
+    loss and final weights equal the unpadded one-rank run."""
+    import dataclasses
+
+    import torch
+
+    from orangetron.model import model_preset
+    from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint
+    from orangetron.train.trainer import TrainConfig, train
+
+    model = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0)
+    base = dict(model=model, seq_len=30, batch_size=4, steps=3, warmup=1, eval_batches=2, corpus_bytes=200_000,
+                dtype="float64", save_every=3)
+    runs = {}
+    for name, layout in (("one", {}), ("cp2", {"cp": 2, "cp_mode": "ulysses"}),
+                         ("tp2cp2", {"cp": 2, "tp": 2, "sequence_parallel": True})):
+        result = train(TrainConfig(**base, out=str(tmp_path / name), **layout), progress=False)
+        params = load_checkpoint(latest_checkpoint(tmp_path / name / "checkpoints"))["params"]
+        runs[name] = (result["losses"] + [result["eval_loss"]], params)
+    for name in ("cp2", "tp2cp2"):
+        torch.testing.assert_close(runs[name][0], runs["one"][0], rtol=1e-9, atol=0, msg=name)
+        for key, value in runs["one"][1].items():
+            torch.testing.assert_close(runs[name][1][key], value, rtol=1e-9, atol=1e-12, msg=f"{name} {key}")

@@ -242,7 +242,7 @@ class CrossEntropy(torch.autograd.Function):
             return loss
         grad = (logits - lse).exp_()  # [N, V] softmax
         grad.scatter_add_(-1, target, grad.new_full(target.shape, -1.0))
-        grad.mul_((valid / n_valid).to(grad.dtype).unsqueeze(-1))
+        grad.mul_((valid.to(grad.dtype) / n_valid).unsqueeze(-1))  # 1/n in float32 would be off by 1e-8
         ctx.save_for_backward(grad)
         return loss
 

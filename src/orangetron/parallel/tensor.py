@@ -200,7 +200,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad = exp.div_(sums[:, :1])  # softmax over the whole vocabulary, this rank's columns
             grad.scatter_add_(-1, target_col, -mine.unsqueeze(-1).to(grad.dtype))
-            grad.mul_((valid / n_valid).to(grad.dtype).unsqueeze(-1))
+            grad.mul_((valid.to(grad.dtype) / n_valid).unsqueeze(-1))  # 1/n in float32 would be off by 1e-8
             ctx.save_for_backward(grad)
         return loss
 

@@ -111,7 +111,9 @@ class TrainConfig:
             raise TrainConfigError(f"dtype={self.dtype!r} (--dtype): choose one of {', '.join(DTYPES)}")
         self._check_checkpointing()
         self.parallel_config()  # raises for an impossible ZeRO setting
-        self.layout.validate(self.model_config(), self.seq_len, self.sequence_parallel)  # and an unknown preset
+        self.layout.validate(self.model_config())  # and an unknown preset
+        if self.tp > 1 and self.sequence_parallel and self.cp == 1:  # cp > 1 pads to whole chunks instead
+            self.layout.validate(seq_len=self.seq_len, sequence_parallel=True)
         self._check_data()
 
     def _check_layout(self) -> None:
@@ -218,14 +220,24 @@ def _lm_loss(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, tor
     """
     inputs, labels = samples[:, :-1], samples[:, 1:]  # [B, S] each
     model: Transformer = dp.module  # or its tensor-parallel shard, which speaks the same interface
-    positions = None
-    if dp.mesh["cp"].size > 1:  # this rank's head-tail share of the sequence, with its global positions
+    positions, share = None, 1.0
+    cp = dp.mesh["cp"].size
+    if cp > 1:  # this rank's head-tail share of the (padded) sequence, with its global positions
+        multiple = context.shard_multiple(dp.mesh.layout, dp.config.sequence_parallel)
+        inputs, labels = context.pad_sequence(inputs, labels, multiple, IGNORE_INDEX)
         positions = context.position_ids(inputs.shape[1], dp.mesh)
+        valid = int((labels != IGNORE_INDEX).sum())
         inputs, labels = context.shard(inputs, dp.mesh), context.shard(labels, dp.mesh)
+        # Padding leaves the cp ranks unequal token counts: weight this rank's mean by its share of the
+        # real tokens (times cp, as gradients are averaged over the ranks), so the mean is over all of them.
+        share = int((labels != IGNORE_INDEX).sum()) * cp / max(valid, 1)
     # Through the wrapper: ZeRO gathers parameters.
     logits = dp(inputs, position_ids=positions, token_mask=labels != IGNORE_INDEX)
     objective = model.loss_from_logits(logits, labels, ignore_index=IGNORE_INDEX)
-    return objective, objective.detach() - model.aux_loss().detach()
+    aux = model.aux_loss()
+    if share != 1.0:
+        objective = (objective - aux) * share + aux
+    return objective, objective.detach() - aux.detach()
 
 
 @torch.no_grad()

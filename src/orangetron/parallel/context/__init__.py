@@ -1,6 +1,14 @@
 """Context parallelism: head-tail sequence sharding over the cp ranks and attention across them."""
 
 from orangetron.parallel.context.attention import MODES, attention
-from orangetron.parallel.context.sharding import head_tail_indices, position_ids, shard, unshard
+from orangetron.parallel.context.sharding import (
+    head_tail_indices,
+    pad_sequence,
+    position_ids,
+    shard,
+    shard_multiple,
+    unshard,
+)
 
-__all__ = ["MODES", "attention", "head_tail_indices", "position_ids", "shard", "unshard"]
+__all__ = ["MODES", "attention", "head_tail_indices", "pad_sequence", "position_ids", "shard", "shard_multiple",
+           "unshard"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from orangetron import comm
-from orangetron.layout import LayoutError
+from orangetron.layout import Layout, LayoutError
 from orangetron.mesh import ParallelMesh
 
 
@@ -62,3 +62,23 @@ def unshard(x_local: torch.Tensor, mesh: ParallelMesh, seq_dim: int = 1) -> torc
     natural = torch.empty_like(local_order)
     natural[local_order] = torch.arange(seq_len)  # where each global position sits in the gathered tensor
     return gathered.index_select(seq_dim, natural.to(gathered.device))
+
+
+def shard_multiple(layout: Layout, sequence_parallel: bool = False) -> int:
+    """The multiple a sequence must be for `layout`: 2*cp head-tail chunks, each split over tp under SP."""
+    cp_part = 2 * layout.cp if layout.cp > 1 else 1
+    return cp_part * (layout.tp if sequence_parallel and layout.tp > 1 else 1)
+
+
+def pad_sequence(inputs: torch.Tensor, labels: torch.Tensor, multiple: int,
+                 ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """inputs, labels [B, S] padded at the end to a multiple of `multiple` (token 0, label ignored).
+
+    Padding comes last, so under causal attention no real token sees it, and its ignored labels keep it
+    out of the loss (and out of the MoE balancing loss, which reads the labels' mask).
+    """
+    extra = -inputs.shape[1] % multiple
+    if extra == 0:
+        return inputs, labels
+    return (torch.nn.functional.pad(inputs, (0, extra), value=0),
+            torch.nn.functional.pad(labels, (0, extra), value=ignore_index))
