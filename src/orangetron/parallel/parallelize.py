@@ -8,16 +8,18 @@ from orangetron.layout import LayoutError
 from orangetron.mesh import ParallelMesh
 from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.data import DataParallel
+from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.tensor import tensor_parallel
 
-_NOT_YET = {"cp": "context", "pp": "pipeline", "ep": "expert"}
+_NOT_YET = {"cp": "context", "pp": "pipeline"}
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> DataParallel:
     """Apply `mesh.layout` to the reference `model` (an `orangetron.Transformer`, sharded in place).
 
-    Tensor parallelism (with sequence parallelism when `config.sequence_parallel`) first, then data
-    parallelism over dp x cp with the ZeRO stage of `config`. Returns the `DataParallel` wrapper: call it
+    Tensor parallelism (with sequence parallelism when `config.sequence_parallel`) first, then expert
+    parallelism over ep (routed experts in blocks per ep rank, `config.dispatcher`), then data parallelism
+    over dp x cp (experts over edp) with the ZeRO stage of `config`. Returns the `DataParallel` wrapper: call it
     like the model, and build the optimizer with `.optimizer(lr=...)`. Every rank must build `model` from
     the same seed. Dimensions the runtime does not run yet raise `LayoutError`.
     """
@@ -29,4 +31,6 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     layout.validate(getattr(model, "cfg", None), sequence_parallel=config.sequence_parallel)
     if layout.tp > 1:
         model = tensor_parallel(model, mesh, config.sequence_parallel)
+    if layout.ep > 1:
+        model = expert_parallel(model, mesh, config)
     return DataParallel(model, mesh, config)
