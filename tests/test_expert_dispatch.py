@@ -19,6 +19,9 @@ from orangetron.mesh import init_mesh
 from orangetron.model.moe import GroupedExperts
 from orangetron.parallel.config import ParallelConfigError
 from orangetron.parallel.expert import Dispatcher, run_local_experts
+from orangetron.plan.config import Degrees, Job
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.traffic import expert_parallel_records
 from orangetron.testing import run_distributed
 
 DIM, HIDDEN, TOKENS = 6, 5, 7  # tokens per rank (odd on purpose)
@@ -148,10 +151,28 @@ def errors(mesh):
     return None
 
 
+def balanced(mesh, k: int = 2, local: int = 2):
+    """Exactly balanced routing: token t's slot j on rank (t + j) % ep; one layer pass per mode, its ledger."""
+    g = mesh["ep"]
+    n = 2 * g.size
+    idx = torch.tensor([[((t + j) % g.size) * local + t % local for j in range(k)] for t in range(n)])
+    experts = GroupedExperts(local, DIM, HIDDEN).to(torch.float64)
+    out = {}
+    for mode, factor in (("ragged", 1.0), ("capacity", 1.5), ("allgather", 1.0)):
+        x = torch.randn(n, DIM, dtype=torch.float64, requires_grad=True)
+        w = torch.rand(n, k, dtype=torch.float64, requires_grad=True)
+        d = Dispatcher(mesh, g.size * local, mode, capacity_factor=factor)
+        with comm.measure() as records:
+            recv_x, recv_idx, recv_w, per_expert, handle = d.dispatch(x, idx, w)
+            d.combine(run_local_experts(experts, recv_x, recv_idx, recv_w, per_expert), handle).sum().backward()
+        out[mode] = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in records)
+    return out
+
+
 def all_checks(world: int):
     mesh = init_mesh(Layout(dp=world, ep=world))
     layers = [layer_on_rank(mesh, *case) for case in CASES]
-    return layers, extremes(mesh), errors(mesh)
+    return layers, extremes(mesh), errors(mesh), balanced(mesh)
 
 
 # ---- the tests ------------------------------------------------------------------------------------
@@ -216,7 +237,7 @@ def test_dispatch_combine_equal_one_device(world):
                               for r in range(world)])
         gate_grad = sum(r[0][i][2] for r in results)
         assert _rel(gate_grad, grads["gate"]) < 1e-9, where
-        for rank, (layers, _, _) in enumerate(results):
+        for rank, (layers, _, _, _) in enumerate(results):
             y_r, xg_r, _, expert_grads, per_expert, dropped_r, ledger = layers[i]
             mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
             assert _rel(y_r, y[mine]) < 1e-9, f"{where} rank {rank} output"
@@ -244,7 +265,7 @@ def test_round_trip_extreme_routing_and_errors(world):
     results = run_distributed(all_checks, world, args=(world,))
     experts = 2 * world
     every = torch.arange(experts).repeat(TOKENS, 1)
-    for rank, (_, extreme, error) in enumerate(results):
+    for rank, (_, extreme, error, _) in enumerate(results):
         assert error == f"dispatch: expert id {experts * 2} is out of range [0, num_experts={experts * 2})"
         x = torch.arange(TOKENS * DIM, dtype=torch.float64).view(TOKENS, DIM) + 100 * rank
         for mode in ("ragged", "capacity", "allgather"):
@@ -259,6 +280,20 @@ def test_round_trip_extreme_routing_and_errors(world):
             assert torch.equal(y, x[:TOKENS if rank else 0] * _copies(idx, 2)[:TOKENS if rank else 0, None])
             n = (world - 1) * TOKENS  # every token asks for experts 1 (rank 0) and 2 (rank 1)
             assert per_expert.tolist() == {0: [0, n], 1: [n, 0]}.get(rank, [0, 0]), f"{mode} rank {rank}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_balanced_routing_equals_the_planner(world):
+    """With exactly balanced routing the measured records are `plan.traffic.expert_parallel_records`."""
+    results = run_distributed(all_checks, world, args=(world,))
+    spec = ModelSpec(name="t", hidden_size=DIM, num_layers=1, num_heads=1, vocab_size=8, num_experts=2 * world,
+                     top_k=2, moe_ffn_hidden_size=HIDDEN)
+    for mode, factor in (("ragged", 1.0), ("capacity", 1.5), ("allgather", 1.0)):
+        job = Job(seq_len=2 * world, param_dtype="float64", dispatcher=mode, capacity_factor=factor)
+        want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received)
+                      for r in expert_parallel_records(spec, Degrees(dp=world, ep=world), job))
+        for rank, per_rank in enumerate(results):
+            assert per_rank[3][mode] == want, f"{mode} rank {rank}"
 
 
 def test_dispatcher_configuration_errors():

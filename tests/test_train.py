@@ -97,8 +97,8 @@ def test_lr_schedule() -> None:
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"cp": 2}, r"cp=2 \(--cp\): context parallelism is not available yet; only --tp and --dp may be above 1"),
-        ({"ep": 4}, r"ep=4 \(--ep\)"),
+        ({"cp": 2}, r"cp=2 \(--cp\): context parallelism is not available yet; only --tp, --dp and --ep may be"),
+        ({"ep": 4}, r"ep=4 \(--ep\): must divide dp\*cp=1"),
         ({"steps": 0}, r"steps=0 \(--steps\)"),
         ({"seq_len": -1}, r"seq_len=-1 \(--seq-len\)"),
         ({"model": "huge"}, r"model='huge' \(--model\): unknown preset"),
