@@ -290,7 +290,7 @@ def zero3_gathered_bytes():
     with torch.no_grad():
         dp(rows[:, :-1])
     held["after_eval_forward"] = dp.flat_params.untyped_storage().nbytes()
-    return held, dp.padded_numel * 8
+    return held, dp.parts[0].padded_numel * 8
 
 
 def test_zero3_frees_gathered_parameters_outside_forward_and_backward():

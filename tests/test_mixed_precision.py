@@ -117,7 +117,7 @@ def dp_run(mesh, stage: str, precision: str) -> dict[str, list | torch.Tensor]:
         loss = ce(dp(rows[:, :-1]), rows)
         loss.backward()
         dp.reduce_gradients()
-        grads.append(dp._gather_owned(dp.owned_grads()).double()[:dp.numel])
+        grads.append(flat(dp.full_grads().values()).double())
         opt.clip_grad_norm_(CLIP)
         opt.step()
         opt.zero_grad()

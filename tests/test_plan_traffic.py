@@ -116,12 +116,23 @@ def test_cp_rsa_sends_keys_and_values_apart_and_ulysses_replicates_few_kv_heads(
 
 
 def test_ep_dispatch_and_combine():
-    e, s = 4, 64
-    job = Job(seq_len=s)
-    records = expert_parallel_records(MOE, Degrees(dp=4, ep=e), job)
-    assert keys(records) == {"all_to_all/ep": 4}
-    payload = s * MOE.top_k * MOE.hidden_size * 2
-    assert all(r.payload_bytes == payload and r.bytes_sent == payload * (e - 1) // e for r in records)
+    e, s, k, h = 4, 64, MOE.top_k, MOE.hidden_size
+    # ragged: counts, rows, ids, weights, combine forward; rows' and weights' gradients, combine's backward.
+    records = expert_parallel_records(MOE, Degrees(dp=4, ep=e), Job(seq_len=s))
+    assert keys(records) == {"all_to_all/ep": 8}
+    rows = s * min(k, e)  # balanced: each token on min(top_k, ep) ranks, one row per (token, rank)
+    payloads = sorted(r.payload_bytes for r in records)
+    assert payloads == sorted([8 * e] + [rows * 2 * h] * 4 + [rows * 8 * k] + [rows * 4 * k] * 2)
+    assert all(r.bytes_sent == r.payload_bytes * (e - 1) // e == r.bytes_received for r in records)
+    # capacity: every destination padded to min(E/ep * ceil(s * k / E * factor), s) rows
+    cap = expert_parallel_records(MOE, Degrees(dp=4, ep=e), Job(seq_len=s, dispatcher="capacity",
+                                                                 capacity_factor=1.5))
+    slots = -(-s * k * 3 // (2 * MOE.num_experts))
+    assert max(r.payload_bytes for r in cap) == min(MOE.num_experts // e * slots, s) * e * 2 * h
+    # allgather: counts, tokens, ids, weights gathered; combine reduce-scatters; backward mirrors.
+    ag = expert_parallel_records(MOE, Degrees(dp=4, ep=e), Job(seq_len=s, dispatcher="allgather"))
+    assert keys(ag) == {"all_gather/ep": 5, "reduce_scatter/ep": 3}
+    assert sorted(r.payload_bytes for r in ag if r.op == "reduce_scatter") == [e * s * 4 * k] + [e * s * 2 * h] * 2
 
 
 def test_pp_sends_and_receives():
@@ -141,7 +152,7 @@ def test_step_records_compose():
     got = keys(step_records(MOE, deg, job, stage=0))
     m = job.microbatches(deg)  # 2
     # Stage 0 holds layers 0, 1 (layer 1 is MoE with moe_layer_freq=2).
-    assert got["all_to_all/ep"] == 4 * m
+    assert got["all_to_all/ep"] == 8 * m  # counts, rows, ids, weights, combine; and 3 backward
     assert got["send_recv/cp"] == 2 * (3 * 2 - 2) * m
     assert got["send_recv/pp"] == 2 * m
     # 4 in the dense layer, 2 in the MoE layer (no shared expert: only attention splits), 1 for the embedding.

@@ -98,8 +98,8 @@ def test_lr_schedule() -> None:
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"pp": 2}, r"pp=2 \(--pp\): pipeline parallelism is not available yet; only --tp, --cp and --dp"),
-        ({"ep": 4}, r"ep=4 \(--ep\)"),
+        ({"pp": 2}, r"pp=2 \(--pp\): pipeline parallelism is not available yet; only --tp, --cp, --dp and"),
+        ({"ep": 4}, r"ep=4 \(--ep\): must divide dp\*cp=1"),
         ({"steps": 0}, r"steps=0 \(--steps\)"),
         ({"seq_len": -1}, r"seq_len=-1 \(--seq-len\)"),
         ({"model": "huge"}, r"model='huge' \(--model\): unknown preset"),

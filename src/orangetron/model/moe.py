@@ -52,12 +52,17 @@ class Router(nn.Module):
         self, x: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """token_mask: [T] bool, False for padding; padded tokens are routed but not balanced."""
+        scores, topk_idx, topk_weights = self.route(x)
+        aux_loss = self.aux_loss_coef * LoadBalancingLoss.apply(scores, topk_idx, token_mask)
+        return topk_idx, topk_weights, aux_loss
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (scores [T, E], topk_idx [T, k], topk_weights [T, k]), without the balancing loss
+        (a parallel wrapper balances over the global batch instead)."""
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))  # [T, E]
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         topk_idx = torch.topk(scores.detach(), self.top_k, dim=-1).indices  # [T, k]
-        topk_weights = TopKWeights.apply(scores, topk_idx, self.score_func == "sigmoid")
-        aux_loss = self.aux_loss_coef * LoadBalancingLoss.apply(scores, topk_idx, token_mask)
-        return topk_idx, topk_weights, aux_loss
+        return scores, topk_idx, TopKWeights.apply(scores, topk_idx, self.score_func == "sigmoid")
 
 
 class GroupedExperts(nn.Module):

@@ -11,9 +11,10 @@ from orangetron.mesh import ParallelMesh
 from orangetron.parallel import context
 from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.data import DataParallel
+from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.tensor import tensor_parallel
 
-_NOT_YET = {"pp": "pipeline", "ep": "expert"}
+_NOT_YET = {"pp": "pipeline"}
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> DataParallel:
@@ -22,10 +23,11 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     Tensor parallelism (with sequence parallelism when `config.sequence_parallel`) first, then context
     parallelism (every attention core attends across the cp ranks in `config.cp_mode`; the caller feeds
     each rank its head-tail shard of the tokens with their global positions, `context.shard` and
-    `context.position_ids`), then data parallelism over dp x cp with the ZeRO stage of `config`. Returns
-    the `DataParallel` wrapper: call it like the model, and build the optimizer with `.optimizer(lr=...)`.
-    Every rank must build `model` from the same seed. Dimensions the runtime does not run yet raise
-    `LayoutError`.
+    `context.position_ids`), then expert parallelism over ep (routed experts in blocks per ep rank,
+    `config.dispatcher`), then data parallelism over dp x cp (experts over edp) with the ZeRO stage of
+    `config`. Returns the `DataParallel` wrapper: call it like the model, and build the optimizer with
+    `.optimizer(lr=...)`. Every rank must build `model` from the same seed. Dimensions the runtime does not
+    run yet raise `LayoutError`.
     """
     config = config or ParallelConfig()
     layout = mesh.layout
@@ -37,6 +39,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
         model = tensor_parallel(model, mesh, config.sequence_parallel)
     if layout.cp > 1:
         context_parallel(model, mesh, config.cp_mode)
+    if layout.ep > 1:
+        model = expert_parallel(model, mesh, config)
     return DataParallel(model, mesh, config)
 
 

@@ -17,14 +17,16 @@ runtime's conventions (DESIGN sections 4 and 5):
   backward; ring self-attention the same with K and V in separate rings; all-gather gathers K,V forward and
   again in backward, and reduce-scatters dK,dV; Ulysses all-to-alls Q, K+V (kv heads replicated up to one
   per rank) and the output forward and their gradients backward.
-- EP per MoE layer and micro-batch: dispatch and combine all-to-alls forward and backward, with balanced
-  routing (every rank sends (ep-1)/ep of its routed token copies away).
+- EP per MoE layer and micro-batch: the dispatcher's collectives (`expert_parallel_records`), with balanced
+  routing: one row per (token, destination rank), each token on min(top_k, ep) ranks, rows spread evenly;
+  the global balancing loss's all-reduce; with clipping, the experts' squared norm summed over ep.
 - PP per micro-batch and model chunk: activations forward and their gradients backward, one record for the
   sending side and one for the receiving side.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -72,6 +74,8 @@ def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int =
         if sharding and job.clip_grad:
             # The global gradient norm: one all-reduce of this rank's sum of squares (main-grad dtype).
             out.append(_gather("all_reduce", dim, 4 if job.mixed_precision else job.param_bytes, n))
+    if job.clip_grad and deg.ep > 1 and params.expert:  # every ep rank holds other experts: sum their squares
+        out.append(_gather("all_reduce", "ep", 4 if job.mixed_precision else job.param_bytes, deg.ep))
     return out
 
 
@@ -199,23 +203,52 @@ def ulysses_kv_heads(model: ModelSpec, deg: Degrees) -> int:
 
 
 def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
-    """EP collectives of one MoE layer, one micro-batch: dispatch and combine, forward and backward."""
+    """EP collectives of one MoE layer, one micro-batch, as `parallel.expert.Dispatcher` issues them.
+
+    ragged and capacity: the row counts (one int64 per peer), then the rows, their local expert ids (int64)
+    and routing weights (float32, float64 for float64) forward; backward returns the rows' and the weights'
+    gradients; combine sends the outputs back and its backward the gradients out again. A row is one token
+    for one destination rank: with balanced routing each token's top_k experts lie on min(top_k, ep) ranks
+    and every rank receives as many rows as it sends. capacity pads every destination to
+    min(E/ep * capacity, tokens) rows, capacity = ceil(tokens * top_k / E * capacity_factor).
+    allgather: the token counts, then tokens, ids and weights gathered forward and reduce-scattered
+    backward (tokens and weights); combine reduce-scatters the outputs and its backward gathers again.
+    """
     e = deg.ep
     if e == 1:
         return []
     tokens = (job.seq_len // deg.cp) * job.micro_batch
     if job.sequence_parallel:
         tokens //= deg.tp
-    copies = tokens * model.top_k
-    if job.dispatcher == "capacity":
-        copies = int(copies * job.capacity_factor)
-    row = job.param_bytes * model.hidden_size
-    passes = 2 + (1 if job.recompute == "full" else 0)
+    k = model.top_k
+    row, ids, weights = job.param_bytes * model.hidden_size, 8 * k, (8 if job.param_bytes == 8 else 4) * k
+    replays = 1 if job.recompute == "full" else 0
     if job.dispatcher == "allgather":
-        full = tokens * row * e
-        return [_gather("all_gather", "ep", full, e), _gather("reduce_scatter", "ep", full, e)] * passes
-    payload = (copies * row // e) * e
-    return [_a2a("ep", payload, e)] * (2 * passes)
+        forward = [_gather("all_gather", "ep", 8 * e, e)]
+        forward += [_gather("all_gather", "ep", e * tokens * b, e) for b in (row, ids, weights)]
+        forward += [_gather("reduce_scatter", "ep", e * tokens * row, e)]  # combine
+        backward = [_gather("reduce_scatter", "ep", e * tokens * b, e) for b in (row, weights)]
+        return forward * (1 + replays) + backward + [_gather("all_gather", "ep", e * tokens * row, e)]
+    if job.dispatcher == "capacity":
+        slots = math.ceil(tokens * k / model.num_experts * job.capacity_factor)
+        per_peer = min(model.num_experts // e * slots, tokens)
+    else:
+        per_peer = tokens * min(k, e) // e
+    rows = per_peer * e
+    forward = [_a2a("ep", 8 * e, e)] + [_a2a("ep", rows * b, e) for b in (row, ids, weights, row)]
+    backward = [_a2a("ep", rows * b, e) for b in (row, weights, row)]
+    return forward * (1 + replays) + backward
+
+
+def balancing_loss_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
+    """Per MoE layer and micro-batch under EP: the global balancing loss sums the expert counts, normalized
+    scores and token count (2E + 1 values, float32 or float64) over dp x cp, and over tp under SP."""
+    if deg.ep == 1 or not model.aux_loss_coef:
+        return []
+    numel = (2 * model.num_experts + 1) * (8 if job.param_bytes == 8 else 4)
+    groups = [("dp_cp", deg.dp_cp)] + ([("tp", deg.tp)] if job.sequence_parallel else [])
+    passes = 2 if job.recompute == "full" else 1
+    return [_gather("all_reduce", dim, numel, n) for dim, n in groups if n > 1] * passes
 
 
 def pipeline_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:
@@ -242,7 +275,8 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> li
     layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
     moe = sum(model.is_moe_layer(i) for i in layers)
     m = job.microbatches(deg)
-    per_mb = context_parallel_records(model, deg, job) * len(layers) + expert_parallel_records(model, deg, job) * moe
+    per_mb = context_parallel_records(model, deg, job) * len(layers)
+    per_mb += (expert_parallel_records(model, deg, job) + balancing_loss_records(model, deg, job)) * moe
     for i in layers:
         per_mb += tensor_parallel_records(model, deg, job, _split_blocks(model, i))
     per_mb += pipeline_records(model, deg, job, stage) + _vocab_records(model, deg, job, stage)

@@ -70,8 +70,15 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="context-parallel degree: local ranks that split every sequence head-tail (started for you)")
     p.add_argument("--cp-mode", default="ring", choices=list(CONTEXT_MODES),
                    help="context-parallel attention (default: %(default)s)")
-    for dim, what in (("pp", "pipeline"), ("ep", "expert")):
+    for dim, what in (("pp", "pipeline"),):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{what}-parallel degree (only 1 for now)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree: the dp ranks split the routed experts into ep blocks")
+    p.add_argument("--dispatcher", default="ragged", choices=("ragged", "capacity", "allgather"),
+                   help="expert dispatch with --ep: ragged (dropless all-to-all), capacity (drops past the "
+                   "capacity), allgather (default: %(default)s)")
+    p.add_argument("--capacity-factor", type=float, default=1.0,
+                   help="--dispatcher capacity: slots per expert as a multiple of the fair share (default: 1.0)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks)")
     p.add_argument("--distributed-optimizer", action="store_true",
@@ -87,7 +94,8 @@ def _add_verify_command(sub: Any) -> None:
     p = sub.add_parser(
         "verify", help="check that a layout reproduces one rank",
         description="Run the same steps on one rank and on the layout; print the largest relative loss and "
-        "gradient differences; exit 1 past the tolerance. The MoE load-balancing loss is off in both runs.",
+        "gradient differences; exit 1 past the tolerance. The MoE load-balancing loss is off in both runs, "
+        "except with --ep > 1, where it is balanced over the global batch and stays on.",
     )
     p.add_argument("--model", default="tiny-moe", help="model preset (default: %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default: %(default)s)")
@@ -114,6 +122,7 @@ def run_verify(args: argparse.Namespace) -> int:
         dtype=args.dtype, warmup=0, corpus_bytes=200_000, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
         ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
+        dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
     )
     result = verify(cfg, args.tolerance)
     verdict = "ok" if result["ok"] else "FAILED"
@@ -135,7 +144,8 @@ def run_train(args: argparse.Namespace) -> int:
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
-        sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
+        sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, dispatcher=args.dispatcher,
+        capacity_factor=args.capacity_factor,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
     result = train(cfg, progress=not args.quiet)

@@ -84,7 +84,9 @@ class TrainConfig:
     cp: int = 1  # context-parallel degree (only 1 for now)
     pp: int = 1  # pipeline-parallel degree (only 1 for now)
     dp: int = 1  # data-parallel degree: local ranks that split each batch
-    ep: int = 1  # expert-parallel degree (only 1 for now)
+    ep: int = 1  # expert-parallel degree: the dp ranks' experts split into ep blocks (ep divides dp)
+    dispatcher: str = "ragged"  # expert dispatch with ep > 1: ragged (dropless), capacity, allgather
+    capacity_factor: float = 1.0  # dispatcher="capacity": slots per expert = factor * fair share
     zero_stage: int = 0  # 0 = DDP, 1-3 = ZeRO stage (sharding over the dp ranks)
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     grad_bucket_numel: int = 0  # DDP: all-reduce gradient buckets of this many elements during backward
@@ -119,13 +121,16 @@ class TrainConfig:
     def _check_layout(self) -> None:
         for name in ("tp", "cp", "pp", "dp", "ep"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name, what in (("pp", "pipeline"), ("ep", "expert")):
+        for name, what in (("pp", "pipeline"),):
             value = getattr(self, name)
             if value > 1:
                 raise TrainConfigError(
                     f"{name}={value} ({_flag(name)}): {what} parallelism is not available yet; "
-                    "only --tp, --cp and --dp may be above 1"
+                    "only --tp, --cp, --dp and --ep may be above 1"
                 )
+        if (self.dp * self.cp) % self.ep:
+            raise TrainConfigError(f"ep={self.ep} (--ep): must divide dp*cp={self.dp * self.cp}; the routed "
+                                   "experts are split over the data-parallel ranks")
         if self.batch_size % self.dp:
             raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp={self.dp}, "
                                    "each data-parallel rank takes an equal share of the batch")
@@ -134,7 +139,8 @@ class TrainConfig:
         """How the model is replicated and sharded over the data-parallel ranks."""
         return ParallelConfig(zero_stage=self.zero_stage, distributed_optimizer=self.distributed_optimizer,
                               param_dtype=self.dtype, grad_bucket_numel=self.grad_bucket_numel,
-                              sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode)
+                              sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode,
+                              dispatcher=self.dispatcher, capacity_factor=self.capacity_factor)
 
     def _check_checkpointing(self) -> None:
         _check_int("save_every", self.save_every, minimum=0)

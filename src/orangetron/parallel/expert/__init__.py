@@ -1,0 +1,7 @@
+"""Expert parallelism: DeepEP-style dispatch and combine, and the expert-parallel MoE layer."""
+
+from orangetron.parallel.expert.apply import expert_parallel
+from orangetron.parallel.expert.dispatcher import Dispatcher, run_local_experts
+from orangetron.parallel.expert.layer import ExpertParallelMoE
+
+__all__ = ["Dispatcher", "ExpertParallelMoE", "expert_parallel", "run_local_experts"]

@@ -1,0 +1,27 @@
+"""`expert_parallel`: swap every MoE layer of a (tensor-parallel) reference model for its expert-parallel one."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from orangetron.mesh import ParallelMesh
+from orangetron.model.moe import MoE
+from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.expert.dispatcher import Dispatcher
+from orangetron.parallel.expert.layer import ExpertParallelMoE
+
+
+def expert_parallel(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> nn.Module:
+    """Shard the routed experts of `model` in place over `mesh["ep"]`; returns `model`.
+
+    The balancing loss is computed over the tokens of every dp x cp rank (and tp rank under SP).
+    """
+    sp = config.sequence_parallel and mesh["tp"].size > 1
+    groups = [mesh["dp_cp"]] + ([mesh["tp"]] if sp else [])
+    for block in model.layers:
+        ff = block.feed_forward
+        if isinstance(ff, MoE):
+            dispatcher = Dispatcher(mesh, ff.router.n_experts, config.dispatcher, config.capacity_factor,
+                                    config.drop_policy)
+            block.feed_forward = ExpertParallelMoE(ff, dispatcher, groups, mesh["dp_cp"].size)
+    return model

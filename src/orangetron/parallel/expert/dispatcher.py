@@ -1,0 +1,89 @@
+"""`Dispatcher`: token dispatch to expert-parallel ranks and the combine back, DeepEP's contract.
+
+Experts sit in contiguous blocks: ep rank r owns experts r*E/ep ... (r+1)*E/ep - 1. `dispatch` sends one
+row per (token, destination rank) -- a token routed to two experts of one rank travels once -- and returns
+
+    recv_x [R, dim], recv_topk_idx [R, k] (local expert ids, -1 where that slot's expert lives elsewhere),
+    recv_topk_weights [R, k] (0 in the -1 slots), tokens_per_expert [E/ep] ((row, local expert) pairs), handle
+
+`combine(expert_out [R, dim], handle)` returns [T, dim]: for each original token the unweighted sum of the
+rows sent back for it (the experts apply the weights, as DeepEP's normal mode). Dispatch's backward is a
+combine and combine's a dispatch (the collectives' autograd pairs). Modes share the signature:
+
+- "ragged": dropless; row counts are exchanged, then one variable-split all-to-all per tensor.
+- "capacity": at most ceil(T * k / E * capacity_factor) assignments per expert from each rank, chosen by
+  `drop_policy`, padded to fixed row counts; `handle.dropped` [E] counts what this rank dropped.
+- "allgather": gather the ep group's tokens and keep the rows of the local experts; combine reduce-scatters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orangetron.mesh import MeshGroup, ParallelMesh
+from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
+from orangetron.parallel.expert import allgather, capacity, ragged
+from orangetron.plan.config import DISPATCHERS
+
+
+class Dispatcher:
+    """Dispatch and combine over `mesh["ep"]` (or a `MeshGroup`) for `num_experts` experts."""
+
+    def __init__(self, mesh: ParallelMesh | MeshGroup, num_experts: int, mode: str = "ragged",
+                 capacity_factor: float = 1.0, drop_policy: str = "probs") -> None:
+        self.group = mesh if isinstance(mesh, MeshGroup) else mesh["ep"]
+        if mode not in DISPATCHERS:
+            raise ParallelConfigError(f"dispatcher={mode!r}: must be one of {', '.join(DISPATCHERS)}")
+        if drop_policy not in DROP_POLICIES:
+            raise ParallelConfigError(f"drop_policy={drop_policy!r}: must be one of {', '.join(DROP_POLICIES)}")
+        if not capacity_factor > 0:
+            raise ParallelConfigError(f"capacity_factor={capacity_factor!r}: must be positive")
+        if num_experts < 1 or num_experts % self.group.size:
+            raise ParallelConfigError(f"num_experts={num_experts}: must be a positive multiple of ep="
+                                      f"{self.group.size} (experts sit in equal blocks per ep rank)")
+        self.num_experts, self.mode = num_experts, mode
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.local_experts = num_experts // self.group.size
+        self.first_expert = self.group.rank * self.local_experts
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """x [T, dim], topk_idx [T, k] int64 in [0, E), topk_weights [T, k] -> (recv_x, recv_topk_idx,
+        recv_topk_weights, tokens_per_expert, handle); see the module docstring."""
+        self._check(x, topk_idx, topk_weights)
+        if self.mode == "ragged":
+            return ragged.dispatch(x, topk_idx, topk_weights, self.group, self.num_experts)
+        if self.mode == "capacity":
+            return capacity.dispatch(x, topk_idx, topk_weights, self.group, self.num_experts,
+                                     self.capacity_factor, self.drop_policy)
+        return allgather.dispatch(x, topk_idx, topk_weights, self.group, self.num_experts)
+
+    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
+        """expert_out [R, dim] (the received rows' outputs, weighted) -> [T, dim] summed per token."""
+        if self.mode == "allgather":
+            return allgather.combine(expert_out, handle, self.group)
+        return ragged.combine(expert_out, handle, self.group)
+
+    def _check(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape != topk_weights.shape \
+                or topk_idx.shape[0] != x.shape[0]:
+            raise ValueError(f"dispatch: need x [T, dim], topk_idx and topk_weights [T, k]; got "
+                             f"{tuple(x.shape)}, {tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")
+        if topk_idx.dtype != torch.int64:
+            raise ValueError(f"dispatch: topk_idx must be int64, got {topk_idx.dtype}")
+        if topk_idx.numel() and not (int(topk_idx.min()) >= 0 and int(topk_idx.max()) < self.num_experts):
+            bad = topk_idx[(topk_idx < 0) | (topk_idx >= self.num_experts)][0].item()
+            raise ValueError(f"dispatch: expert id {bad} is out of range [0, num_experts={self.num_experts})")
+
+
+def run_local_experts(experts: torch.nn.Module, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor,
+                      recv_topk_weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Apply the local `GroupedExperts` to the received rows: each row's weighted outputs of its local
+    slots, summed ([R, dim]); rows with no local slot (padding) give zeros."""
+    rows, k = recv_topk_idx.shape
+    slots = recv_topk_idx.reshape(-1)
+    local = experts.w1.shape[0]
+    # Copies grouped by local expert, row order kept within an expert; -1 slots sort last and are cut off.
+    order = torch.argsort(torch.where(slots < 0, local, slots), stable=True)[: int(tokens_per_expert.sum())]
+    row_of_copy = order // k
+    out = experts(recv_x[row_of_copy], tokens_per_expert, recv_topk_weights.reshape(-1)[order])
+    return recv_x.new_zeros(rows, recv_x.shape[-1]).index_add(0, row_of_copy, out)

@@ -1,0 +1,138 @@
+"""Expert parallelism on the whole model against one device, and against the planner.
+
+The reference is the plain single-device `Transformer` (its per-batch load-balancing loss on) with
+F.cross_entropy, torch.optim.AdamW and torch's clipping. Each layout trains several float64 steps with the
+global balancing loss; losses, every gradient (gathered whole) and the final parameters must agree to 1e-9.
+Each rank's records outside the ep group and its model-state bytes must equal `plan.bridge.predicted_step`;
+the ep records themselves are checked against counted routing in tests/test_expert_dispatch.py and against
+the planner for exactly balanced routing below.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orangetron import comm, memory
+from orangetron.layout import Layout
+from orangetron.mesh import init_mesh
+from orangetron.model import ModelConfig, Transformer
+from orangetron.parallel import ParallelConfig, parallelize
+from orangetron.plan.bridge import predicted_step
+from orangetron.testing import run_distributed
+
+SEQ, PER_RANK, STEPS, LR, CLIP = 8, 2, 3, 3e-2, 0.5
+BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, aux_loss_coef=0.05)
+MODELS = {
+    "moe-shared": ModelConfig(**BASE, n_experts=4, top_k=2, moe_ffn_dim=8, n_shared_experts=1),
+    "moe-every-other": ModelConfig(**BASE, n_experts=8, top_k=3, moe_ffn_dim=8, moe_layer_freq=2),
+}
+# (model, layout, parallel options); one launch per world size runs them all.
+CASES = {
+    2: [("moe-shared", Layout(dp=2, ep=2), {"dispatcher": "ragged"}),
+        ("moe-shared", Layout(dp=2, ep=2), {"dispatcher": "allgather", "zero_stage": 1}),
+        ("moe-every-other", Layout(dp=2, ep=2), {"dispatcher": "capacity", "capacity_factor": 16.0,
+                                                  "zero_stage": 2})],
+    4: [("moe-shared", Layout(dp=4, ep=2), {"dispatcher": "ragged", "zero_stage": 1}),
+        ("moe-every-other", Layout(dp=4, ep=4), {"dispatcher": "allgather", "distributed_optimizer": True}),
+        ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True})],
+    8: [("moe-shared", Layout(tp=2, dp=4, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
+                                                   "zero_stage": 1}),
+        ("moe-every-other", Layout(tp=2, dp=4, ep=2), {"dispatcher": "allgather", "zero_stage": 3})],
+}
+
+
+def batch(step: int, rows: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, SEQ + 1), generator=torch.Generator().manual_seed(step))
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=False)
+
+
+def reference(cfg: ModelConfig, dp: int):
+    """One device, the whole batch, its balancing loss over the whole batch."""
+    model = Transformer(cfg, seed=0, dtype=torch.float64)
+    opt = adamw(model)
+    losses, grads = [], []
+    for step in range(STEPS):
+        tokens = batch(step, dp * PER_RANK, cfg.vocab_size)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss()
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def ep_run(model_name: str, layout: Layout, options: dict):
+    cfg = MODELS[model_name]
+    mesh = init_mesh(layout)
+    pc = ParallelConfig(param_dtype="float64", **options)
+    dp = parallelize(Transformer(cfg, seed=0, dtype=torch.float64), mesh, pc)
+    opt = dp.optimizer(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    g = mesh["dp"]
+    losses, grads, records = [], [], []
+    for step in range(STEPS):
+        rows = batch(step, g.size * PER_RANK, cfg.vocab_size)[g.rank * PER_RANK:(g.rank + 1) * PER_RANK]
+        with comm.measure() as step_records:
+            logits = dp(rows[:, :-1], token_mask=rows[:, 1:] >= 0)
+            loss = dp.module.loss_from_logits(logits, rows[:, 1:])
+            loss.backward()
+            dp.reduce_gradients()
+            with comm.unmeasured():
+                grads.append(dp.full_grads())
+            opt.clip_grad_norm_(CLIP)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+        if step == 1:
+            records = step_records
+    state = memory.model_state_bytes(dp, opt)
+    params = dp.full_state(opt)["params"]
+    ledger = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in records)
+    whole = mesh.rank == 0
+    return losses, grads if whole else None, params if whole else None, ledger, state
+
+
+def run_cases(world: int):
+    return [ep_run(*case) for case in CASES[world]]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-300)).item()
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_expert_parallel_matches_one_device_and_the_planner(world):
+    results = run_distributed(run_cases, world, args=(world,))
+    for i, (model_name, layout, options) in enumerate(CASES[world]):
+        where = f"{model_name} {layout} {options}"
+        cfg = MODELS[model_name]
+        ref_losses, ref_grads, ref_params = reference(cfg, layout.dp)
+        _, grads, params, _, _ = results[0][i]
+        dp_losses = [r[i][0] for r in results[:: layout.tp]]
+        losses = [sum(step) / layout.dp for step in zip(*dp_losses, strict=True)]
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=0, msg=where)
+        assert set(params) == set(ref_params), where
+        for step in range(STEPS):
+            for name, ref in ref_grads[step].items():
+                assert _rel(grads[step][name], ref) < 1e-9, f"{where} step {step} grad {name}"
+        for name, ref in ref_params.items():
+            assert _rel(params[name], ref) < 1e-9, f"{where} param {name}"
+        pc = ParallelConfig(param_dtype="float64", **options)
+        want_records, want_mem = predicted_step(cfg, layout, pc, seq_len=SEQ, micro_batch=PER_RANK, clip_grad=True)
+        want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in want_records
+                      if r.dim != "ep" or r.op == "all_reduce")
+        for rank, per_rank in enumerate(results):
+            rank_losses, _, _, ledger, state = per_rank[i]
+            assert rank_losses == results[rank - rank % layout.tp][i][0], f"{where} rank {rank}: tp ranks agree"
+            outside_dispatch = [r for r in ledger if r[1] != "ep" or r[0] == "all_reduce"]
+            assert outside_dispatch == want, f"{where} rank {rank}"
+            assert state == {k: want_mem[k] for k in state}, f"{where} rank {rank}"
