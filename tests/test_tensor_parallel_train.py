@@ -74,3 +74,12 @@ def test_train_refuses_a_layout_the_model_cannot_split(capsys):
     assert "tp=3: n_heads=4 is not divisible by tp" in capsys.readouterr().err
     assert main(["train", "--tp", "2", "--sequence-parallel", "--seq-len", "33", "--steps", "1"]) == 2
     assert "sequence_parallel needs seq_len/cp=33 divisible by tp" in capsys.readouterr().err
+
+
+def test_every_layout_reports_the_whole_model_parameter_count():
+    from orangetron.model import Transformer
+
+    whole = sum(p.numel() for p in Transformer(NO_AUX).parameters())
+    result = _run(steps=1, tp=2, dp=2, ep=2, sequence_parallel=True)  # each rank holds a fraction
+    assert result["params"] == whole
+    assert result["memory"][0]["params"] < 0.6 * whole * 8  # float64 shards: about half (norms stay whole)

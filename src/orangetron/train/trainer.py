@@ -358,7 +358,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     setup = _setup(cfg)
     data, dp, optimizer, rank = setup.data, setup.dp, setup.optimizer, setup.rank
     bar = ProgressBar(cfg.steps, enabled=progress)
-    bar.log(f"orangetron train: {_describe(cfg, dp.module, data)}")
+    bar.log(f"orangetron train: {_describe(cfg, data)}")
     start = _resume(cfg, setup) if cfg.resume else _Resumed(0, [])
     run = _RunLog(cfg, bar, write=rank == 0, start=start)
     eval_loss: float | None = None
@@ -391,7 +391,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "losses": run.losses,
         "final_loss": run.losses[-1],
         "eval_loss": eval_loss,
-        "params": dp.module.num_parameters(),
+        "params": _model_parameters(cfg),
         "tokens_per_s": run.tokens_per_s() or 0.0,
         "memory": [{"rank": rank, **mem}],
         "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
@@ -513,11 +513,18 @@ class _RunLog:
             self.file.flush()
 
 
-def _describe(cfg: TrainConfig, model: Transformer, data: _Data) -> str:
+def _model_parameters(cfg: TrainConfig) -> int:
+    """Parameters of the whole model, whatever share of them this rank holds."""
+    from orangetron.plan.models import spec_from_model_config  # counts the reference model (tested equal)
+
+    return spec_from_model_config(cfg.model_config()).total_params()
+
+
+def _describe(cfg: TrainConfig, data: _Data) -> str:
     name = cfg.model if isinstance(cfg.model, str) else "custom"
     source = f"{len(cfg.data)} file(s)" if cfg.data is not None else "stdlib corpus"
     return (
-        f"model {name} ({model.num_parameters() / 1e6:.2f}M params, {cfg.dtype}), {source}, "
+        f"model {name} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.dtype}), {source}, "
         f"{data.n_tokens:,} tokens, {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, "
         f"layout {cfg.layout}"
     )
