@@ -75,3 +75,16 @@ def test_padding_to_whole_chunks_never_changes_the_training(tmp_path):
         torch.testing.assert_close(runs[name][0], runs["one"][0], rtol=1e-9, atol=0, msg=name)
         for key, value in runs["one"][1].items():
             torch.testing.assert_close(runs[name][1][key], value, rtol=1e-9, atol=1e-12, msg=f"{name} {key}")
+
+
+def test_verify_command_context_parallel(capsys):
+    import json
+
+    from orangetron.cli import main
+    from orangetron.train.commands import CONTEXT_MODES
+
+    assert set(CONTEXT_MODES) == set(context.MODES)  # the CLI's list, kept without importing torch
+    code = main(["verify", "--cp", "2", "--tp", "2", "--sequence-parallel", "--cp-mode", "allgather", "--steps", "2",
+                 "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["ok"] and result["layout"]["cp"] == 2 and result["max_grad_rel_diff"] < 1e-12

@@ -16,7 +16,7 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
-from orangetron.parallel.context.blocks import block_backward, block_forward, merge
+from orangetron.parallel.context.blocks import block_backward, block_forward, merge, pack
 from orangetron.parallel.context.sharding import head_tail_indices
 
 
@@ -33,31 +33,29 @@ def _visible(step: int, rank: int, source: int, length: int, causal: bool) -> tu
     return slice(half, length), everything, False  # only this rank's tail chunk is late enough
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.cat((k, v), dim=-1)  # [B, S, Hk, 2D]: one transfer per hop
-
-
 class _RingAttention(torch.autograd.Function):
     """Ring attention forward and backward (see the module docstring); saves q, k, v, out and lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float):
+    def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, overlap: bool):
         length, cp, r = q.shape[1], group.size, group.rank
         positions = [head_tail_indices(length * cp, cp, j).to(q.device) for j in range(cp)]
         out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], length), float("-inf"), dtype=out.dtype, device=q.device)
-        ring, kv = comm.RingExchange(group), _pack(k, v)
+        ring, kv = comm.RingExchange(group), pack(k, v)
         for step in range(cp):
-            if step < cp - 1:
+            last = step == cp - 1
+            if not last:
                 ring.start(kv)  # the next block travels while this one computes
+                arrived = None if overlap else ring.wait()  # serial, for comparison: transfer, then compute
             source = (r - step) % cp
             rows, cols, masked = _visible(step, r, source, length, causal)
             kb, vb = kv[:, cols].split(k.shape[-1], dim=-1)
             block_out, block_lse = block_forward(q[:, rows], kb, vb, positions[r][rows], positions[source][cols],
                                                  masked, scale)
             merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
-            if step < cp - 1:
-                kv = ring.wait()
+            if not last:
+                kv = ring.wait() if overlap else arrived
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
@@ -72,7 +70,7 @@ class _RingAttention(torch.autograd.Function):
         positions = [head_tail_indices(length * cp, cp, j).to(q.device) for j in range(cp)]
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv_ring, grad_ring = comm.RingExchange(group), comm.RingExchange(group)
-        kv, dkv = _pack(k, v), torch.zeros_like(_pack(k, v))
+        kv, dkv = pack(k, v), torch.zeros_like(pack(k, v))
         for step in range(cp):
             if step < cp - 1:
                 kv_ring.start(kv)
@@ -87,10 +85,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_ring.wait()  # one transfer in flight at a time: both rings share the peers
             dkv = grad_ring.exchange(dkv)  # the gradients travel with their K,V and end at their owner
         dk, dv = dkv.split(d, dim=-1)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention of this rank's head-tail shard; (out [B, L, Hq, D], lse [B, Hq, L])."""
-    return _RingAttention.apply(q, k, v, group, causal, scale)
+              scale: float, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention of this rank's head-tail shard; (out [B, L, Hq, D], lse [B, Hq, L]).
+
+    `overlap=False` waits for each forward transfer before computing (a serial ring, for comparison).
+    """
+    return _RingAttention.apply(q, k, v, group, causal, scale, overlap)

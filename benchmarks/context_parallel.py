@@ -1,0 +1,152 @@
+"""Context parallelism: balance, scale, bytes per mode, and ring step time, measured in one run.
+
+1. Balance: query-key pairs each cp rank's causal attention must compute (keys at or before the query),
+   for the head-tail split and for a contiguous split, as max/min over ranks; and the pairs our ring
+   attention actually computed per rank (counted by the block kernel), max/min.
+2. Scale: the longest sequence whose saved activations per rank (measured by the activation meter over a
+   forward and backward of a small model, ring mode) fit a fixed budget, for cp = 1, 2, 4; ratio to cp=1.
+3. Bytes: what each mode sends per rank for one attention layer, forward and backward (the ledger), for
+   cp = 2, 4, 8 with the sequence grown with cp: Ulysses stays constant, the rings grow (the seed's
+   comparison). The baseline is the same mode at cp=2.
+4. Time: ring attention (transfers overlapped with the block at hand) against the same ring waiting for
+   each transfer (serial) and against all-gather, forward and backward of one attention layer.
+   PyTorch's own `context_parallel` has no CPU kernel strategy (aten._scaled_dot_product_flash_attention_
+   for_cpu has no sharding rule), so it is not compared here.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from orangetron import comm, memory
+from orangetron.layout import Layout
+from orangetron.mesh import init_mesh
+from orangetron.model import ModelConfig, Transformer
+from orangetron.parallel import ParallelConfig, context, parallelize
+from orangetron.parallel.context import blocks, ring
+from orangetron.parallel.context.sharding import head_tail_indices
+from orangetron.testing import run_distributed, shutdown_workers
+
+SMALL = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64, ffn_dim=64, max_seq_len=1 << 16)
+BUDGET = 4 << 20  # bytes of saved activations per rank
+HEADS, HEAD_DIM = 8, 16
+
+
+def _line(name: str, config: dict, metric: str, value: float, unit: str, baseline: float) -> str:
+    ratio = value / baseline if baseline else 0.0
+    return json.dumps({"name": name, "config": config, "metric": metric, "value": round(value, 5), "unit": unit,
+                       "baseline": round(baseline, 5), "ratio": round(ratio, 3)})
+
+
+# ---- 1. balance -------------------------------------------------------------------------------------
+def causal_pairs(positions: torch.Tensor, seq_len: int) -> int:
+    return int(positions.add(1).sum())  # a query at position p sees p + 1 keys
+
+
+def ring_pairs(seq_len: int) -> int:
+    mesh = init_mesh(Layout(cp=mesh_size()))
+    q = torch.randn(1, seq_len // mesh["cp"].size, 1, 4)
+    blocks.PAIRS[:] = [0]
+    ring.attention(q, q, q, mesh["cp"], causal=True, scale=0.5)
+    count, blocks.PAIRS[:] = blocks.PAIRS[0], []
+    return count
+
+
+def mesh_size() -> int:
+    return torch.distributed.get_world_size()
+
+
+def balance(cp: int, seq_len: int) -> None:
+    chunk = seq_len // cp
+    head_tail = [causal_pairs(head_tail_indices(seq_len, cp, r), seq_len) for r in range(cp)]
+    contiguous = [causal_pairs(torch.arange(r * chunk, (r + 1) * chunk), seq_len) for r in range(cp)]
+    computed = run_distributed(ring_pairs, cp, args=(seq_len,))
+    config = {"cp": cp, "seq_len": seq_len}
+    for name, per_rank in (("head_tail", head_tail), ("contiguous", contiguous), ("ring_computed", computed)):
+        print(_line("cp_attention_balance", {**config, "split": name}, "max_over_min_pairs",
+                    max(per_rank) / min(per_rank), "ratio", 1.0), flush=True)
+
+
+# ---- 2. scale ---------------------------------------------------------------------------------------
+def activation_peak(seq_len: int) -> int:
+    mesh = init_mesh(Layout(cp=mesh_size()))
+    dp = parallelize(Transformer(SMALL, seed=0), mesh, ParallelConfig(cp_mode="ring"))
+    tokens = torch.randint(0, SMALL.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = context.position_ids(seq_len, mesh)
+    inputs, labels = context.shard(inputs, mesh), context.shard(labels, mesh)
+    with memory.track_activations(dp.module) as meter:
+        dp.module.loss_from_logits(dp(inputs, position_ids=positions), labels).backward()
+    return meter.peak_bytes
+
+
+def longest_sequence(cp: int) -> int:
+    step = 2 * cp * 64
+    fits, too_long = step, None
+    while too_long is None:  # double until the budget breaks, then bisect in whole steps
+        trial = fits * 2
+        if max(run_distributed(activation_peak, cp, args=(trial,))) <= BUDGET:
+            fits = trial
+        else:
+            too_long = trial
+    while too_long - fits > step:
+        middle = (fits + too_long) // 2 // step * step
+        if max(run_distributed(activation_peak, cp, args=(middle,))) <= BUDGET:
+            fits = middle
+        else:
+            too_long = middle
+    return fits
+
+
+# ---- 3. bytes and 4. time ---------------------------------------------------------------------------
+def attention_layer(mode: str, seq_len: int, repeats: int = 1, overlap: bool = True) -> tuple[int, float]:
+    """Bytes this rank sent for one attention forward and backward, and the median seconds of `repeats`."""
+    mesh = init_mesh(Layout(cp=mesh_size()))
+    g = torch.Generator().manual_seed(0)
+    shape = (1, seq_len // mesh["cp"].size, HEADS, HEAD_DIM)
+    q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in range(3))
+    times, sent = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with comm.measure() as records:
+            if mode == "ring":
+                out = ring.attention(q, k, v, mesh["cp"], True, HEAD_DIM**-0.5, overlap=overlap)[0]
+            else:
+                out = context.attention(q, k, v, mesh, mode=mode)
+            out.sum().backward()
+        times.append(time.perf_counter() - start)
+        sent = sum(r.bytes_sent for r in records)
+    return sent, statistics.median(times)
+
+
+def main() -> None:
+    balance(4, 4096)
+    base = longest_sequence(1)
+    for cp in (1, 2, 4):
+        longest = base if cp == 1 else longest_sequence(cp)
+        print(_line("cp_longest_sequence", {"cp": cp, "mode": "ring", "budget_bytes": BUDGET, "model": "dim 32"},
+                    "seq_len", longest, "tokens", base), flush=True)
+    for mode in context.MODES:
+        at_two = None
+        for cp in (2, 4, 8):
+            sent = max(s for s, _ in run_distributed(attention_layer, cp, args=(mode, 256 * cp)))
+            at_two = at_two or sent
+            config = {"mode": mode, "cp": cp, "seq_len": 256 * cp, "heads": HEADS, "head_dim": HEAD_DIM,
+                      "baseline": "same mode at cp=2"}
+            print(_line("cp_bytes_sent_per_rank", config, "bytes", sent, "B", at_two), flush=True)
+    seq = 4096
+    timed = {name: max(t for _, t in run_distributed(attention_layer, 2, args=(mode, seq, 5, overlap)))
+             for name, mode, overlap in (("ring", "ring", True), ("serial_ring", "ring", False),
+                                         ("allgather", "allgather", True))}
+    for against in ("serial_ring", "allgather"):
+        config = {"cp": 2, "seq_len": seq, "heads": HEADS, "head_dim": HEAD_DIM, "baseline": against}
+        print(_line("cp_ring_attention_step", config, "step_s", timed["ring"], "s", timed[against]), flush=True)
+    shutdown_workers()
+
+
+if __name__ == "__main__":
+    main()
