@@ -54,16 +54,22 @@ def reference(cp: int, kind: str, causal: bool) -> tuple[torch.Tensor, ...]:
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def variants(cp: int) -> list[tuple[str, int | None]]:
+    """Every mode; USP with each proper factor of cp as its Ulysses degree, and 1."""
+    usp = [("usp", u) for u in range(1, cp) if cp % u == 0]
+    return [(mode, None) for mode in context.MODES if mode != "usp"] + usp
+
+
 def all_modes(cp: int) -> dict:
     mesh = init_mesh(Layout(cp=cp))
     results = {}
     for kind in heads(cp):
         for causal in (True, False):
-            for mode in context.MODES:
+            for mode, degree in variants(cp):
                 q, k, v, weight = (context.shard(t, mesh).requires_grad_() for t in inputs(cp, kind))
-                out = context.attention(q, k, v, mesh, mode=mode, causal=causal)
+                out = context.attention(q, k, v, mesh, mode=mode, causal=causal, ulysses_degree=degree)
                 (out * weight.detach()).sum().backward()
-                results[kind, causal, mode] = (out.detach(), q.grad, k.grad, v.grad)
+                results[kind, causal, f"{mode}{degree or ''}"] = (out.detach(), q.grad, k.grad, v.grad)
     return results
 
 

@@ -22,11 +22,14 @@ MODELS = {
 }
 SEQ = 16
 CASES = {
-    2: [(m, Layout(cp=2), {"cp_mode": mode}) for m in MODELS for mode in context.MODES],
-    4: [("dense-gqa", Layout(cp=4), {"cp_mode": mode}) for mode in context.MODES]
+    2: [(m, Layout(cp=2), {"cp_mode": mode}) for m in MODELS for mode in context.MODES if mode != "usp"],
+    4: [("dense-gqa", Layout(cp=4), {"cp_mode": mode}) for mode in context.MODES if mode != "usp"]
     + [("moe-mha", Layout(tp=2, cp=2), {"cp_mode": "ring", "sequence_parallel": True}),
        ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ring", "zero_stage": 1}),
-       ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ulysses", "zero_stage": 3})],
+       ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ulysses", "zero_stage": 3}),
+       ("moe-mha", Layout(cp=4), {"cp_mode": "usp", "ulysses_degree": 2}),
+       ("dense-gqa", Layout(cp=4), {"cp_mode": "usp", "ulysses_degree": 1}),
+       ("dense-gqa", Layout(tp=2, cp=2), {"cp_mode": "usp", "ulysses_degree": 2, "sequence_parallel": True})],
 }
 
 

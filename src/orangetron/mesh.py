@@ -75,6 +75,7 @@ class ParallelMesh:
         sources = {"tp": dense, "cp": dense, "pp": dense, "dp": dense, "dp_cp": dp_cp, "tp_cp": tp_cp,
                    "ep": expert, "edp": expert}
         self.groups = {name: _mesh_group(source, name) for name, source in sources.items()}
+        self._dense = dense
         self._check_against_layout()
 
     def _check_against_layout(self) -> None:
@@ -94,6 +95,22 @@ class ParallelMesh:
 
     def size(self, name: str) -> int:
         return self[name].size
+
+    def split_cp(self, ulysses: int) -> tuple[MeshGroup, MeshGroup]:
+        """(cp_ring, cp_ulysses): the cp group as ring x Ulysses, Ulysses fastest (consecutive cp ranks).
+
+        Builds the process groups on first use for this `ulysses` degree; every rank must call it.
+        """
+        cp = self.layout.cp
+        if ulysses < 1 or cp % ulysses:
+            raise MeshError(f"ulysses_degree={ulysses}: must divide cp={cp}")
+        names = ("cp_ring", "cp_ulysses")
+        key = f"{names[1]}/{ulysses}"
+        if key not in self.groups:
+            split = self._dense["cp"]._unflatten(0, (cp // ulysses, ulysses), names)
+            self.groups[f"{names[0]}/{ulysses}"] = _mesh_group(split, names[0])
+            self.groups[key] = _mesh_group(split, names[1])
+        return self.groups[f"{names[0]}/{ulysses}"], self.groups[key]
 
     def device(self) -> torch.device:
         if _device_type() == "cuda":

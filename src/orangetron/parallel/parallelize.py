@@ -38,20 +38,30 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     if layout.tp > 1:
         model = tensor_parallel(model, mesh, config.sequence_parallel)
     if layout.cp > 1:
-        context_parallel(model, mesh, config.cp_mode)
+        context_parallel(model, mesh, config.cp_mode, config.ulysses_degree)
     if layout.ep > 1:
         model = expert_parallel(model, mesh, config)
     return DataParallel(model, mesh, config)
 
 
-def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str) -> None:
-    """Make every attention block of `model` attend across the cp ranks in `mode`, in place."""
+def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str, ulysses_degree: int = 1) -> None:
+    """Make every attention block of `model` attend across the cp ranks in `mode`, in place.
+
+    `ulysses_degree` (mode "usp") must divide cp; its process groups are built here, on every rank.
+    """
+    cp = mesh["cp"].size
     if mode not in context.MODES:
-        raise LayoutError(f"cp_mode={mode!r}: not in the runtime yet; it runs {', '.join(context.MODES)}")
+        raise LayoutError(f"cp_mode={mode!r}: must be one of {', '.join(context.MODES)}")
+    if mode == "usp" and cp % ulysses_degree:
+        raise LayoutError(f"ulysses_degree={ulysses_degree}: must divide cp={cp} (usp is Ulysses x ring)")
+    degree = {"ulysses": cp, "usp": ulysses_degree}.get(mode)
+    if mode == "usp":
+        mesh.split_cp(ulysses_degree)
     for block in model.layers:
         attention = block.attention
-        if mode == "ulysses":
+        if degree is not None:
             heads = attention.wq.weight.shape[0] // attention.head_dim
             kv_heads = attention.wk.weight.shape[0] // attention.head_dim
-            context.ulysses.check_heads(heads, kv_heads, mesh["cp"].size)
-        attention.core_attention = partial(context.attention, mesh=mesh, mode=mode, causal=True)
+            context.ulysses.check_heads(heads, kv_heads, degree)
+        attention.core_attention = partial(context.attention, mesh=mesh, mode=mode, causal=True,
+                                           ulysses_degree=ulysses_degree if mode == "usp" else None)

@@ -78,10 +78,11 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     cp = x.s_kv // x.s
     if cp > 1 and job.cp_mode == "rsa":  # ring self-attention keeps its [s/cp, s] probabilities instead
         return total + x.acc * x.b * heads * x.s * x.s_kv
-    if cp > 1 and job.cp_mode == "ulysses":
+    degree = {"ulysses": cp, "usp": job.ulysses_degree}.get(job.cp_mode, 1) if cp > 1 else 1
+    if degree > 1:
         # Its core keeps the head-sharded output besides the sequence-sharded one the projection keeps, and
-        # kv heads fewer than cp arrive one per rank.
-        kv_sent = max(kv, cp)
+        # kv heads fewer than the Ulysses degree arrive one per rank.
+        kv_sent = max(kv, degree)
         total += a * sb * (heads * m.v_dim + (kv_sent - kv) * (m.qk_head_dim + m.v_dim))
     if job.attention_kernel == "flash":
         return total + x.acc * x.b * heads * x.s  # fp32 (fp64) log-sum-exp per query and head

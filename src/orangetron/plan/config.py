@@ -110,6 +110,9 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
         raise ValueError(f"tp={t}: sequence shard {job.seq_len // c} is not divisible by tp under sequence_parallel")
     if job.cp_mode == "ulysses" and c > 1 and (model.num_heads // t) % c:
         raise ValueError(f"cp={c}: ulysses needs heads per tp rank ({model.num_heads // t}) divisible by cp")
+    if job.cp_mode == "usp" and c > 1 and (c % job.ulysses_degree or (model.num_heads // t) % job.ulysses_degree):
+        raise ValueError(f"ulysses_degree={job.ulysses_degree}: usp needs it to divide cp={c} and the heads per tp "
+                         f"rank ({model.num_heads // t})")
     if model.is_moe and model.num_experts % degrees.ep:
         raise ValueError(f"ep={degrees.ep}: num_experts={model.num_experts} is not divisible by ep")
     if not model.is_moe and degrees.ep > 1:

@@ -174,8 +174,8 @@ def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[C
     kv = _kv_bytes(model, deg, job)
     fwd_passes = 2 if job.recompute == "full" else 1
 
-    def hops(payload: int, count: int) -> list[CommRecord]:
-        return [CommRecord("send_recv", "cp", payload, *cf.send_recv_bytes(payload, payload))] * count
+    def hops(payload: int, count: int, dim: str = "cp") -> list[CommRecord]:
+        return [CommRecord("send_recv", dim, payload, *cf.send_recv_bytes(payload, payload))] * count
 
     if job.cp_mode == "ring":  # K,V together: cp-1 hops per forward and in backward, dK,dV cp hops home
         return hops(kv, (c - 1) * (fwd_passes + 1) + c)
@@ -187,19 +187,23 @@ def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[C
         gathered = kv * c
         return ([_gather("all_gather", "cp", gathered, c)] * (fwd_passes + 1)
                 + [_gather("reduce_scatter", "cp", gathered, c)])
-    # Ulysses (and the Ulysses part of USP): sequence shards <-> head shards for Q, K+V and the output.
+    # Ulysses over u ranks: sequence shards <-> head shards for Q, K+V and the output. USP then passes the
+    # gathered K,V around a ring over the other c/u ranks (same bytes per hop as sent into the all-to-all).
+    u, dim = (c, "cp") if job.cp_mode == "ulysses" else (job.ulysses_degree, "cp_ulysses")
     tokens = (job.seq_len // c) * job.micro_batch
     heads = model.num_heads // deg.tp
     q = job.param_bytes * tokens * heads * model.qk_head_dim
     o = job.param_bytes * tokens * heads * model.v_dim
-    kv = _kv_bytes(model, deg, job, heads=ulysses_kv_heads(model, deg))
-    per_pass = [_a2a("cp", q, c), _a2a("cp", kv, c), _a2a("cp", o, c)]  # K and V travel together
-    return per_pass * (fwd_passes + 1)
+    kv = _kv_bytes(model, deg, job, heads=ulysses_kv_heads(model, deg, u))
+    out = [_a2a(dim, q, u), _a2a(dim, kv, u), _a2a(dim, o, u)] * (fwd_passes + 1) if u > 1 else []
+    r = c // u
+    return out + (hops(kv, (r - 1) * (fwd_passes + 1) + r, "cp_ring") if r > 1 else [])
 
 
-def ulysses_kv_heads(model: ModelSpec, deg: Degrees) -> int:
-    """KV heads a rank sends into Ulysses' all-to-all: its own, or one per cp rank when it has fewer."""
-    return max(max(1, model.kv_heads // deg.tp), deg.cp)
+def ulysses_kv_heads(model: ModelSpec, deg: Degrees, degree: int | None = None) -> int:
+    """KV heads a rank sends into Ulysses' all-to-all over `degree` ranks (default cp): its own, or one per
+    rank when it has fewer."""
+    return max(max(1, model.kv_heads // deg.tp), deg.cp if degree is None else degree)
 
 
 def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:

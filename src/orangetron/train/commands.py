@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-CONTEXT_MODES = ("ring", "allgather", "ulysses", "rsa")  # parallel.context.MODES, without importing torch
+CONTEXT_MODES = ("ring", "allgather", "ulysses", "rsa", "usp")  # parallel.context.MODES, without importing torch
 
 DEFAULTS_NOTE = "With no flags: the small-moe model on the embedded stdlib corpus, on one CPU rank."
 
@@ -70,6 +70,8 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="context-parallel degree: local ranks that split every sequence head-tail (started for you)")
     p.add_argument("--cp-mode", default="ring", choices=list(CONTEXT_MODES),
                    help="context-parallel attention (default: %(default)s)")
+    p.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
+                   help="--cp-mode usp: all-to-all over N ranks, ring over cp/N (default: %(default)s)")
     for dim, what in (("pp", "pipeline"),):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{what}-parallel degree (only 1 for now)")
     p.add_argument("--ep", type=int, default=1,
@@ -122,7 +124,7 @@ def run_verify(args: argparse.Namespace) -> int:
         dtype=args.dtype, warmup=0, corpus_bytes=200_000, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
         ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
-        dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
+        ulysses_degree=args.ulysses_degree, dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
     )
     result = verify(cfg, args.tolerance)
     verdict = "ok" if result["ok"] else "FAILED"
@@ -144,7 +146,8 @@ def run_train(args: argparse.Namespace) -> int:
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
-        sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, dispatcher=args.dispatcher,
+        sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
+        dispatcher=args.dispatcher,
         capacity_factor=args.capacity_factor,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )

@@ -91,7 +91,8 @@ class TrainConfig:
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     grad_bucket_numel: int = 0  # DDP: all-reduce gradient buckets of this many elements during backward
     sequence_parallel: bool = False  # with tp > 1: norms on sequence shards, reduce-scatter + all-gather
-    cp_mode: str = "ring"  # context-parallel attention with cp > 1: ring, allgather, ulysses, rsa
+    cp_mode: str = "ring"  # context-parallel attention with cp > 1: ring, allgather, ulysses, rsa, usp
+    ulysses_degree: int = 1  # cp_mode usp: the all-to-all factor of cp (the rest is a ring)
 
     def __post_init__(self) -> None:
         self._check_layout()
@@ -131,6 +132,8 @@ class TrainConfig:
         if (self.dp * self.cp) % self.ep:
             raise TrainConfigError(f"ep={self.ep} (--ep): must divide dp*cp={self.dp * self.cp}; the routed "
                                    "experts are split over the data-parallel ranks")
+        if self.cp_mode == "usp" and self.cp % self.ulysses_degree:
+            raise TrainConfigError(f"ulysses_degree={self.ulysses_degree} (--ulysses-degree): must divide cp={self.cp}")
         if self.batch_size % self.dp:
             raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp={self.dp}, "
                                    "each data-parallel rank takes an equal share of the batch")
@@ -140,6 +143,7 @@ class TrainConfig:
         return ParallelConfig(zero_stage=self.zero_stage, distributed_optimizer=self.distributed_optimizer,
                               param_dtype=self.dtype, grad_bucket_numel=self.grad_bucket_numel,
                               sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode,
+                              ulysses_degree=self.ulysses_degree,
                               dispatcher=self.dispatcher, capacity_factor=self.capacity_factor)
 
     def _check_checkpointing(self) -> None:

@@ -54,7 +54,8 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
         model = dataclasses.replace(model, aux_loss_coef=0.0)
     layout_cfg = dataclasses.replace(cfg, model=model)
     one_cfg = dataclasses.replace(layout_cfg, tp=1, cp=1, pp=1, dp=1, ep=1, zero_stage=0, distributed_optimizer=False,
-                                  sequence_parallel=False, grad_bucket_numel=0, cp_mode="ring", dispatcher="ragged")
+                                  sequence_parallel=False, grad_bucket_numel=0, cp_mode="ring", ulysses_degree=1,
+                                  dispatcher="ragged")
     with process_group():
         reference = _trace(one_cfg)
     traces = launch_local(_trace, cfg.layout.world_size, args=(layout_cfg,))

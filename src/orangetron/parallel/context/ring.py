@@ -20,12 +20,26 @@ from orangetron.parallel.context.blocks import block_backward, block_forward, me
 from orangetron.parallel.context.sharding import head_tail_indices
 
 
-def _visible(step: int, rank: int, source: int, length: int, causal: bool) -> tuple[slice, slice, bool]:
+def ring_positions(layout: tuple, member: int, device: torch.device) -> torch.Tensor:
+    """Global positions of the tokens ring member `member` holds.
+
+    layout ("head_tail", seq_len, cp): member r holds its head-tail shard. ("usp", seq_len, cp, u): ring
+    member r holds the shards of cp ranks r*u ... r*u+u-1, gathered by Ulysses, in that order.
+    """
+    if layout[0] == "head_tail":
+        _, seq_len, cp = layout
+        return head_tail_indices(seq_len, cp, member).to(device)
+    _, seq_len, cp, u = layout
+    return torch.cat([head_tail_indices(seq_len, cp, member * u + j) for j in range(u)]).to(device)
+
+
+def _visible(step: int, rank: int, source: int, length: int, causal: bool,
+             zigzag: bool) -> tuple[slice, slice, bool]:
     """(query rows, key columns, needs a mask) of this rank's queries against `source`'s keys."""
     everything = slice(0, length)
     if not causal:
         return everything, everything, False
-    if step == 0:
+    if step == 0 or not zigzag:
         return everything, everything, True  # the diagonal: causal within this rank's own chunks
     half = length // 2
     if source < rank:
@@ -37,9 +51,10 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention forward and backward (see the module docstring); saves q, k, v, out and lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, overlap: bool):
+    def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, overlap: bool, layout: tuple):
         length, cp, r = q.shape[1], group.size, group.rank
-        positions = [head_tail_indices(length * cp, cp, j).to(q.device) for j in range(cp)]
+        positions = [ring_positions(layout, j, q.device) for j in range(cp)]
+        zigzag = layout[0] == "head_tail"
         out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], length), float("-inf"), dtype=out.dtype, device=q.device)
         ring, kv = comm.RingExchange(group), pack(k, v)
@@ -49,7 +64,7 @@ class _RingAttention(torch.autograd.Function):
                 ring.start(kv)  # the next block travels while this one computes
                 arrived = None if overlap else ring.wait()  # serial, for comparison: transfer, then compute
             source = (r - step) % cp
-            rows, cols, masked = _visible(step, r, source, length, causal)
+            rows, cols, masked = _visible(step, r, source, length, causal, zigzag)
             kb, vb = kv[:, cols].split(k.shape[-1], dim=-1)
             block_out, block_lse = block_forward(q[:, rows], kb, vb, positions[r][rows], positions[source][cols],
                                                  masked, scale)
@@ -58,7 +73,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = ring.wait() if overlap else arrived
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.layout = group, causal, scale, layout
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -67,7 +82,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         length, cp, r, d = q.shape[1], group.size, group.rank, k.shape[-1]
-        positions = [head_tail_indices(length * cp, cp, j).to(q.device) for j in range(cp)]
+        positions = [ring_positions(ctx.layout, j, q.device) for j in range(cp)]
+        zigzag = ctx.layout[0] == "head_tail"
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv_ring, grad_ring = comm.RingExchange(group), comm.RingExchange(group)
         kv, dkv = pack(k, v), torch.zeros_like(pack(k, v))
@@ -75,7 +91,7 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv_ring.start(kv)
             source = (r - step) % cp
-            rows, cols, masked = _visible(step, r, source, length, causal)
+            rows, cols, masked = _visible(step, r, source, length, causal, zigzag)
             kb, vb = kv[:, cols].split(d, dim=-1)
             dq_b, dk_b, dv_b = block_backward(q[:, rows], kb, vb, out[:, rows], lse[:, :, rows], grad_out[:, rows],
                                               positions[r][rows], positions[source][cols], masked, scale)
@@ -85,13 +101,15 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_ring.wait()  # one transfer in flight at a time: both rings share the peers
             dkv = grad_ring.exchange(dkv)  # the gradients travel with their K,V and end at their owner
         dk, dv = dkv.split(d, dim=-1)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
-              scale: float, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, overlap: bool = True, layout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of this rank's head-tail shard; (out [B, L, Hq, D], lse [B, Hq, L]).
 
     `overlap=False` waits for each forward transfer before computing (a serial ring, for comparison).
+    `layout` says whose tokens each ring member holds (`ring_positions`; default: head-tail over `group`).
     """
-    return _RingAttention.apply(q, k, v, group, causal, scale, overlap)
+    layout = ("head_tail", q.shape[1] * group.size, group.size) if layout is None else layout
+    return _RingAttention.apply(q, k, v, group, causal, scale, overlap, layout)

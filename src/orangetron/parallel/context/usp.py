@@ -1,0 +1,34 @@
+"""Unified sequence parallelism (USP): Ulysses over `ulysses_degree` ranks times ring over the rest.
+
+The cp group is split into ring x Ulysses, Ulysses fastest, so consecutive cp ranks (one node's fast
+links) exchange heads by all-to-all, and the Ulysses groups pass K,V around a ring between them. After the
+all-to-all each rank holds its Ulysses group's tokens for its share of the heads; the ring then runs over
+those gathered blocks with masks by global position. Any factorization of cp works, including the two
+ends (ulysses_degree 1: a ring; cp: Ulysses).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orangetron.mesh import MeshGroup
+from orangetron.model.autograd import expand_kv
+from orangetron.parallel.context import ring
+from orangetron.parallel.context.blocks import pack
+from orangetron.parallel.context.ulysses import check_heads, to_heads, to_sequence
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[MeshGroup, MeshGroup],
+              causal: bool, scale: float) -> torch.Tensor:
+    """USP attention of this rank's head-tail shard over (ring group, Ulysses group) -> [B, L, Hq, D]."""
+    ring_group, ulysses_group = groups
+    u, cp = ulysses_group.size, ring_group.size * ulysses_group.size
+    check_heads(q.shape[2], k.shape[2], u)
+    kv = pack(k, v)
+    if kv.shape[2] < u:
+        kv = expand_kv(kv, u)  # one kv head per Ulysses rank
+    q_h, kv_h = to_heads(q, ulysses_group), to_heads(kv, ulysses_group)  # [B, u*L, Hq/u, D], [B, u*L, ., 2D]
+    k_h, v_h = kv_h.split(k.shape[-1], dim=-1)
+    layout = ("usp", q.shape[1] * cp, cp, u)
+    out, _ = ring.attention(q_h, k_h, v_h, ring_group, causal, scale, layout=layout)
+    return to_sequence(out, ulysses_group)
