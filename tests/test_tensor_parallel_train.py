@@ -83,3 +83,21 @@ def test_every_layout_reports_the_whole_model_parameter_count():
     result = _run(steps=1, tp=2, dp=2, ep=2, sequence_parallel=True)  # each rank holds a fraction
     assert result["params"] == whole
     assert result["memory"][0]["params"] < 0.6 * whole * 8  # float64 shards: about half (norms stay whole)
+
+
+def test_readme_python_example_runs_as_a_script(tmp_path):
+    """The README's "Using the pieces" snippet, saved to a file and run as a user would."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start = readme.index("```python\n", readme.index("## Using the pieces")) + len("```python\n")
+    script = tmp_path / "example.py"
+    script.write_text(readme[start:readme.index("```", start)])
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["0", "1", "2", "3"]
+    assert all("'reduce_scatter/tp'" in line and "'reduce_scatter/dp_cp'" in line for line in lines)
