@@ -101,3 +101,8 @@ def test_readme_python_example_runs_as_a_script(tmp_path):
     lines = done.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines] == ["0", "1", "2", "3"]
     assert all("'reduce_scatter/tp'" in line and "'reduce_scatter/dp_cp'" in line for line in lines)
+
+
+def test_verify_refuses_a_negative_tolerance(capsys):
+    assert main(["verify", "--tolerance", "-1"]) == 2
+    assert "tolerance=-1.0 (--tolerance): must be a finite number >= 0" in capsys.readouterr().err

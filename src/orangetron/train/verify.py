@@ -49,6 +49,8 @@ def _gradient_gap(grads: dict[str, torch.Tensor], reference: dict[str, torch.Ten
 
 def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     """Run `cfg` on one rank and on its layout; return the `verify --json` object."""
+    if tolerance is not None and not 0 <= tolerance < float("inf"):
+        raise ValueError(f"tolerance={tolerance} (--tolerance): must be a finite number >= 0")
     model = cfg.model_config()
     if cfg.ep == 1:  # without EP each rank balances its own tokens, which one device cannot reproduce
         model = dataclasses.replace(model, aux_loss_coef=0.0)
