@@ -38,7 +38,8 @@ def reference(cfg: ModelConfig, dp: int, seq: int = SEQ):
     losses, grads = [], []
     for step in range(STEPS):
         tokens = batch(step, dp * PER_RANK, cfg.vocab_size, seq)
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        # The model's own balancing loss is part of the single-device objective (0 when its coefficient is).
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss()
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)

@@ -19,15 +19,20 @@ BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=
 MODELS = {
     "dense-gqa": ModelConfig(**BASE),
     "moe-mha": ModelConfig(**{**BASE, "n_kv_heads": 4}, n_experts=4, top_k=2, moe_ffn_dim=8, n_shared_experts=1),
+    # The balancing loss on: every layout computes it over the whole batch, as one device does.
+    "moe-aux": ModelConfig(**{**BASE, "aux_loss_coef": 0.05}, n_experts=4, top_k=2, moe_ffn_dim=8),
 }
 SEQ = 16
 CASES = {
-    2: [(m, Layout(cp=2), {"cp_mode": mode}) for m in MODELS for mode in context.MODES if mode != "usp"],
+    2: [(m, Layout(cp=2), {"cp_mode": mode}) for m in MODELS for mode in context.MODES if mode != "usp"]
+    + [("moe-aux", Layout(tp=2), {"sequence_parallel": True}), ("moe-aux", Layout(dp=2), {"zero_stage": 3})],
     4: [("dense-gqa", Layout(cp=4), {"cp_mode": mode}) for mode in context.MODES if mode != "usp"]
     + [("moe-mha", Layout(tp=2, cp=2), {"cp_mode": "ring", "sequence_parallel": True}),
        ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ring", "zero_stage": 1}),
        ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ulysses", "zero_stage": 3}),
        ("moe-mha", Layout(cp=4), {"cp_mode": "usp", "ulysses_degree": 2}),
+       ("moe-aux", Layout(tp=2, cp=2), {"cp_mode": "ring", "sequence_parallel": True}),
+       ("moe-aux", Layout(cp=2, dp=2), {"cp_mode": "ulysses", "zero_stage": 1}),
        ("dense-gqa", Layout(cp=4), {"cp_mode": "usp", "ulysses_degree": 1}),
        ("dense-gqa", Layout(tp=2, cp=2), {"cp_mode": "usp", "ulysses_degree": 2, "sequence_parallel": True})],
 }

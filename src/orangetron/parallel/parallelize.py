@@ -12,6 +12,7 @@ from orangetron.parallel import context
 from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.data import DataParallel
 from orangetron.parallel.expert import expert_parallel
+from orangetron.parallel.expert.balance import balance_globally
 from orangetron.parallel.tensor import tensor_parallel
 
 _NOT_YET = {"pp": "pipeline"}
@@ -41,6 +42,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
         context_parallel(model, mesh, config.cp_mode, config.ulysses_degree)
     if layout.ep > 1:
         model = expert_parallel(model, mesh, config)
+    else:  # the balancing loss over every token of the batch, as one device computes it
+        balance_globally(model, mesh, config.sequence_parallel)
     return DataParallel(model, mesh, config)
 
 

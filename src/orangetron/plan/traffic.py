@@ -245,9 +245,9 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[Co
 
 
 def balancing_loss_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
-    """Per MoE layer and micro-batch under EP: the global balancing loss sums the expert counts, normalized
-    scores and token count (2E + 1 values, float32 or float64) over dp x cp, and over tp under SP."""
-    if deg.ep == 1 or not model.aux_loss_coef:
+    """Per MoE layer and micro-batch: the global balancing loss sums the expert counts, normalized scores
+    and token count (2E + 1 values, float32 or float64) over dp x cp, and over tp under SP."""
+    if not model.aux_loss_coef:
         return []
     numel = (2 * model.num_experts + 1) * (8 if job.param_bytes == 8 else 4)
     groups = [("dp_cp", deg.dp_cp)] + ([("tp", deg.tp)] if job.sequence_parallel else [])

@@ -7,6 +7,7 @@ from torch import nn
 from orangetron.mesh import ParallelMesh
 from orangetron.model.moe import MoE
 from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.expert.balance import balancing_groups
 from orangetron.parallel.expert.dispatcher import Dispatcher
 from orangetron.parallel.expert.layer import ExpertParallelMoE
 
@@ -16,8 +17,7 @@ def expert_parallel(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig
 
     The balancing loss is computed over the tokens of every dp x cp rank (and tp rank under SP).
     """
-    sp = config.sequence_parallel and mesh["tp"].size > 1
-    groups = [mesh["dp_cp"]] + ([mesh["tp"]] if sp else [])
+    groups = balancing_groups(mesh, config.sequence_parallel)
     for block in model.layers:
         ff = block.feed_forward
         if isinstance(ff, MoE):

@@ -14,6 +14,7 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
+from orangetron.model.moe import Router
 
 
 class GlobalLoadBalancingLoss(torch.autograd.Function):
@@ -31,7 +32,7 @@ class GlobalLoadBalancingLoss(torch.autograd.Function):
         totals = torch.cat((counts, normalized, scores.new_full((1,), valid_scores.shape[0])))
         for group in groups:
             totals = comm.all_reduce(totals, group)
-        n = totals[-1]
+        n = totals[-1].clone()  # its own storage: a view would keep the whole 2E+1 sums for backward
         f = totals[:experts] / (n * k).clamp(min=1)
         ctx.save_for_backward(scores, token_mask, f, n)
         ctx.grad_ranks = grad_ranks
@@ -48,3 +49,37 @@ class GlobalLoadBalancingLoss(torch.autograd.Function):
         if token_mask is not None:
             grad_scores = grad_scores * token_mask.unsqueeze(-1)
         return grad_scores, None, None, None, None
+
+
+class GlobalRouter(Router):
+    """The reference `router` (its gate taken over, same parameter names) with the balancing loss computed
+    over the global batch: for layouts without expert parallelism whose ranks split the tokens."""
+
+    def __init__(self, router: Router, groups: list[MeshGroup], grad_ranks: int) -> None:
+        torch.nn.Module.__init__(self)
+        self.n_experts, self.top_k, self.gate = router.n_experts, router.top_k, router.gate
+        self.score_func, self.aux_loss_coef = router.score_func, router.aux_loss_coef
+        self.groups, self.grad_ranks = groups, grad_ranks
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None):
+        scores, topk_idx, topk_weights = self.route(x)
+        loss = GlobalLoadBalancingLoss.apply(scores, topk_idx, token_mask, self.groups, self.grad_ranks)
+        return topk_idx, topk_weights, self.aux_loss_coef * loss
+
+
+def balancing_groups(mesh, sequence_parallel: bool) -> list[MeshGroup]:
+    """The groups whose ranks split the batch's tokens: dp x cp, and tp under sequence parallelism."""
+    sp = sequence_parallel and mesh["tp"].size > 1
+    return [mesh["dp_cp"]] + ([mesh["tp"]] if sp else [])
+
+
+def balance_globally(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
+    """Give every MoE router of `model` (experts not sharded) the global balancing loss, in place, when
+    its ranks split the tokens and the loss is on; otherwise each rank's loss is already the global one."""
+    groups = balancing_groups(mesh, sequence_parallel)
+    if all(g.size == 1 for g in groups):
+        return
+    for block in model.layers:
+        router = getattr(block.feed_forward, "router", None)
+        if router is not None and router.aux_loss_coef:
+            block.feed_forward.router = GlobalRouter(router, groups, mesh["dp_cp"].size)
