@@ -20,7 +20,8 @@ SEQ, PER_RANK, STEPS, LR, CLIP = 8, 2, 3, 3e-2, 0.5
 BUCKET = 500  # elements: buckets cross parameter boundaries, and the last one is shorter
 STAGES = {"ddp": dict(zero_stage=0), "ddp_buckets": dict(grad_bucket_numel=BUCKET), "zero1": dict(zero_stage=1),
           "distopt": dict(distributed_optimizer=True), "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3),
-          "zero3_serial": dict(zero_stage=3, zero3_prefetch=False), "zero3_keep": dict(zero_stage=3, zero3_keep_params=True)}
+          "zero3_serial": dict(zero_stage=3, zero3_prefetch=False),
+          "zero3_keep": dict(zero_stage=3, zero3_keep_params=True)}
 ZERO3 = ("zero3", "zero3_serial", "zero3_keep")
 
 
@@ -148,7 +149,7 @@ def expected_state(stage: str, numel: int, d: int, units: list[int]):
                 "optimizer": 2 * shard} | none
     shard = sum(-(-u // d) for u in units) * 8  # every unit padded on its own
     full = [-(-u // d) * d * 8 for u in units]
-    gathered = {"zero3": max(a + b for a, b in zip(full, full[1:])),  # the unit in use and the next one
+    gathered = {"zero3": max(a + b for a, b in zip(full, full[1:], strict=False)),  # the unit in use and the next one
                 "zero3_serial": max(full), "zero3_keep": sum(full)}[stage]
     wire = max(b + b // d for b in full)  # one unit's wire buffer and its reduced slice
     return {"params": shard, "grads": shard, "main_params": 0, "optimizer": 2 * shard,
@@ -346,7 +347,8 @@ def test_zero3_gathers_unit_by_unit_frees_after_use_and_overlaps():
             events = held.pop("launched_in_backward")
             at_block0 = held.pop("launched_at_block0")
             assert held == {"built": 0, "after_forward": 0, "after_backward": 0, "after_eval_forward": 0}, opts
-            assert peak <= max(a + b for a, b in zip(full, full[1:])) < sum(full), opts  # two units, not the model
+            two_units = max(a + b for a, b in zip(full, full[1:], strict=False))
+            assert peak <= two_units < sum(full), opts  # two units, not the model
             last = len(units) - 1  # the head: its backward comes first, and so do its gradients
             assert ("reduce", last) in events, opts  # a unit's reduce-scatter left before backward ended
             if opts:  # without prefetch, nothing is gathered ahead of use

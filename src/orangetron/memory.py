@@ -172,8 +172,10 @@ def report() -> dict[str, int | None]:
     """
     model = _report.model
     if model is not None and model() is None:
-        return dict.fromkeys(CATEGORIES + TRANSIENT)
-    return {name: _report.values.get(name) for name in CATEGORIES + TRANSIENT}
+        return dict.fromkeys(CATEGORIES)
+    # The transient peaks appear when the model measured has them (a `DataParallel` wrapper).
+    names = CATEGORIES + tuple(t for t in TRANSIENT if t in _report.values)
+    return {name: _report.values.get(name) for name in names}
 
 
 # ---- tensors kept outside save_for_backward --------------------------------------------------------
