@@ -19,7 +19,10 @@ CFG = ModelConfig(dim=18, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=32, ff
 SEQ, PER_RANK, STEPS, LR, CLIP = 8, 2, 3, 3e-2, 0.5
 BUCKET = 500  # elements: buckets cross parameter boundaries, and the last one is shorter
 STAGES = {"ddp": dict(zero_stage=0), "ddp_buckets": dict(grad_bucket_numel=BUCKET), "zero1": dict(zero_stage=1),
-          "distopt": dict(distributed_optimizer=True), "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3)}
+          "distopt": dict(distributed_optimizer=True), "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3),
+          "zero3_serial": dict(zero_stage=3, zero3_prefetch=False),
+          "zero3_keep": dict(zero_stage=3, zero3_keep_params=True)}
+ZERO3 = ("zero3", "zero3_serial", "zero3_keep")
 
 
 def batch(step: int, rows: int) -> torch.Tensor:
@@ -67,7 +70,12 @@ def data_parallel_run(layout: Layout, stage: str, param_dtype: str = "float64"):
             loss = ce(dp(rows[:, :-1]), rows)
             loss.backward()
             dp.reduce_gradients()  # what clipping would do first; the gradients are read before they are clipped
-            grads.append(dp.owned_grads().double().clone())
+            if dp.zero3:  # units are padded one by one: read whole tensors, in the model's order
+                with comm.unmeasured():
+                    whole = dp.full_grads()
+                grads.append(torch.cat([whole[n].reshape(-1) for n, _ in dp.module.named_parameters()]))
+            else:
+                grads.append(dp.owned_grads().double().clone())
             opt.clip_grad_norm_(CLIP)
             opt.step()
             opt.zero_grad()
@@ -90,9 +98,27 @@ def all_stages(layout: Layout):
 
 def full_grads(results: list[dict], stage: str, step: int, layout: Layout) -> torch.Tensor:
     """The whole averaged gradient of `step`, from the slices the dp ranks own (tp peers hold the same)."""
+    if stage in ZERO3:
+        return results[0][stage][5][step]
     slices = [by_stage[stage][5][step] for by_stage in results[:: layout.tp]]
     numel = results[0][stage][4]
     return torch.cat(slices)[:numel] if stage not in ("ddp", "ddp_buckets") else slices[0]
+
+
+def unit_numels() -> list[int]:
+    """ZeRO-3's units, from the plain model: the embedding, each block, the head (final norm and output)."""
+    model = Transformer(CFG, seed=0)
+    return [sum(p.numel() for p in m.parameters())
+            for m in (model.tok_embeddings, *model.layers, torch.nn.ModuleList([model.norm, model.output]))]
+
+
+def zero3_records(stage: str, units: list[int], d: int):
+    """Per unit: gathered before forward and (unless kept) before backward; reduce-scattered once."""
+    padded = [-(-u // d) * d * 8 for u in units]
+    ags = [("all_gather", "dp_cp", b, b * (d - 1) // d) for b in padded]
+    rss = [("reduce_scatter", "dp_cp", b, b * (d - 1) // d) for b in padded]
+    clip = ("all_reduce", "dp_cp", 8, 2 * 8 * (d - 1) // d)
+    return sorted(ags * (1 if stage == "zero3_keep" else 2) + rss + [clip])
 
 
 def expected_records(stage: str, step: int, numel: int, d: int):
@@ -110,16 +136,24 @@ def expected_records(stage: str, step: int, numel: int, d: int):
         "zero1": [ag] * (step > 0) + [rs, clip],  # lazy: gathered before the next forward
         "zero2": [ag] * (step > 0) + [rs, clip],
         "distopt": [rs, clip, ag],  # eager: gathered right after the step
-        "zero3": [ag, ag, rs, clip],  # before forward, before backward
     }[stage]
 
 
-def expected_state(stage: str, numel: int, d: int):
+def expected_state(stage: str, numel: int, d: int, units: list[int]):
     shard, padded = -(-numel // d) * 8, -(-numel // d) * d * 8
+    none = {"gathered_params": 0, "grad_buckets": 0}
     if stage in ("ddp", "ddp_buckets"):
-        return {"params": numel * 8, "grads": numel * 8, "main_params": 0, "optimizer": 2 * numel * 8}
-    return {"params": shard if stage == "zero3" else padded, "grads": shard if stage in ("zero2", "zero3") else padded,
-            "main_params": 0, "optimizer": 2 * shard}
+        return {"params": numel * 8, "grads": numel * 8, "main_params": 0, "optimizer": 2 * numel * 8} | none
+    if stage not in ZERO3:
+        return {"params": padded, "grads": shard if stage == "zero2" else padded, "main_params": 0,
+                "optimizer": 2 * shard} | none
+    shard = sum(-(-u // d) for u in units) * 8  # every unit padded on its own
+    full = [-(-u // d) * d * 8 for u in units]
+    gathered = {"zero3": max(a + b for a, b in zip(full, full[1:], strict=False)),  # the unit in use and the next one
+                "zero3_serial": max(full), "zero3_keep": sum(full)}[stage]
+    wire = max(b + b // d for b in full)  # one unit's wire buffer and its reduced slice
+    return {"params": shard, "grads": shard, "main_params": 0, "optimizer": 2 * shard,
+            "gathered_params": gathered, "grad_buckets": wire}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
@@ -137,11 +171,16 @@ def test_every_stage_matches_one_device_with_exact_ledger_and_memory(layout):
             for step in range(STEPS):
                 torch.testing.assert_close(full_grads(results, stage, step, layout), ref_grads[step], rtol=1e-9,
                                            atol=1e-12, msg=f"{where} step {step} gradients")
+            units = unit_numels()  # tp ranks replicate here
+            assert sum(units) == numel, where
             for step, records in enumerate(step_records):
+                if stage in ZERO3:
+                    assert sorted(records) == zero3_records(stage, units, d), f"{where} step {step}"
+                    continue
                 got = sorted(records) if stage == "ddp_buckets" else records
                 assert got == expected_records(stage, step, numel, d), f"{where} step {step}"
             model_state = {k: v for k, v in state.items() if k != "activations"}
-            assert model_state == expected_state(stage, numel, d), where
+            assert model_state == expected_state(stage, numel, d, units), where
             # Sharding is model state only: ZeRO-3's gathered weights must not count as activations.
             assert state["activations"] == by_stage["ddp"][3]["activations"] > 0, where
 
@@ -157,7 +196,8 @@ def test_bfloat16_params_keep_fp32_main_state_and_reduce_in_bf16():
     mean_losses = [(a + b) / 2 for a, b in zip(losses, other_losses, strict=True)]
     torch.testing.assert_close(mean_losses, reference(2)[0], rtol=2e-2, atol=0)  # bf16 tracks float64
     shard, padded = -(-numel // 2), -(-numel // 2) * 2
-    assert state == {"params": padded * 2, "grads": shard * 4, "main_params": shard * 4, "optimizer": shard * 8}
+    assert state == {"params": padded * 2, "grads": shard * 4, "main_params": shard * 4, "optimizer": shard * 8,
+                     "gathered_params": 0, "grad_buckets": 0}
     assert records[0] == ("all_gather", "dp_cp", padded * 2, shard * 2)  # params travel in bf16
     assert records[1] == ("reduce_scatter", "dp_cp", padded * 2, shard * 2)  # and so do gradients
 
@@ -271,29 +311,50 @@ def test_buckets_are_reduced_during_backward():
         assert buckets > 5 and launched == buckets  # every bucket left before the step asked for it
 
 
-def zero3_gathered_bytes():
-    """Bytes held by ZeRO-3's gathered full-parameter buffer at each point of a training step."""
+def zero3_unit_checks(opts: dict):
+    """Gathered bytes at points of a ZeRO-3 step, the peak, and what was launched before backward ended."""
     mesh = init_mesh(Layout(dp=2))
     dp = DataParallel(Transformer(CFG, seed=0, dtype=torch.float64), mesh,
-                      ParallelConfig(param_dtype="float64", zero_stage=3))
-    held = {"built": dp.flat_params.untyped_storage().nbytes()}
-    # The embedding's gradient is the last one backward computes: the parameters must still be there.
+                      ParallelConfig(param_dtype="float64", zero_stage=3, **opts))
+    live = dp.transient.live
+    held = {"built": live["gathered_params"]}
+
+    # The embedding's gradient is the last one backward computes: what was launched before it is overlap.
     def in_backward(_: torch.Tensor) -> None:
-        held.setdefault("in_backward", dp.flat_params.untyped_storage().nbytes())
+        held.setdefault("launched_in_backward", list(dp.schedule.events))
 
     dp.module.tok_embeddings.weight.register_post_accumulate_grad_hook(in_backward)
+    def at_block0(*_) -> None:
+        held.setdefault("launched_at_block0", list(dp.schedule.events))
+
+    dp.module.tok_embeddings.register_forward_hook(at_block0)  # the embedding has just run
     rows = batch(0, 2)
     loss = ce(dp(rows[:, :-1]), rows)
-    held["after_forward"] = dp.flat_params.untyped_storage().nbytes()
+    held["after_forward"] = live["gathered_params"]
+    dp.schedule.events.clear()
     loss.backward()
-    held["after_backward"] = dp.flat_params.untyped_storage().nbytes()
+    held["after_backward"] = live["gathered_params"]
     with torch.no_grad():
         dp(rows[:, :-1])
-    held["after_eval_forward"] = dp.flat_params.untyped_storage().nbytes()
-    return held, dp.parts[0].padded_numel * 8
+    held["after_eval_forward"] = live["gathered_params"]
+    return held, dp.transient_peaks()["gathered_params"], unit_numels()
 
 
-def test_zero3_frees_gathered_parameters_outside_forward_and_backward():
-    for held, full_bytes in run_distributed(zero3_gathered_bytes, 2):
-        assert held == {"built": 0, "in_backward": full_bytes, "after_forward": 0, "after_backward": 0,
-                        "after_eval_forward": 0}
+def test_zero3_gathers_unit_by_unit_frees_after_use_and_overlaps():
+    for opts in ({}, {"zero3_prefetch": False}):
+        for held, peak, units in run_distributed(zero3_unit_checks, 2, args=(opts,)):
+            full = [-(-u // 2) * 2 * 8 for u in units]
+            events = held.pop("launched_in_backward")
+            at_block0 = held.pop("launched_at_block0")
+            assert held == {"built": 0, "after_forward": 0, "after_backward": 0, "after_eval_forward": 0}, opts
+            two_units = max(a + b for a, b in zip(full, full[1:], strict=False))
+            assert peak <= two_units < sum(full), opts  # two units, not the model
+            last = len(units) - 1  # the head: its backward comes first, and so do its gradients
+            assert ("reduce", last) in events, opts  # a unit's reduce-scatter left before backward ended
+            if opts:  # without prefetch, nothing is gathered ahead of use
+                assert peak == max(full)
+                assert ("gather", 1) not in at_block0
+                continue
+            assert ("gather", 1) in at_block0  # block 0 (unit 1) on its way while the embedding ran
+            # The unit before the head was prefetched when the head's backward began, before it reduced.
+            assert events.index(("gather", last - 1)) < events.index(("reduce", last))

@@ -23,10 +23,10 @@ from orangetron.plan import collectives as formulas
 from orangetron.plan.collectives import CommRecord
 
 __all__ = [
-    "LEDGER_LIMIT", "CommRecord", "LedgerOverflow", "PendingAllReduce", "RingExchange", "all_gather",
-    "all_gather_into", "all_gather_objects", "all_reduce", "all_reduce_max", "all_reduce_start", "all_to_all",
-    "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure", "reduce_scatter", "reset_ledger", "unmeasured",
-    "world_group",
+    "LEDGER_LIMIT", "CommRecord", "LedgerOverflow", "Pending", "PendingAllReduce", "RingExchange", "all_gather",
+    "all_gather_into", "all_gather_into_start", "all_gather_objects", "all_reduce", "all_reduce_max",
+    "all_reduce_start", "all_to_all", "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure",
+    "reduce_scatter", "reduce_scatter_start", "reset_ledger", "unmeasured", "world_group",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -169,18 +169,39 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: MeshGroup) ->
     For parameter buffers (ZeRO): the write bypasses autograd's version counter, so tensors saved for
     backward that view `out` see the gathered values rather than failing a version check.
     """
+    all_gather_into_start(out, shard, group).wait()
+
+
+def all_gather_into_start(out: torch.Tensor, shard: torch.Tensor, group: MeshGroup) -> Pending:
+    """`all_gather_into` that returns at once (ZeRO-3's prefetch of the next unit); `wait()` before reading
+    `out`. `shard` must stay untouched until then."""
     if out.numel() != shard.numel() * group.size:
         raise ValueError(f"all_gather_into over {group.name}: out has {out.numel()} elements, "
                          f"expected {group.size} x {shard.numel()}")
     if group.size == 1:
         out.data.copy_(shard.reshape(out.shape))
-        return
-    dist.all_gather_single(out, shard.contiguous(), group=group.group)
+        return Pending(out, None)
+    work = dist.all_gather_single(out, shard.contiguous(), group=group.group, async_op=True)
     _record("all_gather", group, _nbytes(out), formulas.all_gather_bytes(_nbytes(out), group.size))
+    return Pending(out, work)
 
 
-class PendingAllReduce:
-    """An all-reduce in flight (`all_reduce_start`); `wait()` returns the summed tensor."""
+def reduce_scatter_start(x: torch.Tensor, group: MeshGroup) -> Pending:
+    """Start summing the flat tensor `x` over the group, keeping this member's 1/n slice, and return at once
+    (gradient buckets during backward); `wait()` returns the slice. No autograd."""
+    if x.dim() != 1 or x.numel() % group.size:
+        raise ValueError(f"reduce_scatter_start over {group.name}: needs a flat tensor whose {x.numel()} "
+                         f"elements divide by the group size {group.size}")
+    if group.size == 1:
+        return Pending(x, None)
+    out = x.new_empty(x.numel() // group.size)
+    work = dist.reduce_scatter_single(out, x.contiguous(), group=group.group, async_op=True)
+    _record("reduce_scatter", group, _nbytes(x), formulas.reduce_scatter_bytes(_nbytes(x), group.size))
+    return Pending(out, work)
+
+
+class Pending:
+    """A collective in flight (`*_start`); `wait()` completes it and returns its result tensor."""
 
     def __init__(self, tensor: torch.Tensor, work: object | None) -> None:
         self.tensor, self._work = tensor, work
@@ -192,16 +213,19 @@ class PendingAllReduce:
         return self.tensor
 
 
-def all_reduce_start(x: torch.Tensor, group: MeshGroup) -> PendingAllReduce:
+PendingAllReduce = Pending  # the name bucketed DDP has used
+
+
+def all_reduce_start(x: torch.Tensor, group: MeshGroup) -> Pending:
     """Start summing the contiguous tensor `x` over the group in place and return at once, so compute can
     overlap it (gradient buckets during backward). No autograd."""
     if not x.is_contiguous():
         raise ValueError(f"all_reduce_start over {group.name}: the tensor must be contiguous (it is reduced in place)")
     if group.size == 1:
-        return PendingAllReduce(x, None)
+        return Pending(x, None)
     work = dist.all_reduce(x, group=group.group, async_op=True)
     _record("all_reduce", group, _nbytes(x), formulas.all_reduce_bytes(_nbytes(x), group.size))
-    return PendingAllReduce(x, work)
+    return Pending(x, work)
 
 
 def all_reduce_max(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from orangetron.plan.memory import CATEGORIES  # the cost model's categories, measured here
+from orangetron.plan.memory import CATEGORIES, TRANSIENT  # the cost model's categories, measured here
 
 
 @dataclass
@@ -83,6 +83,9 @@ def model_state_bytes(
 ) -> dict[str, int]:
     """Bytes of params, grads, fp32 main params and optimizer state held by this rank.
 
+    A wrapper with `transient_peaks()` (`DataParallel`) adds the peaks of what exists only during a step:
+    `gathered_params` (ZeRO-3's full units) and `grad_buckets` (gradient wire buffers in flight).
+
     `main_params` are the fp32 master copies a mixed-precision optimizer keeps; when the model itself
     trains in fp32 there are none and the category is 0, as in the cost model. A wrapper that owns its
     buffers (`DataParallel`) reports them through `state_tensors()`; an optimizer may do the same.
@@ -99,6 +102,8 @@ def model_state_bytes(
         "main_params": unique_storage_bytes(main_params),
         "optimizer": unique_storage_bytes(_optimizer_tensors(optimizer)),
     }
+    if hasattr(model, "transient_peaks"):  # buffers that live only during a step, at their peak
+        report |= model.transient_peaks()
     _note(model, report)
     return report
 
@@ -168,7 +173,9 @@ def report() -> dict[str, int | None]:
     model = _report.model
     if model is not None and model() is None:
         return dict.fromkeys(CATEGORIES)
-    return {name: _report.values.get(name) for name in CATEGORIES}
+    # The transient peaks appear when the model measured has them (a `DataParallel` wrapper).
+    names = CATEGORIES + tuple(t for t in TRANSIENT if t in _report.values)
+    return {name: _report.values.get(name) for name in names}
 
 
 # ---- tensors kept outside save_for_backward --------------------------------------------------------

@@ -37,6 +37,9 @@ class ParallelConfig:
     reduce_dtype: str | None = None  # gradient reduction dtype; None: param_dtype, as the seed's tables
     grad_bucket_numel: int = 0  # DDP: all-reduce gradients in buckets of this many elements during backward;
     # 0: one reduction after backward (the only mode of the sharded stages for now)
+    zero3_prefetch: bool = True  # ZeRO-3: start gathering the next unit while the current one computes
+    zero3_keep_params: bool = False  # ZeRO-3: keep the forward's gathered units until their backward (no
+    # second gather, more memory: Llama 3's choice)
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved
     microbatches: int = 1  # micro-batches per step
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)

@@ -40,6 +40,7 @@ from orangetron.parallel.config import ParallelConfig, ParallelConfigError
 from orangetron.parallel.flat import FlatPart
 from orangetron.parallel.optim import FlatAdamW
 from orangetron.parallel.tensor import gather_tensor, shard_tensor
+from orangetron.parallel.units import TransientPeaks, Zero3Schedule, find_units
 
 
 class DataParallel(nn.Module):
@@ -59,9 +60,13 @@ class DataParallel(nn.Module):
         self.device = next(iter(module.parameters())).device
         dense = [(n, p) for n, p in self._named if not self._is_expert(n)]
         experts = [(n, p) for n, p in self._named if self._is_expert(n)]
-        self.parts = [FlatPart(dense, self.group, self.config, self.device)]
+        units = find_units(module, [n for n, _ in self._named]) if self.zero3 else []
+        unit_of = {name: unit.index for unit in units for name in unit.names}
+        self.parts = [FlatPart(dense, self.group, self.config, self.device, unit_of)]
         if experts:
-            self.parts.append(FlatPart(experts, mesh["edp"], self.config, self.device))
+            self.parts.append(FlatPart(experts, mesh["edp"], self.config, self.device, unit_of))
+        self.transient = TransientPeaks()
+        self.schedule = Zero3Schedule(self, units) if self.zero3 else None
         self._params_stale = False
         self._grads_pending = False
         bucket_numel = self.config.grad_bucket_numel
@@ -101,13 +106,24 @@ class DataParallel(nn.Module):
     # ---- buffers ---------------------------------------------------------------------------------
 
     def _release_params(self) -> None:
-        for part in self.parts:
-            part.release()
+        if self.schedule is not None:
+            self.schedule.release_all()
 
     def _gather_params(self) -> None:
-        for part in self.parts:
-            part.gather()
+        if self.schedule is not None:
+            self.schedule.gather_all()
+        else:
+            for part in self.parts:
+                part.gather()
         self._params_stale = False
+
+    def transient_peaks(self) -> dict[str, int]:
+        """Peak bytes, since the last `reset_transient_peaks()`, of ZeRO-3's gathered parameters and of the
+        gradient buckets in flight (wire buffer and reduced slice)."""
+        return dict(self.transient.peak)
+
+    def reset_transient_peaks(self) -> None:
+        self.transient.reset()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank keeps between steps, by memory category (see `orangetron.memory`)."""
@@ -121,38 +137,28 @@ class DataParallel(nn.Module):
     # ---- forward and backward ----------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.zero3 or self._params_stale:
+        if self.schedule is not None:
+            self.schedule.begin_forward()
+        elif self._params_stale:
             self._gather_params()
         out = self.module(*args, **kwargs)
-        if self.zero3:
-            self._release_params()
-            needs_grad = [t for t in _tensors(out) if t.requires_grad]
-            if needs_grad:
-                # Whichever output's gradient arrives first starts the backward: gather before any of it.
-                self._gathered_for_backward = False
-                torch.autograd.graph.register_multi_grad_hook(needs_grad, self._regather_for_backward, mode="any")
+        if self.schedule is not None:
+            self.schedule.end_forward(out)
         self._grads_pending |= torch.is_grad_enabled()  # an evaluation forward leaves nothing to reduce
         return out
-
-    def _regather_for_backward(self, grad: torch.Tensor) -> None:
-        if self._gathered_for_backward:
-            return
-        self._gathered_for_backward = True
-        self._gather_params()
-        # Free the gathered parameters again once this backward pass has finished.
-        torch.autograd.Variable._execution_engine.queue_callback(self._release_params)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate gradients (the earlier micro-batches of a step)."""
-        if self.buckets is None:  # gradients wait in .grad until the step anyway
+        hooks = self.buckets if self.buckets is not None else self.schedule
+        if hooks is None:  # gradients wait in .grad until the step anyway
             yield
             return
-        self.buckets.sync = False
+        hooks.sync = False
         try:
             yield
         finally:
-            self.buckets.sync = True
+            hooks.sync = True
 
     def reduce_gradients(self) -> None:
         """Average the gradients over the dp x cp ranks into the main gradients (the step calls this)."""
@@ -161,6 +167,15 @@ class DataParallel(nn.Module):
         if self.buckets is not None:  # already summed bucket by bucket during backward
             self.buckets.finish()
             self.main_grads.div_(self.group.size)
+            self._grads_pending = False
+            return
+        if self.schedule is not None:  # ZeRO-3: reduce-scattered unit by unit during backward
+            if self.schedule.defer:
+                self.module.sync_grads()
+                self.schedule.reduce_all()
+            self.schedule.retire()
+            for part in self.parts:
+                part.main_grads.div_(self.group.size)
             self._grads_pending = False
             return
         if self.tp is not None:
@@ -252,13 +267,14 @@ class DataParallel(nn.Module):
         for part, adamw in zip(self.parts, optimizer.adamws, strict=True):
             main = self._flat_from(part, state["params"], part.main_params.dtype)
             with torch.no_grad():
-                part.main_params.copy_(main[part.owned])
+                part.main_params.copy_(part.take_owned(main))
                 if self.config.mixed_precision:
-                    part.param_shard.copy_(main[part.owned])
+                    part.param_shard.copy_(part.take_owned(main))
                 if not self.zero3:
                     part.flat_params.copy_(main)  # every rank holds full parameters outside ZeRO-3
-                adamw.exp_avg.copy_(self._flat_from(part, state["exp_avg"], adamw.exp_avg.dtype)[part.owned])
-                adamw.exp_avg_sq.copy_(self._flat_from(part, state["exp_avg_sq"], adamw.exp_avg_sq.dtype)[part.owned])
+                adamw.exp_avg.copy_(part.take_owned(self._flat_from(part, state["exp_avg"], adamw.exp_avg.dtype)))
+                adamw.exp_avg_sq.copy_(part.take_owned(
+                    self._flat_from(part, state["exp_avg_sq"], adamw.exp_avg_sq.dtype)))
             adamw.steps = int(state["optimizer_steps"])
         self._params_stale = False
 
@@ -331,16 +347,10 @@ class ShardedAdamW:
             p.grad = None
         if self.dp.buckets is not None:  # gradients accumulate in the flat buffer itself
             self.dp.main_grads.zero_()
+        if self.dp.schedule is not None:  # and in the owned slices, unit by unit
+            for part in self.dp.parts:
+                part.main_grads.zero_()
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for adamw in self.adamws for t in adamw.state_tensors()]
 
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(out):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for item in out for t in _tensors(item)]
-    if isinstance(out, dict):
-        return [t for item in out.values() for t in _tensors(item)]
-    return []

@@ -7,6 +7,8 @@ routed experts (over edp): each rank owns `[r * s, (r + 1) * s)` of every buffer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -16,32 +18,83 @@ from orangetron.parallel.config import ParallelConfig
 from orangetron.plan.sharding import padded_numel, shard_numel
 
 
+@dataclass
+class Segment:
+    """One unit's share of a part: its own padded buffer under ZeRO-3 (the whole part otherwise)."""
+
+    unit: int
+    start: int  # offset in the part's padded layout (units one after another, each padded to n)
+    numel: int
+    padded: int
+    shard_start: int  # offset of this rank's slice in the part's shard layout
+    shard_numel: int
+    flat: torch.Tensor | None = None  # the gathered parameters (storage freed between uses under ZeRO-3)
+
+
 class FlatPart:
-    """Flat parameter, main-gradient and main-parameter buffers of `named` parameters over `group`."""
+    """Flat parameter, main-gradient and main-parameter buffers of `named` parameters over `group`.
+
+    Under ZeRO-3 `unit_of` gives each parameter's unit (`parallel.units`): every unit is padded to a multiple
+    of n on its own and gathered alone, and a rank's shard is its slice of every unit, one after another.
+    """
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], group: MeshGroup, config: ParallelConfig,
-                 device: torch.device) -> None:
-        self.named, self.group, self.config, self.device = named, group, config, device
+                 device: torch.device, unit_of: dict[str, int] | None = None) -> None:
+        self.group, self.config, self.device = group, config, device
         self.zero3 = config.zero_stage == 3
         self.shards = group.size if config.shards_optimizer else 1
+        unit_of = unit_of if self.zero3 and unit_of else {}
+        self.named = sorted(named, key=lambda item: unit_of.get(item[0], 0))  # stable: units stay contiguous
         self.numel = sum(p.numel() for _, p in named)
-        self.shard_numel = shard_numel(self.numel, self.shards)
-        self.padded_numel = padded_numel(self.numel, self.shards)
-        start = group.rank * self.shard_numel if self.shards > 1 else 0
-        self.owned = slice(start, start + self.shard_numel)  # this rank's slice of every flat buffer
+        self.unit_of = [unit_of.get(n, 0) for n, _ in self.named]
+        self.segments = self._segments(self.unit_of)
+        self.padded_numel = sum(s.padded for s in self.segments)
+        self.shard_numel = sum(s.shard_numel for s in self.segments)
+        self.owned = self._owned_index()  # this rank's elements of every padded-layout buffer
         self._build()
+
+    def _segments(self, units: list[int]) -> list[Segment]:
+        sizes: dict[int, int] = {}
+        for unit, (_, p) in zip(units, self.named, strict=True):
+            sizes[unit] = sizes.get(unit, 0) + p.numel()
+        out, start, shard_start = [], 0, 0
+        for unit, numel in sizes.items():
+            s = shard_numel(numel, self.shards)
+            out.append(Segment(unit, start, numel, padded_numel(numel, self.shards), shard_start, s))
+            start, shard_start = start + out[-1].padded, shard_start + s
+        return out
+
+    def _owned_index(self) -> slice | torch.Tensor:
+        r = self.group.rank if self.shards > 1 else 0
+        if len(self.segments) == 1:
+            return slice(r * self.shard_numel, (r + 1) * self.shard_numel)
+        return torch.cat([torch.arange(s.start + r * s.shard_numel, s.start + (r + 1) * s.shard_numel,
+                                       device=self.device) for s in self.segments])
 
     def _build(self) -> None:
         cfg = self.config
-        flat = torch.zeros(self.padded_numel, dtype=cfg.torch_param_dtype, device=self.device)
-        offset = 0
+        self.offsets: dict[str, int] = {}  # each parameter's offset in the padded layout
+        by_unit = {s.unit: s for s in self.segments}
+        local = {s.unit: 0 for s in self.segments}
+        if not self.zero3:
+            self.segments[0].flat = torch.zeros(self.padded_numel, dtype=cfg.torch_param_dtype, device=self.device)
         with torch.no_grad():
-            for _, p in self.named:
-                flat[offset:offset + p.numel()].copy_(p.reshape(-1))
-                p.data = flat[offset:offset + p.numel()].view(p.shape)  # the module now computes on `flat`
-                offset += p.numel()
-        self.flat_params = flat
-        self.param_shard = flat[self.owned].clone() if self.zero3 else flat[self.owned]
+            for seg in self.segments:
+                if seg.flat is None:
+                    seg.flat = torch.zeros(seg.padded, dtype=cfg.torch_param_dtype, device=self.device)
+            for (name, p), unit in zip(self.named, self.unit_of, strict=True):
+                seg = by_unit[unit]
+                at = local[seg.unit]
+                seg.flat[at:at + p.numel()].copy_(p.reshape(-1))
+                p.data = seg.flat[at:at + p.numel()].view(p.shape)  # the module now computes on the buffer
+                self.offsets[name] = seg.start + at
+                local[seg.unit] = at + p.numel()
+        r = self.group.rank if self.shards > 1 else 0
+        if self.zero3:
+            self.param_shard = torch.cat([s.flat[r * s.shard_numel:(r + 1) * s.shard_numel] for s in self.segments])
+        else:
+            self.flat_params = self.segments[0].flat
+            self.param_shard = self.flat_params[self.owned]
         main_dtype = torch.float32 if cfg.mixed_precision else cfg.torch_param_dtype
         self.main_params = self.param_shard.to(main_dtype, copy=True) if cfg.mixed_precision else self.param_shard
         grads = self.shard_numel if cfg.zero_stage >= 2 else self.padded_numel
@@ -49,18 +102,31 @@ class FlatPart:
         if self.zero3:
             self.release()
 
-    def release(self) -> None:
-        # The parameters stay views of `flat_params`; only its storage goes (tensors saved for backward
+    def shard_of(self, seg: Segment) -> torch.Tensor:
+        """This rank's slice of `seg` in the shard-layout buffers (param_shard, main_params, ZeRO-2/3 grads)."""
+        return self.param_shard[seg.shard_start:seg.shard_start + seg.shard_numel]
+
+    def release(self, seg: Segment | None = None) -> None:
+        # The parameters stay views of the segment's buffer; only its storage goes (tensors saved for backward
         # keep referring to it and see the values again once it is re-gathered).
-        self.flat_params.untyped_storage().resize_(0)
+        for s in [seg] if seg is not None else self.segments:
+            s.flat.untyped_storage().resize_(0)
+
+    def is_gathered(self, seg: Segment) -> bool:
+        return seg.flat.untyped_storage().nbytes() > 0
+
+    def gather_start(self, seg: Segment) -> comm.Pending:
+        """Start gathering `seg`'s full parameters into its buffer (allocated here when freed)."""
+        nbytes = seg.padded * seg.flat.element_size()
+        if seg.flat.untyped_storage().nbytes() != nbytes:
+            seg.flat.untyped_storage().resize_(nbytes)
+        # Under ZeRO-1/2 the shard is a view of the buffer being gathered into, so it travels as a copy.
+        shard = self.shard_of(seg) if self.zero3 else self.param_shard.clone()
+        return comm.all_gather_into_start(seg.flat, shard, self.group)
 
     def gather(self) -> None:
-        nbytes = self.padded_numel * self.flat_params.element_size()
-        if self.flat_params.untyped_storage().nbytes() != nbytes:
-            self.flat_params.untyped_storage().resize_(nbytes)
-        # Under ZeRO-1/2 the shard is a view of the buffer being gathered into, so it travels as a copy.
-        shard = self.param_shard if self.zero3 else self.param_shard.clone()
-        comm.all_gather_into(self.flat_params, shard, self.group)
+        for seg in self.segments:
+            self.gather_start(seg).wait()
 
     def reduce(self, divisor: int) -> None:
         """Sum the parameters' gradients over the group into `main_grads`, divided by `divisor`."""
@@ -70,14 +136,13 @@ class FlatPart:
             full = torch.zeros(self.padded_numel, dtype=cfg.torch_reduce_dtype, device=self.device)
         else:
             full = self.main_grads
-        offset = 0
-        for _, p in self.named:
+        for name, p in self.named:
+            at = self.offsets[name]
             if p.grad is not None:
-                full[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                full[at:at + p.numel()].copy_(p.grad.reshape(-1))
             else:
-                full[offset:offset + p.numel()].zero_()
+                full[at:at + p.numel()].zero_()
             p.grad = None
-            offset += p.numel()
         wire = full.to(cfg.torch_reduce_dtype)  # no copy when the dtypes already agree
         if self.shards == 1:
             self.main_grads.copy_(comm.all_reduce(wire, self.group))
@@ -90,31 +155,29 @@ class FlatPart:
 
     def owned_mask(self, rule) -> torch.Tensor:
         mask = torch.zeros(self.padded_numel, dtype=torch.bool, device=self.device)
-        offset = 0
         for name, p in self.named:
-            mask[offset:offset + p.numel()] = rule(name, p)
-            offset += p.numel()
+            mask[self.offsets[name]:self.offsets[name] + p.numel()] = rule(name, p)
         return mask[self.owned].clone()
+
+    def take_owned(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of a padded-layout buffer, in shard layout."""
+        return full[self.owned]
 
     def gather_owned(self, owned: torch.Tensor) -> torch.Tensor:
         """The full padded flat buffer from every rank's owned slice (no copy when nothing is sharded)."""
         if self.shards == 1:
             return owned
-        full = owned.new_empty(self.padded_numel)
-        comm.all_gather_into(full, owned.contiguous(), self.group)
-        return full
+        gathered = owned.new_empty(self.shard_numel * self.shards)
+        comm.all_gather_into(gathered, owned.contiguous(), self.group)
+        rows = gathered.view(self.shards, self.shard_numel)  # [ranks, shard layout]
+        return torch.cat([rows[:, s.shard_start:s.shard_start + s.shard_numel].reshape(-1) for s in self.segments])
 
     def locals_by_name(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, offset = {}, 0
-        for name, p in self.named:
-            out[name] = flat[offset:offset + p.numel()].view(p.shape).clone()
-            offset += p.numel()
-        return out
+        return {name: flat[self.offsets[name]:self.offsets[name] + p.numel()].view(p.shape).clone()
+                for name, p in self.named}
 
     def flat_from(self, local: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
-        offset = 0
         for name, p in self.named:
-            flat[offset:offset + p.numel()].copy_(local[name].reshape(-1))
-            offset += p.numel()
+            flat[self.offsets[name]:self.offsets[name] + p.numel()].copy_(local[name].reshape(-1))
         return flat

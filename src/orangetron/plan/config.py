@@ -36,6 +36,8 @@ class Job:
     capacity_factor: float = 1.0
     zero_stage: int = 0
     distributed_optimizer: bool = False
+    zero3_prefetch: bool = True  # ZeRO-3 gathers the next unit while one computes (two units at the peak)
+    zero3_keep_params: bool = False  # ZeRO-3 keeps forward's units until backward (one gather, whole model)
     param_dtype: str = "bfloat16"
     grad_dtype: str = "float32"  # main-gradient buffer (DESIGN section 5: fp32, 4 B)
     reduce_dtype: str = ""  # gradient reduction dtype; "" = param_dtype (the seed's default)

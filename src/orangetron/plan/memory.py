@@ -17,6 +17,7 @@ from orangetron.plan.sharding import padded_numel, shard_numel
 from orangetron.plan.stages import stage_layers
 
 CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations")
+TRANSIENT = ("gathered_params", "grad_buckets")  # buffers that exist only during a step (their peak)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -45,16 +46,9 @@ def stage_params(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: int
 def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: int,
                   virtual_stages: int) -> StageParams:
     dense = expert = 0
-    norms = model.norm_params()
-    kv_whole, kv_local = _kv_weights(model, t)
     for i in stage_layers(model.num_layers, pp, virtual_stages, stage):
-        # Norm weights and the router are replicated across tp; everything else is split, except kv heads
-        # fewer than tp, of which each rank keeps one.
-        replicated = norms + (model.num_experts * model.hidden_size if model.is_moe_layer(i) else 0)
-        split = model.dense_params_of_layer(i) - replicated - kv_whole
-        dense += replicated + _ceil_div(split, t) + kv_local
-        if model.is_moe_layer(i):
-            expert += _ceil_div(model.expert_params_per_layer(), ep * etp)
+        layer = _layer_params(model, t, ep, etp, i)
+        dense, expert = dense + layer.dense, expert + layer.expert
     if stage == 0:
         dense += _ceil_div(model.vocab_size * model.hidden_size, t) if not model.patch_size else 0
         dense += model.embedding_params() - (0 if model.patch_size else model.vocab_size * model.hidden_size)
@@ -66,6 +60,16 @@ def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: i
             head = model.vocab_size * model.hidden_size
         dense += final_norm + _ceil_div(head, t)
     return StageParams(dense, expert)
+
+
+def _layer_params(model: ModelSpec, t: int, ep: int, etp: int, i: int) -> StageParams:
+    # Norm weights and the router are replicated across tp; everything else is split, except kv heads
+    # fewer than tp, of which each rank keeps one.
+    kv_whole, kv_local = _kv_weights(model, t)
+    replicated = model.norm_params() + (model.num_experts * model.hidden_size if model.is_moe_layer(i) else 0)
+    split = model.dense_params_of_layer(i) - replicated - kv_whole
+    expert = _ceil_div(model.expert_params_per_layer(), ep * etp) if model.is_moe_layer(i) else 0
+    return StageParams(replicated + _ceil_div(split, t) + kv_local, expert)
 
 
 def _kv_weights(model: ModelSpec, t: int) -> tuple[int, int]:
@@ -85,16 +89,53 @@ def shard_groups(params: StageParams, deg: Degrees) -> list[tuple[str, int, int]
     return [("dp_cp", deg.dp_cp, params.dense), ("edp", deg.edp, params.expert)]
 
 
-def model_state_bytes(params: StageParams, deg: Degrees, job: Job) -> dict[str, int]:
+def zero3_units(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: int = 1) -> list[StageParams]:
+    """Parameters of each ZeRO-3 unit on one GPU, in forward order, as `parallel.units` cuts the model: the
+    embedding, every layer, the head (final norm and output layer). With tied embeddings (or on a pipeline
+    stage that lacks the embedding or the head) the embedding and head form one unit gathered for the whole
+    forward, listed first."""
+    layers = [_layer_params(model, deg.tp, deg.ep, deg.etp, i)
+              for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage)]
+    whole = stage_params(model, deg, stage, virtual_stages)
+    rest = StageParams(whole.dense - sum(u.dense for u in layers), whole.expert - sum(u.expert for u in layers))
+    if deg.pp == 1 and not model.tied_embeddings and not model.patch_size:
+        embedding = _ceil_div(model.vocab_size * model.hidden_size, deg.tp) + model.embedding_params() \
+            - model.vocab_size * model.hidden_size
+        return [StageParams(embedding, 0), *layers, StageParams(rest.dense - embedding, rest.expert)]
+    return [u for u in [rest, *layers] if u.total]
+
+
+def _shards(units: list[StageParams], deg: Degrees, n_of: dict[str, int]) -> list[tuple[str, int, int]]:
+    """(mesh dim, ranks, elements) of every unit's segment in every flat buffer (empty ones left out)."""
+    out = []
+    for unit in units:
+        for dim, ranks, numel in shard_groups(unit, deg):
+            if numel:
+                out.append((dim, n_of.get(dim, ranks), numel))
+    return out
+
+
+def data_parallel_segments(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[tuple[str, int, int]]:
+    """(mesh dim, ranks, elements) of each separately padded and sharded piece of the flat buffers: every
+    ZeRO-3 unit's share of each buffer, or each whole buffer for the other stages."""
+    params = stage_params(model, deg, stage, job.virtual_stages)
+    if job.zero_stage != 3:
+        return shard_groups(params, deg)
+    return _shards(zero3_units(model, deg, stage, job.virtual_stages), deg, {})
+
+
+def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
+                      segments: list[tuple[str, int, int]] | None = None) -> dict[str, int]:
     """params / grads / main_params / optimizer bytes per GPU, exactly DESIGN section 5's table.
 
     Dense parameters shard over d = dp x cp, expert parameters over edp. ZeRO-1 and the distributed
     optimizer shard optimizer state and fp32 main params; ZeRO-2 also the gradients; ZeRO-3 also the params.
-    A sharded flat buffer is padded to a multiple of its shard count (`plan.sharding`, shared with the runtime).
+    A sharded flat buffer is padded to a multiple of its shard count (`plan.sharding`, shared with the runtime);
+    under ZeRO-3 every unit is (`segments`, default the whole buffers).
     """
     sharding = job.zero_stage >= 1 or job.distributed_optimizer
     full = shard = 0
-    for _, ranks, numel in shard_groups(params, deg):
+    for _, ranks, numel in segments or shard_groups(params, deg):
         n = ranks if sharding else 1
         full += padded_numel(numel, n)
         shard += shard_numel(numel, n)
@@ -110,22 +151,45 @@ def model_state_bytes(params: StageParams, deg: Degrees, job: Job) -> dict[str, 
 
 
 def stage_memory(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> dict[str, int]:
-    """Bytes by category (and `total`) on one GPU of pipeline `stage`."""
-    out = model_state_bytes(stage_params(model, deg, stage, job.virtual_stages), deg, job)
+    """Bytes by category (and `total`) on one GPU of pipeline `stage`; `buffers` sums the transient ones."""
+    segments = data_parallel_segments(model, deg, job, stage)
+    out = model_state_bytes(stage_params(model, deg, stage, job.virtual_stages), deg, job, segments)
     out["activations"] = stage_activation_bytes(model, deg, job, stage)
-    out["buffers"] = zero3_gather_bytes(model, deg, job)
+    out["gathered_params"] = zero3_gather_bytes(model, deg, job, stage)
+    out["grad_buckets"] = grad_bucket_bytes(model, deg, job, stage)
+    out["buffers"] = out["gathered_params"] + out["grad_buckets"]
     out["total"] = sum(out[c] for c in CATEGORIES) + out["buffers"]
     return out
 
 
-def zero3_gather_bytes(model: ModelSpec, deg: Degrees, job: Job) -> int:
-    """ZeRO-3's transient full parameters: the layer in use and the one being prefetched."""
+def zero3_gather_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
+    """ZeRO-3's gathered full units at their peak, as `parallel.units` schedules them: with prefetch the unit
+    in use and the next one (adjacent in forward order, and so in backward), without it the one in use, with
+    kept parameters all of them; a unit listed first that spans the whole forward (tied embeddings) adds."""
     if job.zero_stage != 3:
         return 0
-    biggest = max(model.dense_params_of_layer(i) // deg.tp
-                  + (model.expert_params_per_layer() // (deg.ep * deg.etp) if model.is_moe_layer(i) else 0)
-                  for i in range(min(model.num_layers, model.first_dense_layers + 2)))
-    return 2 * biggest * job.param_bytes
+    units = zero3_units(model, deg, stage, job.virtual_stages)
+    sizes = [sum(padded_numel(numel, ranks) for _, ranks, numel in shard_groups(u, deg) if numel) * job.param_bytes
+             for u in units]
+    if job.zero3_keep_params:
+        return sum(sizes)
+    held = 0
+    if deg.pp > 1 or model.tied_embeddings or model.patch_size:
+        held, sizes = sizes[0], sizes[1:]  # the embedding-and-head unit, gathered all forward and backward
+    if not sizes:
+        return held
+    if job.zero3_prefetch and len(sizes) > 1:
+        return held + max(a + b for a, b in zip(sizes, sizes[1:], strict=False))
+    return held + max(sizes)
+
+
+def grad_bucket_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
+    """ZeRO-3's gradient reduce-scatter in flight at its peak: one unit's padded wire buffer (reduce dtype)
+    and the slice it reduces to; the runtime retires each before the next starts."""
+    if job.zero_stage != 3:
+        return 0
+    return max(((padded_numel(numel, ranks) + shard_numel(numel, ranks)) * job.reduce_bytes
+                for _, ranks, numel in data_parallel_segments(model, deg, job, stage)), default=0)
 
 
 def memory_per_gpu(model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from orangetron.plan import collectives as cf
 from orangetron.plan.collectives import CommRecord
 from orangetron.plan.config import Degrees, Job
-from orangetron.plan.memory import shard_groups, stage_params
+from orangetron.plan.memory import data_parallel_segments, shard_groups, stage_params
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.sharding import padded_numel
 from orangetron.plan.stages import stage_layers
@@ -69,7 +69,11 @@ def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int =
     for dim, n, numel in shard_groups(params, deg):
         if n <= 1 or numel == 0:
             continue
-        for bucket in _buckets(numel, job.bucket_numel):
+        if job.zero_stage == 3:  # one bucket per unit: gathered and reduce-scattered unit by unit
+            buckets = [size for d, _, size in data_parallel_segments(model, deg, job, stage) if d == dim]
+        else:
+            buckets = _buckets(numel, job.bucket_numel)
+        for bucket in buckets:
             out += _bucket_records(dim, n, padded_numel(bucket, n if sharding else 1), job, m)
         if sharding and job.clip_grad:
             # The global gradient norm: one all-reduce of this rank's sum of squares (main-grad dtype).
@@ -83,8 +87,8 @@ def _bucket_records(dim: str, n: int, numel: int, job: Job, m: int) -> list[Comm
     grads, weights = numel * job.reduce_bytes, numel * job.param_bytes
     if job.zero_stage == 0 and not job.distributed_optimizer:
         return [_gather("all_reduce", dim, grads, n)]
-    if job.zero_stage == 3:  # before every forward and every backward
-        gathers = [_gather("all_gather", dim, weights, n)] * (2 * m)
+    if job.zero_stage == 3:  # before every forward and every backward (forward only when kept)
+        gathers = [_gather("all_gather", dim, weights, n)] * ((1 if job.zero3_keep_params else 2) * m)
     else:  # lazy (ZeRO-1/2) or eager (distributed optimizer): once per step
         gathers = [_gather("all_gather", dim, weights, n)]
     return gathers + [_gather("reduce_scatter", dim, grads, n)]

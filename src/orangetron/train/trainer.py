@@ -466,7 +466,9 @@ def _train_step(
     optimizer.step()
     mem: dict[str, int] = {}
     if measure:
-        mem = {**memory.model_state_bytes(dp, optimizer), "activations_peak": meter.peak_bytes}
+        state = memory.model_state_bytes(dp, optimizer)
+        mem = {**{k: state[k] for k in ("params", "grads", "main_params", "optimizer")},
+               "activations_peak": meter.peak_bytes}
     optimizer.zero_grad()
     return float(lm_loss), float(grad_norm), mem
 
