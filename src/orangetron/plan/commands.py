@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 
 from orangetron.plan.config import CP_MODES, DISPATCHERS, DTYPE_BYTES, RECOMPUTE, SCHEDULES, Degrees, Job
-from orangetron.plan.estimate import Estimate, estimate, require_fit
+from orangetron.plan.estimate import Estimate, estimate, fit_warning
 from orangetron.plan.hardware import GIB, Cluster, make_cluster
 from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model
 from orangetron.plan.search import SearchSpace, search
@@ -43,7 +43,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--no-overlap-ep", action="store_true", help="expose expert all-to-all (no DeepEP overlap)")
     est.add_argument("--pp-schedule", choices=SCHEDULES, default=None,
                      help="default: interleaved when --virtual-stages > 1, else 1f1b")
-    est.add_argument("--allow-oom", action="store_true", help="report a configuration even if it does not fit")
+    # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
+    est.add_argument("--allow-oom", action="store_true", help=argparse.SUPPRESS)
     est.set_defaults(run=run_estimate)
 
     plan = sub.add_parser("plan", help="search layouts for a model on a cluster and rank them",
@@ -121,8 +122,9 @@ def run_estimate(args: argparse.Namespace) -> int:
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
               overlap_ep=not args.no_overlap_ep)
     est = estimate(model, deg, job, _cluster(args, deg.world_size))
-    if not args.allow_oom:
-        require_fit(est)
+    warning = fit_warning(est)
+    if warning:
+        print(f"orangetron estimate: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(est.to_json()))
     else:

@@ -72,13 +72,13 @@ def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: Ne
     return Estimate(model, deg, job, cluster, memory, comm, step_time(model, deg, job, cluster, net, eff))
 
 
-def require_fit(est: Estimate) -> None:
-    """ValueError with the breakdown when the busiest GPU needs more memory than it has."""
+def fit_warning(est: Estimate) -> str:
+    """One line with the breakdown when the busiest GPU needs more memory than it has; "" when it fits."""
     if est.fits:
-        return
+        return ""
     mem = est.memory
     parts = ", ".join(f"{k} {mem[k] / GIB:.1f}" for k in ("params", "grads", "main_params", "optimizer",
-                                                           "activations", "buffers") if mem.get(k))
-    raise ValueError(f"{est.model.name} does not fit: {mem['total'] / GIB:.1f} GiB per GPU ({parts}) > "
-                     f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; try more GPUs, larger "
-                     "tp/pp, a ZeRO stage, --recompute full or a smaller --micro-batch")
+                                                           "activations", "buffers", "overhead") if mem.get(k))
+    return (f"{est.model.name} does not fit: {mem['total'] / GIB:.1f} GiB per GPU ({parts}) > "
+            f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; try more GPUs, larger "
+            "tp/pp, a ZeRO stage, --recompute full or a smaller --micro-batch")
