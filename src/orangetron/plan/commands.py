@@ -16,6 +16,7 @@ from orangetron.plan.config import CP_MODES, DISPATCHERS, DTYPE_BYTES, RECOMPUTE
 from orangetron.plan.estimate import Estimate, estimate, fit_warning
 from orangetron.plan.hardware import GIB, Cluster, make_cluster
 from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
 from orangetron.plan.search import SearchSpace, search
 
 
@@ -53,8 +54,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                                       "Dual-encoder models get a DistMM plan instead.")
     _common(plan)
     plan.add_argument("--top", type=int, default=10, help="rows to show")
-    plan.add_argument("--memory-fraction", type=float, default=0.9,
-                      help="share of GPU memory a configuration may use (the rest: allocator, CUDA context)")
+    plan.add_argument("--memory-fraction", type=float, default=1.0,
+                      help="share of GPU memory a configuration may use, overhead term included")
     plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations (needs matplotlib)")
     for dim in ("tp", "cp", "pp", "ep"):
         plan.add_argument(f"--{dim}", type=_int_list, default=None, metavar="N[,N...]",
@@ -75,11 +76,25 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="sequences per step (default: one micro-batch per replica)")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bfloat16")
     p.add_argument("--attention-kernel", choices=("flash", "eager"), default="flash")
+    p.add_argument("--overhead-gib", type=float, default=None,
+                   help="fixed memory overhead per GPU: CUDA context, library workspaces, NCCL buffers (default: "
+                        "1 GiB plus 0.5 GiB per communicator of the layout)")
+    p.add_argument("--overhead-fraction", type=float, default=None,
+                   help="allocator fragmentation as a share of activations and ZeRO-3 buffers (default 0.15)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
 
 def _cluster(args: argparse.Namespace, gpus: int) -> Cluster:
     return make_cluster(args.gpu, gpus, args.gpus_per_node, args.nic_gbps, args.transport)
+
+
+def _overhead(args: argparse.Namespace) -> MemoryOverhead:
+    if args.overhead_gib is None and args.overhead_fraction is None:
+        return DEFAULT_OVERHEAD
+    fraction = DEFAULT_OVERHEAD.fraction if args.overhead_fraction is None else args.overhead_fraction
+    if args.overhead_gib is None:
+        return replace(DEFAULT_OVERHEAD, fraction=fraction)
+    return fixed_overhead(args.overhead_gib, fraction)
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -121,7 +136,7 @@ def run_estimate(args: argparse.Namespace) -> int:
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
               overlap_ep=not args.no_overlap_ep)
-    est = estimate(model, deg, job, _cluster(args, deg.world_size))
+    est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     warning = fit_warning(est)
     if warning:
         print(f"orangetron estimate: warning: {warning}", file=sys.stderr)
@@ -140,8 +155,8 @@ def format_estimate(est: Estimate) -> str:
              f"dp={d.dp} ep={d.ep}, seq {est.job.seq_len}, micro-batch {est.job.micro_batch}, "
              f"{est.job.microbatches(d)} micro-batch(es) per step",
              "memory per GPU (GiB):"]
-    for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "total"):
-        lines.append(f"  {key:<12} {mem[key] / GIB:10.2f}")
+    for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "overhead", "total"):
+        lines.append(f"  {key:<12} {mem.get(key, 0) / GIB:10.2f}")
     lines.append(f"  capacity     {est.cluster.gpu.memory_gib:10.2f}" + ("" if est.fits else "  (does NOT fit)"))
     lines.append("communication per step (GiB sent by one rank of stage 0):")
     for key, row in est.comm.items():
@@ -175,7 +190,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.attention_kernel == "flash":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
     start = time.perf_counter()
-    result = search(spec, cluster, args.seq, global_batch, space, base, args.top, args.memory_fraction)
+    result = search(spec, cluster, args.seq, global_batch, space, base, args.top, args.memory_fraction,
+                    _overhead(args))
     elapsed = time.perf_counter() - start
     if not result.ranked:
         raise ValueError(f"no layout of {args.gpus} x {cluster.gpu.name} fits {spec.name} with seq {args.seq} and "

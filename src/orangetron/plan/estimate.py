@@ -9,6 +9,7 @@ from orangetron.plan.hardware import GIB, Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import DEFAULT_PARAMS, NetworkParams
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, step_time
 from orangetron.plan.traffic import step_records, summarize
 
@@ -63,11 +64,12 @@ def check_cluster(deg: Degrees, cluster: Cluster) -> None:
 
 
 def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: NetworkParams = DEFAULT_PARAMS,
-             eff: Efficiency = DEFAULT_EFFICIENCY) -> Estimate:
-    """Price one configuration; ValueError for a layout the runtime could not run."""
+             eff: Efficiency = DEFAULT_EFFICIENCY, overhead: MemoryOverhead = DEFAULT_OVERHEAD) -> Estimate:
+    """Price one configuration; ValueError for a layout the runtime could not run. Memory includes the
+    `overhead` term (context, communicator buffers, fragmentation) in its `overhead` entry and `total`."""
     validate(model, deg, job)
     check_cluster(deg, cluster)
-    memory = memory_per_gpu(model, deg, job)
+    memory = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
     comm = summarize(step_records(model, deg, job, stage=0))
     return Estimate(model, deg, job, cluster, memory, comm, step_time(model, deg, job, cluster, net, eff))
 

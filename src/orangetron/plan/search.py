@@ -12,6 +12,7 @@ from orangetron.plan.estimate import Estimate
 from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
 from orangetron.plan.timing import step_time
 from orangetron.plan.traffic import step_records, summarize
 
@@ -101,8 +102,10 @@ def _pricing_class(job: Job) -> int:
 
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, space: SearchSpace | None = None,
-           base: Job | None = None, top: int = 10, memory_fraction: float = 0.9) -> SearchResult:
-    """Price every valid configuration that fits in `memory_fraction` of GPU memory; fastest first.
+           base: Job | None = None, top: int = 10, memory_fraction: float = 1.0,
+           overhead: MemoryOverhead = DEFAULT_OVERHEAD) -> SearchResult:
+    """Price every valid configuration whose memory, `overhead` included, fits in `memory_fraction` of GPU
+    memory; fastest first.
 
     Options dominated by a cheaper one that fits (more sharding or more recompute at the same traffic) are
     counted as considered but not priced.
@@ -124,7 +127,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                     validate(model, deg, job)
                 except ValueError:
                     break  # the group shares every degree-dependent rule
-                mem = memory_per_gpu(model, deg, job)
+                mem = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
                 if mem["total"] > limit:
                     continue
                 priced.add(cls)
