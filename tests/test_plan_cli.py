@@ -117,3 +117,26 @@ def test_chart_is_written(tmp_path):
     chart = tmp_path / "c.png"
     assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3", "--chart", str(chart)]) == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_estimate_fp8_prices_fp8_gemms_and_weight_copies(capsys):
+    argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--sequence-parallel", "--seq", "8192",
+            "--json"]
+    assert run(argv) == 0
+    bf16 = last_json(capsys)
+    assert run([*argv, "--fp8"]) == 0
+    fp8 = last_json(capsys)
+    assert fp8["job"]["fp8"] is True and "fp8" not in bf16["memory_bytes"]
+    assert fp8["step_time_s"] < bf16["step_time_s"]
+    assert fp8["memory_bytes"]["fp8"] > 0
+    assert run([*argv, "--fp8", "--gpu", "a100-80gb"]) == 2
+    assert "no FP8 tensor cores" in capsys.readouterr().err
+
+
+def test_estimate_expert_tensor_parallel_flag(capsys):
+    argv = ["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "8", "--sequence-parallel",
+            "--seq", "4096", "--json"]
+    assert run([*argv, "--etp", "2"]) == 0
+    assert last_json(capsys)["layout"]["etp"] == 2
+    assert run([*argv, "--etp", "4"]) == 2
+    assert "etp=4" in capsys.readouterr().err

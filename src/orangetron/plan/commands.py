@@ -30,6 +30,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     for dim in ("tp", "cp", "pp", "dp", "ep"):
         est.add_argument(f"--{dim}", type=int, default=None if dim == "dp" else 1,
                          help=f"{dim} degree" + (" (default: gpus / (tp*cp*pp))" if dim == "dp" else ""))
+    est.add_argument("--etp", type=int, default=1,
+                     help="expert tensor parallel degree: 1 (experts whole on every tp rank) or tp")
     est.add_argument("--virtual-stages", type=int, default=1, help="interleaved pipeline chunks per stage")
     est.add_argument("--micro-batch", type=int, default=1)
     est.add_argument("--recompute", choices=RECOMPUTE, default="none")
@@ -76,6 +78,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="sequences per step (default: one micro-batch per replica)")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bfloat16")
     p.add_argument("--attention-kernel", choices=("flash", "eager"), default="flash")
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 linear layers (per-tensor scales): FP8 GEMM peak, FP8 weight copies and scale tensors")
     p.add_argument("--overhead-gib", type=float, default=None,
                    help="fixed memory overhead per GPU: CUDA context, library workspaces, NCCL buffers (default: "
                         "1 GiB plus 0.5 GiB per communicator of the layout)")
@@ -112,7 +116,7 @@ def _degrees(args: argparse.Namespace) -> Degrees:
         if gpus % model_par:
             raise ValueError(f"--gpus={gpus} is not divisible by tp*cp*pp={model_par}")
         dp = gpus // model_par
-    deg = Degrees(tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep)
+    deg = Degrees(tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp)
     if args.gpus and args.gpus != deg.world_size:
         raise ValueError(f"--gpus={args.gpus} but tp*cp*pp*dp = {deg.world_size}")
     return deg
@@ -135,7 +139,7 @@ def run_estimate(args: argparse.Namespace) -> int:
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
-              overlap_ep=not args.no_overlap_ep)
+              overlap_ep=not args.no_overlap_ep, fp8=args.fp8)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     warning = fit_warning(est)
     if warning:
@@ -155,7 +159,8 @@ def format_estimate(est: Estimate) -> str:
              f"dp={d.dp} ep={d.ep}, seq {est.job.seq_len}, micro-batch {est.job.micro_batch}, "
              f"{est.job.microbatches(d)} micro-batch(es) per step",
              "memory per GPU (GiB):"]
-    for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "overhead", "total"):
+    for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead",
+                "total"):
         lines.append(f"  {key:<12} {mem.get(key, 0) / GIB:10.2f}")
     lines.append(f"  capacity     {est.cluster.gpu.memory_gib:10.2f}" + ("" if est.fits else "  (does NOT fit)"))
     lines.append("communication per step (GiB sent by one rank of stage 0):")
@@ -185,7 +190,9 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
         return 0
     global_batch = args.global_batch or args.gpus
-    base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel)
+    base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8)
+    if args.fp8:
+        cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep)
     if args.attention_kernel == "flash":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores

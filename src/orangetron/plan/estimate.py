@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from orangetron.plan.config import Degrees, Job, validate
+from orangetron.plan.fp8 import with_fp8
 from orangetron.plan.hardware import GIB, Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
@@ -69,7 +70,9 @@ def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: Ne
     `overhead` term (context, communicator buffers, fragmentation) in its `overhead` entry and `total`."""
     validate(model, deg, job)
     check_cluster(deg, cluster)
-    memory = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
+    if job.fp8:
+        cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
+    memory = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)
     comm = summarize(step_records(model, deg, job, stage=0))
     return Estimate(model, deg, job, cluster, memory, comm, step_time(model, deg, job, cluster, net, eff))
 
@@ -80,7 +83,7 @@ def fit_warning(est: Estimate) -> str:
         return ""
     mem = est.memory
     parts = ", ".join(f"{k} {mem[k] / GIB:.1f}" for k in ("params", "grads", "main_params", "optimizer",
-                                                           "activations", "buffers", "overhead") if mem.get(k))
+                                                           "activations", "buffers", "fp8", "overhead") if mem.get(k))
     return (f"{est.model.name} does not fit: {mem['total'] / GIB:.1f} GiB per GPU ({parts}) > "
             f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; try more GPUs, larger "
             "tp/pp, a ZeRO stage, --recompute full or a smaller --micro-batch")

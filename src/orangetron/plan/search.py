@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate
 from orangetron.plan.estimate import Estimate
+from orangetron.plan.fp8 import with_fp8
 from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
@@ -89,7 +90,7 @@ def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: i
                              capacity_factor=base.capacity_factor, zero_stage=stage, distributed_optimizer=distopt,
                              param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",
                              virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
-                             overlap_ep=base.overlap_ep))
+                             overlap_ep=base.overlap_ep, fp8=base.fp8))
         yield group
 
 
@@ -127,7 +128,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                     validate(model, deg, job)
                 except ValueError:
                     break  # the group shares every degree-dependent rule
-                mem = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
+                mem = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)
                 if mem["total"] > limit:
                     continue
                 priced.add(cls)

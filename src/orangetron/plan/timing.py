@@ -33,7 +33,6 @@ from orangetron.plan.network import (
     all_to_all_time,
     collective_time,
     p2p_time,
-    placement,
 )
 from orangetron.plan.stages import stage_layers
 from orangetron.plan.traffic import (
@@ -136,8 +135,10 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
         gemm = _add(gemm, _mlp_time(model, rows, model.ffn_hidden_size // t, cluster, job))
         ffn = model.ffn_hidden_size
     att_f, att_b = _attention_time(model, deg, job, cluster, eff)
-    return LayerCost(gemm[0], gemm[1], att_f, att_b, _elementwise_time(model, deg, job, cluster, ffn, eff),
-                     *experts)
+    elementwise = _elementwise_time(model, deg, job, cluster, ffn, eff)
+    if moe:
+        elementwise += _permute_time(model, deg, job, cluster, rows, eff)
+    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts)
 
 
 def _qkv_time(model: ModelSpec, rows: int, t: int, cluster: Cluster, job: Job) -> tuple[float, float]:
@@ -198,14 +199,25 @@ def _mlp_time(model: ModelSpec, rows: int, ffn: int, cluster: Cluster, job: Job,
     return _add(_linear(rows, h, up * ffn, cluster, job, groups), _linear(rows, ffn, h, cluster, job, groups))
 
 
+def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int) -> int:
+    """Token copies this GPU's experts receive on balance (capacity pads them to the factor)."""
+    sp = job.sequence_parallel and deg.tp > 1
+    routed = rows // (deg.tp if sp else 1) * model.top_k
+    return int(routed * job.capacity_factor) if job.dispatcher == "capacity" else routed
+
+
+def _permute_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, rows: int, eff: Efficiency) -> float:
+    """Forward memory traffic of routing: each copy's row is gathered into expert order before dispatch and
+    scattered back and weighted after combine (read and write each time)."""
+    nbytes = 4.0 * _routed_copies(model, deg, job, rows) * model.hidden_size * job.param_bytes
+    return nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
+
+
 def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
                          rows: int) -> tuple[float, float]:
     """This GPU's experts on their balanced share of the routed token copies, as one grouped GEMM per
     projection: few tokens per expert pad their tiles (see `compute`)."""
-    sp = job.sequence_parallel and deg.tp > 1
-    routed = rows // (deg.tp if sp else 1) * model.top_k
-    if job.dispatcher == "capacity":
-        routed = int(routed * job.capacity_factor)
+    routed = _routed_copies(model, deg, job, rows)
     local = max(1, model.num_experts // deg.ep)
     per_expert = max(1, routed // local)
     return _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job, groups=local)
@@ -267,15 +279,24 @@ def model_flops_per_step(model: ModelSpec, job: Job, sequences: int, causal_atte
     return 3.0 * (dense + attention + head)
 
 
+# The coordinates that stay fixed inside each mesh dimension's group (the runtime's `Layout.coordinates`).
+_FIXED = {"tp": ("cp", "dp", "pp"), "cp": ("tp", "dp", "pp"), "dp": ("tp", "cp", "pp"), "dp_cp": ("tp", "pp"),
+          "ep": ("tp", "pp", "edp"), "edp": ("tp", "pp", "ep"), "pp": ("tp", "cp", "dp")}
+_SIZE = {"dp_cp": lambda d: d.dp_cp, "edp": lambda d: d.edp}
+
+
+@lru_cache(maxsize=16384)
 def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
-    """Where each mesh dimension's group lands (rank order tp, cp, ep/dp, pp with tp fastest)."""
+    """Where each mesh dimension's group lands, read from the runtime's own rank order: the members of rank
+    0's group that share its node (ranks fill nodes in order)."""
     g = cluster.gpus_per_node
-    return {
-        "tp": placement(deg.tp, 1, g), "cp": placement(deg.cp, deg.tp, g),
-        "dp": placement(deg.dp, deg.tp * deg.cp, g), "dp_cp": placement(deg.dp_cp, deg.tp, g),
-        "ep": placement(deg.ep, deg.tp, g), "edp": placement(deg.edp, deg.tp * deg.ep, g),
-        "pp": placement(deg.pp, deg.tp * deg.cp * deg.dp, g),
-    }
+    first_node = [deg.coordinates(r) for r in range(min(g, deg.world_size))]
+    out = {}
+    for dim, fixed in _FIXED.items():
+        size = _SIZE[dim](deg) if dim in _SIZE else getattr(deg, dim)
+        local = sum(all(getattr(c, f) == getattr(first_node[0], f) for f in fixed) for c in first_node)
+        out[dim] = Placement(size, local) if size > 1 else Placement(1, 1)
+    return out
 
 
 def _records_time(records, places: dict[str, Placement], cluster: Cluster, net: NetworkParams,
