@@ -140,3 +140,10 @@ def test_estimate_expert_tensor_parallel_flag(capsys):
     assert last_json(capsys)["layout"]["etp"] == 2
     assert run([*argv, "--etp", "4"]) == 2
     assert "etp=4" in capsys.readouterr().err
+
+
+def test_plan_fp8_ranks_configurations_with_their_fp8_memory(capsys):
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "64", "--fp8",
+                "--top", "3", "--json"]) == 0
+    ranked = last_json(capsys)["ranked"]
+    assert ranked and all(e["job"]["fp8"] and e["memory_bytes"]["fp8"] > 0 and e["fits"] for e in ranked)

@@ -87,3 +87,31 @@ def test_long_context_attention_time_on_h100():
     cost = layer_cost(model, Degrees(), Job(seq_len=s), cluster, False)
     assert cost.attention_f == pytest.approx(flops / (989.4e12 * eff_f))
     assert cost.attention_b == pytest.approx(2.5 * flops / (989.4e12 * eff_b))
+
+
+def test_ring_cp_attention_pays_the_fill_per_ring_block():
+    """llama3-8b, seq 16384, cp=8 on one node: each rank holds 2048 queries (16 query tiles per head, 32 heads:
+    512 CTAs over 132 SMs -> 512 / 528). All-gather CP runs one call over the causal 8192 + 64 keys; ring CP runs
+    one call per step over a block of 16384 / 8 = 2048 keys. Same FLOPs, fill 8256/8512 vs 2048/2304."""
+    model, cluster = load_model("llama3-8b"), make_cluster("h100", 8)
+    deg = Degrees(cp=8)
+    gathered = layer_cost(model, deg, Job(seq_len=16384, cp_mode="allgather"), cluster, False)
+    ring = layer_cost(model, deg, Job(seq_len=16384, cp_mode="ring"), cluster, False)
+    flops = 2 * 2048 * (8192 + 64) * 32 * 256
+    assert gathered.attention_f == pytest.approx(flops / (989.4e12 * 0.62 * 8256 / 8512 * 512 / 528))
+    assert ring.attention_f == pytest.approx(flops / (989.4e12 * 0.62 * 2048 / 2304 * 512 / 528))
+
+
+def test_loss_and_routing_permutation_traffic():
+    """Cross entropy: 20 bytes per logit at 70% of HBM bandwidth; routing: each copy's row read and written
+    twice (gather before dispatch, scatter after combine) in 16 bit."""
+    from orangetron.plan.timing import DEFAULT_EFFICIENCY, _loss_time, _permute_time
+
+    model, cluster = load_model("mixtral-8x7b"), make_cluster("h100", 8)
+    job = Job(seq_len=4096)
+    bw = 3350e9 * 0.70
+    assert _loss_time(model, Degrees(tp=2, dp=4), job, cluster, DEFAULT_EFFICIENCY) == pytest.approx(
+        20 * 4096 * 32000 / 2 / bw)
+    # top 2 of 8, ep 8: 8192 copies arrive on balance, rows of 4096 x 2 bytes, 4 passes.
+    assert _permute_time(model, Degrees(dp=8, ep=8), job, cluster, 4096, DEFAULT_EFFICIENCY) == pytest.approx(
+        4 * 8192 * 4096 * 2 / bw)

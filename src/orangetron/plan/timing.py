@@ -171,8 +171,11 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     flops = _attention_flops(model, rows * b, keys, heads)
     ctas = b * heads * -(-rows // ATTN_QUERY_TILE)
     peak = gpu.peak_flops(job.param_dtype)  # attention stays in 16-bit under FP8 training (as TE does)
-    fwd_eff = flash_efficiency(gpu.attention_fwd_efficiency or eff.flash_fwd_efficiency, keys, ctas, gpu.sms)
-    bwd_eff = flash_efficiency(gpu.attention_bwd_efficiency or eff.flash_bwd_efficiency, keys, ctas, gpu.sms)
+    # Ring CP calls the kernel once per step on a K,V block of s/cp keys: each call's query tiles pay their fill
+    # over that block, not over the whole sequence.
+    call_keys = min(keys, job.seq_len / deg.cp) if deg.cp > 1 and job.cp_mode in ("ring", "rsa") else keys
+    fwd_eff = flash_efficiency(gpu.attention_fwd_efficiency or eff.flash_fwd_efficiency, call_keys, ctas, gpu.sms)
+    bwd_eff = flash_efficiency(gpu.attention_bwd_efficiency or eff.flash_bwd_efficiency, call_keys, ctas, gpu.sms)
     # Backward: dV, dP, dS->dQ, dK plus the recomputed scores: 2.5x the forward's FLOPs (Dao 2023).
     return flops / (peak * fwd_eff), 2.5 * flops / (peak * bwd_eff)
 
