@@ -1,11 +1,12 @@
-"""Step time: compute from FLOPs and a roofline efficiency model, communication from the network model,
-overlap where the runtime overlaps, and the pipeline bubble; MFU by the Megatron/PaLM convention.
+"""Step time: compute from FLOPs and bytes on the shape-aware roofline of `compute`, communication from the
+network model, overlap where the runtime overlaps, and the pipeline bubble; MFU by the Megatron/PaLM convention.
 
-Compute. Every matmul is timed on a roofline: max(FLOPs / (peak x gemm_efficiency), bytes / HBM bandwidth),
-so small or skinny GEMMs become memory bound by themselves. Flash attention runs at `flash_efficiency` of
-peak, on half the score matrix for causal models. Norms, residuals, activations and RoPE are memory bound:
-their bytes over `elementwise_bw` x HBM bandwidth. Backward costs twice the forward (dgrad + wgrad), flash
-backward 2.5x; full recompute replays the forward.
+Compute. Every matmul is timed by `compute.linear_time` (forward, dgrad, wgrad into fp32 main grads) at the
+efficiency its shape allows (tile and wave quantization, K-loop fill), so small or skinny GEMMs become slow or
+memory bound by themselves; routed experts run as grouped GEMMs over their balanced tokens. Flash attention
+runs at the GPU's fused-kernel efficiency (forward and backward), on the causal blocks at or below the diagonal.
+Norms, residuals, activations, RoPE, FP8 casts, the loss and the routing permutation are memory bound: their
+bytes over `elementwise_bw` x HBM bandwidth (backward twice the forward). Full recompute replays the forward.
 
 Overlap (what the runtime overlaps): DP gradient reduction hides behind the last micro-batch's backward,
 parameter gathers behind the first forward; ring CP hides behind attention; EP all-to-all hides behind expert
