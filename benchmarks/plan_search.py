@@ -3,7 +3,8 @@
 - plan_search: configurations per second of `orangetron plan`'s search (cold caches) vs pricing the same
   space one `estimate()` call at a time (ratio = search / one-by-one; search_time against the one-by-one
   time extrapolated from a sample).
-- plan_published: predicted MFU vs the published MFU of large runs (ratio = predicted / published).
+- plan_published: predicted MFU vs the published MFU of the calibration runs (ratio = predicted / published).
+- plan_validation: predicted vs published throughput of the held-out runs (tests/test_plan_validation.py).
 - plan_ibgda: throughput of a stream of small messages, GPU-initiated (IBGDA) vs CPU proxy (ratio).
 """
 
@@ -34,7 +35,7 @@ def emit(name: str, config: str, metric: str, value: float, unit: str, baseline:
 
 def naive_configs_per_s(spec, cluster, seq: int, batch: int, sample: int = 300) -> float:
     """The same space priced one `estimate()` call per configuration, with no grouping or pruning."""
-    space, priced, start = SearchSpace(), 0, time.perf_counter()
+    space, priced, start = SearchSpace(), 0, time.process_time()
     for deg in candidate_degrees(spec, cluster, space, seq):
         for group in candidate_jobs(spec, deg, seq, batch, space, Job(seq_len=seq)):
             for job in group:
@@ -42,16 +43,16 @@ def naive_configs_per_s(spec, cluster, seq: int, batch: int, sample: int = 300) 
                     estimate(spec, deg, job, cluster)
                 priced += 1
                 if priced == sample:
-                    return priced / (time.perf_counter() - start)
-    return priced / (time.perf_counter() - start)
+                    return priced / (time.process_time() - start)
+    return priced / (time.process_time() - start)
 
 
 def bench_search() -> None:
     for model, gpu, gpus, seq, batch in CASES:
         spec, cluster = load_model(model), make_cluster(gpu, gpus)
-        start = time.perf_counter()
+        start = time.process_time()
         result = search(spec, cluster, seq, batch)
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         naive = naive_configs_per_s(spec, cluster, seq, batch)
         config = f"{model} {gpus}x{gpu} seq={seq} batch={batch} configs={result.considered}"
         emit("plan_search", config, "configs_per_s", result.considered / elapsed, "configs/s", naive)
@@ -70,6 +71,16 @@ def bench_published() -> None:
              "fraction", pub)
 
 
+def bench_validation() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_plan_validation as held_out
+
+    units = {"tflops": "TFLOP/s per GPU (with recompute)", "tokens": "tokens/s per GPU"}
+    for run in held_out.RUNS:
+        emit("plan_validation", f"{run.name} [{run.cls}]", run.metric, held_out.predict(run), units[run.metric],
+             run.published)
+
+
 def bench_ibgda() -> None:
     cluster = make_cluster("h100", 16)
     for size in (8, 64, 256, 1024, 4096, 65536, 1 << 20):
@@ -81,4 +92,5 @@ def bench_ibgda() -> None:
 if __name__ == "__main__":
     bench_search()
     bench_published()
+    bench_validation()
     bench_ibgda()

@@ -45,7 +45,6 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"], "divisible"),
     (["estimate", "--model", "llama3-8b", "--tp", "2", "--cp", "3", "--seq", "1000"], "2*cp"),
     (["estimate", "--model", "llama3-8b", "--ep", "2", "--dp", "2"], "no experts"),
-    (["estimate", "--model", "llama3-405b", "--gpus", "8"], "does not fit"),
     (["estimate", "--model", "llama3-8b", "--gpus", "0"], "must be >= 1"),
     (["estimate", "--model", "clip-vit-bigg14"], "dual encoder"),
     (["estimate", "--model", "missing.toml"], "does not exist"),
@@ -57,6 +56,28 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     err = capsys.readouterr().err.strip()
     assert needle in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_estimate_reports_a_configuration_that_does_not_fit(capsys):
+    """405B on 8 GPUs needs about 6 TiB of model states: every number is still printed, with "fits": false, a
+    one-line warning on standard error and exit status 0."""
+    assert run(["estimate", "--model", "llama3-405b", "--gpus", "8", "--tp", "8", "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out.strip().splitlines()[-1])
+    assert data["fits"] is False
+    assert data["memory_bytes"]["total"] > data["memory_capacity_bytes"]
+    assert data["step_time_s"] > 0 and data["mfu"] > 0 and data["comm_bytes"]
+    warning = captured.err.strip().splitlines()
+    assert len(warning) == 1 and "warning" in warning[0] and "does not fit" in warning[0]
+    assert run(["estimate", "--model", "llama3-405b", "--gpus", "8", "--tp", "8"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_estimate_of_a_fitting_configuration_warns_nothing(capsys):
+    assert run(["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--sequence-parallel",
+                "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["fits"] is True and captured.err == ""
 
 
 def test_plan_ranked_table_and_json(capsys):
@@ -96,3 +117,33 @@ def test_chart_is_written(tmp_path):
     chart = tmp_path / "c.png"
     assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3", "--chart", str(chart)]) == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_estimate_fp8_prices_fp8_gemms_and_weight_copies(capsys):
+    argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--sequence-parallel", "--seq", "8192",
+            "--json"]
+    assert run(argv) == 0
+    bf16 = last_json(capsys)
+    assert run([*argv, "--fp8"]) == 0
+    fp8 = last_json(capsys)
+    assert fp8["job"]["fp8"] is True and "fp8" not in bf16["memory_bytes"]
+    assert fp8["step_time_s"] < bf16["step_time_s"]
+    assert fp8["memory_bytes"]["fp8"] > 0
+    assert run([*argv, "--fp8", "--gpu", "a100-80gb"]) == 2
+    assert "no FP8 tensor cores" in capsys.readouterr().err
+
+
+def test_estimate_expert_tensor_parallel_flag(capsys):
+    argv = ["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "8", "--sequence-parallel",
+            "--seq", "4096", "--json"]
+    assert run([*argv, "--etp", "2"]) == 0
+    assert last_json(capsys)["layout"]["etp"] == 2
+    assert run([*argv, "--etp", "4"]) == 2
+    assert "etp=4" in capsys.readouterr().err
+
+
+def test_plan_fp8_ranks_configurations_with_their_fp8_memory(capsys):
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "64", "--fp8",
+                "--top", "3", "--json"]) == 0
+    ranked = last_json(capsys)["ranked"]
+    assert ranked and all(e["job"]["fp8"] and e["memory_bytes"]["fp8"] > 0 and e["fits"] for e in ranked)

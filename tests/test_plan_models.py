@@ -94,3 +94,26 @@ def test_gpu_presets():
     assert cluster.nodes == 8 and cluster.nic_bytes_per_s == pytest.approx(50e9)
     with pytest.raises(ValueError, match="multiple"):
         make_cluster("h100", 12)
+
+
+def test_new_gpu_presets_and_fp8_peaks():
+    assert set(gpu_names()) >= {"h800", "a800", "h100-nvl", "gb200", "mi300x", "a100-40gb"}
+    h800 = load_gpu("h800")
+    assert h800.intra_bw_gbs == 200.0 and h800.peak_flops("float8") == pytest.approx(1978.9e12)
+    assert load_gpu("gb200").gpus_per_node == 72 and load_gpu("gb200").peak_flops() == pytest.approx(2500e12)
+    assert load_gpu("mi300x").peak_flops("float8") == pytest.approx(2614.9e12)
+    with pytest.raises(ValueError, match="no FP8"):
+        load_gpu("a100-80gb").peak_flops("float8")
+
+
+def test_gpu_file_optional_keys_and_unknown_keys(tmp_path):
+    base = (tmp_path / "x.toml")
+    text = ('name = "x"\nsms = 10\nbf16_tflops = 100.0\nfp32_tflops = 10.0\nmemory_gib = 16.0\nmemory_bw_gbs = 500.0\n'
+            'intra_node = "pcie"\nintra_bw_gbs = 20.0\nnvls = false\ngpus_per_node = 4\nnic_gbps = 100.0\n'
+            'gemm_efficiency = 0.7\n')
+    base.write_text(text)
+    gpu = load_gpu(str(base))
+    assert gpu.fp8_tflops == 0.0 and gpu.attention_fwd_efficiency == 0.0
+    base.write_text(text + "tensor_cores = 4\n")
+    with pytest.raises(ValueError, match="unknown key"):
+        load_gpu(str(base))

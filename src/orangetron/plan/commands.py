@@ -13,9 +13,10 @@ import time
 from dataclasses import replace
 
 from orangetron.plan.config import CP_MODES, DISPATCHERS, DTYPE_BYTES, RECOMPUTE, SCHEDULES, Degrees, Job
-from orangetron.plan.estimate import Estimate, estimate, require_fit
+from orangetron.plan.estimate import Estimate, estimate, fit_warning
 from orangetron.plan.hardware import GIB, Cluster, make_cluster
 from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
 from orangetron.plan.search import SearchSpace, search
 
 
@@ -29,6 +30,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     for dim in ("tp", "cp", "pp", "dp", "ep"):
         est.add_argument(f"--{dim}", type=int, default=None if dim == "dp" else 1,
                          help=f"{dim} degree" + (" (default: gpus / (tp*cp*pp))" if dim == "dp" else ""))
+    est.add_argument("--etp", type=int, default=1,
+                     help="expert tensor parallel degree: 1 (experts whole on every tp rank) or tp")
     est.add_argument("--virtual-stages", type=int, default=1, help="interleaved pipeline chunks per stage")
     est.add_argument("--micro-batch", type=int, default=1)
     est.add_argument("--recompute", choices=RECOMPUTE, default="none")
@@ -43,7 +46,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--no-overlap-ep", action="store_true", help="expose expert all-to-all (no DeepEP overlap)")
     est.add_argument("--pp-schedule", choices=SCHEDULES, default=None,
                      help="default: interleaved when --virtual-stages > 1, else 1f1b")
-    est.add_argument("--allow-oom", action="store_true", help="report a configuration even if it does not fit")
+    # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
+    est.add_argument("--allow-oom", action="store_true", help=argparse.SUPPRESS)
     est.set_defaults(run=run_estimate)
 
     plan = sub.add_parser("plan", help="search layouts for a model on a cluster and rank them",
@@ -52,8 +56,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                                       "Dual-encoder models get a DistMM plan instead.")
     _common(plan)
     plan.add_argument("--top", type=int, default=10, help="rows to show")
-    plan.add_argument("--memory-fraction", type=float, default=0.9,
-                      help="share of GPU memory a configuration may use (the rest: allocator, CUDA context)")
+    plan.add_argument("--memory-fraction", type=float, default=1.0,
+                      help="share of GPU memory a configuration may use, overhead term included")
     plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations (needs matplotlib)")
     for dim in ("tp", "cp", "pp", "ep"):
         plan.add_argument(f"--{dim}", type=_int_list, default=None, metavar="N[,N...]",
@@ -74,11 +78,27 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="sequences per step (default: one micro-batch per replica)")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bfloat16")
     p.add_argument("--attention-kernel", choices=("flash", "eager"), default="flash")
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 linear layers (per-tensor scales): FP8 GEMM peak, FP8 weight copies and scale tensors")
+    p.add_argument("--overhead-gib", type=float, default=None,
+                   help="fixed memory overhead per GPU: CUDA context, library workspaces, NCCL buffers (default: "
+                        "1 GiB plus 0.5 GiB per communicator of the layout)")
+    p.add_argument("--overhead-fraction", type=float, default=None,
+                   help="allocator fragmentation as a share of activations and ZeRO-3 buffers (default 0.15)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
 
 def _cluster(args: argparse.Namespace, gpus: int) -> Cluster:
     return make_cluster(args.gpu, gpus, args.gpus_per_node, args.nic_gbps, args.transport)
+
+
+def _overhead(args: argparse.Namespace) -> MemoryOverhead:
+    if args.overhead_gib is None and args.overhead_fraction is None:
+        return DEFAULT_OVERHEAD
+    fraction = DEFAULT_OVERHEAD.fraction if args.overhead_fraction is None else args.overhead_fraction
+    if args.overhead_gib is None:
+        return replace(DEFAULT_OVERHEAD, fraction=fraction)
+    return fixed_overhead(args.overhead_gib, fraction)
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -96,7 +116,7 @@ def _degrees(args: argparse.Namespace) -> Degrees:
         if gpus % model_par:
             raise ValueError(f"--gpus={gpus} is not divisible by tp*cp*pp={model_par}")
         dp = gpus // model_par
-    deg = Degrees(tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep)
+    deg = Degrees(tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp)
     if args.gpus and args.gpus != deg.world_size:
         raise ValueError(f"--gpus={args.gpus} but tp*cp*pp*dp = {deg.world_size}")
     return deg
@@ -119,10 +139,11 @@ def run_estimate(args: argparse.Namespace) -> int:
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
-              overlap_ep=not args.no_overlap_ep)
-    est = estimate(model, deg, job, _cluster(args, deg.world_size))
-    if not args.allow_oom:
-        require_fit(est)
+              overlap_ep=not args.no_overlap_ep, fp8=args.fp8)
+    est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
+    warning = fit_warning(est)
+    if warning:
+        print(f"orangetron estimate: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(est.to_json()))
     else:
@@ -138,8 +159,9 @@ def format_estimate(est: Estimate) -> str:
              f"dp={d.dp} ep={d.ep}, seq {est.job.seq_len}, micro-batch {est.job.micro_batch}, "
              f"{est.job.microbatches(d)} micro-batch(es) per step",
              "memory per GPU (GiB):"]
-    for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "total"):
-        lines.append(f"  {key:<12} {mem[key] / GIB:10.2f}")
+    for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead",
+                "total"):
+        lines.append(f"  {key:<12} {mem.get(key, 0) / GIB:10.2f}")
     lines.append(f"  capacity     {est.cluster.gpu.memory_gib:10.2f}" + ("" if est.fits else "  (does NOT fit)"))
     lines.append("communication per step (GiB sent by one rank of stage 0):")
     for key, row in est.comm.items():
@@ -168,12 +190,15 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
         return 0
     global_batch = args.global_batch or args.gpus
-    base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel)
+    base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8)
+    if args.fp8:
+        cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep)
     if args.attention_kernel == "flash":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
     start = time.perf_counter()
-    result = search(spec, cluster, args.seq, global_batch, space, base, args.top, args.memory_fraction)
+    result = search(spec, cluster, args.seq, global_batch, space, base, args.top, args.memory_fraction,
+                    _overhead(args))
     elapsed = time.perf_counter() - start
     if not result.ranked:
         raise ValueError(f"no layout of {args.gpus} x {cluster.gpu.name} fits {spec.name} with seq {args.seq} and "

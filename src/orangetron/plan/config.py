@@ -46,6 +46,7 @@ class Job:
     recompute: str = "none"
     attention_kernel: str = "flash"  # "flash" keeps no [s, s] scores; "eager" stores them
     overlap_ep: bool = True  # DeepEP-style: expert all-to-all hidden behind expert compute where possible
+    fp8: bool = False  # FP8 linear layers with per-tensor scales (Transformer Engine style); planner only
 
     def __post_init__(self) -> None:
         _check_choice("recompute", self.recompute, RECOMPUTE)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from orangetron.plan.config import Degrees, Job, validate
+from orangetron.plan.fp8 import with_fp8
 from orangetron.plan.hardware import GIB, Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import DEFAULT_PARAMS, NetworkParams
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, step_time
 from orangetron.plan.traffic import step_records, summarize
 
@@ -63,22 +65,25 @@ def check_cluster(deg: Degrees, cluster: Cluster) -> None:
 
 
 def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: NetworkParams = DEFAULT_PARAMS,
-             eff: Efficiency = DEFAULT_EFFICIENCY) -> Estimate:
-    """Price one configuration; ValueError for a layout the runtime could not run."""
+             eff: Efficiency = DEFAULT_EFFICIENCY, overhead: MemoryOverhead = DEFAULT_OVERHEAD) -> Estimate:
+    """Price one configuration; ValueError for a layout the runtime could not run. Memory includes the
+    `overhead` term (context, communicator buffers, fragmentation) in its `overhead` entry and `total`."""
     validate(model, deg, job)
     check_cluster(deg, cluster)
-    memory = memory_per_gpu(model, deg, job)
+    if job.fp8:
+        cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
+    memory = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)
     comm = summarize(step_records(model, deg, job, stage=0))
     return Estimate(model, deg, job, cluster, memory, comm, step_time(model, deg, job, cluster, net, eff))
 
 
-def require_fit(est: Estimate) -> None:
-    """ValueError with the breakdown when the busiest GPU needs more memory than it has."""
+def fit_warning(est: Estimate) -> str:
+    """One line with the breakdown when the busiest GPU needs more memory than it has; "" when it fits."""
     if est.fits:
-        return
+        return ""
     mem = est.memory
     parts = ", ".join(f"{k} {mem[k] / GIB:.1f}" for k in ("params", "grads", "main_params", "optimizer",
-                                                           "activations", "buffers") if mem.get(k))
-    raise ValueError(f"{est.model.name} does not fit: {mem['total'] / GIB:.1f} GiB per GPU ({parts}) > "
-                     f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; try more GPUs, larger "
-                     "tp/pp, a ZeRO stage, --recompute full or a smaller --micro-batch")
+                                                           "activations", "buffers", "fp8", "overhead") if mem.get(k))
+    return (f"{est.model.name} does not fit: {mem['total'] / GIB:.1f} GiB per GPU ({parts}) > "
+            f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; try more GPUs, larger "
+            "tp/pp, a ZeRO stage, --recompute full or a smaller --micro-batch")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
@@ -27,10 +27,18 @@ class GPUSpec:
     nvls: bool  # NVSwitch in-switch reduction (NVLink SHARP) available
     gpus_per_node: int
     nic_gbps: float  # inter-node NIC line rate per GPU, Gbit/s
-    gemm_efficiency: float  # share of dense peak reached by large GEMMs
+    gemm_efficiency: float  # share of dense peak reached by large, well-shaped GEMMs (shape losses apart)
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak; 0: no FP8 tensor cores
+    attention_fwd_efficiency: float = 0.0  # the fused attention kernel's share of peak at long sequences, fwd
+    attention_bwd_efficiency: float = 0.0  # and bwd; 0: the global defaults of `timing.Efficiency`
 
     def peak_flops(self, dtype: str = "bfloat16") -> float:
-        """Dense peak in FLOP/s for matmuls in `dtype` (float32 runs on the FP32 cores; TF32 is not assumed)."""
+        """Dense peak in FLOP/s for matmuls in `dtype` (float32 runs on the FP32 cores; TF32 is not assumed;
+        "float8" is the FP8 tensor-core peak)."""
+        if dtype == "float8":
+            if not self.fp8_tflops:
+                raise ValueError(f"fp8: gpu {self.name} has no FP8 tensor cores (fp8_tflops = 0)")
+            return self.fp8_tflops * 1e12
         return (self.fp32_tflops if dtype in ("float32", "float64") else self.bf16_tflops) * 1e12
 
     @property
@@ -82,10 +90,14 @@ def load_gpu(name_or_path: str) -> GPUSpec:
         text = resources.files("orangetron.plan").joinpath(_PRESET_DIR, f"{key}.toml").read_text()
     table = tomllib.loads(text)
     names = {f.name for f in fields(GPUSpec)}
-    missing = sorted(names - set(table))
+    required = {f.name for f in fields(GPUSpec) if f.default is MISSING}
+    missing = sorted(required - set(table))
     if missing:
         raise ValueError(f"gpu {name_or_path}: missing key(s) {', '.join(missing)}")
-    return GPUSpec(**{k: table[k] for k in names})
+    unknown = sorted(set(table) - names)
+    if unknown:
+        raise ValueError(f"gpu {name_or_path}: unknown key(s) {', '.join(unknown)}")
+    return GPUSpec(**{k: table[k] for k in names if k in table})
 
 
 def make_cluster(gpu: str | GPUSpec, num_gpus: int, gpus_per_node: int | None = None,

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate
 from orangetron.plan.estimate import Estimate
+from orangetron.plan.fp8 import with_fp8
 from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
 from orangetron.plan.timing import step_time
 from orangetron.plan.traffic import step_records, summarize
 
@@ -88,7 +90,7 @@ def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: i
                              capacity_factor=base.capacity_factor, zero_stage=stage, distributed_optimizer=distopt,
                              param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",
                              virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
-                             overlap_ep=base.overlap_ep))
+                             overlap_ep=base.overlap_ep, fp8=base.fp8))
         yield group
 
 
@@ -101,8 +103,10 @@ def _pricing_class(job: Job) -> int:
 
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, space: SearchSpace | None = None,
-           base: Job | None = None, top: int = 10, memory_fraction: float = 0.9) -> SearchResult:
-    """Price every valid configuration that fits in `memory_fraction` of GPU memory; fastest first.
+           base: Job | None = None, top: int = 10, memory_fraction: float = 1.0,
+           overhead: MemoryOverhead = DEFAULT_OVERHEAD) -> SearchResult:
+    """Price every valid configuration whose memory, `overhead` included, fits in `memory_fraction` of GPU
+    memory; fastest first.
 
     Options dominated by a cheaper one that fits (more sharding or more recompute at the same traffic) are
     counted as considered but not priced.
@@ -124,7 +128,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                     validate(model, deg, job)
                 except ValueError:
                     break  # the group shares every degree-dependent rule
-                mem = memory_per_gpu(model, deg, job)
+                mem = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)
                 if mem["total"] > limit:
                     continue
                 priced.add(cls)

@@ -1,11 +1,12 @@
-"""Step time: compute from FLOPs and a roofline efficiency model, communication from the network model,
-overlap where the runtime overlaps, and the pipeline bubble; MFU by the Megatron/PaLM convention.
+"""Step time: compute from FLOPs and bytes on the shape-aware roofline of `compute`, communication from the
+network model, overlap where the runtime overlaps, and the pipeline bubble; MFU by the Megatron/PaLM convention.
 
-Compute. Every matmul is timed on a roofline: max(FLOPs / (peak x gemm_efficiency), bytes / HBM bandwidth),
-so small or skinny GEMMs become memory bound by themselves. Flash attention runs at `flash_efficiency` of
-peak, on half the score matrix for causal models. Norms, residuals, activations and RoPE are memory bound:
-their bytes over `elementwise_bw` x HBM bandwidth. Backward costs twice the forward (dgrad + wgrad), flash
-backward 2.5x; full recompute replays the forward.
+Compute. Every matmul is timed by `compute.linear_time` (forward, dgrad, wgrad into fp32 main grads) at the
+efficiency its shape allows (tile and wave quantization, K-loop fill), so small or skinny GEMMs become slow or
+memory bound by themselves; routed experts run as grouped GEMMs over their balanced tokens. Flash attention
+runs at the GPU's fused-kernel efficiency (forward and backward), on the causal blocks at or below the diagonal.
+Norms, residuals, activations, RoPE, FP8 casts, the loss and the routing permutation are memory bound: their
+bytes over `elementwise_bw` x HBM bandwidth (backward twice the forward). Full recompute replays the forward.
 
 Overlap (what the runtime overlaps): DP gradient reduction hides behind the last micro-batch's backward,
 parameter gathers behind the first forward; ring CP hides behind attention; EP all-to-all hides behind expert
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from orangetron.plan.compute import ATTN_QUERY_TILE, causal_keys, flash_efficiency, gemm_time, linear_time
 from orangetron.plan.config import Degrees, Job, without_data_parallel
 from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import stage_params
@@ -32,7 +34,6 @@ from orangetron.plan.network import (
     all_to_all_time,
     collective_time,
     p2p_time,
-    placement,
 )
 from orangetron.plan.stages import stage_layers
 from orangetron.plan.traffic import (
@@ -48,8 +49,8 @@ from orangetron.plan.traffic import (
 class Efficiency:
     """Global constants of the compute model (not fitted per configuration; sources in docs/planner.md)."""
 
-    flash_efficiency: float = 0.55  # FlashAttention-2 fwd+bwd, head dim 128: ~50-60% of peak (Dao 2023)
-    eager_attention_efficiency: float = 0.35  # batched QK^T/AV GEMMs with head-dim K, plus fused softmax
+    flash_fwd_efficiency: float = 0.60  # fused attention at long sequences when a preset names none
+    flash_bwd_efficiency: float = 0.50
     elementwise_bw: float = 0.70  # share of HBM bandwidth elementwise kernels reach
     optimizer_bytes_per_param: int = 36  # Adam: read grad, m, v, main param; write m, v, main param, param
     overlap_contention: float = 0.10  # hidden communication still costs this share of its time (NCCL SMs, HBM)
@@ -79,85 +80,166 @@ class StepTime:
     mfu_causal: float  # MFU counting only the unmasked half of causal attention
 
 
-# ---- FLOPs ---------------------------------------------------------------------------------------
-def _gemm_time(m: int, k: int, n: int, cluster: Cluster, job: Job) -> float:
-    gpu = cluster.gpu
-    flops = 2.0 * m * k * n
-    nbytes = job.param_bytes * (m * k + k * n + m * n)
-    return max(flops / (gpu.peak_flops(job.param_dtype) * gpu.gemm_efficiency), nbytes / (gpu.memory_bw_gbs * 1e9))
+# ---- FLOPs ----------------------------------------------------------------------------------------
+def _gemm_dtype(job: Job) -> tuple[str, float]:
+    """(peak to use, bytes per GEMM input element): FP8 GEMMs read 1-byte operands."""
+    return ("float8", 1.0) if job.fp8 else (job.param_dtype, float(job.param_bytes))
 
 
-def _attention_flops(model: ModelSpec, rows: int, keys: int, heads: int) -> float:
+def _linear(m: int, k: int, n: int, cluster: Cluster, job: Job, groups: int = 1) -> tuple[float, float]:
+    dtype, nbytes = _gemm_dtype(job)
+    return linear_time(m, k, n, cluster.gpu, dtype, nbytes, groups)
+
+
+def _attention_flops(model: ModelSpec, rows: int, keys: float, heads: int) -> float:
     """Forward FLOPs of QK^T and AV for `rows` queries against `keys` keys."""
     return 2.0 * rows * keys * heads * (model.qk_head_dim + model.v_dim)
 
 
 @dataclass(frozen=True)
 class LayerCost:
-    """Forward seconds of one layer for one micro-batch on one GPU, split by part."""
+    """Seconds of one layer for one micro-batch on one GPU, split by part, forward and backward."""
 
-    gemm: float
-    attention: float
-    elementwise: float
-    experts: float  # the routed-expert GEMMs (part of `gemm`), the window EP traffic can hide behind
+    gemm_f: float
+    gemm_b: float
+    attention_f: float
+    attention_b: float
+    elementwise: float  # forward; backward is twice as much memory traffic
+    experts_f: float  # the routed-expert GEMMs (part of `gemm_*`), the window EP traffic can hide behind
+    experts_b: float
+
+    @property
+    def forward(self) -> float:
+        return self.gemm_f + self.attention_f + self.elementwise
+
+
+def _add(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return a[0] + b[0], a[1] + b[1]
 
 
 @lru_cache(maxsize=4096)
 def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: bool,
                eff: Efficiency = DEFAULT_EFFICIENCY) -> LayerCost:
-    """Forward seconds of one layer (dense or MoE) for one micro-batch on one GPU."""
+    """Seconds of one layer (dense or MoE) for one micro-batch on one GPU."""
     t = deg.tp
     rows = job.seq_len // deg.cp * job.micro_batch
     h = model.hidden_size
-    q_w = model.num_heads * model.qk_head_dim // t
-    kv_w = max(1, model.kv_heads // t) * model.qk_head_dim
     o_in = model.num_heads * model.v_dim // t
-    gemm = _gemm_time(rows, h, q_w + 2 * kv_w, cluster, job) + _gemm_time(rows, o_in, h, cluster, job)
-    experts = 0.0
+    gemm = _add(_qkv_time(model, rows, t, cluster, job), _linear(rows, o_in, h, cluster, job))
+    experts = (0.0, 0.0)
     if moe:
         experts = _routed_experts_time(model, deg, job, cluster, rows)
         shared = model.num_shared_experts * model.moe_ffn_hidden_size // t
-        gemm += experts + (_mlp_time(model, rows, shared, cluster, job) if shared else 0.0)
+        gemm = _add(_add(gemm, experts), _mlp_time(model, rows, shared, cluster, job) if shared else (0.0, 0.0))
         ffn = model.moe_ffn_hidden_size * model.top_k
     else:
-        gemm += _mlp_time(model, rows, model.ffn_hidden_size // t, cluster, job)
+        gemm = _add(gemm, _mlp_time(model, rows, model.ffn_hidden_size // t, cluster, job))
         ffn = model.ffn_hidden_size
-    flash = job.attention_kernel == "flash"
-    # Flash skips the masked half of causal scores (head-tail CP keeps it balanced); eager computes them all.
-    keys = job.seq_len / 2 if (model.causal and flash) else job.seq_len
-    att_eff = eff.flash_efficiency if flash else eff.eager_attention_efficiency
-    attention = _attention_flops(model, rows, keys, model.num_heads // t) / (
-        cluster.gpu.peak_flops(job.param_dtype) * att_eff)
-    return LayerCost(gemm, attention, _elementwise_time(model, deg, job, cluster, ffn, eff), experts)
+    att_f, att_b = _attention_time(model, deg, job, cluster, eff)
+    elementwise = _elementwise_time(model, deg, job, cluster, ffn, eff)
+    if moe:
+        elementwise += _permute_time(model, deg, job, cluster, rows, eff)
+    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts)
 
 
-def _mlp_time(model: ModelSpec, rows: int, ffn: int, cluster: Cluster, job: Job) -> float:
+def _qkv_time(model: ModelSpec, rows: int, t: int, cluster: Cluster, job: Job) -> tuple[float, float]:
+    """Q, K, V projections. MLA (kv_lora_rank > 0) runs its real shapes: down-projections to the latent
+    ranks (replicated across tp) and up-projections to the heads, not a full-width multi-head projection."""
+    h, heads = model.hidden_size, model.num_heads // t
+    if not model.kv_lora_rank:
+        kv_w = max(1, model.kv_heads // t) * model.qk_head_dim
+        return _linear(rows, h, heads * model.qk_head_dim + 2 * kv_w, cluster, job)
+    nope = model.qk_head_dim - model.qk_rope_head_dim
+    kv = _add(_linear(rows, h, model.kv_lora_rank + model.qk_rope_head_dim, cluster, job),
+              _linear(rows, model.kv_lora_rank, heads * (nope + model.v_dim), cluster, job))
+    if not model.q_lora_rank:
+        return _add(kv, _linear(rows, h, heads * model.qk_head_dim, cluster, job))
+    q = _add(_linear(rows, h, model.q_lora_rank, cluster, job),
+             _linear(rows, model.q_lora_rank, heads * model.qk_head_dim, cluster, job))
+    return _add(kv, q)
+
+
+def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
+                    eff: Efficiency) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core on one GPU for one micro-batch."""
+    gpu, b = cluster.gpu, job.micro_batch
+    rows = job.seq_len // deg.cp
+    heads = model.num_heads // deg.tp
+    if job.attention_kernel == "eager":
+        return _eager_attention_time(model, rows, job.seq_len, b * heads, cluster, job)
+    # Head-tail CP keeps every rank's causal work equal to 1/cp of the whole sequence's.
+    keys = causal_keys(job.seq_len) if model.causal else float(job.seq_len)
+    flops = _attention_flops(model, rows * b, keys, heads)
+    ctas = b * heads * -(-rows // ATTN_QUERY_TILE)
+    peak = gpu.peak_flops(job.param_dtype)  # attention stays in 16-bit under FP8 training (as TE does)
+    # Ring CP calls the kernel once per step on a K,V block of s/cp keys: each call's query tiles pay their fill
+    # over that block, not over the whole sequence.
+    call_keys = min(keys, job.seq_len / deg.cp) if deg.cp > 1 and job.cp_mode in ("ring", "rsa") else keys
+    fwd_eff = flash_efficiency(gpu.attention_fwd_efficiency or eff.flash_fwd_efficiency, call_keys, ctas, gpu.sms)
+    bwd_eff = flash_efficiency(gpu.attention_bwd_efficiency or eff.flash_bwd_efficiency, call_keys, ctas, gpu.sms)
+    # Backward: dV, dP, dS->dQ, dK plus the recomputed scores: 2.5x the forward's FLOPs (Dao 2023).
+    return flops / (peak * fwd_eff), 2.5 * flops / (peak * bwd_eff)
+
+
+def _eager_attention_time(model: ModelSpec, rows: int, keys: int, batch_heads: int, cluster: Cluster,
+                          job: Job) -> tuple[float, float]:
+    """Eager attention as batched GEMMs (scores in 16-bit; softmax traffic is priced as elementwise)."""
+    gpu, dt, a = cluster.gpu, job.param_dtype, float(job.param_bytes)
+    dqk, dv = model.qk_head_dim, model.v_dim
+    qk = gemm_time(rows, dqk, keys, gpu, dt, a, a, batch_heads)
+    pv = gemm_time(rows, keys, dv, gpu, dt, a, a, batch_heads)
+    # dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
+    bwd = (gemm_time(rows, dv, keys, gpu, dt, a, a, batch_heads) + gemm_time(keys, rows, dv, gpu, dt, a, a, batch_heads)
+           + gemm_time(rows, keys, dqk, gpu, dt, a, a, batch_heads)
+           + gemm_time(keys, rows, dqk, gpu, dt, a, a, batch_heads))
+    return qk + pv, bwd
+
+
+def _mlp_time(model: ModelSpec, rows: int, ffn: int, cluster: Cluster, job: Job,
+              groups: int = 1) -> tuple[float, float]:
     """Up (gate + up for SwiGLU) and down projections of width `ffn` on this GPU."""
     up = 2 if model.mlp == "swiglu" else 1
     h = model.hidden_size
-    return _gemm_time(rows, h, up * ffn, cluster, job) + _gemm_time(rows, ffn, h, cluster, job)
+    return _add(_linear(rows, h, up * ffn, cluster, job, groups), _linear(rows, ffn, h, cluster, job, groups))
 
 
-def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, rows: int) -> float:
-    """This GPU's experts on their balanced share of the routed token copies (grouped GEMMs)."""
+def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int) -> int:
+    """Token copies this GPU's experts receive on balance (capacity pads them to the factor)."""
     sp = job.sequence_parallel and deg.tp > 1
     routed = rows // (deg.tp if sp else 1) * model.top_k
-    if job.dispatcher == "capacity":
-        routed = int(routed * job.capacity_factor)
+    return int(routed * job.capacity_factor) if job.dispatcher == "capacity" else routed
+
+
+def _permute_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, rows: int, eff: Efficiency) -> float:
+    """Forward memory traffic of routing: each copy's row is gathered into expert order before dispatch and
+    scattered back and weighted after combine (read and write each time)."""
+    nbytes = 4.0 * _routed_copies(model, deg, job, rows) * model.hidden_size * job.param_bytes
+    return nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
+
+
+def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
+                         rows: int) -> tuple[float, float]:
+    """This GPU's experts on their balanced share of the routed token copies, as one grouped GEMM per
+    projection: few tokens per expert pad their tiles (see `compute`)."""
+    routed = _routed_copies(model, deg, job, rows)
     local = max(1, model.num_experts // deg.ep)
     per_expert = max(1, routed // local)
-    return local * _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job)
+    return _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job, groups=local)
 
 
 def _elementwise_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, ffn: int,
                       eff: Efficiency) -> float:
-    """Memory-bound work: norms, residuals, RoPE, activation, dropout (and eager softmax)."""
+    """Memory-bound work: norms, residuals, RoPE, activation, dropout (and eager softmax), FP8 casts."""
     t = deg.tp
     rep = t if job.sequence_parallel and t > 1 else 1
     s_local = job.seq_len // deg.cp
     rows = s_local * job.micro_batch
     h = model.hidden_size
     nbytes = job.param_bytes * rows * (14 * h / rep + 3 * ffn / t + (4 * h / rep if model.dropout else 0))
+    if job.fp8:
+        # Each GEMM input is cast to FP8 (read 16-bit, write 8-bit and its transpose for wgrad), with an amax
+        # reduction per tensor: QKV, output, up and down inputs.
+        nbytes += 4 * rows * (h + model.num_heads * model.v_dim / t + h + ffn / t)
     if job.attention_kernel == "eager":
         # Softmax (read scores, write probabilities) and dropout (read, write, 1-byte mask) on [s, s] per head.
         scores = job.micro_batch * (model.num_heads // t) * s_local * job.seq_len
@@ -165,15 +247,23 @@ def _elementwise_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster
     return nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
 
 
+def _loss_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, eff: Efficiency) -> float:
+    """Vocab-parallel cross entropy, memory bound: per logit, read the 16-bit logits, write and re-read fp32
+    for the max and the sum of exponentials, keep the fp32 gradient, and write the 16-bit gradient in
+    backward (about 20 bytes per logit)."""
+    rows = job.seq_len // deg.cp * job.micro_batch
+    nbytes = 20.0 * rows * model.vocab_size / deg.tp
+    return nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
+
+
 def _fwd_bwd(c: LayerCost, job: Job) -> tuple[float, float]:
     """(executed seconds, of which attention) for forward + backward (+ recompute) of one layer."""
-    fwd = c.gemm + c.attention + c.elementwise
-    total = 3 * c.gemm + 3.5 * c.attention + 3 * c.elementwise
+    total = c.gemm_f + c.gemm_b + c.attention_f + c.attention_b + 3 * c.elementwise
     if job.recompute == "full":
-        total += fwd
+        total += c.forward
     elif job.recompute == "selective" and job.attention_kernel == "eager":
-        total += c.attention
-    return total, 3.5 * c.attention
+        total += c.attention_f
+    return total, c.attention_f + c.attention_b
 
 
 @lru_cache(maxsize=4096)
@@ -193,15 +283,24 @@ def model_flops_per_step(model: ModelSpec, job: Job, sequences: int, causal_atte
     return 3.0 * (dense + attention + head)
 
 
+# The coordinates that stay fixed inside each mesh dimension's group (the runtime's `Layout.coordinates`).
+_FIXED = {"tp": ("cp", "dp", "pp"), "cp": ("tp", "dp", "pp"), "dp": ("tp", "cp", "pp"), "dp_cp": ("tp", "pp"),
+          "ep": ("tp", "pp", "edp"), "edp": ("tp", "pp", "ep"), "pp": ("tp", "cp", "dp")}
+_SIZE = {"dp_cp": lambda d: d.dp_cp, "edp": lambda d: d.edp}
+
+
+@lru_cache(maxsize=16384)
 def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
-    """Where each mesh dimension's group lands (rank order tp, cp, ep/dp, pp with tp fastest)."""
+    """Where each mesh dimension's group lands, read from the runtime's own rank order: the members of rank
+    0's group that share its node (ranks fill nodes in order)."""
     g = cluster.gpus_per_node
-    return {
-        "tp": placement(deg.tp, 1, g), "cp": placement(deg.cp, deg.tp, g),
-        "dp": placement(deg.dp, deg.tp * deg.cp, g), "dp_cp": placement(deg.dp_cp, deg.tp, g),
-        "ep": placement(deg.ep, deg.tp, g), "edp": placement(deg.edp, deg.tp * deg.ep, g),
-        "pp": placement(deg.pp, deg.tp * deg.cp * deg.dp, g),
-    }
+    first_node = [deg.coordinates(r) for r in range(min(g, deg.world_size))]
+    out = {}
+    for dim, fixed in _FIXED.items():
+        size = _SIZE[dim](deg) if dim in _SIZE else getattr(deg, dim)
+        local = sum(all(getattr(c, f) == getattr(first_node[0], f) for f in fixed) for c in first_node)
+        out[dim] = Placement(size, local) if size > 1 else Placement(1, 1)
+    return out
 
 
 def _records_time(records, places: dict[str, Placement], cluster: Cluster, net: NetworkParams,
@@ -265,7 +364,7 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
             row = job.param_bytes * model.hidden_size
             ep_t = _records_time(expert_parallel_records(model, deg, job), places, cluster, net, msg_bytes=row)
             if job.overlap_ep:
-                ep_t = _hide(ep_t, 3 * cost.experts, eff)
+                ep_t = _hide(ep_t, cost.experts_f + cost.experts_b, eff)
         compute += count * run
         blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
         tp += count * _records_time(tensor_parallel_records(model, deg, job, blocks), places, cluster, net)
@@ -273,7 +372,8 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
         ep += count * ep_t
     if stage == deg.pp - 1 and model.vocab_size:
         rows = job.seq_len // deg.cp * job.micro_batch
-        compute += 3 * _gemm_time(rows, model.hidden_size, model.vocab_size // deg.tp, cluster, job)
+        compute += sum(_linear(rows, model.hidden_size, model.vocab_size // deg.tp, cluster, job))
+        compute += _loss_time(model, deg, job, cluster, eff)
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
                        places, cluster, net)
     return _StageTime(compute, tp, cp, ep, pp)

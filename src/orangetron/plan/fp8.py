@@ -1,0 +1,42 @@
+"""FP8 training's extra memory: Transformer-Engine-style FP8 linear layers with per-tensor scaling.
+
+Compute under FP8 (`Job.fp8`) is priced in `timing`/`compute`: linear-layer GEMMs at the GPU's FP8 peak with
+1-byte operands and 16-bit outputs, a cast (and transpose, for wgrad) of every GEMM input as memory-bound
+work; attention, norms and the optimizer stay in 16/32-bit. Memory adds, per GPU:
+- an FP8 copy of every linear weight and its transpose (2 bytes per linear parameter), cached across the
+  micro-batches of a step, while the 16-bit weights and fp32 master copies stay as they are;
+- the scale tensors: per GEMM operand one fp32 scale, one scale inverse and an amax history of
+  `AMAX_HISTORY` fp32 values (three operands per GEMM, four linear layers per dense layer).
+Saved activations are counted at 16 bits, as `activations.py` has them (recipes that save FP8 inputs keep
+less); the gradients, reductions and optimizer are unchanged.
+"""
+
+from __future__ import annotations
+
+from orangetron.plan.config import Degrees, Job
+from orangetron.plan.memory import stage_params
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.stages import stage_layers
+
+AMAX_HISTORY = 1024  # Transformer Engine's default amax_history_len
+GEMMS_PER_LAYER = 4  # QKV, output projection, up (gate+up), down
+
+
+def fp8_memory_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
+    """Bytes FP8 training adds on one GPU of `stage`: FP8 weight copies and transposes, scale tensors."""
+    if not job.fp8:
+        return 0
+    params = stage_params(model, deg, stage, job.virtual_stages).total
+    if stage == 0 and not model.patch_size:
+        params -= model.vocab_size * model.hidden_size // deg.tp  # the embedding is a lookup, not a GEMM
+    layers = len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage))
+    scales = layers * GEMMS_PER_LAYER * 3 * (2 + AMAX_HISTORY) * 4
+    return 2 * max(0, params) + scales
+
+
+def with_fp8(memory: dict[str, int], model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:
+    """`memory` plus an `fp8` entry counted in `total` (absent when FP8 is off)."""
+    extra = fp8_memory_bytes(model, deg, job)
+    if not extra:
+        return memory
+    return {**memory, "fp8": extra, "total": memory["total"] + extra}

@@ -1,0 +1,69 @@
+"""Memory a training process holds beyond its tensors: a fixed part and a part proportional to what it allocates.
+
+The categories of `memory.py` count tensor bytes exactly (the runtime's ledger equals them), but a GPU also
+holds memory no tensor owns:
+
+- fixed: the CUDA context with the kernels of PyTorch, cuBLAS and NCCL loaded (about 0.5-1 GiB on H100 with
+  lazy module loading, as `nvidia-smi` shows for a process that has only initialized CUDA), the cuBLAS
+  workspace (32 MiB per stream on Hopper) and each NCCL communicator's buffers (NCCL_BUFFSIZE = 4 MiB per
+  channel and peer for the Simple protocol, plus the LL and LL128 buffers, over up to 32 channels; NVLS
+  adds its multicast buffers): we count `context_gib` once and `per_group_gib` per mesh group of more
+  than one rank, since every such group is its own communicator;
+- proportional: the caching allocator's reserved-but-unused blocks (fragmentation), which grow with the
+  memory that is allocated and freed every step: activations and ZeRO-3's gathered layers. Model states
+  live in long-lived buffers and fragment little, so they are left out of the base.
+
+The constants are set from those public sizes, not fitted to any run; `--overhead-gib` and
+`--overhead-fraction` replace them (both 0 turn the term off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orangetron.plan.config import Degrees
+from orangetron.plan.hardware import GIB
+
+
+class OverheadError(ValueError):
+    """A memory-overhead setting outside its range."""
+
+
+@dataclass(frozen=True)
+class MemoryOverhead:
+    """Fixed GiB (context, plus per communicator) and a fraction of the step's dynamic allocations."""
+
+    context_gib: float = 1.0  # CUDA context, library kernels, cuBLAS workspace
+    per_group_gib: float = 0.5  # one NCCL communicator's buffers
+    fraction: float = 0.15  # allocator fragmentation, share of activations and ZeRO-3 buffers
+
+    def __post_init__(self) -> None:
+        for name in ("context_gib", "per_group_gib", "fraction"):
+            if getattr(self, name) < 0:
+                raise OverheadError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.fraction >= 1:
+            raise OverheadError(f"fraction={self.fraction}: must be < 1 (a share of the dynamic allocations)")
+
+    def fixed_bytes(self, deg: Degrees) -> int:
+        groups = sum(size > 1 for size in (deg.tp, deg.cp, deg.pp, deg.dp_cp, deg.ep, deg.edp))
+        return int((self.context_gib + self.per_group_gib * groups) * GIB)
+
+    def bytes(self, memory: dict[str, int], deg: Degrees) -> int:
+        """Overhead bytes for a per-GPU breakdown from `memory.memory_per_gpu`."""
+        dynamic = memory.get("activations", 0) + memory.get("buffers", 0)
+        return self.fixed_bytes(deg) + int(self.fraction * dynamic)
+
+
+NO_OVERHEAD = MemoryOverhead(0.0, 0.0, 0.0)
+DEFAULT_OVERHEAD = MemoryOverhead()
+
+
+def fixed_overhead(gib: float, fraction: float) -> MemoryOverhead:
+    """The `--overhead-gib` / `--overhead-fraction` setting: `gib` in all, whatever the layout."""
+    return MemoryOverhead(context_gib=gib, per_group_gib=0.0, fraction=fraction)
+
+
+def with_overhead(memory: dict[str, int], deg: Degrees, overhead: MemoryOverhead) -> dict[str, int]:
+    """`memory` plus an `overhead` entry, counted in `total`."""
+    extra = overhead.bytes(memory, deg)
+    return {**memory, "overhead": extra, "total": memory["total"] + extra}
