@@ -159,6 +159,8 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     x = layer_shape(deg, job)
     layers = stage_layers(m.num_layers, deg.pp, job.virtual_stages, stage)
     moe_layers = sum(m.is_moe_layer(i) for i in layers)
+    if deg.pp > 1 and job.pp_schedule == "interleaved" and job.virtual_stages > 1:
+        return _interleaved_peak(m, deg, job, stage, x)
     per_mb = (moe_layers * layer_activation_bytes(m, deg, job, True)
               + (len(layers) - moe_layers) * layer_activation_bytes(m, deg, job, False))
     total = int(per_mb * in_flight(deg, job, stage))
@@ -186,6 +188,44 @@ def head_in_flight(deg: Degrees, job: Job) -> int:
     """Micro-batches whose output layer and loss the last stage holds at once: GPipe runs every forward
     before any backward (m); 1F1B and interleaved 1F1B run the last chunk's backward right after its forward."""
     return job.microbatches(deg) if deg.pp > 1 and job.pp_schedule == "gpipe" else 1
+
+
+def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: tuple[int, ...]) -> int:
+    return sum(layer_activation_bytes(m, deg, job, m.is_moe_layer(i)) for i in layers)
+
+
+def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: LayerShape) -> int:
+    """Peak bytes of an interleaved stage, walking its action list: every (chunk, micro-batch) between its
+    forward and its backward holds its layers and RoPE tables (and under SP its mask copy); a micro-batch's
+    token ids stay while chunk 0 holds it, its padding mask while any chunk with MoE layers does, and the
+    output layer's buffers while the last chunk does."""
+    from orangetron.plan.schedule import actions  # the schedule the runtime executes
+
+    p, v, mbs = deg.pp, job.virtual_stages, job.microbatches(deg)
+    sb, h = x.s * x.b, m.hidden_size
+    chunk_layers = [stage_layers(m.num_layers, p * v, 1, stage + c * p) for c in range(v)]
+    per_chunk, moe_chunk = [], []
+    for layers in chunk_layers:
+        ids, rope, mask = _small_stage_buffers(m, x, stage, layers, sum(m.is_moe_layer(i) for i in layers))
+        per_chunk.append(_layer_bytes(m, deg, job, layers) + rope + (mask if x.rep > 1 else 0))
+        moe_chunk.append(mask if x.rep == 1 else 0)
+    first = 0
+    if stage == 0:  # token ids (Llama-style models), embedding-dropout mask
+        first = (8 * sb if _counts_small_buffers(m) else 0) + (sb * h // x.rep if m.dropout else 0)
+    last = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t if stage == p - 1 else 0
+    live, peak, masks = 0, 0, [0] * mbs  # masks[i]: chunks with MoE layers holding micro-batch i
+    for act in actions(p, mbs, "interleaved", v)[stage]:
+        sign = 1 if act.kind == "F" else -1
+        c, i = act.chunk, act.microbatch
+        live += sign * (per_chunk[c] + (first if c == 0 else 0) + (last if c == v - 1 else 0))
+        if moe_chunk[c]:
+            before = masks[i]
+            masks[i] += sign
+            live += moe_chunk[c] * ((masks[i] > 0) - (before > 0))
+        peak = max(peak, live)
+    if job.recompute == "full" and chunk_layers[0]:
+        peak += layer_activation_bytes(m, deg, replace(job, recompute="none"), m.is_moe_layer(chunk_layers[0][0]))
+    return peak
 
 
 def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: tuple[int, ...],
