@@ -53,8 +53,10 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     if cfg.ep == 1:  # without EP each rank balances its own tokens, which one device cannot reproduce
         model = dataclasses.replace(model, aux_loss_coef=0.0)
     layout_cfg = dataclasses.replace(cfg, model=model)
+    # The same micro-batches on one rank (gradient accumulation): the balancing loss sees the same tokens.
     one_cfg = dataclasses.replace(layout_cfg, tp=1, cp=1, pp=1, dp=1, ep=1, zero_stage=0, distributed_optimizer=False,
-                                  sequence_parallel=False, grad_bucket_numel=0, cp_mode="ring", dispatcher="ragged")
+                                  sequence_parallel=False, grad_bucket_numel=0, cp_mode="ring", dispatcher="ragged",
+                                  pp_schedule="1f1b", virtual_stages=1)
     with process_group():
         reference = _trace(one_cfg)
     traces = launch_local(_trace, cfg.layout.world_size, args=(layout_cfg,))

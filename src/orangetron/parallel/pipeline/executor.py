@@ -19,7 +19,7 @@ import torch
 from orangetron import comm
 from orangetron.parallel.data import DataParallel
 from orangetron.parallel.pipeline.stage import Chunk, chunk_forward, hidden_shape
-from orangetron.plan.schedule import actions
+from orangetron.plan.schedule import Action, actions
 
 
 @dataclass
@@ -72,17 +72,20 @@ def run_pipeline(dp: DataParallel, microbatches: list[MicroBatch], schedule: str
     """Run one step's forwards (and backwards when `train`) of `schedule` on this pipeline rank.
 
     Returns the sum over micro-batches of loss_scale * cross entropy on the last stage, None elsewhere.
-    Without `train`, only the forwards run (in the schedule's order), under no_grad.
+    Without `train`, only the forwards run, micro-batch by micro-batch, under no_grad.
     """
     group = dp.mesh["pp"]
     chunks: list[Chunk] = dp.module.pipeline_chunks
-    plan = actions(group.size, len(microbatches), schedule, virtual_stages)[group.rank]
+    if train:
+        plan = actions(group.size, len(microbatches), schedule, virtual_stages)[group.rank]
+    else:  # forwards only: every rank in micro-batch order, chunk by chunk (any count of micro-batches)
+        plan = [Action("F", c, i) for i in range(len(microbatches)) for c in range(virtual_stages)]
     runner = _Runner(dp, microbatches, chunks, _Transfers(dp, len(microbatches), group.size * virtual_stages))
     with torch.set_grad_enabled(train and torch.is_grad_enabled()):
         for act in plan:
             if act.kind == "F":
                 runner.forward(chunks[act.chunk], act.microbatch)
-            elif train:
+            else:
                 runner.backward(chunks[act.chunk], act.microbatch)
     runner.transfers.finish()
     return runner.loss if chunks[-1].last else None
