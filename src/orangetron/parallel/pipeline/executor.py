@@ -12,6 +12,7 @@ their sum is the step's objective.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,11 +69,13 @@ class _Transfers:
 
 
 def run_pipeline(dp: DataParallel, microbatches: list[MicroBatch], schedule: str, virtual_stages: int = 1,
-                 train: bool = True) -> float | None:
+                 train: bool = True, timeline: list[tuple[str, int, int, float, float]] | None = None) -> float | None:
     """Run one step's forwards (and backwards when `train`) of `schedule` on this pipeline rank.
 
     Returns the sum over micro-batches of loss_scale * cross entropy on the last stage, None elsewhere.
-    Without `train`, only the forwards run, micro-batch by micro-batch, under no_grad.
+    Without `train`, only the forwards run, micro-batch by micro-batch, under no_grad. `timeline`, when
+    given, receives (kind, chunk, micro-batch, start, end) per action in `time.perf_counter` seconds, from
+    the moment its input has arrived to the moment its output is posted (waiting is not work).
     """
     group = dp.mesh["pp"]
     chunks: list[Chunk] = dp.module.pipeline_chunks
@@ -81,6 +84,7 @@ def run_pipeline(dp: DataParallel, microbatches: list[MicroBatch], schedule: str
     else:  # forwards only: every rank in micro-batch order, chunk by chunk (any count of micro-batches)
         plan = [Action("F", c, i) for i in range(len(microbatches)) for c in range(virtual_stages)]
     runner = _Runner(dp, microbatches, chunks, _Transfers(dp, len(microbatches), group.size * virtual_stages))
+    runner.timeline = timeline
     with torch.set_grad_enabled(train and torch.is_grad_enabled()):
         for act in plan:
             if act.kind == "F":
@@ -99,6 +103,11 @@ class _Runner:
         self.dp, self.mbs, self.chunks, self.transfers = dp, microbatches, chunks, transfers
         self.saved: dict[tuple[int, int], tuple] = {}
         self.loss = 0.0
+        self.timeline: list | None = None
+
+    def _busy(self, kind: str, chunk: Chunk, i: int, start: float) -> None:
+        if self.timeline is not None:
+            self.timeline.append((kind, chunk.index, i, start, time.perf_counter()))
 
     def forward(self, chunk: Chunk, i: int) -> None:
         mb, model = self.mbs[i], self.dp.module
@@ -107,6 +116,7 @@ class _Runner:
         else:
             x = self.transfers.recv(hidden_shape(model, mb.inputs), chunk.stage - 1, chunk.stage, i)
             x.requires_grad_(torch.is_grad_enabled())
+        start = time.perf_counter()
         out, aux = self.dp.run(chunk_forward, model, chunk, x, mb.positions, mb.token_mask)
         if chunk.last:
             ce = model.cross_entropy(out, mb.labels, mb.ignore_index) * mb.loss_scale
@@ -118,13 +128,16 @@ class _Runner:
             self.saved[(chunk.index, i)] = (x, out, aux)
         if not torch.is_grad_enabled():
             del self.saved[(chunk.index, i)]
+        self._busy("F", chunk, i, start)
 
     def backward(self, chunk: Chunk, i: int) -> None:
         x, out, aux = self.saved.pop((chunk.index, i))  # its activations go once this backward is done
         if chunk.last:
+            start = time.perf_counter()
             out.backward()
         else:
             grad = self.transfers.recv(tuple(out.shape), chunk.stage + 1, chunk.stage, i)
+            start = time.perf_counter()
             tensors, grads = [out], [grad]
             if aux is not None and aux.requires_grad:
                 tensors.append(aux)
@@ -132,3 +145,4 @@ class _Runner:
             torch.autograd.backward(tensors, grads)
         if not chunk.first:
             self.transfers.send(x.grad, chunk.stage, chunk.stage - 1, i)
+        self._busy("B", chunk, i, start)
