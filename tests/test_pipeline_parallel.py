@@ -116,3 +116,18 @@ def test_verify_command_pipeline(capsys):
                  "--pp-schedule", "gpipe", "--steps", "2", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and result["ok"] and result["layout"]["pp"] == 2 and result["max_grad_rel_diff"] < 1e-12
+
+
+def test_schedule_measured_runs_the_drawn_schedule(capsys):
+    """`schedule --measured` times a real step: each rank runs the drawn order, and holds what it says at its
+    peak (GPipe every micro-batch, 1F1B pp - rank)."""
+    import json
+
+    from orangetron.cli import main
+
+    for schedule, peaks in (("gpipe", [4, 4]), ("1f1b", [2, 1])):
+        assert main(["schedule", "--pp", "2", "--microbatches", "4", "--schedule", schedule, "--measured",
+                     "--json"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["measured"] and result["peak_in_flight"] == peaks, schedule
+        assert 0 <= result["bubble_fraction"] < 1 and result["formula_bubble_fraction"] == 1 / 5
