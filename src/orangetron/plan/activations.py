@@ -214,7 +214,9 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
         first = (8 * sb if _counts_small_buffers(m) else 0) + (sb * h // x.rep if m.dropout else 0)
     last = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t if stage == p - 1 else 0
     live, peak, masks = 0, 0, [0] * mbs  # masks[i]: chunks with MoE layers holding micro-batch i
-    for act in actions(p, mbs, "interleaved", v)[stage]:
+    # After the warmup the list repeats every p*v forwards with micro-batches p further on, so what is held
+    # repeats too: the peak lies within the warmup and a few periods (m can be thousands in a search).
+    for act in actions(p, mbs, "interleaved", v)[stage][: 16 * p * v]:
         sign = 1 if act.kind == "F" else -1
         c, i = act.chunk, act.microbatch
         live += sign * (per_chunk[c] + (first if c == 0 else 0) + (last if c == v - 1 else 0))

@@ -81,7 +81,7 @@ class TrainConfig:
     resume: bool = False  # continue from the latest checkpoint in `out`, on whatever layout this run has
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
     tp: int = 1  # tensor-parallel degree: local ranks that split every weight matrix
-    cp: int = 1  # context-parallel degree (only 1 for now)
+    cp: int = 1  # context-parallel degree: local ranks that split every sequence head-tail
     pp: int = 1  # pipeline-parallel degree: local ranks that each run a contiguous share of the layers
     pp_schedule: str = "1f1b"  # pipeline schedule with pp > 1: gpipe, 1f1b, interleaved
     microbatches: int = 1  # micro-batches per step (gradients accumulate over them; the pipeline's unit)
