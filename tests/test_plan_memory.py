@@ -88,7 +88,11 @@ def test_interleaved_in_flight_factor():
     mixed = stage_activation_bytes(model, deg, inter, 0)
     per = 34 * SEQ * h // t
     assert plain == layers * per
-    mixed_mask = int(SEQ * h // t * (v * p + p - 1) / v)
+    # The embedding-dropout mask lives with chunk 0's micro-batches. Rank 0 warms up with 2(p-1) + (v-1)p = 38
+    # forwards (chunks 0-3 of micro-batches 0-7, then chunk 0 of 8-13) and one more (chunk 0 of 14) at its peak;
+    # the next forward (chunk 0 of 15) replaces a chunk-3 backward, and chunk 0's first backward comes after
+    # 24 more: 16 chunk-0 micro-batches at most while 39 chunk-micro-batches are held.
+    mixed_mask = 16 * SEQ * h // t
     assert mixed - mixed_mask == pytest.approx(layers * per * (1 + (p - 1) / (p * v)), rel=1e-9)
 
 

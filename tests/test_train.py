@@ -98,7 +98,7 @@ def test_lr_schedule() -> None:
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"pp": 2}, r"pp=2 \(--pp\): pipeline parallelism is not available yet; only --tp, --cp, --dp and"),
+        ({"pp": 2, "virtual_stages": 2}, r"virtual_stages=2 \(--virtual-stages\): needs --pp-schedule interleaved"),
         ({"ep": 4}, r"ep=4 \(--ep\): must divide dp\*cp=1"),
         ({"steps": 0}, r"steps=0 \(--steps\)"),
         ({"seq_len": -1}, r"seq_len=-1 \(--seq-len\)"),
@@ -188,7 +188,7 @@ def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
     ("flags", "needle"),
     [
         (["--steps", "0"], "--steps"),
-        (["--pp", "2"], "pp=2 (--pp): pipeline parallelism is not available yet"),
+        (["--pp", "2", "--virtual-stages", "2"], "virtual_stages=2 (--virtual-stages): needs --pp-schedule"),
         (["--model", "nope"], "--model"),
         (["--data", "/no/such/file.txt"], "--data"),
     ],

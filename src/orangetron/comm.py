@@ -25,8 +25,8 @@ from orangetron.plan.collectives import CommRecord
 __all__ = [
     "LEDGER_LIMIT", "CommRecord", "LedgerOverflow", "Pending", "PendingAllReduce", "RingExchange", "all_gather",
     "all_gather_into", "all_gather_into_start", "all_gather_objects", "all_reduce", "all_reduce_max",
-    "all_reduce_start", "all_to_all", "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure",
-    "reduce_scatter", "reduce_scatter_start", "reset_ledger", "unmeasured", "world_group",
+    "all_reduce_start", "all_to_all", "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure", "recv",
+    "reduce_scatter", "reduce_scatter_start", "reset_ledger", "send_start", "unmeasured", "world_group",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -447,3 +447,40 @@ class RingExchange:
         """`start(x)` then `wait()`: a blocking ring shift."""
         self.start(x)
         return self.wait()
+
+
+# ---- point to point (pipeline stages) ---------------------------------------------------------------
+
+
+def send_start(x: torch.Tensor, group: MeshGroup, dst: int, tag: int) -> object:
+    """Post a send of `x` to group member `dst` and return its work handle at once (no autograd).
+
+    The caller keeps `x` alive and waits on the handle before the step ends; the matching `recv` names the
+    same `tag`. Records the sending side: payload and bytes sent are the tensor's bytes.
+    """
+    x = x.detach().contiguous()
+    work = dist.isend(x, group.global_rank(dst), group=group.group, tag=tag)
+    _record("send_recv", group, _nbytes(x), formulas.send_recv_bytes(_nbytes(x), 0))
+    return _PendingSend(x, work)
+
+
+class _PendingSend:
+    """A send in flight: holds the buffer until `wait()` (the backend reads it asynchronously)."""
+
+    def __init__(self, buffer: torch.Tensor, work: object) -> None:
+        self.buffer, self.work = buffer, work
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+def recv(shape: Sequence[int], dtype: torch.dtype, group: MeshGroup, src: int, tag: int,
+         device: torch.device | str = "cpu") -> torch.Tensor:
+    """Receive a tensor of `shape` and `dtype` from group member `src` (blocking, no autograd).
+
+    Records the receiving side: no payload handed in, the tensor's bytes received.
+    """
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    dist.irecv(out, group.global_rank(src), group=group.group, tag=tag).wait()
+    _record("send_recv", group, 0, formulas.send_recv_bytes(0, _nbytes(out)))
+    return out

@@ -107,14 +107,25 @@ class Transformer(nn.Module):
             raise ValueError(f"seq_len={seq_len}: exceeds max_seq_len={self.cfg.max_seq_len}")
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=tokens.device)
-        # The embedding keeps the ids for backward; a copy keeps them from pinning a larger tensor they view.
-        h = self.tok_embeddings(tokens.clone(memory_format=torch.contiguous_format))  # [B, S, dim]
+        h = self.embed(tokens)  # [B, S, dim]
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, token_mask)
-        h = self.norm(h)
+        return self.head(h)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] -> the first layer's input [B, S, dim] (a pipeline's first stage runs this alone)."""
+        # The embedding keeps the ids for backward; a copy keeps them from pinning a larger tensor they view.
+        return self.tok_embeddings(tokens.clone(memory_format=torch.contiguous_format))
+
+    def routing_mask(self, token_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The padding mask of the tokens the MoE layers route (all of them on one device)."""
+        return token_mask
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last layer's output [B, S, dim] -> logits [B, S, vocab]: final norm, output projection."""
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h, weight)  # [B, S, vocab]
+        return F.linear(self.norm(h), weight)  # [B, S, vocab]
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' load-balancing losses from the last forward; a 0-d zero when dense."""
@@ -139,9 +150,13 @@ class Transformer(nn.Module):
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """`loss` for logits [B, S, V] already computed (by a wrapper such as DataParallel) by this model."""
+        return self.cross_entropy(logits, labels, ignore_index) + self.aux_loss()
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross entropy of logits [B, S, V] over labels != ignore_index, without the aux loss."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1)  # [B*S, V]
         # Keeps only the float32 (float64) logits' gradient for backward, not the logits or the labels.
-        return CrossEntropy.apply(logits, labels.reshape(-1), ignore_index) + self.aux_loss()
+        return CrossEntropy.apply(logits, labels.reshape(-1), ignore_index)
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (a tied matrix counts once)."""

@@ -26,7 +26,7 @@ the loss is the mean over all dp x cp ranks; whole tensors gather the ep blocks 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -55,6 +55,7 @@ class DataParallel(nn.Module):
         self.placements = getattr(module, "placements", None)  # by parameter name, under tensor parallelism
         self.tp = mesh["tp"] if self.placements is not None and mesh["tp"].size > 1 else None
         self.ep = mesh["ep"] if mesh["ep"].size > 1 else None
+        self.pp = mesh["pp"] if mesh["pp"].size > 1 else None  # each stage holds other parameters
         self.zero3 = self.config.zero_stage == 3
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.device = next(iter(module.parameters())).device
@@ -137,11 +138,16 @@ class DataParallel(nn.Module):
     # ---- forward and backward ----------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.module, *args, **kwargs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` as a forward of the wrapped module: parameters gathered first where the ZeRO
+        stage asks, gradients expected afterwards (a pipeline stage runs each of its chunks this way)."""
         if self.schedule is not None:
             self.schedule.begin_forward()
         elif self._params_stale:
             self._gather_params()
-        out = self.module(*args, **kwargs)
+        out = fn(*args, **kwargs)
         if self.schedule is not None:
             self.schedule.end_forward(out)
         self._grads_pending |= torch.is_grad_enabled()  # an evaluation forward leaves nothing to reduce
@@ -227,6 +233,8 @@ class DataParallel(nn.Module):
         out = {}
         for part, tensor in zip(self.parts, owned, strict=True):
             out |= self._whole(part, part.gather_owned(tensor))
+        if self.pp is not None:  # every stage's tensors, so the result names the whole model on every rank
+            out = {name: t for stage in comm.all_gather_objects(out, self.pp) for name, t in stage.items()}
         return out
 
     def _flat_from(self, part: FlatPart, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -313,7 +321,8 @@ class ShardedAdamW:
         """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping.
 
         Each part's sum of squares is summed over its shard group when sharded; the experts' also over ep
-        (each ep rank holds other experts); then everything over tp, counting each element once.
+        (each ep rank holds other experts); then everything over tp, counting each element once, and over
+        pp (each stage holds other layers).
         """
         self.dp.reduce_gradients()
         total = None
@@ -329,6 +338,8 @@ class ShardedAdamW:
             total = squares if total is None else total + squares
         if self.dp.tp is not None:
             total = comm.all_reduce(total, self.dp.tp)
+        if self.dp.pp is not None:
+            total = comm.all_reduce(total, self.dp.pp)
         norm = total.sqrt()[0]
         if max_norm < float("inf"):  # "no clipping" must not multiply an infinite norm's grads by inf/inf
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

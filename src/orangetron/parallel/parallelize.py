@@ -8,14 +8,12 @@ from torch import nn
 
 from orangetron.layout import LayoutError
 from orangetron.mesh import ParallelMesh
-from orangetron.parallel import context
+from orangetron.parallel import context, pipeline
 from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.data import DataParallel
 from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.expert.balance import balance_globally
 from orangetron.parallel.tensor import tensor_parallel
-
-_NOT_YET = {"pp": "pipeline"}
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> DataParallel:
@@ -25,17 +23,16 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     parallelism (every attention core attends across the cp ranks in `config.cp_mode`; the caller feeds
     each rank its head-tail shard of the tokens with their global positions, `context.shard` and
     `context.position_ids`), then expert parallelism over ep (routed experts in blocks per ep rank,
-    `config.dispatcher`), then data parallelism over dp x cp (experts over edp) with the ZeRO stage of
-    `config`. Returns the `DataParallel` wrapper: call it like the model, and build the optimizer with
+    `config.dispatcher`), then pipeline parallelism over pp (this rank keeps its stage's chunks; run a
+    step with `pipeline.run_pipeline`), then data parallelism over dp x cp (experts over edp) with the
+    ZeRO stage of `config`. Returns the `DataParallel` wrapper: call it like the model, and build the optimizer with
     `.optimizer(lr=...)`. Every rank must build `model` from the same seed. Dimensions the runtime does not
     run yet raise `LayoutError`.
     """
     config = config or ParallelConfig()
     layout = mesh.layout
-    for dim, what in _NOT_YET.items():
-        if getattr(layout, dim) > 1:
-            raise LayoutError(f"{dim}={getattr(layout, dim)}: {what} parallelism is not in the runtime yet")
     layout.validate(getattr(model, "cfg", None), sequence_parallel=config.sequence_parallel)
+    pipeline.check_pipeline(model.cfg, layout.pp, config)
     if layout.tp > 1:
         model = tensor_parallel(model, mesh, config.sequence_parallel)
     if layout.cp > 1:
@@ -44,6 +41,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
         model = expert_parallel(model, mesh, config)
     else:  # the balancing loss over every token of the batch, as one device computes it
         balance_globally(model, mesh, config.sequence_parallel)
+    if layout.pp > 1:  # last: the other dimensions walk every layer of the whole model
+        model.pipeline_chunks = pipeline.split_stages(model, layout.pp, mesh["pp"].rank, config.virtual_stages)
     return DataParallel(model, mesh, config)
 
 

@@ -300,32 +300,47 @@ class TensorParallelTransformer(nn.Module):
     def forward(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.embed(tokens)  # [B, S/tp or S, dim]
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        token_mask = self.routing_mask(token_mask)
+        for layer in self.layers:
+            h = layer(h, cos, sin, token_mask)
+        return self.head(h)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] -> the first layer's input, [B, S/tp, dim] under SP, else [B, S, dim]."""
         seq_len = tokens.shape[1]
         if self.sp and seq_len % self.group.size:
             raise LayoutError(f"tp={self.group.size}: sequence_parallel needs seq_len {seq_len} divisible by tp")
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=tokens.device)
-        h = self.tok_embeddings(tokens)  # [B, S/tp or S, dim]
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
-        if self.sp and token_mask is not None:
-            # The router's tokens; a copy, so the load-balancing loss keeps this shard, not the whole mask.
-            token_mask = token_mask.chunk(self.group.size, dim=1)[self.group.rank].contiguous()
-        for layer in self.layers:
-            h = layer(h, cos, sin, token_mask)
-        h = self.norm(h)
+        return self.tok_embeddings(tokens)
+
+    def routing_mask(self, token_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The padding mask [B, S] of the tokens this rank routes: its sequence shard under SP."""
+        if not self.sp or token_mask is None:
+            return token_mask
+        # A copy, so the load-balancing loss keeps this shard, not the whole mask.
+        return token_mask.chunk(self.group.size, dim=1)[self.group.rank].contiguous()
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last layer's output -> this rank's vocabulary slice of the logits, [B, S, vocab/tp]."""
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        (logits,) = column_inputs(h, [weight], self.group, self.sp)
-        return logits  # [B, S, vocab/tp]
+        (logits,) = column_inputs(self.norm(h), [weight], self.group, self.sp)
+        return logits
 
     def aux_loss(self) -> torch.Tensor:
         return Transformer.aux_loss(self)
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Vocabulary-parallel `Transformer.loss_from_logits`: logits [B, S, V/tp], labels [B, S]."""
+        return self.cross_entropy(logits, labels, ignore_index) + self.aux_loss()
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Vocabulary-parallel mean cross entropy, without the aux loss."""
         logits = logits.to(accumulate_dtype(logits.dtype)).flatten(0, 1)  # [B*S, V/tp]
         start = self.group.rank * logits.shape[-1]
-        ce = _VocabParallelCrossEntropy.apply(logits, labels.reshape(-1), ignore_index, start, self.group)
-        return ce + self.aux_loss()
+        return _VocabParallelCrossEntropy.apply(logits, labels.reshape(-1), ignore_index, start, self.group)
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
              ignore_index: int = -100) -> torch.Tensor:

@@ -162,6 +162,8 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     x = layer_shape(deg, job)
     layers = stage_layers(m.num_layers, deg.pp, job.virtual_stages, stage)
     moe_layers = sum(m.is_moe_layer(i) for i in layers)
+    if deg.pp > 1 and job.pp_schedule == "interleaved" and job.virtual_stages > 1:
+        return _interleaved_peak(m, deg, job, stage, x)
     per_mb = (moe_layers * layer_activation_bytes(m, deg, job, True)
               + (len(layers) - moe_layers) * layer_activation_bytes(m, deg, job, False))
     total = int(per_mb * in_flight(deg, job, stage))
@@ -173,20 +175,82 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     if stage == 0 and m.dropout:
         total += int(sb * h // x.rep * in_flight(deg, job, 0))  # embedding-dropout mask
     if _counts_small_buffers(m):
-        total += int(_small_stage_buffers(m, x, stage, layers, moe_layers) * in_flight(deg, job, stage))
+        ids, rope, mask = _small_stage_buffers(m, x, stage, layers, moe_layers)
+        chunk_mbs = in_flight(deg, job, stage) * job.virtual_stages  # (chunk, micro-batch) pairs
+        mbs = _microbatches_in_flight(deg, job, stage)
+        total += int(ids * mbs + rope * chunk_mbs + mask * (chunk_mbs if x.rep > 1 else mbs))
     if stage == deg.pp - 1:
-        # Final-norm input, output-projection input, fp32 (fp64) logits' gradient for the loss (vocab-parallel).
-        total += 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
+        # Final-norm input, output-projection input, fp32 (fp64) logits' gradient for the loss (vocab-parallel),
+        # per micro-batch whose loss waits for its backward (`head_in_flight`).
+        head = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
+        total += head * head_in_flight(deg, job)
     return total
 
 
-def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: tuple[int, ...], moe_layers: int) -> int:
-    """Per micro-batch: int64 token ids (embedding), RoPE cos/sin [s, rope_dim/2] each in the activation
-    dtype (shared by the stage's layers and, with the default positions, by the micro-batch's sequences),
-    and the 1-byte padding mask that the load-balancing loss reads."""
-    total = 8 * x.s * x.b if stage == 0 else 0
-    if layers and not m.max_position_embeddings:
-        total += x.a * x.s * (m.qk_rope_head_dim or m.qk_head_dim)
-    if moe_layers:
-        total += x.s * x.b // x.rep  # under SP each rank keeps the mask of its own tokens
-    return total
+def head_in_flight(deg: Degrees, job: Job) -> int:
+    """Micro-batches whose output layer and loss the last stage holds at once: GPipe runs every forward
+    before any backward (m); 1F1B and interleaved 1F1B run the last chunk's backward right after its forward."""
+    return job.microbatches(deg) if deg.pp > 1 and job.pp_schedule == "gpipe" else 1
+
+
+def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: tuple[int, ...]) -> int:
+    return sum(layer_activation_bytes(m, deg, job, m.is_moe_layer(i)) for i in layers)
+
+
+def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: LayerShape) -> int:
+    """Peak bytes of an interleaved stage, walking its action list: every (chunk, micro-batch) between its
+    forward and its backward holds its layers and RoPE tables (and under SP its mask copy); a micro-batch's
+    token ids stay while chunk 0 holds it, its padding mask while any chunk with MoE layers does, and the
+    output layer's buffers while the last chunk does."""
+    from orangetron.plan.schedule import actions  # the schedule the runtime executes
+
+    p, v, mbs = deg.pp, job.virtual_stages, job.microbatches(deg)
+    sb, h = x.s * x.b, m.hidden_size
+    chunk_layers = [stage_layers(m.num_layers, p * v, 1, stage + c * p) for c in range(v)]
+    per_chunk, moe_chunk = [], []
+    for layers in chunk_layers:
+        ids, rope, mask = _small_stage_buffers(m, x, stage, layers, sum(m.is_moe_layer(i) for i in layers))
+        per_chunk.append(_layer_bytes(m, deg, job, layers) + rope + (mask if x.rep > 1 else 0))
+        moe_chunk.append(mask if x.rep == 1 else 0)
+    first = 0
+    if stage == 0:  # token ids (Llama-style models), embedding-dropout mask
+        first = (8 * sb if _counts_small_buffers(m) else 0) + (sb * h // x.rep if m.dropout else 0)
+    last = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t if stage == p - 1 else 0
+    live, peak, masks = 0, 0, [0] * mbs  # masks[i]: chunks with MoE layers holding micro-batch i
+    # After the warmup the list repeats every p*v forwards with micro-batches p further on, so what is held
+    # repeats too: the peak lies within the warmup and a few periods (m can be thousands in a search).
+    for act in actions(p, mbs, "interleaved", v)[stage][: 16 * p * v]:
+        sign = 1 if act.kind == "F" else -1
+        c, i = act.chunk, act.microbatch
+        live += sign * (per_chunk[c] + (first if c == 0 else 0) + (last if c == v - 1 else 0))
+        if moe_chunk[c]:
+            before = masks[i]
+            masks[i] += sign
+            live += moe_chunk[c] * ((masks[i] > 0) - (before > 0))
+        peak = max(peak, live)
+    if job.recompute == "full" and chunk_layers[0]:
+        peak += layer_activation_bytes(m, deg, replace(job, recompute="none"), m.is_moe_layer(chunk_layers[0][0]))
+    return peak
+
+
+def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: tuple[int, ...],
+                         moe_layers: int) -> tuple[int, int, int]:
+    """(token ids, RoPE tables, padding mask) bytes: the int64 token ids of a micro-batch (embedding), the
+    RoPE cos/sin [s, rope_dim/2] each in the activation dtype of one chunk's forward (shared by its layers
+    and, with the default positions, by the micro-batch's sequences), and the 1-byte padding mask that the
+    load-balancing loss reads (one per micro-batch; under SP each chunk keeps a copy of its rank's share)."""
+    ids = 8 * x.s * x.b if stage == 0 else 0
+    rope = x.a * x.s * (m.qk_rope_head_dim or m.qk_head_dim) if layers and not m.max_position_embeddings else 0
+    mask = x.s * x.b // x.rep if moe_layers else 0
+    return ids, rope, mask
+
+
+def _microbatches_in_flight(deg: Degrees, job: Job, stage: int) -> int:
+    """Distinct micro-batches a stage holds at its peak. Interleaved: the forwards run before the first
+    backward (warmup + 1) visit micro-batches in groups of pp per chunk, each micro-batch first in chunk 0."""
+    v = job.virtual_stages
+    if deg.pp == 1 or v == 1 or job.pp_schedule != "interleaved":
+        return int(in_flight(deg, job, stage))
+    p, m = deg.pp, job.microbatches(deg)
+    forwards = min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
+    return min(m, forwards // (p * v) * p + min(forwards % (p * v), p))

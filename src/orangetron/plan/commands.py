@@ -253,6 +253,9 @@ def _add_schedule_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     p.add_argument("-o", "--output", metavar="FILE.png", help="draw the timeline (needs matplotlib)")
+    p.add_argument("--measured", action="store_true",
+                   help="run the schedule for one step of a small model on --pp local CPU ranks and report (and "
+                   "draw) that run's timeline instead of the simulation, with the simulated bubble beside it")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
     p.set_defaults(run=run_schedule)
 
@@ -263,9 +266,16 @@ def run_schedule(args: argparse.Namespace) -> int:
     if args.output:
         _require_matplotlib()
     slots = simulate(args.pp, args.microbatches, args.schedule, args.virtual_stages)
+    simulated = bubble_fraction(slots, args.pp)
+    if args.measured:
+        from orangetron.train.timeline import measured_slots  # the runtime, only when asked for
+
+        slots = measured_slots(args.pp, args.microbatches, args.schedule, args.virtual_stages)
     result = {
         "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
         "virtual_stages": args.virtual_stages, "bubble_fraction": bubble_fraction(slots, args.pp),
+        "measured": args.measured, "simulated_bubble_fraction": simulated,
+        "formula_bubble_fraction": (args.pp - 1) / (args.virtual_stages * args.microbatches + args.pp - 1),
         "makespan": max(s.end for s in slots),
         "peak_in_flight": [peak_in_flight(slots, r) for r in range(args.pp)],
         "order": [[f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if args.virtual_stages > 1 else "") for a in rank]
@@ -273,7 +283,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     }
     title = (f"{args.schedule}, pp={args.pp}, {args.microbatches} micro-batches"
              + (f", {args.virtual_stages} chunks" if args.virtual_stages > 1 else "")
-             + f": bubble {result['bubble_fraction']:.1%}")
+             + f": {'measured' if args.measured else 'simulated'} bubble {result['bubble_fraction']:.1%}"
+             + (f" (simulated {simulated:.1%})" if args.measured else ""))
     out = sys.stdout if not args.json else sys.stderr
     print(title, file=out)
     for rank, order in enumerate(result["order"]):

@@ -21,7 +21,7 @@ runtime's conventions (DESIGN sections 4 and 5):
   routing: one row per (token, destination rank), each token on min(top_k, ep) ranks, rows spread evenly;
   the global balancing loss's all-reduce; with clipping, the experts' squared norm summed over ep.
 - PP per micro-batch and model chunk: activations forward and their gradients backward, one record for the
-  sending side and one for the receiving side.
+  sending side and one for the receiving side; with clipping, the squared norm summed over pp once a step.
 """
 
 from __future__ import annotations
@@ -278,6 +278,14 @@ def pipeline_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> li
     return out
 
 
+def pipeline_grad_records(deg: Degrees, job: Job) -> list[CommRecord]:
+    """Once per step under PP with clipping: the squared gradient norm summed over the stages, each of
+    which holds other parameters (main-grad dtype)."""
+    if deg.pp == 1 or not job.clip_grad:
+        return []
+    return [_gather("all_reduce", "pp", 4 if job.mixed_precision else job.param_bytes, deg.pp)]
+
+
 def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[CommRecord]:
     """Every collective one rank of pipeline `stage` issues in one training step, in the ledger's shape."""
     layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
@@ -289,6 +297,7 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> li
         per_mb += tensor_parallel_records(model, deg, job, _split_blocks(model, i))
     per_mb += pipeline_records(model, deg, job, stage) + _vocab_records(model, deg, job, stage)
     per_step = tensor_parallel_grad_records(model, deg, job, stage) + data_parallel_records(model, deg, job, stage)
+    per_step += pipeline_grad_records(deg, job)
     return per_mb * m + per_step
 
 

@@ -72,8 +72,14 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="context-parallel attention (default: %(default)s)")
     p.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
                    help="--cp-mode usp: all-to-all over N ranks, ring over cp/N (default: %(default)s)")
-    for dim, what in (("pp", "pipeline"),):
-        p.add_argument(f"--{dim}", type=int, default=1, help=f"{what}-parallel degree (only 1 for now)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel degree: local ranks that each run a contiguous share of the layers")
+    p.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
+                   help="pipeline schedule with --pp, as `orangetron schedule` draws it (default: %(default)s)")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="micro-batches per step; gradients accumulate over them (default: %(default)s)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pipeline rank, with --pp-schedule interleaved (default: %(default)s)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree: the dp ranks split the routed experts into ep blocks")
     p.add_argument("--dispatcher", default="ragged", choices=("ragged", "capacity", "allgather"),
@@ -125,6 +131,7 @@ def run_verify(args: argparse.Namespace) -> int:
         ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
         ulysses_degree=args.ulysses_degree, dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
+        pp_schedule=args.pp_schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
     )
     result = verify(cfg, args.tolerance)
     verdict = "ok" if result["ok"] else "FAILED"
@@ -147,8 +154,8 @@ def run_train(args: argparse.Namespace) -> int:
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
         sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
-        dispatcher=args.dispatcher,
-        capacity_factor=args.capacity_factor,
+        dispatcher=args.dispatcher, capacity_factor=args.capacity_factor, pp_schedule=args.pp_schedule,
+        microbatches=args.microbatches, virtual_stages=args.virtual_stages,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
     result = train(cfg, progress=not args.quiet)

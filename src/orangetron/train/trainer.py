@@ -25,7 +25,7 @@ from orangetron import comm, memory
 from orangetron.layout import Layout
 from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import MODEL_PRESETS, ModelConfig, Transformer, model_preset
-from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW, context, parallelize
+from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW, context, parallelize, pipeline
 from orangetron.parallel.config import DTYPES
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from orangetron.train.data import (
@@ -81,8 +81,11 @@ class TrainConfig:
     resume: bool = False  # continue from the latest checkpoint in `out`, on whatever layout this run has
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
     tp: int = 1  # tensor-parallel degree: local ranks that split every weight matrix
-    cp: int = 1  # context-parallel degree (only 1 for now)
-    pp: int = 1  # pipeline-parallel degree (only 1 for now)
+    cp: int = 1  # context-parallel degree: local ranks that split every sequence head-tail
+    pp: int = 1  # pipeline-parallel degree: local ranks that each run a contiguous share of the layers
+    pp_schedule: str = "1f1b"  # pipeline schedule with pp > 1: gpipe, 1f1b, interleaved
+    microbatches: int = 1  # micro-batches per step (gradients accumulate over them; the pipeline's unit)
+    virtual_stages: int = 1  # model chunks per pipeline rank (the interleaved schedule)
     dp: int = 1  # data-parallel degree: local ranks that split each batch
     ep: int = 1  # expert-parallel degree: the dp ranks' experts split into ep blocks (ep divides dp)
     dispatcher: str = "ragged"  # expert dispatch with ep > 1: ragged (dropless), capacity, allgather
@@ -115,28 +118,32 @@ class TrainConfig:
         self._check_checkpointing()
         self.parallel_config()  # raises for an impossible ZeRO setting
         self.layout.validate(self.model_config())  # and an unknown preset
+        pipeline.check_pipeline(self.model_config(), self.pp, self.parallel_config())
         if self.tp > 1 and self.sequence_parallel and self.cp == 1:  # cp > 1 pads to whole chunks instead
             self.layout.validate(seq_len=self.seq_len, sequence_parallel=True)
         self._check_data()
 
     def _check_layout(self) -> None:
-        for name in ("tp", "cp", "pp", "dp", "ep"):
+        for name in ("tp", "cp", "pp", "dp", "ep", "microbatches", "virtual_stages"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name, what in (("pp", "pipeline"),):
-            value = getattr(self, name)
-            if value > 1:
-                raise TrainConfigError(
-                    f"{name}={value} ({_flag(name)}): {what} parallelism is not available yet; "
-                    "only --tp, --cp, --dp and --ep may be above 1"
-                )
+        self._check_pipeline()
         if (self.dp * self.cp) % self.ep:
             raise TrainConfigError(f"ep={self.ep} (--ep): must divide dp*cp={self.dp * self.cp}; the routed "
                                    "experts are split over the data-parallel ranks")
         if self.cp_mode == "usp" and self.cp % self.ulysses_degree:
             raise TrainConfigError(f"ulysses_degree={self.ulysses_degree} (--ulysses-degree): must divide cp={self.cp}")
-        if self.batch_size % self.dp:
-            raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp={self.dp}, "
-                                   "each data-parallel rank takes an equal share of the batch")
+        if self.batch_size % (self.dp * self.microbatches):
+            raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp*microbatches="
+                                   f"{self.dp * self.microbatches}, each data-parallel rank takes an equal share of "
+                                   "every micro-batch")
+
+    def _check_pipeline(self) -> None:
+        if self.virtual_stages > 1 and self.pp_schedule != "interleaved":
+            raise TrainConfigError(f"virtual_stages={self.virtual_stages} (--virtual-stages): needs "
+                                   "--pp-schedule interleaved")
+        if self.pp > 1 and self.pp_schedule == "interleaved" and self.microbatches % self.pp:
+            raise TrainConfigError(f"microbatches={self.microbatches} (--microbatches): the interleaved schedule "
+                                   f"needs a multiple of pp={self.pp}")
 
     def parallel_config(self) -> ParallelConfig:
         """How the model is replicated and sharded over the data-parallel ranks."""
@@ -144,7 +151,9 @@ class TrainConfig:
                               param_dtype=self.dtype, grad_bucket_numel=self.grad_bucket_numel,
                               sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode,
                               ulysses_degree=self.ulysses_degree,
-                              dispatcher=self.dispatcher, capacity_factor=self.capacity_factor)
+                              dispatcher=self.dispatcher, capacity_factor=self.capacity_factor,
+                              pp_schedule=self.pp_schedule, microbatches=self.microbatches,
+                              virtual_stages=self.virtual_stages)
 
     def _check_checkpointing(self) -> None:
         _check_int("save_every", self.save_every, minimum=0)
@@ -222,14 +231,11 @@ def _load_data(cfg: TrainConfig) -> _Data:
     return _Data(train=train, eval_samples=eval_samples, n_tokens=tokens.numel())
 
 
-def _lm_loss(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(objective, language-model loss) of samples [B, S+1].
-
-    The objective is the model's own loss (mean next-token cross entropy plus the MoE aux loss), so
-    every layout optimizes the same definition; the language-model loss drops the aux term for reporting.
-    """
+def _rank_share(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                  float]:
+    """(inputs, labels, positions, share) of samples [B, S+1] as this rank sees them: under cp its head-tail
+    share of the (padded) sequence with global positions, and the weight of its mean loss (see below)."""
     inputs, labels = samples[:, :-1], samples[:, 1:]  # [B, S] each
-    model: Transformer = dp.module  # or its tensor-parallel shard, which speaks the same interface
     positions, share = None, 1.0
     cp = dp.mesh["cp"].size
     if cp > 1:  # this rank's head-tail share of the (padded) sequence, with its global positions
@@ -241,6 +247,17 @@ def _lm_loss(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, tor
         # Padding leaves the cp ranks unequal token counts: weight this rank's mean by its share of the
         # real tokens (times cp, as gradients are averaged over the ranks), so the mean is over all of them.
         share = int((labels != IGNORE_INDEX).sum()) * cp / max(valid, 1)
+    return inputs, labels, positions, share
+
+
+def _lm_loss(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(objective, language-model loss) of samples [B, S+1].
+
+    The objective is the model's own loss (mean next-token cross entropy plus the MoE aux loss), so
+    every layout optimizes the same definition; the language-model loss drops the aux term for reporting.
+    """
+    model: Transformer = dp.module  # or its tensor-parallel shard, which speaks the same interface
+    inputs, labels, positions, share = _rank_share(dp, samples)
     # Through the wrapper: ZeRO gathers parameters.
     logits = dp(inputs, position_ids=positions, token_mask=labels != IGNORE_INDEX)
     objective = model.loss_from_logits(logits, labels, ignore_index=IGNORE_INDEX)
@@ -248,6 +265,46 @@ def _lm_loss(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, tor
     if share != 1.0:
         objective = (objective - aux) * share + aux
     return objective, objective.detach() - aux.detach()
+
+
+def _pipeline_step(dp: DataParallel, microbatches: list[torch.Tensor], train: bool = True) -> float:
+    """Forwards (and backwards) of every micro-batch [b, S+1] through the pipeline; the language-model loss,
+    which the last stage computes and sends to the other stages as a report (not training traffic)."""
+    m, mbs = len(microbatches), []
+    for samples in microbatches:
+        inputs, labels, positions, share = _rank_share(dp, samples)
+        if positions is None:
+            positions = torch.arange(inputs.shape[1])
+        mbs.append(pipeline.MicroBatch(inputs, labels, positions, labels != IGNORE_INDEX, share / m, 1 / m,
+                                       IGNORE_INDEX))
+    cfg = dp.config
+    loss = pipeline.run_pipeline(dp, mbs, cfg.pp_schedule, cfg.virtual_stages, train=train)
+    group = dp.mesh["pp"]
+    with comm.unmeasured():
+        report = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64)
+        return float(comm.broadcast(report, group, src=group.size - 1)[0])
+
+
+def _forward_backward(dp: DataParallel, microbatches: list[torch.Tensor]) -> float:
+    """Every micro-batch's forward and backward, gradients accumulated; the step's language-model loss.
+
+    Each micro-batch's objective is divided by their number, so the sum is the mean over the step's rows.
+    """
+    if dp.mesh["pp"].size > 1:
+        return _pipeline_step(dp, microbatches)
+    m, total = len(microbatches), 0.0
+    for j, samples in enumerate(microbatches):
+        with dp.no_sync() if j < m - 1 else nullcontext():  # reduce once, after the last backward
+            objective, lm_loss = _lm_loss(dp, samples)
+            (objective / m if m > 1 else objective).backward()
+        total += float(lm_loss) / m
+    return total
+
+
+def _eval_loss(dp: DataParallel, batch: torch.Tensor) -> float:
+    if dp.mesh["pp"].size > 1:
+        return _pipeline_step(dp, [batch], train=False)
+    return float(_lm_loss(dp, batch)[1])
 
 
 @torch.no_grad()
@@ -262,7 +319,7 @@ def evaluate(dp: DataParallel, samples: torch.Tensor, batch_size: int, max_batch
     total = 0.0
     for start in range(0, n, batch_size):
         batch = samples[start : min(start + batch_size, n)]
-        total += float(_lm_loss(dp, batch)[1]) * batch.shape[0]  # equal-length rows: weight by rows
+        total += _eval_loss(dp, batch) * batch.shape[0]  # equal-length rows: weight by rows
     dp.train(was_training)
     return total / n
 
@@ -339,10 +396,14 @@ class _Run:
     optimizer: ShardedAdamW
     rank: int
     dp_rank: int
-    share: int  # rows of each batch this rank trains on
+    share: int  # rows of each micro-batch this rank trains on
+    microbatches: int
 
-    def rows(self, batch: torch.Tensor) -> torch.Tensor:
-        return batch[self.dp_rank * self.share:(self.dp_rank + 1) * self.share]
+    def rows(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows of each micro-batch: the batch splits into micro-batches first, each over the dp
+        ranks, so that micro-batch j holds the same rows on every layout (the balancing loss sees them)."""
+        return [mb[self.dp_rank * self.share:(self.dp_rank + 1) * self.share]
+                for mb in batch.chunk(self.microbatches)]
 
 
 def _setup(cfg: TrainConfig) -> _Run:
@@ -355,7 +416,8 @@ def _setup(cfg: TrainConfig) -> _Run:
     dp = parallelize(model, mesh, cfg.parallel_config())
     dp.train()
     optimizer = dp.optimizer(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
-    return _Run(data, dp, optimizer, mesh.rank, mesh["dp"].rank, cfg.batch_size // mesh["dp"].size)
+    share = cfg.batch_size // (mesh["dp"].size * cfg.microbatches)
+    return _Run(data, dp, optimizer, mesh.rank, mesh["dp"].rank, share, cfg.microbatches)
 
 
 def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
@@ -446,18 +508,18 @@ def _resume(cfg: TrainConfig, setup: _Run) -> _Resumed:
 
 
 def _train_step(
-    dp: DataParallel, optimizer: ShardedAdamW, batch: torch.Tensor, lr: float, grad_clip: float, *, measure: bool,
-    on_grads: Callable[[DataParallel], None] | None = None,
+    dp: DataParallel, optimizer: ShardedAdamW, batch: list[torch.Tensor], lr: float, grad_clip: float, *,
+    measure: bool, on_grads: Callable[[DataParallel], None] | None = None,
 ) -> tuple[float, float, dict[str, int]]:
-    """One forward, backward and update on batch [B, S+1] -> (loss, grad norm, memory by category).
+    """Forward and backward of every micro-batch [b, S+1] in `batch`, then one update -> (loss, grad norm,
+    memory by category).
 
     The memory dict is empty unless `measure`; then it holds the model state after the update
     (params, grads, main_params, optimizer) and the peak of activations saved for backward.
     `on_grads(dp)` sees the averaged gradients before clipping (`orangetron verify` reads them there).
     """
     with memory.track_activations(dp.module) if measure else nullcontext() as meter:
-        objective, lm_loss = _lm_loss(dp, batch)
-        objective.backward()
+        lm_loss = _forward_backward(dp, batch)
     if on_grads is not None:
         dp.reduce_gradients()
         on_grads(dp)

@@ -1,0 +1,148 @@
+"""One executor for every schedule: it runs `plan.schedule.actions`, the lists `orangetron schedule` draws.
+
+Each pipeline rank walks its own action list. A forward of (chunk, micro-batch) receives its input from the
+previous virtual stage (or embeds the tokens), runs the chunk, and posts the output to the next virtual
+stage without waiting; a backward receives the output's gradient from the next virtual stage (or starts
+from the loss), runs autograd through the chunk and posts the input's gradient back. Receives block, sends
+do not, so a rank waits only for what its next action needs: the dependencies `plan.schedule.simulate`
+replays, which never deadlock. A micro-batch's saved activations are dropped as soon as its backward has
+run. Gradients accumulate in `.grad` over the micro-batches; every micro-batch's loss is scaled so that
+their sum is the step's objective.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from orangetron import comm
+from orangetron.parallel.data import DataParallel
+from orangetron.parallel.pipeline.stage import Chunk, chunk_forward, hidden_shape
+from orangetron.plan.schedule import Action, actions
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as this rank sees it: tokens [B, S], labels [B, S] and positions ([S] or [B, S]) of
+    its share of the sequence, the MoE padding mask, and the weights of its cross entropy and
+    load-balancing loss in the step's objective (1/m each, times the rank's token share under CP)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    token_mask: torch.Tensor | None
+    loss_scale: float
+    aux_scale: float
+    ignore_index: int = -100
+
+
+class _Transfers:
+    """Sends and receives between neighbouring virtual stages over mesh["pp"], tagged by
+    (virtual stage, micro-batch, direction) so that no two transfers between a pair of ranks can match."""
+
+    def __init__(self, dp: DataParallel, microbatches: int, stages: int) -> None:
+        self.group, self.m, self.stages = dp.mesh["pp"], microbatches, stages
+        self.dtype = next(dp.module.parameters()).dtype
+        self.device = dp.device
+        self.pending: list = []
+
+    def _tag(self, stage: int, microbatch: int, backward: bool) -> int:
+        return 2 * (stage * self.m + microbatch) + int(backward)
+
+    def _rank_of(self, stage: int) -> int:
+        return stage % self.group.size
+
+    def send(self, x: torch.Tensor, from_stage: int, to_stage: int, microbatch: int) -> None:
+        tag = self._tag(min(from_stage, to_stage), microbatch, backward=to_stage < from_stage)
+        self.pending.append(comm.send_start(x, self.group, self._rank_of(to_stage), tag))
+
+    def recv(self, shape: tuple[int, ...], from_stage: int, to_stage: int, microbatch: int) -> torch.Tensor:
+        tag = self._tag(min(from_stage, to_stage), microbatch, backward=to_stage < from_stage)
+        return comm.recv(shape, self.dtype, self.group, self._rank_of(from_stage), tag, self.device)
+
+    def finish(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+def run_pipeline(dp: DataParallel, microbatches: list[MicroBatch], schedule: str, virtual_stages: int = 1,
+                 train: bool = True, timeline: list[tuple[str, int, int, float, float]] | None = None) -> float | None:
+    """Run one step's forwards (and backwards when `train`) of `schedule` on this pipeline rank.
+
+    Returns the sum over micro-batches of loss_scale * cross entropy on the last stage, None elsewhere.
+    Without `train`, only the forwards run, micro-batch by micro-batch, under no_grad. `timeline`, when
+    given, receives (kind, chunk, micro-batch, start, end) per action in `time.perf_counter` seconds, from
+    the moment its input has arrived to the moment its output is posted (waiting is not work).
+    """
+    group = dp.mesh["pp"]
+    chunks: list[Chunk] = dp.module.pipeline_chunks
+    if train:
+        plan = actions(group.size, len(microbatches), schedule, virtual_stages)[group.rank]
+    else:  # forwards only: every rank in micro-batch order, chunk by chunk (any count of micro-batches)
+        plan = [Action("F", c, i) for i in range(len(microbatches)) for c in range(virtual_stages)]
+    runner = _Runner(dp, microbatches, chunks, _Transfers(dp, len(microbatches), group.size * virtual_stages))
+    runner.timeline = timeline
+    with torch.set_grad_enabled(train and torch.is_grad_enabled()):
+        for act in plan:
+            if act.kind == "F":
+                runner.forward(chunks[act.chunk], act.microbatch)
+            else:
+                runner.backward(chunks[act.chunk], act.microbatch)
+    runner.transfers.finish()
+    return runner.loss if chunks[-1].last else None
+
+
+class _Runner:
+    """The state of one step on one rank: what each in-flight (chunk, micro-batch) keeps until its backward."""
+
+    def __init__(self, dp: DataParallel, microbatches: list[MicroBatch], chunks: list[Chunk],
+                 transfers: _Transfers) -> None:
+        self.dp, self.mbs, self.chunks, self.transfers = dp, microbatches, chunks, transfers
+        self.saved: dict[tuple[int, int], tuple] = {}
+        self.loss = 0.0
+        self.timeline: list | None = None
+
+    def _busy(self, kind: str, chunk: Chunk, i: int, start: float) -> None:
+        if self.timeline is not None:
+            self.timeline.append((kind, chunk.index, i, start, time.perf_counter()))
+
+    def forward(self, chunk: Chunk, i: int) -> None:
+        mb, model = self.mbs[i], self.dp.module
+        if chunk.first:
+            x = mb.inputs
+        else:
+            x = self.transfers.recv(hidden_shape(model, mb.inputs), chunk.stage - 1, chunk.stage, i)
+            x.requires_grad_(torch.is_grad_enabled())
+        start = time.perf_counter()
+        out, aux = self.dp.run(chunk_forward, model, chunk, x, mb.positions, mb.token_mask)
+        if chunk.last:
+            ce = model.cross_entropy(out, mb.labels, mb.ignore_index) * mb.loss_scale
+            self.loss += float(ce.detach())
+            objective = ce if aux is None else ce + aux * mb.aux_scale
+            self.saved[(chunk.index, i)] = (x, objective, None)
+        else:
+            self.transfers.send(out, chunk.stage, chunk.stage + 1, i)
+            self.saved[(chunk.index, i)] = (x, out, aux)
+        if not torch.is_grad_enabled():
+            del self.saved[(chunk.index, i)]
+        self._busy("F", chunk, i, start)
+
+    def backward(self, chunk: Chunk, i: int) -> None:
+        x, out, aux = self.saved.pop((chunk.index, i))  # its activations go once this backward is done
+        if chunk.last:
+            start = time.perf_counter()
+            out.backward()
+        else:
+            grad = self.transfers.recv(tuple(out.shape), chunk.stage + 1, chunk.stage, i)
+            start = time.perf_counter()
+            tensors, grads = [out], [grad]
+            if aux is not None and aux.requires_grad:
+                tensors.append(aux)
+                grads.append(torch.full_like(aux, self.mbs[i].aux_scale))
+            torch.autograd.backward(tensors, grads)
+        if not chunk.first:
+            self.transfers.send(x.grad, chunk.stage, chunk.stage - 1, i)
+        self._busy("B", chunk, i, start)

@@ -1,0 +1,97 @@
+"""Stage partitioning: which parts of the reference model one pipeline rank keeps, and how one chunk runs.
+
+With pp ranks and v virtual stages the layers form pp * v contiguous chunks, split as the planner splits
+them (`plan.stages.chunk_layers`); rank r runs chunks r, r + pp, ... (virtual stage g = chunk * pp + r).
+The embedding lives on virtual stage 0, the final norm, output projection and loss on the last one.
+Parameters keep their reference names (`layers.5.attention.wq.weight`), so checkpoints and whole
+gradients are the same on every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from orangetron.layout import LayoutError
+from orangetron.model.layers import rope_cos_sin
+from orangetron.model.moe import MoE
+from orangetron.parallel.config import ParallelConfig, ParallelConfigError
+from orangetron.plan.stages import chunk_layers
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk of a pipeline rank: virtual stage `stage`, its layer indices, first or last."""
+
+    stage: int
+    index: int  # which of the rank's chunks (0 .. v-1): the schedule's `Action.chunk`
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+
+
+def check_pipeline(cfg: object, pp: int, config: ParallelConfig) -> None:
+    """Refuse pipeline settings the runtime cannot run (LayoutError / ParallelConfigError)."""
+    if pp == 1:
+        return
+    chunks = pp * config.virtual_stages
+    if cfg.n_layers < chunks:
+        raise LayoutError(f"pp={pp}: n_layers={cfg.n_layers} < pp*virtual_stages={chunks}; every chunk needs a layer")
+    if cfg.tied_embeddings:
+        raise LayoutError(f"pp={pp}: tied_embeddings would put the embedding on the first and last stages; "
+                          "untie them (tied_embeddings=False) to pipeline this model")
+    if config.zero_stage == 3:
+        raise ParallelConfigError(f"zero_stage=3 with pp={pp}: ZeRO-3 is not pipelined yet; use zero_stage 0, 1 "
+                                  "or 2, or the distributed optimizer")
+    if config.grad_bucket_numel:
+        raise ParallelConfigError(f"grad_bucket_numel={config.grad_bucket_numel} with pp={pp}: gradients are "
+                                  "reduced once after the last micro-batch's backward; use 0")
+
+
+def split_stages(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int) -> list[Chunk]:
+    """Drop from `model` (in place) every part that pipeline rank `pp_rank` does not run; return its chunks.
+
+    `model.layers` becomes an `nn.ModuleDict` keyed by the global layer index.
+    """
+    ranges = chunk_layers(len(model.layers), pp * virtual_stages)
+    chunks = []
+    for c in range(virtual_stages):
+        g = c * pp + pp_rank
+        chunks.append(Chunk(g, c, tuple(ranges[g]), g == 0, g == pp * virtual_stages - 1))
+    kept = [i for chunk in chunks for i in chunk.layers]
+    model.layers = nn.ModuleDict({str(i): model.layers[i] for i in kept})
+    if not chunks[0].first:
+        model.tok_embeddings = None
+    if not chunks[-1].last:
+        model.norm = model.output = None
+    return chunks
+
+
+def hidden_shape(model: nn.Module, tokens: torch.Tensor) -> tuple[int, int, int]:
+    """The activation passed between stages for tokens [B, S]: [B, S/tp, dim] under SP, else [B, S, dim]."""
+    b, s = tokens.shape
+    if getattr(model, "sp", False):
+        s //= model.group.size
+    return b, s, model.cfg.dim
+
+
+def chunk_forward(model: nn.Module, chunk: Chunk, x: torch.Tensor, positions: torch.Tensor,
+                  token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run `chunk` on x (tokens [B, S] on the first chunk, else the previous chunk's activation).
+
+    `positions`: the global positions of the micro-batch's tokens ([S] or [B, S]). Returns (the activation
+    for the next chunk, or logits on the last; the chunk's load-balancing loss, or None without MoE).
+    """
+    h = model.embed(x) if chunk.first else x
+    cos, sin = rope_cos_sin(positions, model.cfg.head_dim, model.cfg.rope_theta, h.dtype)
+    mask = model.routing_mask(token_mask)
+    aux = None
+    for i in chunk.layers:
+        layer = model.layers[str(i)]
+        h = layer(h, cos, sin, mask)
+        ff = layer.feed_forward
+        if isinstance(ff, MoE) and ff.last_aux_loss is not None:  # read now: the next forward overwrites it
+            aux = ff.last_aux_loss if aux is None else aux + ff.last_aux_loss
+    return (model.head(h) if chunk.last else h), aux
