@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from layout_check import CLIP, LR, PER_RANK, SEQ, STEPS, batch, reference
 
 from orangetron import comm, memory
 from orangetron.layout import Layout
@@ -22,7 +22,6 @@ from orangetron.parallel import ParallelConfig, parallelize
 from orangetron.plan.bridge import predicted_step
 from orangetron.testing import run_distributed
 
-SEQ, PER_RANK, STEPS, LR, CLIP = 8, 2, 3, 3e-2, 0.5
 BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, aux_loss_coef=0.05)
 MODELS = {
     "moe-shared": ModelConfig(**BASE, n_experts=4, top_k=2, moe_ffn_dim=8, n_shared_experts=1),
@@ -41,34 +40,6 @@ CASES = {
                                                    "zero_stage": 1}),
         ("moe-every-other", Layout(tp=2, dp=4, ep=2), {"dispatcher": "allgather", "zero_stage": 3})],
 }
-
-
-def batch(step: int, rows: int, vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (rows, SEQ + 1), generator=torch.Generator().manual_seed(step))
-
-
-def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=False)
-
-
-def reference(cfg: ModelConfig, dp: int):
-    """One device, the whole batch, its balancing loss over the whole batch."""
-    model = Transformer(cfg, seed=0, dtype=torch.float64)
-    opt = adamw(model)
-    losses, grads = [], []
-    for step in range(STEPS):
-        tokens = batch(step, dp * PER_RANK, cfg.vocab_size)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss()
-        loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def ep_run(model_name: str, layout: Layout, options: dict):
