@@ -250,13 +250,13 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[Co
 
 def balancing_loss_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
     """Per MoE layer and micro-batch: the global balancing loss sums the expert counts, normalized scores
-    and token count (2E + 1 values, float32 or float64) over dp x cp, and over tp under SP."""
-    if not model.aux_loss_coef:
-        return []
-    numel = (2 * model.num_experts + 1) * (8 if job.param_bytes == 8 else 4)
+    and token count (2E + 1 values, float32 or float64) over dp x cp, and over tp under SP; the router
+    z-loss sums its squared logsumexps and token count (2 values) in a second all-reduce."""
+    values = (2 * model.num_experts + 1 if model.aux_loss_coef else 0, 2 if model.router_z_loss_coef else 0)
+    acc = 8 if job.param_bytes == 8 else 4
     groups = [("dp_cp", deg.dp_cp)] + ([("tp", deg.tp)] if job.sequence_parallel else [])
     passes = 2 if job.recompute == "full" else 1
-    return [_gather("all_reduce", dim, numel, n) for dim, n in groups if n > 1] * passes
+    return [_gather("all_reduce", dim, v * acc, n) for v in values if v for dim, n in groups if n > 1] * passes
 
 
 def pipeline_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:

@@ -1,0 +1,92 @@
+"""Router options: z-loss, group-limited top-k and the auxiliary-loss-free bias.
+
+Hand-worked values for each formula, then every option under layouts that split the tokens (dp, tp with
+SP, cp, ep) against the plain single-device model with the same options and against the planner.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from layout_check import check_layout, layout_run
+
+from orangetron.layout import Layout
+from orangetron.model import ConfigError, ModelConfig
+from orangetron.model.moe import Router, choose_experts
+from orangetron.parallel import ParallelConfig
+from orangetron.testing import run_distributed
+
+BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, moe_ffn_dim=8)
+MODELS = {
+    "z-loss": ModelConfig(**BASE, n_experts=4, top_k=2, aux_loss_coef=0.05, router_z_loss_coef=0.1),
+    "z-only-groups": ModelConfig(**BASE, n_experts=8, top_k=2, aux_loss_coef=0.0, router_z_loss_coef=0.2,
+                                 n_expert_groups=4, topk_groups=2, router_score="sigmoid"),
+}
+CASES = {
+    2: [("z-loss", Layout(dp=2), {"zero_stage": 1}),
+        ("z-loss", Layout(tp=2), {"sequence_parallel": True}),
+        ("z-loss", Layout(cp=2), {"cp_mode": "ring"}),
+        ("z-only-groups", Layout(dp=2, ep=2), {"dispatcher": "ragged"}),
+        ("z-only-groups", Layout(cp=2), {"cp_mode": "ulysses"})],
+}
+
+
+def _router(cfg: ModelConfig, weight: list[list[float]]) -> Router:
+    router = Router(cfg).double()
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.tensor(weight, dtype=torch.float64))
+    return router
+
+
+def test_z_loss_is_the_mean_squared_logsumexp_over_non_padding_tokens():
+    cfg = ModelConfig(**{**BASE, "dim": 2, "n_heads": 1, "n_kv_heads": 1}, n_experts=2, top_k=1,
+                      aux_loss_coef=0.0, router_z_loss_coef=0.5)
+    router = _router(cfg, [[0.0, math.log(3)], [0.0, 0.0]])  # token 0 logits (0, 0), token 1 (ln 3, 0)
+    x = torch.tensor([[0.0, 0.0], [0.0, 1.0]], dtype=torch.float64, requires_grad=True)
+    # logsumexp: ln 2 and ln 4 = 2 ln 2; mean of squares (1 + 4) / 2 * ln2^2
+    assert router(x)[2].item() == pytest.approx(0.5 * 2.5 * math.log(2) ** 2, rel=1e-12)
+    assert router(x, torch.tensor([True, False]))[2].item() == pytest.approx(0.5 * math.log(2) ** 2, rel=1e-12)
+    router(x)[2].backward()
+    # d/dlogits of 0.5 * mean lse^2 = 0.5 * lse * softmax: token 1 softmax (3/4, 1/4), lse 2 ln 2
+    torch.testing.assert_close(router.gate.weight.grad[:, 1],
+                               torch.tensor([0.5 * 2 * math.log(2) * 0.75, 0.5 * 2 * math.log(2) * 0.25],
+                                            dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_group_limited_routing_keeps_the_groups_with_the_largest_expert_score():
+    scores = torch.tensor([[0.10, 0.50, 0.45, 0.44]])
+    # groups {0, 1} (max 0.50, sum 0.60) and {2, 3} (max 0.45, sum 0.89): max keeps group 0
+    assert sorted(choose_experts(scores, 2, n_groups=2, topk_groups=1)[0].tolist()) == [0, 1]
+    assert sorted(choose_experts(scores, 2)[0].tolist()) == [1, 2]
+    assert sorted(choose_experts(scores, 2, n_groups=2, topk_groups=2)[0].tolist()) == [1, 2]
+
+
+def test_router_option_rules():
+    with pytest.raises(ConfigError, match=r"n_expert_groups=3: n_experts 4 is not divisible"):
+        ModelConfig(**BASE, n_experts=4, n_expert_groups=3)
+    with pytest.raises(ConfigError, match=r"topk_groups=3: must be in 1..n_expert_groups=2"):
+        ModelConfig(**BASE, n_experts=4, n_expert_groups=2, topk_groups=3)
+    with pytest.raises(ConfigError, match=r"top_k=3: must be at most topk_groups \* experts per group = 2"):
+        ModelConfig(**BASE, n_experts=4, top_k=3, n_expert_groups=2, topk_groups=1)
+    with pytest.raises(ConfigError, match=r"router_z_loss_coef=-0.1: must be non-negative"):
+        ModelConfig(**BASE, n_experts=4, router_z_loss_coef=-0.1)
+    with pytest.raises(ConfigError, match=r"router_bias_rate=-1: must be non-negative"):
+        ModelConfig(**BASE, n_experts=4, router_bias_rate=-1)
+
+
+def _config(options: dict) -> ParallelConfig:
+    return ParallelConfig(param_dtype="float64", **options)
+
+
+def run_cases(world: int) -> list[dict]:
+    return [layout_run(MODELS[m], layout, _config(opts)) for m, layout, opts in CASES[world]]
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_router_options_match_one_device_and_the_planner(world):
+    results = run_distributed(run_cases, world, args=(world,))
+    for i, (model_name, layout, options) in enumerate(CASES[world]):
+        check_layout([r[i] for r in results], MODELS[model_name], layout, _config(options),
+                     f"{model_name} {layout} {options}")
