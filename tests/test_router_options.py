@@ -16,6 +16,7 @@ from orangetron.layout import Layout
 from orangetron.model import ConfigError, ModelConfig
 from orangetron.model.moe import Router, choose_experts
 from orangetron.parallel import ParallelConfig
+from orangetron.parallel.expert import update_router_bias
 from orangetron.testing import run_distributed
 
 BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, moe_ffn_dim=8)
@@ -23,13 +24,22 @@ MODELS = {
     "z-loss": ModelConfig(**BASE, n_experts=4, top_k=2, aux_loss_coef=0.05, router_z_loss_coef=0.1),
     "z-only-groups": ModelConfig(**BASE, n_experts=8, top_k=2, aux_loss_coef=0.0, router_z_loss_coef=0.2,
                                  n_expert_groups=4, topk_groups=2, router_score="sigmoid"),
+    # A large rate so that the bias changes the routing within the test's few steps.
+    "bias": ModelConfig(**BASE, n_experts=4, top_k=2, aux_loss_coef=0.0, router_bias_rate=0.05),
+    "everything": ModelConfig(**BASE, n_experts=8, top_k=2, aux_loss_coef=0.05, router_z_loss_coef=0.1,
+                              n_expert_groups=2, topk_groups=1, router_bias_rate=0.02, n_shared_experts=1),
 }
 CASES = {
     2: [("z-loss", Layout(dp=2), {"zero_stage": 1}),
         ("z-loss", Layout(tp=2), {"sequence_parallel": True}),
         ("z-loss", Layout(cp=2), {"cp_mode": "ring"}),
         ("z-only-groups", Layout(dp=2, ep=2), {"dispatcher": "ragged"}),
-        ("z-only-groups", Layout(cp=2), {"cp_mode": "ulysses"})],
+        ("z-only-groups", Layout(cp=2), {"cp_mode": "ulysses"}),
+        ("bias", Layout(dp=2), {"zero_stage": 1}),
+        ("bias", Layout(tp=2), {"sequence_parallel": True}),
+        ("bias", Layout(dp=2, ep=2), {"dispatcher": "allgather"})],
+    4: [("everything", Layout(dp=2, ep=2, cp=2), {"dispatcher": "ragged", "cp_mode": "ring", "zero_stage": 1}),
+        ("everything", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True})],
 }
 
 
@@ -61,6 +71,27 @@ def test_group_limited_routing_keeps_the_groups_with_the_largest_expert_score():
     assert sorted(choose_experts(scores, 2, n_groups=2, topk_groups=1)[0].tolist()) == [0, 1]
     assert sorted(choose_experts(scores, 2)[0].tolist()) == [1, 2]
     assert sorted(choose_experts(scores, 2, n_groups=2, topk_groups=2)[0].tolist()) == [1, 2]
+
+
+def test_the_bias_chooses_the_experts_but_the_weights_stay_unbiased():
+    cfg = ModelConfig(**{**BASE, "dim": 2, "n_heads": 1, "n_kv_heads": 1}, n_experts=2, top_k=1,
+                      router_bias_rate=0.1)
+    router = _router(cfg, [[0.0, 0.0], [math.log(3), 0.0]])  # logits (0, ln 3): scores (1/4, 3/4)
+    router.expert_bias.copy_(torch.tensor([0.6, 0.0]))  # 0.85 > 0.75: expert 0 wins
+    idx, weights, _ = router(torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64),
+                             torch.tensor([True, False]))
+    assert idx.tolist() == [[0], [0]]
+    torch.testing.assert_close(weights, torch.tensor([[0.25], [0.25]], dtype=torch.float64), rtol=1e-12, atol=0)
+    assert router.expert_load.tolist() == [1, 0]  # the padding token is routed but not counted
+
+
+def test_bias_update_moves_towards_the_mean_load_and_restarts_the_count():
+    cfg = ModelConfig(**BASE, n_experts=4, top_k=1, router_bias_rate=0.25)
+    router = Router(cfg)
+    router.expert_load = torch.tensor([3, 1, 0, 0])  # mean 1
+    update_router_bias(router)
+    assert router.expert_bias.tolist() == [-0.25, 0.0, 0.25, 0.25]
+    assert router.expert_load.tolist() == [0, 0, 0, 0]
 
 
 def test_router_option_rules():
