@@ -121,3 +121,24 @@ def test_router_options_match_one_device_and_the_planner(world):
     for i, (model_name, layout, options) in enumerate(CASES[world]):
         check_layout([r[i] for r in results], MODELS[model_name], layout, _config(options),
                      f"{model_name} {layout} {options}")
+
+
+def test_the_trainer_moves_the_bias_and_a_resumed_run_restores_it(tmp_path):
+    import dataclasses
+
+    from orangetron.model import model_preset
+    from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint
+    from orangetron.train.trainer import TrainConfig, train
+
+    model = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0, router_bias_rate=0.01)
+    base = dict(model=model, seq_len=32, batch_size=4, warmup=1, eval_batches=1, corpus_bytes=200_000)
+    straight = train(TrainConfig(**base, steps=4, out=str(tmp_path / "straight"), save_every=4), progress=False)
+    train(TrainConfig(**base, steps=2, out=str(tmp_path / "split"), save_every=2), progress=False)
+    saved = load_checkpoint(latest_checkpoint(tmp_path / "split" / "checkpoints"))["buffers"]
+    assert len(saved) == 2 and any(bias.abs().max() > 0 for bias in saved.values())
+    for bias in saved.values():  # each step moves each entry by -0.01, 0 or +0.01
+        torch.testing.assert_close(bias, (bias / 0.01).round() * 0.01, rtol=0, atol=1e-6)
+        assert bias.abs().max() <= 0.02 + 1e-6
+    resumed = train(TrainConfig(**base, steps=4, out=str(tmp_path / "split"), resume=True, save_every=4),
+                    progress=False)
+    assert resumed["losses"] == straight["losses"]

@@ -59,7 +59,8 @@ class Router(nn.Module):
     that dtype. Softmax weights are the raw top-k probabilities; sigmoid weights are renormalized to sum 1
     over the top-k. aux_loss is `aux_loss_coef * load_balancing_loss + router_z_loss_coef * z-loss`.
     With `router_bias_rate > 0` the buffer `expert_bias` [E] shifts the scores for choosing the top-k only,
-    and `expert_load` [E] int64 counts the non-padding assignments since the last bias update.
+    and `expert_load` [E] int64 counts the non-padding assignments of forwards with gradients (training,
+    not evaluation) since the last bias update.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -91,7 +92,7 @@ class Router(nn.Module):
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))  # [T, E]
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, self.expert_bias)
-        if self.expert_bias is not None:
+        if self.expert_bias is not None and torch.is_grad_enabled():  # training tokens only, not evaluation
             self._count_load(topk_idx, token_mask)
         return logits, scores, topk_idx, TopKWeights.apply(scores, topk_idx, self.score_func == "sigmoid")
 
