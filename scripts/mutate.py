@@ -218,6 +218,27 @@ MUTANTS = [
            (("    return job.microbatches(deg) if deg.pp > 1 and job.pp_schedule == \"gpipe\" else 1",
              "    return 1"),),
            ("tests/test_pipeline_parallel.py::test_pipeline_parallel_matches_one_device_and_the_planner[2]",)),
+    # ---- router options ----------------------------------------------------------------------------------
+    Mutant("router_z_loss_mean_over_local_tokens", "src/orangetron/parallel/expert/balance.py",
+           (("        return totals[0] / n.clamp(min=1)", "        return totals[0] / max(squares.shape[0], 1)"),),
+           ("tests/test_router_options.py::test_router_options_match_one_device_and_the_planner[2]",)),
+    Mutant("router_z_loss_grad_missing_lse", "src/orangetron/model/autograd.py",
+           (("    grad = 2 * lse * (logits - lse).exp() * scale", "    grad = 2 * (logits - lse).exp() * scale"),),
+           ("tests/test_router_options.py::test_z_loss_is_the_mean_squared_logsumexp_over_non_padding_tokens",)),
+    Mutant("router_groups_chosen_by_min", "src/orangetron/model/moe.py",
+           (("experts // n_groups).amax(-1)", "experts // n_groups).amin(-1)"),),
+           ("tests/test_router_options.py::test_group_limited_routing_keeps_the_groups_with_the_largest_expert_score",)),
+    Mutant("router_bias_in_the_weights_too", "src/orangetron/model/moe.py",
+           (("TopKWeights.apply(scores, topk_idx, self.score_func",
+             "TopKWeights.apply(scores if self.expert_bias is None else scores + self.expert_bias, topk_idx, "
+             "self.score_func"),),
+           ("tests/test_router_options.py::test_the_bias_chooses_the_experts_but_the_weights_stay_unbiased",)),
+    Mutant("router_bias_local_load", "src/orangetron/parallel/expert/bias.py",
+           (("        loads = comm.all_reduce(loads, group)", "        pass"),),
+           ("tests/test_router_options.py::test_router_options_match_one_device_and_the_planner[2]",)),
+    Mutant("router_bias_not_restored", "src/orangetron/parallel/data.py",
+           (("                buffer.copy_(state[\"buffers\"][name])", "                pass"),),
+           ("tests/test_router_options.py::test_the_trainer_moves_the_bias_and_a_resumed_run_restores_it",)),
 ]
 
 

@@ -15,7 +15,9 @@ from orangetron import comm, memory
 from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
+from orangetron.model.moe import Router
 from orangetron.parallel import ParallelConfig, context, parallelize
+from orangetron.parallel.expert import update_router_bias
 from orangetron.parallel.pipeline import MicroBatch, run_pipeline
 from orangetron.plan.bridge import predicted_step
 
@@ -36,6 +38,7 @@ def reference(cfg: ModelConfig, dp: int, seq: int = SEQ, per_rank: int = PER_RAN
     """One device, the whole batch: losses, gradients by name per step, final parameters by name."""
     model = Transformer(cfg, seed=0, dtype=torch.float64)
     opt = adamw(model)
+    loads = _count_loads(model)
     losses, grads = [], []
     for step in range(STEPS):
         tokens = batch(step, dp * per_rank, cfg.vocab_size, seq)
@@ -45,9 +48,31 @@ def reference(cfg: ModelConfig, dp: int, seq: int = SEQ, per_rank: int = PER_RAN
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
         opt.step()
+        _move_biases(model, loads, cfg.router_bias_rate)
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    # Buffers (the routers' biases) are compared with the parameters.
+    return losses, grads, {n: p.detach().clone() for n, p in (*model.named_parameters(), *model.named_buffers())}
+
+
+def _count_loads(model: torch.nn.Module) -> dict[Router, torch.Tensor]:
+    """Per router, the assignments of the step so far, read from the top-k ids each router returns."""
+    loads = {}
+    for router in (m for m in model.modules() if isinstance(m, Router)):
+        loads[router] = torch.zeros(router.n_experts)
+
+        def hook(module, _inputs, outputs):
+            loads[module] += torch.bincount(outputs[0].flatten(), minlength=module.n_experts)
+        router.register_forward_hook(hook)
+    return loads
+
+
+def _move_biases(model: torch.nn.Module, loads: dict[Router, torch.Tensor], rate: float) -> None:
+    """DeepSeek-V3's update, by hand: under-loaded experts' biases up by `rate`, over-loaded down."""
+    for router, load in loads.items():
+        if router.expert_bias is not None:
+            router.expert_bias += rate * torch.sign(load.mean() - load).to(router.expert_bias.dtype)
+        load.zero_()
 
 
 def _forward_loss(dp, rows: torch.Tensor) -> torch.Tensor:
@@ -99,13 +124,15 @@ def layout_run(cfg: ModelConfig, layout: Layout, pc: ParallelConfig, seq: int = 
                 out["grads"].append(dp.full_grads())
             opt.clip_grad_norm_(CLIP)
             opt.step()
+            update_router_bias(dp.module, mesh, pc.sequence_parallel)
             opt.zero_grad()
         out["losses"].append(None if loss is None else loss.item())
         if step == 1:
             out["ledger"] = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in records)
             peak = meter.peak_bytes
     out["memory"] = memory.model_state_bytes(dp, opt) | {"activations": peak}
-    out["params"] = dp.full_state(opt)["params"]
+    state = dp.full_state(opt)
+    out["params"] = state["params"] | state["buffers"]
     if mesh.rank != 0:  # whole tensors are the same on every rank; send them once
         out["grads"] = out["params"] = None
     return out

@@ -219,6 +219,34 @@ class LoadBalancingLoss(torch.autograd.Function):
         return grad_scores, None, None
 
 
+class RouterZLoss(torch.autograd.Function):
+    """ST-MoE z-loss: mean over the tokens where token_mask is True of logsumexp(logits)^2 (0 when none).
+
+    Saves the logits (and the mask, shared by every layer); recomputes logsumexp and softmax in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(logits, token_mask)
+        squares = logits.logsumexp(-1).square()  # [T]
+        if token_mask is not None:
+            squares = squares[token_mask]
+        return squares.sum() / max(squares.shape[0], 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, token_mask = ctx.saved_tensors
+        n_valid = logits.shape[0] if token_mask is None else int(token_mask.sum())
+        return z_loss_grad(logits, token_mask, grad / max(n_valid, 1)), None
+
+
+def z_loss_grad(logits: torch.Tensor, token_mask: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """d/dlogits of scale * sum_t lse_t^2 over the unmasked tokens: 2 * lse_t * softmax(logits_t) * scale."""
+    lse = logits.logsumexp(-1, keepdim=True)  # [T, 1]
+    grad = 2 * lse * (logits - lse).exp() * scale  # [T, E]
+    return grad if token_mask is None else grad * token_mask.unsqueeze(-1)
+
+
 def _expert_fractions(topk_idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     counts = torch.bincount(topk_idx.reshape(-1), minlength=scores.shape[1])  # [E]
     return counts.to(scores.dtype) / topk_idx.numel()

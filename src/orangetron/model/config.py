@@ -45,6 +45,18 @@ class ModelConfig:
     """Router scoring function: "softmax" or "sigmoid" (sigmoid top-k weights are renormalized to sum 1)."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss added to the language-model loss."""
+    router_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE): the mean over non-padding tokens of logsumexp(router logits)^2,
+    added to the auxiliary loss; it keeps the router logits small."""
+    n_expert_groups: int = 1
+    """Group-limited routing (DeepSeek-V2/V3): the experts split into this many equal groups of consecutive
+    ids; 1 routes over all experts."""
+    topk_groups: int = 1
+    """Groups each token may use under group-limited routing: those with the highest group score (the
+    largest expert score in the group); at most `n_expert_groups`."""
+    router_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): >0 gives every router a per-expert bias, added to the
+    scores only to choose the top-k, moved by this rate towards balance after each optimizer step."""
     rope_theta: float = 10000.0
     """Base of the rotary embedding frequencies."""
     norm_eps: float = 1e-5
@@ -67,7 +79,9 @@ class ModelConfig:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "moe_ffn_dim",
                      "moe_layer_freq", "max_seq_len", "rope_theta", "norm_eps", "init_std"):
             _require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
-        for name in ("n_experts", "n_shared_experts", "aux_loss_coef"):
+        for name in ("n_expert_groups", "topk_groups"):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
+        for name in ("n_experts", "n_shared_experts", "aux_loss_coef", "router_z_loss_coef", "router_bias_rate"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be non-negative")
 
     def _check_heads(self) -> None:
@@ -84,10 +98,21 @@ class ModelConfig:
         if self.n_experts > 0:
             _require(0 < self.top_k <= self.n_experts, "top_k", self.top_k,
                      f"must be in 1..n_experts={self.n_experts}")
+            self._check_groups()
         else:
             # Shared experts live inside MoE layers; with no MoE layer they would be silently dropped.
             _require(self.n_shared_experts == 0, "n_shared_experts", self.n_shared_experts,
                      "requires n_experts > 0")
+
+    def _check_groups(self) -> None:
+        groups = self.n_expert_groups
+        _require(self.n_experts % groups == 0, "n_expert_groups", groups,
+                 f"n_experts {self.n_experts} is not divisible by n_expert_groups")
+        _require(self.topk_groups <= groups, "topk_groups", self.topk_groups,
+                 f"must be in 1..n_expert_groups={groups}")
+        reachable = self.topk_groups * (self.n_experts // groups)
+        _require(self.top_k <= reachable, "top_k", self.top_k,
+                 f"must be at most topk_groups * experts per group = {reachable}")
 
     @property
     def head_dim(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .autograd import FromExpertOrder, LoadBalancingLoss, ToExpertOrder, TopKWeights, swiglu_activation
+from .autograd import FromExpertOrder, LoadBalancingLoss, RouterZLoss, ToExpertOrder, TopKWeights, swiglu_activation
 from .config import ModelConfig
 from .layers import SwiGLU
 
@@ -34,35 +34,72 @@ def load_balancing_loss(scores: torch.Tensor, topk_idx: torch.Tensor, n_experts:
     return n_experts * (f * p).sum()
 
 
+def choose_experts(scores: torch.Tensor, top_k: int, n_groups: int = 1, topk_groups: int = 1,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """topk_idx [T, k] int64: each token's top_k experts by `scores` [T, E] (+ `bias` [E], for choosing only).
+
+    With n_groups > 1 the experts form n_groups groups of consecutive ids; a group's score is its largest
+    expert score (with the bias), and each token chooses only among the experts of its topk_groups best
+    groups (DeepSeek-V2 device-limited routing). No gradient: the weights come from the scores elsewhere.
+    """
+    choice = scores.detach() if bias is None else scores.detach() + bias.to(scores.dtype)  # [T, E]
+    if n_groups > 1:
+        tokens, experts = choice.shape
+        group_score = choice.view(tokens, n_groups, experts // n_groups).amax(-1)  # [T, G]
+        kept = torch.topk(group_score, topk_groups, dim=-1).indices  # [T, topk_groups]
+        in_kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
+        choice = choice.masked_fill(~in_kept.repeat_interleave(experts // n_groups, dim=1), float("-inf"))
+    return torch.topk(choice, top_k, dim=-1).indices
+
+
 class Router(nn.Module):
     """Top-k router: x [T, dim] -> (topk_idx [T, k] int64, topk_weights [T, k], aux_loss 0-d).
 
     Scores are computed in float32 (float64 for float64 inputs) and the weights and aux loss come back in
     that dtype. Softmax weights are the raw top-k probabilities; sigmoid weights are renormalized to sum 1
-    over the top-k. aux_loss is `aux_loss_coef * load_balancing_loss`.
+    over the top-k. aux_loss is `aux_loss_coef * load_balancing_loss + router_z_loss_coef * z-loss`.
+    With `router_bias_rate > 0` the buffer `expert_bias` [E] shifts the scores for choosing the top-k only,
+    and `expert_load` [E] int64 counts the non-padding assignments of forwards with gradients (training,
+    not evaluation) since the last bias update.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.score_func, self.aux_loss_coef = cfg.router_score, cfg.aux_loss_coef
+        self.z_loss_coef, self.bias_rate = cfg.router_z_loss_coef, cfg.router_bias_rate
+        self.n_groups, self.topk_groups = cfg.n_expert_groups, cfg.topk_groups
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        bias = torch.zeros(cfg.n_experts) if cfg.router_bias_rate else None
+        self.register_buffer("expert_bias", bias)
+        self.expert_load = torch.zeros(cfg.n_experts, dtype=torch.int64)
 
     def forward(
         self, x: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """token_mask: [T] bool, False for padding; padded tokens are routed but not balanced."""
-        scores, topk_idx, topk_weights = self.route(x)
+        logits, scores, topk_idx, topk_weights = self.route(x, token_mask)
         aux_loss = self.aux_loss_coef * LoadBalancingLoss.apply(scores, topk_idx, token_mask)
+        if self.z_loss_coef:
+            aux_loss = aux_loss + self.z_loss_coef * RouterZLoss.apply(logits, token_mask)
         return topk_idx, topk_weights, aux_loss
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> (scores [T, E], topk_idx [T, k], topk_weights [T, k]), without the balancing loss
-        (a parallel wrapper balances over the global batch instead)."""
+    def route(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (logits [T, E], scores [T, E], topk_idx [T, k], topk_weights [T, k]), without the
+        auxiliary losses (a parallel wrapper computes them over the global batch instead)."""
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))  # [T, E]
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        topk_idx = torch.topk(scores.detach(), self.top_k, dim=-1).indices  # [T, k]
-        return scores, topk_idx, TopKWeights.apply(scores, topk_idx, self.score_func == "sigmoid")
+        topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, self.expert_bias)
+        if self.expert_bias is not None and torch.is_grad_enabled():  # training tokens only, not evaluation
+            self._count_load(topk_idx, token_mask)
+        return logits, scores, topk_idx, TopKWeights.apply(scores, topk_idx, self.score_func == "sigmoid")
+
+    def _count_load(self, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> None:
+        valid = topk_idx if token_mask is None else topk_idx[token_mask]
+        load = torch.bincount(valid.reshape(-1), minlength=self.n_experts)
+        self.expert_load = self.expert_load.to(load.device) + load
 
 
 class GroupedExperts(nn.Module):

@@ -268,7 +268,15 @@ class DataParallel(nn.Module):
             "exp_avg": self._by_name([a.exp_avg for a in optimizer.adamws]),
             "exp_avg_sq": self._by_name([a.exp_avg_sq for a in optimizer.adamws]),
             "optimizer_steps": optimizer.adamw.steps,
+            "buffers": self._buffers_by_name(),
         }
+
+    def _buffers_by_name(self) -> dict[str, torch.Tensor]:
+        # Buffers (the routers' balancing biases) are whole and the same on every rank of a stage.
+        out = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+        if self.pp is not None:
+            out = {name: t for stage in comm.all_gather_objects(out, self.pp) for name, t in stage.items()}
+        return out
 
     def load_full_state(self, state: dict[str, Any], optimizer: ShardedAdamW) -> None:
         """Take this rank's share of a `full_state` (from any layout) into params, main params and moments."""
@@ -284,6 +292,9 @@ class DataParallel(nn.Module):
                 adamw.exp_avg_sq.copy_(part.take_owned(
                     self._flat_from(part, state["exp_avg_sq"], adamw.exp_avg_sq.dtype)))
             adamw.steps = int(state["optimizer_steps"])
+        with torch.no_grad():
+            for name, buffer in self.module.named_buffers():
+                buffer.copy_(state["buffers"][name])
         self._params_stale = False
 
     def optimizer(self, lr: float, **adamw: Any) -> ShardedAdamW:

@@ -131,6 +131,8 @@ def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> i
     ffn = moe_bytes(m, x, job, deg.etp) if moe else mlp_bytes(m, x, m.ffn_hidden_size)
     if moe and m.aux_loss_coef and (deg.dp_cp > 1 or x.sp):
         ffn += x.acc * (m.num_experts + 1)  # the global balancing loss keeps the expert fractions and the count
+    if moe and m.router_z_loss_coef:  # the z-loss keeps the router logits (and the global count)
+        ffn += x.acc * sb * m.num_experts // x.rep + (x.acc if deg.dp_cp > 1 or x.sp else 0)
     mask = sb * h // x.rep if m.dropout else 0
     return norms + attention_bytes(m, x, job) + ffn + mask
 

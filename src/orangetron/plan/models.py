@@ -55,6 +55,8 @@ class ModelSpec:
     patch_size: int = 0  # vision towers: a patch embedding replaces the token embedding
     seq_len: int = 0  # towers: tokens per sample
     aux_loss_coef: float = 0.0  # MoE balancing loss weight; >0 under EP adds its global all-reduce
+    router_z_loss_coef: float = 0.0  # router z-loss weight; >0 keeps the router logits, a global all-reduce
+    router_bias: bool = False  # auxiliary-loss-free balancing: one all-reduce of the expert loads per step
 
     def __post_init__(self) -> None:
         _check_spec(self)
@@ -275,6 +277,8 @@ def spec_from_model_config(cfg: object, name: str = "runtime") -> ModelSpec:
         moe_ffn_hidden_size=(cfg.moe_ffn_dim or cfg.ffn_dim) if cfg.n_experts else 0,
         num_shared_experts=cfg.n_shared_experts, moe_layer_freq=cfg.moe_layer_freq,
         tied_embeddings=cfg.tied_embeddings, aux_loss_coef=cfg.aux_loss_coef if cfg.n_experts else 0.0,
+        router_z_loss_coef=getattr(cfg, "router_z_loss_coef", 0.0) if cfg.n_experts else 0.0,
+        router_bias=bool(getattr(cfg, "router_bias_rate", 0.0)) and cfg.n_experts > 0,
     )
 
 

@@ -250,13 +250,13 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[Co
 
 def balancing_loss_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
     """Per MoE layer and micro-batch: the global balancing loss sums the expert counts, normalized scores
-    and token count (2E + 1 values, float32 or float64) over dp x cp, and over tp under SP."""
-    if not model.aux_loss_coef:
-        return []
-    numel = (2 * model.num_experts + 1) * (8 if job.param_bytes == 8 else 4)
+    and token count (2E + 1 values, float32 or float64) over dp x cp, and over tp under SP; the router
+    z-loss sums its squared logsumexps and token count (2 values) in a second all-reduce."""
+    values = (2 * model.num_experts + 1 if model.aux_loss_coef else 0, 2 if model.router_z_loss_coef else 0)
+    acc = 8 if job.param_bytes == 8 else 4
     groups = [("dp_cp", deg.dp_cp)] + ([("tp", deg.tp)] if job.sequence_parallel else [])
     passes = 2 if job.recompute == "full" else 1
-    return [_gather("all_reduce", dim, numel, n) for dim, n in groups if n > 1] * passes
+    return [_gather("all_reduce", dim, v * acc, n) for v in values if v for dim, n in groups if n > 1] * passes
 
 
 def pipeline_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:
@@ -297,8 +297,17 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> li
         per_mb += tensor_parallel_records(model, deg, job, _split_blocks(model, i))
     per_mb += pipeline_records(model, deg, job, stage) + _vocab_records(model, deg, job, stage)
     per_step = tensor_parallel_grad_records(model, deg, job, stage) + data_parallel_records(model, deg, job, stage)
-    per_step += pipeline_grad_records(deg, job)
+    per_step += pipeline_grad_records(deg, job) + router_bias_records(model, deg, job, moe)
     return per_mb * m + per_step
+
+
+def router_bias_records(model: ModelSpec, deg: Degrees, job: Job, moe_layers: int) -> list[CommRecord]:
+    """Per step: the bias update sums the stage's expert loads (int64, E per MoE layer) over dp x cp, and
+    over tp under SP."""
+    if not model.router_bias or not moe_layers:
+        return []
+    groups = [("dp_cp", deg.dp_cp)] + ([("tp", deg.tp)] if job.sequence_parallel else [])
+    return [_gather("all_reduce", dim, 8 * model.num_experts * moe_layers, n) for dim, n in groups if n > 1]
 
 
 def _vocab_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:

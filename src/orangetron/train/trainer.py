@@ -27,6 +27,7 @@ from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import MODEL_PRESETS, ModelConfig, Transformer, model_preset
 from orangetron.parallel import DataParallel, ParallelConfig, ShardedAdamW, context, parallelize, pipeline
 from orangetron.parallel.config import DTYPES
+from orangetron.parallel.expert import update_router_bias
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from orangetron.train.data import (
     DEFAULT_CORPUS_BYTES,
@@ -526,6 +527,7 @@ def _train_step(
     optimizer.lr = lr
     grad_norm = optimizer.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
     optimizer.step()
+    update_router_bias(dp.module, dp.mesh, dp.config.sequence_parallel)
     mem: dict[str, int] = {}
     if measure:
         state = memory.model_state_bytes(dp, optimizer)

@@ -1,7 +1,8 @@
 """Expert parallelism: DeepEP-style dispatch and combine, and the expert-parallel MoE layer."""
 
 from orangetron.parallel.expert.apply import expert_parallel
+from orangetron.parallel.expert.bias import update_router_bias
 from orangetron.parallel.expert.dispatcher import Dispatcher, run_local_experts
 from orangetron.parallel.expert.layer import ExpertParallelMoE
 
-__all__ = ["Dispatcher", "ExpertParallelMoE", "expert_parallel", "run_local_experts"]
+__all__ = ["Dispatcher", "ExpertParallelMoE", "expert_parallel", "run_local_experts", "update_router_bias"]

@@ -6,6 +6,9 @@ sums the expert counts, the normalized scores and the token count over the ranks
 (dp x cp, and tp under sequence parallelism). Every rank's value is then the global loss, and its gradient
 is this rank's share scaled by `grad_ranks` (the divisor the data-parallel average applies), so that the
 averaged (and, under SP, tp-summed) gradients equal the single device's.
+
+The router z-loss is a mean over the same tokens: a second all-reduce per group sums the squared
+logsumexps and the token count (2 values), and its gradient is scaled the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
+from orangetron.model.autograd import z_loss_grad
 from orangetron.model.moe import Router
 
 
@@ -51,20 +55,58 @@ class GlobalLoadBalancingLoss(torch.autograd.Function):
         return grad_scores, None, None, None, None
 
 
+class GlobalRouterZLoss(torch.autograd.Function):
+    """Global `RouterZLoss` forward (one all-reduce of 2 values per group); this rank's share backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, token_mask: torch.Tensor | None, groups: list[MeshGroup],
+                grad_ranks: int) -> torch.Tensor:
+        squares = logits.logsumexp(-1).square()  # [T]
+        if token_mask is not None:
+            squares = squares[token_mask]
+        totals = torch.stack((squares.sum(), logits.new_tensor(squares.shape[0])))
+        for group in groups:
+            totals = comm.all_reduce(totals, group)
+        n = totals[1].clone()  # its own storage, as in GlobalLoadBalancingLoss
+        ctx.save_for_backward(logits, token_mask, n)
+        ctx.grad_ranks = grad_ranks
+        return totals[0] / n.clamp(min=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, token_mask, n = ctx.saved_tensors
+        # The global mean divides by the global count; the data-parallel mean divides again by grad_ranks.
+        return z_loss_grad(logits, token_mask, grad * ctx.grad_ranks / n.clamp(min=1)), None, None, None
+
+
+def global_router_losses(router: Router, logits: torch.Tensor, scores: torch.Tensor, topk_idx: torch.Tensor,
+                         token_mask: torch.Tensor | None, groups: list[MeshGroup], grad_ranks: int) -> torch.Tensor:
+    """The router's scaled balancing loss plus its z-loss, each over the global batch (0-d)."""
+    loss = scores.new_zeros(())
+    if router.aux_loss_coef:
+        balance = GlobalLoadBalancingLoss.apply(scores, topk_idx, token_mask, groups, grad_ranks)
+        loss = router.aux_loss_coef * balance
+    if router.z_loss_coef:
+        loss = loss + router.z_loss_coef * GlobalRouterZLoss.apply(logits, token_mask, groups, grad_ranks)
+    return loss
+
+
 class GlobalRouter(Router):
     """The reference `router` (its gate taken over, same parameter names) with the balancing loss computed
     over the global batch: for layouts without expert parallelism whose ranks split the tokens."""
 
     def __init__(self, router: Router, groups: list[MeshGroup], grad_ranks: int) -> None:
         torch.nn.Module.__init__(self)
-        self.n_experts, self.top_k, self.gate = router.n_experts, router.top_k, router.gate
-        self.score_func, self.aux_loss_coef = router.score_func, router.aux_loss_coef
+        # Every setting and the gate, bias buffer and load counter, under the reference's names.
+        self.__dict__.update({k: v for k, v in router.__dict__.items() if not k.startswith("_")})
+        self.gate = router.gate
+        self.register_buffer("expert_bias", router.expert_bias)
         self.groups, self.grad_ranks = groups, grad_ranks
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None):
-        scores, topk_idx, topk_weights = self.route(x)
-        loss = GlobalLoadBalancingLoss.apply(scores, topk_idx, token_mask, self.groups, self.grad_ranks)
-        return topk_idx, topk_weights, self.aux_loss_coef * loss
+        logits, scores, topk_idx, topk_weights = self.route(x, token_mask)
+        loss = global_router_losses(self, logits, scores, topk_idx, token_mask, self.groups, self.grad_ranks)
+        return topk_idx, topk_weights, loss
 
 
 def balancing_groups(mesh, sequence_parallel: bool) -> list[MeshGroup]:
@@ -81,5 +123,5 @@ def balance_globally(model: torch.nn.Module, mesh, sequence_parallel: bool) -> N
         return
     for block in model.layers:
         router = getattr(block.feed_forward, "router", None)
-        if router is not None and router.aux_loss_coef:
+        if router is not None and (router.aux_loss_coef or router.z_loss_coef):
             block.feed_forward.router = GlobalRouter(router, groups, mesh["dp_cp"].size)

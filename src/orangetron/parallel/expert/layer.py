@@ -12,7 +12,7 @@ import torch
 
 from orangetron.mesh import MeshGroup
 from orangetron.model.moe import MoE
-from orangetron.parallel.expert.balance import GlobalLoadBalancingLoss
+from orangetron.parallel.expert.balance import global_router_losses
 from orangetron.parallel.expert.dispatcher import Dispatcher, run_local_experts
 
 
@@ -36,13 +36,9 @@ class ExpertParallelMoE(MoE):
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         x_flat = x.reshape(-1, x.shape[-1])  # [T, dim]
         mask = None if token_mask is None else token_mask.reshape(-1)
-        scores, topk_idx, topk_weights = self.router.route(x_flat)
-        coef = self.router.aux_loss_coef
-        if coef:
-            loss = GlobalLoadBalancingLoss.apply(scores, topk_idx, mask, self.balance_groups, self.grad_ranks)
-            self.last_aux_loss = coef * loss
-        else:
-            self.last_aux_loss = scores.new_zeros(())
+        logits, scores, topk_idx, topk_weights = self.router.route(x_flat, mask)
+        self.last_aux_loss = global_router_losses(self.router, logits, scores, topk_idx, mask, self.balance_groups,
+                                                  self.grad_ranks)
         recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatcher.dispatch(x_flat, topk_idx, topk_weights)
         y = self.dispatcher.combine(run_local_experts(self.experts, recv_x, recv_idx, recv_w, tokens_per_expert),
                                     handle)  # [T, dim]
