@@ -22,10 +22,11 @@ def _run(**overrides) -> dict:
 
 
 def test_resume_continues_bitwise(tmp_path) -> None:
-    straight = _run(steps=6, out=str(tmp_path / "straight"), save_every=6)
-    first = _run(steps=3, out=str(tmp_path), save_every=3)
+    straight = _run(steps=6, out=str(tmp_path / "straight"))
+    first = _run(steps=6, stop_after=3, out=str(tmp_path))
     assert first["losses"] == straight["losses"][:3]
-    resumed = _run(steps=6, out=str(tmp_path), resume=True, save_every=3)
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-00000003"
+    resumed = _run(steps=6, out=str(tmp_path), resume=True)
     assert resumed["losses"] == straight["losses"]  # bitwise: parameters, moments, step count and data order
     assert resumed["eval_loss"] == straight["eval_loss"]
     ends = written_run(tmp_path), written_run(tmp_path / "straight")
@@ -40,14 +41,15 @@ def test_resume_continues_bitwise(tmp_path) -> None:
 def test_resume_on_another_layout(tmp_path) -> None:
     """Saved by two ZeRO-3 ranks (sharded state gathered), resumed on one rank: the trajectory of plain
     one-device torch, step for step (gradient norms) and in the final parameters and moments."""
-    saved = _run(steps=3, dtype="float64", dp=2, zero_stage=3, out=str(tmp_path), save_every=3)
-    resumed = _run(steps=5, dtype="float64", out=str(tmp_path), resume=True, save_every=5)
+    saved = _run(steps=5, stop_after=3, dtype="float64", dp=2, zero_stage=3, out=str(tmp_path))
+    resumed = _run(steps=5, dtype="float64", out=str(tmp_path), resume=True)
     reference = reference_training(TrainConfig(**{**SMALL, "steps": 5, "dtype": "float64"}))
     assert_matches_reference(resumed, tmp_path, reference, rtol=1e-9)
     # Saving gathers the shards and averages the losses, but that is not training traffic: the run's
-    # ledger holds only 2 parameter gathers per step and 1 per eval batch, and one clipping scalar per step.
+    # ledger holds only 2 parameter gathers per step (a stopped run does not evaluate) and one clipping scalar
+    # per step.
     shard = -(-saved["params"] // 2) * 8
-    assert saved["comm"][0]["all_gather/dp_cp"] == (2 * 3 + 2) * shard
+    assert saved["comm"][0]["all_gather/dp_cp"] == 2 * 3 * shard
     assert saved["comm"][0]["all_reduce/dp_cp"] == 3 * 8
 
 
@@ -80,5 +82,5 @@ def test_resume_needs_a_matching_checkpoint(tmp_path) -> None:
     _run(steps=2, out=str(tmp_path), save_every=2)
     with pytest.raises(TrainConfigError, match=r"holds a model with dim=64, this run builds dim=128"):
         _run(steps=4, out=str(tmp_path), resume=True, model=dataclasses.replace(NO_AUX, dim=128))
-    with pytest.raises(TrainConfigError, match=r"already at step 2"):
+    with pytest.raises(TrainConfigError, match=r"already at step 2; raise --steps and add --extend"):
         _run(steps=2, out=str(tmp_path), resume=True)
