@@ -350,7 +350,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train and return the `train --json` result.
 
     Keys: layout (degrees), steps, losses (language-model loss per step, the mean over data-parallel
-    ranks), final_loss, eval_loss (held-out loss after the last step, or None without held-out data),
+    ranks), final_loss (the last step's), final_loss_mean10 (the mean of the last 10 steps), eval_loss
+    (held-out loss after the last step, or None without held-out data or when stopped by cfg.stop_after),
     params, tokens_per_s, memory (one entry per rank, bytes), comm (one entry per rank, bytes sent per
     "op/dim"), time_s. With dp > 1 the ranks are local processes started by `launch_local`, unless this
     process already belongs to a process group of that size (torchrun). Deterministic: the same cfg
