@@ -100,8 +100,11 @@ def test_stdlib_corpus_cut_never_splits_a_character(tmp_path) -> None:
 def test_read_text_files(tmp_path) -> None:
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("first")
-    b.write_bytes(b"second \xff")
-    assert read_text_files([a, b]) == "first" + FILE_SEPARATOR + "second \ufffd"
+    b.write_text("second é", encoding="utf-8")
+    assert read_text_files([a, b]) == "first" + FILE_SEPARATOR + "second é"
+    b.write_bytes(b"second \xff")  # not UTF-8: refused, not trained on as U+FFFD
+    with pytest.raises(ValueError, match=r"b.txt' is not UTF-8 text \(byte 7: b'\\xff'\)"):
+        read_text_files([a, b])
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         read_text_files([a, tmp_path / "missing.txt"])
     with pytest.raises(ValueError):

@@ -32,12 +32,12 @@ def _final_params(folder) -> dict[str, torch.Tensor]:
 def test_checkpoint_moves_between_tensor_parallel_layouts(tmp_path, saved, resumed):
     """Save at step 3 on one layout, resume to step 5 on another: the one-rank run's losses and weights."""
     straight = _run(steps=5, out=str(tmp_path / "straight"), save_every=5)
-    first = _run(steps=3, out=str(tmp_path / "moved"), save_every=3, **saved)
+    first = _run(steps=5, stop_after=3, out=str(tmp_path / "moved"), **saved)
     torch.testing.assert_close(first["losses"], straight["losses"][:3], rtol=1e-9, atol=0)
     state = load_checkpoint(latest_checkpoint(tmp_path / "moved" / "checkpoints"))
     ref_shapes = {n: p.shape for n, p in _final_params(tmp_path / "straight").items()}
     assert {n: p.shape for n, p in state["params"].items()} == ref_shapes  # whole tensors, not shards
-    second = _run(steps=5, out=str(tmp_path / "moved"), resume=True, save_every=5, **resumed)
+    second = _run(steps=5, out=str(tmp_path / "moved"), resume=True, **resumed)
     torch.testing.assert_close(second["losses"], straight["losses"], rtol=1e-9, atol=0)
     ref = _final_params(tmp_path / "straight")
     for name, value in _final_params(tmp_path / "moved").items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -301,3 +302,55 @@ def test_bad_input_found_on_a_rank_is_one_line_exit_2(capsys, tmp_path) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert err[0].startswith("orangetron train: error: rank 0: resume=True (--resume): no checkpoint under")
+
+
+def test_final_loss_and_its_mean_say_what_they_are(capsys) -> None:
+    from orangetron.cli import main
+
+    assert main(["train", "--model", "tiny", "--steps", "12", "--seq-len", "32", "--batch-size", "4", "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    losses = result["losses"]
+    assert result["final_loss"] == losses[-1]
+    assert result["final_loss_mean10"] == pytest.approx(sum(losses[-10:]) / 10, rel=1e-12)
+    assert result["final_loss_mean10"] != result["final_loss"]
+    assert f"final_loss {losses[-1]:.4f} at step 12" in err
+    assert f"final_loss_mean10 {result['final_loss_mean10']:.4f} (mean of the last 10 steps)" in err
+
+
+def test_cli_unusable_out_data_or_checkpoint_is_one_line_exit_2(capsys, tmp_path) -> None:
+    from orangetron.cli import main
+
+    def one_line_error(*flags: str) -> str:
+        assert main(["train", *TINY_FLAGS, "--quiet", *flags]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        return err
+
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a folder")
+    assert f"(--out): {str(a_file)!r} is a file, not a folder" in one_line_error("--out", str(a_file))
+    assert "is a file, not a folder" in one_line_error("--out", str(a_file / "run"))
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    assert f"data file {str(binary)!r} is not UTF-8 text (byte 128" in one_line_error("--data", str(binary))
+
+    run = tmp_path / "run"
+    assert main(["train", *TINY_FLAGS, "--quiet", "--out", str(run), "--stop-after", "2"]) == 0
+    state = run / "checkpoints" / "step-00000002" / "state.pt"
+    state.write_bytes(bytes(range(256)) * 16)
+    manifest = state.parent / "manifest.json"
+    entry = {"bytes": 4096, "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "files": {"state.pt": entry}}))
+    err = one_line_error("--out", str(run), "--resume")
+    assert "state.pt: matches its manifest but is not a state" in err and "weights_only" not in err
+
+
+def test_stop_after_needs_out_and_stops_with_a_checkpoint(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"stop_after=2 \(--stop-after\): needs --out DIR"):
+        TrainConfig(**TINY, stop_after=2)
+    with pytest.raises(ValueError, match=r"extend=True \(--extend\): needs --resume"):
+        TrainConfig(**TINY, out=str(tmp_path), extend=True)
+    result = _run(out=str(tmp_path), stop_after=2)
+    assert len(result["losses"]) == 2 and result["eval_loss"] is None and result["steps"] == 5
+    assert (tmp_path / "checkpoints" / "step-00000002").is_dir()

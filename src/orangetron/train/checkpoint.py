@@ -129,5 +129,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"{file}: size or checksum differs from the manifest; the checkpoint is corrupt")
     try:
         return torch.load(path / STATE_FILE, weights_only=True)
-    except Exception as err:  # checksummed yet unreadable: written by something else
-        raise CheckpointError(f"{path / STATE_FILE}: cannot be read as a weights-only state ({err})") from None
+    except Exception as err:  # checksummed yet unreadable: the manifest was rewritten to match
+        # torch's own message is a page of advice to load with weights_only=False, which would run pickled code.
+        raise CheckpointError(f"{path / STATE_FILE}: matches its manifest but is not a state this program "
+                              f"wrote ({type(err).__name__}); refusing to load it") from None

@@ -46,11 +46,18 @@ def add_train_commands(sub: Any) -> None:
     p.add_argument("--data", nargs="+", metavar="FILE", default=None,
                    help="UTF-8 text files to train on (default: the Python standard library's sources)")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="run folder: metrics.jsonl, and checkpoints/ with --save-every")
+                   help="run folder: metrics.jsonl, and checkpoints/ with one after the last step")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="write a checkpoint every N steps and after the last one (default: never)")
+                   help="also write a checkpoint every N steps (default: only after the last step)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --out, on whatever layout this run has")
+                   help="continue from the latest checkpoint in --out, on whatever layout this run has; the run "
+                   "keeps its schedule, so --steps, --lr and --warmup must be the checkpointed run's")
+    p.add_argument("--extend", action="store_true",
+                   help="with --resume: allow --steps past the checkpointed run's total; the cosine keeps its "
+                   "span and the learning rate then holds its final value (lr/10)")
+    p.add_argument("--stop-after", type=int, default=0, metavar="N",
+                   help="end after step N with a checkpoint, on the schedule of --steps, to continue later "
+                   "with --resume (needs --out; default: run all --steps)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the results as the last line of standard output")
     p.add_argument("--quiet", action="store_true", help="no progress bar or logs on standard error")
@@ -153,6 +160,7 @@ def run_train(args: argparse.Namespace) -> int:
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
+        extend=args.extend, stop_after=args.stop_after,
         sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
         dispatcher=args.dispatcher, capacity_factor=args.capacity_factor, pp_schedule=args.pp_schedule,
         microbatches=args.microbatches, virtual_stages=args.virtual_stages,
@@ -173,10 +181,10 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
     mem = result["memory"][0]
     eval_loss = result["eval_loss"]
     eval_text = "n/a" if eval_loss is None else f"{eval_loss:.4f}"
-    recent = losses[-10:]
     lines = [
-        f"loss {losses[0]:.4f} at step 1 -> {sum(recent) / len(recent):.4f} (mean of the last {len(recent)} "
-        f"steps); held-out loss {eval_text}",
+        f"loss {losses[0]:.4f} at step 1 -> final_loss {result['final_loss']:.4f} at step {len(losses)}, "
+        f"final_loss_mean10 {result['final_loss_mean10']:.4f} (mean of the last {min(len(losses), 10)} steps); "
+        f"held-out loss {eval_text}",
         f"{result['params']:,} params, {result['tokens_per_s']:,.0f} tokens/s, {result['time_s']:.1f} s",
         "memory (MiB): " + ", ".join(f"{k} {mem[k] / 2**20:.1f}" for k in mem if k != "rank"),
     ]

@@ -51,10 +51,10 @@ def _stdlib_files(base: Path) -> list[Path]:
 
 
 def read_text_files(paths: Sequence[str | os.PathLike[str]]) -> str:
-    """Read UTF-8 text files (undecodable bytes become U+FFFD) and join them with FILE_SEPARATOR.
+    """Read UTF-8 text files and join them with FILE_SEPARATOR.
 
-    Raises FileNotFoundError naming the first path that is missing or not a file, ValueError if
-    `paths` is empty or all files are empty.
+    Raises FileNotFoundError naming the first path that is missing or not a file, ValueError naming the
+    first file that is not UTF-8 text, and ValueError if `paths` is empty or all files are empty.
     """
     if not paths:
         raise ValueError("no data files given")
@@ -63,10 +63,19 @@ def read_text_files(paths: Sequence[str | os.PathLike[str]]) -> str:
         path = Path(p)
         if not path.is_file():
             raise FileNotFoundError(f"data file {str(path)!r} does not exist or is not a file")
-        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+        texts.append(_read_utf8(path))
     if not any(texts):
         raise ValueError(f"data files {[str(p) for p in paths]} are all empty")
     return FILE_SEPARATOR.join(texts)
+
+
+def _read_utf8(path: Path) -> str:
+    # Strict: a binary file decoded with replacement would train the model on U+FFFD, silently.
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data file {str(path)!r} is not UTF-8 text (byte {err.start}: "
+                         f"{err.object[err.start:err.start + 1]!r})") from None
 
 
 def pack_sequences(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -77,9 +77,13 @@ class TrainConfig:
     dtype: str = "float32"  # parameter dtype: float32, float64 or bfloat16 (with float32 main params)
     data: Sequence[str] | None = None  # text files to train on; None: the embedded stdlib corpus
     corpus_bytes: int = DEFAULT_CORPUS_BYTES  # bytes of the stdlib corpus to use when `data` is None
-    out: str | None = None  # run folder for metrics.jsonl and checkpoints; None writes nothing
-    save_every: int = 0  # write a checkpoint every N steps and after the last one (0: never); needs `out`
+    out: str | None = None  # run folder for metrics.jsonl and checkpoints (always one after the last step)
+    save_every: int = 0  # also write a checkpoint every N steps (0: only after the last one); needs `out`
     resume: bool = False  # continue from the latest checkpoint in `out`, on whatever layout this run has
+    extend: bool = False  # with resume: allow `steps` past the checkpoint's total; the cosine keeps its old
+    # total and the rate holds min_lr after it
+    stop_after: int = 0  # end after this step, checkpointed, with the schedule of `steps` (0: run to `steps`)
+    schedule_steps: int | None = None  # steps the warmup + cosine spans; None: `steps` (resume sets it)
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
     tp: int = 1  # tensor-parallel degree: local ranks that split every weight matrix
     cp: int = 1  # context-parallel degree: local ranks that split every sequence head-tail
@@ -102,8 +106,10 @@ class TrainConfig:
         self._check_layout()
         for name in ("steps", "seq_len", "batch_size", "eval_batches", "corpus_bytes"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup", "eval_every", "seed"):
+        for name in ("warmup", "eval_every", "seed", "stop_after"):
             _check_int(name, getattr(self, name), minimum=0)
+        if self.schedule_steps is not None:
+            _check_int("schedule_steps", self.schedule_steps, minimum=1)
         if self.threads is not None:
             _check_int("threads", self.threads, minimum=1)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
@@ -158,10 +164,14 @@ class TrainConfig:
 
     def _check_checkpointing(self) -> None:
         _check_int("save_every", self.save_every, minimum=0)
-        for name in ("save_every", "resume"):
+        for name in ("save_every", "resume", "stop_after"):
             if getattr(self, name) and self.out is None:
                 raise TrainConfigError(f"{name}={getattr(self, name)!r} ({_flag(name)}): needs --out DIR, "
                                        "where checkpoints live")
+        if self.extend and not self.resume:
+            raise TrainConfigError("extend=True (--extend): needs --resume; it extends a checkpointed run")
+        if self.out is not None:
+            _check_out_folder(self.out)
 
     def _check_data(self) -> None:
         if self.data is None:
@@ -188,6 +198,15 @@ class TrainConfig:
         return Layout(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep)
 
 
+def _check_out_folder(out: str) -> None:
+    # The nearest existing ancestor must be a folder, or creating the run folder fails mid-setup.
+    for path in (Path(out), *Path(out).absolute().parents):
+        if path.exists():
+            if not path.is_dir():
+                raise TrainConfigError(f"out={out!r} (--out): {str(path)!r} is a file, not a folder")
+            return
+
+
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         rule = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
@@ -195,10 +214,13 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of 0-based `step`: linear warmup to cfg.lr, then cosine decay to cfg.min_lr."""
+    """Learning rate of 0-based `step`: linear warmup to cfg.lr, then cosine decay to cfg.min_lr at the last
+    step of cfg.schedule_steps (default cfg.steps); a run extended past that holds its last step's rate."""
+    total = cfg.schedule_steps if cfg.schedule_steps is not None else cfg.steps
+    step = min(step, total - 1)
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    decay_steps = cfg.steps - cfg.warmup
+    decay_steps = total - cfg.warmup
     if decay_steps <= 1:
         return cfg.lr
     progress = (step - cfg.warmup) / (decay_steps - 1)  # 0 at the first decay step, 1 at the last
@@ -329,7 +351,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train and return the `train --json` result.
 
     Keys: layout (degrees), steps, losses (language-model loss per step, the mean over data-parallel
-    ranks), final_loss, eval_loss (held-out loss after the last step, or None without held-out data),
+    ranks), final_loss (the last step's), final_loss_mean10 (the mean of the last 10 steps), eval_loss
+    (held-out loss after the last step, or None without held-out data or when stopped by cfg.stop_after),
     params, tokens_per_s, memory (one entry per rank, bytes), comm (one entry per rank, bytes sent per
     "op/dim"), time_s. With dp > 1 the ranks are local processes started by `launch_local`, unless this
     process already belongs to a process group of that size (torchrun). Deterministic: the same cfg
@@ -380,7 +403,7 @@ def _merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One result from every rank's: losses averaged over ranks (equal shares), per-rank lists joined."""
     merged = dict(results[0])
     merged["losses"] = [sum(step) / len(results) for step in zip(*(r["losses"] for r in results), strict=True)]
-    merged["final_loss"] = merged["losses"][-1]
+    merged.update(_final_losses(merged["losses"]))
     if merged["eval_loss"] is not None:  # context-parallel ranks each evaluate an equal share of the tokens
         merged["eval_loss"] = sum(r["eval_loss"] for r in results) / len(results)
     merged["memory"] = [entry for r in results for entry in r["memory"]]
@@ -426,7 +449,11 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     data, dp, optimizer, rank = setup.data, setup.dp, setup.optimizer, setup.rank
     bar = ProgressBar(cfg.steps, enabled=progress)
     bar.log(f"orangetron train: {_describe(cfg, data)}")
-    start = _resume(cfg, setup) if cfg.resume else _Resumed(0, [])
+    start = _Resumed(0, [])
+    if cfg.resume:
+        cfg, start = _resume(cfg, setup)
+        bar.log(f"resumed from {start.path} at step {start.step} of {cfg.steps}")
+    last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     run = _RunLog(cfg, bar, write=rank == 0, start=start)
     eval_loss: float | None = None
     mem: dict[str, int] = {}
@@ -434,7 +461,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         batches: Iterator[torch.Tensor] = iter(data.train)
         for _ in range(start.step):  # the batches the checkpointed steps consumed
             next(batches)
-        for step in range(start.step, cfg.steps):
+        for step in range(start.step, last):
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             rows = setup.rows(next(batches))
@@ -448,15 +475,17 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
                 eval_loss = evaluate(dp, data.eval_samples, cfg.batch_size, cfg.eval_batches)
                 record["eval_loss"] = eval_loss
             run.step(record, seconds)
-            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+            if cfg.out is not None and (step + 1 == last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
                 _save(cfg, setup, step + 1, run.losses)
-    if eval_loss is None:
+    if last < cfg.steps:
+        bar.log(f"stopped after step {last} of {cfg.steps}; continue with --resume")
+    elif eval_loss is None:
         bar.log("no held-out loss: the eval split is shorter than one sample (raise eval_fraction)")
     return {
         "layout": cfg.layout.degrees(),
         "steps": cfg.steps,
         "losses": run.losses,
-        "final_loss": run.losses[-1],
+        **_final_losses(run.losses),
         "eval_loss": eval_loss,
         "params": _model_parameters(cfg),
         "tokens_per_s": run.tokens_per_s() or 0.0,
@@ -466,10 +495,18 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     }
 
 
+def _final_losses(losses: list[float]) -> dict[str, float]:
+    """final_loss: the last step's loss, one batch and noisy; final_loss_mean10: the mean of the last 10
+    steps (fewer in a shorter run), the trend the progress bar and the summary show."""
+    recent = losses[-10:]
+    return {"final_loss": losses[-1], "final_loss_mean10": sum(recent) / len(recent)}
+
+
 @dataclass
 class _Resumed:
     step: int  # steps already taken
     losses: list[float]  # their losses
+    path: Path | None = None  # the checkpoint they come from
 
 
 def _checkpoint_folder(cfg: TrainConfig) -> Path:
@@ -488,10 +525,18 @@ def _write_checkpoint(cfg: TrainConfig, setup: _Run, step: int, losses: list[flo
     mean_losses = (comm.all_reduce(torch.tensor(losses, dtype=torch.float64), group) / group.size).tolist()
     if setup.rank == 0:
         model = dataclasses.asdict(cfg.model_config())
-        save_checkpoint(_checkpoint_folder(cfg), step, {**state, "step": step, "losses": mean_losses, "model": model})
+        save_checkpoint(_checkpoint_folder(cfg), step, {**state, "step": step, "losses": mean_losses, "model": model,
+                                                        "schedule": _schedule(cfg)})
 
 
-def _resume(cfg: TrainConfig, setup: _Run) -> _Resumed:
+def _schedule(cfg: TrainConfig) -> dict[str, int | float]:
+    """What fixes every step's learning rate: the run's total, the cosine's span, warmup and the two rates."""
+    span = cfg.schedule_steps if cfg.schedule_steps is not None else cfg.steps
+    return {"steps": cfg.steps, "schedule_steps": span, "warmup": cfg.warmup, "lr": cfg.lr, "min_lr": cfg.min_lr}
+
+
+def _resume(cfg: TrainConfig, setup: _Run) -> tuple[TrainConfig, _Resumed]:
+    """The run's config with the checkpoint's schedule, and where it stands; loads the state into setup."""
     path = latest_checkpoint(_checkpoint_folder(cfg))
     if path is None:
         raise TrainConfigError(f"resume=True (--resume): no checkpoint under {_checkpoint_folder(cfg)}")
@@ -501,11 +546,34 @@ def _resume(cfg: TrainConfig, setup: _Run) -> _Resumed:
         if model.get(name) != value:
             raise TrainConfigError(f"resume=True (--resume): {path} holds a model with {name}={value!r}, "
                                    f"this run builds {name}={model.get(name)!r}")
-    if state["step"] >= cfg.steps:
-        raise TrainConfigError(f"steps={cfg.steps} (--steps): {path} is already at step {state['step']}; "
-                               "raise --steps to train further")
+    step = int(state["step"])
+    if step >= cfg.steps:
+        raise TrainConfigError(f"steps={cfg.steps} (--steps): {path} is already at step {step}; "
+                               "raise --steps and add --extend to train further")
+    if cfg.stop_after and cfg.stop_after <= step:
+        raise TrainConfigError(f"stop_after={cfg.stop_after} (--stop-after): {path} is already at step {step}")
+    cfg = _continue_schedule(cfg, state.get("schedule"), path)
     setup.dp.load_full_state(state, setup.optimizer)
-    return _Resumed(int(state["step"]), [float(x) for x in state["losses"]])
+    return cfg, _Resumed(step, [float(x) for x in state["losses"]], path)
+
+
+def _continue_schedule(cfg: TrainConfig, saved: dict[str, Any] | None, path: Path) -> TrainConfig:
+    """cfg on the checkpointed run's schedule, so every step's rate is the uninterrupted run's; refuses flags
+    that would change it, and a longer run unless cfg.extend (then the old cosine holds its last rate)."""
+    if saved is None:  # written before checkpoints kept their schedule: this run's flags define it
+        return cfg
+    for name in ("warmup", "lr", "min_lr"):
+        if getattr(cfg, name) != saved[name]:
+            raise TrainConfigError(f"{name}={getattr(cfg, name)!r} ({_flag(name)}): {path} belongs to a run with "
+                                   f"{name}={saved[name]!r}; a resumed run keeps its schedule")
+    total = int(saved["steps"])
+    if cfg.steps < total:
+        raise TrainConfigError(f"steps={cfg.steps} (--steps): {path} belongs to a run of {total} steps; give "
+                               f"--steps {total}, with --stop-after N to end it early")
+    if cfg.steps > total and not cfg.extend:
+        raise TrainConfigError(f"steps={cfg.steps} (--steps): {path} belongs to a run of {total} steps; add --extend "
+                               "to train past them (the cosine keeps its span, then the rate holds min_lr)")
+    return dataclasses.replace(cfg, schedule_steps=int(saved["schedule_steps"]))
 
 
 def _train_step(
@@ -554,6 +622,8 @@ class _RunLog:
             folder = Path(self.cfg.out)
             folder.mkdir(parents=True, exist_ok=True)
             mode = "a" if self.first_step > 1 else "w"  # a resumed run continues the same file
+            if self.first_step > 1:
+                _keep_records_before(folder / "metrics.jsonl", self.first_step)
             self.file = open(folder / "metrics.jsonl", mode, encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
         return self
 
@@ -581,6 +651,21 @@ class _RunLog:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+
+
+def _keep_records_before(path: Path, step: int) -> None:
+    """Drop the records of `step` and later: a run resumed from an older checkpoint takes those steps again,
+    and a line cut short by a crash is dropped with them."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] < step and line.endswith("\n"):
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    path.write_text("".join(kept), encoding="utf-8")
 
 
 def _model_parameters(cfg: TrainConfig) -> int:
