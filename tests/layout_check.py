@@ -142,22 +142,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-300)).item()
 
 
-def check_layout(per_rank: list[dict], cfg: ModelConfig, layout: Layout, pc: ParallelConfig, where: str,
-                 seq: int = SEQ, rows: int = PER_RANK) -> None:
-    """Every rank of one `layout_run` against one device and against the planner."""
-    ref_losses, ref_grads, ref_params = reference(cfg, layout.dp, seq, rows)
-    # Every rank's loss is the mean over an equal share of the tokens (tp ranks repeat theirs); under pp only
-    # the last stage's ranks have one.
-    reporting = [r["losses"] for r in per_rank if r["losses"][0] is not None]
-    losses = [sum(step) / len(reporting) for step in zip(*reporting, strict=True)]
+def assert_equals_reference(losses: list[float], grads: list[dict], params: dict, cfg: ModelConfig, dp: int,
+                            where: str, seq: int = SEQ, rows: int = PER_RANK) -> None:
+    """Mean losses, whole gradients per step and final parameters against `reference` (1e-9 relative)."""
+    ref_losses, ref_grads, ref_params = reference(cfg, dp, seq, rows)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=0, msg=where)
-    grads, params = per_rank[0]["grads"], per_rank[0]["params"]
     assert set(params) == set(ref_params), where
     for step in range(STEPS):
         for name, ref in ref_grads[step].items():
             assert _rel(grads[step][name], ref) < 1e-9, f"{where} step {step} grad {name}"
     for name, ref in ref_params.items():
         assert _rel(params[name], ref) < 1e-9, f"{where} param {name}"
+
+
+def check_layout(per_rank: list[dict], cfg: ModelConfig, layout: Layout, pc: ParallelConfig, where: str,
+                 seq: int = SEQ, rows: int = PER_RANK) -> None:
+    """Every rank of one `layout_run` against one device and against the planner."""
+    # Every rank's loss is the mean over an equal share of the tokens (tp ranks repeat theirs); under pp only
+    # the last stage's ranks have one.
+    reporting = [r["losses"] for r in per_rank if r["losses"][0] is not None]
+    losses = [sum(step) / len(reporting) for step in zip(*reporting, strict=True)]
+    assert_equals_reference(losses, per_rank[0]["grads"], per_rank[0]["params"], cfg, layout.dp, where, seq, rows)
     for rank, result in enumerate(per_rank):
         stage = layout.coordinates(rank).pp
         want_records, want_mem = predicted_step(cfg, layout, pc, seq_len=seq, micro_batch=rows // pc.microbatches,

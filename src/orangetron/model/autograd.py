@@ -268,9 +268,7 @@ class CrossEntropy(torch.autograd.Function):
         loss = ((lse - logits.gather(-1, target)).squeeze(-1) * valid).sum() / n_valid
         if not ctx.needs_input_grad[0]:  # evaluation: no gradient to prepare
             return loss
-        grad = (logits - lse).exp_()  # [N, V] softmax
-        grad.scatter_add_(-1, target, grad.new_full(target.shape, -1.0))
-        grad.mul_((valid.to(grad.dtype) / n_valid).unsqueeze(-1))  # 1/n in float32 would be off by 1e-8
+        grad = cross_entropy_grad_((logits - lse).exp_(), target, valid, valid, n_valid)  # [N, V]
         ctx.save_for_backward(grad)
         return loss
 
@@ -278,3 +276,11 @@ class CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         (grad,) = ctx.saved_tensors
         return grad * grad_loss, None, None
+
+
+def cross_entropy_grad_(probs: torch.Tensor, target: torch.Tensor, hit: torch.Tensor, valid: torch.Tensor,
+                        n_valid: torch.Tensor) -> torch.Tensor:
+    """The mean cross entropy's gradient from softmax `probs` [N, V], in place: minus one at `target` [N, 1]
+    where `hit` (the target's column is in `probs`), then each row times valid / n_valid."""
+    probs.scatter_add_(-1, target, -hit.unsqueeze(-1).to(probs.dtype))
+    return probs.mul_((valid.to(probs.dtype) / n_valid).unsqueeze(-1))  # 1/n in float32 would be off by 1e-8

@@ -32,7 +32,7 @@ from orangetron import comm
 from orangetron.layout import Layout, LayoutError
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.model.attention import attention_kernel
-from orangetron.model.autograd import accumulate_dtype, swiglu_activation
+from orangetron.model.autograd import accumulate_dtype, cross_entropy_grad_, swiglu_activation
 from orangetron.model.layers import apply_rope, rope_cos_sin
 from orangetron.model.moe import MoE
 from orangetron.model.transformer import Transformer
@@ -198,9 +198,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n_valid = valid.sum().clamp(min=1)
         loss = ((log_z - sums[:, 1:]).squeeze(-1) * valid).sum() / n_valid
         if ctx.needs_input_grad[0]:
-            grad = exp.div_(sums[:, :1])  # softmax over the whole vocabulary, this rank's columns
-            grad.scatter_add_(-1, target_col, -mine.unsqueeze(-1).to(grad.dtype))
-            grad.mul_((valid.to(grad.dtype) / n_valid).unsqueeze(-1))  # 1/n in float32 would be off by 1e-8
+            # Softmax over the whole vocabulary, this rank's columns.
+            grad = cross_entropy_grad_(exp.div_(sums[:, :1]), target_col, mine, valid, n_valid)
             ctx.save_for_backward(grad)
         return loss
 
