@@ -15,7 +15,9 @@ from trainer_reference import assert_matches_reference, reference_training, writ
 
 from orangetron.model import model_preset
 from orangetron.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from orangetron.train.trainer import TrainConfig, TrainConfigError, lr_at, train
+from orangetron.train.config import TrainConfig, TrainConfigError
+from orangetron.train.schedule import lr_at
+from orangetron.train.trainer import train
 
 torch.set_num_threads(1)
 NO_AUX = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0)  # per-rank balancing differs on dp > 1

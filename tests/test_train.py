@@ -14,8 +14,10 @@ from trainer_reference import assert_matches_reference, reference_training
 
 from orangetron.model import model_preset
 from orangetron.plan.bridge import predicted_step
+from orangetron.train.config import TrainConfig
 from orangetron.train.progress import ProgressBar
-from orangetron.train.trainer import TrainConfig, lr_at, train
+from orangetron.train.schedule import lr_at
+from orangetron.train.trainer import train
 
 torch.set_num_threads(1)
 

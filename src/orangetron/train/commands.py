@@ -15,8 +15,8 @@ DEFAULTS_NOTE = "With no flags: the small-moe model on the embedded stdlib corpu
 
 def add_train_commands(sub: Any) -> None:
     """Register the `train` subcommand on an argparse subparsers object."""
-    from orangetron.model import MODEL_PRESETS
-    from orangetron.train.trainer import DTYPES, TrainConfig
+    from orangetron.model.config import MODEL_PRESETS
+    from orangetron.train.config import PARAM_DTYPES, TrainConfig
 
     fields = TrainConfig.__dataclass_fields__
     p = sub.add_parser(
@@ -39,7 +39,8 @@ def add_train_commands(sub: Any) -> None:
     option("--warmup", "linear warmup steps", type=int)
     option("--seed", "seed for init and batch order; the same seed gives identical losses", type=int)
     option("--eval-every", "also evaluate held-out loss every N steps; 0: only at the end", type=int)
-    p.add_argument("--param-dtype", "--dtype", dest="dtype", default=fields["dtype"].default, choices=list(DTYPES),
+    p.add_argument("--param-dtype", "--dtype", dest="dtype", default=fields["dtype"].default,
+                   choices=list(PARAM_DTYPES),
                    help="parameter dtype; bfloat16 keeps float32 main params (default: %(default)s)")
     option("--threads", "CPU threads for torch ops; 1 stays fast when other processes share the cores",
            type=int)
@@ -103,8 +104,7 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_verify_command(sub: Any) -> None:
-    from orangetron.train.trainer import DTYPES
-    from orangetron.train.verify import DEFAULT_TOLERANCE
+    from orangetron.train.config import DEFAULT_TOLERANCE, PARAM_DTYPES
 
     p = sub.add_parser(
         "verify", help="check that a layout reproduces one rank",
@@ -117,7 +117,7 @@ def _add_verify_command(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
-    p.add_argument("--param-dtype", "--dtype", dest="dtype", default="float64", choices=list(DTYPES),
+    p.add_argument("--param-dtype", "--dtype", dest="dtype", default="float64", choices=list(PARAM_DTYPES),
                    help="parameter dtype (default: %(default)s)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference accepted (default by dtype: "
@@ -129,7 +129,7 @@ def _add_verify_command(sub: Any) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     """Run `orangetron verify`; returns 0 when the layout is within tolerance, 1 otherwise."""
-    from orangetron.train.trainer import TrainConfig
+    from orangetron.train.config import TrainConfig
     from orangetron.train.verify import verify
 
     cfg = TrainConfig(
@@ -152,7 +152,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run `orangetron train`; configuration errors propagate as ValueError (cli prints one line)."""
-    from orangetron.train.trainer import TrainConfig, train
+    from orangetron.train.config import TrainConfig
+    from orangetron.train.trainer import train
 
     cfg = TrainConfig(
         model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
