@@ -239,6 +239,14 @@ MUTANTS = [
     Mutant("router_bias_not_restored", "src/orangetron/parallel/data.py",
            (("                buffer.copy_(state[\"buffers\"][name])", "                pass"),),
            ("tests/test_router_options.py::test_the_trainer_moves_the_bias_and_a_resumed_run_restores_it",)),
+    Mutant("shown_loss_is_rank_zeros_share", "src/orangetron/train/trainer.py",
+           (("            loss = _global_batch_loss(dp, loss)\n", ""),),
+           ("tests/test_train_outputs.py::test_every_layout_shows_the_global_batch_loss",)),
+    Mutant("config_file_overrides_the_command_line", "src/orangetron/cli.py",
+           (("    return parser.parse_args(argv)\n\n\nif", "    parser.parse_args(argv)\n    for dest, value in "
+             "read_config_file(args.config, args.command_parser).items():\n        setattr(args, dest, value)\n"
+             "    return args\n\n\nif"),),
+           ("tests/test_train_outputs.py::test_config_file_sets_options_and_the_command_line_overrides_it",)),
 ]
 
 

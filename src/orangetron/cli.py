@@ -26,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None):
+            args = _with_config_file(parser, args, argv)
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
@@ -34,6 +36,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"orangetron {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse again with the file's options as defaults, so that flags on the command line override them."""
+    from orangetron.train.config_file import read_config_file
+
+    args.command_parser.set_defaults(**read_config_file(args.config, args.command_parser))
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,17 @@ class TrainConfig:
             )
         return model_preset(self.model)
 
+    def options(self) -> dict[str, object]:
+        """The options that define this run, by flag name (as `--config` reads them back): everything but the
+        schedule span a resume derives, and the model when it is a ModelConfig rather than a preset name."""
+        out: dict[str, object] = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if name == "schedule_steps" or isinstance(value, ModelConfig):
+                continue
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
     @property
     def layout(self) -> Layout:
         return Layout(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep)

@@ -6,8 +6,6 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from orangetron import comm
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from orangetron.train.config import TrainConfig, TrainConfigError
@@ -22,20 +20,19 @@ def _checkpoint_folder(cfg: TrainConfig) -> Path:
     return Path(cfg.out) / "checkpoints"
 
 
-def save(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> None:
+def save(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> Path | None:
+    """Checkpoint the run after `step`; every rank takes part. The checkpoint's folder on rank 0, else None."""
     with comm.unmeasured():  # checkpoint traffic is not training traffic
-        _write_checkpoint(cfg, setup, step, losses)
+        return _write_checkpoint(cfg, setup, step, losses)
 
 
-def _write_checkpoint(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> None:
+def _write_checkpoint(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> Path | None:
     state = setup.dp.full_state(setup.optimizer)  # every rank takes part: it gathers the shards
-    # Each rank's losses are over its share of the batch; the history a checkpoint keeps is their mean.
-    group = setup.dp.group
-    mean_losses = (comm.all_reduce(torch.tensor(losses, dtype=torch.float64), group) / group.size).tolist()
-    if setup.rank == 0:
+    if setup.rank == 0:  # the losses are the global batch's, the same on every rank
         model = dataclasses.asdict(cfg.model_config())
-        save_checkpoint(_checkpoint_folder(cfg), step, {**state, "step": step, "losses": mean_losses, "model": model,
-                                                        "schedule": schedule_of(cfg)})
+        return save_checkpoint(_checkpoint_folder(cfg), step, {**state, "step": step, "losses": list(losses),
+                                                               "model": model, "schedule": schedule_of(cfg)})
+    return None
 
 
 

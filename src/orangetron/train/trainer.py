@@ -27,6 +27,7 @@ from orangetron.parallel import DataParallel, ShardedAdamW, parallelize
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
 from orangetron.train.launch import launch_local, process_group
+from orangetron.train.mfu import measured_peak_flops, step_flops
 from orangetron.train.progress import ProgressBar
 from orangetron.train.resume import resume, save
 from orangetron.train.runlog import Resumed, RunLog, final_losses
@@ -66,14 +67,16 @@ def load_data(cfg: TrainConfig) -> RunData:
 def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Train and return the `train --json` result.
 
-    Keys: layout (degrees), steps, losses (language-model loss per step, the mean over data-parallel
-    ranks), final_loss (the last step's), final_loss_mean10 (the mean of the last 10 steps), eval_loss
+    Keys: layout (degrees), steps, losses (language-model loss of the whole batch per step, the same on every
+    layout), final_loss (the last step's), final_loss_mean10 (the mean of the last 10 steps), eval_loss
     (held-out loss after the last step, or None without held-out data or when stopped by cfg.stop_after),
-    params, tokens_per_s, memory (one entry per rank, bytes), comm (one entry per rank, bytes sent per
-    "op/dim"), time_s. With dp > 1 the ranks are local processes started by `launch_local`, unless this
-    process already belongs to a process group of that size (torchrun). Deterministic: the same cfg
-    gives bitwise-identical losses. With cfg.out, metrics.jsonl is written there by rank 0. torch's
-    thread count is set to cfg.threads for the run and restored afterwards.
+    params, tokens_per_s, mfu (model FLOPs utilization against peak_flops, the FLOP/s a large matmul reaches
+    on rank 0; see `train.mfu`), memory (one entry per rank, bytes), comm (one entry per rank, bytes sent per
+    "op/dim"), time_s. With more than one rank the ranks are local processes started by `launch_local`,
+    unless this process already belongs to a process group of that size (torchrun). Deterministic: the same
+    cfg gives bitwise-identical losses. With cfg.out, rank 0 writes config.toml, metrics.jsonl and loss.png
+    there, and checkpoints under checkpoints/. torch's thread count is set to cfg.threads for the run and
+    restored afterwards.
     """
     world_size = cfg.layout.world_size
     torchrun_world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
@@ -170,7 +173,9 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         cfg, start = resume(cfg, setup)
         bar.log(f"resumed from {start.path} at step {start.step} of {cfg.steps}")
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    run = RunLog(cfg, bar, write=rank == 0, start=start)
+    peak = measured_peak_flops(dp.config.torch_param_dtype, dp.device)
+    run = RunLog(cfg, bar, write=rank == 0, start=start, flops_per_step=step_flops(cfg) / cfg.layout.world_size,
+                 peak_flops=peak)
     eval_loss: float | None = None
     mem: dict[str, int] = {}
     with comm.measure() as records, run:
@@ -185,6 +190,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             loss, grad_norm, step_mem = train_step(dp, optimizer, rows, lr, cfg.grad_clip,
                                                     measure=step == start.step)
             seconds = time.perf_counter() - t0  # evaluation below is not training throughput
+            loss = _global_batch_loss(dp, loss)
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
             if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
@@ -192,7 +198,9 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
                 record["eval_loss"] = eval_loss
             run.step(record, seconds)
             if cfg.out is not None and (step + 1 == last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
-                save(cfg, setup, step + 1, run.losses)
+                written = save(cfg, setup, step + 1, run.losses)
+                if written is not None:
+                    bar.log(f"wrote checkpoint {written}")
     if last < cfg.steps:
         bar.log(f"stopped after step {last} of {cfg.steps}; continue with --resume")
     elif eval_loss is None:
@@ -205,11 +213,23 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "eval_loss": eval_loss,
         "params": _model_parameters(cfg),
         "tokens_per_s": run.tokens_per_s() or 0.0,
+        "mfu": run.mfu(),
+        "peak_flops": peak,
         "memory": [{"rank": rank, **mem}],
         "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
         "time_s": time.perf_counter() - run.started,
     }
 
+
+
+def _global_batch_loss(dp: DataParallel, loss: float) -> float:
+    """The step's loss over the whole batch: each data- and context-parallel rank holds the mean over its share
+    (weighted so that the ranks' mean is the batch's), and every layout reports the same number."""
+    if dp.group.size == 1:
+        return loss
+    with comm.unmeasured():  # a report, not training traffic
+        total = comm.all_reduce(torch.tensor([loss], dtype=torch.float64), dp.group)
+    return float(total[0]) / dp.group.size
 
 
 def _model_parameters(cfg: TrainConfig) -> int:
