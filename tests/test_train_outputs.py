@@ -36,7 +36,7 @@ def _cli_config(monkeypatch, argv: list[str]) -> TrainConfig:
 def test_config_file_sets_options_and_the_command_line_overrides_it(monkeypatch, tmp_path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('steps = 7\nzero-stage = 2\ndp = 2\nbatch_size = 4\ncp_mode = "ulysses"\nsequence-parallel = '
-                    'true\nlr = 1\ndata = "%s"\n' % path)
+                    f'true\nlr = 1\ndata = "{path}"\n')
     cfg = _cli_config(monkeypatch, ["--config", str(path), "--steps", "9"])
     assert (cfg.steps, cfg.zero_stage, cfg.dp, cfg.batch_size) == (9, 2, 2, 4)
     assert cfg.cp_mode == "ulysses" and cfg.sequence_parallel is True
@@ -96,6 +96,7 @@ def test_every_layout_shows_the_global_batch_loss(tmp_path) -> None:
     two = train(TrainConfig(**TINY, dtype="float64", dp=2, out=str(tmp_path / "two")), progress=False)
     shown = [json.loads(line)["loss"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert shown == pytest.approx(one["losses"], rel=1e-12, abs=0)
+    assert two["losses"] == shown
 
 
 def test_step_flops_is_the_hand_count_of_the_tiny_model() -> None:
