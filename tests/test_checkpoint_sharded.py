@@ -271,5 +271,5 @@ def test_saving_holds_about_one_shard_per_rank_not_the_model(four_ranks):
         peaks = result["peaks"]
         assert peaks["gathered"] > whole, (rank, peaks, whole)  # the instrument sees a gather
         assert peaks["sharded"] < whole / 2, (rank, peaks, whole)
-        assert peaks["sharded_torch"] <= whole / 4 * 1.05, (rank, peaks, whole)  # about one shard
+        assert peaks["sharded_torch"] <= whole / 4 * 1.25, (rank, peaks, whole)  # about one shard
 

@@ -46,7 +46,7 @@ from orangetron.train.sharded import (
     saved_shapes,
 )
 
-__all__ = ["CheckpointError", "Checkpoint", "checkpoint_dir", "latest_checkpoint", "load_checkpoint",
+__all__ = ["CheckpointError", "Checkpoint", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "load_into",
            "open_checkpoint", "save_checkpoint"]
 
 FORMAT_VERSION = 2
