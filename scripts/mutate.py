@@ -236,8 +236,9 @@ MUTANTS = [
     Mutant("router_bias_local_load", "src/orangetron/parallel/expert/bias.py",
            (("        loads = comm.all_reduce(loads, group)", "        pass"),),
            ("tests/test_router_options.py::test_router_options_match_one_device_and_the_planner[2]",)),
-    Mutant("router_bias_not_restored", "src/orangetron/parallel/data.py",
-           (("                buffer.copy_(state[\"buffers\"][name])", "                pass"),),
+    Mutant("router_bias_not_restored", "src/orangetron/train/resume.py",
+           (("    tensors = _tensors(setup)\n",
+             "    tensors = {key: value for key, value in _tensors(setup).items() if key != \"buffers\"}\n"),),
            ("tests/test_router_options.py::test_the_trainer_moves_the_bias_and_a_resumed_run_restores_it",)),
     Mutant("shown_loss_is_rank_zeros_share", "src/orangetron/train/trainer.py",
            (("            loss = _global_batch_loss(dp, loss)\n", ""),),
@@ -247,6 +248,13 @@ MUTANTS = [
              "read_config_file(args.config, args.command_parser).items():\n        setattr(args, dest, value)\n"
              "    return args\n\n\nif"),),
            ("tests/test_train_outputs.py::test_config_file_sets_options_and_the_command_line_overrides_it",)),
+    # ---- sharded checkpoints ----------------------------------------------------------------------------
+    Mutant("reshard_box_counted_from_the_parameter_start", "src/orangetron/parallel/state.py",
+           (("                begin = at + flat_start - lo\n", "                begin = at + flat_start\n"),),
+           ("tests/test_checkpoint_sharded.py::test_every_layout_reshards_onto_the_next_exactly",)),
+    Mutant("reshard_tp_offset_by_rank_not_by_slice", "src/orangetron/parallel/state.py",
+           (("placement.slice_index(dp.tp.rank) * local_shape", "dp.tp.rank * local_shape"),),
+           ("tests/test_checkpoint_sharded.py::test_every_layout_reshards_onto_the_next_exactly",)),
 ]
 
 

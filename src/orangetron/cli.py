@@ -10,6 +10,7 @@ from collections.abc import Sequence
 def build_parser() -> argparse.ArgumentParser:
     from orangetron.plan.commands import add_plan_commands
     from orangetron.train.commands import add_train_commands
+    from orangetron.train.export import add_export_command
 
     parser = argparse.ArgumentParser(
         prog="orangetron",
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_commands(sub)
+    add_export_command(sub)
     add_plan_commands(sub)
     return parser
 
