@@ -99,7 +99,13 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="ZeRO-1 sharding with the parameter all-gather right after the step (Megatron)")
     p.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",
-                   help="DDP: all-reduce gradients in buckets of N elements during backward (default: once after)")
+                   help="reduce gradients in buckets of about N elements during backward: DDP all-reduces them, "
+                   "ZeRO-1/2 and --distributed-optimizer reduce-scatter them (default: once after backward)")
+    p.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="--zero-stage 3: gather the next unit while the current one computes (default: on)")
+    p.add_argument("--zero3-keep-params", action="store_true",
+                   help="--zero-stage 3: keep forward's gathered units until their backward (no second gather, "
+                   "more memory)")
 
 
 def _add_verify_command(sub: Any) -> None:
@@ -136,7 +142,8 @@ def run_verify(args: argparse.Namespace) -> int:
         model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
         dtype=args.dtype, warmup=0, corpus_bytes=200_000, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
         ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
-        grad_bucket_numel=args.grad_bucket_numel, sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
+        grad_bucket_numel=args.grad_bucket_numel, zero3_prefetch=args.zero3_prefetch,
+        zero3_keep_params=args.zero3_keep_params, sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
         ulysses_degree=args.ulysses_degree, dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
         pp_schedule=args.pp_schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
     )
@@ -159,7 +166,8 @@ def run_train(args: argparse.Namespace) -> int:
         warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, data=args.data, out=args.out,
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
-        grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
+        grad_bucket_numel=args.grad_bucket_numel, zero3_prefetch=args.zero3_prefetch,
+        zero3_keep_params=args.zero3_keep_params, save_every=args.save_every, resume=args.resume,
         extend=args.extend, stop_after=args.stop_after,
         sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
         dispatcher=args.dispatcher, capacity_factor=args.capacity_factor, pp_schedule=args.pp_schedule,
