@@ -115,6 +115,10 @@ class ShardedGradBuckets:
                 self.buckets_of.append(list(range(first + at // size, first + (at + p.numel() - 1) // size + 1)))
                 p.register_post_accumulate_grad_hook(partial(self._on_grad, len(self.params) - 1))
             first += len(part.segments)
+        self.members: list[list[int]] = [[] for _ in self.buckets]  # parameters overlapping each bucket
+        for i, ks in enumerate(self.buckets_of):
+            for k in ks:
+                self.members[k].append(i)
         self.events: list[int] = []  # buckets in launch order, for overlap checks
         self.sync = True
         self.in_flight: list[tuple[int, comm.Pending, int]] = []
@@ -123,11 +127,8 @@ class ShardedGradBuckets:
     def _reset(self) -> None:
         self.arrived: set[int] = set()
         self.launched: set[int] = set()
-        self.missing = [0] * len(self.buckets)
+        self.missing = [len(members) for members in self.members]  # per bucket: parameters yet to arrive
         self.pending_buckets = [len(ks) for ks in self.buckets_of]  # per parameter: its buckets not yet launched
-        for ks in self.buckets_of:
-            for k in ks:
-                self.missing[k] += 1
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         if self.defer:
@@ -167,9 +168,8 @@ class ShardedGradBuckets:
     def _fill_wire(self, k: int, part: FlatPart, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
         """ZeRO-2: bucket `k`'s gradients in a padded wire buffer; each `.grad` freed once all its buckets are."""
         wire = torch.zeros(seg.padded, dtype=dtype, device=part.device)
-        for i, (owner, at, p) in enumerate(self.params):
-            if owner is not part or k not in self.buckets_of[i]:
-                continue
+        for i in self.members[k]:
+            _, at, p = self.params[i]
             lo, hi = max(at, seg.start), min(at + p.numel(), seg.start + seg.padded)  # overlap, padded layout
             if p.grad is not None:
                 wire[lo - seg.start:hi - seg.start].copy_(p.grad.reshape(-1)[lo - at:hi - at])
