@@ -40,7 +40,10 @@ CASES = {
         ("moe-every-other", Layout(dp=4, ep=2), {"dispatcher": "ragged", "distributed_optimizer": True,
                                                  "grad_bucket_numel": 300}),
         ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
-                                                  "zero_stage": 2, "grad_bucket_numel": 300})],
+                                                  "zero_stage": 2, "grad_bucket_numel": 300}),
+        ("moe-every-other", Layout(dp=4, ep=2), {"dispatcher": "ragged", "grad_bucket_numel": 300}),  # DDP
+        ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
+                                                  "grad_bucket_numel": 300})],
     8: [("moe-shared", Layout(tp=2, dp=4, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
                                                    "zero_stage": 1}),
         ("moe-every-other", Layout(tp=2, dp=4, ep=2), {"dispatcher": "allgather", "zero_stage": 3})],

@@ -32,20 +32,28 @@ if TYPE_CHECKING:
 
 
 class GradBuckets:
-    """Hooks every parameter of `dp` and launches one asynchronous all-reduce per full bucket."""
+    """Hooks every parameter of `dp` and launches one asynchronous all-reduce per full bucket.
 
-    def __init__(self, dp: DataParallel, bucket_numel: int) -> None:
-        self.dp = dp
-        self.bounds = [(start, min(start + bucket_numel, dp.numel)) for start in range(0, dp.numel, bucket_numel)]
-        self.spans: list[tuple[int, int]] = []  # (offset, numel) of each parameter in the flat buffer
+    Each flat buffer (dense over dp x cp, experts over edp) has its own buckets. `defer`: partial gradients
+    must first be summed over tp, so the buckets wait for the step and go out there (same records, no overlap).
+    """
+
+    def __init__(self, dp: DataParallel, bucket_numel: int, defer: bool = False) -> None:
+        self.dp, self.defer = dp, defer
+        self.bounds: list[tuple[FlatPart, int, int]] = []  # (part, start, end) of each bucket
+        self.spans: list[tuple[FlatPart, int, torch.Tensor]] = []  # (part, offset, parameter)
+        self.names: list[str] = []
         self.buckets_of: list[list[int]] = []  # bucket indices each parameter overlaps
-        offset = 0
-        for index, (_, p) in enumerate(dp._named):
-            self.spans.append((offset, p.numel()))
-            first, last = offset // bucket_numel, (offset + p.numel() - 1) // bucket_numel
-            self.buckets_of.append(list(range(first, last + 1)))
-            p.register_post_accumulate_grad_hook(partial(self._on_grad, index))
-            offset += p.numel()
+        for part in dp.parts:
+            first = len(self.bounds)
+            self.bounds += [(part, at, min(at + bucket_numel, part.numel)) for at in range(0, part.numel, bucket_numel)]
+            for name, p in part.named:
+                at = part.offsets[name]
+                self.spans.append((part, at, p))
+                self.names.append(name)
+                self.buckets_of.append(list(range(first + at // bucket_numel,
+                                                  first + (at + p.numel() - 1) // bucket_numel + 1)))
+                p.register_post_accumulate_grad_hook(partial(self._on_grad, len(self.spans) - 1))
         self.sync = True
         self._reset()
 
@@ -57,14 +65,19 @@ class GradBuckets:
                 self.missing[k] += 1
         self.in_flight: dict[int, tuple[torch.Tensor, comm.PendingAllReduce]] = {}
 
+    def _add(self, index: int) -> None:
+        part, at, p = self.spans[index]
+        part.main_grads[at:at + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None  # the flat buffer holds it now
+
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        offset, numel = self.spans[index]
-        self.dp.main_grads[offset:offset + numel].add_(param.grad.reshape(-1))
-        param.grad = None  # the flat buffer holds it now
+        if self.defer:
+            return  # .grad waits for the tp sum at the step
+        self._add(index)
         if not self.sync:
             return
         if index in self.arrived:
-            raise RuntimeError(f"{self.dp._named[index][0]}: a second gradient arrived before the step; run "
+            raise RuntimeError(f"{self.names[index]}: a second gradient arrived before the step; run "
                                "the earlier micro-batches' backward inside dp.no_sync()")
         self.arrived.add(index)
         for k in self.buckets_of[index]:
@@ -73,13 +86,19 @@ class GradBuckets:
                 self._launch(k)
 
     def _launch(self, k: int) -> None:
-        start, end = self.bounds[k]
-        region = self.dp.main_grads[start:end]
+        part, start, end = self.bounds[k]
+        region = part.main_grads[start:end]
         wire = region.to(self.dp.config.torch_reduce_dtype)  # the region itself when the dtypes agree
-        self.in_flight[k] = (region, comm.all_reduce_start(wire, self.dp.group))
+        self.in_flight[k] = (region, comm.all_reduce_start(wire, part.group))
 
     def finish(self) -> None:
-        """Launch what backward did not (buckets of unused parameters), wait for all, in bucket order."""
+        """Launch what backward did not (buckets of unused parameters; all of them when deferred, after the tp
+        sum), wait for all, in bucket order."""
+        if self.defer:
+            self.dp.module.sync_grads()
+            for index, (_, _, p) in enumerate(self.spans):
+                if p.grad is not None:
+                    self._add(index)
         for k in range(len(self.bounds)):
             if k not in self.in_flight:
                 self._launch(k)

@@ -36,7 +36,7 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import ParallelMesh
 from orangetron.parallel.buckets import GradBuckets, ShardedGradBuckets
-from orangetron.parallel.config import ParallelConfig, ParallelConfigError
+from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.flat import FlatPart
 from orangetron.parallel.optim import FlatAdamW
 from orangetron.parallel.tensor import gather_tensor, shard_tensor
@@ -75,19 +75,11 @@ class DataParallel(nn.Module):
     def _grad_buckets(self, bucket_numel: int) -> GradBuckets | ShardedGradBuckets | None:
         if not bucket_numel:
             return None
+        # Partial gradients summed over tp first (sequence parallel, kv heads fewer than tp): the buckets wait.
         tp_sums = self.tp is not None and any(p.needs_sync() for p in self.placements.values())
         if self.config.shards_optimizer:  # ZeRO-3 never gets here (ParallelConfig refuses it)
             return ShardedGradBuckets(self, defer=tp_sums)
-        if tp_sums:
-            raise ParallelConfigError(
-                f"grad_bucket_numel={bucket_numel} with tp={self.tp.size}: DDP's all-reduced buckets do not take "
-                "gradients summed over tp first (sequence parallel, or kv heads fewer than tp); use 0, or a "
-                "sharded stage (zero_stage 1 or 2, distributed_optimizer), whose buckets wait for the tp sum")
-        if self.ep is not None:
-            raise ParallelConfigError(f"grad_bucket_numel={bucket_numel} with ep={self.ep.size}: DDP's buckets "
-                                      "cover the dense buffer only; use 0, or a sharded stage (zero_stage 1 or 2, "
-                                      "distributed_optimizer), whose buckets cover the experts' buffer too")
-        return GradBuckets(self, bucket_numel)
+        return GradBuckets(self, bucket_numel, defer=tp_sums)
 
     def _is_expert(self, name: str) -> bool:
         return self.ep is not None and ".experts." in name
@@ -181,11 +173,8 @@ class DataParallel(nn.Module):
             return
         if self.buckets is not None:  # already summed bucket by bucket during backward
             self.buckets.finish()
-            if isinstance(self.buckets, ShardedGradBuckets):
-                for part in self.parts:  # the loss is the mean over dp x cp, experts included
-                    part.owned_grads().div_(self.group.size)
-            else:
-                self.main_grads.div_(self.group.size)
+            for part in self.parts:  # the loss is the mean over dp x cp, experts included
+                part.owned_grads().div_(self.group.size)
             self._grads_pending = False
             return
         if self.schedule is not None:  # ZeRO-3: reduce-scattered unit by unit during backward
