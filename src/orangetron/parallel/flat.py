@@ -106,16 +106,15 @@ class FlatPart:
                 self.flat_params = torch.zeros(self.padded_numel, dtype=cfg.torch_param_dtype, device=self.device)
                 for seg in self.segments:
                     seg.flat = self.flat_params[seg.start:seg.start + seg.padded]
-            by_unit = {s.unit: s for s in self.segments}
-            local = dict.fromkeys(by_unit, 0)
+            by_unit = {s.unit: s for s in self.segments}  # ZeRO-3's units; else every parameter is in unit 0
+            local = dict.fromkeys(self.unit_of, 0)  # the next free element of each unit's buffer
             for (name, p), unit in zip(self.named, self.unit_of, strict=True):
-                seg = by_unit[unit] if self.zero3 else self.segments[0]
-                at = local[seg.unit]
-                buffer = seg.flat if self.zero3 else self.flat_params
+                buffer, base = (by_unit[unit].flat, by_unit[unit].start) if self.zero3 else (self.flat_params, 0)
+                at = local[unit]
                 buffer[at:at + p.numel()].copy_(p.reshape(-1))
                 p.data = buffer[at:at + p.numel()].view(p.shape)  # the module now computes on the buffer
-                self.offsets[name] = seg.start + at
-                local[seg.unit] = at + p.numel()
+                self.offsets[name] = base + at
+                local[unit] = at + p.numel()
         r = self.group.rank if self.shards > 1 else 0
         if self.zero3:
             self.param_shard = torch.cat([s.flat[r * s.shard_numel:(r + 1) * s.shard_numel] for s in self.segments])
