@@ -30,7 +30,12 @@ CASES = {
     + [("moe", Layout(pp=4), {"pp_schedule": "interleaved", "microbatches": 4, "virtual_stages": 2}),
        ("moe", Layout(tp=2, pp=2), {"pp_schedule": "1f1b", "microbatches": 2, "sequence_parallel": True}),
        ("dense", Layout(cp=2, pp=2), {"pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2}),
-       ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "gpipe", "microbatches": 2, "zero_stage": 2})],
+       ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "gpipe", "microbatches": 2, "zero_stage": 2}),
+       # Gradient buckets: each chunk's last backward of the step starts them.
+       ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "1f1b", "microbatches": 2, "zero_stage": 2,
+                                          "grad_bucket_numel": 200}),
+       ("dense", Layout(pp=2, dp=2), {"pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2,
+                                      "zero_stage": 1, "grad_bucket_numel": 150})],
     8: [("moe", Layout(tp=2, cp=2, pp=2), {"pp_schedule": "1f1b", "microbatches": 2, "sequence_parallel": True,
                                              "distributed_optimizer": True}),
         ("moe", Layout(tp=2, pp=2, dp=2, ep=2), {"pp_schedule": "interleaved", "microbatches": 2,

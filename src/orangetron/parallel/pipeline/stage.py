@@ -45,9 +45,6 @@ def check_pipeline(cfg: object, pp: int, config: ParallelConfig) -> None:
     if config.zero_stage == 3:
         raise ParallelConfigError(f"zero_stage=3 with pp={pp}: ZeRO-3 is not pipelined yet; use zero_stage 0, 1 "
                                   "or 2, or the distributed optimizer")
-    if config.grad_bucket_numel:
-        raise ParallelConfigError(f"grad_bucket_numel={config.grad_bucket_numel} with pp={pp}: gradients are "
-                                  "reduced once after the last micro-batch's backward; use 0")
 
 
 def split_stages(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int) -> list[Chunk]:
