@@ -10,7 +10,8 @@ bytes over `elementwise_bw` x HBM bandwidth (backward twice the forward). Full r
 
 Overlap (what the runtime overlaps): DP gradient reduction hides behind the last micro-batch's backward,
 parameter gathers behind the first forward; ring CP hides behind attention; EP all-to-all hides behind expert
-compute when `overlap_ep` (DeepEP); TP and PP transfers are exposed.
+compute that does not wait for it: the shared experts, and with `overlap_ep` another micro-batch's layer
+(DualPipe-style pairing); TP and PP transfers are exposed.
 
 Pipeline: step = (m + (pp-1)/v) x the slowest stage's micro-batch time (Narayanan et al. 2021).
 MFU counts model FLOPs only (no recompute), attention as full (non-causal) s x s products, as Megatron's
@@ -40,6 +41,7 @@ from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
     expert_parallel_records,
+    expert_tensor_parallel_records,
     pipeline_records,
     tensor_parallel_records,
 )
@@ -105,8 +107,10 @@ class LayerCost:
     attention_f: float
     attention_b: float
     elementwise: float  # forward; backward is twice as much memory traffic
-    experts_f: float  # the routed-expert GEMMs (part of `gemm_*`), the window EP traffic can hide behind
+    experts_f: float  # the routed-expert GEMMs (part of `gemm_*`)
     experts_b: float
+    shared_f: float = 0.0  # the shared-expert GEMMs (part of `gemm_*`): they need no dispatched token
+    shared_b: float = 0.0
 
     @property
     def forward(self) -> float:
@@ -126,11 +130,12 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
     h = model.hidden_size
     o_in = model.num_heads * model.v_dim // t
     gemm = _add(_qkv_time(model, rows, t, cluster, job), _linear(rows, o_in, h, cluster, job))
-    experts = (0.0, 0.0)
+    experts = shared = (0.0, 0.0)
     if moe:
         experts = _routed_experts_time(model, deg, job, cluster, rows)
-        shared = model.num_shared_experts * model.moe_ffn_hidden_size // t
-        gemm = _add(_add(gemm, experts), _mlp_time(model, rows, shared, cluster, job) if shared else (0.0, 0.0))
+        shared_ffn = model.num_shared_experts * model.moe_ffn_hidden_size // t
+        shared = _mlp_time(model, rows, shared_ffn, cluster, job) if shared_ffn else shared
+        gemm = _add(_add(gemm, experts), shared)
         ffn = model.moe_ffn_hidden_size * model.top_k
     else:
         gemm = _add(gemm, _mlp_time(model, rows, model.ffn_hidden_size // t, cluster, job))
@@ -139,7 +144,7 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
     elementwise = _elementwise_time(model, deg, job, cluster, ffn, eff)
     if moe:
         elementwise += _permute_time(model, deg, job, cluster, rows, eff)
-    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts)
+    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts, *shared)
 
 
 def _qkv_time(model: ModelSpec, rows: int, t: int, cluster: Cluster, job: Job) -> tuple[float, float]:
@@ -203,17 +208,21 @@ def _mlp_time(model: ModelSpec, rows: int, ffn: int, cluster: Cluster, job: Job,
     return _add(_linear(rows, h, up * ffn, cluster, job, groups), _linear(rows, ffn, h, cluster, job, groups))
 
 
-def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int) -> int:
-    """Token copies this GPU's experts receive on balance (capacity pads them to the factor)."""
+def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int, gathered: bool = True) -> int:
+    """Token copies this GPU's experts receive on balance (capacity pads them to the factor). Under SP with
+    experts split over tp (etp = tp), each tp rank runs its expert slices on the copies all tp ranks received
+    (`gathered`); the routing permutation happens before that gather."""
     sp = job.sequence_parallel and deg.tp > 1
     routed = rows // (deg.tp if sp else 1) * model.top_k
+    if gathered and sp:
+        routed *= deg.etp
     return int(routed * job.capacity_factor) if job.dispatcher == "capacity" else routed
 
 
 def _permute_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, rows: int, eff: Efficiency) -> float:
     """Forward memory traffic of routing: each copy's row is gathered into expert order before dispatch and
     scattered back and weighted after combine (read and write each time)."""
-    nbytes = 4.0 * _routed_copies(model, deg, job, rows) * model.hidden_size * job.param_bytes
+    nbytes = 4.0 * _routed_copies(model, deg, job, rows, gathered=False) * model.hidden_size * job.param_bytes
     return nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
 
 
@@ -363,11 +372,13 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
         if moe:
             row = job.param_bytes * model.hidden_size
             ep_t = _records_time(expert_parallel_records(model, deg, job), places, cluster, net, msg_bytes=row)
-            if job.overlap_ep:
-                ep_t = _hide(ep_t, cost.experts_f + cost.experts_b, eff)
+            ep_t = _hide(ep_t, _ep_window(cost, run, job, deg), eff)
         compute += count * run
         blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
-        tp += count * _records_time(tensor_parallel_records(model, deg, job, blocks), places, cluster, net)
+        tp_records = tensor_parallel_records(model, deg, job, blocks)
+        if moe:
+            tp_records = tp_records + expert_tensor_parallel_records(model, deg, job)
+        tp += count * _records_time(tp_records, places, cluster, net)
         cp += count * cp_t
         ep += count * ep_t
     if stage == deg.pp - 1 and model.vocab_size:
@@ -377,6 +388,20 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
                        places, cluster, net)
     return _StageTime(compute, tp, cp, ep, pp)
+
+
+def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
+    """Seconds of compute one MoE layer's all-to-all can overlap: only work that does not wait for it.
+
+    Within one micro-batch the routed experts need the dispatched tokens and the combine needs their outputs,
+    so the routed GEMMs can never hide their own traffic; the shared experts can, since they read the layer's
+    input (DeepSeek-V2, arXiv:2405.04434 section 3.2.1, overlaps exactly these; Megatron-Core's
+    `moe_shared_expert_overlap` too). With `overlap_ep` the schedule pairs two micro-batches so that one's
+    tokens travel while the other's layer computes (DualPipe, DeepSeek-V3 arXiv:2412.19437 section 3.2.1;
+    Megatron-Core's EP all-to-all overlap in 1F1B), which needs a second micro-batch in flight."""
+    if job.overlap_ep and job.microbatches(deg) > 1:
+        return run
+    return cost.shared_f + cost.shared_b + (cost.shared_f if job.recompute == "full" else 0.0)
 
 
 @lru_cache(maxsize=4096)
