@@ -156,3 +156,13 @@ def test_few_tokens_per_expert_cost_more_per_token():
     one = layer_cost(model, Degrees(dp=8, ep=8), job, cluster, True)
     assert many.experts_f > 1.2 * one.experts_f
     assert many.experts_b > 1.2 * one.experts_b
+
+
+def test_busiest_rank_share_by_hand():
+    """Binomial loads: 1024 copies per rank on 8 ranks -> 1 + sqrt(2 ln 8 * 7/8 / 1024) = 1.0596; one rank
+    (or no copies) has no spread; more copies per rank shrink it as 1/sqrt(copies)."""
+    from orangetron.plan.timing import busiest_share
+
+    assert busiest_share(1024, 8) == pytest.approx(1.0596, abs=1e-4)
+    assert busiest_share(1024, 1) == busiest_share(0, 8) == 1.0
+    assert busiest_share(4096, 8) - 1 == pytest.approx((busiest_share(1024, 8) - 1) / 2)

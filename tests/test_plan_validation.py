@@ -23,7 +23,17 @@ Sources (each run's numbers are quoted from its paper; metrics use the paper's o
   size is not published; 1024 GPUs assumed.
 - DeepSeek-AI 2024, DeepSeek-V3 (arXiv:2412.19437) sections 3.2 and 4.2: 180K H800 GPU hours per trillion
   tokens (1543.2 tokens/s per GPU) on 2048 H800, pp 16, ep 64, ZeRO-1 data parallel, FP8 GEMMs, seq 4096,
-  batch 15360 sequences. DualPipe is priced as 1F1B with overlapped expert all-to-all.
+  batch 15360 sequences. DualPipe is priced as 1F1B whose expert all-to-all hides behind the paired micro-batch's
+  layer (`overlap_ep`); DeepSeek-V2 overlapped only its shared experts with the all-to-all (section 3.2.1), so it
+  runs with `overlap_ep=False` (the shared experts are still the window).
+- NVIDIA NeMo, "Long Sequence Performance" (docs/source/performance/performance_long_sequence.md, NeMo 24.03.01
+  container, DGX-H100): LLAMA2-7B in FP8 from 4K to 1M tokens, tp/pp/dp/cp as published, TFLOPS per GPU in
+  NeMo's convention (nemo/utils/flops_formulas.py `llama2`: full s x s attention, `12*s/h`, not halved; the same
+  file's formula reproduces NeMo's published tokens/s from its TFLOPS, e.g. 16847 tokens/s = 776 TFLOPS for
+  LLAMA2-7B in docs/source/performance/performance_summary.md). Transformer Engine in that container runs
+  attention with FlashAttention-2's kernels (its context-parallel path calls them directly; cuDNN attention
+  under CP came in later releases), so these rows use `attention_kernel="flash2"`. Not published: the batch (we
+  use 4M tokens per step, the batch of NeMo's later version of this table) and recompute (the fastest that fits).
 """
 
 from __future__ import annotations
@@ -56,16 +66,30 @@ class Run:
     gpu: str
     deg: Degrees
     job: Job
-    metric: str  # "tflops": hardware TFLOP/s per GPU with recompute (Megatron convention); "tokens": per GPU/s
+    # "tflops": hardware TFLOP/s per GPU with recompute (Megatron convention); "model_tflops": model TFLOP/s per
+    # GPU with full s x s attention (NeMo's convention); "tokens": tokens per GPU per second
+    metric: str
     published: float
-    tune: bool = True  # choose micro-batch and virtual stages (unpublished) as the fastest that fits
+    tune: tuple[str, ...] = ()  # unpublished knobs, set to the planner's fastest choice that fits
 
 
 def _sc21(name, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Run:
     cls = "size" if hidden <= 6144 else "scale"
     job = Job(seq_len=2048, global_batch=batch, recompute="full", attention_kernel="eager")
     return Run(f"SC'21 {name}", cls, gpt(heads, hidden, layers), "a100-80gb",
-               Degrees(tp=tp, pp=pp, dp=gpus // (tp * pp)), job, "tflops", tflops)
+               Degrees(tp=tp, pp=pp, dp=gpus // (tp * pp)), job, "tflops", tflops, ("micro_batch", "virtual_stages"))
+
+
+_LLAMA2_7B = ModelSpec(name="llama2-7b", hidden_size=4096, num_layers=32, num_heads=32, vocab_size=32000,
+                       ffn_hidden_size=11008, mlp="swiglu")
+
+
+def _nemo_long(k: int, tp: int, pp: int, dp: int, cp: int, tflops: float) -> Run:
+    seq = k * 1024
+    job = Job(seq_len=seq, global_batch=max(dp, 4 * 1024 * 1024 // seq), sequence_parallel=tp > 1, fp8=True,
+              distributed_optimizer=True, attention_kernel="flash2")
+    return Run(f"NeMo LLAMA2-7B {k}K", "long" if cp > 1 else "size", _LLAMA2_7B, "h100",
+               Degrees(tp=tp, pp=pp, dp=dp, cp=cp), job, "model_tflops", tflops, ("recompute",))
 
 
 _MTNLG = gpt(128, 20480, 105)
@@ -83,23 +107,33 @@ RUNS = [
     _sc21("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
     _sc21("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
     Run("MT-NLG 530B, 2240 GPUs", "scale", _MTNLG, "a100-80gb", Degrees(tp=8, pp=35, dp=8), _MTNLG_JOB, "tflops",
-        126, tune=False),
+        126),
     Run("MT-NLG 530B, 2800 GPUs", "scale", _MTNLG, "a100-80gb", Degrees(tp=8, pp=35, dp=10), _MTNLG_JOB, "tflops",
-        121, tune=False),
+        121),
     Run("MT-NLG 530B, 3360 GPUs", "scale", _MTNLG, "a100-80gb", Degrees(tp=8, pp=35, dp=12), _MTNLG_JOB, "tflops",
-        113, tune=False),
+        113),
     Run("BLOOM 176B, 384 GPUs", "scale", gpt(112, 14336, 70, vocab=250880, dropout=0.0, positions=0),
         "a100-80gb", Degrees(tp=4, pp=12, dp=8),
         Job(seq_len=2048, global_batch=2048, micro_batch=2, recompute="full", attention_kernel="eager",
-            zero_stage=1), "tflops", 156, tune=False),
+            zero_stage=1), "tflops", 156),
     Run("GPT-NeoX 20B, 96 GPUs", "size", gpt(64, 6144, 44, vocab=50432, dropout=0.0, positions=0, tied=False),
         "a100-40gb", Degrees(tp=2, pp=4, dp=12),
         Job(seq_len=2048, global_batch=1536, micro_batch=4, recompute="full", attention_kernel="eager",
-            zero_stage=1), "tflops", 117, tune=False),
+            zero_stage=1), "tflops", 117),
     Run("DeepSeek-V2, 1024 GPUs", "moe", load_model("deepseek-v2"), "h800", Degrees(pp=16, dp=64, ep=8),
-        Job(seq_len=4096, global_batch=2304, zero_stage=1), "tokens", 1e12 / (172.8e3 * 3600)),
+        Job(seq_len=4096, global_batch=2304, zero_stage=1, overlap_ep=False), "tokens", 1e12 / (172.8e3 * 3600)),
     Run("DeepSeek-V3, 2048 GPUs", "precision", load_model("deepseek-v3"), "h800", Degrees(pp=16, dp=128, ep=64),
         Job(seq_len=4096, global_batch=15360, zero_stage=1, fp8=True), "tokens", 1e12 / (180e3 * 3600)),
+    # NeMo long-sequence table (tp, pp, dp, cp as published).
+    _nemo_long(4, 1, 1, 4, 1, 768),
+    _nemo_long(8, 1, 2, 4, 1, 730),
+    _nemo_long(16, 2, 1, 8, 1, 660),
+    _nemo_long(32, 2, 1, 8, 2, 610),
+    _nemo_long(64, 4, 1, 8, 2, 574),
+    _nemo_long(128, 4, 1, 8, 4, 555),
+    _nemo_long(256, 4, 1, 8, 8, 549),
+    _nemo_long(512, 8, 1, 4, 16, 549),
+    _nemo_long(1024, 8, 1, 4, 32, 536),
 ]
 
 
@@ -112,11 +146,12 @@ def _fits(model: ModelSpec, deg: Degrees, job: Job, capacity: float) -> bool:
 
 
 def _tuned(run: Run, cluster) -> list[Job]:
-    if not run.tune:
-        return [run.job]
-    vs = (1, 2, 4) if run.deg.pp > 1 else (1,)
-    jobs = [replace(run.job, micro_batch=mb, virtual_stages=v, pp_schedule="interleaved" if v > 1 else "1f1b")
-            for mb, v in itertools.product((1, 2, 4, 8), vs)]
+    choices = {"micro_batch": (1, 2, 4, 8), "virtual_stages": (1, 2, 4) if run.deg.pp > 1 else (1,),
+               "recompute": ("none", "full")}
+    jobs = [run.job]
+    for knob in run.tune:
+        jobs = [replace(j, **{knob: value}) for j in jobs for value in choices[knob]]
+    jobs = [replace(j, pp_schedule="interleaved") if j.virtual_stages > 1 else j for j in jobs]
     fitting = [j for j in jobs if _fits(run.model, run.deg, j, cluster.gpu.memory_bytes)]
     return fitting or [run.job]
 
@@ -127,6 +162,8 @@ def predict(run: Run) -> float:
     best = min((step_time(run.model, run.deg, j, cluster) for j in _tuned(run, cluster)), key=lambda t: t.step_s)
     if run.metric == "tflops":
         return best.hardware_flops / best.step_s / run.deg.world_size / 1e12
+    if run.metric == "model_tflops":
+        return best.model_flops / best.step_s / run.deg.world_size / 1e12
     job = run.job
     tokens = job.global_batch * job.seq_len
     return tokens / best.step_s / run.deg.world_size
@@ -149,7 +186,7 @@ def test_each_validation_run_within_40_percent(run):
 def test_mean_error_overall_and_by_class():
     errs = errors()
     mean = sum(abs(e) for _, _, e in errs.values()) / len(errs)
-    assert mean <= 0.15
+    assert mean <= 0.12
     for cls in {c for c, _, _ in errs.values()}:
         mine = [abs(e) for c, _, e in errs.values() if c == cls]
-        assert sum(mine) / len(mine) <= 0.30, cls
+        assert sum(mine) / len(mine) <= 0.20, cls

@@ -82,7 +82,7 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     total += a * sb * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)  # Q, K, V
     out = sb * heads * m.v_dim
     total += x.g * out  # attention output = output-projection input
-    if x.g < a and job.attention_kernel == "flash":
+    if x.g < a and job.attention_kernel != "eager":
         total += a * out  # under FP8 the fused kernel keeps its 16-bit output besides the projection's FP8 copy
     if m.dropout:
         total += sb * h // x.rep  # dropout mask after the output projection (1 byte)
@@ -95,7 +95,7 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
         # kv heads fewer than the Ulysses degree arrive one per rank.
         kv_sent = max(kv, degree)
         total += a * sb * (heads * m.v_dim + (kv_sent - kv) * (m.qk_head_dim + m.v_dim))
-    if job.attention_kernel == "flash":
+    if job.attention_kernel != "eager":
         return total + x.acc * x.b * heads * x.s  # fp32 (fp64) log-sum-exp per query and head
     if job.recompute != "selective":
         scores = x.b * heads * x.s * x.s_kv

@@ -12,7 +12,16 @@ import sys
 import time
 from dataclasses import replace
 
-from orangetron.plan.config import CP_MODES, DISPATCHERS, DTYPE_BYTES, RECOMPUTE, SCHEDULES, Degrees, Job
+from orangetron.plan.config import (
+    ATTENTION_KERNELS,
+    CP_MODES,
+    DISPATCHERS,
+    DTYPE_BYTES,
+    RECOMPUTE,
+    SCHEDULES,
+    Degrees,
+    Job,
+)
 from orangetron.plan.estimate import Estimate, estimate, fit_warning
 from orangetron.plan.hardware import GIB, Cluster, make_cluster
 from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model
@@ -77,7 +86,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=0,
                    help="sequences per step (default: one micro-batch per replica)")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bfloat16")
-    p.add_argument("--attention-kernel", choices=("flash", "eager"), default="flash")
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="flash",
+                   help="flash: the GPU's best fused kernel; flash2: FlashAttention-2; eager: stored scores")
     p.add_argument("--fp8", action="store_true",
                    help="FP8 linear layers (per-tensor scales): FP8 GEMM peak, FP8 weight copies and scale tensors")
     p.add_argument("--overhead-gib", type=float, default=None,
@@ -194,7 +204,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep)
-    if args.attention_kernel == "flash":
+    if args.attention_kernel != "eager":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
     start = time.perf_counter()
     result = search(spec, cluster, args.seq, global_batch, space, base, args.top, args.memory_fraction,

@@ -20,6 +20,7 @@ MFU counts model FLOPs only (no recompute), attention as full (non-causal) s x s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -180,8 +181,9 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     # Ring CP calls the kernel once per step on a K,V block of s/cp keys: each call's query tiles pay their fill
     # over that block, not over the whole sequence.
     call_keys = min(keys, job.seq_len / deg.cp) if deg.cp > 1 and job.cp_mode in ("ring", "rsa") else keys
-    fwd_eff = flash_efficiency(gpu.attention_fwd_efficiency or eff.flash_fwd_efficiency, call_keys, ctas, gpu.sms)
-    bwd_eff = flash_efficiency(gpu.attention_bwd_efficiency or eff.flash_bwd_efficiency, call_keys, ctas, gpu.sms)
+    base_fwd, base_bwd = gpu.attention_efficiency(job.attention_kernel)
+    fwd_eff = flash_efficiency(base_fwd or eff.flash_fwd_efficiency, call_keys, ctas, gpu.sms)
+    bwd_eff = flash_efficiency(base_bwd or eff.flash_bwd_efficiency, call_keys, ctas, gpu.sms)
     # Backward: dV, dP, dS->dQ, dK plus the recomputed scores: 2.5x the forward's FLOPs (Dao 2023).
     return flops / (peak * fwd_eff), 2.5 * flops / (peak * bwd_eff)
 
@@ -226,11 +228,24 @@ def _permute_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, ro
     return nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
 
 
+def busiest_share(copies: int, ranks: int) -> float:
+    """Load of the busiest of `ranks` EP ranks over the mean when each receives `copies` token copies on
+    average: even a router balanced in expectation lands copies on ranks at random, so each rank's load is
+    binomial (mean `copies`, variance `copies * (1 - 1/ranks)`) and the expected maximum of `ranks` of them is
+    about mean + std * sqrt(2 ln ranks) (the Gaussian extreme-value bound). The combine waits for that rank.
+    Skew a trained router adds on top is not modelled."""
+    if ranks <= 1 or copies <= 0:
+        return 1.0
+    return 1.0 + math.sqrt(2.0 * math.log(ranks) * (1.0 - 1.0 / ranks) / copies)
+
+
 def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
                          rows: int) -> tuple[float, float]:
-    """This GPU's experts on their balanced share of the routed token copies, as one grouped GEMM per
+    """This GPU's experts on the busiest rank's share of the routed token copies, as one grouped GEMM per
     projection: few tokens per expert pad their tiles (see `compute`)."""
     routed = _routed_copies(model, deg, job, rows)
+    if job.dispatcher != "capacity":  # capacity pads every rank to the same slots
+        routed = round(routed * busiest_share(routed, deg.ep))
     local = max(1, model.num_experts // deg.ep)
     per_expert = max(1, routed // local)
     return _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job, groups=local)
