@@ -38,7 +38,6 @@ Sources (each run's numbers are quoted from its paper; metrics use the paper's o
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, replace
 
 import pytest
