@@ -189,3 +189,28 @@ def test_mean_error_overall_and_by_class():
     for cls in {c for c, _, _ in errs.values()}:
         mine = [abs(e) for c, _, e in errs.values() if c == cls]
         assert sum(mine) / len(mine) <= 0.20, cls
+
+
+# ---- memory -------------------------------------------------------------------------------------------------
+# Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (SC'20,
+# arXiv:1910.02054), Table 1: model-state memory per device in GB for 7.5B, 128B and 1T parameters under
+# P_os (ZeRO-1), P_os+g (ZeRO-2) and P_os+g+p (ZeRO-3) at several data-parallel degrees, with fp16 parameters
+# and gradients and K = 12 bytes of fp32 optimizer state per parameter (fp32 copy, momentum, variance).
+ZERO_TABLE_1 = {  # (parameters, dp): (P_os, P_os+g, P_os+g+p) in GB
+    (7.5e9, 4): (52.5, 41.3, 30), (7.5e9, 16): (35.6, 21.6, 7.5), (7.5e9, 64): (31.4, 16.6, 1.88),
+    (7.5e9, 256): (30.4, 15.4, 0.47), (7.5e9, 1024): (30.1, 15.1, 0.12),
+    (128e9, 4): (896, 704, 512), (128e9, 16): (608, 368, 128), (128e9, 64): (536, 284, 32),
+    (128e9, 256): (518, 263, 8), (128e9, 1024): (513, 257, 2),
+    (1e12, 4): (7000, 5500, 4000), (1e12, 16): (4750, 2875, 1000), (1e12, 64): (4187, 2218, 250),
+    (1e12, 256): (4046, 2054, 62.5), (1e12, 1024): (4011, 2013, 15.6),
+}
+
+
+@pytest.mark.parametrize(("params", "dp"), list(ZERO_TABLE_1), ids=[f"{p:.1e}-dp{d}" for p, d in ZERO_TABLE_1])
+def test_model_states_within_10_percent_of_zero_table_1(params, dp):
+    from orangetron.plan.memory import StageParams, model_state_bytes
+
+    for stage, published in zip((1, 2, 3), ZERO_TABLE_1[(params, dp)], strict=True):
+        job = Job(seq_len=1024, zero_stage=stage, param_dtype="float16", grad_dtype="float16")
+        got = sum(model_state_bytes(StageParams(int(params), 0), Degrees(dp=dp), job).values()) / 1e9
+        assert got == pytest.approx(published, rel=0.10), stage
