@@ -166,3 +166,22 @@ def test_busiest_rank_share_by_hand():
     assert busiest_share(1024, 8) == pytest.approx(1.0596, abs=1e-4)
     assert busiest_share(1024, 1) == busiest_share(0, 8) == 1.0
     assert busiest_share(4096, 8) - 1 == pytest.approx((busiest_share(1024, 8) - 1) / 2)
+
+
+def test_flash2_prices_attention_at_its_own_efficiency():
+    """Hopper's FlashAttention-2 entries (0.35 forward, 0.29 backward) against the best kernel's (0.62, 0.50):
+    the fill and wave factors are the same for both, so attention time scales by the ratio of the bases;
+    the GEMMs and the saved bytes do not change. A100 has no separate entry: the two kernels are one."""
+    from orangetron.plan.activations import layer_activation_bytes
+
+    model, deg = load_model("llama3-8b"), Degrees(tp=2, dp=4)
+    best = layer_cost(model, deg, Job(seq_len=16384), make_cluster("h100", 8), False)
+    fa2 = layer_cost(model, deg, Job(seq_len=16384, attention_kernel="flash2"), make_cluster("h100", 8), False)
+    assert fa2.attention_f == pytest.approx(best.attention_f * 0.62 / 0.35, rel=1e-12)
+    assert fa2.attention_b == pytest.approx(best.attention_b * 0.50 / 0.29, rel=1e-12)
+    assert (fa2.gemm_f, fa2.gemm_b) == (best.gemm_f, best.gemm_b)
+    assert layer_activation_bytes(model, deg, Job(seq_len=16384, attention_kernel="flash2"), False) == \
+        layer_activation_bytes(model, deg, Job(seq_len=16384), False)
+    a100 = make_cluster("a100-80gb", 8)
+    assert layer_cost(model, deg, Job(seq_len=16384, attention_kernel="flash2"), a100, False) == \
+        layer_cost(model, deg, Job(seq_len=16384), a100, False)
