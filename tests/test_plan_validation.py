@@ -60,7 +60,7 @@ def gpt(heads: int, hidden: int, layers: int, vocab: int = 51200, dropout: float
 @dataclass(frozen=True)
 class Run:
     name: str
-    cls: str  # size (small models), scale (large models, many GPUs), moe, precision
+    cls: str  # size (small models), scale (large models, many GPUs), long (context), moe, precision; check
     model: ModelSpec
     gpu: str
     deg: Degrees
@@ -70,6 +70,7 @@ class Run:
     metric: str
     published: float
     tune: tuple[str, ...] = ()  # unpublished knobs, set to the planner's fastest choice that fits
+    gpus_per_node: int = 0  # 0: the preset's node (NVLink domain)
 
 
 def _sc21(name, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Run:
@@ -136,6 +137,58 @@ RUNS = [
 ]
 
 
+# ---- checks reported beside the validation set, not in its totals (docs/planner.md section 6) --------------
+# NVIDIA NeMo 24.07 "Performance Benchmarks" pre-training table (docs/source/performance/performance_summary.md,
+# DGX-H100, FP8, tokens/s per GPU): which attention kernel Transformer Engine picked is not published.
+_LLAMA2_13B = ModelSpec(name="llama2-13b", hidden_size=5120, num_layers=40, num_heads=40, vocab_size=32000,
+                        ffn_hidden_size=13824, mlp="swiglu")
+_LLAMA2_70B = ModelSpec(name="llama2-70b", hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                        vocab_size=32000, ffn_hidden_size=28672, mlp="swiglu")
+
+
+def _nemo_2407(name, model, gpus, batch, mb, seq, tp, pp, cp, vp, tokens) -> Run:
+    job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, sequence_parallel=tp > 1, fp8=True,
+              distributed_optimizer=True, virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b")
+    return Run(f"NeMo 24.07 {name}", "check", model, "h100", Degrees(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp)),
+               job, "tokens", tokens, ("recompute",))
+
+
+NEMO_2407 = [
+    _nemo_2407("GPT3-5B", gpt(32, 4096, 24), 64, 2048, 4, 2048, 1, 1, 1, 1, 22521),
+    _nemo_2407("GPT3-20B", gpt(48, 6144, 44), 64, 256, 2, 2048, 2, 1, 1, 1, 5851),
+    _nemo_2407("GPT3-175B 128", gpt(96, 12288, 96), 128, 256, 1, 2048, 4, 8, 1, 6, 726),
+    _nemo_2407("GPT3-175B 512", gpt(96, 12288, 96), 512, 2048, 2, 2048, 4, 8, 1, 6, 782),
+    _nemo_2407("LLAMA2-7B", _LLAMA2_7B, 8, 128, 1, 4096, 1, 1, 1, 1, 16847),
+    _nemo_2407("LLAMA2-13B", _LLAMA2_13B, 16, 128, 1, 4096, 1, 4, 1, 10, 8646),
+    _nemo_2407("LLAMA2-70B", _LLAMA2_70B, 64, 128, 1, 4096, 4, 4, 1, 20, 1707),
+    _nemo_2407("LLAMA3-8B", load_model("llama3-8b"), 8, 128, 1, 8192, 1, 1, 2, 1, 12036),
+    _nemo_2407("LLAMA3-70B", load_model("llama3-70b"), 64, 128, 1, 8192, 4, 4, 2, 5, 1533),
+]
+
+
+# Megatron-Bridge 25.11 performance summary (NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md), MoE rows
+# with presets we ship, tokens/s per GPU; "we force-balance the token distribution among experts" (random
+# routing, as `busiest_share` assumes). GB200 jobs of 256 GPUs are placed 64 per NVL72 rack.
+def _bridge(name, preset, gpu, gpus, fp8, batch, mb, seq, pp, vp, ep, tokens, per_node=0) -> Run:
+    job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, fp8=fp8, distributed_optimizer=True,
+              virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b")
+    return Run(f"Megatron-Bridge 25.11 {name}", "check", load_model(preset), gpu,
+               Degrees(pp=pp, dp=gpus // pp, ep=ep), job, "tokens", tokens, ("recompute",), per_node)
+
+
+BRIDGE_MOE = [
+    _bridge("GPT-OSS-120B, 64 H100, BF16", "gpt-oss-120b", "h100", 64, False, 512, 4, 4096, 4, 1, 8, 5630),
+    _bridge("Qwen3-30B-A3B, 16 H100, FP8", "qwen3-30b-a3b", "h100", 16, True, 512, 2, 4096, 2, 24, 8, 5275),
+    _bridge("GPT-OSS-120B, 64 B200, BF16", "gpt-oss-120b", "b200", 64, False, 512, 4, 4096, 1, 1, 8, 8213),
+    _bridge("Qwen3-30B-A3B, 8 B200, FP8", "qwen3-30b-a3b", "b200", 8, True, 512, 1, 4096, 1, 1, 8, 9299),
+    _bridge("DeepSeek-V3, 256 B200, FP8", "deepseek-v3", "b200", 256, True, 2048, 1, 4096, 16, 1, 8, 2139),
+    _bridge("GPT-OSS-120B, 64 GB200, BF16", "gpt-oss-120b", "gb200", 64, False, 1280, 1, 8192, 1, 1, 64, 15876),
+    _bridge("Qwen3-30B-A3B, 8 GB200, FP8", "qwen3-30b-a3b", "gb200", 8, True, 512, 4, 4096, 1, 1, 8, 23766),
+    _bridge("DeepSeek-V3, 256 GB200, BF16", "deepseek-v3", "gb200", 256, False, 4096, 1, 4096, 4, 4, 64, 3139, 64),
+    _bridge("DeepSeek-V3, 256 GB200, FP8", "deepseek-v3", "gb200", 256, True, 4096, 1, 4096, 8, 4, 32, 4018, 64),
+]
+
+
 def _fits(model: ModelSpec, deg: Degrees, job: Job, capacity: float) -> bool:
     try:
         validate(model, deg, job)
@@ -157,7 +210,7 @@ def _tuned(run: Run, cluster) -> list[Job]:
 
 def predict(run: Run) -> float:
     """The run's metric as the planner predicts it."""
-    cluster = make_cluster(run.gpu, run.deg.world_size)
+    cluster = make_cluster(run.gpu, run.deg.world_size, run.gpus_per_node or None)
     best = min((step_time(run.model, run.deg, j, cluster) for j in _tuned(run, cluster)), key=lambda t: t.step_s)
     if run.metric == "tflops":
         return best.hardware_flops / best.step_s / run.deg.world_size / 1e12
