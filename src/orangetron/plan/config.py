@@ -48,7 +48,9 @@ class Job:
     # "flash": the GPU's best fused kernel (FlashAttention-3 / cuDNN on Hopper), keeps no [s, s] scores;
     # "flash2": FlashAttention-2 (the same memory, its own speed); "eager" stores the scores
     attention_kernel: str = "flash"
-    overlap_ep: bool = True  # DeepEP-style: expert all-to-all hidden behind expert compute where possible
+    # Expert all-to-all hidden behind another micro-batch's layer (DualPipe-style pairing); off: behind the shared
+    # experts only (see `timing._ep_window`)
+    overlap_ep: bool = True
     fp8: bool = False  # FP8 linear layers with per-tensor scales (Transformer Engine style); planner only
 
     def __post_init__(self) -> None:
