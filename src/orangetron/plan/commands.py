@@ -52,7 +52,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--capacity-factor", type=float, default=1.0)
     est.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES), default="",
                      help="gradient reduction dtype (default: the param dtype, as the seed's tables)")
-    est.add_argument("--no-overlap-ep", action="store_true", help="no paired micro-batch overlap: only shared experts hide the expert all-to-all")
+    est.add_argument("--no-overlap-ep", action="store_true",
+                     help="no paired micro-batch overlap: only shared experts hide the expert all-to-all")
     est.add_argument("--pp-schedule", choices=SCHEDULES, default=None,
                      help="default: interleaved when --virtual-stages > 1, else 1f1b")
     # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
