@@ -182,3 +182,25 @@ def test_plan_fp8_ranks_configurations_with_their_fp8_memory(capsys):
                 "--top", "3", "--json"]) == 0
     ranked = last_json(capsys)["ranked"]
     assert ranked and all(e["job"]["fp8"] and e["memory_bytes"]["fp8"] > 0 and e["fits"] for e in ranked)
+
+
+def test_estimate_flash2_keeps_memory_and_slows_attention(capsys):
+    args = ["estimate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--tp", "2", "--cp", "2",
+            "--seq", "32768", "--global-batch", "2", "--sequence-parallel", "--json"]
+    assert run(args) == 0
+    best = last_json(capsys)
+    assert run([*args, "--attention-kernel", "flash2"]) == 0
+    fa2 = last_json(capsys)
+    assert fa2["memory_bytes"] == best["memory_bytes"]
+    assert fa2["step_time_s"] > best["step_time_s"]
+
+
+def test_estimate_etp_adds_expert_tp_traffic(capsys):
+    args = ["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "8", "--seq", "4096",
+            "--global-batch", "16", "--sequence-parallel", "--json"]
+    assert run(args) == 0
+    plain = last_json(capsys)["comm"]
+    assert run([*args, "--etp", "2"]) == 0
+    split = last_json(capsys)["comm"]
+    assert split["all_gather/tp"]["calls"] > plain["all_gather/tp"]["calls"]
+    assert split["all_to_all/ep"] == plain["all_to_all/ep"]

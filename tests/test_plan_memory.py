@@ -107,6 +107,20 @@ def test_flash_attention_keeps_no_scores_and_cp_divides():
     assert cp4 * 4 == long
 
 
+def test_fp8_saves_one_byte_gemm_inputs_by_hand():
+    """Llama-style layer, hidden 64, 4 heads of 16 (MHA), SwiGLU 96, s = 10, b = 1, bf16, flash attention.
+    16-bit: norm inputs 2 x 2*10*64, QKV input 2*10*64, Q/K/V 3 x 2*10*64, output 2*10*64, lse 4*10*4,
+    MLP input 2*10*64, gate/up/product 3 x 2*10*96. FP8: the QKV, projection, MLP and down inputs (64, 64,
+    64 and 96 wide) take 1 byte, and the fused kernel keeps its own 16-bit output besides the FP8 copy."""
+    model = ModelSpec(name="t", hidden_size=64, num_layers=1, num_heads=4, vocab_size=32, ffn_hidden_size=96)
+    bf16 = 2 * 1280 + 1280 + 3 * 1280 + 1280 + 160 + 1280 + 3 * 1920
+    fp8 = 2 * 1280 + 640 + 3 * 1280 + (640 + 1280) + 160 + 640 + (2 * 1920 + 960)
+    got = {f: layer_activation_bytes(model, Degrees(), Job(seq_len=10, fp8=f), moe=False) for f in (False, True)}
+    assert (got[False], got[True]) == (bf16, fp8)
+    # Full recompute keeps the 16-bit layer input either way.
+    assert layer_activation_bytes(model, Degrees(), Job(seq_len=10, fp8=True, recompute="full"), False) == 1280
+
+
 # ---- DESIGN section 5: bytes per parameter on each GPU ----------------------------------------------
 def _tiny():
     return ModelSpec(name="tiny", hidden_size=64, num_layers=2, num_heads=4, vocab_size=128, ffn_hidden_size=128,

@@ -15,6 +15,7 @@ from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
     expert_parallel_records,
+    expert_tensor_parallel_records,
     pipeline_records,
     step_records,
     summarize,
@@ -174,6 +175,33 @@ def test_ep_dispatch_and_combine():
     ag = expert_parallel_records(MOE, Degrees(dp=4, ep=e), Job(seq_len=s, dispatcher="allgather"))
     assert keys(ag) == {"all_gather/ep": 5, "reduce_scatter/ep": 3}
     assert sorted(r.payload_bytes for r in ag if r.op == "reduce_scatter") == [e * s * 4 * k] + [e * s * 2 * h] * 2
+
+
+def test_expert_tensor_parallel_gathers_received_rows_by_hand():
+    """etp = tp = 2, ep = 2, SP, seq 96: each rank routes 48 tokens; each token lies on min(2, 2) = 2 ep ranks,
+    so a rank receives 48 * 2 = 96 rows of 256 bf16 (512 B), with 2 int64 ids (16 B) and 2 fp32 weights (8 B).
+    Over tp = 2 the gathered payload is twice that; half of it leaves the rank."""
+    deg = Degrees(tp=2, dp=2, ep=2, etp=2)
+    records = expert_tensor_parallel_records(MOE, deg, Job(seq_len=96, sequence_parallel=True))
+    assert keys(records) == {"all_gather/tp": 4, "reduce_scatter/tp": 3}
+    gathers = sorted(r.payload_bytes for r in records if r.op == "all_gather")
+    assert gathers == [2 * 96 * 8, 2 * 96 * 16, 2 * 96 * 512, 2 * 96 * 512]  # weights, ids, rows, output grads
+    scatters = sorted(r.payload_bytes for r in records if r.op == "reduce_scatter")
+    assert scatters == [2 * 96 * 8, 2 * 96 * 512, 2 * 96 * 512]  # weight grads, outputs, row grads
+    assert all(r.bytes_sent == r.payload_bytes // 2 for r in records)
+    # The EP records are those of etp = 1: every tp rank dispatches its own sequence shard.
+    assert expert_parallel_records(MOE, deg, Job(seq_len=96, sequence_parallel=True)) == expert_parallel_records(
+        MOE, Degrees(tp=2, dp=2, ep=2), Job(seq_len=96, sequence_parallel=True))
+    # Without SP the rows (96 tokens x 2 ranks = 192) are on every tp rank: all-reduce forward and backward,
+    # and the forward's again under full recompute.
+    plain = expert_tensor_parallel_records(MOE, deg, Job(seq_len=96, recompute="full"))
+    assert [(r.op, r.payload_bytes) for r in plain] == [("all_reduce", 192 * 512)] * 3
+    assert expert_tensor_parallel_records(MOE, Degrees(tp=2, dp=2, ep=2), Job(seq_len=96)) == []
+    # One step with 2 MoE layers (of 4) adds these records twice per micro-batch.
+    job = Job(seq_len=96, sequence_parallel=True)
+    with_etp, without = summarize(step_records(MOE, deg, job)), summarize(step_records(MOE, Degrees(
+        tp=2, dp=2, ep=2), job))
+    assert with_etp["all_gather/tp"]["calls"] - without["all_gather/tp"]["calls"] == 2 * 4
 
 
 def test_pp_sends_and_receives():

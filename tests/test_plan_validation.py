@@ -23,12 +23,21 @@ Sources (each run's numbers are quoted from its paper; metrics use the paper's o
   size is not published; 1024 GPUs assumed.
 - DeepSeek-AI 2024, DeepSeek-V3 (arXiv:2412.19437) sections 3.2 and 4.2: 180K H800 GPU hours per trillion
   tokens (1543.2 tokens/s per GPU) on 2048 H800, pp 16, ep 64, ZeRO-1 data parallel, FP8 GEMMs, seq 4096,
-  batch 15360 sequences. DualPipe is priced as 1F1B with overlapped expert all-to-all.
+  batch 15360 sequences. DualPipe is priced as 1F1B whose expert all-to-all hides behind the paired micro-batch's
+  layer (`overlap_ep`); DeepSeek-V2 overlapped only its shared experts with the all-to-all (section 3.2.1), so it
+  runs with `overlap_ep=False` (the shared experts are still the window).
+- NVIDIA NeMo, "Long Sequence Performance" (docs/source/performance/performance_long_sequence.md, NeMo 24.03.01
+  container, DGX-H100): LLAMA2-7B in FP8 from 4K to 1M tokens, tp/pp/dp/cp as published, TFLOPS per GPU in
+  NeMo's convention (nemo/utils/flops_formulas.py `llama2`: full s x s attention, `12*s/h`, not halved; the same
+  file's formula reproduces NeMo's published tokens/s from its TFLOPS, e.g. 16847 tokens/s = 776 TFLOPS for
+  LLAMA2-7B in docs/source/performance/performance_summary.md). Transformer Engine in that container runs
+  attention with FlashAttention-2's kernels (its context-parallel path calls them directly; cuDNN attention
+  under CP came in later releases), so these rows use `attention_kernel="flash2"`. Not published: the batch (we
+  use 4M tokens per step, the batch of NeMo's later version of this table) and recompute (the fastest that fits).
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, replace
 
 import pytest
@@ -51,21 +60,36 @@ def gpt(heads: int, hidden: int, layers: int, vocab: int = 51200, dropout: float
 @dataclass(frozen=True)
 class Run:
     name: str
-    cls: str  # size (small models), scale (large models, many GPUs), moe, precision
+    cls: str  # size (small models), scale (large models, many GPUs), long (context), moe, precision; check
     model: ModelSpec
     gpu: str
     deg: Degrees
     job: Job
-    metric: str  # "tflops": hardware TFLOP/s per GPU with recompute (Megatron convention); "tokens": per GPU/s
+    # "tflops": hardware TFLOP/s per GPU with recompute (Megatron convention); "model_tflops": model TFLOP/s per
+    # GPU with full s x s attention (NeMo's convention); "tokens": tokens per GPU per second
+    metric: str
     published: float
-    tune: bool = True  # choose micro-batch and virtual stages (unpublished) as the fastest that fits
+    tune: tuple[str, ...] = ()  # unpublished knobs, set to the planner's fastest choice that fits
+    gpus_per_node: int = 0  # 0: the preset's node (NVLink domain)
 
 
 def _sc21(name, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Run:
     cls = "size" if hidden <= 6144 else "scale"
     job = Job(seq_len=2048, global_batch=batch, recompute="full", attention_kernel="eager")
     return Run(f"SC'21 {name}", cls, gpt(heads, hidden, layers), "a100-80gb",
-               Degrees(tp=tp, pp=pp, dp=gpus // (tp * pp)), job, "tflops", tflops)
+               Degrees(tp=tp, pp=pp, dp=gpus // (tp * pp)), job, "tflops", tflops, ("micro_batch", "virtual_stages"))
+
+
+_LLAMA2_7B = ModelSpec(name="llama2-7b", hidden_size=4096, num_layers=32, num_heads=32, vocab_size=32000,
+                       ffn_hidden_size=11008, mlp="swiglu")
+
+
+def _nemo_long(k: int, tp: int, pp: int, dp: int, cp: int, tflops: float) -> Run:
+    seq = k * 1024
+    job = Job(seq_len=seq, global_batch=max(dp, 4 * 1024 * 1024 // seq), sequence_parallel=tp > 1, fp8=True,
+              distributed_optimizer=True, attention_kernel="flash2")
+    return Run(f"NeMo LLAMA2-7B {k}K", "long" if cp > 1 else "size", _LLAMA2_7B, "h100",
+               Degrees(tp=tp, pp=pp, dp=dp, cp=cp), job, "model_tflops", tflops, ("recompute",))
 
 
 _MTNLG = gpt(128, 20480, 105)
@@ -83,23 +107,85 @@ RUNS = [
     _sc21("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
     _sc21("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
     Run("MT-NLG 530B, 2240 GPUs", "scale", _MTNLG, "a100-80gb", Degrees(tp=8, pp=35, dp=8), _MTNLG_JOB, "tflops",
-        126, tune=False),
+        126),
     Run("MT-NLG 530B, 2800 GPUs", "scale", _MTNLG, "a100-80gb", Degrees(tp=8, pp=35, dp=10), _MTNLG_JOB, "tflops",
-        121, tune=False),
+        121),
     Run("MT-NLG 530B, 3360 GPUs", "scale", _MTNLG, "a100-80gb", Degrees(tp=8, pp=35, dp=12), _MTNLG_JOB, "tflops",
-        113, tune=False),
+        113),
     Run("BLOOM 176B, 384 GPUs", "scale", gpt(112, 14336, 70, vocab=250880, dropout=0.0, positions=0),
         "a100-80gb", Degrees(tp=4, pp=12, dp=8),
         Job(seq_len=2048, global_batch=2048, micro_batch=2, recompute="full", attention_kernel="eager",
-            zero_stage=1), "tflops", 156, tune=False),
+            zero_stage=1), "tflops", 156),
     Run("GPT-NeoX 20B, 96 GPUs", "size", gpt(64, 6144, 44, vocab=50432, dropout=0.0, positions=0, tied=False),
         "a100-40gb", Degrees(tp=2, pp=4, dp=12),
         Job(seq_len=2048, global_batch=1536, micro_batch=4, recompute="full", attention_kernel="eager",
-            zero_stage=1), "tflops", 117, tune=False),
+            zero_stage=1), "tflops", 117),
     Run("DeepSeek-V2, 1024 GPUs", "moe", load_model("deepseek-v2"), "h800", Degrees(pp=16, dp=64, ep=8),
-        Job(seq_len=4096, global_batch=2304, zero_stage=1), "tokens", 1e12 / (172.8e3 * 3600)),
+        Job(seq_len=4096, global_batch=2304, zero_stage=1, overlap_ep=False), "tokens", 1e12 / (172.8e3 * 3600)),
     Run("DeepSeek-V3, 2048 GPUs", "precision", load_model("deepseek-v3"), "h800", Degrees(pp=16, dp=128, ep=64),
         Job(seq_len=4096, global_batch=15360, zero_stage=1, fp8=True), "tokens", 1e12 / (180e3 * 3600)),
+    # NeMo long-sequence table (tp, pp, dp, cp as published).
+    _nemo_long(4, 1, 1, 4, 1, 768),
+    _nemo_long(8, 1, 2, 4, 1, 730),
+    _nemo_long(16, 2, 1, 8, 1, 660),
+    _nemo_long(32, 2, 1, 8, 2, 610),
+    _nemo_long(64, 4, 1, 8, 2, 574),
+    _nemo_long(128, 4, 1, 8, 4, 555),
+    _nemo_long(256, 4, 1, 8, 8, 549),
+    _nemo_long(512, 8, 1, 4, 16, 549),
+    _nemo_long(1024, 8, 1, 4, 32, 536),
+]
+
+
+# ---- checks reported beside the validation set, not in its totals (docs/planner.md section 6) --------------
+# NVIDIA NeMo 24.07 "Performance Benchmarks" pre-training table (docs/source/performance/performance_summary.md,
+# DGX-H100, FP8, tokens/s per GPU): which attention kernel Transformer Engine picked is not published.
+_LLAMA2_13B = ModelSpec(name="llama2-13b", hidden_size=5120, num_layers=40, num_heads=40, vocab_size=32000,
+                        ffn_hidden_size=13824, mlp="swiglu")
+_LLAMA2_70B = ModelSpec(name="llama2-70b", hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                        vocab_size=32000, ffn_hidden_size=28672, mlp="swiglu")
+
+
+def _nemo_2407(name, model, gpus, batch, mb, seq, tp, pp, cp, vp, tokens) -> Run:
+    job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, sequence_parallel=tp > 1, fp8=True,
+              distributed_optimizer=True, virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b")
+    return Run(f"NeMo 24.07 {name}", "check", model, "h100", Degrees(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp)),
+               job, "tokens", tokens, ("recompute",))
+
+
+NEMO_2407 = [
+    _nemo_2407("GPT3-5B", gpt(32, 4096, 24), 64, 2048, 4, 2048, 1, 1, 1, 1, 22521),
+    _nemo_2407("GPT3-20B", gpt(48, 6144, 44), 64, 256, 2, 2048, 2, 1, 1, 1, 5851),
+    _nemo_2407("GPT3-175B 128", gpt(96, 12288, 96), 128, 256, 1, 2048, 4, 8, 1, 6, 726),
+    _nemo_2407("GPT3-175B 512", gpt(96, 12288, 96), 512, 2048, 2, 2048, 4, 8, 1, 6, 782),
+    _nemo_2407("LLAMA2-7B", _LLAMA2_7B, 8, 128, 1, 4096, 1, 1, 1, 1, 16847),
+    _nemo_2407("LLAMA2-13B", _LLAMA2_13B, 16, 128, 1, 4096, 1, 4, 1, 10, 8646),
+    _nemo_2407("LLAMA2-70B", _LLAMA2_70B, 64, 128, 1, 4096, 4, 4, 1, 20, 1707),
+    _nemo_2407("LLAMA3-8B", load_model("llama3-8b"), 8, 128, 1, 8192, 1, 1, 2, 1, 12036),
+    _nemo_2407("LLAMA3-70B", load_model("llama3-70b"), 64, 128, 1, 8192, 4, 4, 2, 5, 1533),
+]
+
+
+# Megatron-Bridge 25.11 performance summary (NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md), MoE rows
+# with presets we ship, tokens/s per GPU; "we force-balance the token distribution among experts" (random
+# routing, as `busiest_share` assumes). GB200 jobs of 256 GPUs are placed 64 per NVL72 rack.
+def _bridge(name, preset, gpu, gpus, fp8, batch, mb, seq, pp, vp, ep, tokens, per_node=0) -> Run:
+    job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, fp8=fp8, distributed_optimizer=True,
+              virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b")
+    return Run(f"Megatron-Bridge 25.11 {name}", "check", load_model(preset), gpu,
+               Degrees(pp=pp, dp=gpus // pp, ep=ep), job, "tokens", tokens, ("recompute",), per_node)
+
+
+BRIDGE_MOE = [
+    _bridge("GPT-OSS-120B, 64 H100, BF16", "gpt-oss-120b", "h100", 64, False, 512, 4, 4096, 4, 1, 8, 5630),
+    _bridge("Qwen3-30B-A3B, 16 H100, FP8", "qwen3-30b-a3b", "h100", 16, True, 512, 2, 4096, 2, 24, 8, 5275),
+    _bridge("GPT-OSS-120B, 64 B200, BF16", "gpt-oss-120b", "b200", 64, False, 512, 4, 4096, 1, 1, 8, 8213),
+    _bridge("Qwen3-30B-A3B, 8 B200, FP8", "qwen3-30b-a3b", "b200", 8, True, 512, 1, 4096, 1, 1, 8, 9299),
+    _bridge("DeepSeek-V3, 256 B200, FP8", "deepseek-v3", "b200", 256, True, 2048, 1, 4096, 16, 1, 8, 2139),
+    _bridge("GPT-OSS-120B, 64 GB200, BF16", "gpt-oss-120b", "gb200", 64, False, 1280, 1, 8192, 1, 1, 64, 15876),
+    _bridge("Qwen3-30B-A3B, 8 GB200, FP8", "qwen3-30b-a3b", "gb200", 8, True, 512, 4, 4096, 1, 1, 8, 23766),
+    _bridge("DeepSeek-V3, 256 GB200, BF16", "deepseek-v3", "gb200", 256, False, 4096, 1, 4096, 4, 4, 64, 3139, 64),
+    _bridge("DeepSeek-V3, 256 GB200, FP8", "deepseek-v3", "gb200", 256, True, 4096, 1, 4096, 8, 4, 32, 4018, 64),
 ]
 
 
@@ -112,21 +198,24 @@ def _fits(model: ModelSpec, deg: Degrees, job: Job, capacity: float) -> bool:
 
 
 def _tuned(run: Run, cluster) -> list[Job]:
-    if not run.tune:
-        return [run.job]
-    vs = (1, 2, 4) if run.deg.pp > 1 else (1,)
-    jobs = [replace(run.job, micro_batch=mb, virtual_stages=v, pp_schedule="interleaved" if v > 1 else "1f1b")
-            for mb, v in itertools.product((1, 2, 4, 8), vs)]
+    choices = {"micro_batch": (1, 2, 4, 8), "virtual_stages": (1, 2, 4) if run.deg.pp > 1 else (1,),
+               "recompute": ("none", "full")}
+    jobs = [run.job]
+    for knob in run.tune:
+        jobs = [replace(j, **{knob: value}) for j in jobs for value in choices[knob]]
+    jobs = [replace(j, pp_schedule="interleaved") if j.virtual_stages > 1 else j for j in jobs]
     fitting = [j for j in jobs if _fits(run.model, run.deg, j, cluster.gpu.memory_bytes)]
     return fitting or [run.job]
 
 
 def predict(run: Run) -> float:
     """The run's metric as the planner predicts it."""
-    cluster = make_cluster(run.gpu, run.deg.world_size)
+    cluster = make_cluster(run.gpu, run.deg.world_size, run.gpus_per_node or None)
     best = min((step_time(run.model, run.deg, j, cluster) for j in _tuned(run, cluster)), key=lambda t: t.step_s)
     if run.metric == "tflops":
         return best.hardware_flops / best.step_s / run.deg.world_size / 1e12
+    if run.metric == "model_tflops":
+        return best.model_flops / best.step_s / run.deg.world_size / 1e12
     job = run.job
     tokens = job.global_batch * job.seq_len
     return tokens / best.step_s / run.deg.world_size
@@ -149,7 +238,32 @@ def test_each_validation_run_within_40_percent(run):
 def test_mean_error_overall_and_by_class():
     errs = errors()
     mean = sum(abs(e) for _, _, e in errs.values()) / len(errs)
-    assert mean <= 0.15
+    assert mean <= 0.12
     for cls in {c for c, _, _ in errs.values()}:
         mine = [abs(e) for c, _, e in errs.values() if c == cls]
-        assert sum(mine) / len(mine) <= 0.30, cls
+        assert sum(mine) / len(mine) <= 0.20, cls
+
+
+# ---- memory -------------------------------------------------------------------------------------------------
+# Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (SC'20,
+# arXiv:1910.02054), Table 1: model-state memory per device in GB for 7.5B, 128B and 1T parameters under
+# P_os (ZeRO-1), P_os+g (ZeRO-2) and P_os+g+p (ZeRO-3) at several data-parallel degrees, with fp16 parameters
+# and gradients and K = 12 bytes of fp32 optimizer state per parameter (fp32 copy, momentum, variance).
+ZERO_TABLE_1 = {  # (parameters, dp): (P_os, P_os+g, P_os+g+p) in GB
+    (7.5e9, 4): (52.5, 41.3, 30), (7.5e9, 16): (35.6, 21.6, 7.5), (7.5e9, 64): (31.4, 16.6, 1.88),
+    (7.5e9, 256): (30.4, 15.4, 0.47), (7.5e9, 1024): (30.1, 15.1, 0.12),
+    (128e9, 4): (896, 704, 512), (128e9, 16): (608, 368, 128), (128e9, 64): (536, 284, 32),
+    (128e9, 256): (518, 263, 8), (128e9, 1024): (513, 257, 2),
+    (1e12, 4): (7000, 5500, 4000), (1e12, 16): (4750, 2875, 1000), (1e12, 64): (4187, 2218, 250),
+    (1e12, 256): (4046, 2054, 62.5), (1e12, 1024): (4011, 2013, 15.6),
+}
+
+
+@pytest.mark.parametrize(("params", "dp"), list(ZERO_TABLE_1), ids=[f"{p:.1e}-dp{d}" for p, d in ZERO_TABLE_1])
+def test_model_states_within_10_percent_of_zero_table_1(params, dp):
+    from orangetron.plan.memory import StageParams, model_state_bytes
+
+    for stage, published in zip((1, 2, 3), ZERO_TABLE_1[(params, dp)], strict=True):
+        job = Job(seq_len=1024, zero_stage=stage, param_dtype="float16", grad_dtype="float16")
+        got = sum(model_state_bytes(StageParams(int(params), 0), Degrees(dp=dp), job).values()) / 1e9
+        assert got == pytest.approx(published, rel=0.10), stage

@@ -7,6 +7,9 @@ recompute drops the 5*a*s/h attention-score term; full recompute keeps only the 
 `layer_activation_bytes` reproduces these term by term for GPT-style layers and extends them to GQA,
 SwiGLU, MoE, context parallelism (the local sequence s/cp) and flash attention (no s x s scores, plus the
 attention output and its log-sum-exp). Pipeline in-flight counts follow the paper's section 4.2.3.
+Under FP8 (`Job.fp8`, Transformer Engine's recipe) every linear layer saves the FP8 cast of its input that its
+GEMM read (1 byte: the QKV, output-projection, up and down inputs), while norms, Q/K/V, gate/up and the fused
+attention kernel's own output stay 16-bit.
 
 For Llama-style models (SwiGLU, RMSNorm, RoPE: orangetron's reference model) the count is exact: it is
 what `orangetron.model.Transformer` keeps for backward, as `orangetron.memory.track_activations` measures
@@ -39,6 +42,11 @@ class LayerShape:
     t: int
     sp: bool
     a: int  # bytes per activation element (the param dtype)
+    g: int = 0  # bytes per element of a saved GEMM input: 1 under FP8 (the cast the GEMM read), else `a`
+
+    def __post_init__(self) -> None:
+        if not self.g:
+            object.__setattr__(self, "g", self.a)
 
     @property
     def acc(self) -> int:
@@ -53,7 +61,7 @@ class LayerShape:
 
 def layer_shape(deg: Degrees, job: Job) -> LayerShape:
     return LayerShape(job.seq_len // deg.cp, job.seq_len, job.micro_batch, deg.tp,
-                      job.sequence_parallel and deg.tp > 1, job.param_bytes)
+                      job.sequence_parallel and deg.tp > 1, job.param_bytes, 1 if job.fp8 else job.param_bytes)
 
 
 def _heads(n: int, t: int) -> int:
@@ -70,9 +78,12 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     """Attention block (its input norm excluded): QKV input, Q, K, V, output, masks, optional scores."""
     sb, h, a = x.s * x.b, m.hidden_size, x.a
     heads, kv = _heads(m.num_heads, x.t), _heads(m.kv_heads, x.t)
-    total = a * sb * h // x.rep  # QKV projection input
+    total = x.g * sb * h // x.rep  # QKV projection input
     total += a * sb * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)  # Q, K, V
-    total += a * sb * heads * m.v_dim  # attention output = output-projection input
+    out = sb * heads * m.v_dim
+    total += x.g * out  # attention output = output-projection input
+    if x.g < a and job.attention_kernel != "eager":
+        total += a * out  # under FP8 the fused kernel keeps its 16-bit output besides the projection's FP8 copy
     if m.dropout:
         total += sb * h // x.rep  # dropout mask after the output projection (1 byte)
     cp = x.s_kv // x.s
@@ -84,7 +95,7 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
         # kv heads fewer than the Ulysses degree arrive one per rank.
         kv_sent = max(kv, degree)
         total += a * sb * (heads * m.v_dim + (kv_sent - kv) * (m.qk_head_dim + m.v_dim))
-    if job.attention_kernel == "flash":
+    if job.attention_kernel != "eager":
         return total + x.acc * x.b * heads * x.s  # fp32 (fp64) log-sum-exp per query and head
     if job.recompute != "selective":
         scores = x.b * heads * x.s * x.s_kv
@@ -99,8 +110,9 @@ def mlp_bytes(m: ModelSpec, x: LayerShape, ffn: int, tokens: int | None = None, 
     """One MLP of width `ffn` (split `split` ways, default tp) over `tokens` rows (default s*b)."""
     rows = x.s * x.b if tokens is None else tokens
     f = ffn // (x.t if split is None else split)
-    inp = x.a * rows * m.hidden_size // (x.rep if shard_h else 1)
-    hidden = (3 if m.mlp == "swiglu" else 2) * x.a * rows * f  # gate+up and product, or fc1 out and GeLU out
+    inp = x.g * rows * m.hidden_size // (x.rep if shard_h else 1)
+    # Gate and up (16-bit) and their product (the down projection's input), or fc1's output and the GeLU output.
+    hidden = ((2 if m.mlp == "swiglu" else 1) * x.a + x.g) * rows * f
     return inp + hidden
 
 
@@ -109,7 +121,7 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
     sb = x.s * x.b
     router = x.a * sb * m.hidden_size // x.rep + x.acc * sb * m.num_experts // x.rep  # input, fp32 probs
     # Each EP rank receives, on balance, top_k copies of its own token count; capacity pads to the factor.
-    routed = sb // x.rep * m.top_k
+    routed = sb // x.rep * m.top_k * (etp if x.sp else 1)  # etp = tp under SP: the tp group's copies, gathered
     if job.dispatcher == "capacity":
         routed = int(routed * job.capacity_factor)
     total = router + mlp_bytes(m, x, m.moe_ffn_hidden_size, tokens=routed, shard_h=False, split=etp)

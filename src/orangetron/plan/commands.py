@@ -12,7 +12,16 @@ import sys
 import time
 from dataclasses import replace
 
-from orangetron.plan.config import CP_MODES, DISPATCHERS, DTYPE_BYTES, RECOMPUTE, SCHEDULES, Degrees, Job
+from orangetron.plan.config import (
+    ATTENTION_KERNELS,
+    CP_MODES,
+    DISPATCHERS,
+    DTYPE_BYTES,
+    RECOMPUTE,
+    SCHEDULES,
+    Degrees,
+    Job,
+)
 from orangetron.plan.estimate import Estimate, estimate, fit_warning
 from orangetron.plan.hardware import GIB, Cluster, gpu_names, make_cluster
 from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model
@@ -45,7 +54,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--capacity-factor", type=float, default=1.0)
     est.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES), default="",
                      help="gradient reduction dtype (default: the param dtype, as the seed's tables)")
-    est.add_argument("--no-overlap-ep", action="store_true", help="expose expert all-to-all (no DeepEP overlap)")
+    est.add_argument("--no-overlap-ep", action="store_true",
+                     help="no paired micro-batch overlap: only shared experts hide the expert all-to-all")
     est.add_argument("--pp-schedule", choices=SCHEDULES, default=None,
                      help="default: interleaved when --virtual-stages > 1, else 1f1b")
     # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
@@ -81,7 +91,8 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False) -> None:
     p.add_argument("--global-batch", type=int, default=0,
                    help="sequences per step (default: one micro-batch per replica)")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bfloat16")
-    p.add_argument("--attention-kernel", choices=("flash", "eager"), default="flash")
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="flash",
+                   help="flash: the GPU's best fused kernel; flash2: FlashAttention-2; eager: stored scores")
     p.add_argument("--fp8", action="store_true",
                    help="FP8 linear layers (per-tensor scales): FP8 GEMM peak, FP8 weight copies and scale tensors")
     p.add_argument("--overhead-gib", type=float, default=None,
@@ -198,7 +209,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep)
-    if args.attention_kernel == "flash":
+    if args.attention_kernel != "eager":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
     start = time.perf_counter()
     result = search(spec, cluster, args.seq, global_batch, space, base, args.top, args.memory_fraction,

@@ -13,6 +13,7 @@ RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "allgather", "ulysses", "usp", "rsa")
 DISPATCHERS = ("ragged", "capacity", "allgather")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ATTENTION_KERNELS = ("flash", "flash2", "eager")
 
 
 # The planner prices the runtime's own layouts: one class, one set of rules.
@@ -44,8 +45,12 @@ class Job:
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"
-    attention_kernel: str = "flash"  # "flash" keeps no [s, s] scores; "eager" stores them
-    overlap_ep: bool = True  # DeepEP-style: expert all-to-all hidden behind expert compute where possible
+    # "flash": the GPU's best fused kernel (FlashAttention-3 / cuDNN on Hopper), keeps no [s, s] scores;
+    # "flash2": FlashAttention-2 (the same memory, its own speed); "eager" stores the scores
+    attention_kernel: str = "flash"
+    # Expert all-to-all hidden behind another micro-batch's layer (DualPipe-style pairing); off: behind the shared
+    # experts only (see `timing._ep_window`)
+    overlap_ep: bool = True
     fp8: bool = False  # FP8 linear layers with per-tensor scales (Transformer Engine style); planner only
 
     def __post_init__(self) -> None:
@@ -53,7 +58,7 @@ class Job:
         _check_choice("cp_mode", self.cp_mode, CP_MODES)
         _check_choice("dispatcher", self.dispatcher, DISPATCHERS)
         _check_choice("pp_schedule", self.pp_schedule, SCHEDULES)
-        _check_choice("attention_kernel", self.attention_kernel, ("flash", "eager"))
+        _check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         for name in ("param_dtype", "grad_dtype"):
             _check_choice(name, getattr(self, name), tuple(DTYPE_BYTES))
         if self.reduce_dtype:

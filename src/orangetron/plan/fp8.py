@@ -7,8 +7,9 @@ work; attention, norms and the optimizer stay in 16/32-bit. Memory adds, per GPU
   micro-batches of a step, while the 16-bit weights and fp32 master copies stay as they are;
 - the scale tensors: per GEMM operand one fp32 scale, one scale inverse and an amax history of
   `AMAX_HISTORY` fp32 values (three operands per GEMM, four linear layers per dense layer).
-Saved activations are counted at 16 bits, as `activations.py` has them (recipes that save FP8 inputs keep
-less); the gradients, reductions and optimizer are unchanged.
+Saved activations: every linear layer keeps the FP8 cast of its input (1 byte per element) instead of the
+16-bit tensor, as Transformer Engine does (`activations.py`); the gradients, reductions and optimizer are
+unchanged.
 """
 
 from __future__ import annotations

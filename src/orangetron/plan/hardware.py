@@ -30,6 +30,15 @@ class GPUSpec:
     fp8_tflops: float = 0.0  # dense FP8 tensor-core peak; 0: no FP8 tensor cores
     attention_fwd_efficiency: float = 0.0  # the fused attention kernel's share of peak at long sequences, fwd
     attention_bwd_efficiency: float = 0.0  # and bwd; 0: the global defaults of `timing.Efficiency`
+    flash2_fwd_efficiency: float = 0.0  # FlashAttention-2's share where it differs from the best kernel's
+    flash2_bwd_efficiency: float = 0.0  # (Hopper); 0: the same as attention_*_efficiency
+
+    def attention_efficiency(self, kernel: str) -> tuple[float, float]:
+        """(forward, backward) long-sequence share of peak of the fused attention `kernel` on this GPU (0: use
+        the global default)."""
+        if kernel == "flash2" and self.flash2_fwd_efficiency:
+            return self.flash2_fwd_efficiency, self.flash2_bwd_efficiency
+        return self.attention_fwd_efficiency, self.attention_bwd_efficiency
 
     def peak_flops(self, dtype: str = "bfloat16") -> float:
         """Dense peak in FLOP/s for matmuls in `dtype` (float32 runs on the FP32 cores; TF32 is not assumed;

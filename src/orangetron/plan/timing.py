@@ -10,7 +10,8 @@ bytes over `elementwise_bw` x HBM bandwidth (backward twice the forward). Full r
 
 Overlap (what the runtime overlaps): DP gradient reduction hides behind the last micro-batch's backward,
 parameter gathers behind the first forward; ring CP hides behind attention; EP all-to-all hides behind expert
-compute when `overlap_ep` (DeepEP); TP and PP transfers are exposed.
+compute that does not wait for it: the shared experts, and with `overlap_ep` another micro-batch's layer
+(DualPipe-style pairing); TP and PP transfers are exposed.
 
 Pipeline: step = (m + (pp-1)/v) x the slowest stage's micro-batch time (Narayanan et al. 2021).
 MFU counts model FLOPs only (no recompute), attention as full (non-causal) s x s products, as Megatron's
@@ -19,6 +20,7 @@ MFU counts model FLOPs only (no recompute), attention as full (non-causal) s x s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -40,6 +42,7 @@ from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
     expert_parallel_records,
+    expert_tensor_parallel_records,
     pipeline_records,
     tensor_parallel_records,
 )
@@ -105,8 +108,10 @@ class LayerCost:
     attention_f: float
     attention_b: float
     elementwise: float  # forward; backward is twice as much memory traffic
-    experts_f: float  # the routed-expert GEMMs (part of `gemm_*`), the window EP traffic can hide behind
+    experts_f: float  # the routed-expert GEMMs (part of `gemm_*`)
     experts_b: float
+    shared_f: float = 0.0  # the shared-expert GEMMs (part of `gemm_*`): they need no dispatched token
+    shared_b: float = 0.0
 
     @property
     def forward(self) -> float:
@@ -126,11 +131,12 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
     h = model.hidden_size
     o_in = model.num_heads * model.v_dim // t
     gemm = _add(_qkv_time(model, rows, t, cluster, job), _linear(rows, o_in, h, cluster, job))
-    experts = (0.0, 0.0)
+    experts = shared = (0.0, 0.0)
     if moe:
         experts = _routed_experts_time(model, deg, job, cluster, rows)
-        shared = model.num_shared_experts * model.moe_ffn_hidden_size // t
-        gemm = _add(_add(gemm, experts), _mlp_time(model, rows, shared, cluster, job) if shared else (0.0, 0.0))
+        shared_ffn = model.num_shared_experts * model.moe_ffn_hidden_size // t
+        shared = _mlp_time(model, rows, shared_ffn, cluster, job) if shared_ffn else shared
+        gemm = _add(_add(gemm, experts), shared)
         ffn = model.moe_ffn_hidden_size * model.top_k
     else:
         gemm = _add(gemm, _mlp_time(model, rows, model.ffn_hidden_size // t, cluster, job))
@@ -139,7 +145,7 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
     elementwise = _elementwise_time(model, deg, job, cluster, ffn, eff)
     if moe:
         elementwise += _permute_time(model, deg, job, cluster, rows, eff)
-    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts)
+    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts, *shared)
 
 
 def _qkv_time(model: ModelSpec, rows: int, t: int, cluster: Cluster, job: Job) -> tuple[float, float]:
@@ -175,8 +181,9 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     # Ring CP calls the kernel once per step on a K,V block of s/cp keys: each call's query tiles pay their fill
     # over that block, not over the whole sequence.
     call_keys = min(keys, job.seq_len / deg.cp) if deg.cp > 1 and job.cp_mode in ("ring", "rsa") else keys
-    fwd_eff = flash_efficiency(gpu.attention_fwd_efficiency or eff.flash_fwd_efficiency, call_keys, ctas, gpu.sms)
-    bwd_eff = flash_efficiency(gpu.attention_bwd_efficiency or eff.flash_bwd_efficiency, call_keys, ctas, gpu.sms)
+    base_fwd, base_bwd = gpu.attention_efficiency(job.attention_kernel)
+    fwd_eff = flash_efficiency(base_fwd or eff.flash_fwd_efficiency, call_keys, ctas, gpu.sms)
+    bwd_eff = flash_efficiency(base_bwd or eff.flash_bwd_efficiency, call_keys, ctas, gpu.sms)
     # Backward: dV, dP, dS->dQ, dK plus the recomputed scores: 2.5x the forward's FLOPs (Dao 2023).
     return flops / (peak * fwd_eff), 2.5 * flops / (peak * bwd_eff)
 
@@ -203,25 +210,42 @@ def _mlp_time(model: ModelSpec, rows: int, ffn: int, cluster: Cluster, job: Job,
     return _add(_linear(rows, h, up * ffn, cluster, job, groups), _linear(rows, ffn, h, cluster, job, groups))
 
 
-def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int) -> int:
-    """Token copies this GPU's experts receive on balance (capacity pads them to the factor)."""
+def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int, gathered: bool = True) -> int:
+    """Token copies this GPU's experts receive on balance (capacity pads them to the factor). Under SP with
+    experts split over tp (etp = tp), each tp rank runs its expert slices on the copies all tp ranks received
+    (`gathered`); the routing permutation happens before that gather."""
     sp = job.sequence_parallel and deg.tp > 1
     routed = rows // (deg.tp if sp else 1) * model.top_k
+    if gathered and sp:
+        routed *= deg.etp
     return int(routed * job.capacity_factor) if job.dispatcher == "capacity" else routed
 
 
 def _permute_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, rows: int, eff: Efficiency) -> float:
     """Forward memory traffic of routing: each copy's row is gathered into expert order before dispatch and
     scattered back and weighted after combine (read and write each time)."""
-    nbytes = 4.0 * _routed_copies(model, deg, job, rows) * model.hidden_size * job.param_bytes
+    nbytes = 4.0 * _routed_copies(model, deg, job, rows, gathered=False) * model.hidden_size * job.param_bytes
     return nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
+
+
+def busiest_share(copies: int, ranks: int) -> float:
+    """Load of the busiest of `ranks` EP ranks over the mean when each receives `copies` token copies on
+    average: even a router balanced in expectation lands copies on ranks at random, so each rank's load is
+    binomial (mean `copies`, variance `copies * (1 - 1/ranks)`) and the expected maximum of `ranks` of them is
+    about mean + std * sqrt(2 ln ranks) (the Gaussian extreme-value bound). The combine waits for that rank.
+    Skew a trained router adds on top is not modelled."""
+    if ranks <= 1 or copies <= 0:
+        return 1.0
+    return 1.0 + math.sqrt(2.0 * math.log(ranks) * (1.0 - 1.0 / ranks) / copies)
 
 
 def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
                          rows: int) -> tuple[float, float]:
-    """This GPU's experts on their balanced share of the routed token copies, as one grouped GEMM per
+    """This GPU's experts on the busiest rank's share of the routed token copies, as one grouped GEMM per
     projection: few tokens per expert pad their tiles (see `compute`)."""
     routed = _routed_copies(model, deg, job, rows)
+    if job.dispatcher != "capacity":  # capacity pads every rank to the same slots
+        routed = round(routed * busiest_share(routed, deg.ep))
     local = max(1, model.num_experts // deg.ep)
     per_expert = max(1, routed // local)
     return _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job, groups=local)
@@ -363,11 +387,13 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
         if moe:
             row = job.param_bytes * model.hidden_size
             ep_t = _records_time(expert_parallel_records(model, deg, job), places, cluster, net, msg_bytes=row)
-            if job.overlap_ep:
-                ep_t = _hide(ep_t, cost.experts_f + cost.experts_b, eff)
+            ep_t = _hide(ep_t, _ep_window(cost, run, job, deg), eff)
         compute += count * run
         blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
-        tp += count * _records_time(tensor_parallel_records(model, deg, job, blocks), places, cluster, net)
+        tp_records = tensor_parallel_records(model, deg, job, blocks)
+        if moe:
+            tp_records = tp_records + expert_tensor_parallel_records(model, deg, job)
+        tp += count * _records_time(tp_records, places, cluster, net)
         cp += count * cp_t
         ep += count * ep_t
     if stage == deg.pp - 1 and model.vocab_size:
@@ -377,6 +403,20 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
                        places, cluster, net)
     return _StageTime(compute, tp, cp, ep, pp)
+
+
+def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
+    """Seconds of compute one MoE layer's all-to-all can overlap: only work that does not wait for it.
+
+    Within one micro-batch the routed experts need the dispatched tokens and the combine needs their outputs,
+    so the routed GEMMs can never hide their own traffic; the shared experts can, since they read the layer's
+    input (DeepSeek-V2, arXiv:2405.04434 section 3.2.1, overlaps exactly these; Megatron-Core's
+    `moe_shared_expert_overlap` too). With `overlap_ep` the schedule pairs two micro-batches so that one's
+    tokens travel while the other's layer computes (DualPipe, DeepSeek-V3 arXiv:2412.19437 section 3.2.1;
+    Megatron-Core's EP all-to-all overlap in 1F1B), which needs a second micro-batch in flight."""
+    if job.overlap_ep and job.microbatches(deg) > 1:
+        return run
+    return cost.shared_f + cost.shared_b + (cost.shared_f if job.recompute == "full" else 0.0)
 
 
 @lru_cache(maxsize=4096)

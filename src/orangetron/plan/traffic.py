@@ -19,7 +19,8 @@ runtime's conventions (DESIGN sections 4 and 5):
   per rank) and the output forward and their gradients backward.
 - EP per MoE layer and micro-batch: the dispatcher's collectives (`expert_parallel_records`), with balanced
   routing: one row per (token, destination rank), each token on min(top_k, ep) ranks, rows spread evenly;
-  the global balancing loss's all-reduce; with clipping, the experts' squared norm summed over ep.
+  the global balancing loss's all-reduce; with clipping, the experts' squared norm summed over ep. With
+  etp = tp the experts' tp collectives on the received rows (`expert_tensor_parallel_records`).
 - PP per micro-batch and model chunk: activations forward and their gradients backward, one record for the
   sending side and one for the receiving side; with clipping, the squared norm summed over pp once a step.
 """
@@ -229,9 +230,7 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[Co
     e = deg.ep
     if e == 1:
         return []
-    tokens = (job.seq_len // deg.cp) * job.micro_batch
-    if job.sequence_parallel:
-        tokens //= deg.tp
+    tokens = _routed_tokens(deg, job)
     k = model.top_k
     row, ids, weights = job.param_bytes * model.hidden_size, 8 * k, (8 if job.param_bytes == 8 else 4) * k
     replays = 1 if job.recompute == "full" else 0
@@ -241,14 +240,55 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[Co
         forward += [_gather("reduce_scatter", "ep", e * tokens * row, e)]  # combine
         backward = [_gather("reduce_scatter", "ep", e * tokens * b, e) for b in (row, weights)]
         return forward * (1 + replays) + backward + [_gather("all_gather", "ep", e * tokens * row, e)]
-    if job.dispatcher == "capacity":
-        slots = math.ceil(tokens * k / model.num_experts * job.capacity_factor)
-        per_peer = min(model.num_experts // e * slots, tokens)
-    else:
-        per_peer = tokens * min(k, e) // e
-    rows = per_peer * e
+    rows = _received_rows(model, deg, job)
     forward = [_a2a("ep", 8 * e, e)] + [_a2a("ep", rows * b, e) for b in (row, ids, weights, row)]
     backward = [_a2a("ep", rows * b, e) for b in (row, weights, row)]
+    return forward * (1 + replays) + backward
+
+
+def _routed_tokens(deg: Degrees, job: Job) -> int:
+    """Tokens one rank routes per micro-batch: its sequence shard, split over tp under SP."""
+    tokens = (job.seq_len // deg.cp) * job.micro_batch
+    return tokens // deg.tp if job.sequence_parallel else tokens
+
+
+def _received_rows(model: ModelSpec, deg: Degrees, job: Job) -> int:
+    """Rows (one per token and destination rank) an EP rank receives per micro-batch under ragged or capacity
+    dispatch, on balance; without EP every token is one row."""
+    e, k, tokens = deg.ep, model.top_k, _routed_tokens(deg, job)
+    if e == 1:
+        return tokens
+    if job.dispatcher == "capacity":
+        slots = math.ceil(tokens * k / model.num_experts * job.capacity_factor)
+        return min(model.num_experts // e * slots, tokens) * e
+    return tokens * min(k, e) // e * e
+
+
+def expert_tensor_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
+    """TP collectives of one MoE layer, one micro-batch, when its routed experts are split over tp as well
+    (etp = tp; planner only, the runtime runs etp = 1), as Megatron-Core's expert tensor parallelism does.
+
+    With SP every tp rank dispatches its own sequence shard (the EP records do not change), then all-gathers
+    over tp the rows it received with their expert ids and weights, so that each tp rank runs its slice of
+    every local expert (column-parallel up, row-parallel down) on all of them, and reduce-scatters the partial
+    outputs before the combine; backward reduce-scatters the rows' and weights' gradients and all-gathers the
+    output gradients. Without SP the rows are already the same on every tp rank: the partial outputs are
+    all-reduced forward and the input gradients backward, as a dense MLP block. Full recompute replays the
+    forward.
+    """
+    t = deg.etp
+    if t == 1:
+        return []
+    rows = _received_rows(model, deg, job)
+    row, k = job.param_bytes * model.hidden_size, model.top_k
+    replays = 1 if job.recompute == "full" else 0
+    if not job.sequence_parallel:
+        return [_gather("all_reduce", "tp", rows * row, t)] * (2 + replays)
+    weights = (8 if job.param_bytes == 8 else 4) * k
+    forward = [_gather("all_gather", "tp", t * rows * b, t) for b in (row, 8 * k, weights)]
+    forward += [_gather("reduce_scatter", "tp", t * rows * row, t)]
+    backward = [_gather("reduce_scatter", "tp", t * rows * b, t) for b in (row, weights)]
+    backward += [_gather("all_gather", "tp", t * rows * row, t)]
     return forward * (1 + replays) + backward
 
 
@@ -296,7 +336,8 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> li
     moe = sum(model.is_moe_layer(i) for i in layers)
     m = job.microbatches(deg)
     per_mb = context_parallel_records(model, deg, job) * len(layers)
-    per_mb += (expert_parallel_records(model, deg, job) + balancing_loss_records(model, deg, job)) * moe
+    per_mb += (expert_parallel_records(model, deg, job) + expert_tensor_parallel_records(model, deg, job)
+               + balancing_loss_records(model, deg, job)) * moe
     for i in layers:
         per_mb += tensor_parallel_records(model, deg, job, _split_blocks(model, i))
     per_mb += pipeline_records(model, deg, job, stage) + _vocab_records(model, deg, job, stage)
