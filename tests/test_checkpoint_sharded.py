@@ -37,6 +37,8 @@ LAYOUTS = [  # each is saved, then loaded onto the next (the last onto the first
     (Layout(dp=4), dict(zero_stage=3)),
     (Layout(tp=2, dp=2, ep=2), dict(zero_stage=1, sequence_parallel=True)),
     (Layout(pp=2, dp=2), dict(zero_stage=2)),
+    (Layout(dp=4), dict(zero_stage=2, grad_bucket_numel=500)),  # parameters cross buckets
+    (Layout(tp=2, dp=2), dict(distributed_optimizer=True, grad_bucket_numel=300)),
     (Layout(cp=2, dp=2), dict(zero_stage=0)),
 ]
 MIXED = [(Layout(dp=2, tp=2), dict(zero_stage=1)), (Layout(dp=4), dict(zero_stage=3))]  # bf16, fp32 masters
@@ -128,7 +130,7 @@ def _mismatches(dp, opt, reference: dict) -> list[str]:
         for part in dp.parts:
             if not torch.equal(part.param_shard, part.main_params.to(part.param_shard.dtype)):
                 bad.append("model-dtype parameters differ from the main parameters")
-            full = part.flat_params[part.owned]
+            full = part.owned_view(part.flat_params)  # a [buckets, slice] view when bucketed
             if not torch.equal(full, part.param_shard):
                 bad.append("the full flat parameters were not gathered after loading")
     if any(adamw.steps != 7 for adamw in opt.adamws):
@@ -225,7 +227,7 @@ def _all_checks(folder: str) -> dict:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     folder = tmp_path_factory.mktemp("sharded")
-    return folder, run_distributed(_all_checks, 4, args=(str(folder),))
+    return folder, run_distributed(_all_checks, 4, args=(str(folder),), timeout=600)  # many layouts in one call
 
 
 def test_every_layout_reshards_onto_the_next_exactly(four_ranks):

@@ -78,19 +78,28 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]
             + flat_range_boxes(shape, tail_start, stop))
 
 
-def _owned_ranges(part: FlatPart) -> dict[str, tuple[int, int, int]]:
-    """For each parameter of `part` that this rank owns some of: (first element, end element, position of the
-    first in the rank's shard-layout buffers)."""
+def _owned_ranges(part: FlatPart) -> dict[str, list[tuple[int, int, int, int]]]:
+    """For each parameter of `part` that this rank owns some of, one entry per segment it owns a range of:
+    (first element, end element, segment index, position of the first in that segment's slice). ZeRO-3's
+    units hold whole parameters; equal gradient buckets may cut a parameter into several."""
     r = part.group.rank if part.shards > 1 else 0
-    out = {}
+    out: dict[str, list[tuple[int, int, int, int]]] = {}
     for name, p in part.named:
-        at = part.offsets[name]
-        seg = next(s for s in part.segments if s.start <= at < s.start + s.padded)
-        owned_start = seg.start + r * seg.shard_numel
-        lo, hi = max(at, owned_start), min(at + p.numel(), owned_start + seg.shard_numel)
-        if lo < hi:
-            out[name] = (lo - at, hi - at, seg.shard_start + lo - owned_start)
+        at, end = part.offsets[name], part.offsets[name] + p.numel()
+        for k, seg in enumerate(part.segments):
+            owned_start = seg.start + r * seg.shard_numel
+            lo, hi = max(at, owned_start), min(end, owned_start + seg.shard_numel)
+            if lo < hi:
+                out.setdefault(name, []).append((lo - at, hi - at, k, lo - owned_start))
     return out
+
+
+def _segment_slice(part: FlatPart, owned: torch.Tensor, k: int) -> torch.Tensor:
+    """Segment k's slice of a shard-layout buffer, 1-D: a row of the [buckets, slice] view when bucketed."""
+    if part.bucketed:
+        return owned[k]
+    seg = part.segments[k]
+    return owned[seg.shard_start:seg.shard_start + seg.shard_numel]
 
 
 def _global_offset(dp: DataParallel, name: str, local_shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -116,11 +125,11 @@ def part_shards(dp: DataParallel, part: FlatPart, owned: torch.Tensor) -> dict[s
         local_shape = tuple(p.shape)
         offset, shape = _global_offset(dp, name, local_shape)
         pieces = []
-        if name in ranges:
-            lo, hi, at = ranges[name]
+        for lo, hi, k, at in ranges.get(name, []):
+            row = _segment_slice(part, owned, k)
             for box_offsets, sizes, flat_start in flat_range_boxes(local_shape, lo, hi):
                 begin = at + flat_start - lo
-                view = owned[begin:begin + math.prod(sizes)].view(sizes)
+                view = row[begin:begin + math.prod(sizes)].view(sizes)
                 pieces.append(Piece(tuple(o + g for o, g in zip(box_offsets, offset, strict=True)), sizes, view))
         out[name] = Shards(tuple(shape), owned.dtype, tuple(pieces))
     return out
