@@ -44,6 +44,8 @@ def add_train_commands(sub: Any) -> None:
                    help="parameter dtype; bfloat16 keeps float32 main params (default: %(default)s)")
     option("--threads", "CPU threads for torch ops; 1 stays fast when other processes share the cores",
            type=int)
+    option("--timeout-s", "seconds a rank waits for the others in a collective; then every rank stops and the "
+           "one that stopped responding is named", type=float)
     p.add_argument("--data", nargs="+", metavar="FILE", default=None,
                    help="UTF-8 text files to train on (default: the Python standard library's sources)")
     p.add_argument("--out", metavar="DIR", default=None,
@@ -159,6 +161,7 @@ def run_train(args: argparse.Namespace) -> int:
         model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, data=args.data, out=args.out,
         dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
+        timeout_s=args.timeout_s,
         zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
         extend=args.extend, stop_after=args.stop_after,
