@@ -170,7 +170,13 @@ def run_train(args: argparse.Namespace) -> int:
         microbatches=args.microbatches, virtual_stages=args.virtual_stages,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
-    result = train(cfg, progress=not args.quiet)
+    from orangetron.train.launch import LaunchError
+
+    try:
+        result = train(cfg, progress=not args.quiet)
+    except LaunchError as err:  # a rank failed, died or hung: its message, not the launcher's traceback
+        print(f"orangetron train: error: {err}", file=sys.stderr)
+        return 1
     if os.environ.get("RANK", "0") != "0":  # under torchrun every process holds the merged result
         return 0
     if not args.quiet:

@@ -18,6 +18,7 @@ traceback.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -60,6 +61,22 @@ def _start_context(start_method: str | None) -> mp.context.BaseContext:
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+@contextmanager
+def _forkable(ctx: mp.context.BaseContext) -> Iterator[None]:
+    """Fork with no garbage to collect in the child: a process group this process let go of (its objects in
+    a reference cycle) would otherwise be destroyed by a rank's garbage collector, whose join of the group's
+    threads, long gone in the child, never returns. Collect it here, and freeze what is left."""
+    if ctx.get_start_method() != "fork":
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _run_rank(rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: Sequence[Any],
@@ -139,8 +156,9 @@ def launch_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
         procs = [ctx.Process(target=_run_rank, args=(rank, world_size, folder, fn, tuple(args), timeout_s, cells),
                              daemon=True, name=f"orangetron-rank{rank}") for rank in range(world_size)]
         try:
-            for p in procs:
-                p.start()
+            with _forkable(ctx):
+                for p in procs:
+                    p.start()
             ending = _watch(procs, cells)
         finally:
             _kill(procs)
