@@ -9,6 +9,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -126,6 +128,34 @@ def test_cli_names_a_dead_rank_in_one_line(tmp_path, monkeypatch, capsys) -> Non
     assert code == 1
     assert err == ["orangetron train: error: rank 0 died (signal 9) during step 2 (backward)"]
     assert len(_pids(pids)) == 2 and not any(_alive(pid) for pid in _pids(pids))
+
+
+def _torchrun(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """`orangetron train --dp 2` under torchrun, `fault` striking rank 1's step-2 backward."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "tests" / "torchrun_fault.py"), "1", "2", fault, str(pids), "--",
+               "train", "--dp", "2", "--model", "tiny", "--steps", "3", "--batch-size", "4", "--seq-len", "32",
+               "--quiet", "--timeout-s", "3"]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    # The limit only keeps a broken build from hanging the suite; the run ends in seconds.
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    return done, _pids(pids)
+
+
+def test_torchrun_hung_rank_is_named_by_its_peer_and_every_process_ends(tmp_path) -> None:
+    done, pids = _torchrun(tmp_path, "hang")
+    assert done.returncode != 0
+    assert "orangetron train: error: rank 1 stopped responding during step 2 (backward)" in done.stderr
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def test_torchrun_dead_rank_is_named_by_torchrun_and_every_process_ends(tmp_path) -> None:
+    done, pids = _torchrun(tmp_path, "kill")
+    assert done.returncode != 0
+    assert "rank      : 1 (local_rank: 1)" in done.stderr and "exitcode  : -9" in done.stderr
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
 
 
 def test_timeout_is_a_positive_number() -> None:
