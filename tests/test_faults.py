@@ -225,3 +225,27 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step_keeping_the_last_checkpoi
     assert [r["step"] for r in records] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in records)
     resumed = trainer.train(dataclasses.replace(cfg, dp=1, resume=True, steps=6, stop_after=5), progress=False)
     assert len(resumed["losses"]) == 5 and all(math.isfinite(x) for x in resumed["losses"])
+
+
+# ---- ranks started from a warm process ------------------------------------------------------------------
+
+
+def rank_threads() -> int:
+    return torch.get_num_threads()
+
+
+def test_warm_ranks_set_their_own_threads_and_train_as_a_fork_server_does() -> None:
+    """Forked ranks start with one thread whatever the parent uses, leave the parent's setting alone, and
+    train bitwise like ranks forked from a fresh fork server (no state carried over from this process)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert launch_local(rank_threads, 2) == [1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+    cfg = TrainConfig(**{**TINY, "dp": 2, "dtype": "float64"})
+    forked = launch_local(TRAIN_RANK, 2, args=(cfg, False))
+    served = launch_local(TRAIN_RANK, 2, args=(cfg, False), start_method="forkserver")
+    assert [r["losses"] for r in forked] == [r["losses"] for r in served]
+    assert forked[0]["losses"] != forked[1]["losses"]  # each rank trained on its own half of the batch
