@@ -114,7 +114,7 @@ def _train_under_torchrun(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     except Exception as err:
         if board is None or not faults.is_collective_failure(err):
             raise
-        board.post(0, faults.WAITING)  # tell the other victims this rank is not the culprit
+        faults.enter("failed in a collective")  # tells the other victims this rank is not the culprit
         faults.wait_for_peers()
         raise LaunchError(faults.name_culprits(board.read(world_size), world_size, board.rank)) from err
     finally:
