@@ -105,7 +105,8 @@ def _alive(pid: int) -> bool:
     ("hang", r"rank 1 stopped responding during step 2 \(backward\) \(rank\(s\) 0, 2 gave up waiting"),
 ])
 def test_a_dead_or_hung_rank_ends_every_rank_naming_it(tmp_path, fault: str, named: str) -> None:
-    cfg = TrainConfig(**{**TINY, "dp": 3, "batch_size": 3, "timeout_s": 3})
+    # The timeout leaves room for ranks that a loaded machine schedules seconds apart, not a hang.
+    cfg = TrainConfig(**{**TINY, "dp": 3, "batch_size": 3, "timeout_s": 10})
     pids = tmp_path / "pids"
     pids.mkdir()
     with pytest.raises(LaunchError, match=named):
@@ -123,7 +124,7 @@ def test_cli_names_a_dead_rank_in_one_line(tmp_path, monkeypatch, capsys) -> Non
     monkeypatch.setattr(trainer, "_train_rank",
                         lambda cfg, progress: train_with_fault(cfg, 0, 2, "kill", str(pids)))
     code = cli.main(["train", "--dp", "2", "--model", "tiny", "--steps", "3", "--batch-size", "4",
-                     "--seq-len", "32", "--quiet", "--timeout-s", "5"])
+                     "--seq-len", "32", "--quiet", "--timeout-s", "10"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
     assert err == ["orangetron train: error: rank 0 died (signal 9) during step 2 (backward)"]
@@ -137,23 +138,23 @@ def _torchrun(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "tests" / "torchrun_fault.py"), "1", "2", fault, str(pids), "--",
                "train", "--dp", "2", "--model", "tiny", "--steps", "3", "--batch-size", "4", "--seq-len", "32",
-               "--quiet", "--timeout-s", "3"]
+               "--quiet", "--timeout-s", "10"]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     # The limit only keeps a broken build from hanging the suite; the run ends in seconds.
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode != 0, done.stderr[-3000:]
     return done, _pids(pids)
 
 
 def test_torchrun_hung_rank_is_named_by_its_peer_and_every_process_ends(tmp_path) -> None:
     done, pids = _torchrun(tmp_path, "hang")
-    assert done.returncode != 0
-    assert "orangetron train: error: rank 1 stopped responding during step 2 (backward)" in done.stderr
+    assert "orangetron train: error: rank 1 stopped responding during step 2 (backward)" in done.stderr, \
+        done.stderr[-3000:]
     assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
 
 
 def test_torchrun_dead_rank_is_named_by_torchrun_and_every_process_ends(tmp_path) -> None:
     done, pids = _torchrun(tmp_path, "kill")
-    assert done.returncode != 0
     assert "rank      : 1 (local_rank: 1)" in done.stderr and "exitcode  : -9" in done.stderr
     assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
 
