@@ -291,6 +291,19 @@ MUTANTS = [
     Mutant("sharded_bucket_planner_counts_no_wire", "src/orangetron/plan/memory.py",
            (("    wire = job.zero_stage == 2 or", "    wire = job.zero_stage == 3 or"),),
            ("tests/test_plan_bridge.py::test_planner_equals_runtime_ledger_and_memory_for_data_parallel",)),
+    # ---- faults --------------------------------------------------------------------------------------------
+    Mutant("nan_checked_after_the_update", "src/orangetron/train/step.py",
+           (("    _stop_unless_finite(lm_loss, grad_norm)\n    faults.enter(\"optimizer step\")\n"
+             "    optimizer.step()\n",
+             "    faults.enter(\"optimizer step\")\n    optimizer.step()\n"
+             "    _stop_unless_finite(lm_loss, grad_norm)\n"),),
+           ("tests/test_faults.py::test_non_finite_step_stops_before_the_update",)),
+    Mutant("nan_decided_on_the_local_loss", "src/orangetron/train/step.py",
+           (("comm.all_reduce(verdict, comm.world_group()).tolist()", "verdict.tolist()"),),
+           ("tests/test_faults.py::test_nan_on_one_rank_stops_every_rank_at_that_step_keeping_the_last_checkpoint",)),
+    Mutant("rank_phase_never_posted", "src/orangetron/train/faults.py",
+           (("    _board.post(_step, PHASES.index(phase))", "    pass"),),
+           ("tests/test_faults.py::test_a_dead_or_hung_rank_ends_every_rank_naming_it",)),
 ]
 
 

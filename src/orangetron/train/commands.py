@@ -44,6 +44,8 @@ def add_train_commands(sub: Any) -> None:
                    help="parameter dtype; bfloat16 keeps float32 main params (default: %(default)s)")
     option("--threads", "CPU threads for torch ops; 1 stays fast when other processes share the cores",
            type=int)
+    option("--timeout-s", "seconds a rank waits for the others in a collective; then every rank stops and the "
+           "one that stopped responding is named", type=float)
     p.add_argument("--data", nargs="+", metavar="FILE", default=None,
                    help="UTF-8 text files to train on (default: the Python standard library's sources)")
     p.add_argument("--out", metavar="DIR", default=None,
@@ -168,13 +170,18 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     """Run `orangetron train`; configuration errors propagate as ValueError (cli prints one line)."""
     from orangetron.train.config import TrainConfig
+    from orangetron.train.launch import LaunchError
     from orangetron.train.trainer import train
 
     options = _config_options(args)
     if options.get("min_lr") is None:
         options["min_lr"] = options["lr"] / 10  # the cosine floor scales with the peak, as the defaults do
     cfg = TrainConfig(**options)
-    result = train(cfg, progress=not args.quiet)
+    try:
+        result = train(cfg, progress=not args.quiet)
+    except LaunchError as err:  # a rank failed, died or hung: its message, not the launcher's traceback
+        print(f"orangetron train: error: {err}", file=sys.stderr)
+        return 1
     if os.environ.get("RANK", "0") != "0":  # under torchrun every process holds the merged result
         return 0
     if not args.quiet:

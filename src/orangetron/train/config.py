@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from orangetron.layout import Layout
 from orangetron.model.config import MODEL_PRESETS, ModelConfig, model_preset
 from orangetron.train.corpus import DEFAULT_CORPUS_BYTES
+from orangetron.train.faults import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from orangetron.parallel.config import ParallelConfig
@@ -64,6 +65,8 @@ class TrainConfig:
     stop_after: int = 0  # end after this step, checkpointed, with the schedule of `steps` (0: run to `steps`)
     schedule_steps: int | None = None  # steps the warmup + cosine spans; None: `steps` (resume sets it)
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
+    timeout_s: float = DEFAULT_TIMEOUT_S  # seconds a collective waits for a peer; then the run stops, naming
+    # the rank that stopped responding
     tp: int = 1  # tensor-parallel degree: local ranks that split every weight matrix
     cp: int = 1  # context-parallel degree: local ranks that split every sequence head-tail
     pp: int = 1  # pipeline-parallel degree: local ranks that each run a contiguous share of the layers
@@ -93,6 +96,9 @@ class TrainConfig:
             _check_int("schedule_steps", self.schedule_steps, minimum=1)
         if self.threads is not None:
             _check_int("threads", self.threads, minimum=1)
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not 0 < self.timeout_s < math.inf:
+            raise TrainConfigError(f"timeout_s={self.timeout_s!r} (--timeout-s): must be a finite number > 0")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:

@@ -13,8 +13,13 @@ from orangetron import comm, memory
 from orangetron.model import Transformer
 from orangetron.parallel import DataParallel, ShardedAdamW, context, pipeline
 from orangetron.parallel.expert import update_router_bias
+from orangetron.train import faults
 
 IGNORE_INDEX = -100
+
+
+class TrainingDiverged(ValueError):
+    """A step's loss or gradient norm is not finite; the run stopped before updating with it."""
 
 
 def _rank_share(dp: DataParallel, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
@@ -77,11 +82,14 @@ def _forward_backward(dp: DataParallel, microbatches: list[torch.Tensor]) -> flo
     Each micro-batch's objective is divided by their number, so the sum is the mean over the step's rows.
     """
     if dp.mesh["pp"].size > 1:
+        faults.enter("forward and backward (pipeline)")
         return _pipeline_step(dp, microbatches)
     m, total = len(microbatches), 0.0
     for j, samples in enumerate(microbatches):
         with dp.no_sync() if j < m - 1 else nullcontext():  # reduce once, after the last backward
+            faults.enter("forward")
             objective, lm_loss = _lm_loss(dp, samples)
+            faults.enter("backward")
             (objective / m if m > 1 else objective).backward()
         total += float(lm_loss) / m
     return total
@@ -117,8 +125,10 @@ def train_step(
     """Forward and backward of every micro-batch [b, S+1] in `batch`, then one update -> (loss, grad norm,
     memory by category).
 
-    The memory dict is empty unless `measure`; then it holds the model state after the update
-    (params, grads, main_params, optimizer) and the peak of activations saved for backward.
+    Raises TrainingDiverged ("loss is nan", "gradient norm is inf") before the update when the loss on any
+    rank or the global gradient norm is not finite, on every rank alike. The memory dict is empty unless
+    `measure`; then it holds the model state after the update (params, grads, main_params, optimizer) and
+    the peak of activations saved for backward.
     `on_grads(dp)` sees the averaged gradients before clipping (`orangetron verify` reads them there).
     """
     with memory.track_activations(dp.module) if measure else nullcontext() as meter:
@@ -127,7 +137,10 @@ def train_step(
         dp.reduce_gradients()
         on_grads(dp)
     optimizer.lr = lr
+    faults.enter("gradient reduction")
     grad_norm = optimizer.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
+    _stop_unless_finite(lm_loss, grad_norm)
+    faults.enter("optimizer step")
     optimizer.step()
     update_router_bias(dp.module, dp.mesh, dp.config.sequence_parallel)
     mem: dict[str, int] = {}
@@ -137,3 +150,18 @@ def train_step(
                "activations_peak": meter.peak_bytes}
     optimizer.zero_grad()
     return float(lm_loss), float(grad_norm), mem
+
+
+def _stop_unless_finite(lm_loss: float, grad_norm: torch.Tensor) -> None:
+    """Raise TrainingDiverged on every rank when any rank's loss or the gradient norm is not finite.
+
+    Each rank's loss covers its share of the batch, so one sum over every rank decides for all of them: a
+    non-finite term makes the sum non-finite. The gradient norm is global already; it rides along.
+    """
+    verdict = torch.tensor([lm_loss, float(grad_norm)], dtype=torch.float64)
+    with comm.unmeasured():  # a check, not training traffic
+        loss_sum, norm_sum = comm.all_reduce(verdict, comm.world_group()).tolist()
+    if not math.isfinite(loss_sum):
+        raise TrainingDiverged(f"loss is {loss_sum}")
+    if not math.isfinite(norm_sum):
+        raise TrainingDiverged(f"gradient norm is {norm_sum}")

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,15 +25,16 @@ from orangetron import comm
 from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import Transformer
 from orangetron.parallel import DataParallel, ShardedAdamW, parallelize
+from orangetron.train import faults
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
-from orangetron.train.launch import launch_local, process_group
+from orangetron.train.launch import LaunchError, launch_local, process_group
 from orangetron.train.mfu import measured_peak_flops, step_flops
 from orangetron.train.progress import ProgressBar
 from orangetron.train.resume import resume, save
 from orangetron.train.runlog import Resumed, RunLog, final_losses
 from orangetron.train.schedule import lr_at
-from orangetron.train.step import evaluate, train_step
+from orangetron.train.step import TrainingDiverged, evaluate, train_step
 from orangetron.train.tokenizer import ByteTokenizer
 
 
@@ -84,7 +86,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
         if torchrun_world > 1:  # started by torchrun: join its group
             return _train_under_torchrun(cfg, progress)
         if world_size > 1:
-            return _merge_ranks(launch_local(_train_rank, world_size, args=(cfg, progress)))
+            return _merge_ranks(launch_local(_train_rank, world_size, args=(cfg, progress),
+                                             timeout_s=cfg.timeout_s))
     # One thread by default: these models run many small ops, and on a shared 2-core machine a second
     # OpenMP thread that waits for a busy core at every op made steps 10x slower, not faster.
     previous_threads = torch.get_num_threads()
@@ -103,13 +106,34 @@ def _train_under_torchrun(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     if world_size != cfg.layout.world_size:
         raise TrainConfigError(f"torchrun started {world_size} processes but the layout {cfg.layout} needs "
                                f"{cfg.layout.world_size} (tp*cp*pp*dp)")
-    torch.distributed.init_process_group("gloo")  # the trainer keeps its tensors on the CPU for now
+    # The trainer keeps its tensors on the CPU for now. The timeout bounds every collective: a rank that
+    # stops responding makes its peers fail here, and torchrun then ends every process.
+    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
+    board = _store_board(cfg)
+    faults.attach(board)
     try:
         result = _train_rank(cfg, progress)
         return _merge_ranks(comm.all_gather_objects(result))
+    except Exception as err:
+        if board is None or not faults.is_collective_failure(err):
+            raise
+        faults.enter("failed in a collective")  # tells the other victims this rank is not the culprit
+        faults.wait_for_peers()
+        raise LaunchError(faults.name_culprits(board.read(world_size), world_size, board.rank)) from err
     finally:
+        faults.attach(None)
         torch.distributed.destroy_process_group()
         forget_meshes()
+
+
+def _store_board(cfg: TrainConfig) -> faults.StoreBoard | None:
+    """Each rank's phase on torchrun's key-value store, where the other ranks can read it after a fault."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=timedelta(seconds=cfg.timeout_s))
+    prefix = torch.distributed.PrefixStore("orangetron/phase", store)
+    return faults.StoreBoard(prefix, torch.distributed.get_rank())
 
 
 def _train_rank(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
@@ -151,6 +175,7 @@ class RunSetup:
 
 def setup_run(cfg: TrainConfig) -> RunSetup:
     """Data, wrapped model and optimizer of this rank, inside an initialized process group."""
+    faults.enter("setup")
     mesh = init_mesh(cfg.layout)
     torch.manual_seed(cfg.seed)
     data = load_data(cfg)
@@ -170,6 +195,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     bar.log(f"orangetron train: {_describe(cfg, data)}")
     start = Resumed(0, [])
     if cfg.resume:
+        faults.enter("resuming")
         cfg, start = resume(cfg, setup)
         bar.log(f"resumed from {start.path} at step {start.step} of {cfg.steps}")
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
@@ -184,20 +210,27 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             next(batches)
         for step in range(start.step, last):
             t0 = time.perf_counter()
+            faults.enter("data", step + 1)
             lr = lr_at(step, cfg)
             rows = setup.rows(next(batches))
             # The first step also measures memory; its hooks cost time, so run.step leaves it out of tokens/s.
-            loss, grad_norm, step_mem = train_step(dp, optimizer, rows, lr, cfg.grad_clip,
-                                                    measure=step == start.step)
+            try:
+                loss, grad_norm, step_mem = train_step(dp, optimizer, rows, lr, cfg.grad_clip,
+                                                        measure=step == start.step)
+            except TrainingDiverged as err:  # nothing of this step was applied or written
+                kept = "; the run folder keeps the checkpoints of earlier steps" if cfg.out is not None else ""
+                raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{kept}") from None
             seconds = time.perf_counter() - t0  # evaluation below is not training throughput
             loss = _global_batch_loss(dp, loss)
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
             if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+                faults.enter("evaluation")
                 eval_loss = evaluate(dp, data.eval_samples, cfg.batch_size, cfg.eval_batches)
                 record["eval_loss"] = eval_loss
             run.step(record, seconds)
             if cfg.out is not None and (step + 1 == last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+                faults.enter("checkpoint")
                 written = save(cfg, setup, step + 1, run.losses)
                 if written is not None:
                     bar.log(f"wrote checkpoint {written}")
