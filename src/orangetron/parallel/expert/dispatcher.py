@@ -14,6 +14,10 @@ combine and combine's a dispatch (the collectives' autograd pairs). Modes share 
 - "capacity": at most ceil(T * k / E * capacity_factor) assignments per expert from each rank, chosen by
   `drop_policy`, padded to fixed row counts; `handle.dropped` [E] counts what this rank dropped.
 - "allgather": gather the ep group's tokens and keep the rows of the local experts; combine reduce-scatters.
+
+`dispatch_compute_combine(x, topk_idx, topk_weights, compute)` runs the three in one call; with
+`overlap_chunks` > 1 (ragged only) it pipelines them over token chunks so one chunk's all-to-all runs while
+another chunk's experts compute (`overlap.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
-from orangetron.parallel.expert import allgather, capacity, ragged
+from orangetron.parallel.expert import allgather, capacity, overlap, ragged
 from orangetron.plan.config import DISPATCHERS
 
 
@@ -30,7 +34,7 @@ class Dispatcher:
     """Dispatch and combine over `mesh["ep"]` (or a `MeshGroup`) for `num_experts` experts."""
 
     def __init__(self, mesh: ParallelMesh | MeshGroup, num_experts: int, mode: str = "ragged",
-                 capacity_factor: float = 1.0, drop_policy: str = "probs") -> None:
+                 capacity_factor: float = 1.0, drop_policy: str = "probs", overlap_chunks: int = 1) -> None:
         self.group = mesh if isinstance(mesh, MeshGroup) else mesh["ep"]
         if mode not in DISPATCHERS:
             raise ParallelConfigError(f"dispatcher={mode!r}: must be one of {', '.join(DISPATCHERS)}")
@@ -41,7 +45,12 @@ class Dispatcher:
         if num_experts < 1 or num_experts % self.group.size:
             raise ParallelConfigError(f"num_experts={num_experts}: must be a positive multiple of ep="
                                       f"{self.group.size} (experts sit in equal blocks per ep rank)")
-        self.num_experts, self.mode = num_experts, mode
+        if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+            raise ParallelConfigError(f"overlap_chunks={overlap_chunks!r}: must be a positive integer")
+        if overlap_chunks > 1 and mode != "ragged":
+            raise ParallelConfigError(f"overlap_chunks={overlap_chunks} with dispatcher={mode!r}: chunked overlap "
+                                      "is implemented for the ragged dispatcher only; use 1")
+        self.num_experts, self.mode, self.overlap_chunks = num_experts, mode, overlap_chunks
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.local_experts = num_experts // self.group.size
         self.first_expert = self.group.rank * self.local_experts
@@ -62,6 +71,17 @@ class Dispatcher:
         if self.mode == "allgather":
             return allgather.combine(expert_out, handle, self.group)
         return ragged.combine(expert_out, handle, self.group)
+
+    def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                                 compute: overlap.ExpertCompute) -> torch.Tensor:
+        """`combine(compute(*dispatch(x, ...)[:4]), handle)`: x [T, dim] -> [T, dim]. With `overlap_chunks` > 1
+        the tokens go in chunks, each chunk's all-to-all overlapping another chunk's `compute`."""
+        if self.overlap_chunks == 1:
+            recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatch(x, topk_idx, topk_weights)
+            return self.combine(compute(recv_x, recv_idx, recv_w, tokens_per_expert), handle)
+        self._check(x, topk_idx, topk_weights)
+        return overlap.overlapped(x, topk_idx, topk_weights, self.group, self.num_experts, self.overlap_chunks,
+                                  compute)
 
     def _check(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
         if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape != topk_weights.shape \
