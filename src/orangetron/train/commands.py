@@ -94,6 +94,9 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    "capacity), allgather (default: %(default)s)")
     p.add_argument("--capacity-factor", type=float, default=1.0,
                    help="--dispatcher capacity: slots per expert as a multiple of the fair share (default: 1.0)")
+    p.add_argument("--ep-overlap-chunks", type=int, default=1,
+                   help="--dispatcher ragged: dispatch in this many token chunks, one chunk's all-to-all "
+                   "overlapping another's expert compute (default: 1, no overlap)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks)")
     p.add_argument("--distributed-optimizer", action="store_true",
@@ -138,6 +141,7 @@ def run_verify(args: argparse.Namespace) -> int:
         ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
         grad_bucket_numel=args.grad_bucket_numel, sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
         ulysses_degree=args.ulysses_degree, dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
+        ep_overlap_chunks=args.ep_overlap_chunks,
         pp_schedule=args.pp_schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
     )
     result = verify(cfg, args.tolerance)
@@ -162,7 +166,8 @@ def run_train(args: argparse.Namespace) -> int:
         grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
         extend=args.extend, stop_after=args.stop_after,
         sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
-        dispatcher=args.dispatcher, capacity_factor=args.capacity_factor, pp_schedule=args.pp_schedule,
+        dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
+        ep_overlap_chunks=args.ep_overlap_chunks, pp_schedule=args.pp_schedule,
         microbatches=args.microbatches, virtual_stages=args.virtual_stages,
         min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
     )
