@@ -56,15 +56,18 @@ def overlap_times() -> dict[str, float]:
     mesh = init_mesh(Layout(dp=EP, ep=EP))
     cfg = OVERLAP_CFG
     layers = {c: _layer(cfg, mesh, "ragged", c) for c in CHUNKS}
-    comm_only = _layer(cfg, mesh, "ragged")
-    comm_only._experts = lambda recv_x, recv_idx, recv_w, per_expert: recv_x  # identity: the all-to-alls alone
+    serial = layers[1].dispatcher
+
+    def comm_only() -> torch.Tensor:  # the serial layer's router and all-to-alls, the experts an identity
+        idx, w = layers[1].router.route(x.view(-1, cfg.dim))[2:]
+        return serial.dispatch_compute_combine(x.view(-1, cfg.dim), idx, w, None, lambda _, rows, *rest: rows)
     x = torch.randn(1, OVERLAP_TOKENS, cfg.dim, generator=torch.Generator().manual_seed(mesh.rank))
     xg = x.clone().requires_grad_()
     times: dict[str, list[float]] = {}
     for repeat in range(WARMUP + REPEATS):
         passes = {f"forward/{c}": (lambda c=c: layers[c](x)) for c in CHUNKS}
         passes |= {f"step/{c}": (lambda c=c: layers[c](xg).square().mean().backward()) for c in CHUNKS}
-        passes["forward/comm_only"] = lambda: comm_only(x)
+        passes["forward/comm_only"] = comm_only
         for name, fn in passes.items():
             with torch.no_grad() if name.startswith("forward") else torch.enable_grad():
                 seconds = _timed(fn)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_expert_dispatch import DIM, HIDDEN, TOKENS, _rel, expected_ledger, reference_layer, route, tokens, weights
 
-from orangetron import comm
+from orangetron import comm, memory
 from orangetron.layout import Layout
 from orangetron.mesh import MeshGroup, init_mesh
 from orangetron.model.moe import GroupedExperts
@@ -44,18 +44,22 @@ def overlapped_layer(mesh, local: int, k: int, chunks: int):
     x = x_all[g.rank * TOKENS:(g.rank + 1) * TOKENS].clone().requires_grad_()
     idx, w = route(x, gate, k)
     d = Dispatcher(mesh, experts, "ragged", overlap_chunks=chunks)
-    launched_before_compute = []
+    launched_before_compute, launched_before_backward = [], []
 
-    def compute(recv_x, recv_idx, recv_w, per_expert):
+    def compute(experts, recv_x, recv_idx, recv_w, per_expert):
         launched_before_compute.append(_records(records))
-        return run_local_experts(mine, recv_x, recv_idx, recv_w, per_expert)
+        out = run_local_experts(experts, recv_x, recv_idx, recv_w, per_expert)
+        # Fires when this chunk's expert backward begins (its output gradient has arrived).
+        out.register_hook(lambda grad: launched_before_backward.append(_records(records)))
+        return out
 
     with comm.measure() as records:
-        y = d.dispatch_compute_combine(x, idx, w, compute)
+        y = d.dispatch_compute_combine(x, idx, w, mine, compute)
         forward = len(records)
+        kept = memory.tensors_kept_on_ctx(y)  # everything kept for backward is visible to the activation meter
         (y * probe[g.rank * TOKENS:(g.rank + 1) * TOKENS]).sum().backward()
     return (y.detach(), x.grad, gate.grad, {n: getattr(mine, n).grad for n in ("w1", "w3", "w2")},
-            _records(records), forward, launched_before_compute)
+            _records(records), forward, (launched_before_compute, launched_before_backward), kept)
 
 
 def balanced(mesh, chunks: int, k: int = 2, local: int = 2):
@@ -68,7 +72,7 @@ def balanced(mesh, chunks: int, k: int = 2, local: int = 2):
     w = torch.rand(n, k, dtype=torch.float64, requires_grad=True)
     d = Dispatcher(mesh, g.size * local, "ragged", overlap_chunks=chunks)
     with comm.measure() as records:
-        d.dispatch_compute_combine(x, idx, w, lambda *a: run_local_experts(experts, *a)).sum().backward()
+        d.dispatch_compute_combine(x, idx, w, experts).sum().backward()
     return sorted(_records(records))
 
 
@@ -125,7 +129,8 @@ def test_overlapped_dispatch_equals_one_device_and_counted_routing(world):
         gate_grad = sum(r[0][i][2] for r in results)
         assert _rel(gate_grad, grads["gate"]) < 1e-9, where
         for rank, (layers, _) in enumerate(results):
-            y_r, xg_r, _, expert_grads, ledger, forward, seen = layers[i]
+            y_r, xg_r, _, expert_grads, ledger, forward, _, kept = layers[i]
+            assert kept == [], f"{where} rank {rank}"
             mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
             assert _rel(y_r, y[mine]) < 1e-9, f"{where} rank {rank} output"
             assert _rel(xg_r, x_grad[mine]) < 1e-9, f"{where} rank {rank} input grad"
@@ -144,17 +149,21 @@ def test_overlapped_dispatch_equals_one_device_and_counted_routing(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_next_chunk_is_in_flight_while_a_chunk_computes(world):
-    """Launch order, not time: before chunk c's experts run, chunk c+1's three all-to-alls have been started
-    (and every earlier chunk's combine), so the transfer runs while the chunk computes."""
+    """Launch order, not time. Forward: before chunk c's experts run, chunk c+1's three all-to-alls have been
+    started (and every earlier chunk's combine). Backward: before chunk c's experts' backward runs, chunk
+    c+1's output gradients are on their way (and every earlier chunk's input gradients)."""
     results = run(world)
     for i, (_, _, chunks) in enumerate(CASES):
         for rank, (layers, _) in enumerate(results):
-            ledger, seen = layers[i][4], layers[i][6]
-            assert len(seen) == chunks
+            ledger, forward, (seen, seen_backward) = layers[i][4], layers[i][5], layers[i][6]
+            where = f"ep={world} chunks={chunks} rank {rank}"
+            assert len(seen) == len(seen_backward) == chunks, where
             for c, before in enumerate(seen):
-                started_dispatches = min(c + 2, chunks)
-                assert len(before) == 1 + 3 * started_dispatches + c, f"chunks={chunks} rank {rank} chunk {c}"
-                assert before == ledger[:len(before)]
+                started = 1 + 3 * min(c + 2, chunks) + c  # counts, dispatches, combines
+                assert before == ledger[:started], f"{where} forward chunk {c}"
+            for c, before in enumerate(seen_backward):
+                started = forward + min(c + 2, chunks) + 2 * c  # output grads out; rows' and weights' grads home
+                assert before == ledger[:started], f"{where} backward chunk {c}"
 
 
 @pytest.mark.parametrize("world", [2, 4])

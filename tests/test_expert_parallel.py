@@ -37,7 +37,7 @@ CASES = {
     4: [("moe-shared", Layout(dp=4, ep=2), {"dispatcher": "ragged", "zero_stage": 1}),
         ("moe-every-other", Layout(dp=4, ep=4), {"dispatcher": "allgather", "distributed_optimizer": True}),
         ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True}),
-        ("moe-every-other", Layout(dp=4, ep=4), {"dispatcher": "ragged", "ep_overlap_chunks": 2, "zero_stage": 1})],
+        ("moe-every-other", Layout(dp=4, ep=4), {"dispatcher": "ragged", "ep_overlap_chunks": 2, "zero_stage": 3})],
     8: [("moe-shared", Layout(tp=2, dp=4, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
                                                    "zero_stage": 1}),
         ("moe-every-other", Layout(tp=2, dp=4, ep=2), {"dispatcher": "allgather", "zero_stage": 3})],

@@ -23,7 +23,7 @@ from orangetron.plan import collectives as formulas
 from orangetron.plan.collectives import CommRecord
 
 __all__ = [
-    "CommRecord", "LEDGER_LIMIT", "LedgerOverflow", "Pending", "PendingAllReduce", "PendingAllToAll",
+    "CommRecord", "LEDGER_LIMIT", "LedgerOverflow", "Pending", "PendingAllReduce",
     "RingExchange", "all_gather", "all_gather_into", "all_gather_into_start", "all_gather_objects", "all_reduce",
     "all_reduce_max", "all_reduce_start", "all_to_all", "all_to_all_start", "broadcast", "bytes_by_key",
     "copy_to_group", "ledger", "measure", "recv", "reduce_scatter", "reduce_scatter_start", "reset_ledger",
@@ -207,13 +207,15 @@ def reduce_scatter_start(x: torch.Tensor, group: MeshGroup) -> Pending:
 class Pending:
     """A collective in flight (`*_start`); `wait()` completes it and returns its result tensor."""
 
-    def __init__(self, tensor: torch.Tensor, work: object | None) -> None:
+    def __init__(self, tensor: torch.Tensor, work: object | None, keep: torch.Tensor | None = None) -> None:
         self.tensor, self._work = tensor, work
+        self._keep = keep  # a send buffer the backend reads until the collective completes
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
+            self._keep = None
         return self.tensor
 
 
@@ -232,39 +234,18 @@ def all_reduce_start(x: torch.Tensor, group: MeshGroup) -> Pending:
     return Pending(x, work)
 
 
-def all_to_all_start(x: torch.Tensor, group: MeshGroup, send_rows: Sequence[int],
-                     recv_rows: Sequence[int]) -> PendingAllToAll:
+def all_to_all_start(x: torch.Tensor, group: MeshGroup, send_rows: Sequence[int], recv_rows: Sequence[int]) -> Pending:
     """`all_to_all` that returns at once, so compute can overlap it (chunked expert dispatch); `wait()`
-    returns the received rows, autograd-aware: their gradient goes back to the senders' `x` by the reverse
-    all-to-all (blocking, in backward). `x` must stay untouched until `wait()`. Recorded at the start,
-    exactly as `all_to_all` records it."""
+    returns the received rows. No autograd; `x` must stay untouched until then. Recorded at the start, exactly
+    as `all_to_all` records it."""
     send_rows, recv_rows = _check_splits("all_to_all_start", x, group, send_rows, recv_rows)
     if group.size == 1:
-        return PendingAllToAll(x, x, None, group, send_rows, recv_rows)
-    sent = x.detach().contiguous()
-    out = sent.new_empty((sum(recv_rows), *sent.shape[1:]))
-    work = dist.all_to_all_single(out, sent, recv_rows, send_rows, group=group.group, async_op=True)
-    _record("all_to_all", group, _nbytes(sent), _all_to_all_bytes(sent, group, send_rows, recv_rows))
-    return PendingAllToAll(x, out, work, group, send_rows, recv_rows)
-
-
-class PendingAllToAll:
-    """An all-to-all in flight; `wait()` completes it once and returns the received rows."""
-
-    def __init__(self, x: torch.Tensor, out: torch.Tensor, work: object | None, group: MeshGroup,
-                 send_rows: list[int], recv_rows: list[int]) -> None:
-        self._x, self._out, self._work = x, out, work
-        self._group, self._send_rows, self._recv_rows = group, send_rows, recv_rows
-        self._done = False
-
-    def wait(self) -> torch.Tensor:
-        if self._done:
-            raise RuntimeError("PendingAllToAll.wait called twice")
-        self._done = True
-        if self._work is None:
-            return self._out
-        self._work.wait()
-        return _AllToAllArrived.apply(self._x, self._out, self._group, self._send_rows, self._recv_rows)
+        return Pending(x, None)
+    x = x.detach().contiguous()
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, recv_rows, send_rows, group=group.group, async_op=True)
+    _record("all_to_all", group, _nbytes(x), _all_to_all_bytes(x, group, send_rows, recv_rows))
+    return Pending(out, work, keep=x)
 
 
 def all_reduce_max(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
@@ -360,20 +341,6 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _all_to_all_raw(grad, ctx.group, ctx.recv_rows, ctx.send_rows), None, None, None
-
-
-class _AllToAllArrived(torch.autograd.Function):
-    """The rows an `all_to_all_start` received, forward; the reverse all-to-all of their gradient, backward."""
-
-    @staticmethod
-    def forward(ctx, sent: torch.Tensor, received: torch.Tensor, group: MeshGroup, send_rows: list[int],
-                recv_rows: list[int]) -> torch.Tensor:
-        ctx.group, ctx.send_rows, ctx.recv_rows = group, send_rows, recv_rows
-        return received.view_as(received)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_to_all_raw(grad, ctx.group, ctx.recv_rows, ctx.send_rows), None, None, None, None
 
 
 class _Broadcast(torch.autograd.Function):

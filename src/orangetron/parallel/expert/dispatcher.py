@@ -23,6 +23,7 @@ another chunk's experts compute (`overlap.py`).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
@@ -73,15 +74,18 @@ class Dispatcher:
         return ragged.combine(expert_out, handle, self.group)
 
     def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                                 compute: overlap.ExpertCompute) -> torch.Tensor:
-        """`combine(compute(*dispatch(x, ...)[:4]), handle)`: x [T, dim] -> [T, dim]. With `overlap_chunks` > 1
-        the tokens go in chunks, each chunk's all-to-all overlapping another chunk's `compute`."""
+                                 experts: nn.Module, compute: overlap.ExpertCompute | None = None) -> torch.Tensor:
+        """`combine(compute(experts, *dispatch(x, ...)[:4]), handle)`: x [T, dim] -> [T, dim]; `compute`
+        defaults to `run_local_experts`. With `overlap_chunks` > 1 the tokens go in chunks, each chunk's
+        all-to-all overlapping another chunk's compute (forward and backward); `compute` may then use no
+        parameters but those of `experts`."""
+        compute = compute or run_local_experts
         if self.overlap_chunks == 1:
             recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatch(x, topk_idx, topk_weights)
-            return self.combine(compute(recv_x, recv_idx, recv_w, tokens_per_expert), handle)
+            return self.combine(compute(experts, recv_x, recv_idx, recv_w, tokens_per_expert), handle)
         self._check(x, topk_idx, topk_weights)
         return overlap.overlapped(x, topk_idx, topk_weights, self.group, self.num_experts, self.overlap_chunks,
-                                  compute)
+                                  experts, compute)
 
     def _check(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
         if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape != topk_weights.shape \
@@ -95,7 +99,7 @@ class Dispatcher:
             raise ValueError(f"dispatch: expert id {bad} is out of range [0, num_experts={self.num_experts})")
 
 
-def run_local_experts(experts: torch.nn.Module, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor,
+def run_local_experts(experts: nn.Module, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor,
                       recv_topk_weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """Apply the local `GroupedExperts` to the received rows: each row's weighted outputs of its local
     slots, summed ([R, dim]); rows with no local slot (padding) give zeros."""

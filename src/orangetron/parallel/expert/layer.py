@@ -13,7 +13,7 @@ import torch
 from orangetron.mesh import MeshGroup
 from orangetron.model.moe import MoE
 from orangetron.parallel.expert.balance import global_router_losses
-from orangetron.parallel.expert.dispatcher import Dispatcher, run_local_experts
+from orangetron.parallel.expert.dispatcher import Dispatcher
 
 
 class ExpertParallelMoE(MoE):
@@ -33,17 +33,13 @@ class ExpertParallelMoE(MoE):
             for w in (self.experts.w1, self.experts.w3, self.experts.w2):
                 w.data = w.data[first:first + local].clone()
 
-    def _experts(self, recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor,
-                 tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return run_local_experts(self.experts, recv_x, recv_idx, recv_w, tokens_per_expert)
-
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         x_flat = x.reshape(-1, x.shape[-1])  # [T, dim]
         mask = None if token_mask is None else token_mask.reshape(-1)
         logits, scores, topk_idx, topk_weights = self.router.route(x_flat, mask)
         self.last_aux_loss = global_router_losses(self.router, logits, scores, topk_idx, mask, self.balance_groups,
                                                   self.grad_ranks)
-        y = self.dispatcher.dispatch_compute_combine(x_flat, topk_idx, topk_weights, self._experts)  # [T, dim]
+        y = self.dispatcher.dispatch_compute_combine(x_flat, topk_idx, topk_weights, self.experts)  # [T, dim]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x_flat)
         return y.view_as(x)
