@@ -28,6 +28,7 @@ from torch import nn
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
 from orangetron.parallel.expert import allgather, capacity, overlap, ragged
+from orangetron.parallel.expert.routing import sum_rows
 from orangetron.plan.config import DISPATCHERS
 
 
@@ -107,7 +108,8 @@ def run_local_experts(experts: nn.Module, recv_x: torch.Tensor, recv_topk_idx: t
     slots = recv_topk_idx.reshape(-1)
     local = experts.w1.shape[0]
     # Copies grouped by local expert, row order kept within an expert; -1 slots sort last and are cut off.
-    order = torch.argsort(torch.where(slots < 0, local, slots), stable=True)[: int(tokens_per_expert.sum())]
+    # A copy of the cut: backward keeps `order`, which must not hold the cut-off tail.
+    order = torch.argsort(torch.where(slots < 0, local, slots), stable=True)[: int(tokens_per_expert.sum())].clone()
     row_of_copy = order // k
     out = experts(recv_x[row_of_copy], tokens_per_expert, recv_topk_weights.reshape(-1)[order])
-    return recv_x.new_zeros(rows, recv_x.shape[-1]).index_add(0, row_of_copy, out)
+    return sum_rows(out, row_of_copy, rows)  # [R, dim]

@@ -76,7 +76,7 @@ def overlapped(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     rows = [route_rows(topk_idx[a:b], local, group.size) for a, b in bounds]
     send_rows = [r.send_rows for r in rows]
     plan = ChunkPlan(group, local, bounds, send_rows, exchange_chunk_counts(send_rows, group))
-    routing = [r.token for r in rows] + [r.local_idx for r in rows]
+    routing = [r.token for r in rows] + [r.local_idx for r in rows]  # backward keeps the ids' mask only
     params = [p for p in experts.parameters() if p.requires_grad]
     return _Overlapped.apply(x, topk_weights, plan, partial(compute, experts), torch.is_grad_enabled(), len(params),
                              *params, *routing)
@@ -167,7 +167,7 @@ class _Overlapped(torch.autograd.Function):
         y = [_sum_rows(p.wait(), token[c], b - a) for c, (p, (a, b)) in enumerate(zip(combines, plan.bounds,
                                                                                           strict=True))]
         if build:
-            ctx.save_for_backward(*params, *token, *local_idx, anchor, *roots)
+            ctx.save_for_backward(*params, *token, *(i >= 0 for i in local_idx), anchor, *roots)
         ctx.x_shape, ctx.w_shape = tuple(x.shape), tuple(topk_weights.shape)
         return torch.cat(y)
 
@@ -175,7 +175,7 @@ class _Overlapped(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):
         plan, n = ctx.plan, len(ctx.plan.bounds)
         saved = ctx.saved_tensors
-        params, token, local_idx = _split(saved[:ctx.n_params + 2 * n], ctx.n_params, n)
+        params, token, here = _split(saved[:ctx.n_params + 2 * n], ctx.n_params, n)  # here: slots this rank sent
         anchor, roots = saved[ctx.n_params + 2 * n], saved[ctx.n_params + 2 * n + 1:]
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
 
@@ -201,12 +201,12 @@ class _Overlapped(torch.autograd.Function):
                 grad_x[a:b].index_add_(0, token[c], next(back).wait())
             if want_w:
                 g = next(back).wait()  # [S, k]
-                grad_w[a:b].index_add_(0, token[c], torch.where(local_idx[c] >= 0, g, torch.zeros_like(g)))
+                grad_w[a:b].index_add_(0, token[c], torch.where(here[c], g, torch.zeros_like(g)))
         return grad_x, grad_w, None, None, None, None, *grad_params, *([None] * 2 * n)
 
 
 def _split(tensors: tuple[torch.Tensor, ...], n_params: int, chunks: int):
-    """(params, tokens per chunk, local ids per chunk) out of one flat argument list."""
+    """(params, tokens per chunk, ids (or their mask) per chunk) out of one flat argument list."""
     routing = tensors[n_params:]
     return tensors[:n_params], routing[:chunks], routing[chunks:2 * chunks]
 
