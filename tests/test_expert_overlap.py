@@ -9,7 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_expert_dispatch import DIM, HIDDEN, TOKENS, _rel, expected_ledger, reference_layer, route, tokens, weights
+from test_expert_dispatch import (
+    DIM,
+    HIDDEN,
+    TOKENS,
+    _rel,
+    expected_ledger,
+    layer_on_rank,
+    reference_layer,
+    route,
+    tokens,
+    weights,
+)
 
 from orangetron import comm, memory
 from orangetron.layout import Layout
@@ -176,6 +187,34 @@ def test_balanced_chunked_routing_equals_the_planner(world):
         want = sorted(_records(expert_parallel_records(spec, Degrees(dp=world, ep=world), job)))
         for rank, (_, planned) in enumerate(results):
             assert planned[chunks] == want, f"ep={world} chunks={chunks} rank {rank}"
+
+
+EP8 = [("ragged", 1, 2), ("allgather", 1, 2)]  # (mode, experts per rank, top_k): 8 experts
+
+
+def ep8_checks():
+    mesh = init_mesh(Layout(dp=8, ep=8))
+    serial = [layer_on_rank(mesh, mode, local, k, 1.0, "probs") for mode, local, k in EP8]
+    return serial, overlapped_layer(mesh, 1, 2, 3)
+
+
+def test_ep8_layer_equals_one_device():
+    """ep = 8 in one launch: ragged, all-gather and overlapped (3 chunks) against the plain layer."""
+    results = run_distributed(ep8_checks, 8)
+    cases = [(mode, i, mode) for i, (mode, _, _) in enumerate(EP8)] + [("overlapped ragged", None, "ragged")]
+    for where, i, mode in cases:
+        y, x_grad, grads, idx, _ = reference_layer(8, mode, 1, 2, 1.0, "probs")
+        per_rank = [r[0][i] if i is not None else r[1] for r in results]
+        assert _rel(sum(r[2] for r in per_rank), grads["gate"]) < 1e-9, where
+        for rank, r in enumerate(per_rank):
+            mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            assert _rel(r[0], y[mine]) < 1e-9, f"{where} rank {rank} output"
+            assert _rel(r[1], x_grad[mine]) < 1e-9, f"{where} rank {rank} input grad"
+            for name, g in r[3].items():
+                assert _rel(g, grads[name][rank:rank + 1]) < 1e-9, f"{where} rank {rank} {name}"
+        if i is None:
+            for rank, r in enumerate(per_rank):
+                assert sorted(r[4]) == hand_ledger(8, rank, idx, 1, 3), f"{where} rank {rank} ledger"
 
 
 def test_overlap_configuration_errors():
