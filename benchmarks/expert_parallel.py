@@ -27,7 +27,7 @@ from orangetron.model.moe import MoE
 from orangetron.parallel.expert import Dispatcher, ExpertParallelMoE
 from orangetron.testing import run_distributed, shutdown_workers
 
-EP, REPEATS, WARMUP = 2, 9, 2
+EP, REPEATS, WARMUP = 2, 15, 2
 DISPATCH_CFG = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=512, n_experts=8,
                            top_k=2, moe_ffn_dim=256, aux_loss_coef=0.0)
 DISPATCH_TOKENS = 2048
