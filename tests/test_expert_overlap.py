@@ -87,9 +87,27 @@ def balanced(mesh, chunks: int, k: int = 2, local: int = 2):
     return sorted(_records(records))
 
 
+def extremes(mesh) -> dict[str, torch.Tensor]:
+    """Identity experts, 3 chunks: every token to expert 0; rank 0 with no tokens; top_k = experts."""
+    g = mesh["ep"]
+    experts = 2 * g.size
+    x = torch.arange(TOKENS * DIM, dtype=torch.float64).view(TOKENS, DIM) + 100 * g.rank
+    d = Dispatcher(mesh, experts, "ragged", overlap_chunks=3)
+    identity = lambda _, rows, *rest: rows  # noqa: E731 - each row comes back as it went
+
+    def round_trip(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return d.dispatch_compute_combine(x, idx, torch.ones(idx.shape, dtype=torch.float64), torch.nn.Identity(),
+                                          identity)
+    empty = TOKENS if g.rank else 0
+    return {"one": round_trip(x, torch.zeros(TOKENS, 1, dtype=torch.int64)),
+            "empty": round_trip(x[:empty], torch.ones(empty, 2, dtype=torch.int64) * torch.tensor([0, experts - 1])),
+            "every": round_trip(x, torch.arange(experts).repeat(TOKENS, 1))}
+
+
 def all_checks(world: int):
     mesh = init_mesh(Layout(dp=world, ep=world))
-    return [overlapped_layer(mesh, *case) for case in CASES], {c: balanced(mesh, c) for c in (2, 3)}
+    return ([overlapped_layer(mesh, *case) for case in CASES], {c: balanced(mesh, c) for c in (2, 3)},
+            extremes(mesh))
 
 
 def chunk_ranges(chunks: int) -> list[range]:
@@ -139,7 +157,7 @@ def test_overlapped_dispatch_equals_one_device_and_counted_routing(world):
         y, x_grad, grads, idx, _ = reference_layer(world, "ragged", local, k, 1.0, "probs")
         gate_grad = sum(r[0][i][2] for r in results)
         assert _rel(gate_grad, grads["gate"]) < 1e-9, where
-        for rank, (layers, _) in enumerate(results):
+        for rank, (layers, _, _) in enumerate(results):
             y_r, xg_r, _, expert_grads, ledger, forward, _, kept = layers[i]
             assert kept == [], f"{where} rank {rank}"
             mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
@@ -165,7 +183,7 @@ def test_next_chunk_is_in_flight_while_a_chunk_computes(world):
     c+1's output gradients are on their way (and every earlier chunk's input gradients)."""
     results = run(world)
     for i, (_, _, chunks) in enumerate(CASES):
-        for rank, (layers, _) in enumerate(results):
+        for rank, (layers, _, _) in enumerate(results):
             ledger, forward, (seen, seen_backward) = layers[i][4], layers[i][5], layers[i][6]
             where = f"ep={world} chunks={chunks} rank {rank}"
             assert len(seen) == len(seen_backward) == chunks, where
@@ -185,7 +203,7 @@ def test_balanced_chunked_routing_equals_the_planner(world):
     for chunks in (2, 3):
         job = Job(seq_len=2 * world * chunks, param_dtype="float64", ep_overlap_chunks=chunks)
         want = sorted(_records(expert_parallel_records(spec, Degrees(dp=world, ep=world), job)))
-        for rank, (_, planned) in enumerate(results):
+        for rank, (_, planned, _) in enumerate(results):
             assert planned[chunks] == want, f"ep={world} chunks={chunks} rank {rank}"
 
 
@@ -215,6 +233,16 @@ def test_ep8_layer_equals_one_device():
         if i is None:
             for rank, r in enumerate(per_rank):
                 assert sorted(r[4]) == hand_ledger(8, rank, idx, 1, 3), f"{where} rank {rank} ledger"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_extreme_routing_round_trips(world):
+    """combine(dispatch(x)) with identity experts is x times its number of destination ranks, in 3 chunks."""
+    for rank, (_, _, out) in enumerate(run(world)):
+        x = torch.arange(TOKENS * DIM, dtype=torch.float64).view(TOKENS, DIM) + 100 * rank
+        assert torch.equal(out["one"], x), f"rank {rank}"
+        assert torch.equal(out["every"], x * world), f"rank {rank}"
+        assert torch.equal(out["empty"], x[:TOKENS if rank else 0] * 2), f"rank {rank}"  # experts on ranks 0, last
 
 
 def test_overlap_configuration_errors():
