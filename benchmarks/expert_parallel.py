@@ -91,7 +91,7 @@ def _line(name: str, config: dict, metric: str, value: float, unit: str, baselin
 
 
 def main() -> None:
-    times = run_distributed(overlap_times, EP)[0]
+    times = run_distributed(overlap_times, EP, timeout=1200)[0]
     config = {"dispatcher": "ragged", "ep": EP, "tokens_per_rank": OVERLAP_TOKENS, "dim": OVERLAP_CFG.dim,
               "moe_ffn_dim": OVERLAP_CFG.moe_ffn_dim, "experts": OVERLAP_CFG.n_experts, "top_k": OVERLAP_CFG.top_k}
     serial = times["forward/1"]
@@ -102,7 +102,7 @@ def main() -> None:
             value, base = times[f"{phase}/{chunks}"], times[f"{phase}/1"]
             print(_line("expert_parallel_overlap", {**config, "overlap_chunks": chunks}, f"{phase}_time", value, "s",
                         base, value / base))
-    results = {mode: run_distributed(layer_tokens_per_s, EP, args=(mode,))[0] for mode in MODES}
+    results = {mode: run_distributed(layer_tokens_per_s, EP, args=(mode,), timeout=600)[0] for mode in MODES}
     for mode, value in results.items():
         config = {"dispatcher": mode, "ep": EP, "tokens_per_rank": DISPATCH_TOKENS, "dim": DISPATCH_CFG.dim,
                   "experts": DISPATCH_CFG.n_experts, "top_k": DISPATCH_CFG.top_k, **MODES[mode]}
