@@ -163,7 +163,7 @@ MUTANTS = [
            (("            dkv = grad_ring.exchange(dkv)",
              "            dkv = grad_ring.exchange(dkv) if step < cp - 1 else dkv"),),
            ("tests/test_context_attention.py",)),
-    Mutant("cp_padding_share_without_cp", "src/orangetron/train/trainer.py",
+    Mutant("cp_padding_share_without_cp", "src/orangetron/train/step.py",
            (("        share = int((labels != IGNORE_INDEX).sum()) * cp / max(valid, 1)",
              "        share = int((labels != IGNORE_INDEX).sum()) / max(valid, 1)"),),
            ("tests/test_context_parallel.py::test_padding_to_whole_chunks_never_changes_the_training",)),
@@ -235,7 +235,7 @@ MUTANTS = [
     Mutant("pipeline_clip_norm_not_summed_over_stages", "src/orangetron/parallel/data.py",
            (("        if self.dp.pp is not None:\n            total = comm.all_reduce(total, self.dp.pp)\n", ""),),
            ("tests/test_pipeline_parallel.py::test_pipeline_parallel_matches_one_device_and_the_planner[2]",)),
-    Mutant("trainer_accumulation_without_dividing_by_microbatches", "src/orangetron/train/trainer.py",
+    Mutant("trainer_accumulation_without_dividing_by_microbatches", "src/orangetron/train/step.py",
            (("            (objective / m if m > 1 else objective).backward()", "            objective.backward()"),),
            ("tests/test_pipeline_parallel.py::test_checkpoints_move_between_pipelined_and_plain_layouts",)),
     Mutant("plan_gpipe_last_stage_holds_one_loss", "src/orangetron/plan/activations.py",
@@ -260,9 +260,25 @@ MUTANTS = [
     Mutant("router_bias_local_load", "src/orangetron/parallel/expert/bias.py",
            (("        loads = comm.all_reduce(loads, group)", "        pass"),),
            ("tests/test_router_options.py::test_router_options_match_one_device_and_the_planner[2]",)),
-    Mutant("router_bias_not_restored", "src/orangetron/parallel/data.py",
-           (("                buffer.copy_(state[\"buffers\"][name])", "                pass"),),
+    Mutant("router_bias_not_restored", "src/orangetron/train/resume.py",
+           (("    tensors = _tensors(setup)\n",
+             "    tensors = {key: value for key, value in _tensors(setup).items() if key != \"buffers\"}\n"),),
            ("tests/test_router_options.py::test_the_trainer_moves_the_bias_and_a_resumed_run_restores_it",)),
+    Mutant("shown_loss_is_rank_zeros_share", "src/orangetron/train/trainer.py",
+           (("            loss = _global_batch_loss(dp, loss)\n", ""),),
+           ("tests/test_train_outputs.py::test_every_layout_shows_the_global_batch_loss",)),
+    Mutant("config_file_overrides_the_command_line", "src/orangetron/cli.py",
+           (("    return parser.parse_args(argv)\n\n\nif", "    parser.parse_args(argv)\n    for dest, value in "
+             "read_config_file(args.config, args.command_parser).items():\n        setattr(args, dest, value)\n"
+             "    return args\n\n\nif"),),
+           ("tests/test_train_outputs.py::test_config_file_sets_options_and_the_command_line_overrides_it",)),
+    # ---- sharded checkpoints ----------------------------------------------------------------------------
+    Mutant("reshard_box_counted_from_the_parameter_start", "src/orangetron/parallel/state.py",
+           (("                begin = at + flat_start - lo\n", "                begin = at + flat_start\n"),),
+           ("tests/test_checkpoint_sharded.py::test_every_layout_reshards_onto_the_next_exactly",)),
+    Mutant("reshard_tp_offset_by_rank_not_by_slice", "src/orangetron/parallel/state.py",
+           (("placement.slice_index(dp.tp.rank) * local_shape", "dp.tp.rank * local_shape"),),
+           ("tests/test_checkpoint_sharded.py::test_every_layout_reshards_onto_the_next_exactly",)),
 ]
 
 

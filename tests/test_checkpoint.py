@@ -1,4 +1,4 @@
-"""Checkpoints: bitwise resume, resume on another layout, and corrupt or partial checkpoints refused."""
+"""Checkpoints: bitwise resume, resume on another layout, export, and corrupt or partial checkpoints refused."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from trainer_reference import assert_matches_reference, reference_training, writ
 
 from orangetron.model import model_preset
 from orangetron.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from orangetron.train.trainer import TrainConfig, TrainConfigError, lr_at, train
+from orangetron.train.config import TrainConfig, TrainConfigError
+from orangetron.train.schedule import lr_at
+from orangetron.train.trainer import train
 
 torch.set_num_threads(1)
 NO_AUX = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0)  # per-rank balancing differs on dp > 1
@@ -44,19 +46,78 @@ def test_resume_continues_bitwise(tmp_path) -> None:
     assert len(lines) == 6  # the resumed run appended its steps
 
 
-def test_resume_on_another_layout(tmp_path) -> None:
-    """Saved by two ZeRO-3 ranks (sharded state gathered), resumed on one rank: the trajectory of plain
+def _max_rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(tmp_path_factory) -> dict:
+    """float64 runs of 6 steps: straight on one rank and on dp=2 ZeRO-3, and runs stopped after step 3 on
+    each, resumed on the same layout and on the other (one launch of two ranks per dp=2 run)."""
+    root = tmp_path_factory.mktemp("resume")
+    one, two = dict(dtype="float64"), dict(dtype="float64", dp=2, zero_stage=3)
+    runs = {"one": _run(steps=6, out=str(root / "one"), **one), "two": _run(steps=6, out=str(root / "two"), **two)}
+    runs["stopped two"] = _run(steps=6, stop_after=3, out=str(root / "two->two"), **two)
+    shutil.copytree(root / "two->two", root / "two->one")
+    runs["stopped one"] = _run(steps=6, stop_after=3, out=str(root / "one->two"), **one)
+    runs["two->two"] = _run(steps=6, out=str(root / "two->two"), resume=True, **two)
+    runs["two->one"] = _run(steps=6, out=str(root / "two->one"), resume=True, **one)
+    runs["one->two"] = _run(steps=6, out=str(root / "one->two"), resume=True, **two)
+    return {"root": root, **runs}
+
+
+def test_stop_and_resume_is_bitwise_on_the_same_layout_and_1e12_on_another(dp2_runs) -> None:
+    """k = 3 of 2k = 6 steps, stopped and resumed: bitwise the straight run's losses on the same layout (dp=2
+    ZeRO-3), within 1e-12 relative of both straight runs after moving dp=2 ZeRO-3 -> 1 rank and back; every
+    step's learning rate is the straight run's."""
+    runs, root = dp2_runs, dp2_runs["root"]
+    assert runs["stopped two"]["losses"] == runs["two"]["losses"][:3]
+    assert runs["two->two"]["losses"] == runs["two"]["losses"]
+    assert runs["two->two"]["eval_loss"] == runs["two"]["eval_loss"]
+    for moved in ("two->one", "one->two"):
+        for straight in ("one", "two"):
+            assert _max_rel(runs[moved]["losses"], runs[straight]["losses"]) <= 1e-12, (moved, straight)
+    straight_lrs = [r["lr"] for r in _records(root / "one")]
+    assert straight_lrs == [r["lr"] for r in _records(root / "two")]
+    for moved in ("two->two", "two->one", "one->two"):
+        records = _records(root / moved)
+        assert [r["step"] for r in records] == list(range(1, 7)), moved
+        assert [r["lr"] for r in records] == straight_lrs, moved
+
+
+def test_resumed_on_another_layout_follows_plain_torch(dp2_runs) -> None:
+    """Saved by two ZeRO-3 ranks (each writing its shard), resumed on one rank: the trajectory of plain
     one-device torch, step for step (gradient norms) and in the final parameters and moments."""
-    saved = _run(steps=5, stop_after=3, dtype="float64", dp=2, zero_stage=3, out=str(tmp_path))
-    resumed = _run(steps=5, dtype="float64", out=str(tmp_path), resume=True)
-    reference = reference_training(TrainConfig(**{**SMALL, "steps": 5, "dtype": "float64"}))
-    assert_matches_reference(resumed, tmp_path, reference, rtol=1e-9)
-    # Saving gathers the shards and averages the losses, but that is not training traffic: the run's
-    # ledger holds only 2 parameter gathers per step (a stopped run does not evaluate) and one clipping scalar
-    # per step.
+    reference = reference_training(TrainConfig(**{**SMALL, "steps": 6, "dtype": "float64"}))
+    assert_matches_reference(dp2_runs["two->one"], dp2_runs["root"] / "two->one", reference, rtol=1e-9)
+    # Saving is not training traffic: the stopped run's ledger holds only 2 parameter gathers per step (a
+    # stopped run does not evaluate) and one clipping scalar per step.
+    saved = dp2_runs["stopped two"]
     shard = -(-saved["params"] // 2) * 8
     assert saved["comm"][0]["all_gather/dp_cp"] == 2 * 3 * shard
     assert saved["comm"][0]["all_reduce/dp_cp"] == 3 * 8
+
+
+def test_export_is_the_trained_model_for_the_reference_transformer(dp2_runs, capsys) -> None:
+    """`orangetron export` of the dp=2 ZeRO-3 run: one file that torch.load(weights_only=True) reads and the
+    reference Transformer loads strictly, holding plain torch's parameters after the same 6 steps."""
+    from orangetron.cli import main
+    from orangetron.model import Transformer
+
+    out = dp2_runs["root"] / "model.pt"
+    assert main(["export", str(dp2_runs["root"] / "two"), "-o", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert printed["output"] == str(out) and printed["checkpoint"].endswith("step-00000006")
+    exported = torch.load(out, weights_only=True)
+    model = Transformer(TrainConfig(**SMALL).model_config(), seed=123, dtype=torch.float64)
+    model.load_state_dict(exported, strict=True)
+    reference = reference_training(TrainConfig(**{**SMALL, "steps": 6, "dtype": "float64"}))
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(value.detach(), reference["params"][name], rtol=1e-9,
+                                   atol=1e-9 * reference["params"][name].abs().max().item(), msg=name)
+    assert main(["export", str(dp2_runs["root"] / "nowhere"), "-o", str(out)]) == 2
+    assert "no such folder" in capsys.readouterr().err
 
 
 def test_checkpoint_round_trip_and_refusals(tmp_path) -> None:
@@ -64,20 +125,57 @@ def test_checkpoint_round_trip_and_refusals(tmp_path) -> None:
     path = save_checkpoint(tmp_path, 4, state)
     loaded = load_checkpoint(path)
     assert torch.equal(loaded["params"]["w"], state["params"]["w"]) and loaded["losses"] == [1.5, 1.25]
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "manifest.json", "state.json"]
     (tmp_path / ".step-00000009.partial-abcd").mkdir()  # what a crash mid-save leaves: never picked
     assert latest_checkpoint(tmp_path) == path
 
-    blob = bytearray((path / "state.pt").read_bytes())
+    shard = path / "__0_0.distcp"
+    blob = bytearray(shard.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
-    (path / "state.pt").write_bytes(bytes(blob))
-    with pytest.raises(CheckpointError, match=r"state.pt: size or checksum differs from the manifest"):
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: size or checksum differs from the manifest"):
         load_checkpoint(path)
-    (path / "manifest.json").write_text('{"format": 1, "step": 4, "files": {}}')  # verifies nothing
-    with pytest.raises(CheckpointError, match=r"lists no state.pt"):
+    (path / "manifest.json").write_text('{"format": 2, "step": 4, "files": {}}')  # verifies nothing
+    with pytest.raises(CheckpointError, match=r"lists no .metadata"):
+        load_checkpoint(path)
+    (path / "manifest.json").write_text('{"format": 1, "step": 4, "files": {"state.pt": {}}}')
+    with pytest.raises(CheckpointError, match=r"format 1 \(one state.pt gathered on rank 0\).* reads format 2 only"):
         load_checkpoint(path)
     (path / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=r"no manifest.json; not a complete checkpoint"):
         load_checkpoint(path)
+
+
+def _rewrite_manifest(path: Path, name: str) -> None:
+    """Make the manifest vouch for `name` as it is now, as a careless copy would."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": (path / name).stat().st_size,
+                               "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+class _Planted:
+    """Unpickling this calls os.mkdir(folder): code a checkpoint's metadata must never get to run."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (self.folder,)
+
+
+def test_metadata_that_would_run_code_is_refused_even_with_a_matching_manifest(tmp_path) -> None:
+    import pickle
+
+    path = save_checkpoint(tmp_path, 1, {"w": torch.ones(3)})
+    planted = tmp_path / "planted"
+    (path / ".metadata").write_bytes(pickle.dumps(_Planted(str(planted))))
+    _rewrite_manifest(path, ".metadata")
+    with pytest.raises(CheckpointError, match=r"\.metadata: not checkpoint metadata .*posix.mkdir is not a checkpoint"):
+        load_checkpoint(path)
+    assert not planted.exists()
 
 
 def test_resume_needs_a_matching_checkpoint(tmp_path) -> None:
@@ -146,12 +244,9 @@ def test_out_checkpoints_the_last_step_and_resume_rewrites_later_metrics(tmp_pat
 
 
 def test_checksummed_random_bytes_are_one_line_checkpoint_error(tmp_path) -> None:
-    path = save_checkpoint(tmp_path, 1, {"step": 1})
-    (path / "state.pt").write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4096)))
-    manifest = json.loads((path / "manifest.json").read_text())  # rewritten to match, as a careless copy would
-    manifest["files"]["state.pt"] = {"bytes": 4096, "sha256": hashlib.sha256((path / "state.pt").read_bytes())
-                                     .hexdigest()}
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=r"state.pt: matches its manifest but is not a state") as err:
+    path = save_checkpoint(tmp_path, 1, {"w": torch.ones(3), "step": 1})
+    (path / "__0_0.distcp").write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4096)))
+    _rewrite_manifest(path, "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: matches its manifest but is not a state") as err:
         load_checkpoint(path)
     assert "\n" not in str(err.value) and "weights_only" not in str(err.value)

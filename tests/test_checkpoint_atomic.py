@@ -1,12 +1,14 @@
 """Overwriting a checkpoint survives a crash at every point of the write.
 
-A crash is simulated by raising at the n-th filesystem step of `save_checkpoint` (torch.save, each fsync,
-each rename, the clean-up), for every n until a save completes. After each crash the checkpoint of that
+A crash is simulated by raising at the n-th filesystem step of `save_checkpoint` (each tensor box written by
+torch.distributed.checkpoint, its pickled metadata, state.json and the manifest, each fsync, each rename, the
+clean-up), for every n until a save completes. After each crash the checkpoint of that
 step must load bitwise equal to the old one (or to the new one once it is in place), and a partial
 staging folder must never be picked.
 """
 
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -46,7 +48,9 @@ class Injector:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, crash_at: int) -> None:
         self.crash_at, self.steps, self.new_in_place, self.final = crash_at, 0, False, None
-        for owner, name in [(torch, "save"), (checkpoint, "_fsync"), (os, "replace"), (shutil, "rmtree")]:
+        targets = [(torch, "save"), (pickle, "dump"), (checkpoint, "_write_json"), (checkpoint, "_fsync"),
+                   (os, "replace"), (shutil, "rmtree")]
+        for owner, name in targets:
             monkeypatch.setattr(owner, name, self._wrap(getattr(owner, name), name))
 
     def _wrap(self, real, name):
@@ -78,7 +82,7 @@ def crash_points(overwrite: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
                 crashed = True
         yield folder, injector, crashed
         if not crashed:
-            assert crash_at >= 5, "the save has torch.save, two fsyncs, a rename and an fsync at least"
+            assert crash_at >= 9, "two boxes, the metadata, two JSON files with an fsync each, a rename and fsyncs"
             return
     raise AssertionError("save_checkpoint never completed")
 
@@ -117,3 +121,43 @@ def test_a_complete_checkpoint_left_aside_is_found_and_a_staging_folder_is_not(t
     path = latest_checkpoint(tmp_path)
     assert path == tmp_path / ".step-00000004.old-1234abcd"
     assert same_bits(load_checkpoint(path), state(40))
+
+
+def _rows_of(seed: int, rank: int) -> dict:
+    """Rank `rank`'s row of a 2 x 3 tensor, as a piece of the whole."""
+    from orangetron.parallel.state import Piece, Shards
+
+    whole = torch.arange(6, dtype=torch.float64).view(2, 3) + seed
+    return {"w": Shards((2, 3), torch.float64, (Piece((rank, 0), (1, 3), whole[rank:rank + 1].clone()),))}
+
+
+def _save_then_crash_on_rank_1(folder: str) -> str:
+    from orangetron import comm
+
+    group = comm.world_group()
+    save_checkpoint(folder, 2, _rows_of(2, group.rank), group)
+    real_save = torch.save
+
+    def dying_save(*args, **kwargs):
+        if group.rank == 1:
+            raise Crash("rank 1 dies while writing its shard")
+        return real_save(*args, **kwargs)
+
+    torch.save = dying_save
+    try:
+        save_checkpoint(folder, 4, _rows_of(4, group.rank), group)
+    except Crash as err:
+        return str(err)
+    finally:
+        torch.save = real_save
+    return "no error"
+
+
+def test_a_rank_dying_mid_save_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path):
+    from orangetron.testing import run_distributed
+
+    errors = run_distributed(_save_then_crash_on_rank_1, 2, args=(str(tmp_path),))
+    assert errors == ["rank 1 dies while writing its shard"] * 2  # rank 0 never renames the staging folder
+    path = latest_checkpoint(tmp_path)
+    assert path == checkpoint_dir(tmp_path, 2)
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(6, dtype=torch.float64).view(2, 3) + 2)

@@ -58,7 +58,7 @@ def test_pipeline_settings_that_cannot_run_are_refused():
     from orangetron.layout import LayoutError
     from orangetron.parallel import ParallelConfigError
     from orangetron.parallel.pipeline import check_pipeline
-    from orangetron.train.trainer import TrainConfig, TrainConfigError
+    from orangetron.train.config import TrainConfig, TrainConfigError
 
     tied = ModelConfig(**{**BASE, "tied_embeddings": True})
     with pytest.raises(LayoutError, match=r"pp=2: tied_embeddings"):

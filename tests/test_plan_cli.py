@@ -49,7 +49,7 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["estimate", "--model", "clip-vit-bigg14"], "dual encoder"),
     (["estimate", "--model", "missing.toml"], "does not exist"),
     (["plan", "--model", "llama3-405b", "--gpus", "8", "--seq", "8192"], "no layout"),
-    (["plan", "--model", "llama3-8b"], "--gpus is required"),
+    (["plan", "--model", "llama3-8b", "--gpus", "64", "--tp", "3"], "has --tp 3"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert run(argv) == 2
@@ -85,7 +85,8 @@ def test_plan_ranked_table_and_json(capsys):
             "64", "--top", "5"]
     assert run(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:4] == ["#", "tp", "cp", "pp"] and len(out) == 6
+    assert out[0].startswith("llama3-8b on 16 x h100, seq 8192, global batch 64 sequences")
+    assert out[1].split()[:4] == ["#", "tp", "cp", "pp"] and len(out) == 7
     assert run([*argv, "--json"]) == 0
     data = last_json(capsys)
     times = [e["step_time_s"] for e in data["ranked"]]
@@ -113,10 +114,44 @@ def test_chart_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch
     assert "matplotlib" in capsys.readouterr().err
 
 
-def test_chart_is_written(tmp_path):
+def test_chart_is_written_and_named(tmp_path, capsys):
     chart = tmp_path / "c.png"
     assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3", "--chart", str(chart)]) == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"chart written to {chart}" in capsys.readouterr().err
+
+
+def test_plan_without_gpus_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit:
+        run(["plan", "--model", "llama3-8b"])
+    assert exit.value.code == 2 and "--gpus" in capsys.readouterr().err
+    assert "[--gpus GPUS]" not in run_help(["plan", "--help"], capsys)  # shown as required
+
+
+def run_help(argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        run(argv)
+    return capsys.readouterr().out
+
+
+def test_presets_lists_every_preset_file(capsys):
+    from importlib import resources
+
+    from orangetron.model.config import MODEL_PRESETS
+
+    root = resources.files("orangetron.plan").joinpath("presets")
+    files = {kind: sorted(f.name[:-5] for f in root.joinpath(kind).iterdir() if f.name.endswith(".toml"))
+             for kind in ("models", "gpus")}
+    assert run(["presets", "--json"]) == 0
+    data = last_json(capsys)
+    assert [m["name"] for m in data["plan_models"]] == files["models"]
+    assert [g["name"] for g in data["gpus"]] == files["gpus"]
+    assert [m["name"] for m in data["train_models"]] == list(MODEL_PRESETS)
+    h100 = next(g for g in data["gpus"] if g["name"] == "h100")
+    assert h100["bf16_tflops"] == 989.4  # the H100 SXM datasheet's dense BF16 peak
+    assert run(["presets"]) == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in files["models"] + files["gpus"])
 
 
 def test_estimate_fp8_prices_fp8_gemms_and_weight_copies(capsys):

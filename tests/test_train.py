@@ -14,8 +14,10 @@ from trainer_reference import assert_matches_reference, reference_training
 
 from orangetron.model import model_preset
 from orangetron.plan.bridge import predicted_step
+from orangetron.train.config import TrainConfig
 from orangetron.train.progress import ProgressBar
-from orangetron.train.trainer import TrainConfig, lr_at, train
+from orangetron.train.schedule import lr_at
+from orangetron.train.trainer import train
 
 torch.set_num_threads(1)
 
@@ -337,13 +339,13 @@ def test_cli_unusable_out_data_or_checkpoint_is_one_line_exit_2(capsys, tmp_path
 
     run = tmp_path / "run"
     assert main(["train", *TINY_FLAGS, "--quiet", "--out", str(run), "--stop-after", "2"]) == 0
-    state = run / "checkpoints" / "step-00000002" / "state.pt"
-    state.write_bytes(bytes(range(256)) * 16)
-    manifest = state.parent / "manifest.json"
-    entry = {"bytes": 4096, "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
-    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "files": {"state.pt": entry}}))
+    shard = run / "checkpoints" / "step-00000002" / "__0_0.distcp"
+    shard.write_bytes(bytes(range(256)) * 16)
+    manifest = json.loads((shard.parent / "manifest.json").read_text())
+    manifest["files"][shard.name] = {"bytes": 4096, "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    (shard.parent / "manifest.json").write_text(json.dumps(manifest))
     err = one_line_error("--out", str(run), "--resume")
-    assert "state.pt: matches its manifest but is not a state" in err and "weights_only" not in err
+    assert "__0_0.distcp: matches its manifest but is not a state" in err and "weights_only" not in err
 
 
 def test_stop_after_needs_out_and_stops_with_a_checkpoint(tmp_path) -> None:

@@ -19,7 +19,10 @@ import torch.nn.functional as F
 
 from orangetron.model import Transformer
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint
-from orangetron.train.trainer import IGNORE_INDEX, TrainConfig, _load_data, lr_at
+from orangetron.train.config import TrainConfig
+from orangetron.train.schedule import lr_at
+from orangetron.train.step import IGNORE_INDEX
+from orangetron.train.trainer import load_data
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -48,7 +51,7 @@ def _eval_loss(model: Transformer, samples: torch.Tensor, cfg: TrainConfig) -> f
 def reference_training(cfg: TrainConfig) -> dict[str, Any]:
     """losses and gradient norms (before clipping) per step, eval_loss, and the final params, exp_avg and
     exp_avg_sq by parameter name, for `cfg` trained on one device (float32 or float64)."""
-    data = _load_data(cfg)
+    data = load_data(cfg)
     model = Transformer(cfg.model_config(), seed=cfg.seed, dtype=DTYPES[cfg.dtype])
     opt = _adamw(model, cfg)
     losses, grad_norms = [], []

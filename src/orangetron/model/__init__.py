@@ -1,27 +1,33 @@
-"""The single-device reference model; parallelism is applied from outside (`orangetron.parallel`)."""
+"""The single-device reference model; parallelism is applied from outside (`orangetron.parallel`).
 
-from .attention import attention_kernel
-from .config import MODEL_PRESETS, ConfigError, ModelConfig, model_preset
-from .layers import Attention, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
-from .moe import GroupedExperts, MoE, Router, load_balancing_loss
-from .transformer import Transformer, TransformerBlock, init_parameter
+The model's config and presets need no torch; the layers load on first use, so the CLI and the planner can
+read presets without importing torch.
+"""
 
-__all__ = [
-    "MODEL_PRESETS",
-    "Attention",
-    "ConfigError",
-    "GroupedExperts",
-    "MoE",
-    "ModelConfig",
-    "RMSNorm",
-    "Router",
-    "SwiGLU",
-    "Transformer",
-    "TransformerBlock",
-    "apply_rope",
-    "attention_kernel",
-    "init_parameter",
-    "load_balancing_loss",
-    "model_preset",
-    "rope_cos_sin",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .config import MODEL_PRESETS as MODEL_PRESETS
+from .config import ConfigError as ConfigError
+from .config import ModelConfig as ModelConfig
+from .config import model_preset as model_preset
+
+_LAZY = {
+    "attention_kernel": ".attention",
+    "Attention": ".layers", "RMSNorm": ".layers", "SwiGLU": ".layers", "apply_rope": ".layers",
+    "rope_cos_sin": ".layers",
+    "GroupedExperts": ".moe", "MoE": ".moe", "Router": ".moe", "load_balancing_loss": ".moe",
+    "Transformer": ".transformer", "TransformerBlock": ".transformer", "init_parameter": ".transformer",
+}
+
+__all__ = ["MODEL_PRESETS", "ConfigError", "ModelConfig", "model_preset", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value

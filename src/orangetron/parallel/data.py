@@ -16,7 +16,8 @@ seed and the config), because the wrapper does not broadcast the initial weights
 
 A tensor-parallel module (one with `placements`, from `orangetron.parallel.tensor`) holds shards: its
 partial gradients are summed over tp before the data-parallel reduction, the gradient norm counts every
-distinct element once across tp, and `full_state` / `load_full_state` speak of whole tensors.
+distinct element once across tp, and `full_state` (gathered) and `sharded_state` (this rank's pieces) speak
+of whole tensors.
 
 Under expert parallelism (ep > 1) the routed experts' parameters (each rank holds its ep block) live in a
 second flat buffer sharded over edp = dp x cp / ep. Their gradients are summed over edp only (the all-to-all
@@ -39,7 +40,8 @@ from orangetron.parallel.buckets import GradBuckets
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
 from orangetron.parallel.flat import FlatPart
 from orangetron.parallel.optim import FlatAdamW
-from orangetron.parallel.tensor import gather_tensor, shard_tensor
+from orangetron.parallel.state import Shards, sharded_state
+from orangetron.parallel.tensor import gather_tensor
 from orangetron.parallel.units import TransientPeaks, Zero3Schedule, find_units
 
 
@@ -237,23 +239,6 @@ class DataParallel(nn.Module):
             out = {name: t for stage in comm.all_gather_objects(out, self.pp) for name, t in stage.items()}
         return out
 
-    def _flat_from(self, part: FlatPart, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        missing = [name for name, _ in part.named if name not in tensors]
-        if missing:
-            raise KeyError(f"state has no entry for {missing[0]!r} (and {len(missing) - 1} more)")
-        local = {}
-        for name, p in part.named:
-            t = tensors[name]
-            if self.tp is not None:
-                t = shard_tensor(t, self.placements[name], self.tp.size, self.tp.rank)
-            if self._is_expert(name) and t.shape[0] % self.ep.size == 0:
-                t = t.chunk(self.ep.size, dim=0)[self.ep.rank]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: state holds shape {tuple(tensors[name].shape)}, which does not fit the "
-                                 f"model's {tuple(p.shape)} on this layout")
-            local[name] = t
-        return part.flat_from(local, dtype)
-
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Whole averaged gradients by parameter name, on every rank (after `reduce_gradients`)."""
         return self._by_name([part.owned_grads() for part in self.parts])
@@ -278,23 +263,23 @@ class DataParallel(nn.Module):
             out = {name: t for stage in comm.all_gather_objects(out, self.pp) for name, t in stage.items()}
         return out
 
-    def load_full_state(self, state: dict[str, Any], optimizer: ShardedAdamW) -> None:
-        """Take this rank's share of a `full_state` (from any layout) into params, main params and moments."""
-        for part, adamw in zip(self.parts, optimizer.adamws, strict=True):
-            main = self._flat_from(part, state["params"], part.main_params.dtype)
-            with torch.no_grad():
-                part.main_params.copy_(part.take_owned(main))
-                if self.config.mixed_precision:
-                    part.param_shard.copy_(part.take_owned(main))
-                if not self.zero3:
-                    part.flat_params.copy_(main)  # every rank holds full parameters outside ZeRO-3
-                adamw.exp_avg.copy_(part.take_owned(self._flat_from(part, state["exp_avg"], adamw.exp_avg.dtype)))
-                adamw.exp_avg_sq.copy_(part.take_owned(
-                    self._flat_from(part, state["exp_avg_sq"], adamw.exp_avg_sq.dtype)))
-            adamw.steps = int(state["optimizer_steps"])
+    def sharded_state(self, optimizer: ShardedAdamW) -> dict[str, dict[str, Shards]]:
+        """This rank's pieces of the whole main parameters, AdamW moments and buffers, by parameter name: views
+        of its own buffers, no copies (`orangetron.parallel.state`). A checkpoint saves them; loading writes
+        into them, followed by `state_loaded`."""
+        return sharded_state(self, optimizer)
+
+    def state_loaded(self, optimizer: ShardedAdamW, optimizer_steps: int) -> None:
+        """Bring the copies derived from the main parameters in line after `sharded_state` was loaded into:
+        the model-dtype parameters, gathered where ZeRO-1/2 keep them whole, and AdamW's step count."""
         with torch.no_grad():
-            for name, buffer in self.module.named_buffers():
-                buffer.copy_(state["buffers"][name])
+            if self.config.mixed_precision:
+                for part in self.parts:
+                    part.param_shard.copy_(part.main_params)
+        if not self.zero3 and any(part.shards > 1 for part in self.parts):
+            self._gather_params()
+        for adamw in optimizer.adamws:
+            adamw.steps = optimizer_steps
         self._params_stale = False
 
     def optimizer(self, lr: float, **adamw: Any) -> ShardedAdamW:

@@ -159,10 +159,6 @@ class FlatPart:
             mask[self.offsets[name]:self.offsets[name] + p.numel()] = rule(name, p)
         return mask[self.owned].clone()
 
-    def take_owned(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's elements of a padded-layout buffer, in shard layout."""
-        return full[self.owned]
-
     def gather_owned(self, owned: torch.Tensor) -> torch.Tensor:
         """The full padded flat buffer from every rank's owned slice (no copy when nothing is sharded)."""
         if self.shards == 1:
@@ -175,9 +171,3 @@ class FlatPart:
     def locals_by_name(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: flat[self.offsets[name]:self.offsets[name] + p.numel()].view(p.shape).clone()
                 for name, p in self.named}
-
-    def flat_from(self, local: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
-        for name, p in self.named:
-            flat[self.offsets[name]:self.offsets[name] + p.numel()].copy_(local[name].reshape(-1))
-        return flat

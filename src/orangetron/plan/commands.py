@@ -14,15 +14,17 @@ from dataclasses import replace
 
 from orangetron.plan.config import CP_MODES, DISPATCHERS, DTYPE_BYTES, RECOMPUTE, SCHEDULES, Degrees, Job
 from orangetron.plan.estimate import Estimate, estimate, fit_warning
-from orangetron.plan.hardware import GIB, Cluster, make_cluster
+from orangetron.plan.hardware import GIB, Cluster, gpu_names, make_cluster
 from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
+from orangetron.plan.presets_command import add_presets_command
 from orangetron.plan.search import SearchSpace, search
 
 
 def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     """Add `estimate`, `plan` and `schedule` to the `orangetron` subcommands."""
     _add_schedule_command(sub)
+    add_presets_command(sub)
     est = sub.add_parser("estimate", help="memory, communication, step time and MFU of one configuration",
                          description="Price one configuration: memory per GPU by category, bytes per collective "
                                      "per step, step time and MFU.")
@@ -54,21 +56,23 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                           description="Search tp, cp, pp, virtual stages, dp, ep, ZeRO stage, recompute, cp mode, "
                                       "dispatcher and micro-batch; print the fastest configurations that fit. "
                                       "Dual-encoder models get a DistMM plan instead.")
-    _common(plan)
+    _common(plan, gpus_required=True)
     plan.add_argument("--top", type=int, default=10, help="rows to show")
     plan.add_argument("--memory-fraction", type=float, default=1.0,
                       help="share of GPU memory a configuration may use, overhead term included")
-    plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations (needs matplotlib)")
+    plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations")
     for dim in ("tp", "cp", "pp", "ep"):
         plan.add_argument(f"--{dim}", type=_int_list, default=None, metavar="N[,N...]",
                           help=f"only these {dim} degrees (default: every sensible value)")
     plan.set_defaults(run=run_plan)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name (e.g. llama3-8b) or a model .toml file")
-    p.add_argument("--gpu", default="h100", help="GPU preset (h100, h200, a100-80gb, b200, rtx3090) or .toml file")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs in the cluster")
+def _common(p: argparse.ArgumentParser, gpus_required: bool = False) -> None:
+    p.add_argument("--model", required=True,
+                   help="preset name (see `orangetron presets`, e.g. llama3-8b) or a model .toml file")
+    p.add_argument("--gpu", default="h100", help=f"GPU preset ({', '.join(gpu_names())}) or .toml file")
+    p.add_argument("--gpus", type=int, required=gpus_required, default=None, help="GPUs in the cluster"
+                   + ("" if gpus_required else " (default: tp*cp*pp*dp)"))
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPU preset's node size")
     p.add_argument("--nic-gbps", type=float, default=None, help="inter-node NIC line rate per GPU, Gbit/s")
     p.add_argument("--transport", choices=("proxy", "ibgda"), default="proxy",
@@ -200,6 +204,11 @@ def run_plan(args: argparse.Namespace) -> int:
     result = search(spec, cluster, args.seq, global_batch, space, base, args.top, args.memory_fraction,
                     _overhead(args))
     elapsed = time.perf_counter() - start
+    if not result.considered:
+        asked = " ".join(f"--{d} {','.join(map(str, getattr(args, d)))}" for d in ("tp", "cp", "pp", "ep")
+                         if getattr(args, d))
+        raise ValueError(f"no layout of {args.gpus} GPUs has {asked}: tp*cp*pp must divide the GPU count and ep "
+                         "the data-parallel ranks; change the restriction or the GPU count")
     if not result.ranked:
         raise ValueError(f"no layout of {args.gpus} x {cluster.gpu.name} fits {spec.name} with seq {args.seq} and "
                          f"global batch {global_batch} in {args.memory_fraction:.0%} of "
@@ -210,11 +219,15 @@ def run_plan(args: argparse.Namespace) -> int:
         from orangetron.plan.chart import breakdown_chart
 
         breakdown_chart(result.ranked[: min(5, len(result.ranked))], args.chart)
+        print(f"chart written to {args.chart}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": spec.name, "gpu": cluster.gpu.name, "gpus": args.gpus,
                           "evaluated": result.evaluated, "considered": result.considered,
                           "search_s": elapsed, "ranked": [e.to_json() for e in result.ranked]}))
     else:
+        print(f"{spec.name} on {args.gpus} x {cluster.gpu.name}, seq {args.seq}, global batch {global_batch} "
+              f"sequences, {args.param_dtype}{', fp8' if args.fp8 else ''}: the {len(result.ranked)} fastest "
+              "layouts that fit")
         print(format_ranking(result.ranked))
     return 0
 
@@ -252,7 +265,7 @@ def _add_schedule_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
-    p.add_argument("-o", "--output", metavar="FILE.png", help="draw the timeline (needs matplotlib)")
+    p.add_argument("-o", "--output", metavar="FILE.png", help="draw the timeline")
     p.add_argument("--measured", action="store_true",
                    help="run the schedule for one step of a small model on --pp local CPU ranks and report (and "
                    "draw) that run's timeline instead of the simulation, with the simulated bubble beside it")
@@ -303,4 +316,4 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--chart needs matplotlib: pip install 'orangetron[plot]'") from None
+        raise ValueError("charts need matplotlib, an orangetron dependency: pip install matplotlib") from None

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
-
-import tomllib
 
 _PRESET_DIR = "presets/gpus"
 GIB = 1024**3

@@ -14,12 +14,11 @@ for vision towers; see `DualEncoderSpec`.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-
-import tomllib
 
 _PRESET_DIR = "presets/models"
 

@@ -1,40 +1,26 @@
-"""Training: byte tokenizer, embedded corpus and packing, the trainer loop and the `train` command."""
+"""Training: byte tokenizer, embedded corpus and packing, the trainer loop and the `train` command.
+
+Names load on first use: `orangetron --help` builds the train flags from `train.config` without importing
+torch, and the trainer imports model, comm and parallel, which may want the light helpers here.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from orangetron.train.data import (
-    BatchIterator,
-    pack_sequences,
-    pad_to_multiple,
-    read_text_files,
-    split_train_eval,
-    stdlib_corpus,
-)
-from orangetron.train.tokenizer import ByteTokenizer
+_LAZY = {
+    "BatchIterator": "data", "pack_sequences": "data", "pad_to_multiple": "data", "split_train_eval": "data",
+    "read_text_files": "corpus", "stdlib_corpus": "corpus",
+    "ByteTokenizer": "tokenizer",
+    "TrainConfig": "config", "TrainConfigError": "config",
+    "train": "trainer",
+}
 
-__all__ = [
-    "BatchIterator",
-    "ByteTokenizer",
-    "TrainConfig",
-    "TrainConfigError",
-    "pack_sequences",
-    "pad_to_multiple",
-    "read_text_files",
-    "split_train_eval",
-    "stdlib_corpus",
-    "train",
-]
-
-_TRAINER_NAMES = ("TrainConfig", "TrainConfigError", "train")
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    # Loaded on first use: the trainer imports model, comm and (later) parallel, while those may want
-    # the light data helpers here (pad_to_multiple); an eager import would make that a cycle.
-    if name in _TRAINER_NAMES:
-        from orangetron.train import trainer
-
-        return getattr(trainer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

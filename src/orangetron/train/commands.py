@@ -15,8 +15,8 @@ DEFAULTS_NOTE = "With no flags: the small-moe model on the embedded stdlib corpu
 
 def add_train_commands(sub: Any) -> None:
     """Register the `train` subcommand on an argparse subparsers object."""
-    from orangetron.model import MODEL_PRESETS
-    from orangetron.train.trainer import DTYPES, TrainConfig
+    from orangetron.model.config import MODEL_PRESETS
+    from orangetron.train.config import PARAM_DTYPES, TrainConfig
 
     fields = TrainConfig.__dataclass_fields__
     p = sub.add_parser(
@@ -35,11 +35,12 @@ def add_train_commands(sub: Any) -> None:
     option("--steps", "optimizer steps", type=int)
     option("--seq-len", "tokens per sample", type=int)
     option("--batch-size", "samples per step", type=int)
-    option("--lr", "peak learning rate; the cosine decay ends at lr/10", type=float)
+    option("--lr", "peak learning rate, reached after the warmup", type=float)
     option("--warmup", "linear warmup steps", type=int)
     option("--seed", "seed for init and batch order; the same seed gives identical losses", type=int)
     option("--eval-every", "also evaluate held-out loss every N steps; 0: only at the end", type=int)
-    p.add_argument("--param-dtype", "--dtype", dest="dtype", default=fields["dtype"].default, choices=list(DTYPES),
+    p.add_argument("--param-dtype", "--dtype", dest="dtype", default=fields["dtype"].default,
+                   choices=list(PARAM_DTYPES),
                    help="parameter dtype; bfloat16 keeps float32 main params (default: %(default)s)")
     option("--threads", "CPU threads for torch ops; 1 stays fast when other processes share the cores",
            type=int)
@@ -61,7 +62,15 @@ def add_train_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the results as the last line of standard output")
     p.add_argument("--quiet", action="store_true", help="no progress bar or logs on standard error")
+    p.add_argument("--min-lr", type=float, default=None,
+                   help="floor of the cosine decay, reached at the last step (default: lr/10)")
+    option("--weight-decay", "AdamW weight decay, on matrices only", type=float)
+    option("--grad-clip", "largest global gradient norm; 0 disables clipping", type=float)
+    option("--eval-batches", "batches of held-out data per evaluation", type=int)
+    option("--eval-fraction", "share of the token stream, from its end, held out for evaluation", type=float)
+    option("--corpus-bytes", "bytes of the stdlib corpus to train on when --data is not given", type=int)
     _add_layout_flags(p)
+    _add_config_flag(p)
     p.set_defaults(run=run_train)
     _add_verify_command(sub)
 
@@ -105,9 +114,15 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="DDP: all-reduce gradients in buckets of N elements during backward (default: once after)")
 
 
+def _add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="options from a TOML file, keys named as the flags (zero-stage = 2); flags given on the "
+                   "command line override it. A run folder keeps its resolved options as config.toml")
+    p.set_defaults(command_parser=p)
+
+
 def _add_verify_command(sub: Any) -> None:
-    from orangetron.train.trainer import DTYPES
-    from orangetron.train.verify import DEFAULT_TOLERANCE
+    from orangetron.train.config import DEFAULT_TOLERANCE, PARAM_DTYPES
 
     p = sub.add_parser(
         "verify", help="check that a layout reproduces one rank",
@@ -120,30 +135,23 @@ def _add_verify_command(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
-    p.add_argument("--param-dtype", "--dtype", dest="dtype", default="float64", choices=list(DTYPES),
+    p.add_argument("--param-dtype", "--dtype", dest="dtype", default="float64", choices=list(PARAM_DTYPES),
                    help="parameter dtype (default: %(default)s)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference accepted (default by dtype: "
                    + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + ")")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
     _add_layout_flags(p)
+    _add_config_flag(p)
     p.set_defaults(run=run_verify)
 
 
 def run_verify(args: argparse.Namespace) -> int:
     """Run `orangetron verify`; returns 0 when the layout is within tolerance, 1 otherwise."""
-    from orangetron.train.trainer import TrainConfig
+    from orangetron.train.config import TrainConfig
     from orangetron.train.verify import verify
 
-    cfg = TrainConfig(
-        model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
-        dtype=args.dtype, warmup=0, corpus_bytes=200_000, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
-        ep=args.ep, zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
-        grad_bucket_numel=args.grad_bucket_numel, sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
-        ulysses_degree=args.ulysses_degree, dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
-        ep_overlap_chunks=args.ep_overlap_chunks,
-        pp_schedule=args.pp_schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
-    )
+    cfg = TrainConfig(**_config_options(args), warmup=0, corpus_bytes=200_000)
     result = verify(cfg, args.tolerance)
     verdict = "ok" if result["ok"] else "FAILED"
     print(f"orangetron verify: {cfg.layout}, {cfg.steps} steps in {cfg.dtype}: max loss difference "
@@ -156,21 +164,13 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run `orangetron train`; configuration errors propagate as ValueError (cli prints one line)."""
-    from orangetron.train.trainer import TrainConfig, train
+    from orangetron.train.config import TrainConfig
+    from orangetron.train.trainer import train
 
-    cfg = TrainConfig(
-        model=args.model, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-        warmup=args.warmup, seed=args.seed, eval_every=args.eval_every, data=args.data, out=args.out,
-        dtype=args.dtype, threads=args.threads, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep,
-        zero_stage=args.zero_stage, distributed_optimizer=args.distributed_optimizer,
-        grad_bucket_numel=args.grad_bucket_numel, save_every=args.save_every, resume=args.resume,
-        extend=args.extend, stop_after=args.stop_after,
-        sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
-        dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
-        ep_overlap_chunks=args.ep_overlap_chunks, pp_schedule=args.pp_schedule,
-        microbatches=args.microbatches, virtual_stages=args.virtual_stages,
-        min_lr=args.lr / 10,  # the cosine floor scales with the peak, as the defaults do
-    )
+    options = _config_options(args)
+    if options.get("min_lr") is None:
+        options["min_lr"] = options["lr"] / 10  # the cosine floor scales with the peak, as the defaults do
+    cfg = TrainConfig(**options)
     result = train(cfg, progress=not args.quiet)
     if os.environ.get("RANK", "0") != "0":  # under torchrun every process holds the merged result
         return 0
@@ -179,6 +179,13 @@ def run_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result), flush=True)
     return 0
+
+
+def _config_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields the command line (and --config) set: every flag is named after its field."""
+    from orangetron.train.config import TrainConfig
+
+    return {name: getattr(args, name) for name in TrainConfig.__dataclass_fields__ if hasattr(args, name)}
 
 
 def _summary(result: dict[str, Any], stream: Any) -> None:
@@ -190,7 +197,9 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         f"loss {losses[0]:.4f} at step 1 -> final_loss {result['final_loss']:.4f} at step {len(losses)}, "
         f"final_loss_mean10 {result['final_loss_mean10']:.4f} (mean of the last {min(len(losses), 10)} steps); "
         f"held-out loss {eval_text}",
-        f"{result['params']:,} params, {result['tokens_per_s']:,.0f} tokens/s, {result['time_s']:.1f} s",
+        f"{result['params']:,} params, {result['tokens_per_s']:,.0f} tokens/s, "
+        + (f"MFU {100 * result['mfu']:.1f}% of a {result['peak_flops'] / 1e9:.1f} GFLOP/s matmul, "
+           if result.get("mfu") is not None else "") + f"{result['time_s']:.1f} s",
         "memory (MiB): " + ", ".join(f"{k} {mem[k] / 2**20:.1f}" for k in mem if k != "rank"),
     ]
     comm_bytes = {k: v for k, v in result["comm"][0].items() if k != "rank"}

@@ -15,15 +15,16 @@ from typing import Any
 import torch
 
 from orangetron.parallel import DataParallel
+from orangetron.train.config import DEFAULT_TOLERANCE, TrainConfig
 from orangetron.train.launch import launch_local, process_group
-from orangetron.train.trainer import TrainConfig, _setup, _train_step, lr_at
-
-DEFAULT_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 2e-2}
+from orangetron.train.schedule import lr_at
+from orangetron.train.step import train_step
+from orangetron.train.trainer import setup_run
 
 
 def _trace(cfg: TrainConfig) -> dict[str, Any]:
     """This rank's losses and, on rank 0, the whole averaged gradients by name, step by step."""
-    setup = _setup(cfg)
+    setup = setup_run(cfg)
     grads: list[dict[str, torch.Tensor]] = []
 
     def keep(dp: DataParallel) -> None:
@@ -34,7 +35,7 @@ def _trace(cfg: TrainConfig) -> dict[str, Any]:
     losses, batches = [], iter(setup.data.train)
     for step in range(cfg.steps):
         rows = setup.rows(next(batches))
-        loss, _, _ = _train_step(setup.dp, setup.optimizer, rows, lr_at(step, cfg), cfg.grad_clip,
+        loss, _, _ = train_step(setup.dp, setup.optimizer, rows, lr_at(step, cfg), cfg.grad_clip,
                                  measure=False, on_grads=keep)
         setup.optimizer.zero_grad()
         losses.append(loss)

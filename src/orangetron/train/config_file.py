@@ -1,0 +1,98 @@
+"""`--config FILE`: a TOML file of `train` / `verify` options, the command line overriding it.
+
+Keys are the flags' names without the leading dashes, with dashes or underscores (`zero-stage` or
+`zero_stage`); an unknown key is refused naming the closest valid one. Values keep their TOML types and are
+checked against the flag: a number where the flag takes one, one of the flag's choices, true/false for a
+switch, a list of strings or one string for `data`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+_NOT_IN_A_FILE = ("help", "config")
+
+
+def _keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every option the file may set, by its key (the long flag's name with underscores)."""
+    keys = {}
+    for action in parser._actions:  # argparse has no public accessor for its options
+        long_flags = [s for s in action.option_strings if s.startswith("--")]
+        for flag in long_flags:
+            key = flag[2:].replace("-", "_")
+            if key not in _NOT_IN_A_FILE:
+                keys[key] = action
+    return keys
+
+
+def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The file's options as `parser` defaults (by destination); ValueError naming the file and the key."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    try:
+        table = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"--config {path}: not a TOML file ({err})") from None
+    keys = _keys(parser)
+    defaults = {}
+    for raw_key, value in table.items():
+        key = raw_key.replace("-", "_")
+        if key not in keys and isinstance(value, dict):
+            raise ValueError(f"--config {path}: unknown table [{raw_key}]; options go at the top of the file")
+        if key not in keys:
+            close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(keys))}"
+            raise ValueError(f"--config {path}: unknown key {raw_key!r}{hint}")
+        action = keys[key]
+        defaults[action.dest] = _checked(path, raw_key, value, action)
+    return defaults
+
+
+def _checked(path: str, key: str, value: Any, action: argparse.Action) -> Any:
+    where = f"--config {path}: {key} = {value!r}"
+    if isinstance(value, dict):
+        raise ValueError(f"{where}: a table; this key takes a single value")
+    if action.nargs == 0:  # a switch (store_true)
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: must be true or false")
+        return value
+    if action.nargs in ("+", "*"):
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError(f"{where}: must be a string or a list of strings")
+        return values
+    if action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{where}: must be an integer")
+    if action.type is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{where}: must be a number")
+    if action.type is None and not isinstance(value, str):
+        raise ValueError(f"{where}: must be a string")
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where}: must be one of {', '.join(map(str, action.choices))}")
+    return float(value) if action.type is float else value
+
+
+def write_resolved_config(path: Path, options: dict[str, Any]) -> None:
+    """Write `options` (scalars, strings, lists of strings; None omitted) as TOML that `--config` reads back."""
+    lines = ["# The resolved options of this run: `orangetron train --config` on this file repeats it.\n"]
+    for key, value in options.items():
+        if value is not None:
+            lines.append(f"{key} = {_toml_value(value)}\n")
+    path.write_text("".join(lines), encoding="utf-8")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"{value!r}: not a TOML scalar or list")

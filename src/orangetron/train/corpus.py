@@ -1,0 +1,77 @@
+"""Training text: the embedded standard-library corpus and user files. No torch here: the CLI and the config
+read these names before any rank starts."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_CORPUS_BYTES = 2_000_000
+FILE_SEPARATOR = "\n\n\n"
+# Directories of the stdlib that are not "ordinary" library code: third-party packages, the huge
+# regression-test suites (mostly repetitive asserts) and IDLE's GUI code.
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
+
+
+def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, root: str | os.PathLike[str] | None = None) -> str:
+    """Concatenate the running interpreter's standard-library `.py` files into one string.
+
+    Files are visited in sorted path order (so the corpus is the same run after run), skipping any
+    directory named in SKIPPED_DIRS, joined by FILE_SEPARATOR and cut to at most `max_bytes` UTF-8
+    bytes. `root` overrides the stdlib directory (for tests). Raises FileNotFoundError if no file is found.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes={max_bytes}: must be positive")
+    base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+    pieces: list[str] = []
+    total = 0
+    for path in _stdlib_files(base):
+        text = path.read_text(encoding="utf-8", errors="replace") + FILE_SEPARATOR
+        pieces.append(text)
+        total += len(text.encode("utf-8"))
+        if total >= max_bytes:
+            break
+    if not pieces:
+        raise FileNotFoundError(f"no standard-library .py files found under {base}")
+    corpus = "".join(pieces).encode("utf-8")[:max_bytes]
+    # The cut may split a multi-byte character; drop the partial tail rather than emit U+FFFD.
+    return corpus.decode("utf-8", errors="ignore")
+
+
+def _stdlib_files(base: Path) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if d not in SKIPPED_DIRS]  # pruning in place stops the descent
+        found.extend(Path(dirpath) / name for name in filenames if name.endswith(".py"))
+    # Sorting whole relative paths (not os.walk's order) makes the corpus the same on every filesystem.
+    return sorted(found, key=lambda p: p.relative_to(base).as_posix())
+
+
+def read_text_files(paths: Sequence[str | os.PathLike[str]]) -> str:
+    """Read UTF-8 text files and join them with FILE_SEPARATOR.
+
+    Raises FileNotFoundError naming the first path that is missing or not a file, ValueError naming the
+    first file that is not UTF-8 text, and ValueError if `paths` is empty or all files are empty.
+    """
+    if not paths:
+        raise ValueError("no data files given")
+    texts = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise FileNotFoundError(f"data file {str(path)!r} does not exist or is not a file")
+        texts.append(_read_utf8(path))
+    if not any(texts):
+        raise ValueError(f"data files {[str(p) for p in paths]} are all empty")
+    return FILE_SEPARATOR.join(texts)
+
+
+def _read_utf8(path: Path) -> str:
+    # Strict: a binary file decoded with replacement would train the model on U+FFFD, silently.
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data file {str(path)!r} is not UTF-8 text (byte {err.start}: "
+                         f"{err.object[err.start:err.start + 1]!r})") from None

@@ -1,0 +1,76 @@
+"""`orangetron export`: a run's latest checkpoint as one plain state dict, for sharing a model.
+
+The checkpoint's shards (written on whatever layout the run had) are read whole in this process and saved
+with `torch.save` as `{name: tensor}`, the names and shapes of the reference `Transformer`'s `state_dict()`
+(parameters and router-bias buffers), so `Transformer(cfg).load_state_dict(torch.load(path,
+weights_only=True))` takes it. Parameters come in the dtype the run kept its main parameters in (float32
+for a bfloat16 run). The optimizer moments stay behind. torch is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def add_export_command(sub: Any) -> None:
+    """Register the `export` subcommand on an argparse subparsers object."""
+    p = sub.add_parser(
+        "export",
+        help="write a run's latest checkpoint as one state dict file",
+        description="Consolidate a checkpoint (sharded on any layout) into one file holding the model's "
+        "state dict, loadable with torch.load(weights_only=True) by the reference Transformer.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its latest checkpoint) or a checkpoint folder")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the state dict (.pt)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: checkpoint, output, tensors, bytes")
+    p.set_defaults(run=_run_command)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    import json
+
+    result = export_model(args.run_dir, args.output)
+    print(f"orangetron export: wrote {result['output']} ({result['tensors']} tensors, {result['bytes']:,} bytes) "
+          f"from {result['checkpoint']}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def find_checkpoint(run: str | Path) -> Path:
+    """`run` itself when it is a checkpoint, else the latest checkpoint under `run/checkpoints`."""
+    from orangetron.train.checkpoint import MANIFEST_FILE, latest_checkpoint
+
+    run = Path(run)
+    if (run / MANIFEST_FILE).is_file():
+        return run
+    if not run.is_dir():
+        raise FileNotFoundError(f"RUN_DIR {str(run)!r}: no such folder")
+    path = latest_checkpoint(run / "checkpoints")
+    if path is None:
+        raise FileNotFoundError(f"RUN_DIR {str(run)!r}: no checkpoint under {run / 'checkpoints'}")
+    return path
+
+
+def export_model(run: str | Path, output: str | Path) -> dict[str, Any]:
+    """Write the model state dict of `run`'s latest checkpoint to `output` (atomically); returns what was
+    written: checkpoint, output, tensors (count), bytes (file size)."""
+    import torch
+
+    from orangetron.train.checkpoint import load_checkpoint
+
+    output = Path(output)
+    if output.is_dir():
+        raise ValueError(f"-o {str(output)!r}: is a folder; give a file name")
+    path = find_checkpoint(run)
+    state = load_checkpoint(path, only=("params", "buffers"))
+    model = {**state["params"], **state.get("buffers", {})}
+    staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
+    torch.save(model, staging)
+    os.replace(staging, output)
+    return {"checkpoint": str(path), "output": str(output), "tensors": len(model), "bytes": output.stat().st_size}

@@ -1,0 +1,93 @@
+"""A run's checkpoints: every rank writing its own shards, and resuming from the latest on any layout.
+
+What a run's checkpoint holds: the whole-tensor pieces of the main parameters and both AdamW moments (by
+parameter name, under `params/`, `exp_avg/`, `exp_avg_sq/`), the router biases (`buffers/`), each rank's
+torch RNG state (`rng/rankNNNNN`), and as JSON the step, AdamW's step count, the data position (batches
+consumed), the loss history (the global-batch mean per step), the model config, the schedule and the
+layout it was written on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from orangetron import comm
+from orangetron.mesh import MeshGroup
+from orangetron.train.checkpoint import latest_checkpoint, load_into, open_checkpoint, save_checkpoint
+from orangetron.train.config import TrainConfig, TrainConfigError
+from orangetron.train.runlog import Resumed
+from orangetron.train.schedule import continue_schedule, schedule_of
+
+if TYPE_CHECKING:
+    from orangetron.train.trainer import RunSetup
+
+
+def _checkpoint_folder(cfg: TrainConfig) -> Path:
+    return Path(cfg.out) / "checkpoints"
+
+
+def _rng_name(rank: int) -> str:
+    return f"rank{rank:05d}"
+
+
+def _tensors(setup: RunSetup) -> dict[str, Any]:
+    """This rank's pieces of the run's tensors (views of its buffers), nested as the checkpoint names them."""
+    return {**setup.dp.sharded_state(setup.optimizer), "rng": {_rng_name(setup.rank): torch.get_rng_state()}}
+
+
+def save(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> Path | None:
+    """Checkpoint the run after `step`; every rank writes its own shards. The checkpoint's folder on rank 0."""
+    with comm.unmeasured():  # checkpoint traffic is not training traffic
+        return _write_checkpoint(cfg, setup, step, losses)
+
+
+def _write_checkpoint(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> Path | None:
+    plain = {"step": step, "losses": list(losses), "model": dataclasses.asdict(cfg.model_config()),
+             "schedule": schedule_of(cfg), "optimizer_steps": setup.optimizer.adamw.steps,
+             "data": {"batches": step}, "layout": cfg.layout.degrees()}  # losses: the global batch's, on every rank
+    path = save_checkpoint(_checkpoint_folder(cfg), step, {**_tensors(setup), **plain}, comm.world_group())
+    return path if setup.rank == 0 else None
+
+
+def resume(cfg: TrainConfig, setup: RunSetup) -> tuple[TrainConfig, Resumed]:
+    """The run's config with the checkpoint's schedule, and where it stands; loads this rank's share of the
+    state (from a checkpoint written on any layout) into setup."""
+    with comm.unmeasured():
+        return _resume(cfg, setup, comm.world_group())
+
+
+def _resume(cfg: TrainConfig, setup: RunSetup, world: MeshGroup) -> tuple[TrainConfig, Resumed]:
+    path = latest_checkpoint(_checkpoint_folder(cfg))
+    if path is None:
+        raise TrainConfigError(f"resume=True (--resume): no checkpoint under {_checkpoint_folder(cfg)}")
+    checkpoint = open_checkpoint(path, world)  # every file checked against the manifest first
+    state = checkpoint.plain
+    model = dataclasses.asdict(cfg.model_config())
+    for name, value in state["model"].items():
+        if model.get(name) != value:
+            raise TrainConfigError(f"resume=True (--resume): {path} holds a model with {name}={value!r}, "
+                                   f"this run builds {name}={model.get(name)!r}")
+    step = int(state["step"])
+    if step >= cfg.steps:
+        raise TrainConfigError(f"steps={cfg.steps} (--steps): {path} is already at step {step}; "
+                               "raise --steps and add --extend to train further")
+    if cfg.stop_after and cfg.stop_after <= step:
+        raise TrainConfigError(f"stop_after={cfg.stop_after} (--stop-after): {path} is already at step {step}")
+    if state["data"]["batches"] != step:  # the loop replays one batch per step to find its place
+        raise TrainConfigError(f"resume=True (--resume): {path} consumed {state['data']['batches']} batches "
+                               f"in {step} steps; this trainer takes one per step")
+    cfg = continue_schedule(cfg, state.get("schedule"), path)
+    tensors = _tensors(setup)
+    # A rank's RNG state continues only where the same rank exists with the same role: the same layout.
+    same_layout = state["layout"] == cfg.layout.degrees()
+    if not same_layout:
+        del tensors["rng"]
+    load_into(checkpoint, tensors, world)
+    setup.dp.state_loaded(setup.optimizer, int(state["optimizer_steps"]))
+    if same_layout:
+        torch.set_rng_state(tensors["rng"][_rng_name(setup.rank)])
+    return cfg, Resumed(step, [float(x) for x in state["losses"]], path)

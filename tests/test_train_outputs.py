@@ -1,0 +1,110 @@
+"""What a run shows and keeps: --config files, the run folder's files, the global-batch loss, MFU."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+import torch
+
+from orangetron import cli
+from orangetron.train.config import TrainConfig
+from orangetron.train.trainer import train
+
+torch.set_num_threads(1)
+
+TINY = dict(model="tiny-moe", steps=3, seq_len=32, batch_size=4, warmup=1, eval_batches=2, corpus_bytes=200_000)
+
+
+def _cli_config(monkeypatch, argv: list[str]) -> TrainConfig:
+    """The TrainConfig `orangetron train argv` would run (train itself replaced)."""
+    from orangetron.train import trainer
+
+    seen = {}
+
+    def fake_train(cfg, progress=True):
+        seen["cfg"] = cfg
+        return {"losses": [1.0], "final_loss": 1.0, "final_loss_mean10": 1.0, "eval_loss": None, "params": 1,
+                "tokens_per_s": 1.0, "mfu": None, "time_s": 0.0, "memory": [{}], "comm": [{}]}
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    assert cli.main(["train", "--quiet", *argv]) == 0
+    return seen["cfg"]
+
+
+def test_config_file_sets_options_and_the_command_line_overrides_it(monkeypatch, tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\nzero-stage = 2\ndp = 2\nbatch_size = 4\ncp_mode = "ulysses"\nsequence-parallel = '
+                    f'true\nlr = 1\ndata = "{path}"\n')
+    cfg = _cli_config(monkeypatch, ["--config", str(path), "--steps", "9"])
+    assert (cfg.steps, cfg.zero_stage, cfg.dp, cfg.batch_size) == (9, 2, 2, 4)
+    assert cfg.cp_mode == "ulysses" and cfg.sequence_parallel is True
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.min_lr == 0.1  # lr/10 unless given
+    assert cfg.data == (str(path),)
+    assert _cli_config(monkeypatch, ["--steps", "9"]).zero_stage == 0  # nothing leaks into the next parse
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("zero_stge = 2\n", "unknown key 'zero_stge'; did you mean 'zero_stage'?"),
+    ("seq-lenght = 64\n", "did you mean 'seq_len'?"),
+    ("steps = \"10\"\n", "steps = '10': must be an integer"),
+    ("lr = true\n", "must be a number"),
+    ("cp_mode = \"spiral\"\n", "must be one of ring"),
+    ("resume = 1\n", "must be true or false"),
+    ("steps = [\n", "not a TOML file"),
+    ("[steps]\nx = 1\n", "a table"),
+    ("[train]\nsteps = 1\n", "unknown table [train]; options go at the top of the file"),
+])
+def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, capsys, text: str, needle: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+def test_verify_reads_config_files_too(tmp_path, capsys) -> None:
+    path = tmp_path / "v.toml"
+    path.write_text("dp = 2\nzero_stge = 1\n")
+    assert cli.main(["verify", "--config", str(path)]) == 2
+    assert "did you mean 'zero_stage'?" in capsys.readouterr().err
+
+
+def test_run_folder_keeps_config_metrics_and_loss_curve(monkeypatch, tmp_path, capfd) -> None:
+    out = tmp_path / "run"
+    result = train(TrainConfig(**TINY, out=str(out), dp=2, zero_stage=1, dtype="float64"), progress=True)
+    err = capfd.readouterr().err  # rank 0 is a child process: its standard error is the file descriptor
+    for name in ("config.toml", "metrics.jsonl", "loss.png"):
+        assert f"wrote {out / name}" in err
+    assert f"wrote checkpoint {out / 'checkpoints' / 'step-00000003'}" in err
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = tomllib.loads((out / "config.toml").read_text())
+    assert saved["dp"] == 2 and saved["zero_stage"] == 1 and saved["dtype"] == "float64"
+    # The resolved file is a valid --config: the command line rebuilds the same run from it.
+    assert _cli_config(monkeypatch, ["--config", str(out / "config.toml")]) == TrainConfig(**TINY, out=str(out),
+                                                                                          dp=2, zero_stage=1,
+                                                                                          dtype="float64")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records] == result["losses"]
+    assert all(r["mfu"] > 0 for r in records) and result["mfu"] > 0 and result["peak_flops"] > 0
+
+
+def test_every_layout_shows_the_global_batch_loss(tmp_path) -> None:
+    """The bar and metrics.jsonl show the whole batch's loss, not rank 0's share of it."""
+    one = train(TrainConfig(**TINY, dtype="float64", out=str(tmp_path / "one")), progress=False)
+    two = train(TrainConfig(**TINY, dtype="float64", dp=2, out=str(tmp_path / "two")), progress=False)
+    shown = [json.loads(line)["loss"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert shown == pytest.approx(one["losses"], rel=1e-12, abs=0)
+    assert two["losses"] == shown
+
+
+def test_step_flops_is_the_hand_count_of_the_tiny_model() -> None:
+    from orangetron.train.mfu import step_flops
+
+    cfg = TrainConfig(model="tiny", seq_len=32, batch_size=4, corpus_bytes=200_000)
+    tokens, s, dim, kv_dim, ffn, vocab, layers = 4 * 32, 32, 64, 32, 192, 256, 2
+    layer_params = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * ffn + 2 * dim  # q, o, k, v, SwiGLU, two norms
+    matmuls = 2 * tokens * layer_params * layers + 2 * tokens * dim * vocab
+    attention = 2 * tokens * s * 4 * (16 + 16) * layers  # QK^T and AV over every key, 4 heads of 16
+    assert step_flops(cfg) == 3 * (matmuls + attention)  # forward plus a backward of twice its cost
