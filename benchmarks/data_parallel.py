@@ -3,27 +3,36 @@
 Same model, batch and AdamW on both sides; the ratio is torch DDP's step time over ours (above 1: ours is
 faster). Prints one JSON line per stage, and one for bucketed DDP (all-reduces overlapped with backward)
 against DDP reducing once after backward.
+
+Then ZeRO-2's memory peak with gradient buckets (reduce-scattered during backward, each `.grad` freed once in
+its bucket) against ZeRO-2 reducing once after backward, on a 27M-parameter dense model in the same worker
+processes: the most heap a step adds to what the rank held before it (glibc's bytes in use, read after every
+torch op of the step, so the gradients, wire buffers and activations all count), and the whole heap at that
+peak. Ratio: with buckets over without (below 1: smaller).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from orangetron import memory
 from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
-from orangetron.model import Transformer, model_preset
+from orangetron.model import ModelConfig, Transformer, model_preset
 from orangetron.parallel import DataParallel, ParallelConfig
 from orangetron.testing import run_distributed, shutdown_workers
 
 MODEL, BATCH, SEQ, STEPS = "tiny-moe", 4, 128, 8
 STAGES = {"ddp": {}, "ddp_buckets": {"grad_bucket_numel": 25_000}, "zero1": {"zero_stage": 1},
           "distributed_optimizer": {"distributed_optimizer": True}, "zero2": {"zero_stage": 2},
-          "zero3": {"zero_stage": 3}}
+          "zero2_buckets": {"zero_stage": 2, "grad_bucket_numel": 25_000}, "zero3": {"zero_stage": 3}}
 
 
 def _tokens(step: int) -> torch.Tensor:
@@ -63,6 +72,75 @@ def _line(stage: str, value: float, baseline: float, against: str) -> str:
                        "unit": "s", "baseline": round(baseline, 5), "ratio": round(baseline / value, 3)})
 
 
+# ---- ZeRO-2's peak with and without gradient buckets ---------------------------------------------------
+PEAK_CFG = ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=256, ffn_dim=1536)
+PEAK_BATCH, PEAK_SEQ, PEAK_BUCKET = 1, 64, 1_000_000
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_libc = ctypes.CDLL("libc.so.6")
+_libc.mallinfo2.restype = _MallInfo2
+
+
+def _heap_in_use() -> int:
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd  # allocated chunks plus mmapped blocks (every large tensor)
+
+
+class _HeapPeak(TorchDispatchMode):
+    """The largest heap in use seen after any torch op run inside (autograd's backward ops included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = _heap_in_use()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, _heap_in_use())
+        return out
+
+
+def zero2_peaks() -> dict[str, tuple[int, int, int, dict]]:
+    """Of the third step, per variant: the heap's growth over the step's start at its peak during forward,
+    backward and the gradient reduction, and during the whole step; the heap at the step's peak; the memory
+    categories."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(Layout(dp=2))
+    out = {}
+    for variant, bucket in (("after_backward", 0), ("buckets", PEAK_BUCKET)):
+        dp = DataParallel(Transformer(PEAK_CFG, seed=0), mesh, ParallelConfig(zero_stage=2, grad_bucket_numel=bucket))
+        opt = dp.optimizer(lr=1e-4)
+        for step in range(3):  # the first step allocates AdamW's moments
+            tokens = torch.randint(0, 256, (PEAK_BATCH, PEAK_SEQ + 1), generator=torch.Generator().manual_seed(step))
+            start = _heap_in_use()
+            with _HeapPeak() as backward:  # forward, backward and the gradient reduction
+                loss = dp.module.loss_from_logits(dp(tokens[:, :-1]), tokens[:, 1:])
+                loss.backward()
+                dp.reduce_gradients()
+                del loss
+            with _HeapPeak() as update:  # clipping and AdamW
+                opt.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+        step = max(backward.peak, update.peak)
+        out[variant] = (backward.peak - start, step - start, step, memory.model_state_bytes(dp, opt))
+        del dp, opt
+    return out
+
+
+def _peak_line(metric: str, value: int, baseline: int, categories: dict) -> str:
+    config = {"stage": "zero2", "model": "dense dim 512, 8 layers", "params": Transformer(PEAK_CFG).num_parameters(),
+              "batch_per_rank": PEAK_BATCH, "seq_len": PEAK_SEQ, "ranks": 2, "backend": "gloo",
+              "grad_bucket_numel": PEAK_BUCKET, "categories_with_buckets": categories,
+              "baseline": "zero2, one reduce-scatter after backward"}
+    return json.dumps({"name": "zero2_bucket_peak", "config": config, "metric": metric, "value": value, "unit": "B",
+                       "baseline": baseline, "ratio": round(value / baseline, 3)})
+
+
 def main() -> None:
     baseline = max(run_distributed(torch_ddp, 2))
     measured = {}
@@ -71,6 +149,12 @@ def main() -> None:
         print(_line(stage, measured[stage], baseline, "torch DistributedDataParallel"), flush=True)
     # Overlapped (buckets all-reduced during backward) vs serial (one all-reduce after backward).
     print(_line("ddp_buckets", measured["ddp_buckets"], measured["ddp"], "ddp, one reduction after backward"))
+    print(_line("zero2_buckets", measured["zero2_buckets"], measured["zero2"], "zero2, one reduction after backward"))
+    shutdown_workers()
+    peaks = max(run_distributed(zero2_peaks, 2), key=lambda r: r["buckets"][1])
+    with_buckets, without = peaks["buckets"], peaks["after_backward"]
+    for i, metric in enumerate(("backward_peak_growth_bytes", "step_peak_growth_bytes", "step_peak_heap_bytes")):
+        print(_peak_line(metric, with_buckets[i], without[i], with_buckets[3]), flush=True)
     shutdown_workers()
 
 

@@ -100,8 +100,8 @@ MUTANTS = [
            (("            if part.shards > 1:\n                squares = comm.all_reduce(squares, part.group)\n", ""),),
            ("tests/test_mixed_precision.py",)),
     Mutant("bucketed_grads_summed_not_averaged", "src/orangetron/parallel/data.py",
-           (("            self.buckets.finish()\n            self.main_grads.div_(self.group.size)\n",
-             "            self.buckets.finish()\n"),),
+           (("                part.owned_grads().div_(self.group.size)\n            self._grads_pending = False",
+             "                pass\n            self._grads_pending = False"),),
            ("tests/test_mixed_precision.py",)),
     Mutant("adamw_without_first_moment_bias_correction", "src/orangetron/parallel/optim.py",
            (("        step_size = self.lr / (1 - beta1**self.steps)", "        step_size = self.lr"),),
@@ -279,6 +279,21 @@ MUTANTS = [
     Mutant("reshard_tp_offset_by_rank_not_by_slice", "src/orangetron/parallel/state.py",
            (("placement.slice_index(dp.tp.rank) * local_shape", "dp.tp.rank * local_shape"),),
            ("tests/test_checkpoint_sharded.py::test_every_layout_reshards_onto_the_next_exactly",)),
+    # ---- gradient buckets of the sharded stages -------------------------------------------------------
+    Mutant("sharded_bucket_grad_freed_before_its_last_bucket", "src/orangetron/parallel/buckets.py",
+           (("            if self.pending_buckets[i] == 0:\n                p.grad = None",
+             "            if True:\n                p.grad = None"),),
+           ("tests/test_data_parallel.py::test_every_stage_matches_one_device_with_exact_ledger_and_memory",)),
+    Mutant("sharded_buckets_not_retired_before_the_next", "src/orangetron/parallel/buckets.py",
+           (("        self.retire()  # one bucket in flight", "        pass  # one bucket in flight"),),
+           ("tests/test_data_parallel.py::test_sharded_buckets_are_reduce_scattered_during_backward",)),
+    Mutant("pipeline_buckets_started_by_every_backward", "src/orangetron/parallel/pipeline/executor.py",
+           (("            with dp.no_sync() if at != last_backward[act.chunk] else nullcontext():",
+             "            with nullcontext():"),),
+           ("tests/test_pipeline_parallel.py::test_pipeline_parallel_matches_one_device_and_the_planner[4]",)),
+    Mutant("sharded_bucket_planner_counts_no_wire", "src/orangetron/plan/memory.py",
+           (("    wire = job.zero_stage == 2 or", "    wire = job.zero_stage == 3 or"),),
+           ("tests/test_plan_bridge.py::test_planner_equals_runtime_ledger_and_memory_for_data_parallel",)),
 ]
 
 

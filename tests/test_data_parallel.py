@@ -21,8 +21,12 @@ BUCKET = 500  # elements: buckets cross parameter boundaries, and the last one i
 STAGES = {"ddp": dict(zero_stage=0), "ddp_buckets": dict(grad_bucket_numel=BUCKET), "zero1": dict(zero_stage=1),
           "distopt": dict(distributed_optimizer=True), "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3),
           "zero3_serial": dict(zero_stage=3, zero3_prefetch=False),
-          "zero3_keep": dict(zero_stage=3, zero3_keep_params=True)}
+          "zero3_keep": dict(zero_stage=3, zero3_keep_params=True),
+          "zero1_buckets": dict(zero_stage=1, grad_bucket_numel=BUCKET),
+          "zero2_buckets": dict(zero_stage=2, grad_bucket_numel=BUCKET),
+          "distopt_buckets": dict(distributed_optimizer=True, grad_bucket_numel=BUCKET)}
 ZERO3 = ("zero3", "zero3_serial", "zero3_keep")
+SHARDED_BUCKETS = ("zero1_buckets", "zero2_buckets", "distopt_buckets")
 
 
 def batch(step: int, rows: int) -> torch.Tensor:
@@ -102,7 +106,17 @@ def full_grads(results: list[dict], stage: str, step: int, layout: Layout) -> to
         return results[0][stage][5][step]
     slices = [by_stage[stage][5][step] for by_stage in results[:: layout.tp]]
     numel = results[0][stage][4]
+    if stage in SHARDED_BUCKETS:  # [buckets, slice] per rank: rank r holds slice r of every bucket
+        return torch.stack(slices, dim=1).reshape(-1)[:numel]
     return torch.cat(slices)[:numel] if stage not in ("ddp", "ddp_buckets") else slices[0]
+
+
+def equal_buckets(numel: int, d: int) -> tuple[int, int]:
+    """(count, size): as few buckets as hold numel at BUCKET rounded up to a multiple of d, equal sizes, each
+    a multiple of d. Written out here, by hand, for the test model."""
+    most = -(-BUCKET // d) * d
+    count = -(-numel // most)
+    return count, -(-numel // (count * d)) * d
 
 
 def unit_numels() -> list[int]:
@@ -131,6 +145,12 @@ def expected_records(stage: str, step: int, numel: int, d: int):
         sizes = [min(BUCKET, numel - start) * 8 for start in range(0, numel, BUCKET)]
         return sorted(("all_reduce", "dp_cp", b, 2 * b * (d - 1) // d) for b in sizes)
     clip = ("all_reduce", "dp_cp", 8, 2 * 8 * (d - 1) // d)
+    if stage in SHARDED_BUCKETS:  # per bucket: one reduce-scatter, one all-gather (lazy, or eager)
+        count, size = equal_buckets(numel, d)
+        rs, ag = ("reduce_scatter", "dp_cp", size * 8, size * 8 * (d - 1) // d), ("all_gather", "dp_cp", size * 8,
+                                                                                   size * 8 * (d - 1) // d)
+        gathers = count * (step > 0 or stage == "distopt_buckets")
+        return sorted([rs] * count + [ag] * gathers + [clip])
     rs, ag = ("reduce_scatter", "dp_cp", padded, share), ("all_gather", "dp_cp", padded, share)
     return {
         "zero1": [ag] * (step > 0) + [rs, clip],  # lazy: gathered before the next forward
@@ -144,6 +164,12 @@ def expected_state(stage: str, numel: int, d: int, units: list[int]):
     none = {"gathered_params": 0, "grad_buckets": 0}
     if stage in ("ddp", "ddp_buckets"):
         return {"params": numel * 8, "grads": numel * 8, "main_params": 0, "optimizer": 2 * numel * 8} | none
+    if stage in SHARDED_BUCKETS:  # buckets padded one by one; one reduce-scatter in flight at a time
+        count, size = equal_buckets(numel, d)
+        full, shard = count * size * 8, count * size // d * 8
+        wire = size * 8 if stage == "zero2_buckets" else 0  # the others reduce their full buffer where it lies
+        return {"params": full, "grads": shard if stage == "zero2_buckets" else full, "main_params": 0,
+                "optimizer": 2 * shard, "gathered_params": 0, "grad_buckets": wire + size // d * 8}
     if stage not in ZERO3:
         return {"params": padded, "grads": shard if stage == "zero2" else padded, "main_params": 0,
                 "optimizer": 2 * shard} | none
@@ -177,7 +203,7 @@ def test_every_stage_matches_one_device_with_exact_ledger_and_memory(layout):
                 if stage in ZERO3:
                     assert sorted(records) == zero3_records(stage, units, d), f"{where} step {step}"
                     continue
-                got = sorted(records) if stage == "ddp_buckets" else records
+                got = sorted(records) if stage in ("ddp_buckets", *SHARDED_BUCKETS) else records
                 assert got == expected_records(stage, step, numel, d), f"{where} step {step}"
             model_state = {k: v for k, v in state.items() if k != "activations"}
             assert model_state == expected_state(stage, numel, d, units), where
@@ -213,6 +239,8 @@ def test_parallel_config_rules():
         ParallelConfig(param_dtype="float16")
     with pytest.raises(ParallelConfigError, match=r"microbatches=0: must be a positive integer"):
         ParallelConfig(microbatches=0)
+    with pytest.raises(ParallelConfigError, match=r"grad_bucket_numel=100 with zero_stage=3: ZeRO-3 reduce-scatters"):
+        ParallelConfig(zero_stage=3, grad_bucket_numel=100)
 
 
 # ---- awkward uses: several outputs, a tied weight used last, accumulation, eval and unused forwards ------
@@ -274,6 +302,8 @@ def awkward_run():
     r = mesh["dp_cp"].rank
     out = {}
     for stage, opts in STAGES.items():
+        if opts.get("grad_bucket_numel"):  # several buckets of the small model, cutting through its weights
+            opts = opts | {"grad_bucket_numel": 30}
         dp = DataParallel(TiedTwoOutputs(), mesh, ParallelConfig(param_dtype="float64", **opts))
         opt = dp.optimizer(lr=0.05)
         for _ in awkward_steps(dp, lambda rows, r=r: rows[r * 2:(r + 1) * 2]):
@@ -309,6 +339,48 @@ def bucket_overlap_checks():
 def test_buckets_are_reduced_during_backward():
     for launched, buckets in run_distributed(bucket_overlap_checks, 2):
         assert buckets > 5 and launched == buckets  # every bucket left before the step asked for it
+
+
+def sharded_bucket_checks():
+    """Per sharded stage with buckets: the buckets launched by the time the embedding's gradient (the last one
+    backward computes) arrives, what is left in .grad and in flight after backward, and the refusal of a
+    second gradient without no_sync."""
+    mesh = init_mesh(Layout(dp=2))
+    out = {}
+    for stage in SHARDED_BUCKETS:
+        model = Transformer(CFG, seed=0, dtype=torch.float64)
+        seen = {}
+
+        def at_embedding(_: torch.Tensor, seen: dict = seen) -> None:
+            seen.setdefault("launched", list(seen["dp"].buckets.events))
+
+        # Registered before the wrapper's hooks, so it runs before they take the embedding's gradient.
+        model.tok_embeddings.weight.register_post_accumulate_grad_hook(at_embedding)
+        seen["dp"] = dp = DataParallel(model, mesh, ParallelConfig(param_dtype="float64", **STAGES[stage]))
+        rows = batch(0, 2)
+        ce(dp(rows[:, :-1]), rows).backward()
+        seen["grads_left"] = [n for n, p in dp.module.named_parameters() if p.grad is not None]
+        seen["in_flight"] = len(dp.buckets.in_flight)
+        dp.reduce_gradients()
+        with pytest.raises(RuntimeError, match="a second gradient arrived before the step; run the earlier"):
+            ce(dp(rows[:, :-1]), rows).backward()
+            ce(dp(rows[:, :-1]), rows).backward()  # accumulation without no_sync
+        del seen["dp"]
+        out[stage] = seen
+    return out
+
+
+def test_sharded_buckets_are_reduce_scattered_during_backward():
+    count, size = equal_buckets(sum(unit_numels()), 2)
+    embedding = CFG.vocab_size * CFG.dim  # the first elements of the flat buffer, its first buckets
+    for by_stage in run_distributed(sharded_bucket_checks, 2):
+        for stage, seen in by_stage.items():
+            assert count > 5, stage
+            assert seen["launched"][0] == count - 1, stage  # the head's bucket first, as backward fills it
+            # Every bucket without embedding elements left while backward still had the embedding to do.
+            assert sorted(seen["launched"]) == list(range(embedding // size + 1, count)), stage
+            assert seen["grads_left"] == [], stage  # every .grad freed once in its bucket
+            assert seen["in_flight"] == 1, stage  # the last bucket's reduce-scatter; the step waits for it
 
 
 def zero3_unit_checks(opts: dict):

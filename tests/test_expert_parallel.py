@@ -37,6 +37,14 @@ CASES = {
     4: [("moe-shared", Layout(dp=4, ep=2), {"dispatcher": "ragged", "zero_stage": 1}),
         ("moe-every-other", Layout(dp=4, ep=4), {"dispatcher": "allgather", "distributed_optimizer": True}),
         ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True}),
+        # Gradient buckets over both buffers (edp = 2), and after the tp sum that sequence parallel needs.
+        ("moe-every-other", Layout(dp=4, ep=2), {"dispatcher": "ragged", "distributed_optimizer": True,
+                                                 "grad_bucket_numel": 300}),
+        ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
+                                                  "zero_stage": 2, "grad_bucket_numel": 300}),
+        ("moe-every-other", Layout(dp=4, ep=2), {"dispatcher": "ragged", "grad_bucket_numel": 300}),  # DDP
+        ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
+                                                  "grad_bucket_numel": 300}),
         ("moe-every-other", Layout(dp=4, ep=4), {"dispatcher": "ragged", "ep_overlap_chunks": 2, "zero_stage": 3})],
     8: [("moe-shared", Layout(tp=2, dp=4, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
                                                    "zero_stage": 1}),

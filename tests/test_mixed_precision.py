@@ -20,7 +20,9 @@ CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, ff
 # Rows x SEQ tokens are powers of two on every rank and on one device, so a mean's 1/N is exact in bf16.
 SEQ, ROWS, STEPS, LR, CLIP, WD = 8, 4, 4, 1e-2, 1.0, 0.1
 STAGES = {"ddp": dict(zero_stage=0), "ddp_buckets": dict(grad_bucket_numel=300), "zero1": dict(zero_stage=1),
-          "distopt": dict(distributed_optimizer=True), "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3)}
+          "distopt": dict(distributed_optimizer=True), "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3),
+          "zero1_buckets": dict(zero_stage=1, grad_bucket_numel=300),
+          "zero2_buckets": dict(zero_stage=2, grad_bucket_numel=300)}
 # (param_dtype, reduce_dtype): bf16 weights reduced in fp32 for the close comparison, and in bf16 (the
 # default, as the seed's tables) for the loose one.
 PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", "float32"), "bf16_wire": ("bfloat16", None)}

@@ -30,7 +30,16 @@ CASES = {
     + [("moe", Layout(pp=4), {"pp_schedule": "interleaved", "microbatches": 4, "virtual_stages": 2}),
        ("moe", Layout(tp=2, pp=2), {"pp_schedule": "1f1b", "microbatches": 2, "sequence_parallel": True}),
        ("dense", Layout(cp=2, pp=2), {"pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2}),
-       ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "gpipe", "microbatches": 2, "zero_stage": 2})],
+       ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "gpipe", "microbatches": 2, "zero_stage": 2}),
+       # Gradient buckets: each chunk's last backward of the step starts them.
+       ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "1f1b", "microbatches": 2, "zero_stage": 2,
+                                          "grad_bucket_numel": 200}),
+       ("dense", Layout(pp=2, dp=2), {"pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2,
+                                      "zero_stage": 1, "grad_bucket_numel": 150}),
+       # ZeRO-3 by unit on each stage: gathered per micro-batch, reduce-scattered after a chunk's last backward.
+       ("dense", Layout(pp=2, dp=2), {"pp_schedule": "1f1b", "microbatches": 2, "zero_stage": 3}),
+       ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "gpipe", "microbatches": 2, "zero_stage": 3,
+                                          "zero3_keep_params": True})],
     8: [("moe", Layout(tp=2, cp=2, pp=2), {"pp_schedule": "1f1b", "microbatches": 2, "sequence_parallel": True,
                                              "distributed_optimizer": True}),
         ("moe", Layout(tp=2, pp=2, dp=2, ep=2), {"pp_schedule": "interleaved", "microbatches": 2,
@@ -65,8 +74,9 @@ def test_pipeline_settings_that_cannot_run_are_refused():
         check_pipeline(tied, 2, ParallelConfig())
     with pytest.raises(LayoutError, match=r"pp=4: n_layers=4 < pp\*virtual_stages=8"):
         check_pipeline(MODELS["dense"], 4, ParallelConfig(pp_schedule="interleaved", virtual_stages=2))
-    with pytest.raises(ParallelConfigError, match=r"zero_stage=3 with pp=2"):
-        check_pipeline(MODELS["dense"], 2, ParallelConfig(zero_stage=3))
+    with pytest.raises(ParallelConfigError, match=r"zero_stage=3 with pp=2 and virtual_stages=2: ZeRO-3 is "
+                       r"pipelined with one model chunk per rank only"):
+        check_pipeline(MODELS["dense"], 2, ParallelConfig(zero_stage=3, pp_schedule="interleaved", virtual_stages=2))
     with pytest.raises(TrainConfigError, match=r"virtual_stages=2 \(--virtual-stages\): needs --pp-schedule"):
         TrainConfig(model="small-moe", pp=2, virtual_stages=2)
     with pytest.raises(TrainConfigError, match=r"microbatches=3 \(--microbatches\): the interleaved schedule needs a "

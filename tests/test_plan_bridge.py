@@ -53,7 +53,10 @@ def test_predicted_step_from_runtime_objects():
 # ---- planner == ledger, for what the runtime can run today (data parallelism) ------------------------
 STAGES = {"ddp": dict(zero_stage=0), "ddp_buckets": dict(grad_bucket_numel=3000), "zero1": dict(zero_stage=1),
           "distopt": dict(distributed_optimizer=True),
-          "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3)}
+          "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3),
+          "zero1_buckets": dict(zero_stage=1, grad_bucket_numel=3000),
+          "zero2_buckets": dict(zero_stage=2, grad_bucket_numel=3000),
+          "distopt_buckets": dict(distributed_optimizer=True, grad_bucket_numel=3000)}
 
 
 def _measured_dp_steps(world: int, param_dtype: str):

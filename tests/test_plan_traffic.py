@@ -8,8 +8,9 @@ import pytest
 
 from orangetron.plan import collectives as cf
 from orangetron.plan.config import Degrees, Job
-from orangetron.plan.memory import stage_params
+from orangetron.plan.memory import stage_memory, stage_params
 from orangetron.plan.models import ModelSpec
+from orangetron.plan.sharding import bucket_layout
 from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
@@ -63,6 +64,39 @@ def test_fp32_gradient_reduction_option():
     (record,) = data_parallel_records(DENSE, Degrees(dp=4), job)
     n = stage_params(DENSE, Degrees(dp=4), 0).dense
     assert record.payload_bytes == 4 * (-(-n // 4) * 4)
+
+
+@pytest.mark.parametrize(("numel", "bucket", "shards", "layout"), [
+    (1000, 300, 4, (4, 252)),  # 300 -> 4 buckets; 1000 / 4 = 250, up to 252 (a multiple of 4)
+    (7434, 500, 2, (15, 496)),  # the float64 test model of test_data_parallel.py
+    (7434, 500, 4, (15, 496)),
+    (10, 1, 4, (3, 4)),  # a bucket smaller than the shard count grows to one element per rank
+    (100, 0, 3, (1, 102)),  # no buckets: the whole buffer, padded
+    (100, 1000, 3, (1, 102)),
+])
+def test_bucket_layout_by_hand(numel, bucket, shards, layout):
+    count, size = bucket_layout(numel, bucket, shards)
+    assert (count, size) == layout
+    assert (count - 1) * size < numel <= count * size  # padding stays inside the last bucket
+
+
+def test_sharded_stages_reduce_scatter_and_gather_each_equal_bucket():
+    deg = Degrees(dp=3)
+    n = stage_params(DENSE, deg, 0).dense  # 2,885,888 bf16 parameters: 29 buckets
+    job = Job(seq_len=64, zero_stage=2, bucket_numel=100_000)
+    records = data_parallel_records(DENSE, deg, job)
+    count = -(-n // 100_002)  # 100,000 rounded up to a multiple of 3
+    size = -(-n // (3 * count)) * 3
+    assert keys(records) == {"reduce_scatter/dp_cp": count, "all_gather/dp_cp": count}
+    assert {r.payload_bytes for r in records} == {2 * size}
+    mem = stage_memory(DENSE, deg, job, 0)
+    assert mem["grads"] == 4 * count * size // 3  # fp32 main gradients: this rank's slice of every bucket
+    assert mem["grad_buckets"] == 2 * (size + size // 3)  # one bf16 wire buffer and its slice
+    zero1 = stage_memory(DENSE, deg, Job(seq_len=64, zero_stage=1, bucket_numel=100_000), 0)
+    assert zero1["grads"] == 4 * count * size  # the full buffer, bucket padding included
+    assert zero1["grad_buckets"] == 2 * (size + size // 3)  # bf16 wire copy of the fp32 bucket, and its slice
+    f32 = Job(seq_len=64, zero_stage=1, bucket_numel=100_000, param_dtype="float32")
+    assert stage_memory(DENSE, deg, f32, 0)["grad_buckets"] == 4 * size // 3  # reduced where it lies
 
 
 def test_experts_reduce_over_edp_and_dense_over_dp_cp():

@@ -28,6 +28,9 @@ def _final_params(folder) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("saved, resumed", [
     (dict(tp=2, sequence_parallel=True), dict(dp=2, zero_stage=3)),
     (dict(), dict(tp=2, dp=2, zero_stage=1, sequence_parallel=True)),
+    # Bucketed shards: each rank owns a slice of every bucket, yet the checkpoint holds whole tensors.
+    (dict(dp=2, zero_stage=2, grad_bucket_numel=7000), dict(tp=2, dp=2, distributed_optimizer=True,
+                                                             sequence_parallel=True, grad_bucket_numel=5000)),
 ])
 def test_checkpoint_moves_between_tensor_parallel_layouts(tmp_path, saved, resumed):
     """Save at step 3 on one layout, resume to step 5 on another: the one-rank run's losses and weights."""

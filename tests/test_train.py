@@ -263,9 +263,24 @@ def test_cli_passes_every_parallel_flag(monkeypatch) -> None:
     assert seen["cfg"].distributed_optimizer and seen["cfg"].parallel_config().distributed_optimizer
     assert cli.main(["train", "--quiet", "--dp", "2", "--grad-bucket-numel", "1000", "--batch-size", "4"]) == 0
     assert seen["cfg"].parallel_config().grad_bucket_numel == 1000
+    pc = seen["cfg"].parallel_config()
+    assert (pc.zero3_prefetch, pc.zero3_keep_params) == (True, False)  # the defaults
+    assert cli.main(["train", "--quiet", "--dp", "2", "--zero-stage", "3", "--no-zero3-prefetch",
+                     "--zero3-keep-params", "--batch-size", "4"]) == 0
+    pc = seen["cfg"].parallel_config()
+    assert (pc.zero_stage, pc.zero3_prefetch, pc.zero3_keep_params) == (3, False, True)
 
 
 # ---- orangetron verify ------------------------------------------------------------------------------------
+
+
+def test_verify_zero2_with_gradient_buckets_reproduces_one_rank(capsys) -> None:
+    from orangetron import cli
+
+    assert cli.main(["verify", "--dp", "2", "--zero-stage", "2", "--grad-bucket-numel", "7000", "--steps", "2",
+                     "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ok"] and 0 <= result["max_loss_rel_diff"] < 1e-12 and 0 <= result["max_grad_rel_diff"] < 1e-12
 
 
 def test_verify_distributed_optimizer_reproduces_one_rank(capsys) -> None:

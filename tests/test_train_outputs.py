@@ -43,6 +43,9 @@ def test_config_file_sets_options_and_the_command_line_overrides_it(monkeypatch,
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.min_lr == 0.1  # lr/10 unless given
     assert cfg.data == (str(path),)
     assert _cli_config(monkeypatch, ["--steps", "9"]).zero_stage == 0  # nothing leaks into the next parse
+    path.write_text("zero3_prefetch = false\n")
+    assert _cli_config(monkeypatch, ["--config", str(path)]).zero3_prefetch is False
+    assert _cli_config(monkeypatch, ["--config", str(path), "--zero3-prefetch"]).zero3_prefetch is True
 
 
 @pytest.mark.parametrize(("text", "needle"), [
@@ -52,6 +55,7 @@ def test_config_file_sets_options_and_the_command_line_overrides_it(monkeypatch,
     ("lr = true\n", "must be a number"),
     ("cp_mode = \"spiral\"\n", "must be one of ring"),
     ("resume = 1\n", "must be true or false"),
+    ("no_zero3_prefetch = true\n", "unknown key 'no_zero3_prefetch'; did you mean 'zero3_prefetch'?"),
     ("steps = [\n", "not a TOML file"),
     ("[steps]\nx = 1\n", "a table"),
     ("[train]\nsteps = 1\n", "unknown table [train]; options go at the top of the file"),

@@ -1,10 +1,20 @@
-"""DDP gradient buckets: each slice of the flat gradient buffer is all-reduced as soon as every parameter
-that overlaps it has its gradient, while backward goes on computing the rest.
+"""Gradient buckets: each slice of the flat gradient buffer is reduced as soon as every parameter that
+overlaps it has its gradient, while backward goes on computing the rest.
 
-Buckets are fixed-size slices of the flat buffer in parameter order (the last may be shorter), the layout
-the cost model prices (`plan.traffic`, `bucket_numel`). Gradients are added into the fp32 (or wider) main
-buffer as they arrive, so micro-batches accumulate there in the main dtype; inside `DataParallel.no_sync()`
-they only accumulate, and the last micro-batch's backward starts the reductions.
+DDP (`GradBuckets`): fixed-size slices of the flat buffer in parameter order (the last may be shorter), each
+all-reduced. Gradients are added into the fp32 (or wider) main buffer as they arrive, so micro-batches
+accumulate there in the main dtype; inside `DataParallel.no_sync()` they only accumulate, and the last
+micro-batch's backward starts the reductions.
+
+ZeRO-1, ZeRO-2 and the distributed optimizer (`ShardedGradBuckets`): the flat buffer's equal buckets, each a
+multiple of the shard count (`plan.sharding.bucket_layout`), each reduce-scattered so that every rank keeps
+its slice of every bucket (`FlatPart`'s shard layout). ZeRO-1 and the distributed optimizer add gradients
+into their full main buffer as they arrive (as DDP) and reduce a bucket where it lies; ZeRO-2, which keeps
+only its slices, copies a full bucket's gradients into a padded wire buffer, frees their `.grad` and
+reduce-scatters the wire. One reduce-scatter is in flight at a time (the previous one is retired before the
+next starts), so the transient peak is one bucket, as `plan.memory.grad_bucket_bytes` predicts.
+
+Every layout the cost model prices the same way (`plan.traffic`, `bucket_numel`).
 """
 
 from __future__ import annotations
@@ -18,23 +28,32 @@ from orangetron import comm
 
 if TYPE_CHECKING:
     from orangetron.parallel.data import DataParallel
+    from orangetron.parallel.flat import FlatPart, Segment
 
 
 class GradBuckets:
-    """Hooks every parameter of `dp` and launches one asynchronous all-reduce per full bucket."""
+    """Hooks every parameter of `dp` and launches one asynchronous all-reduce per full bucket.
 
-    def __init__(self, dp: DataParallel, bucket_numel: int) -> None:
-        self.dp = dp
-        self.bounds = [(start, min(start + bucket_numel, dp.numel)) for start in range(0, dp.numel, bucket_numel)]
-        self.spans: list[tuple[int, int]] = []  # (offset, numel) of each parameter in the flat buffer
+    Each flat buffer (dense over dp x cp, experts over edp) has its own buckets. `defer`: partial gradients
+    must first be summed over tp, so the buckets wait for the step and go out there (same records, no overlap).
+    """
+
+    def __init__(self, dp: DataParallel, bucket_numel: int, defer: bool = False) -> None:
+        self.dp, self.defer = dp, defer
+        self.bounds: list[tuple[FlatPart, int, int]] = []  # (part, start, end) of each bucket
+        self.spans: list[tuple[FlatPart, int, torch.Tensor]] = []  # (part, offset, parameter)
+        self.names: list[str] = []
         self.buckets_of: list[list[int]] = []  # bucket indices each parameter overlaps
-        offset = 0
-        for index, (_, p) in enumerate(dp._named):
-            self.spans.append((offset, p.numel()))
-            first, last = offset // bucket_numel, (offset + p.numel() - 1) // bucket_numel
-            self.buckets_of.append(list(range(first, last + 1)))
-            p.register_post_accumulate_grad_hook(partial(self._on_grad, index))
-            offset += p.numel()
+        for part in dp.parts:
+            first = len(self.bounds)
+            self.bounds += [(part, at, min(at + bucket_numel, part.numel)) for at in range(0, part.numel, bucket_numel)]
+            for name, p in part.named:
+                at = part.offsets[name]
+                self.spans.append((part, at, p))
+                self.names.append(name)
+                self.buckets_of.append(list(range(first + at // bucket_numel,
+                                                  first + (at + p.numel() - 1) // bucket_numel + 1)))
+                p.register_post_accumulate_grad_hook(partial(self._on_grad, len(self.spans) - 1))
         self.sync = True
         self._reset()
 
@@ -46,14 +65,19 @@ class GradBuckets:
                 self.missing[k] += 1
         self.in_flight: dict[int, tuple[torch.Tensor, comm.PendingAllReduce]] = {}
 
+    def _add(self, index: int) -> None:
+        part, at, p = self.spans[index]
+        part.main_grads[at:at + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None  # the flat buffer holds it now
+
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        offset, numel = self.spans[index]
-        self.dp.main_grads[offset:offset + numel].add_(param.grad.reshape(-1))
-        param.grad = None  # the flat buffer holds it now
+        if self.defer:
+            return  # .grad waits for the tp sum at the step
+        self._add(index)
         if not self.sync:
             return
         if index in self.arrived:
-            raise RuntimeError(f"{self.dp._named[index][0]}: a second gradient arrived before the step; run "
+            raise RuntimeError(f"{self.names[index]}: a second gradient arrived before the step; run "
                                "the earlier micro-batches' backward inside dp.no_sync()")
         self.arrived.add(index)
         for k in self.buckets_of[index]:
@@ -62,13 +86,19 @@ class GradBuckets:
                 self._launch(k)
 
     def _launch(self, k: int) -> None:
-        start, end = self.bounds[k]
-        region = self.dp.main_grads[start:end]
+        part, start, end = self.bounds[k]
+        region = part.main_grads[start:end]
         wire = region.to(self.dp.config.torch_reduce_dtype)  # the region itself when the dtypes agree
-        self.in_flight[k] = (region, comm.all_reduce_start(wire, self.dp.group))
+        self.in_flight[k] = (region, comm.all_reduce_start(wire, part.group))
 
     def finish(self) -> None:
-        """Launch what backward did not (buckets of unused parameters), wait for all, in bucket order."""
+        """Launch what backward did not (buckets of unused parameters; all of them when deferred, after the tp
+        sum), wait for all, in bucket order."""
+        if self.defer:
+            self.dp.module.sync_grads()
+            for index, (_, _, p) in enumerate(self.spans):
+                if p.grad is not None:
+                    self._add(index)
         for k in range(len(self.bounds)):
             if k not in self.in_flight:
                 self._launch(k)
@@ -77,4 +107,120 @@ class GradBuckets:
             summed = pending.wait()
             if summed.data_ptr() != region.data_ptr():
                 region.copy_(summed)
+        self._reset()
+
+
+class ShardedGradBuckets:
+    """Hooks every parameter of `dp` and launches one asynchronous reduce-scatter per full bucket.
+
+    `defer`: partial gradients must first be summed over tp (sequence parallel, replicated kv heads), so the
+    buckets wait for the step and go out one after another there (the same records, no overlap).
+    """
+
+    def __init__(self, dp: DataParallel, defer: bool = False) -> None:
+        self.dp, self.defer = dp, defer
+        self.in_place = dp.config.zero_stage < 2  # ZeRO-1 / distributed optimizer: a full main-gradient buffer
+        self.buckets: list[tuple[FlatPart, Segment]] = [(part, seg) for part in dp.parts for seg in part.segments]
+        self.params: list[tuple[FlatPart, int, torch.Tensor]] = []  # (part, offset, parameter)
+        self.names: list[str] = []
+        self.buckets_of: list[list[int]] = []  # bucket indices each parameter overlaps
+        first = 0
+        for part in dp.parts:
+            size = part.segments[0].padded  # equal buckets
+            for name, p in part.named:
+                at = part.offsets[name]
+                self.params.append((part, at, p))
+                self.names.append(name)
+                self.buckets_of.append(list(range(first + at // size, first + (at + p.numel() - 1) // size + 1)))
+                p.register_post_accumulate_grad_hook(partial(self._on_grad, len(self.params) - 1))
+            first += len(part.segments)
+        self.members: list[list[int]] = [[] for _ in self.buckets]  # parameters overlapping each bucket
+        for i, ks in enumerate(self.buckets_of):
+            for k in ks:
+                self.members[k].append(i)
+        self.events: list[int] = []  # buckets in launch order, for overlap checks
+        self.sync = True
+        self.in_flight: list[tuple[int, comm.Pending, int]] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.arrived: set[int] = set()
+        self.launched: set[int] = set()
+        self.missing = [len(members) for members in self.members]  # per bucket: parameters yet to arrive
+        self.pending_buckets = [len(ks) for ks in self.buckets_of]  # per parameter: its buckets not yet launched
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if self.defer:
+            return  # .grad waits for the tp sum at the step
+        if self.in_place:
+            part, at, _ = self.params[index]
+            part.main_grads[at:at + param.numel()].add_(param.grad.reshape(-1))
+            param.grad = None  # the main buffer holds it now
+        if not self.sync:
+            return  # ZeRO-2 accumulates micro-batches in .grad, the others in the main buffer
+        if index in self.arrived:
+            raise RuntimeError(f"{self.names[index]}: a second gradient arrived before the step; run "
+                               "the earlier micro-batches' backward inside dp.no_sync()")
+        self.arrived.add(index)
+        for k in self.buckets_of[index]:
+            self.missing[k] -= 1
+            if self.missing[k] == 0:
+                self._launch(k)
+
+    def _launch(self, k: int) -> None:
+        self.retire()  # one bucket in flight: the transient peak is one bucket's
+        part, seg = self.buckets[k]
+        self.launched.add(k)
+        self.events.append(k)
+        dtype = self.dp.config.torch_reduce_dtype
+        if self.in_place:
+            region = part.main_grads[seg.start:seg.start + seg.padded]
+            wire = region.to(dtype)  # the region itself when the dtypes agree
+            extra = 0 if wire.data_ptr() == region.data_ptr() else wire.numel()
+        else:
+            wire = self._fill_wire(k, part, seg, dtype)
+            extra = wire.numel()
+        nbytes = (extra + seg.shard_numel) * wire.element_size() if part.shards > 1 else 0  # wire copy, slice
+        self.dp.transient.add("grad_buckets", nbytes)
+        self.in_flight.append((k, comm.reduce_scatter_start(wire, part.group), nbytes))
+
+    def _fill_wire(self, k: int, part: FlatPart, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
+        """ZeRO-2: bucket `k`'s gradients in a padded wire buffer; each `.grad` freed once all its buckets are."""
+        wire = torch.zeros(seg.padded, dtype=dtype, device=part.device)
+        for i in self.members[k]:
+            _, at, p = self.params[i]
+            lo, hi = max(at, seg.start), min(at + p.numel(), seg.start + seg.padded)  # overlap, padded layout
+            if p.grad is not None:
+                wire[lo - seg.start:hi - seg.start].copy_(p.grad.reshape(-1)[lo - at:hi - at])
+            self.pending_buckets[i] -= 1
+            if self.pending_buckets[i] == 0:
+                p.grad = None  # the wire buffers hold it now
+        return wire
+
+    def retire(self) -> None:
+        """Wait for the reduce-scatter in flight and put its slice into the main gradients."""
+        for k, pending, nbytes in self.in_flight:
+            part, seg = self.buckets[k]
+            owned = pending.wait()
+            if self.in_place:
+                r = part.group.rank
+                part.main_grads[seg.start + r * seg.shard_numel:seg.start + (r + 1) * seg.shard_numel].copy_(owned)
+            else:
+                part.main_grads[seg.shard_start:seg.shard_start + seg.shard_numel].copy_(owned)
+            self.dp.transient.add("grad_buckets", -nbytes)
+        self.in_flight = []
+
+    def finish(self) -> None:
+        """Launch what backward did not (all of them when deferred, after the tp sum), wait for the last."""
+        if self.defer:
+            self.dp.module.sync_grads()
+            if self.in_place:
+                for part, at, p in self.params:
+                    if p.grad is not None:
+                        part.main_grads[at:at + p.numel()].add_(p.grad.reshape(-1))
+                        p.grad = None
+        for k in range(len(self.buckets)):
+            if k not in self.launched:
+                self._launch(k)
+        self.retire()
         self._reset()

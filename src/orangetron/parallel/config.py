@@ -37,8 +37,9 @@ class ParallelConfig:
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     param_dtype: str = "float32"  # model parameters (fp32 main params and grads are kept when lower)
     reduce_dtype: str | None = None  # gradient reduction dtype; None: param_dtype, as the seed's tables
-    grad_bucket_numel: int = 0  # DDP: all-reduce gradients in buckets of this many elements during backward;
-    # 0: one reduction after backward (the only mode of the sharded stages for now)
+    grad_bucket_numel: int = 0  # reduce gradients in buckets of about this many elements during backward (DDP:
+    # all-reduce; ZeRO-1/2, distributed optimizer: reduce-scatter, buckets rounded to the shard count); 0: one
+    # reduction after backward
     zero3_prefetch: bool = True  # ZeRO-3: start gathering the next unit while the current one computes
     zero3_keep_params: bool = False  # ZeRO-3: keep the forward's gathered units until their backward (no
     # second gather, more memory: Llama 3's choice)
@@ -69,11 +70,10 @@ class ParallelConfig:
         if isinstance(self.grad_bucket_numel, bool) or not isinstance(self.grad_bucket_numel, int) \
                 or self.grad_bucket_numel < 0:
             raise ParallelConfigError(f"grad_bucket_numel={self.grad_bucket_numel!r}: must be an integer >= 0")
-        if self.grad_bucket_numel and self.shards_optimizer:
+        if self.grad_bucket_numel and self.zero_stage == 3:
             raise ParallelConfigError(
-                f"grad_bucket_numel={self.grad_bucket_numel} with zero_stage={self.zero_stage}"
-                f"{' and distributed_optimizer' if self.distributed_optimizer else ''}: bucketed reduction during "
-                "backward is implemented for DDP (zero_stage 0) only; use 0")
+                f"grad_bucket_numel={self.grad_bucket_numel} with zero_stage=3: ZeRO-3 reduce-scatters each unit "
+                "(transformer block) during backward, its own buckets; use 0")
         if not self.capacity_factor > 0:
             raise ParallelConfigError(f"capacity_factor={self.capacity_factor!r}: must be positive")
         if self.ep_overlap_chunks > 1 and self.dispatcher != "ragged":

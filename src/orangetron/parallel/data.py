@@ -36,8 +36,8 @@ from torch import nn
 
 from orangetron import comm
 from orangetron.mesh import ParallelMesh
-from orangetron.parallel.buckets import GradBuckets
-from orangetron.parallel.config import ParallelConfig, ParallelConfigError
+from orangetron.parallel.buckets import GradBuckets, ShardedGradBuckets
+from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.flat import FlatPart
 from orangetron.parallel.optim import FlatAdamW
 from orangetron.parallel.state import Shards, sharded_state
@@ -72,15 +72,16 @@ class DataParallel(nn.Module):
         self.schedule = Zero3Schedule(self, units) if self.zero3 else None
         self._params_stale = False
         self._grads_pending = False
-        bucket_numel = self.config.grad_bucket_numel
-        if bucket_numel and self.tp is not None and any(p.needs_sync() for p in self.placements.values()):
-            raise ParallelConfigError(
-                f"grad_bucket_numel={bucket_numel} with tp={self.tp.size}: gradients summed over tp before the "
-                "data-parallel reduction (sequence parallel, or kv heads fewer than tp) are not bucketed yet; use 0")
-        if bucket_numel and self.ep is not None:
-            raise ParallelConfigError(f"grad_bucket_numel={bucket_numel} with ep={self.ep.size}: expert "
-                                      "gradients are not bucketed yet; use 0")
-        self.buckets = GradBuckets(self, bucket_numel) if bucket_numel else None
+        self.buckets = self._grad_buckets(self.config.grad_bucket_numel)
+
+    def _grad_buckets(self, bucket_numel: int) -> GradBuckets | ShardedGradBuckets | None:
+        if not bucket_numel:
+            return None
+        # Partial gradients summed over tp first (sequence parallel, kv heads fewer than tp): the buckets wait.
+        tp_sums = self.tp is not None and any(p.needs_sync() for p in self.placements.values())
+        if self.config.shards_optimizer:  # ZeRO-3 never gets here (ParallelConfig refuses it)
+            return ShardedGradBuckets(self, defer=tp_sums)
+        return GradBuckets(self, bucket_numel, defer=tp_sums)
 
     def _is_expert(self, name: str) -> bool:
         return self.ep is not None and ".experts." in name
@@ -174,7 +175,8 @@ class DataParallel(nn.Module):
             return
         if self.buckets is not None:  # already summed bucket by bucket during backward
             self.buckets.finish()
-            self.main_grads.div_(self.group.size)
+            for part in self.parts:  # the loss is the mean over dp x cp, experts included
+                part.owned_grads().div_(self.group.size)
             self._grads_pending = False
             return
         if self.schedule is not None:  # ZeRO-3: reduce-scattered unit by unit during backward
@@ -352,8 +354,9 @@ class ShardedAdamW:
     def zero_grad(self) -> None:
         for _, p in self.dp._named:
             p.grad = None
-        if self.dp.buckets is not None:  # gradients accumulate in the flat buffer itself
-            self.dp.main_grads.zero_()
+        if self.dp.buckets is not None:  # gradients accumulate in the flat buffers themselves
+            for part in self.dp.parts:
+                part.main_grads.zero_()
         if self.dp.schedule is not None:  # and in the owned slices, unit by unit
             for part in self.dp.parts:
                 part.main_grads.zero_()

@@ -3,6 +3,13 @@
 `DataParallel` keeps one for the dense parameters (over dp x cp) and, under expert parallelism, one for the
 routed experts (over edp): each rank owns `[r * s, (r + 1) * s)` of every buffer of a part, with
 `s = ceil(numel / n)` (`plan.sharding`, shared with the planner).
+
+A buffer is cut into segments, each padded to a multiple of n and sharded on its own: ZeRO-3's units, or the
+equal gradient buckets of ZeRO-1/2 and the distributed optimizer with `grad_bucket_numel`
+(`plan.sharding.bucket_layout`), whose padding lies at the end of the last one. A rank then owns slice r of
+every segment; laid one after another, these slices are its shard layout (of `main_params`, the AdamW moments
+and ZeRO-2's gradients). For equal buckets the owned slices of a full buffer are one strided view
+`[buckets, s_bucket]`, so the optimizer still updates the parameters where they lie.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.parallel.config import ParallelConfig
-from orangetron.plan.sharding import padded_numel, shard_numel
+from orangetron.plan.sharding import bucket_layout, padded_numel, shard_numel
 
 
 @dataclass
@@ -47,11 +54,19 @@ class FlatPart:
         self.named = sorted(named, key=lambda item: unit_of.get(item[0], 0))  # stable: units stay contiguous
         self.numel = sum(p.numel() for _, p in named)
         self.unit_of = [unit_of.get(n, 0) for n, _ in self.named]
-        self.segments = self._segments(self.unit_of)
+        self.bucketed = not self.zero3 and self.shards > 1 and config.grad_bucket_numel > 0
+        self.segments = self._buckets() if self.bucketed else self._segments(self.unit_of)
         self.padded_numel = sum(s.padded for s in self.segments)
         self.shard_numel = sum(s.shard_numel for s in self.segments)
+        # Shard-layout tensors: [buckets, slice] for equal buckets (a strided view of a full buffer), else flat.
+        self.shard_shape = (len(self.segments), self.segments[0].shard_numel) if self.bucketed else (self.shard_numel,)
         self.owned = self._owned_index()  # this rank's elements of every padded-layout buffer
         self._build()
+
+    def _buckets(self) -> list[Segment]:
+        count, size = bucket_layout(self.numel, self.config.grad_bucket_numel, self.shards)
+        s = size // self.shards
+        return [Segment(0, k * size, min(size, self.numel - k * size), size, k * s, s) for k in range(count)]
 
     def _segments(self, units: list[int]) -> list[Segment]:
         sizes: dict[int, int] = {}
@@ -71,30 +86,40 @@ class FlatPart:
         return torch.cat([torch.arange(s.start + r * s.shard_numel, s.start + (r + 1) * s.shard_numel,
                                        device=self.device) for s in self.segments])
 
+    def owned_view(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of the full padded-layout buffer `full`, as a view in `shard_shape` (one slice,
+        or one strided row per bucket); ZeRO-3's unequal units have none (see `take_owned`)."""
+        if not self.bucketed:
+            return full[self.owned]
+        count, s = self.shard_shape
+        r = self.group.rank
+        return full.as_strided((count, s), (self.segments[0].padded, 1), full.storage_offset() + r * s)
+
     def _build(self) -> None:
         cfg = self.config
         self.offsets: dict[str, int] = {}  # each parameter's offset in the padded layout
-        by_unit = {s.unit: s for s in self.segments}
-        local = {s.unit: 0 for s in self.segments}
-        if not self.zero3:
-            self.segments[0].flat = torch.zeros(self.padded_numel, dtype=cfg.torch_param_dtype, device=self.device)
         with torch.no_grad():
-            for seg in self.segments:
-                if seg.flat is None:
+            if self.zero3:  # one buffer per unit, freed between uses
+                for seg in self.segments:
                     seg.flat = torch.zeros(seg.padded, dtype=cfg.torch_param_dtype, device=self.device)
+            else:  # one buffer; segments (buckets) are views of it
+                self.flat_params = torch.zeros(self.padded_numel, dtype=cfg.torch_param_dtype, device=self.device)
+                for seg in self.segments:
+                    seg.flat = self.flat_params[seg.start:seg.start + seg.padded]
+            by_unit = {s.unit: s for s in self.segments}  # ZeRO-3's units; else every parameter is in unit 0
+            local = dict.fromkeys(self.unit_of, 0)  # the next free element of each unit's buffer
             for (name, p), unit in zip(self.named, self.unit_of, strict=True):
-                seg = by_unit[unit]
-                at = local[seg.unit]
-                seg.flat[at:at + p.numel()].copy_(p.reshape(-1))
-                p.data = seg.flat[at:at + p.numel()].view(p.shape)  # the module now computes on the buffer
-                self.offsets[name] = seg.start + at
-                local[seg.unit] = at + p.numel()
+                buffer, base = (by_unit[unit].flat, by_unit[unit].start) if self.zero3 else (self.flat_params, 0)
+                at = local[unit]
+                buffer[at:at + p.numel()].copy_(p.reshape(-1))
+                p.data = buffer[at:at + p.numel()].view(p.shape)  # the module now computes on the buffer
+                self.offsets[name] = base + at
+                local[unit] = at + p.numel()
         r = self.group.rank if self.shards > 1 else 0
         if self.zero3:
             self.param_shard = torch.cat([s.flat[r * s.shard_numel:(r + 1) * s.shard_numel] for s in self.segments])
         else:
-            self.flat_params = self.segments[0].flat
-            self.param_shard = self.flat_params[self.owned]
+            self.param_shard = self.owned_view(self.flat_params)
         main_dtype = torch.float32 if cfg.mixed_precision else cfg.torch_param_dtype
         self.main_params = self.param_shard.to(main_dtype, copy=True) if cfg.mixed_precision else self.param_shard
         grads = self.shard_numel if cfg.zero_stage >= 2 else self.padded_numel
@@ -118,10 +143,11 @@ class FlatPart:
     def gather_start(self, seg: Segment) -> comm.Pending:
         """Start gathering `seg`'s full parameters into its buffer (allocated here when freed)."""
         nbytes = seg.padded * seg.flat.element_size()
-        if seg.flat.untyped_storage().nbytes() != nbytes:
+        if self.zero3 and seg.flat.untyped_storage().nbytes() != nbytes:
             seg.flat.untyped_storage().resize_(nbytes)
         # Under ZeRO-1/2 the shard is a view of the buffer being gathered into, so it travels as a copy.
-        shard = self.shard_of(seg) if self.zero3 else self.param_shard.clone()
+        r = self.group.rank
+        shard = self.shard_of(seg) if self.zero3 else seg.flat[r * seg.shard_numel:(r + 1) * seg.shard_numel].clone()
         return comm.all_gather_into_start(seg.flat, shard, self.group)
 
     def gather(self) -> None:
@@ -151,20 +177,27 @@ class FlatPart:
         self.owned_grads().div_(divisor)
 
     def owned_grads(self) -> torch.Tensor:
-        return self.main_grads if self.config.zero_stage >= 2 else self.main_grads[self.owned]
+        """This rank's main gradients in `shard_shape`, a view (aligned with `main_params`)."""
+        if self.config.zero_stage >= 2:
+            return self.main_grads.view(self.shard_shape)
+        return self.owned_view(self.main_grads)
 
     def owned_mask(self, rule) -> torch.Tensor:
         mask = torch.zeros(self.padded_numel, dtype=torch.bool, device=self.device)
         for name, p in self.named:
             mask[self.offsets[name]:self.offsets[name] + p.numel()] = rule(name, p)
-        return mask[self.owned].clone()
+        return self.take_owned(mask)
+
+    def take_owned(self, full: torch.Tensor) -> torch.Tensor:
+        """A copy of this rank's elements of a padded-layout buffer, in `shard_shape`."""
+        return full[self.owned].reshape(self.shard_shape).clone()
 
     def gather_owned(self, owned: torch.Tensor) -> torch.Tensor:
         """The full padded flat buffer from every rank's owned slice (no copy when nothing is sharded)."""
         if self.shards == 1:
             return owned
         gathered = owned.new_empty(self.shard_numel * self.shards)
-        comm.all_gather_into(gathered, owned.contiguous(), self.group)
+        comm.all_gather_into(gathered, owned.contiguous().view(-1), self.group)
         rows = gathered.view(self.shards, self.shard_numel)  # [ranks, shard layout]
         return torch.cat([rows[:, s.shard_start:s.shard_start + s.shard_numel].reshape(-1) for s in self.segments])
 

@@ -40,7 +40,8 @@ class FlatAdamW:
         self.exp_avg.lerp_(grad, 1 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step_size = self.lr / (1 - beta1**self.steps)
-        denom = (self.exp_avg_sq.sqrt() / (1 - beta2**self.steps) ** 0.5).add_(self.eps)  # ** 0.5, as torch
+        # ** 0.5, as torch; divided in place (the same rounding) so one temporary the size of the shard exists
+        denom = self.exp_avg_sq.sqrt().div_((1 - beta2**self.steps) ** 0.5).add_(self.eps)
         self.param.addcdiv_(self.exp_avg, denom, value=-step_size)
 
     def state_tensors(self) -> list[torch.Tensor]:

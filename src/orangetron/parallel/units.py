@@ -44,7 +44,9 @@ class Unit:
 def find_units(module: nn.Module, names: list[str]) -> list[Unit]:
     """The units of `module` in forward order, each with the trainable parameter `names` it holds."""
     layers = getattr(module, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+    if isinstance(layers, nn.ModuleDict):  # a pipeline stage's layers, by global index
+        layers = list(layers.values())
+    if not isinstance(layers, (nn.ModuleList, list)) or len(layers) == 0:
         return [Unit(0, None, False, list(names))]
     embedding, norm = getattr(module, "tok_embeddings", None), getattr(module, "norm", None)
     tied = bool(getattr(getattr(module, "cfg", None), "tied_embeddings", False))

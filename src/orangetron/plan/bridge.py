@@ -23,8 +23,9 @@ def degrees_from_layout(layout: object) -> Degrees:
 def job_from_parallel_config(pc: object, seq_len: int, micro_batch: int) -> Job:
     """A `Job` with the runtime's options; every micro-batch has `micro_batch` sequences of `seq_len`.
 
-    Gradient buckets are the runtime's: fixed slices of the flat buffer (`grad_bucket_numel`, DDP), or one
-    reduction of the whole buffer (0).
+    Gradient buckets are the runtime's (`grad_bucket_numel`): fixed slices of the flat buffer under DDP, equal
+    buckets each sharded on its own under ZeRO-1/2 and the distributed optimizer, or one reduction of the
+    whole buffer (0).
     """
     return Job(seq_len=seq_len, micro_batch=micro_batch, num_microbatches=pc.microbatches,
                sequence_parallel=pc.sequence_parallel, cp_mode=pc.cp_mode, ulysses_degree=pc.ulysses_degree,

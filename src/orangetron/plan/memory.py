@@ -13,7 +13,7 @@ from functools import lru_cache
 from orangetron.plan.activations import stage_activation_bytes
 from orangetron.plan.config import DTYPE_BYTES, Degrees, Job
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.sharding import padded_numel, shard_numel
+from orangetron.plan.sharding import bucket_layout, padded_numel, shard_numel
 from orangetron.plan.stages import stage_layers
 
 CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations")
@@ -117,11 +117,19 @@ def _shards(units: list[StageParams], deg: Degrees, n_of: dict[str, int]) -> lis
 
 def data_parallel_segments(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[tuple[str, int, int]]:
     """(mesh dim, ranks, elements) of each separately padded and sharded piece of the flat buffers: every
-    ZeRO-3 unit's share of each buffer, or each whole buffer for the other stages."""
+    ZeRO-3 unit's share of each buffer; every gradient bucket of ZeRO-1/2 and the distributed optimizer with
+    `bucket_numel` (equal buckets, `plan.sharding.bucket_layout`); else each whole buffer."""
     params = stage_params(model, deg, stage, job.virtual_stages)
-    if job.zero_stage != 3:
-        return shard_groups(params, deg)
-    return _shards(zero3_units(model, deg, stage, job.virtual_stages), deg, {})
+    if job.zero_stage == 3:
+        return _shards(zero3_units(model, deg, stage, job.virtual_stages), deg, {})
+    groups = shard_groups(params, deg)
+    if job.bucket_numel <= 0 or not job.distributed_optimizer and job.zero_stage == 0:
+        return groups
+    out = []
+    for dim, ranks, numel in groups:
+        count, size = bucket_layout(numel, job.bucket_numel, ranks) if ranks > 1 else (1, numel)
+        out += [(dim, ranks, size)] * count
+    return out
 
 
 def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
@@ -184,12 +192,24 @@ def zero3_gather_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0)
 
 
 def grad_bucket_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
-    """ZeRO-3's gradient reduce-scatter in flight at its peak: one unit's padded wire buffer (reduce dtype)
-    and the slice it reduces to; the runtime retires each before the next starts."""
-    if job.zero_stage != 3:
+    """The gradient reduce-scatter in flight at its peak; the runtime retires each before the next starts.
+
+    ZeRO-3: one unit's padded wire buffer (reduce dtype) and the slice it reduces to. ZeRO-2 with buckets: one
+    bucket's wire buffer and slice. ZeRO-1 and the distributed optimizer with buckets reduce a bucket of the
+    full main-gradient buffer where it lies, so only the slice, plus a wire copy when the reduce dtype is not
+    the main gradients' dtype. Without buckets the sharded stages reduce once after backward (not counted).
+    """
+    segments = data_parallel_segments(model, deg, job, stage)
+    if job.zero_stage == 3:
+        return max(((padded_numel(numel, ranks) + shard_numel(numel, ranks)) * job.reduce_bytes
+                    for _, ranks, numel in segments), default=0)
+    if job.bucket_numel <= 0 or not (job.zero_stage or job.distributed_optimizer):
         return 0
-    return max(((padded_numel(numel, ranks) + shard_numel(numel, ranks)) * job.reduce_bytes
-                for _, ranks, numel in data_parallel_segments(model, deg, job, stage)), default=0)
+    main_dtype = job.grad_dtype if job.mixed_precision else job.param_dtype
+    wire = job.zero_stage == 2 or (job.reduce_dtype or job.param_dtype) != main_dtype
+    # Buckets are multiples of their ranks: the wire holds a whole one, the slice 1/ranks of it.
+    return max((((numel if wire else 0) + numel // ranks) * job.reduce_bytes
+                for _, ranks, numel in segments if ranks > 1), default=0)
 
 
 def memory_per_gpu(model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:

@@ -11,3 +11,16 @@ def shard_numel(numel: int, shards: int) -> int:
 def padded_numel(numel: int, shards: int) -> int:
     """Length of the flat buffer once padded to a multiple of `shards`."""
     return shard_numel(numel, shards) * shards
+
+
+def bucket_layout(numel: int, bucket_numel: int, shards: int) -> tuple[int, int]:
+    """(count, elements each) of the equal gradient buckets a sharded flat buffer is cut into.
+
+    Every bucket is a multiple of `shards` (each rank owns one equal slice of each) and at most `bucket_numel`
+    rounded up to one. The padding (under `shards` elements per bucket) lies at the end of the last bucket, so
+    the parameters stay one contiguous run. With `bucket_numel` 0 the whole buffer is one bucket.
+    """
+    if bucket_numel <= 0 or numel == 0:
+        return 1, padded_numel(numel, shards)
+    count = -(-numel // padded_numel(bucket_numel, shards))
+    return count, padded_numel(-(-numel // count), shards)

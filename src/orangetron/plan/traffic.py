@@ -35,7 +35,7 @@ from orangetron.plan.collectives import CommRecord
 from orangetron.plan.config import Degrees, Job
 from orangetron.plan.memory import data_parallel_segments, shard_groups, stage_params
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.sharding import padded_numel
+from orangetron.plan.sharding import bucket_layout, padded_numel
 from orangetron.plan.stages import stage_layers
 
 
@@ -61,7 +61,8 @@ def _buckets(numel: int, bucket_numel: int) -> list[int]:
 
 def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[CommRecord]:
     """Gradient reduction and parameter gathers of one step (DESIGN section 5's communication table),
-    one record per bucket of `job.bucket_numel` elements."""
+    one record per bucket: DDP's fixed slices of `job.bucket_numel` elements, the sharded stages' equal
+    buckets (`plan.sharding.bucket_layout`), ZeRO-3's units."""
     params = stage_params(model, deg, stage, job.virtual_stages)
     m = job.microbatches(deg)
     sharding = job.zero_stage >= 1 or job.distributed_optimizer
@@ -71,6 +72,9 @@ def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int =
             continue
         if job.zero_stage == 3:  # one bucket per unit: gathered and reduce-scattered unit by unit
             buckets = [size for d, _, size in data_parallel_segments(model, deg, job, stage) if d == dim]
+        elif sharding:  # equal buckets, each a multiple of n, each sharded on its own
+            count, size = bucket_layout(numel, job.bucket_numel, n)
+            buckets = [size] * count
         else:
             buckets = _buckets(numel, job.bucket_numel)
         for bucket in buckets:

@@ -111,7 +111,13 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="ZeRO-1 sharding with the parameter all-gather right after the step (Megatron)")
     p.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",
-                   help="DDP: all-reduce gradients in buckets of N elements during backward (default: once after)")
+                   help="reduce gradients in buckets of about N elements during backward: DDP all-reduces them, "
+                   "ZeRO-1/2 and --distributed-optimizer reduce-scatter them (default: once after backward)")
+    p.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="--zero-stage 3: gather the next unit while the current one computes (default: on)")
+    p.add_argument("--zero3-keep-params", action="store_true",
+                   help="--zero-stage 3: keep forward's gathered units until their backward (no second gather, "
+                   "more memory)")
 
 
 def _add_config_flag(p: argparse.ArgumentParser) -> None:

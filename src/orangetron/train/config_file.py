@@ -21,7 +21,10 @@ def _keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Every option the file may set, by its key (the long flag's name with underscores)."""
     keys = {}
     for action in parser._actions:  # argparse has no public accessor for its options
-        long_flags = [s for s in action.option_strings if s.startswith("--")]
+        # A --no-X flag of an on/off option is the same key with false, not a key of its own.
+        negations = isinstance(action, argparse.BooleanOptionalAction)
+        long_flags = [s for s in action.option_strings if s.startswith("--")
+                      and not (negations and s.startswith("--no-"))]
         for flag in long_flags:
             key = flag[2:].replace("-", "_")
             if key not in _NOT_IN_A_FILE:

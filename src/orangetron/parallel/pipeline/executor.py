@@ -13,6 +13,7 @@ their sum is the step's objective.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -85,11 +86,14 @@ def run_pipeline(dp: DataParallel, microbatches: list[MicroBatch], schedule: str
         plan = [Action("F", c, i) for i in range(len(microbatches)) for c in range(virtual_stages)]
     runner = _Runner(dp, microbatches, chunks, _Transfers(dp, len(microbatches), group.size * virtual_stages))
     runner.timeline = timeline
+    # Gradient buckets start with a chunk's last backward of the step; the earlier ones only accumulate.
+    last_backward = {act.chunk: at for at, act in enumerate(plan) if act.kind == "B"}
     with torch.set_grad_enabled(train and torch.is_grad_enabled()):
-        for act in plan:
+        for at, act in enumerate(plan):
             if act.kind == "F":
                 runner.forward(chunks[act.chunk], act.microbatch)
-            else:
+                continue
+            with dp.no_sync() if at != last_backward[act.chunk] else nullcontext():
                 runner.backward(chunks[act.chunk], act.microbatch)
     runner.transfers.finish()
     return runner.loss if chunks[-1].last else None

@@ -42,12 +42,9 @@ def check_pipeline(cfg: object, pp: int, config: ParallelConfig) -> None:
     if cfg.tied_embeddings:
         raise LayoutError(f"pp={pp}: tied_embeddings would put the embedding on the first and last stages; "
                           "untie them (tied_embeddings=False) to pipeline this model")
-    if config.zero_stage == 3:
-        raise ParallelConfigError(f"zero_stage=3 with pp={pp}: ZeRO-3 is not pipelined yet; use zero_stage 0, 1 "
-                                  "or 2, or the distributed optimizer")
-    if config.grad_bucket_numel:
-        raise ParallelConfigError(f"grad_bucket_numel={config.grad_bucket_numel} with pp={pp}: gradients are "
-                                  "reduced once after the last micro-batch's backward; use 0")
+    if config.zero_stage == 3 and config.virtual_stages > 1:
+        raise ParallelConfigError(f"zero_stage=3 with pp={pp} and virtual_stages={config.virtual_stages}: ZeRO-3 "
+                                  "is pipelined with one model chunk per rank only; use virtual_stages 1")
 
 
 def split_stages(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int) -> list[Chunk]:
