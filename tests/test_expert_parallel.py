@@ -33,7 +33,7 @@ CASES = {
         ("moe-shared", Layout(dp=2, ep=2), {"dispatcher": "allgather", "zero_stage": 1}),
         ("moe-every-other", Layout(dp=2, ep=2), {"dispatcher": "capacity", "capacity_factor": 16.0,
                                                   "zero_stage": 2}),
-        ("moe-shared", Layout(dp=2, ep=2), {"dispatcher": "ragged", "ep_overlap_chunks": 3})],
+        ("moe-shared", Layout(dp=2, ep=2), {"dispatcher": "ragged", "ep_overlap_chunks": 3, "grad_bucket_numel": 300})],
     4: [("moe-shared", Layout(dp=4, ep=2), {"dispatcher": "ragged", "zero_stage": 1}),
         ("moe-every-other", Layout(dp=4, ep=4), {"dispatcher": "allgather", "distributed_optimizer": True}),
         ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True}),
