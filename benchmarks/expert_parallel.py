@@ -1,8 +1,15 @@
-"""Expert-parallel MoE layer throughput on 2 local gloo ranks: ragged vs capacity vs all-gather dispatch.
+"""Expert-parallel MoE layer on 2 local gloo ranks: overlapped vs serial dispatch-compute-combine, and ragged vs
+capacity vs all-gather dispatch throughput, in one run.
 
-Each rank routes its tokens through one MoE layer (router, dispatch, its experts, combine) forward and
-backward. The value is tokens per second over both ranks (median of the timed repeats); the ratio compares
-each dispatcher with ragged, measured in the same run. Prints one JSON line per dispatcher.
+Overlap: one MoE layer (router, ragged dispatch, its experts, combine) forward, and forward with backward, with
+the tokens in 1 chunk (serial) and in 2 and 4 chunks (`overlap_chunks`). The layer is sized so that the
+all-to-alls take about as long as the expert compute (wide rows, narrow experts): the "comm_share" line is the
+serial forward's time with the experts replaced by the identity, over the serial forward's time. Serial and
+overlapped passes alternate within one launch, so both see the same machine load; values are medians and each
+ratio is overlapped / serial time (below 1: the overlap hides communication).
+
+Dispatchers: the layer forward and backward with each dispatcher; tokens per second over both ranks, each
+ratio against ragged. Every line is one JSON object.
 """
 
 from __future__ import annotations
@@ -20,33 +27,87 @@ from orangetron.model.moe import MoE
 from orangetron.parallel.expert import Dispatcher, ExpertParallelMoE
 from orangetron.testing import run_distributed, shutdown_workers
 
-CFG = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=512, n_experts=8, top_k=2,
-                  moe_ffn_dim=256, aux_loss_coef=0.0)
-TOKENS, REPEATS, EP = 2048, 8, 2
+EP, REPEATS, WARMUP = 2, 15, 2
+DISPATCH_CFG = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=512, n_experts=8,
+                           top_k=2, moe_ffn_dim=256, aux_loss_coef=0.0)
+DISPATCH_TOKENS = 2048
 MODES = {"ragged": {}, "capacity": {"capacity_factor": 1.25}, "allgather": {}}
+# Wide rows and narrow experts: the all-to-alls move 16 KiB per row while each copy costs little compute.
+OVERLAP_CFG = ModelConfig(dim=4096, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=512, n_experts=8,
+                          top_k=2, moe_ffn_dim=64, aux_loss_coef=0.0)
+OVERLAP_TOKENS = 1024
+CHUNKS = (1, 2, 4)
+
+
+def _layer(cfg: ModelConfig, mesh, mode: str, chunks: int = 1, **options) -> ExpertParallelMoE:
+    torch.manual_seed(0)
+    dispatcher = Dispatcher(mesh, cfg.n_experts, mode, overlap_chunks=chunks, **options)
+    return ExpertParallelMoE(MoE(cfg), dispatcher, [mesh["dp_cp"]], EP)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def overlap_times() -> dict[str, float]:
+    """Median seconds per pass: forward and forward+backward for each chunk count, and the comm-only forward."""
+    mesh = init_mesh(Layout(dp=EP, ep=EP))
+    cfg = OVERLAP_CFG
+    layers = {c: _layer(cfg, mesh, "ragged", c) for c in CHUNKS}
+    serial = layers[1].dispatcher
+
+    def comm_only() -> torch.Tensor:  # the serial layer's router and all-to-alls, the experts an identity
+        idx, w = layers[1].router.route(x.view(-1, cfg.dim))[2:]
+        return serial.dispatch_compute_combine(x.view(-1, cfg.dim), idx, w, None, lambda _, rows, *rest: rows)
+    x = torch.randn(1, OVERLAP_TOKENS, cfg.dim, generator=torch.Generator().manual_seed(mesh.rank))
+    xg = x.clone().requires_grad_()
+    times: dict[str, list[float]] = {}
+    for repeat in range(WARMUP + REPEATS):
+        passes = {f"forward/{c}": (lambda c=c: layers[c](x)) for c in CHUNKS}
+        passes |= {f"step/{c}": (lambda c=c: layers[c](xg).square().mean().backward()) for c in CHUNKS}
+        passes["forward/comm_only"] = comm_only
+        for name, fn in passes.items():
+            with torch.no_grad() if name.startswith("forward") else torch.enable_grad():
+                seconds = _timed(fn)
+            if repeat >= WARMUP:
+                times.setdefault(name, []).append(seconds)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def layer_tokens_per_s(mode: str) -> float:
     mesh = init_mesh(Layout(dp=EP, ep=EP))
-    torch.manual_seed(0)
-    layer = ExpertParallelMoE(MoE(CFG), Dispatcher(mesh, CFG.n_experts, mode, **MODES[mode]), [mesh["dp_cp"]], EP)
-    x = torch.randn(1, TOKENS, CFG.dim, generator=torch.Generator().manual_seed(mesh.rank), requires_grad=True)
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        layer(x).square().mean().backward()
-        times.append(time.perf_counter() - start)
-    return EP * TOKENS / statistics.median(times[2:])  # the first passes warm the allocator
+    layer = _layer(DISPATCH_CFG, mesh, mode, **MODES[mode])
+    x = torch.randn(1, DISPATCH_TOKENS, DISPATCH_CFG.dim, generator=torch.Generator().manual_seed(mesh.rank),
+                    requires_grad=True)
+    times = [_timed(lambda: layer(x).square().mean().backward()) for _ in range(WARMUP + REPEATS)]
+    return EP * DISPATCH_TOKENS / statistics.median(times[WARMUP:])
+
+
+def _line(name: str, config: dict, metric: str, value: float, unit: str, baseline: float, ratio: float) -> str:
+    return json.dumps({"name": name, "config": config, "metric": metric, "value": round(value, 6), "unit": unit,
+                       "baseline": round(baseline, 6), "ratio": round(ratio, 3)})
 
 
 def main() -> None:
-    results = {mode: run_distributed(layer_tokens_per_s, EP, args=(mode,))[0] for mode in MODES}
+    times = run_distributed(overlap_times, EP, timeout=1200)[0]
+    config = {"dispatcher": "ragged", "ep": EP, "tokens_per_rank": OVERLAP_TOKENS, "dim": OVERLAP_CFG.dim,
+              "moe_ffn_dim": OVERLAP_CFG.moe_ffn_dim, "experts": OVERLAP_CFG.n_experts, "top_k": OVERLAP_CFG.top_k}
+    serial = times["forward/1"]
+    print(_line("expert_parallel_overlap", config, "comm_share", times["forward/comm_only"], "s", serial,
+                times["forward/comm_only"] / serial))
+    for phase in ("forward", "step"):
+        for chunks in CHUNKS[1:]:
+            value, base = times[f"{phase}/{chunks}"], times[f"{phase}/1"]
+            print(_line("expert_parallel_overlap", {**config, "overlap_chunks": chunks}, f"{phase}_time", value, "s",
+                        base, value / base))
+    results = {mode: run_distributed(layer_tokens_per_s, EP, args=(mode,), timeout=600)[0] for mode in MODES}
     for mode, value in results.items():
-        config = {"dispatcher": mode, "ep": EP, "tokens_per_rank": TOKENS, "dim": CFG.dim,
-                  "experts": CFG.n_experts, "top_k": CFG.top_k, **MODES[mode]}
-        print(json.dumps({"name": "expert_parallel_dispatch", "config": config, "metric": "tokens_per_s",
-                          "value": round(value, 1), "unit": "tokens/s", "baseline": round(results["ragged"], 1),
-                          "ratio": round(value / results["ragged"], 3)}))
+        config = {"dispatcher": mode, "ep": EP, "tokens_per_rank": DISPATCH_TOKENS, "dim": DISPATCH_CFG.dim,
+                  "experts": DISPATCH_CFG.n_experts, "top_k": DISPATCH_CFG.top_k, **MODES[mode]}
+        print(_line("expert_parallel_dispatch", config, "tokens_per_s", value, "tokens/s", results["ragged"],
+                    value / results["ragged"]))
     shutdown_workers()
 
 

@@ -73,6 +73,8 @@ def check_all_to_all(g):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     (out * (out + 1)).sum().backward()  # d/dout = 2*out + 1, which travels back to the row's sender
     torch.testing.assert_close(x.grad, 2 * x.detach() + 1, rtol=0, atol=0)
+    pending = comm.all_to_all_start(x.detach(), g, send, recv)  # the asynchronous form: same rows, same record
+    torch.testing.assert_close(pending.wait(), expected, rtol=0, atol=0)
     return sum(send), sum(recv)
 
 
@@ -136,6 +138,7 @@ def expected_ledger(n: int, group_rank: int, dim: str, a2a: tuple[int, int], a2a
         ("all_reduce", dim, 4 * F64, 2 * share(4 * F64), 2 * share(4 * F64)),  # backward of copy_to_group
         ("all_to_all", dim, sent_rows * 3 * F64, (sent_rows - a2a_self) * 3 * F64, (recv_rows - a2a_self) * 3 * F64),
         ("all_to_all", dim, recv_rows * 3 * F64, (recv_rows - a2a_self) * 3 * F64, (sent_rows - a2a_self) * 3 * F64),
+        ("all_to_all", dim, sent_rows * 3 * F64, (sent_rows - a2a_self) * 3 * F64, (recv_rows - a2a_self) * 3 * F64),
         ("broadcast", dim, 5 * F64, *chain),
         ("reduce", dim, 5 * F64, *reversed(chain)),  # the mirror: partial sums flow down the chain to src
         ("send_recv", dim, 6 * F64, 6 * F64, 6 * F64),
@@ -183,7 +186,8 @@ def check_single_rank_groups_are_identity():
     g = mesh["tp"]
     outs = [comm.all_gather(x, g), comm.reduce_scatter(x, g), comm.all_reduce(x, g), comm.copy_to_group(x, g),
             comm.all_to_all(x, g, [3], [3]), comm.broadcast(x, g)]
-    return all(o is x for o in outs) and comm.RingExchange(g).exchange(x) is x and comm.ledger() == []
+    started = comm.all_to_all_start(x, g, [3], [3]).wait()
+    return all(o is x for o in outs) and started is x and comm.RingExchange(g).exchange(x) is x and comm.ledger() == []
 
 
 def test_group_of_one_returns_input_untouched():

@@ -17,7 +17,7 @@ from layout_check import CLIP, LR, PER_RANK, SEQ, STEPS, assert_equals_reference
 from orangetron import comm, memory
 from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
-from orangetron.model import ModelConfig, Transformer
+from orangetron.model import ModelConfig, Transformer, moe
 from orangetron.parallel import ParallelConfig, parallelize
 from orangetron.plan.bridge import predicted_step
 from orangetron.testing import run_distributed
@@ -32,7 +32,8 @@ CASES = {
     2: [("moe-shared", Layout(dp=2, ep=2), {"dispatcher": "ragged"}),
         ("moe-shared", Layout(dp=2, ep=2), {"dispatcher": "allgather", "zero_stage": 1}),
         ("moe-every-other", Layout(dp=2, ep=2), {"dispatcher": "capacity", "capacity_factor": 16.0,
-                                                  "zero_stage": 2})],
+                                                  "zero_stage": 2}),
+        ("moe-shared", Layout(dp=2, ep=2), {"dispatcher": "ragged", "ep_overlap_chunks": 3, "grad_bucket_numel": 300})],
     4: [("moe-shared", Layout(dp=4, ep=2), {"dispatcher": "ragged", "zero_stage": 1}),
         ("moe-every-other", Layout(dp=4, ep=4), {"dispatcher": "allgather", "distributed_optimizer": True}),
         ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True}),
@@ -43,7 +44,8 @@ CASES = {
                                                   "zero_stage": 2, "grad_bucket_numel": 300}),
         ("moe-every-other", Layout(dp=4, ep=2), {"dispatcher": "ragged", "grad_bucket_numel": 300}),  # DDP
         ("moe-shared", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
-                                                  "grad_bucket_numel": 300})],
+                                                  "grad_bucket_numel": 300}),
+        ("moe-every-other", Layout(dp=4, ep=4), {"dispatcher": "ragged", "ep_overlap_chunks": 2, "zero_stage": 3})],
     8: [("moe-shared", Layout(tp=2, dp=4, ep=2), {"dispatcher": "ragged", "sequence_parallel": True,
                                                    "zero_stage": 1}),
         ("moe-every-other", Layout(tp=2, dp=4, ep=2), {"dispatcher": "allgather", "zero_stage": 3})],
@@ -80,8 +82,38 @@ def ep_run(model_name: str, layout: Layout, options: dict):
     return losses, grads if whole else None, params if whole else None, ledger, state
 
 
+def balanced_choice(ep: int):
+    """A stand-in for the router's top-k choice that routes exactly evenly: token t's slot j goes to rank
+    (t + j) % ep (distinct experts on one rank when top_k > ep), so every rank sends and receives equally."""
+    def choose(scores: torch.Tensor, top_k: int, *args, **kwargs) -> torch.Tensor:
+        tokens, experts = scores.shape
+        local = experts // ep
+        t, j = torch.arange(tokens)[:, None], torch.arange(top_k)[None, :]
+        return ((t + j) % ep) * local + (t + j // ep) % local  # [T, k]
+    return choose
+
+
+def balanced_activations(model_name: str, layout: Layout, options: dict) -> int:
+    """Peak bytes saved for backward in one training step with exactly balanced routing."""
+    cfg = MODELS[model_name]
+    mesh = init_mesh(layout)
+    dp = parallelize(Transformer(cfg, seed=0, dtype=torch.float64), mesh, ParallelConfig(param_dtype="float64",
+                                                                                         **options))
+    g = mesh["dp"]
+    rows = batch(0, g.size * PER_RANK, cfg.vocab_size)[g.rank * PER_RANK:(g.rank + 1) * PER_RANK]
+    real_choice = moe.choose_experts
+    moe.choose_experts = balanced_choice(layout.ep)
+    try:
+        with memory.track_activations(dp.module) as meter:
+            logits = dp(rows[:, :-1], token_mask=rows[:, 1:] >= 0)
+            dp.module.loss_from_logits(logits, rows[:, 1:]).backward()
+    finally:
+        moe.choose_experts = real_choice
+    return meter.peak_bytes
+
+
 def run_cases(world: int):
-    return [ep_run(*case) for case in CASES[world]]
+    return [(*ep_run(*case), balanced_activations(*case)) for case in CASES[world]]
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
@@ -90,7 +122,7 @@ def test_expert_parallel_matches_one_device_and_the_planner(world):
     for i, (model_name, layout, options) in enumerate(CASES[world]):
         where = f"{model_name} {layout} {options}"
         cfg = MODELS[model_name]
-        _, grads, params, _, _ = results[0][i]
+        _, grads, params, _, _, _ = results[0][i]
         dp_losses = [r[i][0] for r in results[:: layout.tp]]
         losses = [sum(step) / layout.dp for step in zip(*dp_losses, strict=True)]
         assert_equals_reference(losses, grads, params, cfg, layout.dp, where)
@@ -99,7 +131,8 @@ def test_expert_parallel_matches_one_device_and_the_planner(world):
         want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in want_records
                       if r.dim != "ep" or r.op == "all_reduce")
         for rank, per_rank in enumerate(results):
-            rank_losses, _, _, ledger, state = per_rank[i]
+            rank_losses, _, _, ledger, state, activations = per_rank[i]
+            assert activations == want_mem["activations"], f"{where} rank {rank}: balanced routing's activations"
             assert rank_losses == results[rank - rank % layout.tp][i][0], f"{where} rank {rank}: tp ranks agree"
             outside_dispatch = [r for r in ledger if r[1] != "ep" or r[0] == "all_reduce"]
             assert outside_dispatch == want, f"{where} rank {rank}"

@@ -23,10 +23,11 @@ from orangetron.plan import collectives as formulas
 from orangetron.plan.collectives import CommRecord
 
 __all__ = [
-    "LEDGER_LIMIT", "CommRecord", "LedgerOverflow", "Pending", "PendingAllReduce", "RingExchange", "all_gather",
-    "all_gather_into", "all_gather_into_start", "all_gather_objects", "all_reduce", "all_reduce_max",
-    "all_reduce_start", "all_to_all", "broadcast", "bytes_by_key", "copy_to_group", "ledger", "measure", "recv",
-    "reduce_scatter", "reduce_scatter_start", "reset_ledger", "send_start", "unmeasured", "world_group",
+    "CommRecord", "LEDGER_LIMIT", "LedgerOverflow", "Pending", "PendingAllReduce",
+    "RingExchange", "all_gather", "all_gather_into", "all_gather_into_start", "all_gather_objects", "all_reduce",
+    "all_reduce_max", "all_reduce_start", "all_to_all", "all_to_all_start", "broadcast", "bytes_by_key",
+    "copy_to_group", "ledger", "measure", "recv", "reduce_scatter", "reduce_scatter_start", "reset_ledger",
+    "send_start", "unmeasured", "world_group",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -143,10 +144,13 @@ def _all_to_all_raw(x: torch.Tensor, group: MeshGroup, send_rows: list[int], rec
     x = x.contiguous()
     out = x.new_empty((sum(recv_rows), *x.shape[1:]))
     dist.all_to_all_single(out, x, recv_rows, send_rows, group=group.group)
-    row = math.prod(x.shape[1:]) * x.element_size()
-    sent, received = formulas.all_to_all_bytes([n * row for n in send_rows], [n * row for n in recv_rows], group.rank)
-    _record("all_to_all", group, _nbytes(x), (sent, received))
+    _record("all_to_all", group, _nbytes(x), _all_to_all_bytes(x, group, send_rows, recv_rows))
     return out
+
+
+def _all_to_all_bytes(x: torch.Tensor, group: MeshGroup, send_rows: list[int], recv_rows: list[int]) -> tuple[int, int]:
+    row = math.prod(x.shape[1:]) * x.element_size()
+    return formulas.all_to_all_bytes([n * row for n in send_rows], [n * row for n in recv_rows], group.rank)
 
 
 def _broadcast_raw(x: torch.Tensor, group: MeshGroup, src: int) -> torch.Tensor:
@@ -203,13 +207,15 @@ def reduce_scatter_start(x: torch.Tensor, group: MeshGroup) -> Pending:
 class Pending:
     """A collective in flight (`*_start`); `wait()` completes it and returns its result tensor."""
 
-    def __init__(self, tensor: torch.Tensor, work: object | None) -> None:
+    def __init__(self, tensor: torch.Tensor, work: object | None, keep: torch.Tensor | None = None) -> None:
         self.tensor, self._work = tensor, work
+        self._keep = keep  # a send buffer the backend reads until the collective completes
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
+            self._keep = None
         return self.tensor
 
 
@@ -226,6 +232,20 @@ def all_reduce_start(x: torch.Tensor, group: MeshGroup) -> Pending:
     work = dist.all_reduce(x, group=group.group, async_op=True)
     _record("all_reduce", group, _nbytes(x), formulas.all_reduce_bytes(_nbytes(x), group.size))
     return Pending(x, work)
+
+
+def all_to_all_start(x: torch.Tensor, group: MeshGroup, send_rows: Sequence[int], recv_rows: Sequence[int]) -> Pending:
+    """`all_to_all` that returns at once, so compute can overlap it (chunked expert dispatch); `wait()`
+    returns the received rows. No autograd; `x` must stay untouched until then. Recorded at the start, exactly
+    as `all_to_all` records it."""
+    send_rows, recv_rows = _check_splits("all_to_all_start", x, group, send_rows, recv_rows)
+    if group.size == 1:
+        return Pending(x, None)
+    x = x.detach().contiguous()
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, recv_rows, send_rows, group=group.group, async_op=True)
+    _record("all_to_all", group, _nbytes(x), _all_to_all_bytes(x, group, send_rows, recv_rows))
+    return Pending(out, work, keep=x)
 
 
 def all_reduce_max(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
@@ -364,13 +384,19 @@ def all_to_all(x: torch.Tensor, group: MeshGroup, send_rows: Sequence[int], recv
 
     Rows arrive grouped by source in group order. Backward returns each gradient row to its sender.
     """
+    send_rows, recv_rows = _check_splits("all_to_all", x, group, send_rows, recv_rows)
+    return x if group.size == 1 else _AllToAll.apply(x, group, send_rows, recv_rows)
+
+
+def _check_splits(op: str, x: torch.Tensor, group: MeshGroup, send_rows: Sequence[int],
+                  recv_rows: Sequence[int]) -> tuple[list[int], list[int]]:
     send_rows, recv_rows = [int(n) for n in send_rows], [int(n) for n in recv_rows]
     if len(send_rows) != group.size or len(recv_rows) != group.size:
-        raise ValueError(f"all_to_all over {group.name}: need {group.size} split sizes, "
+        raise ValueError(f"{op} over {group.name}: need {group.size} split sizes, "
                          f"got send {len(send_rows)} and receive {len(recv_rows)}")
     if sum(send_rows) != x.shape[0]:
-        raise ValueError(f"all_to_all over {group.name}: send_rows sum to {sum(send_rows)} but x has {x.shape[0]} rows")
-    return x if group.size == 1 else _AllToAll.apply(x, group, send_rows, recv_rows)
+        raise ValueError(f"{op} over {group.name}: send_rows sum to {sum(send_rows)} but x has {x.shape[0]} rows")
+    return send_rows, recv_rows
 
 
 def broadcast(x: torch.Tensor, group: MeshGroup, src: int = 0) -> torch.Tensor:

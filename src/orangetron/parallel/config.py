@@ -31,6 +31,8 @@ class ParallelConfig:
     dispatcher: str = "ragged"  # expert dispatch: ragged (dropless), capacity, allgather
     capacity_factor: float = 1.0  # for dispatcher="capacity": slots per expert = factor * fair share
     drop_policy: str = "probs"  # for dispatcher="capacity": drop the lowest-probability or latest tokens
+    ep_overlap_chunks: int = 1  # ragged dispatch in this many token chunks, one chunk's all-to-all overlapping
+    # another's expert compute; 1: dispatch, experts and combine one after another
     zero_stage: int = 0  # 0 = DDP, 1 = optimizer state, 2 = + gradients, 3 = + parameters sharded
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     param_dtype: str = "float32"  # model parameters (fp32 main params and grads are kept when lower)
@@ -61,7 +63,7 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"distributed_optimizer with zero_stage={self.zero_stage}: the distributed optimizer is ZeRO-1 "
                 "sharding with an eager all-gather; use zero_stage 0 or 1 with it")
-        for name in ("ulysses_degree", "microbatches", "virtual_stages"):
+        for name in ("ulysses_degree", "microbatches", "virtual_stages", "ep_overlap_chunks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParallelConfigError(f"{name}={value!r}: must be a positive integer")
@@ -74,6 +76,9 @@ class ParallelConfig:
                 "(transformer block) during backward, its own buckets; use 0")
         if not self.capacity_factor > 0:
             raise ParallelConfigError(f"capacity_factor={self.capacity_factor!r}: must be positive")
+        if self.ep_overlap_chunks > 1 and self.dispatcher != "ragged":
+            raise ParallelConfigError(f"ep_overlap_chunks={self.ep_overlap_chunks} with dispatcher="
+                                      f"{self.dispatcher!r}: chunked overlap is implemented for ragged only; use 1")
 
     @property
     def shards_optimizer(self) -> bool:

@@ -24,6 +24,7 @@ by the load-balancing loss. GPT-style layers keep the paper's terms unchanged.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -120,10 +121,12 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
     """Router, routed experts on this GPU (its dispatched tokens, full hidden) and shared experts."""
     sb = x.s * x.b
     router = x.a * sb * m.hidden_size // x.rep + x.acc * sb * m.num_experts // x.rep  # input, fp32 probs
-    # Each EP rank receives, on balance, top_k copies of its own token count; capacity pads to the factor.
-    routed = sb // x.rep * m.top_k * (etp if x.sp else 1)  # etp = tp under SP: the tp group's copies, gathered
+    # Each EP rank receives, on balance, top_k copies of its own token count; capacity keeps at most
+    # `capacity` of each rank's assignments per expert (padding rows carry no copies). etp = tp under SP: the
+    # tp group's copies, gathered.
+    routed = sb // x.rep * m.top_k * (etp if x.sp else 1)
     if job.dispatcher == "capacity":
-        routed = int(routed * job.capacity_factor)
+        routed = min(routed, m.num_experts * _capacity(m, sb // x.rep, job))
     total = router + mlp_bytes(m, x, m.moe_ffn_hidden_size, tokens=routed, shard_h=False, split=etp)
     if _counts_small_buffers(m):
         total += 8 * (sb // x.rep * m.top_k) + x.acc * routed  # int64 top-k ids, each copy's routing weight
@@ -133,6 +136,33 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
     return total
 
 
+def _capacity(m: ModelSpec, tokens: int, job: Job) -> int:
+    """Slots per expert for one rank's `tokens` (the runtime's `capacity`)."""
+    return math.ceil(tokens * m.top_k / m.num_experts * job.capacity_factor)
+
+
+def expert_dispatch_bytes(m: ModelSpec, x: LayerShape, job: Job, ep: int) -> int:
+    """What an expert-parallel dispatcher keeps besides the single-device MoE's tensors, with balanced routing.
+
+    Each of this rank's T tokens travels as one row to each of min(top_k, ep) ranks (R rows out, as many in),
+    and the rank's experts receive T * top_k copies (C). ragged keeps each row's token (int64 [R]) and the
+    mask of its slots on the destination (bool [R, k]); allgather keeps the rows it serves (int64 [R]) and
+    the mask over the gathered slots (bool [ep * T, k]); capacity, ragged's with every destination padded
+    to min(E/ep * capacity, T) rows. Every mode keeps each copy's row and slot (two int64 [C]) to put the
+    copies in expert order and sum them back. Overlap chunks split the same tensors.
+    """
+    if ep == 1:
+        return 0
+    tokens, k = x.s * x.b // x.rep, m.top_k
+    copies = tokens * k
+    if job.dispatcher == "capacity":
+        rows = min(m.num_experts // ep * _capacity(m, tokens, job), tokens) * ep
+    else:
+        rows = tokens * min(k, ep)
+    mask = ep * tokens * k if job.dispatcher == "allgather" else rows * k
+    return 8 * rows + mask + 16 * copies
+
+
 def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> int:
     """Bytes one layer saves for backward for one micro-batch on one GPU, under `job.recompute`."""
     x = layer_shape(deg, job)
@@ -140,7 +170,8 @@ def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> i
     if job.recompute == "full":
         return x.a * sb * h // x.rep  # the checkpointed layer input
     norms = 2 * x.a * sb * h // x.rep
-    ffn = moe_bytes(m, x, job, deg.etp) if moe else mlp_bytes(m, x, m.ffn_hidden_size)
+    ffn = moe_bytes(m, x, job, deg.etp) + expert_dispatch_bytes(m, x, job, deg.ep) if moe else \
+        mlp_bytes(m, x, m.ffn_hidden_size)
     if moe and m.aux_loss_coef and (deg.dp_cp > 1 or x.sp):
         ffn += x.acc * (m.num_experts + 1)  # the global balancing loss keeps the expert fractions and the count
     if moe and m.router_z_loss_coef:  # the z-loss keeps the router logits (and the global count)

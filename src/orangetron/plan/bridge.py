@@ -29,7 +29,8 @@ def job_from_parallel_config(pc: object, seq_len: int, micro_batch: int) -> Job:
     """
     return Job(seq_len=seq_len, micro_batch=micro_batch, num_microbatches=pc.microbatches,
                sequence_parallel=pc.sequence_parallel, cp_mode=pc.cp_mode, ulysses_degree=pc.ulysses_degree,
-               dispatcher=pc.dispatcher, capacity_factor=pc.capacity_factor, zero_stage=pc.zero_stage,
+               dispatcher=pc.dispatcher, capacity_factor=pc.capacity_factor,
+               ep_overlap_chunks=pc.ep_overlap_chunks, zero_stage=pc.zero_stage,
                distributed_optimizer=pc.distributed_optimizer, zero3_prefetch=pc.zero3_prefetch,
                zero3_keep_params=pc.zero3_keep_params, param_dtype=pc.param_dtype,
                reduce_dtype=pc.reduce_dtype or "", bucket_numel=pc.grad_bucket_numel, pp_schedule=pc.pp_schedule,

@@ -35,6 +35,7 @@ class Job:
     ulysses_degree: int = 1  # for cp_mode "usp"
     dispatcher: str = "ragged"
     capacity_factor: float = 1.0
+    ep_overlap_chunks: int = 1  # ragged dispatch in token chunks (one count exchange, then per-chunk rows)
     zero_stage: int = 0
     distributed_optimizer: bool = False
     zero3_prefetch: bool = True  # ZeRO-3 gathers the next unit while one computes (two units at the peak)
@@ -67,7 +68,7 @@ class Job:
             raise ValueError(f"zero_stage={self.zero_stage}: must be 0 (DDP), 1, 2 or 3")
         if self.distributed_optimizer and self.zero_stage in (2, 3):
             raise ValueError(f"distributed_optimizer with zero_stage={self.zero_stage}: pick one sharding scheme")
-        for name in ("seq_len", "micro_batch", "virtual_stages", "num_microbatches"):
+        for name in ("seq_len", "micro_batch", "virtual_stages", "num_microbatches", "ep_overlap_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
 

@@ -223,7 +223,8 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[Co
     gradients; combine sends the outputs back and its backward the gradients out again. A row is one token
     for one destination rank: with balanced routing each token's top_k experts lie on min(top_k, ep) ranks
     and every rank receives as many rows as it sends. capacity pads every destination to
-    min(E/ep * capacity, tokens) rows, capacity = ceil(tokens * top_k / E * capacity_factor).
+    min(E/ep * capacity, tokens) rows, capacity = ceil(tokens * top_k / E * capacity_factor). ragged with
+    `ep_overlap_chunks` c: one count exchange of c int64 per peer, then the row records once per token chunk.
     allgather: the token counts, then tokens, ids and weights gathered forward and reduce-scattered
     backward (tokens and weights); combine reduce-scatters the outputs and its backward gathers again.
     """
@@ -240,10 +241,20 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[Co
         forward += [_gather("reduce_scatter", "ep", e * tokens * row, e)]  # combine
         backward = [_gather("reduce_scatter", "ep", e * tokens * b, e) for b in (row, weights)]
         return forward * (1 + replays) + backward + [_gather("all_gather", "ep", e * tokens * row, e)]
-    rows = _received_rows(model, deg, job)
-    forward = [_a2a("ep", 8 * e, e)] + [_a2a("ep", rows * b, e) for b in (row, ids, weights, row)]
-    backward = [_a2a("ep", rows * b, e) for b in (row, weights, row)]
+    if job.dispatcher == "capacity":
+        chunk_rows = [_received_rows(model, deg, job)]
+    else:  # each overlap chunk sends its own tokens' rows; one count exchange carries every chunk's counts
+        chunk_rows = [n * min(k, e) // e * e for n in token_chunks(tokens, job.ep_overlap_chunks)]
+    forward = [_a2a("ep", 8 * e * len(chunk_rows), e)]
+    forward += [_a2a("ep", rows * b, e) for rows in chunk_rows for b in (row, ids, weights, row)]
+    backward = [_a2a("ep", rows * b, e) for rows in chunk_rows for b in (row, weights, row)]
     return forward * (1 + replays) + backward
+
+
+def token_chunks(tokens: int, chunks: int) -> list[int]:
+    """Tokens per overlap chunk: `chunks` contiguous ranges, the first `tokens % chunks` one token longer."""
+    base, extra = divmod(tokens, chunks)
+    return [base + (c < extra) for c in range(chunks)]
 
 
 def _routed_tokens(deg: Degrees, job: Job) -> int:

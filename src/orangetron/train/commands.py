@@ -105,6 +105,9 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    "capacity), allgather (default: %(default)s)")
     p.add_argument("--capacity-factor", type=float, default=1.0,
                    help="--dispatcher capacity: slots per expert as a multiple of the fair share (default: 1.0)")
+    p.add_argument("--ep-overlap-chunks", type=int, default=1,
+                   help="--dispatcher ragged: dispatch in this many token chunks, one chunk's all-to-all "
+                   "overlapping another's expert compute (default: 1, no overlap)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks)")
     p.add_argument("--distributed-optimizer", action="store_true",

@@ -77,6 +77,7 @@ class TrainConfig:
     ep: int = 1  # expert-parallel degree: the dp ranks' experts split into ep blocks (ep divides dp)
     dispatcher: str = "ragged"  # expert dispatch with ep > 1: ragged (dropless), capacity, allgather
     capacity_factor: float = 1.0  # dispatcher="capacity": slots per expert = factor * fair share
+    ep_overlap_chunks: int = 1  # ragged dispatch in token chunks, all-to-all overlapping expert compute
     zero_stage: int = 0  # 0 = DDP, 1-3 = ZeRO stage (sharding over the dp ranks)
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     grad_bucket_numel: int = 0  # reduce gradient buckets of about this many elements during backward (not ZeRO-3)
@@ -151,8 +152,8 @@ class TrainConfig:
                               sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode,
                               ulysses_degree=self.ulysses_degree,
                               dispatcher=self.dispatcher, capacity_factor=self.capacity_factor,
-                              pp_schedule=self.pp_schedule, microbatches=self.microbatches,
-                              virtual_stages=self.virtual_stages)
+                              ep_overlap_chunks=self.ep_overlap_chunks, pp_schedule=self.pp_schedule,
+                              microbatches=self.microbatches, virtual_stages=self.virtual_stages)
 
     def _check_checkpointing(self) -> None:
         _check_int("save_every", self.save_every, minimum=0)

@@ -56,7 +56,7 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     # The same micro-batches on one rank (gradient accumulation): the balancing loss sees the same tokens.
     one_cfg = dataclasses.replace(layout_cfg, tp=1, cp=1, pp=1, dp=1, ep=1, zero_stage=0, distributed_optimizer=False,
                                   sequence_parallel=False, grad_bucket_numel=0, cp_mode="ring", ulysses_degree=1,
-                                  dispatcher="ragged", pp_schedule="1f1b", virtual_stages=1)
+                                  dispatcher="ragged", ep_overlap_chunks=1, pp_schedule="1f1b", virtual_stages=1)
     with process_group():
         reference = _trace(one_cfg)
     traces = launch_local(_trace, cfg.layout.world_size, args=(layout_cfg,))

@@ -13,7 +13,7 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
-from orangetron.parallel.expert.routing import tokens_per_local_expert
+from orangetron.parallel.expert.routing import sum_rows, tokens_per_local_expert
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,5 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
 
 def combine(expert_out: torch.Tensor, handle: AllGatherHandle, group: MeshGroup) -> torch.Tensor:
     """Place each kept row's output in the gathered layout and reduce-scatter: [R, dim] -> [T, dim]."""
-    full = expert_out.new_zeros(group.size * handle.padded_tokens, expert_out.shape[-1])
-    full = full.index_add(0, handle.keep, expert_out)
+    full = sum_rows(expert_out, handle.keep, group.size * handle.padded_tokens)  # [ep * T_max, dim]
     return comm.reduce_scatter(full, group)[:handle.num_tokens]

@@ -22,6 +22,6 @@ def expert_parallel(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig
         ff = block.feed_forward
         if isinstance(ff, MoE):
             dispatcher = Dispatcher(mesh, ff.router.n_experts, config.dispatcher, config.capacity_factor,
-                                    config.drop_policy)
+                                    config.drop_policy, config.ep_overlap_chunks)
             block.feed_forward = ExpertParallelMoE(ff, dispatcher, groups, mesh["dp_cp"].size)
     return model

@@ -14,15 +14,21 @@ combine and combine's a dispatch (the collectives' autograd pairs). Modes share 
 - "capacity": at most ceil(T * k / E * capacity_factor) assignments per expert from each rank, chosen by
   `drop_policy`, padded to fixed row counts; `handle.dropped` [E] counts what this rank dropped.
 - "allgather": gather the ep group's tokens and keep the rows of the local experts; combine reduce-scatters.
+
+`dispatch_compute_combine(x, topk_idx, topk_weights, compute)` runs the three in one call; with
+`overlap_chunks` > 1 (ragged only) it pipelines them over token chunks so one chunk's all-to-all runs while
+another chunk's experts compute (`overlap.py`).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
-from orangetron.parallel.expert import allgather, capacity, ragged
+from orangetron.parallel.expert import allgather, capacity, overlap, ragged
+from orangetron.parallel.expert.routing import sum_rows
 from orangetron.plan.config import DISPATCHERS
 
 
@@ -30,7 +36,7 @@ class Dispatcher:
     """Dispatch and combine over `mesh["ep"]` (or a `MeshGroup`) for `num_experts` experts."""
 
     def __init__(self, mesh: ParallelMesh | MeshGroup, num_experts: int, mode: str = "ragged",
-                 capacity_factor: float = 1.0, drop_policy: str = "probs") -> None:
+                 capacity_factor: float = 1.0, drop_policy: str = "probs", overlap_chunks: int = 1) -> None:
         self.group = mesh if isinstance(mesh, MeshGroup) else mesh["ep"]
         if mode not in DISPATCHERS:
             raise ParallelConfigError(f"dispatcher={mode!r}: must be one of {', '.join(DISPATCHERS)}")
@@ -41,7 +47,12 @@ class Dispatcher:
         if num_experts < 1 or num_experts % self.group.size:
             raise ParallelConfigError(f"num_experts={num_experts}: must be a positive multiple of ep="
                                       f"{self.group.size} (experts sit in equal blocks per ep rank)")
-        self.num_experts, self.mode = num_experts, mode
+        if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+            raise ParallelConfigError(f"overlap_chunks={overlap_chunks!r}: must be a positive integer")
+        if overlap_chunks > 1 and mode != "ragged":
+            raise ParallelConfigError(f"overlap_chunks={overlap_chunks} with dispatcher={mode!r}: chunked overlap "
+                                      "is implemented for the ragged dispatcher only; use 1")
+        self.num_experts, self.mode, self.overlap_chunks = num_experts, mode, overlap_chunks
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.local_experts = num_experts // self.group.size
         self.first_expert = self.group.rank * self.local_experts
@@ -63,6 +74,20 @@ class Dispatcher:
             return allgather.combine(expert_out, handle, self.group)
         return ragged.combine(expert_out, handle, self.group)
 
+    def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                                 experts: nn.Module, compute: overlap.ExpertCompute | None = None) -> torch.Tensor:
+        """`combine(compute(experts, *dispatch(x, ...)[:4]), handle)`: x [T, dim] -> [T, dim]; `compute`
+        defaults to `run_local_experts`. With `overlap_chunks` > 1 the tokens go in chunks, each chunk's
+        all-to-all overlapping another chunk's compute (forward and backward); `compute` may then use no
+        parameters but those of `experts`."""
+        compute = compute or run_local_experts
+        if self.overlap_chunks == 1:
+            recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatch(x, topk_idx, topk_weights)
+            return self.combine(compute(experts, recv_x, recv_idx, recv_w, tokens_per_expert), handle)
+        self._check(x, topk_idx, topk_weights)
+        return overlap.overlapped(x, topk_idx, topk_weights, self.group, self.num_experts, self.overlap_chunks,
+                                  experts, compute)
+
     def _check(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
         if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape != topk_weights.shape \
                 or topk_idx.shape[0] != x.shape[0]:
@@ -75,7 +100,7 @@ class Dispatcher:
             raise ValueError(f"dispatch: expert id {bad} is out of range [0, num_experts={self.num_experts})")
 
 
-def run_local_experts(experts: torch.nn.Module, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor,
+def run_local_experts(experts: nn.Module, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor,
                       recv_topk_weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """Apply the local `GroupedExperts` to the received rows: each row's weighted outputs of its local
     slots, summed ([R, dim]); rows with no local slot (padding) give zeros."""
@@ -83,7 +108,8 @@ def run_local_experts(experts: torch.nn.Module, recv_x: torch.Tensor, recv_topk_
     slots = recv_topk_idx.reshape(-1)
     local = experts.w1.shape[0]
     # Copies grouped by local expert, row order kept within an expert; -1 slots sort last and are cut off.
-    order = torch.argsort(torch.where(slots < 0, local, slots), stable=True)[: int(tokens_per_expert.sum())]
+    # A copy of the cut: backward keeps `order`, which must not hold the cut-off tail.
+    order = torch.argsort(torch.where(slots < 0, local, slots), stable=True)[: int(tokens_per_expert.sum())].clone()
     row_of_copy = order // k
     out = experts(recv_x[row_of_copy], tokens_per_expert, recv_topk_weights.reshape(-1)[order])
-    return recv_x.new_zeros(rows, recv_x.shape[-1]).index_add(0, row_of_copy, out)
+    return sum_rows(out, row_of_copy, rows)  # [R, dim]

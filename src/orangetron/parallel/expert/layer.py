@@ -13,7 +13,7 @@ import torch
 from orangetron.mesh import MeshGroup
 from orangetron.model.moe import MoE
 from orangetron.parallel.expert.balance import global_router_losses
-from orangetron.parallel.expert.dispatcher import Dispatcher, run_local_experts
+from orangetron.parallel.expert.dispatcher import Dispatcher
 
 
 class ExpertParallelMoE(MoE):
@@ -39,9 +39,7 @@ class ExpertParallelMoE(MoE):
         logits, scores, topk_idx, topk_weights = self.router.route(x_flat, mask)
         self.last_aux_loss = global_router_losses(self.router, logits, scores, topk_idx, mask, self.balance_groups,
                                                   self.grad_ranks)
-        recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatcher.dispatch(x_flat, topk_idx, topk_weights)
-        y = self.dispatcher.combine(run_local_experts(self.experts, recv_x, recv_idx, recv_w, tokens_per_expert),
-                                    handle)  # [T, dim]
+        y = self.dispatcher.dispatch_compute_combine(x_flat, topk_idx, topk_weights, self.experts)  # [T, dim]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x_flat)
         return y.view_as(x)

@@ -8,7 +8,7 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
-from orangetron.parallel.expert.routing import Rows, route_rows, tokens_per_local_expert
+from orangetron.parallel.expert.routing import Rows, route_rows, sum_rows, tokens_per_local_expert
 
 
 @dataclass(frozen=True)
@@ -51,5 +51,4 @@ def combine(expert_out: torch.Tensor, handle: RaggedHandle, group: MeshGroup) ->
     """Return every row to its sender and sum each token's rows: [R, dim] -> [T, dim]."""
     back = comm.all_to_all(expert_out, group, handle.recv_rows, handle.send_rows)  # [S, dim]
     # One spare row collects padding rows (capacity), which carry no token.
-    y = back.new_zeros(handle.num_tokens + 1, back.shape[-1]).index_add(0, handle.token, back)
-    return y[:handle.num_tokens]
+    return sum_rows(back, handle.token, handle.num_tokens + 1)[:handle.num_tokens]

@@ -39,7 +39,8 @@ def route_rows(topk_idx: torch.Tensor, local_experts: int, ep: int, routed: torc
     hit = torch.zeros(tokens, ep + 1, dtype=torch.bool, device=topk_idx.device)
     hit.scatter_(1, dest, True)
     hit = hit[:, :ep]  # [T, ep]: token t sends a row to rank r
-    rank, token = hit.t().nonzero(as_tuple=True)  # row-major over [ep, T]: by rank, then token
+    rank, token = (t.clone() for t in hit.t().nonzero(as_tuple=True))  # by rank, then token; own storages, as
+    # backward keeps `token` (nonzero's views would keep both columns)
     here = dest[token] == rank[:, None]  # [S, k]
     local_idx = torch.where(here, topk_idx[token] - rank[:, None] * local_experts, -1)
     return Rows(token, rank, local_idx, hit.sum(0).tolist())
@@ -49,3 +50,25 @@ def tokens_per_local_expert(recv_topk_idx: torch.Tensor, local_experts: int) -> 
     """[local_experts] int64: (row, local expert) assignments among the received rows."""
     slots = recv_topk_idx.reshape(-1)
     return torch.bincount(slots[slots >= 0], minlength=local_experts)
+
+
+class SumRows(torch.autograd.Function):
+    """`rows` [R, dim] summed into [size, dim] by `index` [R] forward; each row's gradient gathered backward.
+
+    Saves only the index (`index_add` would keep the rows too).
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return rows.new_zeros(size, rows.shape[-1]).index_add_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad[index], None, None
+
+
+def sum_rows(rows: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """[size, dim]: row i of the result is the sum of the `rows` whose `index` is i."""
+    return SumRows.apply(rows, index, size)
