@@ -95,10 +95,9 @@ def reference_layer(world: int, mode: str, local: int, k: int, factor: float, po
 
 
 # ---- the ranks ------------------------------------------------------------------------------------
-def layer_on_rank(mesh, mode: str, local: int, k: int, factor: float, policy: str):
-    g = mesh["ep"]
-    experts = g.size * local
-    full = weights(experts)
+def rank_share(g, local: int, k: int):
+    """This ep rank's inputs: the router gate, its block of experts, its tokens and their routing."""
+    full = weights(g.size * local)
     gate = full["gate"].clone().requires_grad_()
     mine = GroupedExperts(local, DIM, HIDDEN).to(torch.float64)
     with torch.no_grad():
@@ -107,6 +106,13 @@ def layer_on_rank(mesh, mode: str, local: int, k: int, factor: float, policy: st
     x_all, probe = tokens(g.size)
     x = x_all[g.rank * TOKENS:(g.rank + 1) * TOKENS].clone().requires_grad_()
     idx, w = route(x, gate, k)
+    return gate, mine, x, probe, idx, w
+
+
+def layer_on_rank(mesh, mode: str, local: int, k: int, factor: float, policy: str):
+    g = mesh["ep"]
+    experts = g.size * local
+    gate, mine, x, probe, idx, w = rank_share(g, local, k)
     d = Dispatcher(mesh, experts, mode, capacity_factor=factor, drop_policy=policy)
     with comm.measure() as records:
         recv_x, recv_idx, recv_w, per_expert, handle = d.dispatch(x, idx, w)

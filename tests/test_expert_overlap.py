@@ -16,10 +16,8 @@ from test_expert_dispatch import (
     _rel,
     expected_ledger,
     layer_on_rank,
+    rank_share,
     reference_layer,
-    route,
-    tokens,
-    weights,
 )
 
 from orangetron import comm, memory
@@ -45,15 +43,7 @@ def overlapped_layer(mesh, local: int, k: int, chunks: int):
     """One overlapped layer pass forward and backward; also the ledger length each expert compute saw."""
     g = mesh["ep"]
     experts = g.size * local
-    full = weights(experts)
-    gate = full["gate"].clone().requires_grad_()
-    mine = GroupedExperts(local, DIM, HIDDEN).to(torch.float64)
-    with torch.no_grad():
-        for name in ("w1", "w3", "w2"):
-            getattr(mine, name).copy_(full[name][g.rank * local:(g.rank + 1) * local])
-    x_all, probe = tokens(g.size)
-    x = x_all[g.rank * TOKENS:(g.rank + 1) * TOKENS].clone().requires_grad_()
-    idx, w = route(x, gate, k)
+    gate, mine, x, probe, idx, w = rank_share(g, local, k)
     d = Dispatcher(mesh, experts, "ragged", overlap_chunks=chunks)
     launched_before_compute, launched_before_backward = [], []
 

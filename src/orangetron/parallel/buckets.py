@@ -31,6 +31,18 @@ if TYPE_CHECKING:
     from orangetron.parallel.flat import FlatPart, Segment
 
 
+def _arrive(buckets: GradBuckets | ShardedGradBuckets, index: int) -> None:
+    """Parameter `index`'s gradient is in: launch every bucket it completes."""
+    if index in buckets.arrived:
+        raise RuntimeError(f"{buckets.names[index]}: a second gradient arrived before the step; run "
+                           "the earlier micro-batches' backward inside dp.no_sync()")
+    buckets.arrived.add(index)
+    for k in buckets.buckets_of[index]:
+        buckets.missing[k] -= 1
+        if buckets.missing[k] == 0:
+            buckets._launch(k)
+
+
 class GradBuckets:
     """Hooks every parameter of `dp` and launches one asynchronous all-reduce per full bucket.
 
@@ -76,14 +88,7 @@ class GradBuckets:
         self._add(index)
         if not self.sync:
             return
-        if index in self.arrived:
-            raise RuntimeError(f"{self.names[index]}: a second gradient arrived before the step; run "
-                               "the earlier micro-batches' backward inside dp.no_sync()")
-        self.arrived.add(index)
-        for k in self.buckets_of[index]:
-            self.missing[k] -= 1
-            if self.missing[k] == 0:
-                self._launch(k)
+        _arrive(self, index)
 
     def _launch(self, k: int) -> None:
         part, start, end = self.bounds[k]
@@ -158,14 +163,7 @@ class ShardedGradBuckets:
             param.grad = None  # the main buffer holds it now
         if not self.sync:
             return  # ZeRO-2 accumulates micro-batches in .grad, the others in the main buffer
-        if index in self.arrived:
-            raise RuntimeError(f"{self.names[index]}: a second gradient arrived before the step; run "
-                               "the earlier micro-batches' backward inside dp.no_sync()")
-        self.arrived.add(index)
-        for k in self.buckets_of[index]:
-            self.missing[k] -= 1
-            if self.missing[k] == 0:
-                self._launch(k)
+        _arrive(self, index)
 
     def _launch(self, k: int) -> None:
         self.retire()  # one bucket in flight: the transient peak is one bucket's
