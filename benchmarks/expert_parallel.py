@@ -2,8 +2,8 @@
 capacity vs all-gather dispatch throughput, in one run.
 
 Overlap: one MoE layer (router, ragged dispatch, its experts, combine) forward, and forward with backward, with
-the tokens in 1 chunk (serial) and in 2 and 4 chunks (`overlap_chunks`). The layer is sized so that the
-all-to-alls take about as long as the expert compute (wide rows, narrow experts): the "comm_share" line is the
+the tokens in 1 chunk (serial) and in 2 and 4 chunks (`overlap_chunks`), at two expert widths (64 and 32), sized so
+that the all-to-alls take about half and about as long as the expert compute: the "comm_share" line is the
 serial forward's time with the experts replaced by the identity, over the serial forward's time. Serial and
 overlapped passes alternate within one launch, so both see the same machine load; values are medians and each
 ratio is overlapped / serial time (below 1: the overlap hides communication).
@@ -32,9 +32,10 @@ DISPATCH_CFG = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, vocab_s
                            top_k=2, moe_ffn_dim=256, aux_loss_coef=0.0)
 DISPATCH_TOKENS = 2048
 MODES = {"ragged": {}, "capacity": {"capacity_factor": 1.25}, "allgather": {}}
-# Wide rows and narrow experts: the all-to-alls move 16 KiB per row while each copy costs little compute.
-OVERLAP_CFG = ModelConfig(dim=4096, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=512, n_experts=8,
-                          top_k=2, moe_ffn_dim=64, aux_loss_coef=0.0)
+# Wide rows and narrow experts: the all-to-alls move 16 KiB per row while each copy costs little compute; two
+# expert widths, so that the expert compute is about twice and about once the all-to-alls' share.
+OVERLAP_CFGS = [ModelConfig(dim=4096, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=512, n_experts=8,
+                            top_k=2, moe_ffn_dim=width, aux_loss_coef=0.0) for width in (64, 32)]
 OVERLAP_TOKENS = 1024
 CHUNKS = (1, 2, 4)
 
@@ -51,10 +52,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def overlap_times() -> dict[str, float]:
+def overlap_times(cfg: ModelConfig) -> dict[str, float]:
     """Median seconds per pass: forward and forward+backward for each chunk count, and the comm-only forward."""
     mesh = init_mesh(Layout(dp=EP, ep=EP))
-    cfg = OVERLAP_CFG
     layers = {c: _layer(cfg, mesh, "ragged", c) for c in CHUNKS}
     serial = layers[1].dispatcher
 
@@ -90,10 +90,9 @@ def _line(name: str, config: dict, metric: str, value: float, unit: str, baselin
                        "baseline": round(baseline, 6), "ratio": round(ratio, 3)})
 
 
-def main() -> None:
-    times = run_distributed(overlap_times, EP, timeout=1200)[0]
-    config = {"dispatcher": "ragged", "ep": EP, "tokens_per_rank": OVERLAP_TOKENS, "dim": OVERLAP_CFG.dim,
-              "moe_ffn_dim": OVERLAP_CFG.moe_ffn_dim, "experts": OVERLAP_CFG.n_experts, "top_k": OVERLAP_CFG.top_k}
+def _overlap_lines(cfg: ModelConfig, times: dict[str, float]) -> None:
+    config = {"dispatcher": "ragged", "ep": EP, "tokens_per_rank": OVERLAP_TOKENS, "dim": cfg.dim,
+              "moe_ffn_dim": cfg.moe_ffn_dim, "experts": cfg.n_experts, "top_k": cfg.top_k}
     serial = times["forward/1"]
     print(_line("expert_parallel_overlap", config, "comm_share", times["forward/comm_only"], "s", serial,
                 times["forward/comm_only"] / serial))
@@ -102,6 +101,11 @@ def main() -> None:
             value, base = times[f"{phase}/{chunks}"], times[f"{phase}/1"]
             print(_line("expert_parallel_overlap", {**config, "overlap_chunks": chunks}, f"{phase}_time", value, "s",
                         base, value / base))
+
+
+def main() -> None:
+    for cfg in OVERLAP_CFGS:
+        _overlap_lines(cfg, run_distributed(overlap_times, EP, args=(cfg,), timeout=1200)[0])
     results = {mode: run_distributed(layer_tokens_per_s, EP, args=(mode,), timeout=600)[0] for mode in MODES}
     for mode, value in results.items():
         config = {"dispatcher": mode, "ep": EP, "tokens_per_rank": DISPATCH_TOKENS, "dim": DISPATCH_CFG.dim,
