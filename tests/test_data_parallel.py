@@ -12,6 +12,7 @@ from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.parallel import DataParallel, ParallelConfig, ParallelConfigError
+from orangetron.plan.bridge import predicted_step
 from orangetron.testing import run_distributed
 
 CFG = ModelConfig(dim=18, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=32, ffn_dim=24, n_experts=4, top_k=2,
@@ -63,7 +64,7 @@ def data_parallel_run(layout: Layout, stage: str, param_dtype: str = "float64"):
     """STEPS steps on this rank's share of the batch; returns losses, final params, the ledger of every step,
     memory, the number of parameters and the averaged gradients this rank owns at every step."""
     mesh = init_mesh(layout)
-    dtype = {"float64": torch.float64, "bfloat16": torch.float32}[param_dtype]
+    dtype = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.float32}[param_dtype]
     dp = DataParallel(Transformer(CFG, seed=0, dtype=dtype), mesh, ParallelConfig(param_dtype=param_dtype,
                                                                                    **STAGES[stage]))
     opt = dp.optimizer(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
@@ -161,18 +162,18 @@ def expected_records(stage: str, step: int, numel: int, d: int):
 
 def expected_state(stage: str, numel: int, d: int, units: list[int]):
     shard, padded = -(-numel // d) * 8, -(-numel // d) * d * 8
-    none = {"gathered_params": 0, "grad_buckets": 0}
-    if stage in ("ddp", "ddp_buckets"):
-        return {"params": numel * 8, "grads": numel * 8, "main_params": 0, "optimizer": 2 * numel * 8} | none
+    if stage in ("ddp", "ddp_buckets"):  # all_reduce returns a new full buffer; the bucketed one sums in place
+        return {"params": numel * 8, "grads": numel * 8, "main_params": 0, "optimizer": 2 * numel * 8,
+                "gathered_params": 0, "grad_buckets": numel * 8 if stage == "ddp" else 0}
     if stage in SHARDED_BUCKETS:  # buckets padded one by one; one reduce-scatter in flight at a time
         count, size = equal_buckets(numel, d)
         full, shard = count * size * 8, count * size // d * 8
         wire = size * 8 if stage == "zero2_buckets" else 0  # the others reduce their full buffer where it lies
         return {"params": full, "grads": shard if stage == "zero2_buckets" else full, "main_params": 0,
                 "optimizer": 2 * shard, "gathered_params": 0, "grad_buckets": wire + size // d * 8}
-    if stage not in ZERO3:
+    if stage not in ZERO3:  # the reduced slice, and ZeRO-2's temporary padded full buffer beside it
         return {"params": padded, "grads": shard if stage == "zero2" else padded, "main_params": 0,
-                "optimizer": 2 * shard} | none
+                "optimizer": 2 * shard, "gathered_params": 0, "grad_buckets": shard + padded * (stage == "zero2")}
     shard = sum(-(-u // d) for u in units) * 8  # every unit padded on its own
     full = [-(-u // d) * d * 8 for u in units]
     gathered = {"zero3": max(a + b for a, b in zip(full, full[1:], strict=False)),  # the unit in use and the next one
@@ -223,9 +224,37 @@ def test_bfloat16_params_keep_fp32_main_state_and_reduce_in_bf16():
     torch.testing.assert_close(mean_losses, reference(2)[0], rtol=2e-2, atol=0)  # bf16 tracks float64
     shard, padded = -(-numel // 2), -(-numel // 2) * 2
     assert state == {"params": padded * 2, "grads": shard * 4, "main_params": shard * 4, "optimizer": shard * 8,
-                     "gathered_params": 0, "grad_buckets": 0}
+                     "gathered_params": 0, "grad_buckets": padded * 2 + shard * 2}  # bf16 full buffer and slice
     assert records[0] == ("all_gather", "dp_cp", padded * 2, shard * 2)  # params travel in bf16
     assert records[1] == ("reduce_scatter", "dp_cp", padded * 2, shard * 2)  # and so do gradients
+
+
+TRANSIENT_RUNS = {"ddp_bf16": ("ddp", "bfloat16"), "zero1_bf16": ("zero1", "bfloat16"),
+                  "ddp_buckets_bf16": ("ddp_buckets", "bfloat16"), "ddp_buckets_f32": ("ddp_buckets", "float32"),
+                  "zero2_f32": ("zero2", "float32")}
+
+
+def transient_runs():
+    return {name: data_parallel_run(Layout(dp=4), stage, dtype)[3]["grad_buckets"]
+            for name, (stage, dtype) in TRANSIENT_RUNS.items()}
+
+
+def test_reduction_buffers_count_in_grad_buckets_when_dtypes_differ_and_unbucketed():
+    """The reduction's transient bytes, written out by hand for the 7434-element model on dp=4 (padded to
+    7436, slices of 1859; buckets of 500, the last one 434 elements)."""
+    assert sum(unit_numels()) == 7434  # the plain model
+    expected = {
+        "ddp_bf16": 7434 * 2 + 7434 * 2,  # the bf16 wire copy of the fp32 main gradients and all_reduce's result
+        "zero1_bf16": 7436 * 2 + 1859 * 2,  # the bf16 wire copy of the padded buffer and its reduced slice
+        "ddp_buckets_bf16": (14 * 500 + 434) * 2,  # every bucket's bf16 wire copy, in flight until the step
+        "ddp_buckets_f32": 0,  # summed in place where they lie
+        "zero2_f32": 7436 * 4 + 1859 * 4,  # the temporary padded full buffer and its reduced slice
+    }
+    assert run_distributed(transient_runs, 4) == [expected] * 4
+    for name, (stage, dtype) in TRANSIENT_RUNS.items():
+        config = ParallelConfig(param_dtype=dtype, **STAGES[stage])
+        _, predicted = predicted_step(CFG, Layout(dp=4), config, seq_len=SEQ, micro_batch=PER_RANK)
+        assert predicted["grad_buckets"] == expected[name], name
 
 
 def test_parallel_config_rules():

@@ -169,4 +169,7 @@ def test_memory_per_gpu_total_is_sum():
                                                                  sequence_parallel=True, distributed_optimizer=True))
     parts = ("params", "grads", "main_params", "optimizer", "activations", "buffers")
     assert mem["total"] == sum(mem[c] for c in parts)
-    assert mem["buffers"] == 0  # only ZeRO-3 gathers full layers
+    assert mem["gathered_params"] == 0  # only ZeRO-3 gathers full layers
+    # One reduction after backward: a bf16 wire copy of the fp32 main gradients (padded to dp=4) and its slice.
+    padded = mem["grads"] // 4
+    assert padded % 4 == 0 and mem["buffers"] == mem["grad_buckets"] == 2 * padded + 2 * padded // 4

@@ -4,7 +4,8 @@ overlaps it has its gradient, while backward goes on computing the rest.
 DDP (`GradBuckets`): fixed-size slices of the flat buffer in parameter order (the last may be shorter), each
 all-reduced. Gradients are added into the fp32 (or wider) main buffer as they arrive, so micro-batches
 accumulate there in the main dtype; inside `DataParallel.no_sync()` they only accumulate, and the last
-micro-batch's backward starts the reductions.
+micro-batch's backward starts the reductions. The all-reduce sums in place; when the reduce dtype is not the
+main buffer's, each bucket travels as a wire copy, held (and counted in `grad_buckets`) until `finish()`.
 
 ZeRO-1, ZeRO-2 and the distributed optimizer (`ShardedGradBuckets`): the flat buffer's equal buckets, each a
 multiple of the shard count (`plan.sharding.bucket_layout`), each reduce-scattered so that every rank keeps
@@ -75,7 +76,7 @@ class GradBuckets:
         for buckets in self.buckets_of:
             for k in buckets:
                 self.missing[k] += 1
-        self.in_flight: dict[int, tuple[torch.Tensor, comm.PendingAllReduce]] = {}
+        self.in_flight: dict[int, tuple[torch.Tensor, comm.Pending, int]] = {}  # region, all-reduce, wire bytes
 
     def _add(self, index: int) -> None:
         part, at, p = self.spans[index]
@@ -94,7 +95,10 @@ class GradBuckets:
         part, start, end = self.bounds[k]
         region = part.main_grads[start:end]
         wire = region.to(self.dp.config.torch_reduce_dtype)  # the region itself when the dtypes agree
-        self.in_flight[k] = (region, comm.all_reduce_start(wire, part.group))
+        # all_reduce_start sums in place: only a wire copy is extra, held until `finish` waits for it.
+        nbytes = 0 if wire.data_ptr() == region.data_ptr() else wire.numel() * wire.element_size()
+        self.dp.transient.add("grad_buckets", nbytes)
+        self.in_flight[k] = (region, comm.all_reduce_start(wire, part.group), nbytes)
 
     def finish(self) -> None:
         """Launch what backward did not (buckets of unused parameters; all of them when deferred, after the tp
@@ -108,10 +112,12 @@ class GradBuckets:
             if k not in self.in_flight:
                 self._launch(k)
         for k in sorted(self.in_flight):
-            region, pending = self.in_flight[k]
+            region, pending, nbytes = self.in_flight.pop(k)
             summed = pending.wait()
             if summed.data_ptr() != region.data_ptr():
                 region.copy_(summed)
+            del pending, summed  # the wire copy goes with them
+            self.dp.transient.add("grad_buckets", -nbytes)
         self._reset()
 
 
@@ -178,7 +184,8 @@ class ShardedGradBuckets:
         else:
             wire = self._fill_wire(k, part, seg, dtype)
             extra = wire.numel()
-        nbytes = (extra + seg.shard_numel) * wire.element_size() if part.shards > 1 else 0  # wire copy, slice
+        slice_numel = seg.shard_numel if part.shards > 1 else 0  # over one rank the wire itself comes back
+        nbytes = (extra + slice_numel) * wire.element_size()
         self.dp.transient.add("grad_buckets", nbytes)
         self.in_flight.append((k, comm.reduce_scatter_start(wire, part.group), nbytes))
 

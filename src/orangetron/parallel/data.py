@@ -122,8 +122,11 @@ class DataParallel(nn.Module):
         self._params_stale = False
 
     def transient_peaks(self) -> dict[str, int]:
-        """Peak bytes, since the last `reset_transient_peaks()`, of ZeRO-3's gathered parameters and of the
-        gradient buckets in flight (wire buffer and reduced slice)."""
+        """Peak bytes, since the last `reset_transient_peaks()`, of ZeRO-3's gathered parameters
+        (`gathered_params`) and of the gradient reduction's buffers (`grad_buckets`): ZeRO-3's unit and the
+        sharded stages' bucket in flight (wire buffer, reduced slice), bucketed DDP's wire copies (held until
+        the step), and without buckets each flat buffer's temporary or wire copy with the collective's result
+        (`plan.memory.grad_bucket_bytes` predicts them)."""
         return dict(self.transient.peak)
 
     def reset_transient_peaks(self) -> None:
@@ -191,7 +194,7 @@ class DataParallel(nn.Module):
         if self.tp is not None:
             self.module.sync_grads()
         for part in self.parts:
-            part.reduce(self.group.size)  # the loss is the mean over dp x cp, experts included
+            part.reduce(self.group.size, self.transient)  # the loss is the mean over dp x cp, experts included
         self._grads_pending = False
 
     def owned_grads(self) -> torch.Tensor:

@@ -15,6 +15,7 @@ and ZeRO-2's gradients). For equal buckets the owned slices of a full buffer are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.parallel.config import ParallelConfig
 from orangetron.plan.sharding import bucket_layout, padded_numel, shard_numel
+
+if TYPE_CHECKING:
+    from orangetron.parallel.units import TransientPeaks
 
 
 @dataclass
@@ -154,8 +158,9 @@ class FlatPart:
         for seg in self.segments:
             self.gather_start(seg).wait()
 
-    def reduce(self, divisor: int) -> None:
-        """Sum the parameters' gradients over the group into `main_grads`, divided by `divisor`."""
+    def reduce(self, divisor: int, transient: TransientPeaks) -> None:
+        """Sum the parameters' gradients over the group into `main_grads`, divided by `divisor`; the buffers it
+        allocates on the way count in `transient`'s `grad_buckets` until they are freed here."""
         cfg = self.config
         # DDP and ZeRO-1 collect into the persistent full buffer; ZeRO-2/3 only into a temporary one.
         if cfg.zero_stage >= 2:
@@ -170,10 +175,18 @@ class FlatPart:
                 full[at:at + p.numel()].zero_()
             p.grad = None
         wire = full.to(cfg.torch_reduce_dtype)  # no copy when the dtypes already agree
+        # The temporary full buffer (ZeRO-2) or the wire copy, then the collective's result: all_reduce is out
+        # of place (a full buffer), reduce_scatter returns the slice; over a group of one neither allocates.
+        held = wire.numel() if wire.data_ptr() != self.main_grads.data_ptr() else 0
+        if self.group.size > 1:
+            held += self.padded_numel if self.shards == 1 else self.shard_numel
+        nbytes = held * wire.element_size()
+        transient.add("grad_buckets", nbytes)
         if self.shards == 1:
             self.main_grads.copy_(comm.all_reduce(wire, self.group))
         else:
             self.owned_grads().copy_(comm.reduce_scatter(wire, self.group))
+        transient.add("grad_buckets", -nbytes)
         self.owned_grads().div_(divisor)
 
     def owned_grads(self) -> torch.Tensor:

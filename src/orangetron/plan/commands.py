@@ -99,7 +99,7 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False) -> None:
                    help="fixed memory overhead per GPU: CUDA context, library workspaces, NCCL buffers (default: "
                         "1 GiB plus 0.5 GiB per communicator of the layout)")
     p.add_argument("--overhead-fraction", type=float, default=None,
-                   help="allocator fragmentation as a share of activations and ZeRO-3 buffers (default 0.15)")
+                   help="allocator fragmentation as a share of activations and transient buffers (default 0.15)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
 

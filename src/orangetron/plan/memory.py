@@ -192,24 +192,42 @@ def zero3_gather_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0)
 
 
 def grad_bucket_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
-    """The gradient reduce-scatter in flight at its peak; the runtime retires each before the next starts.
+    """The gradient reduction's transient buffers at their peak (reduce dtype throughout).
 
-    ZeRO-3: one unit's padded wire buffer (reduce dtype) and the slice it reduces to. ZeRO-2 with buckets: one
-    bucket's wire buffer and slice. ZeRO-1 and the distributed optimizer with buckets reduce a bucket of the
-    full main-gradient buffer where it lies, so only the slice, plus a wire copy when the reduce dtype is not
-    the main gradients' dtype. Without buckets the sharded stages reduce once after backward (not counted).
+    ZeRO-3: one unit's padded wire buffer and the slice it reduces to (each retired before the next starts).
+    ZeRO-2 with buckets: one bucket's wire buffer and slice. ZeRO-1 and the distributed optimizer with buckets
+    reduce a bucket of the full main-gradient buffer where it lies, so only the slice, plus a wire copy when the
+    reduce dtype is not the main gradients' dtype. Bucketed DDP all-reduces in place: only the wire copies
+    (when the dtypes differ) of every bucket, all in flight until the step, so the whole of every buffer.
+    Without buckets each flat buffer is reduced once after backward, one after another: ZeRO-2's temporary
+    full buffer, or the others' wire copy when the dtypes differ, plus the collective's result (all-reduce: a
+    full buffer, reduce-scatter: the slice; nothing over one rank).
     """
     segments = data_parallel_segments(model, deg, job, stage)
     if job.zero_stage == 3:
         return max(((padded_numel(numel, ranks) + shard_numel(numel, ranks)) * job.reduce_bytes
                     for _, ranks, numel in segments), default=0)
-    if job.bucket_numel <= 0 or not (job.zero_stage or job.distributed_optimizer):
-        return 0
     main_dtype = job.grad_dtype if job.mixed_precision else job.param_dtype
-    wire = job.zero_stage == 2 or (job.reduce_dtype or job.param_dtype) != main_dtype
-    # Buckets are multiples of their ranks: the wire holds a whole one, the slice 1/ranks of it.
-    return max((((numel if wire else 0) + numel // ranks) * job.reduce_bytes
-                for _, ranks, numel in segments if ranks > 1), default=0)
+    copies = (job.reduce_dtype or job.param_dtype) != main_dtype  # a wire copy of the main gradients
+    sharded = job.zero_stage >= 1 or job.distributed_optimizer
+    if job.bucket_numel <= 0:
+        return max((_unbucketed(numel, ranks, job.zero_stage == 2 or copies, sharded) * job.reduce_bytes
+                    for _, ranks, numel in segments), default=0)
+    if not sharded:
+        return sum(numel for _, _, numel in segments) * job.reduce_bytes if copies else 0
+    wire = job.zero_stage == 2 or copies
+    # Buckets are multiples of their ranks: the wire holds a whole one, the slice 1/ranks of it (none over one
+    # rank, where the buffer is one bucket and the wire comes back as the result).
+    return max((((numel if wire else 0) + (numel // ranks if ranks > 1 else 0)) * job.reduce_bytes
+                for _, ranks, numel in segments), default=0)
+
+
+def _unbucketed(numel: int, ranks: int, wire: bool, sharded: bool) -> int:
+    """Elements a whole flat buffer's reduction holds at once: its wire buffer (when not reduced where it
+    lies) and the collective's result."""
+    n = ranks if sharded else 1
+    result = 0 if ranks == 1 else shard_numel(numel, n) if sharded else numel
+    return (padded_numel(numel, n) if wire else 0) + result
 
 
 def memory_per_gpu(model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:

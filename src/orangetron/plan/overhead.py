@@ -10,7 +10,8 @@ holds memory no tensor owns:
   adds its multicast buffers): we count `context_gib` once and `per_group_gib` per mesh group of more
   than one rank, since every such group is its own communicator;
 - proportional: the caching allocator's reserved-but-unused blocks (fragmentation), which grow with the
-  memory that is allocated and freed every step: activations and ZeRO-3's gathered layers. Model states
+  memory that is allocated and freed every step: activations and the transient buffers (ZeRO-3's gathered
+  layers, the gradient reduction's wire buffers and results). Model states
   live in long-lived buffers and fragment little, so they are left out of the base.
 
 The constants are set from those public sizes, not fitted to any run; `--overhead-gib` and
@@ -35,7 +36,7 @@ class MemoryOverhead:
 
     context_gib: float = 1.0  # CUDA context, library kernels, cuBLAS workspace
     per_group_gib: float = 0.5  # one NCCL communicator's buffers
-    fraction: float = 0.15  # allocator fragmentation, share of activations and ZeRO-3 buffers
+    fraction: float = 0.15  # allocator fragmentation, share of activations and transient buffers
 
     def __post_init__(self) -> None:
         for name in ("context_gib", "per_group_gib", "fraction"):
