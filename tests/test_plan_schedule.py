@@ -70,3 +70,16 @@ def test_schedule_command(capsys, tmp_path):
     assert main(["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved",
                  "--virtual-stages", "2"]) == 2
     assert "microbatches=6" in capsys.readouterr().err
+
+
+def test_interleaved_peak_walks_the_same_actions_for_any_number_of_micro_batches() -> None:
+    """The activation peak walks a prefix taken from a shorter schedule; it must be the long schedule's own."""
+    from orangetron.plan.activations import _interleaved_prefix
+
+    for pp in (2, 3, 4):
+        for v in (2, 3):
+            length = 16 * pp * v
+            for m in range(pp, 40 * pp + 1, pp):
+                full = actions(pp, m, "interleaved", v)
+                for stage in range(pp):
+                    assert list(_interleaved_prefix(pp, m, v, stage)) == full[stage][:length], (pp, v, m, stage)

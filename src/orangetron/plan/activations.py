@@ -242,13 +242,26 @@ def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: tuple[int, ...]) 
     return sum(layer_activation_bytes(m, deg, job, m.is_moe_layer(i)) for i in layers)
 
 
+def _interleaved_prefix(p: int, microbatches: int, v: int, stage: int) -> tuple:
+    """The first 16*p*v actions of `stage` in the interleaved schedule the runtime executes. Action k of the list
+    does not depend on the micro-batch count once the warmup and 16*p*v more fit, so a long run's prefix is
+    taken from a shorter one (a search prices thousands of micro-batches per configuration)."""
+    enough = p * math.ceil((2 * p + v * p + 16 * p * v) / (v * p))  # warmup <= 2(p-1) + (v-1)p forwards
+    return _interleaved_prefixes(p, min(microbatches, enough), v)[stage]
+
+
+@lru_cache(maxsize=1024)
+def _interleaved_prefixes(p: int, microbatches: int, v: int) -> tuple:
+    from orangetron.plan.schedule import actions
+
+    return tuple(tuple(rank[:16 * p * v]) for rank in actions(p, microbatches, "interleaved", v))
+
+
 def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: LayerShape) -> int:
     """Peak bytes of an interleaved stage, walking its action list: every (chunk, micro-batch) between its
     forward and its backward holds its layers and RoPE tables (and under SP its mask copy); a micro-batch's
     token ids stay while chunk 0 holds it, its padding mask while any chunk with MoE layers does, and the
     output layer's buffers while the last chunk does."""
-    from orangetron.plan.schedule import actions  # the schedule the runtime executes
-
     p, v, mbs = deg.pp, job.virtual_stages, job.microbatches(deg)
     sb, h = x.s * x.b, m.hidden_size
     chunk_layers = [stage_layers(m.num_layers, p * v, 1, stage + c * p) for c in range(v)]
@@ -264,7 +277,7 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     live, peak, masks = 0, 0, [0] * mbs  # masks[i]: chunks with MoE layers holding micro-batch i
     # After the warmup the list repeats every p*v forwards with micro-batches p further on, so what is held
     # repeats too: the peak lies within the warmup and a few periods (m can be thousands in a search).
-    for act in actions(p, mbs, "interleaved", v)[stage][: 16 * p * v]:
+    for act in _interleaved_prefix(p, mbs, v, stage):
         sign = 1 if act.kind == "F" else -1
         c, i = act.chunk, act.microbatch
         live += sign * (per_chunk[c] + (first if c == 0 else 0) + (last if c == v - 1 else 0))

@@ -62,6 +62,7 @@ def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: i
     return StageParams(dense, expert)
 
 
+@lru_cache(maxsize=65536)
 def _layer_params(model: ModelSpec, t: int, ep: int, etp: int, i: int) -> StageParams:
     # Norm weights and the router are replicated across tp; everything else is split, except kv heads
     # fewer than tp, of which each rank keeps one.
