@@ -14,14 +14,11 @@ import json
 import statistics
 import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
-from orangetron import comm
+from orangetron import comm, memory
 from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
@@ -35,28 +32,9 @@ RANKS, REPEATS = 4, 3
 
 def _peak_bytes(fn) -> int:
     """Peak bytes allocated while `fn()` runs, above what was live before: torch's plus Python's."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        tracemalloc.start()
-        try:
-            fn()
-        finally:
-            python_peak = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
-    events = []
-
-    def walk(event) -> None:
-        if event.typed[0] == _EventType.Allocation:
-            events.append((event.start_time_ns, event.typed[1].alloc_size))
-        for child in event.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    live = torch_peak = 0
-    for _, size in sorted(events):
-        live += size
-        torch_peak = max(torch_peak, live)
-    return torch_peak + python_peak
+    with memory.peak_allocations() as peak:
+        fn()
+    return peak.total
 
 
 def _rank(folder: str) -> dict[str, list[float]]:

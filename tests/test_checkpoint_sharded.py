@@ -11,17 +11,12 @@ whole tensors are known from the plain model too.
 from __future__ import annotations
 
 import math
-import tracemalloc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
-from orangetron import comm
+from orangetron import comm, memory
 from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer, model_preset
@@ -163,50 +158,12 @@ def _reshard_cycle(folder: Path, layouts: list, dtype: str, reference: dict) -> 
     return out
 
 
-class Peak:
-    """Peak bytes allocated inside the block above what was live before it: torch's allocations (the
-    profiler's allocation events) plus Python's (tracemalloc)."""
-
-    torch_bytes = 0
-    python_bytes = 0
-
-    @property
-    def total(self) -> int:
-        return self.torch_bytes + self.python_bytes
-
-
-@contextmanager
-def peak_allocations() -> Iterator[Peak]:
-    peak = Peak()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        tracemalloc.start()  # inside: the profiler's own Python records are not the block's
-        try:
-            yield peak
-        finally:
-            peak.python_bytes = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
-    events = []
-
-    def walk(event) -> None:
-        if event.typed[0] == _EventType.Allocation:
-            events.append((event.start_time_ns, event.typed[1].alloc_size))
-        for child in event.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    live = 0
-    for _, size in sorted(events):
-        live += size
-        peak.torch_bytes = max(peak.torch_bytes, live)
-
-
 def _saving_peaks(folder: Path) -> dict[str, int]:
     """dp=4 ZeRO-3: peak bytes while saving a sharded checkpoint, and while gathering the whole state."""
     dp, opt = _build(Layout(dp=4), dict(zero_stage=3), seed=0, cfg=BIG)
-    with peak_allocations() as sharded:
+    with memory.peak_allocations() as sharded:
         _save(dp, opt, folder / "big")
-    with comm.unmeasured(), peak_allocations() as gathered:
+    with comm.unmeasured(), memory.peak_allocations() as gathered:
         dp.full_state(opt)
     return {"sharded": sharded.total, "sharded_torch": sharded.torch_bytes, "gathered": gathered.total}
 

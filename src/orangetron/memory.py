@@ -6,6 +6,7 @@ a flat gradient buffer) are counted once.
 
 from __future__ import annotations
 
+import tracemalloc
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -249,3 +250,45 @@ def _is_plain_object(value: Any) -> bool:
     module = type(value).__module__ or ""
     return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
             and not callable(value) and not module.startswith("torch"))
+
+
+class AllocationPeak:
+    """Peak bytes allocated inside the block above what was live before it: torch's allocations (the
+    profiler's allocation events) plus Python's (tracemalloc)."""
+
+    torch_bytes = 0
+    python_bytes = 0
+
+    @property
+    def total(self) -> int:
+        return self.torch_bytes + self.python_bytes
+
+
+@contextmanager
+def peak_allocations() -> Iterator[AllocationPeak]:
+    """Measure the peak bytes the block allocates (torch's and Python's); read the result after the block."""
+    from torch._C._profiler import _EventType  # the profiler loads only where a peak is measured
+    from torch.profiler import ProfilerActivity, profile
+
+    peak = AllocationPeak()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        tracemalloc.start()  # inside: the profiler's own Python records are not the block's
+        try:
+            yield peak
+        finally:
+            peak.python_bytes = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+    events = []
+
+    def walk(event) -> None:
+        if event.typed[0] == _EventType.Allocation:
+            events.append((event.start_time_ns, event.typed[1].alloc_size))
+        for child in event.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    live = 0
+    for _, size in sorted(events):
+        live += size
+        peak.torch_bytes = max(peak.torch_bytes, live)
