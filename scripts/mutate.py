@@ -285,8 +285,8 @@ MUTANTS = [
            (("    tensors = _tensors(setup)\n",
              "    tensors = {key: value for key, value in _tensors(setup).items() if key != \"buffers\"}\n"),),
            ("tests/test_router_options.py::test_the_trainer_moves_the_bias_and_a_resumed_run_restores_it",)),
-    Mutant("shown_loss_is_rank_zeros_share", "src/orangetron/train/trainer.py",
-           (("            loss = _global_batch_loss(dp, loss)\n", ""),),
+    Mutant("shown_loss_is_rank_zeros_share", "src/orangetron/train/step.py",
+           (("    return loss, float(grad_norm), mem\n", "    return float(lm_loss), float(grad_norm), mem\n"),),
            ("tests/test_train_outputs.py::test_every_layout_shows_the_global_batch_loss",)),
     Mutant("config_file_overrides_the_command_line", "src/orangetron/cli.py",
            (("    return parser.parse_args(argv)\n\n\nif", "    parser.parse_args(argv)\n    for dest, value in "
@@ -330,10 +330,10 @@ MUTANTS = [
            ("tests/test_data_parallel.py::test_reduction_buffers_count_in_grad_buckets_when_dtypes_differ_and_unbucketed",)),
     # ---- faults --------------------------------------------------------------------------------------------
     Mutant("nan_checked_after_the_update", "src/orangetron/train/step.py",
-           (("    _stop_unless_finite(lm_loss, grad_norm)\n    faults.enter(\"optimizer step\")\n"
+           (("    loss = _global_loss_unless_diverged(lm_loss, grad_norm)\n    faults.enter(\"optimizer step\")\n"
              "    optimizer.step()\n",
              "    faults.enter(\"optimizer step\")\n    optimizer.step()\n"
-             "    _stop_unless_finite(lm_loss, grad_norm)\n"),),
+             "    loss = _global_loss_unless_diverged(lm_loss, grad_norm)\n"),),
            ("tests/test_faults.py::test_non_finite_step_stops_before_the_update",)),
     Mutant("nan_decided_on_the_local_loss", "src/orangetron/train/step.py",
            (("comm.all_reduce(verdict, comm.world_group()).tolist()", "verdict.tolist()"),),

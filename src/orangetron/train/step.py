@@ -129,6 +129,7 @@ def train_step(
     rank or the global gradient norm is not finite, on every rank alike. The memory dict is empty unless
     `measure`; then it holds the model state after the update (params, grads, main_params, optimizer) and
     the peak of activations saved for backward.
+    The loss is the whole batch's (see `_global_loss_unless_diverged`).
     `on_grads(dp)` sees the averaged gradients before clipping (`orangetron verify` reads them there).
     """
     with memory.track_activations(dp.module) if measure else nullcontext() as meter:
@@ -139,7 +140,7 @@ def train_step(
     optimizer.lr = lr
     faults.enter("gradient reduction")
     grad_norm = optimizer.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
-    _stop_unless_finite(lm_loss, grad_norm)
+    loss = _global_loss_unless_diverged(lm_loss, grad_norm)
     faults.enter("optimizer step")
     optimizer.step()
     update_router_bias(dp.module, dp.mesh, dp.config.sequence_parallel)
@@ -149,14 +150,17 @@ def train_step(
         mem = {**{k: state[k] for k in ("params", "grads", "main_params", "optimizer")},
                "activations_peak": meter.peak_bytes}
     optimizer.zero_grad()
-    return float(lm_loss), float(grad_norm), mem
+    return loss, float(grad_norm), mem
 
 
-def _stop_unless_finite(lm_loss: float, grad_norm: torch.Tensor) -> None:
-    """Raise TrainingDiverged on every rank when any rank's loss or the gradient norm is not finite.
+def _global_loss_unless_diverged(lm_loss: float, grad_norm: torch.Tensor) -> float:
+    """The whole batch's loss, the same on every rank; TrainingDiverged on every rank when any rank's loss or
+    the gradient norm is not finite.
 
-    Each rank's loss covers its share of the batch, so one sum over every rank decides for all of them: a
-    non-finite term makes the sum non-finite. The gradient norm is global already; it rides along.
+    Each rank's loss is the mean over its share of the batch, weighted so that the data- and context-parallel
+    ranks' mean is the batch's; tensor-parallel ranks and pipeline stages hold copies of their group's, so
+    the mean over every rank is the batch's too. One sum over every rank also decides divergence for all of
+    them: a non-finite term makes it non-finite. The gradient norm is global already; it rides along.
     """
     verdict = torch.tensor([lm_loss, float(grad_norm)], dtype=torch.float64)
     with comm.unmeasured():  # a check, not training traffic
@@ -165,3 +169,4 @@ def _stop_unless_finite(lm_loss: float, grad_norm: torch.Tensor) -> None:
         raise TrainingDiverged(f"loss is {loss_sum}")
     if not math.isfinite(norm_sum):
         raise TrainingDiverged(f"gradient norm is {norm_sum}")
+    return loss_sum / comm.world_group().size

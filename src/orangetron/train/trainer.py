@@ -221,7 +221,6 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
                 kept = "; the run folder keeps the checkpoints of earlier steps" if cfg.out is not None else ""
                 raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{kept}") from None
             seconds = time.perf_counter() - t0  # evaluation below is not training throughput
-            loss = _global_batch_loss(dp, loss)
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
             if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
@@ -253,16 +252,6 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "time_s": time.perf_counter() - run.started,
     }
 
-
-
-def _global_batch_loss(dp: DataParallel, loss: float) -> float:
-    """The step's loss over the whole batch: each data- and context-parallel rank holds the mean over its share
-    (weighted so that the ranks' mean is the batch's), and every layout reports the same number."""
-    if dp.group.size == 1:
-        return loss
-    with comm.unmeasured():  # a report, not training traffic
-        total = comm.all_reduce(torch.tensor([loss], dtype=torch.float64), dp.group)
-    return float(total[0]) / dp.group.size
 
 
 def _model_parameters(cfg: TrainConfig) -> int:
