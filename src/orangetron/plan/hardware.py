@@ -19,7 +19,7 @@ class GPUSpec:
     sms: int
     bf16_tflops: float  # dense tensor-core peak
     fp32_tflops: float  # non-tensor FP32 peak
-    memory_gib: float
+    memory_gib: float  # device total as nvidia-smi (rocm-smi) reports it, in GiB
     memory_bw_gbs: float
     intra_node: str  # "nvswitch" | "nvlink" | "pcie"
     intra_bw_gbs: float
