@@ -267,3 +267,68 @@ def test_model_states_within_10_percent_of_zero_table_1(params, dp):
         job = Job(seq_len=1024, zero_stage=stage, param_dtype="float16", grad_dtype="float16")
         got = sum(model_state_bytes(StageParams(int(params), 0), Degrees(dp=dp), job).values()) / 1e9
         assert got == pytest.approx(published, rel=0.10), stage
+
+
+# Megatron-LM's CI runs (NVIDIA/Megatron-LM, tests/functional_tests/test_cases/gpt/<case>/model_config.yaml and
+# golden_values_*.json): one node of 8 GPUs, 12 layers, hidden 512, 8 heads, ffn 2048, GeLU, learned positions
+# (1024), tied embeddings, GPT-2 vocabulary 50257 padded to a multiple of 128 x tp, seq 1024, micro-batch 4,
+# global batch 32, bf16 with fp32 main gradients (Megatron forces them for bf16), Adam, dropout 0.1 unless set.
+# `mem-max-allocated-bytes` is torch.cuda's allocated peak (no context, no cached-but-free blocks) on the last
+# rank (the tensorboard writer's), i.e. the last pipeline stage; the value after step 1, once Adam's moments exist.
+# Megatron differs from the runtime the planner prices in three ways, each read from its code, added here:
+# - its vocab-parallel cross entropy upcasts the logits to a new fp32 tensor it keeps for backward (the planner's
+#   4 bytes per logit) while the bf16 logits are still alive at the end of forward: +2 bytes per logit;
+# - it reduces gradients in place in its contiguous buffer: no `grad_buckets`;
+# - cuBLAS workspaces come from the caching allocator: PyTorch's (aten/src/ATen/cuda/CublasHandlePool.cpp: 32 MiB
+#   on Hopper, else CUBLAS_WORKSPACE_CONFIG, ":4096:8" = 32 MiB in every case that sets it, or 8 MiB + 128 KiB)
+#   and Transformer Engine's (`get_cublas_workspace_size_bytes`: 4 MiB before Hopper, 32 MiB on Hopper). The A100
+#   and H100 golden values of the same case differ by exactly 28 MiB, TE's difference.
+@dataclass(frozen=True)
+class MegatronMemory:
+    case: str
+    gpu: str
+    deg: Degrees
+    job: Job
+    dropout: float
+    te: bool  # --transformer-impl transformer_engine (else local: no TE workspace)
+    cublas_config: bool  # CUBLAS_WORKSPACE_CONFIG=:4096:8 in ENV_VARS
+    max_allocated: int
+
+
+_MCORE = dict(seq_len=1024, micro_batch=4, global_batch=32)
+MEGATRON_CI = [
+    MegatronMemory("gpt3_mr_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files (golden_values_dev_dgx_a100)",
+                   "a100-80gb", Degrees(dp=8), Job(**_MCORE, distributed_optimizer=True, attention_kernel="eager"),
+                   0.1, True, True, 4_673_069_568),
+    MegatronMemory("gpt3_mr_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files (golden_values_dev_dgx_h100)",
+                   "h100", Degrees(dp=8), Job(**_MCORE, distributed_optimizer=True, attention_kernel="eager"),
+                   0.1, True, True, 4_702_429_696),
+    MegatronMemory("gpt3_mr_mcore_te_tp1_pp1_uniform_full_recompute (golden_values_dev_dgx_a100)", "a100-80gb",
+                   Degrees(dp=8), Job(**_MCORE, recompute="full"), 0.1, True, True, 2_534_070_272),
+    MegatronMemory("gpt3_mcore_te_tp2_pp2 (golden_values_dev_dgx_a100)", "a100-80gb", Degrees(tp=2, pp=2, dp=2),
+                   Job(**_MCORE, attention_kernel="eager"), 0.1, True, True, 1_900_158_464),
+    MegatronMemory("gpt3_mr_mcore_te_tp2_pp2_cp2 (golden_values_dev_dgx_h100)", "h100",
+                   Degrees(tp=2, pp=2, cp=2), Job(**_MCORE, sequence_parallel=True), 0.0, True, False, 934_204_928),
+    MegatronMemory("gpt3_345m_nightly_dgx_a100_1N8G_mcore_tp1_pp2 (golden_values_dev_dgx_h100)", "h100",
+                   Degrees(pp=2, dp=4), Job(**_MCORE, attention_kernel="eager"), 0.1, False, True, 3_637_371_904),
+]
+
+
+def megatron_peak(run: MegatronMemory) -> int:
+    """The planner's last-stage bytes with Megatron's three implementation differences."""
+    from orangetron.plan.memory import stage_memory
+
+    tp, cp = run.deg.tp, run.deg.cp
+    vocab = -(-50257 // (128 * tp)) * 128 * tp
+    model = gpt(8, 512, 12, vocab=vocab, dropout=run.dropout, positions=1024)
+    planned = stage_memory(model, run.deg, run.job, run.deg.pp - 1)
+    logits = run.job.micro_batch * (run.job.seq_len // cp) * (vocab // tp)
+    mib, hopper = 1024**2, run.gpu == "h100"
+    torch_workspace = 32 * mib if hopper or run.cublas_config else 8 * mib + 128 * 1024
+    te_workspace = (32 if hopper else 4) * mib if run.te else 0
+    return planned["total"] - planned["grad_buckets"] + 2 * logits + torch_workspace + te_workspace
+
+
+@pytest.mark.parametrize("run", MEGATRON_CI, ids=[r.case.split(" ")[0] + "-" + r.gpu for r in MEGATRON_CI])
+def test_peak_memory_within_10_percent_of_megatron_ci(run):
+    assert megatron_peak(run) == pytest.approx(run.max_allocated, rel=0.10)
