@@ -80,6 +80,13 @@ def _sc21(name, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Run:
                Degrees(tp=tp, pp=pp, dp=gpus // (tp * pp)), job, "tflops", tflops, ("micro_batch", "virtual_stages"))
 
 
+def _mcore_buckets(dp_cp: int) -> int:
+    """Megatron-Core's gradient buckets under overlapped reduction (DistributedDataParallelConfig.bucket_size
+    default: max(40M, 1M x dp) parameters), as NeMo and Megatron-Bridge run it; unbucketed, the reduction would
+    hold a second copy of every gradient that Megatron never allocates."""
+    return max(40_000_000, 1_000_000 * dp_cp)
+
+
 _LLAMA2_7B = ModelSpec(name="llama2-7b", hidden_size=4096, num_layers=32, num_heads=32, vocab_size=32000,
                        ffn_hidden_size=11008, mlp="swiglu")
 
@@ -87,7 +94,7 @@ _LLAMA2_7B = ModelSpec(name="llama2-7b", hidden_size=4096, num_layers=32, num_he
 def _nemo_long(k: int, tp: int, pp: int, dp: int, cp: int, tflops: float) -> Run:
     seq = k * 1024
     job = Job(seq_len=seq, global_batch=max(dp, 4 * 1024 * 1024 // seq), sequence_parallel=tp > 1, fp8=True,
-              distributed_optimizer=True, attention_kernel="flash2")
+              distributed_optimizer=True, attention_kernel="flash2", bucket_numel=_mcore_buckets(dp * cp))
     return Run(f"NeMo LLAMA2-7B {k}K", "long" if cp > 1 else "size", _LLAMA2_7B, "h100",
                Degrees(tp=tp, pp=pp, dp=dp, cp=cp), job, "model_tflops", tflops, ("recompute",))
 
@@ -147,8 +154,10 @@ _LLAMA2_70B = ModelSpec(name="llama2-70b", hidden_size=8192, num_layers=80, num_
 
 
 def _nemo_2407(name, model, gpus, batch, mb, seq, tp, pp, cp, vp, tokens) -> Run:
+    dp_cp = gpus // (tp * pp)
     job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, sequence_parallel=tp > 1, fp8=True,
-              distributed_optimizer=True, virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b")
+              distributed_optimizer=True, virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b",
+              bucket_numel=_mcore_buckets(dp_cp))
     return Run(f"NeMo 24.07 {name}", "check", model, "h100", Degrees(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp)),
                job, "tokens", tokens, ("recompute",))
 
@@ -171,7 +180,8 @@ NEMO_2407 = [
 # routing, as `busiest_share` assumes). GB200 jobs of 256 GPUs are placed 64 per NVL72 rack.
 def _bridge(name, preset, gpu, gpus, fp8, batch, mb, seq, pp, vp, ep, tokens, per_node=0) -> Run:
     job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, fp8=fp8, distributed_optimizer=True,
-              virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b")
+              virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b",
+              bucket_numel=_mcore_buckets(gpus // pp))
     return Run(f"Megatron-Bridge 25.11 {name}", "check", load_model(preset), gpu,
                Degrees(pp=pp, dp=gpus // pp, ep=ep), job, "tokens", tokens, ("recompute",), per_node)
 
