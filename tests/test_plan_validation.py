@@ -17,7 +17,9 @@ Sources (each run's numbers are quoted from its paper; metrics use the paper's o
   recomputation).
 - Black et al. 2022, "GPT-NeoX-20B" (arXiv:2204.06745): 96 A100 40GB, tp 2, pp 4, dp 12, micro-batch 4,
   about 3.15M tokens per batch (1538 sequences; 1536 here, the nearest multiple of dp x micro-batch),
-  117 teraFLOP/s per GPU.
+  117 teraFLOP/s per GPU counted as GPT-NeoX logged it then (megatron/training.py `get_flops`: 6 x parameters
+  + 60 x seq x hidden x layers per token, no recomputation term), which the paper's 1830 hours of training
+  for 150,000 such steps confirm; compared as tokens/s per GPU.
 - DeepSeek-AI 2024, DeepSeek-V2 (arXiv:2405.04434) section 3.2: 172.8K H800 GPU hours per trillion tokens
   (1607.5 tokens/s per GPU), pp 16, ep 8, ZeRO-1 data parallel, seq 4096, batch 2304 sequences. The cluster
   size is not published; 1024 GPUs assumed.
@@ -99,6 +101,12 @@ def _nemo_long(k: int, tp: int, pp: int, dp: int, cp: int, tflops: float) -> Run
                Degrees(tp=tp, pp=pp, dp=dp, cp=cp), job, "model_tflops", tflops, ("recompute",))
 
 
+def _neox_tokens_per_s(tflops: float) -> float:
+    """GPT-NeoX-20B's published TFLOP/s per GPU as tokens/s per GPU, in the count GPT-NeoX logged in 2022."""
+    per_token = 6 * 20_556_201_984 + 60 * 2048 * 6144 * 44  # parameters from the released model card
+    return tflops * 1e12 / per_token
+
+
 _MTNLG = gpt(128, 20480, 105)
 _MTNLG_JOB = Job(seq_len=2048, global_batch=1920, recompute="full", attention_kernel="eager")
 
@@ -126,7 +134,7 @@ RUNS = [
     Run("GPT-NeoX 20B, 96 GPUs", "size", gpt(64, 6144, 44, vocab=50432, dropout=0.0, positions=0, tied=False),
         "a100-40gb", Degrees(tp=2, pp=4, dp=12),
         Job(seq_len=2048, global_batch=1536, micro_batch=4, recompute="full", attention_kernel="eager",
-            zero_stage=1), "tflops", 117),
+            zero_stage=1), "tokens", _neox_tokens_per_s(117)),
     Run("DeepSeek-V2, 1024 GPUs", "moe", load_model("deepseek-v2"), "h800", Degrees(pp=16, dp=64, ep=8),
         Job(seq_len=4096, global_batch=2304, zero_stage=1, overlap_ep=False), "tokens", 1e12 / (172.8e3 * 3600)),
     Run("DeepSeek-V3, 2048 GPUs", "precision", load_model("deepseek-v3"), "h800", Degrees(pp=16, dp=128, ep=64),
