@@ -168,6 +168,26 @@ def test_estimate_fp8_prices_fp8_gemms_and_weight_copies(capsys):
     assert "no FP8 tensor cores" in capsys.readouterr().err
 
 
+def test_fp8_recipe_flag_in_estimate_and_plan(capsys):
+    argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--sequence-parallel", "--seq", "8192",
+            "--json", "--fp8"]
+    assert run(argv) == 0
+    delayed = last_json(capsys)
+    assert run([*argv, "--fp8-recipe", "blockwise"]) == 0
+    blockwise = last_json(capsys)
+    assert delayed["job"]["fp8_recipe"] == "delayed" and blockwise["job"]["fp8_recipe"] == "blockwise"
+    # Delayed scaling keeps 32 layers x 4 GEMMs x 3 operands x (2 + 1024) fp32 values; blockwise one fp32 per
+    # 128 x 128 block of both weight copies.
+    copies = delayed["memory_bytes"]["fp8"] - 32 * 4 * 3 * 1026 * 4
+    assert blockwise["memory_bytes"]["fp8"] == copies + 2 * 4 * -(-(copies // 2) // (128 * 128))
+    assert blockwise["memory_bytes"]["activations"] > delayed["memory_bytes"]["activations"]
+    assert run(argv[:-1] + ["--fp8-recipe", "blockwise"]) == 2
+    assert "needs fp8=True" in capsys.readouterr().err
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "64", "--fp8",
+                "--fp8-recipe", "blockwise", "--top", "2", "--json"]) == 0
+    assert all(e["job"]["fp8_recipe"] == "blockwise" for e in last_json(capsys)["ranked"])
+
+
 def test_estimate_expert_tensor_parallel_flag(capsys):
     argv = ["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "8", "--sequence-parallel",
             "--seq", "4096", "--json"]

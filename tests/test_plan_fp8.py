@@ -25,3 +25,35 @@ def test_fp8_off_adds_nothing():
     assert with_fp8(memory, tiny(), Degrees(), Job(seq_len=64)) is memory
     out = with_fp8(memory, tiny(), Degrees(), Job(seq_len=64, fp8=True))
     assert out["total"] == 10 + out["fp8"]
+
+
+def test_blockwise_weight_scales_by_hand():
+    # The same 88640 FP8-cast parameters; one fp32 scale per 128 x 128 block of each of the two copies
+    # (ceil(88640 / 16384) = 6 blocks), and no amax history.
+    linear_like = 82176 + 64 + 6400
+    job = Job(seq_len=64, fp8=True, fp8_recipe="blockwise")
+    assert fp8_memory_bytes(tiny(), Degrees(), job) == 2 * linear_like + 2 * 4 * 6
+
+
+def test_blockwise_activation_tile_scales_by_hand():
+    from orangetron.plan.activations import layer_activation_bytes
+
+    # One fp32 scale per 128 elements of each saved FP8 GEMM input: QKV input 64 x 64, output-projection input
+    # 64 x (4 heads x 16), up/gate input 64 x 64, down input 64 x 128 -> 20480 elements, 640 bytes.
+    delayed = layer_activation_bytes(tiny(), Degrees(), Job(seq_len=64, fp8=True), moe=False)
+    blockwise = layer_activation_bytes(tiny(), Degrees(), Job(seq_len=64, fp8=True, fp8_recipe="blockwise"), moe=False)
+    assert blockwise - delayed == 640
+    # Under tp = 2 with SP every saved input halves, and so do its scales.
+    deg, sp = Degrees(tp=2), dict(seq_len=64, fp8=True, sequence_parallel=True)
+    half = (layer_activation_bytes(tiny(), deg, Job(**sp, fp8_recipe="blockwise"), moe=False)
+            - layer_activation_bytes(tiny(), deg, Job(**sp), moe=False))
+    assert half == 320
+
+
+def test_blockwise_recipe_needs_fp8():
+    import pytest
+
+    with pytest.raises(ValueError, match="fp8_recipe='blockwise' needs fp8=True"):
+        Job(seq_len=64, fp8_recipe="blockwise")
+    with pytest.raises(ValueError, match="fp8_recipe='mxfp8'"):
+        Job(seq_len=64, fp8=True, fp8_recipe="mxfp8")

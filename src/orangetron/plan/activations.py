@@ -9,7 +9,8 @@ SwiGLU, MoE, context parallelism (the local sequence s/cp) and flash attention (
 attention output and its log-sum-exp). Pipeline in-flight counts follow the paper's section 4.2.3.
 Under FP8 (`Job.fp8`, Transformer Engine's recipe) every linear layer saves the FP8 cast of its input that its
 GEMM read (1 byte: the QKV, output-projection, up and down inputs), while norms, Q/K/V, gate/up and the fused
-attention kernel's own output stay 16-bit.
+attention kernel's own output stay 16-bit; the blockwise recipe adds one fp32 scale per 1 x 128 tile of each
+such input (1/32 byte per element).
 
 For Llama-style models (SwiGLU, RMSNorm, RoPE: orangetron's reference model) the count is exact: it is
 what `orangetron.model.Transformer` keeps for backward, as `orangetron.memory.track_activations` measures
@@ -44,6 +45,7 @@ class LayerShape:
     sp: bool
     a: int  # bytes per activation element (the param dtype)
     g: int = 0  # bytes per element of a saved GEMM input: 1 under FP8 (the cast the GEMM read), else `a`
+    tiled: bool = False  # blockwise FP8: each saved GEMM input also keeps one fp32 scale per 128 elements
 
     def __post_init__(self) -> None:
         if not self.g:
@@ -59,10 +61,15 @@ class LayerShape:
         """Divisor of the pieces TP alone leaves replicated (norms, block inputs, dropout masks)."""
         return self.t if self.sp else 1
 
+    def tile_scales(self, elements: int) -> int:
+        """Bytes of the fp32 tile scales a saved FP8 GEMM input of `elements` keeps (blockwise recipe)."""
+        return 4 * elements // 128 if self.tiled else 0
+
 
 def layer_shape(deg: Degrees, job: Job) -> LayerShape:
     return LayerShape(job.seq_len // deg.cp, job.seq_len, job.micro_batch, deg.tp,
-                      job.sequence_parallel and deg.tp > 1, job.param_bytes, 1 if job.fp8 else job.param_bytes)
+                      job.sequence_parallel and deg.tp > 1, job.param_bytes, 1 if job.fp8 else job.param_bytes,
+                      job.fp8 and job.fp8_recipe == "blockwise")
 
 
 def _heads(n: int, t: int) -> int:
@@ -79,10 +86,10 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     """Attention block (its input norm excluded): QKV input, Q, K, V, output, masks, optional scores."""
     sb, h, a = x.s * x.b, m.hidden_size, x.a
     heads, kv = _heads(m.num_heads, x.t), _heads(m.kv_heads, x.t)
-    total = x.g * sb * h // x.rep  # QKV projection input
+    total = x.g * sb * h // x.rep + x.tile_scales(sb * h // x.rep)  # QKV projection input
     total += a * sb * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)  # Q, K, V
     out = sb * heads * m.v_dim
-    total += x.g * out  # attention output = output-projection input
+    total += x.g * out + x.tile_scales(out)  # attention output = output-projection input
     if x.g < a and job.attention_kernel != "eager":
         total += a * out  # under FP8 the fused kernel keeps its 16-bit output besides the projection's FP8 copy
     if m.dropout:
@@ -112,8 +119,9 @@ def mlp_bytes(m: ModelSpec, x: LayerShape, ffn: int, tokens: int | None = None, 
     rows = x.s * x.b if tokens is None else tokens
     f = ffn // (x.t if split is None else split)
     inp = x.g * rows * m.hidden_size // (x.rep if shard_h else 1)
+    inp += x.tile_scales(rows * m.hidden_size // (x.rep if shard_h else 1))
     # Gate and up (16-bit) and their product (the down projection's input), or fc1's output and the GeLU output.
-    hidden = ((2 if m.mlp == "swiglu" else 1) * x.a + x.g) * rows * f
+    hidden = ((2 if m.mlp == "swiglu" else 1) * x.a + x.g) * rows * f + x.tile_scales(rows * f)
     return inp + hidden
 
 

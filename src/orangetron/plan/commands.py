@@ -17,6 +17,7 @@ from orangetron.plan.config import (
     CP_MODES,
     DISPATCHERS,
     DTYPE_BYTES,
+    FP8_RECIPES,
     RECOMPUTE,
     SCHEDULES,
     Degrees,
@@ -94,7 +95,10 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False) -> None:
     p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="flash",
                    help="flash: the GPU's best fused kernel; flash2: FlashAttention-2; eager: stored scores")
     p.add_argument("--fp8", action="store_true",
-                   help="FP8 linear layers (per-tensor scales): FP8 GEMM peak, FP8 weight copies and scale tensors")
+                   help="FP8 linear layers: FP8 GEMM peak, FP8 weight copies and scale tensors")
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+                   help="with --fp8: delayed (per-tensor scales from an amax history, Transformer Engine) or "
+                        "blockwise (1x128 activation tiles, 128x128 weight blocks, DeepSeek-V3)")
     p.add_argument("--overhead-gib", type=float, default=None,
                    help="fixed memory overhead per GPU: CUDA context, library workspaces, NCCL buffers (default: "
                         "1 GiB plus 0.5 GiB per communicator of the layout)")
@@ -154,7 +158,7 @@ def run_estimate(args: argparse.Namespace) -> int:
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
-              overlap_ep=not args.no_overlap_ep, fp8=args.fp8)
+              overlap_ep=not args.no_overlap_ep, fp8=args.fp8, fp8_recipe=args.fp8_recipe)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     warning = fit_warning(est)
     if warning:
@@ -205,7 +209,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
         return 0
     global_batch = args.global_batch or args.gpus
-    base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8)
+    base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8,
+               fp8_recipe=args.fp8_recipe)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep)

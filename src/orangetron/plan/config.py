@@ -14,6 +14,9 @@ CP_MODES = ("ring", "allgather", "ulysses", "usp", "rsa")
 DISPATCHERS = ("ragged", "capacity", "allgather")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ATTENTION_KERNELS = ("flash", "flash2", "eager")
+# "delayed": Transformer Engine's per-tensor scales from an amax history; "blockwise": DeepSeek-V3's fine-grained
+# scales, one per 1 x 128 activation tile and per 128 x 128 weight block (arXiv:2412.19437 section 3.3.2)
+FP8_RECIPES = ("delayed", "blockwise")
 
 
 # The planner prices the runtime's own layouts: one class, one set of rules.
@@ -52,7 +55,8 @@ class Job:
     # Expert all-to-all hidden behind another micro-batch's layer (DualPipe-style pairing); off: behind the shared
     # experts only (see `timing._ep_window`)
     overlap_ep: bool = True
-    fp8: bool = False  # FP8 linear layers with per-tensor scales (Transformer Engine style); planner only
+    fp8: bool = False  # FP8 linear layers (Transformer Engine style); planner only
+    fp8_recipe: str = "delayed"  # how FP8 tensors are scaled (FP8_RECIPES)
 
     def __post_init__(self) -> None:
         _check_choice("recompute", self.recompute, RECOMPUTE)
@@ -60,6 +64,9 @@ class Job:
         _check_choice("dispatcher", self.dispatcher, DISPATCHERS)
         _check_choice("pp_schedule", self.pp_schedule, SCHEDULES)
         _check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
+        _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if self.fp8_recipe != "delayed" and not self.fp8:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} needs fp8=True")
         for name in ("param_dtype", "grad_dtype"):
             _check_choice(name, getattr(self, name), tuple(DTYPE_BYTES))
         if self.reduce_dtype:

@@ -1,15 +1,20 @@
-"""FP8 training's extra memory: Transformer-Engine-style FP8 linear layers with per-tensor scaling.
+"""FP8 training's extra memory: FP8 linear layers under Transformer Engine's delayed per-tensor scaling or
+DeepSeek-V3's blockwise scaling.
 
 Compute under FP8 (`Job.fp8`) is priced in `timing`/`compute`: linear-layer GEMMs at the GPU's FP8 peak with
 1-byte operands and 16-bit outputs, a cast (and transpose, for wgrad) of every GEMM input as memory-bound
 work; attention, norms and the optimizer stay in 16/32-bit. Memory adds, per GPU:
 - an FP8 copy of every linear weight and its transpose (2 bytes per linear parameter), cached across the
-  micro-batches of a step, while the 16-bit weights and fp32 master copies stay as they are;
-- the scale tensors: per GEMM operand one fp32 scale, one scale inverse and an amax history of
-  `AMAX_HISTORY` fp32 values (three operands per GEMM, four linear layers per dense layer).
+  micro-batches of a step, while the 16-bit weights and fp32 master copies stay as they are (Hopper's FP8
+  tensor-core GEMMs read both operands K-major, so dgrad needs the transposed copy under either recipe);
+- the scale tensors. `delayed` (`Job.fp8_recipe`, Transformer Engine's default): per GEMM operand one fp32
+  scale, one scale inverse and an amax history of `AMAX_HISTORY` fp32 values (three operands per GEMM, four
+  linear layers per dense layer). `blockwise` (DeepSeek-V3, arXiv:2412.19437 section 3.3.2): one fp32 scale per
+  128 x 128 block of each weight copy, computed online, so no history (exact when weight dimensions are
+  multiples of 128, as in every shipped preset).
 Saved activations: every linear layer keeps the FP8 cast of its input (1 byte per element) instead of the
-16-bit tensor, as Transformer Engine does (`activations.py`); the gradients, reductions and optimizer are
-unchanged.
+16-bit tensor, as Transformer Engine does, plus under `blockwise` one fp32 scale per 1 x 128 tile
+(`activations.py`); the gradients, reductions and optimizer are unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from orangetron.plan.stages import stage_layers
 
 AMAX_HISTORY = 1024  # Transformer Engine's default amax_history_len
 GEMMS_PER_LAYER = 4  # QKV, output projection, up (gate+up), down
+WEIGHT_BLOCK = 128 * 128  # elements per fp32 scale of a blockwise-scaled weight
 
 
 def fp8_memory_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
@@ -30,9 +36,12 @@ def fp8_memory_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
     params = stage_params(model, deg, stage, job.virtual_stages).total
     if stage == 0 and not model.patch_size:
         params -= model.vocab_size * model.hidden_size // deg.tp  # the embedding is a lookup, not a GEMM
+    params = max(0, params)
+    if job.fp8_recipe == "blockwise":
+        return 2 * params + 2 * 4 * -(-params // WEIGHT_BLOCK)  # both copies, one fp32 scale per block
     layers = len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage))
     scales = layers * GEMMS_PER_LAYER * 3 * (2 + AMAX_HISTORY) * 4
-    return 2 * max(0, params) + scales
+    return 2 * params + scales
 
 
 def with_fp8(memory: dict[str, int], model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:

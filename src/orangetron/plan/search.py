@@ -90,7 +90,7 @@ def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: i
                              capacity_factor=base.capacity_factor, zero_stage=stage, distributed_optimizer=distopt,
                              param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",
                              virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
-                             overlap_ep=base.overlap_ep, fp8=base.fp8))
+                             overlap_ep=base.overlap_ep, fp8=base.fp8, fp8_recipe=base.fp8_recipe))
         yield group
 
 
