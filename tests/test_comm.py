@@ -208,6 +208,8 @@ def check_bad_splits():
 
     with pytest.raises(MeshError, match="etp=2: the runtime shards experts with etp=1 only"):
         init_mesh(Layout(tp=2, etp=2))  # a layout the planner prices but the runtime cannot build
+    with pytest.raises(MeshError, match="the runtime does not fold experts"):
+        init_mesh(Layout(tp=2, ep=2, expert_fold=True))
     return True
 
 

@@ -104,3 +104,33 @@ def test_rank_out_of_range():
         Layout(tp=2, dp=4).coordinates(8)
     with pytest.raises(LayoutError, match=r"cp=1: coordinate must lie in \[0, 1\)"):
         Layout(tp=2).rank(cp=1)
+
+
+# ---- folded expert mesh (planner only) ------------------------------------------------------------
+@pytest.mark.parametrize("layout, rank, expected", [
+    # tp=4 attention, experts over all 8 ranks of the stage: ep is the rank itself, one replica.
+    (Layout(tp=4, dp=2, ep=8, expert_fold=True), 5, (5, 0, 0)),
+    # etp=2 fastest, then ep=2, then edp=2 over 8 ranks: rank 6 = etp 0, ep 1, edp 1.
+    (Layout(tp=2, dp=4, ep=2, etp=2, expert_fold=True), 6, (1, 1, 0)),
+    (Layout(tp=2, dp=4, ep=2, etp=2, expert_fold=True), 3, (1, 0, 1)),
+    # Two pipeline stages of 4 ranks: the fold restarts in every stage (rank 7 is stage 1's fourth rank).
+    (Layout(tp=2, pp=2, dp=2, ep=4, expert_fold=True), 7, (3, 0, 0)),
+    # cp folds in too: tp=2 x cp=2 x dp=2, ep=4, edp=2: rank 5 is ep 1, edp 1.
+    (Layout(tp=2, cp=2, dp=2, ep=4, expert_fold=True), 5, (1, 1, 0)),
+])
+def test_folded_expert_coordinates(layout, rank, expected):
+    c = layout.coordinates(rank)
+    assert (c.ep, c.edp, c.etp) == expected
+    assert layout.rank(tp=c.tp, cp=c.cp, dp=c.dp, pp=c.pp) == rank  # the dense coordinates are unchanged
+
+
+def test_folded_expert_degrees_and_errors():
+    layout = Layout(tp=4, cp=2, dp=2, ep=4, etp=2, expert_fold=True)
+    assert layout.edp == 2 and layout.expert_mesh_shape() == (1, 2, 4, 2)
+    assert str(layout) == "tp=4 cp=2 pp=1 dp=2 ep=4 etp=2 edp=2 (folded)"
+    with pytest.raises(LayoutError, match=r"ep=3 x etp=1: must divide the tp\*cp\*dp=8 ranks"):
+        Layout(tp=4, dp=2, ep=3, expert_fold=True)
+    with pytest.raises(LayoutError, match="needs ep or etp above 1"):
+        Layout(tp=4, dp=2, expert_fold=True)
+    with pytest.raises(LayoutError, match="a folded expert mesh, planner only, lifts this"):
+        Layout(tp=4, dp=2, ep=8)

@@ -222,5 +222,23 @@ def test_estimate_etp_adds_expert_tp_traffic(capsys):
     plain = last_json(capsys)["comm"]
     assert run([*args, "--etp", "2"]) == 0
     split = last_json(capsys)["comm"]
-    assert split["all_gather/tp"]["calls"] > plain["all_gather/tp"]["calls"]
+    assert "all_gather/etp" not in plain and split["all_gather/etp"]["calls"] > 0
+    assert split["all_gather/tp"] == plain["all_gather/tp"]
     assert split["all_to_all/ep"] == plain["all_to_all/ep"]
+    # Split over tp, the routed experts are no longer whole on both tp ranks: their gradients leave the tp sum,
+    # 32 layers x one local expert (3 x 4096 x 14336) x 2 bytes.
+    assert plain["all_reduce/tp"]["payload"] - split["all_reduce/tp"]["payload"] == 32 * 3 * 4096 * 14336 * 2
+
+
+def test_estimate_folds_experts_with_edp(capsys):
+    args = ["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "4", "--ep", "8", "--seq", "4096",
+            "--global-batch", "16", "--sequence-parallel", "--json"]
+    assert run(args) == 2  # unfolded, ep = 8 must divide dp x cp = 4
+    assert "a folded expert mesh, planner only, lifts this" in capsys.readouterr().err
+    assert run([*args, "--edp", "2"]) == 0
+    layout = last_json(capsys)["layout"]
+    assert layout["expert_fold"] is True and (layout["ep"], layout["etp"], layout["edp"]) == (8, 1, 2)
+    assert run([*args, "--edp", "4"]) == 2
+    assert "etp x ep x edp = 32 must equal tp*cp*dp = 16" in capsys.readouterr().err
+    assert run([*args[:-1], "--edp", "2"]) == 0
+    assert "(folded)" in capsys.readouterr().out

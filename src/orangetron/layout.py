@@ -5,6 +5,11 @@ fastest: consecutive ranks share a node's fast links for the most talkative dime
 sharded over the dp * cp ranks of one (tp, pp) position: within that block, ep varies fastest and the
 remaining factor forms the expert-data-parallel group edp = dp * cp / ep.
 
+With `expert_fold` (Megatron-Core's MoE parallel folding; planner only, the runtime refuses it) the expert
+layers get a mesh of their own over the same tp * cp * dp ranks of a pipeline stage: etp fastest, then ep,
+then edp = tp * cp * dp / (etp * ep). ep then need not divide dp * cp, and etp is any divisor: an 8-way
+expert group can fill a node whose attention runs tp = 4.
+
 Pure Python, so the planner can validate layouts without torch.distributed.
 """
 
@@ -31,11 +36,13 @@ class Coordinates:
     dp_cp: int  # index in the combined dp x cp group (cp fastest); dense optimizer state shards over it
     ep: int
     edp: int
+    etp: int = 0  # index in the expert-tensor-parallel group (the tp index when etp = tp, unfolded)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel degrees. `etp` (expert tensor parallelism) is 1 or tp; the runtime runs etp=1 only."""
+    """Parallel degrees. `etp` (expert tensor parallelism) is 1 or tp unless the experts are folded; the runtime
+    runs etp=1 without folding only."""
 
     tp: int = 1
     cp: int = 1
@@ -43,19 +50,32 @@ class Layout:
     dp: int = 1
     ep: int = 1
     etp: int = 1
+    expert_fold: bool = False  # experts get their own (etp, ep, edp) mesh over the stage's ranks
 
     def __post_init__(self) -> None:
         for name in (*DIMS, "etp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name}={value!r}: degree must be a positive integer")
+        if self.expert_fold:
+            self._check_fold()
+            return
         if self.etp not in (1, self.tp):
-            raise LayoutError(f"etp={self.etp}: expert tensor parallelism must be 1 or tp={self.tp}")
+            raise LayoutError(f"etp={self.etp}: expert tensor parallelism must be 1 or tp={self.tp} "
+                              "(other degrees need the folded expert mesh)")
         if (self.dp * self.cp) % self.ep:
             raise LayoutError(
                 f"ep={self.ep}: dp*cp={self.dp * self.cp} (dp={self.dp} x cp={self.cp}) is not divisible by ep; "
-                "experts shard over the dp x cp ranks"
+                "experts shard over the dp x cp ranks (a folded expert mesh, planner only, lifts this)"
             )
+
+    def _check_fold(self) -> None:
+        stage = self.tp * self.cp * self.dp
+        if self.ep * self.etp == 1:
+            raise LayoutError("expert_fold with ep=1 and etp=1: a folded expert mesh needs ep or etp above 1")
+        if stage % (self.ep * self.etp):
+            raise LayoutError(f"ep={self.ep} x etp={self.etp}: must divide the tp*cp*dp={stage} ranks of a "
+                              "pipeline stage, over which the experts fold")
 
     @property
     def world_size(self) -> int:
@@ -69,13 +89,16 @@ class Layout:
     @property
     def edp(self) -> int:
         """Expert-data-parallel degree: replicas of each expert shard."""
+        if self.expert_fold:
+            return self.tp * self.cp * self.dp // (self.ep * self.etp)
         return self.dp * self.cp // self.ep
 
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in DIMS}
 
     def __str__(self) -> str:
-        return " ".join(f"{name}={getattr(self, name)}" for name in DIMS)
+        text = " ".join(f"{name}={getattr(self, name)}" for name in DIMS)
+        return text + (f" etp={self.etp} edp={self.edp} (folded)" if self.expert_fold else "")
 
     # ---- rank <-> coordinates -------------------------------------------------------------------
 
@@ -87,7 +110,12 @@ class Layout:
         cp, rest = rest % self.cp, rest // self.cp
         dp, pp = rest % self.dp, rest // self.dp
         dp_cp = dp * self.cp + cp
-        return Coordinates(tp=tp, cp=cp, dp=dp, pp=pp, dp_cp=dp_cp, ep=dp_cp % self.ep, edp=dp_cp // self.ep)
+        if self.expert_fold:
+            local = rank % (self.tp * self.cp * self.dp)  # position inside the pipeline stage
+            ep, edp = (local // self.etp) % self.ep, local // (self.etp * self.ep)
+            return Coordinates(tp=tp, cp=cp, dp=dp, pp=pp, dp_cp=dp_cp, ep=ep, edp=edp, etp=local % self.etp)
+        return Coordinates(tp=tp, cp=cp, dp=dp, pp=pp, dp_cp=dp_cp, ep=dp_cp % self.ep, edp=dp_cp // self.ep,
+                           etp=tp if self.etp > 1 else 0)
 
     def rank(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Global rank at the given coordinates (the inverse of `coordinates`)."""
@@ -101,8 +129,8 @@ class Layout:
         return (self.pp, self.dp, self.cp, self.tp)
 
     def expert_mesh_shape(self) -> tuple[int, int, int, int]:
-        """Shape (pp, edp, ep, tp) of the expert mesh over the same ranks."""
-        return (self.pp, self.edp, self.ep, self.tp)
+        """Shape (pp, edp, ep, tp) of the expert mesh over the same ranks; (pp, edp, ep, etp) when folded."""
+        return (self.pp, self.edp, self.ep, self.etp if self.expert_fold else self.tp)
 
     # ---- validation against a model and a sequence ---------------------------------------------
 

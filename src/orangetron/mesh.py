@@ -56,6 +56,8 @@ class ParallelMesh:
     def __init__(self, layout: Layout) -> None:
         if not dist.is_initialized():
             raise MeshError("torch.distributed is not initialized; call init_process_group first")
+        if layout.expert_fold:
+            raise MeshError(f"{layout}: the runtime does not fold experts over their own mesh yet (planner only)")
         if layout.etp != 1:
             raise MeshError(f"etp={layout.etp}: the runtime shards experts with etp=1 only")
         if dist.get_world_size() != layout.world_size:

@@ -43,7 +43,11 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
         est.add_argument(f"--{dim}", type=int, default=None if dim == "dp" else 1,
                          help=f"{dim} degree" + (" (default: gpus / (tp*cp*pp))" if dim == "dp" else ""))
     est.add_argument("--etp", type=int, default=1,
-                     help="expert tensor parallel degree: 1 (experts whole on every tp rank) or tp")
+                     help="expert tensor parallel degree: 1 (experts whole on every tp rank) or tp; any divisor "
+                          "of tp*cp*dp with --edp")
+    est.add_argument("--edp", type=int, default=None,
+                     help="fold the experts over their own mesh (MoE parallel folding, planner only): "
+                          "etp x ep x edp must equal tp*cp*dp, and ep need not divide dp*cp")
     est.add_argument("--virtual-stages", type=int, default=1, help="interleaved pipeline chunks per stage")
     est.add_argument("--micro-batch", type=int, default=1)
     est.add_argument("--recompute", choices=RECOMPUTE, default="none")
@@ -135,7 +139,11 @@ def _degrees(args: argparse.Namespace) -> Degrees:
         if gpus % model_par:
             raise ValueError(f"--gpus={gpus} is not divisible by tp*cp*pp={model_par}")
         dp = gpus // model_par
-    deg = Degrees(tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp)
+    deg = Degrees(tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp,
+                  expert_fold=getattr(args, "edp", None) is not None)
+    if deg.expert_fold and args.edp * deg.ep * deg.etp != deg.tp * deg.cp * deg.dp:
+        raise ValueError(f"--edp={args.edp}: etp x ep x edp = {args.etp * args.ep * args.edp} must equal "
+                         f"tp*cp*dp = {deg.tp * deg.cp * deg.dp}, the ranks of a stage the experts fold over")
     if args.gpus and args.gpus != deg.world_size:
         raise ValueError(f"--gpus={args.gpus} but tp*cp*pp*dp = {deg.world_size}")
     return deg
@@ -174,8 +182,8 @@ def format_estimate(est: Estimate) -> str:
     """Human-readable report of one estimate."""
     d, mem, t = est.degrees, est.memory, est.time
     lines = [f"{est.model.name} on {d.world_size} x {est.cluster.gpu.name} "
-             f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): tp={d.tp} cp={d.cp} pp={d.pp} "
-             f"dp={d.dp} ep={d.ep}, seq {est.job.seq_len}, micro-batch {est.job.micro_batch}, "
+             f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {est.job.seq_len}, "
+             f"micro-batch {est.job.micro_batch}, "
              f"{est.job.microbatches(d)} micro-batch(es) per step",
              "memory per GPU (GiB):"]
     for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead",

@@ -105,6 +105,17 @@ def without_data_parallel(job: Job) -> Job:
     return replace(job, zero_stage=0, distributed_optimizer=False)
 
 
+def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:
+    """A folded expert mesh: experts to fold, a split their width allows, and tokens that differ per tp rank."""
+    if not model.is_moe:
+        raise ValueError(f"{degrees}: model {model.name} has no experts to fold")
+    if model.moe_ffn_hidden_size % degrees.etp:
+        raise ValueError(f"etp={degrees.etp}: moe_ffn_hidden_size={model.moe_ffn_hidden_size} is not divisible by etp")
+    if degrees.tp > 1 and not job.sequence_parallel:
+        raise ValueError(f"tp={degrees.tp} with folded experts needs sequence_parallel: each tp rank must route "
+                         "its own tokens")
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r}: must be one of {', '.join(choices)}")
@@ -131,6 +142,8 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
                          f"rank ({model.num_heads // t})")
     if model.is_moe and model.num_experts % degrees.ep:
         raise ValueError(f"ep={degrees.ep}: num_experts={model.num_experts} is not divisible by ep")
+    if degrees.expert_fold:
+        _validate_fold(model, degrees, job)
     if not model.is_moe and degrees.ep > 1:
         raise ValueError(f"ep={degrees.ep}: model {model.name} has no experts")
     if job.global_batch and job.global_batch % (job.micro_batch * degrees.dp):

@@ -38,7 +38,7 @@ class Estimate:
             "gpu": self.cluster.gpu.name,
             "gpus": self.degrees.world_size,
             "gpus_per_node": self.cluster.gpus_per_node,
-            "layout": asdict(self.degrees),
+            "layout": {**asdict(self.degrees), "edp": self.degrees.edp},
             "job": asdict(self.job),
             "memory_bytes": self.memory,
             "memory_capacity_bytes": int(self.cluster.gpu.memory_bytes),

@@ -47,6 +47,7 @@ class MemoryOverhead:
 
     def fixed_bytes(self, deg: Degrees) -> int:
         groups = sum(size > 1 for size in (deg.tp, deg.cp, deg.pp, deg.dp_cp, deg.ep, deg.edp))
+        groups += deg.expert_fold and 1 < deg.etp != deg.tp  # a folded etp group of its own
         return int((self.context_gib + self.per_group_gib * groups) * GIB)
 
     def bytes(self, memory: dict[str, int], deg: Degrees) -> int:

@@ -307,9 +307,12 @@ def model_flops_per_step(model: ModelSpec, job: Job, sequences: int, causal_atte
     return 3.0 * (dense + attention + head)
 
 
-# The coordinates that stay fixed inside each mesh dimension's group (the runtime's `Layout.coordinates`).
+# The coordinates that stay fixed inside each mesh dimension's group (the runtime's `Layout.coordinates`);
+# unfolded, expert tensor parallelism (etp = tp) is the tp group.
 _FIXED = {"tp": ("cp", "dp", "pp"), "cp": ("tp", "dp", "pp"), "dp": ("tp", "cp", "pp"), "dp_cp": ("tp", "pp"),
-          "ep": ("tp", "pp", "edp"), "edp": ("tp", "pp", "ep"), "pp": ("tp", "cp", "dp")}
+          "ep": ("tp", "pp", "edp"), "edp": ("tp", "pp", "ep"), "pp": ("tp", "cp", "dp"), "etp": ("cp", "dp", "pp")}
+# A folded expert mesh (etp, ep, edp) has its own coordinates over the stage's ranks.
+_FIXED_FOLDED = {**_FIXED, "ep": ("pp", "edp", "etp"), "edp": ("pp", "ep", "etp"), "etp": ("pp", "ep", "edp")}
 _SIZE = {"dp_cp": lambda d: d.dp_cp, "edp": lambda d: d.edp}
 
 
@@ -320,7 +323,7 @@ def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
     g = cluster.gpus_per_node
     first_node = [deg.coordinates(r) for r in range(min(g, deg.world_size))]
     out = {}
-    for dim, fixed in _FIXED.items():
+    for dim, fixed in (_FIXED_FOLDED if deg.expert_fold else _FIXED).items():
         size = _SIZE[dim](deg) if dim in _SIZE else getattr(deg, dim)
         local = sum(all(getattr(c, f) == getattr(first_node[0], f) for f in fixed) for c in first_node)
         out[dim] = Placement(size, local) if size > 1 else Placement(1, 1)

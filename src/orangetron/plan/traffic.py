@@ -157,12 +157,15 @@ def _kv_slot_params(model: ModelSpec, t: int) -> int:
 
 
 def _replicated_params(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
-    """Parameters of a stage that every tp rank holds whole: norms, routers, routed experts on this rank."""
+    """Parameters of a stage that every tp rank holds whole: norms, routers, and the routed experts on this
+    rank when they are neither split over tp (etp = tp) nor folded over their own mesh (replicated over edp)."""
+    experts_whole_on_tp = deg.etp == 1 and not deg.expert_fold
     total = 0
     for i in stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage):
         total += model.norm_params()
         if model.is_moe_layer(i):
-            total += model.num_experts * model.hidden_size + model.expert_params_per_layer() // deg.ep
+            total += model.num_experts * model.hidden_size
+            total += model.expert_params_per_layer() // deg.ep if experts_whole_on_tp else 0
     if stage == deg.pp - 1:
         total += model.hidden_size * (2 if model.bias else 1)  # final norm
     return total
@@ -294,12 +297,12 @@ def expert_tensor_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> 
     row, k = job.param_bytes * model.hidden_size, model.top_k
     replays = 1 if job.recompute == "full" else 0
     if not job.sequence_parallel:
-        return [_gather("all_reduce", "tp", rows * row, t)] * (2 + replays)
+        return [_gather("all_reduce", "etp", rows * row, t)] * (2 + replays)
     weights = (8 if job.param_bytes == 8 else 4) * k
-    forward = [_gather("all_gather", "tp", t * rows * b, t) for b in (row, 8 * k, weights)]
-    forward += [_gather("reduce_scatter", "tp", t * rows * row, t)]
-    backward = [_gather("reduce_scatter", "tp", t * rows * b, t) for b in (row, weights)]
-    backward += [_gather("all_gather", "tp", t * rows * row, t)]
+    forward = [_gather("all_gather", "etp", t * rows * b, t) for b in (row, 8 * k, weights)]
+    forward += [_gather("reduce_scatter", "etp", t * rows * row, t)]
+    backward = [_gather("reduce_scatter", "etp", t * rows * b, t) for b in (row, weights)]
+    backward += [_gather("all_gather", "etp", t * rows * row, t)]
     return forward * (1 + replays) + backward
 
 
