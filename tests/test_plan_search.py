@@ -11,9 +11,24 @@ def test_candidate_degrees_cover_the_cluster():
     model, cluster = load_model("mixtral-8x7b"), make_cluster("h100", 32)
     degrees = list(candidate_degrees(model, cluster, SearchSpace()))
     assert all(d.world_size == 32 and d.tp <= 8 for d in degrees)
-    assert all((d.dp * d.cp) % d.ep == 0 and model.num_experts % d.ep == 0 for d in degrees)
+    unfolded = [d for d in degrees if not d.expert_fold]
+    assert all((d.dp * d.cp) % d.ep == 0 and model.num_experts % d.ep == 0 for d in unfolded)
     assert Degrees(tp=2, cp=1, pp=2, dp=8, ep=8) in degrees
-    assert len(degrees) > 50
+    assert len(unfolded) > 50
+    # Folded expert meshes only where folding allows a new ep: tp=8, dp=4 on 32 GPUs can fold ep=8 over the 32
+    # ranks of its stage (dp x cp = 4 cannot hold it); ep = 4 there is left to the unfolded layout.
+    folded = [d for d in degrees if d.expert_fold]
+    assert Degrees(tp=8, dp=4, ep=8, expert_fold=True) in folded
+    assert Degrees(tp=8, dp=4, ep=4, expert_fold=True) not in folded
+    assert all((d.dp * d.cp) % d.ep and (d.tp * d.cp * d.dp) % d.ep == 0 and d.etp == 1 for d in folded)
+
+
+def test_search_ranks_a_folded_layout_it_can_price():
+    """Mixtral on 16 H100 with tp = 4 and pp = 1: only a folded mesh reaches ep = 8; the search prices it."""
+    model, cluster = load_model("mixtral-8x7b"), make_cluster("h100", 16)
+    space = SearchSpace(tp=(4,), pp=(1,), cp=(1,), micro_batch=(1,))
+    result = search(model, cluster, seq_len=4096, global_batch=64, space=space, top=50)
+    assert any(e.degrees.expert_fold and e.degrees.ep == 8 for e in result.ranked)
 
 
 def test_search_ranks_fitting_configurations_fastest_first():

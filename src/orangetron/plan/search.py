@@ -68,6 +68,16 @@ def candidate_degrees(model: ModelSpec, cluster: Cluster, space: SearchSpace, se
         for ep in eps:
             if (dp * cp) % ep == 0:
                 yield Degrees(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep)
+        if model.is_moe:
+            for ep in _folded_eps(model, tp * cp * dp, dp * cp, space):
+                yield Degrees(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, expert_fold=True)
+
+
+def _folded_eps(model: ModelSpec, stage_ranks: int, dp_cp: int, space: SearchSpace) -> tuple[int, ...]:
+    """Expert-parallel degrees that only a folded expert mesh allows (ep dividing the stage's tp*cp*dp ranks
+    but not dp*cp): where folding changes what can run, not just where the groups land."""
+    eps = space.ep or _divisors(stage_ranks)
+    return tuple(e for e in eps if stage_ranks % e == 0 and dp_cp % e and model.num_experts % e == 0)
 
 
 def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: int, space: SearchSpace,
