@@ -273,30 +273,50 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     p, v, mbs = deg.pp, job.virtual_stages, job.microbatches(deg)
     sb, h = x.s * x.b, m.hidden_size
     chunk_layers = [stage_layers(m.num_layers, p * v, 1, stage + c * p) for c in range(v)]
-    per_chunk, moe_chunk = [], []
+    weights, masked, mask = [], [], 0
     for layers in chunk_layers:
-        ids, rope, mask = _small_stage_buffers(m, x, stage, layers, sum(m.is_moe_layer(i) for i in layers))
-        per_chunk.append(_layer_bytes(m, deg, job, layers) + rope + (mask if x.rep > 1 else 0))
-        moe_chunk.append(mask if x.rep == 1 else 0)
-    first = 0
+        ids, rope, mask_c = _small_stage_buffers(m, x, stage, layers, sum(m.is_moe_layer(i) for i in layers))
+        weights.append(_layer_bytes(m, deg, job, layers) + rope + (mask_c if x.rep > 1 else 0))
+        masked.append(bool(mask_c) and x.rep == 1)
+        mask = mask_c or mask  # every chunk with MoE layers has the same mask size
     if stage == 0:  # token ids (Llama-style models), embedding-dropout mask
-        first = (8 * sb if _counts_small_buffers(m) else 0) + (sb * h // x.rep if m.dropout else 0)
-    last = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t if stage == p - 1 else 0
-    live, peak, masks = 0, 0, [0] * mbs  # masks[i]: chunks with MoE layers holding micro-batch i
-    # After the warmup the list repeats every p*v forwards with micro-batches p further on, so what is held
-    # repeats too: the peak lies within the warmup and a few periods (m can be thousands in a search).
-    for act in _interleaved_prefix(p, mbs, v, stage):
-        sign = 1 if act.kind == "F" else -1
-        c, i = act.chunk, act.microbatch
-        live += sign * (per_chunk[c] + (first if c == 0 else 0) + (last if c == v - 1 else 0))
-        if moe_chunk[c]:
-            before = masks[i]
-            masks[i] += sign
-            live += moe_chunk[c] * ((masks[i] > 0) - (before > 0))
-        peak = max(peak, live)
+        weights[0] += (8 * sb if _counts_small_buffers(m) else 0) + (sb * h // x.rep if m.dropout else 0)
+    if stage == p - 1:
+        weights[-1] += 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
+    weights.append(mask)
+    peak = max(sum(w * n for w, n in zip(weights, held, strict=True))
+               for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
     if job.recompute == "full" and chunk_layers[0]:
         peak += layer_activation_bytes(m, deg, replace(job, recompute="none"), m.is_moe_layer(chunk_layers[0][0]))
     return peak
+
+
+def _interleaved_holdings(p: int, microbatches: int, v: int, stage: int,
+                          masked: tuple[bool, ...]) -> tuple[tuple[int, ...], ...]:
+    """What an interleaved stage holds after each action, as counts: (chunk-micro-batch pairs of chunk 0, ...,
+    of chunk v-1, micro-batches some `masked` chunk holds). Bytes held are these counts times non-negative sizes,
+    so only the counts no other one covers in every entry can be the peak: those are returned (a handful,
+    priced per configuration, while the walk is shared by every model and layout with the same schedule)."""
+    enough = p * math.ceil((2 * p + v * p + 16 * p * v) / (v * p))  # as in `_interleaved_prefix`
+    return _walk_holdings(p, min(microbatches, enough), v, stage, masked)
+
+
+@lru_cache(maxsize=4096)
+def _walk_holdings(p: int, microbatches: int, v: int, stage: int,
+                   masked: tuple[bool, ...]) -> tuple[tuple[int, ...], ...]:
+    chunks, holders = [0] * v, [0] * microbatches  # holders[i]: masked chunks holding micro-batch i
+    masks, seen = 0, set()
+    # After the warmup the list repeats every p*v forwards with micro-batches p further on, so what is held
+    # repeats too: the peak lies within the warmup and a few periods (m can be thousands in a search).
+    for act in _interleaved_prefix(p, microbatches, v, stage):
+        sign = 1 if act.kind == "F" else -1
+        chunks[act.chunk] += sign
+        if masked[act.chunk]:
+            before = holders[act.microbatch]
+            holders[act.microbatch] += sign
+            masks += (holders[act.microbatch] > 0) - (before > 0)
+        seen.add((*chunks, masks))
+    return tuple(h for h in seen if not any(o != h and all(a >= b for a, b in zip(o, h, strict=True)) for o in seen))
 
 
 def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: tuple[int, ...],
