@@ -247,7 +247,11 @@ def head_in_flight(deg: Degrees, job: Job) -> int:
 
 
 def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: tuple[int, ...]) -> int:
-    return sum(layer_activation_bytes(m, deg, job, m.is_moe_layer(i)) for i in layers)
+    # Every MoE layer saves the same bytes, and every dense one: price each kind once.
+    moe = sum(m.is_moe_layer(i) for i in layers)
+    dense = len(layers) - moe
+    return (moe * layer_activation_bytes(m, deg, job, True) if moe else 0) + \
+        (dense * layer_activation_bytes(m, deg, job, False) if dense else 0)
 
 
 def _interleaved_prefix(p: int, microbatches: int, v: int, stage: int) -> tuple:

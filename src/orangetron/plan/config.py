@@ -105,6 +105,16 @@ def without_data_parallel(job: Job) -> Job:
     return replace(job, zero_stage=0, distributed_optimizer=False)
 
 
+@lru_cache(maxsize=65536)
+def model_state_job(job: Job) -> Job:
+    """`job` with every option reset that only sets activations, compute or the micro-batch count (sequence,
+    micro-batch, global batch, recompute, cp, dispatcher, kernel, FP8): the key for the model states, their
+    padding and gradient buckets."""
+    return replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1, sequence_parallel=False,
+                   cp_mode="ring", ulysses_degree=1, dispatcher="ragged", capacity_factor=1.0, ep_overlap_chunks=1,
+                   recompute="none", attention_kernel="flash", overlap_ep=True, fp8=False)
+
+
 def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     """A folded expert mesh: experts to fold, a split their width allows, and tokens that differ per tp rank."""
     if not model.is_moe:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from orangetron.plan.activations import stage_activation_bytes
-from orangetron.plan.config import DTYPE_BYTES, Degrees, Job
+from orangetron.plan.config import DTYPE_BYTES, Degrees, Job, model_state_job
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.sharding import bucket_layout, padded_numel, shard_numel
 from orangetron.plan.stages import stage_layers
@@ -161,14 +161,24 @@ def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
 
 def stage_memory(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> dict[str, int]:
     """Bytes by category (and `total`) on one GPU of pipeline `stage`; `buffers` sums the transient ones."""
-    segments = data_parallel_segments(model, deg, job, stage)
-    out = model_state_bytes(stage_params(model, deg, stage, job.virtual_stages), deg, job, segments)
+    states, gathered, buckets = _stage_state_memory(model, deg, model_state_job(job), stage)
+    out = dict(states)
     out["activations"] = stage_activation_bytes(model, deg, job, stage)
-    out["gathered_params"] = zero3_gather_bytes(model, deg, job, stage)
-    out["grad_buckets"] = grad_bucket_bytes(model, deg, job, stage)
+    out["gathered_params"] = gathered
+    out["grad_buckets"] = buckets
     out["buffers"] = out["gathered_params"] + out["grad_buckets"]
     out["total"] = sum(out[c] for c in CATEGORIES) + out["buffers"]
     return out
+
+
+@lru_cache(maxsize=16384)
+def _stage_state_memory(model: ModelSpec, deg: Degrees, job: Job,
+                        stage: int) -> tuple[tuple[tuple[str, int], ...], int, int]:
+    """(model-state bytes by category, ZeRO-3 gathered units, gradient buckets) of one stage: what the
+    parameters and their sharding fix, shared by every micro-batch size, recompute and cp mode a search tries."""
+    segments = data_parallel_segments(model, deg, job, stage)
+    states = model_state_bytes(stage_params(model, deg, stage, job.virtual_stages), deg, job, segments)
+    return tuple(states.items()), zero3_gather_bytes(model, deg, job, stage), grad_bucket_bytes(model, deg, job, stage)
 
 
 def zero3_gather_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:

@@ -21,11 +21,11 @@ MFU counts model FLOPs only (no recompute), attention as full (non-causal) s x s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from orangetron.plan.compute import ATTN_QUERY_TILE, causal_keys, flash_efficiency, gemm_time, linear_time
-from orangetron.plan.config import Degrees, Job, without_data_parallel
+from orangetron.plan.config import Degrees, Job, model_state_job, without_data_parallel
 from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import stage_params
 from orangetron.plan.models import ModelSpec
@@ -473,11 +473,19 @@ def _dp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, t_mb
                 net: NetworkParams, eff: Efficiency) -> float:
     """DP traffic left over after overlapping reductions with the last backward and gathers with the
     first forward (ZeRO-3's per-micro-batch gathers hide behind each micro-batch)."""
-    reduce, gather, layers = _dp_times(model, deg, job, cluster, net)
+    reduce, gather, layers = _dp_times(model, deg, _data_parallel_job(job, m), cluster, net)
     tail = reduce / layers  # the last bucket never overlaps
     exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)
     window = m * t_mb if job.zero_stage == 3 else t_mb / 3
     return exposed + _hide(gather, window, eff)
+
+
+@lru_cache(maxsize=16384)
+def _data_parallel_job(job: Job, microbatches: int) -> Job:
+    """The key for one step's data-parallel traffic: the model-state options, and under ZeRO-3 (which gathers
+    every unit again per micro-batch) the micro-batch count, carried as `num_microbatches`."""
+    states = model_state_job(job)
+    return replace(states, num_microbatches=microbatches) if job.zero_stage == 3 else states
 
 
 @lru_cache(maxsize=16384)
