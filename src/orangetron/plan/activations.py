@@ -31,7 +31,7 @@ from functools import lru_cache
 
 from orangetron.plan.config import Degrees, Job, without_data_parallel
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.stages import stage_layers
+from orangetron.plan.stages import stage_layer_counts, stage_layers
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,7 @@ def expert_dispatch_bytes(m: ModelSpec, x: LayerShape, job: Job, ep: int) -> int
     return 8 * rows + mask + 16 * copies
 
 
+@lru_cache(maxsize=16384)
 def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> int:
     """Bytes one layer saves for backward for one micro-batch on one GPU, under `job.recompute`."""
     x = layer_shape(deg, job)
@@ -214,7 +215,7 @@ def stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) -> 
 def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
     x = layer_shape(deg, job)
     layers = stage_layers(m.num_layers, deg.pp, job.virtual_stages, stage)
-    moe_layers = sum(m.is_moe_layer(i) for i in layers)
+    _, moe_layers = stage_layer_counts(m, deg.pp, job.virtual_stages, stage)
     if deg.pp > 1 and job.pp_schedule == "interleaved" and job.virtual_stages > 1:
         return _interleaved_peak(m, deg, job, stage, x)
     per_mb = (moe_layers * layer_activation_bytes(m, deg, job, True)
@@ -228,7 +229,7 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     if stage == 0 and m.dropout:
         total += int(sb * h // x.rep * in_flight(deg, job, 0))  # embedding-dropout mask
     if _counts_small_buffers(m):
-        ids, rope, mask = _small_stage_buffers(m, x, stage, layers, moe_layers)
+        ids, rope, mask = _small_stage_buffers(m, x, stage, len(layers), moe_layers)
         chunk_mbs = in_flight(deg, job, stage) * job.virtual_stages  # (chunk, micro-batch) pairs
         mbs = _microbatches_in_flight(deg, job, stage)
         total += int(ids * mbs + rope * chunk_mbs + mask * (chunk_mbs if x.rep > 1 else mbs))
@@ -246,12 +247,10 @@ def head_in_flight(deg: Degrees, job: Job) -> int:
     return job.microbatches(deg) if deg.pp > 1 and job.pp_schedule == "gpipe" else 1
 
 
-def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: tuple[int, ...]) -> int:
-    # Every MoE layer saves the same bytes, and every dense one: price each kind once.
-    moe = sum(m.is_moe_layer(i) for i in layers)
-    dense = len(layers) - moe
+def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: int, moe: int) -> int:
+    """Bytes `layers` layers save, `moe` of them MoE: every layer of a kind saves the same."""
     return (moe * layer_activation_bytes(m, deg, job, True) if moe else 0) + \
-        (dense * layer_activation_bytes(m, deg, job, False) if dense else 0)
+        (layers - moe) * layer_activation_bytes(m, deg, job, False)
 
 
 def _interleaved_prefix(p: int, microbatches: int, v: int, stage: int) -> tuple:
@@ -276,11 +275,11 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     output layer's buffers while the last chunk does."""
     p, v, mbs = deg.pp, job.virtual_stages, job.microbatches(deg)
     sb, h = x.s * x.b, m.hidden_size
-    chunk_layers = [stage_layers(m.num_layers, p * v, 1, stage + c * p) for c in range(v)]
     weights, masked, mask = [], [], 0
-    for layers in chunk_layers:
-        ids, rope, mask_c = _small_stage_buffers(m, x, stage, layers, sum(m.is_moe_layer(i) for i in layers))
-        weights.append(_layer_bytes(m, deg, job, layers) + rope + (mask_c if x.rep > 1 else 0))
+    for c in range(v):
+        layers, moe_layers = stage_layer_counts(m, p * v, 1, stage + c * p)
+        ids, rope, mask_c = _small_stage_buffers(m, x, stage, layers, moe_layers)
+        weights.append(_layer_bytes(m, deg, job, layers, moe_layers) + rope + (mask_c if x.rep > 1 else 0))
         masked.append(bool(mask_c) and x.rep == 1)
         mask = mask_c or mask  # every chunk with MoE layers has the same mask size
     if stage == 0:  # token ids (Llama-style models), embedding-dropout mask
@@ -290,8 +289,9 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     weights.append(mask)
     peak = max(sum(w * n for w, n in zip(weights, held, strict=True))
                for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
-    if job.recompute == "full" and chunk_layers[0]:
-        peak += layer_activation_bytes(m, deg, replace(job, recompute="none"), m.is_moe_layer(chunk_layers[0][0]))
+    first_chunk = stage_layers(m.num_layers, p * v, 1, stage)
+    if job.recompute == "full" and first_chunk:
+        peak += layer_activation_bytes(m, deg, replace(job, recompute="none"), m.is_moe_layer(first_chunk[0]))
     return peak
 
 
@@ -323,7 +323,7 @@ def _walk_holdings(p: int, microbatches: int, v: int, stage: int,
     return tuple(h for h in seen if not any(o != h and all(a >= b for a, b in zip(o, h, strict=True)) for o in seen))
 
 
-def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: tuple[int, ...],
+def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: int,
                          moe_layers: int) -> tuple[int, int, int]:
     """(token ids, RoPE tables, padding mask) bytes: the int64 token ids of a micro-batch (embedding), the
     RoPE cos/sin [s, rope_dim/2] each in the activation dtype of one chunk's forward (shared by its layers

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from orangetron.plan.models import ModelSpec
+
 
 def chunk_layers(num_layers: int, chunks: int) -> list[range]:
     """Contiguous layer ranges of `chunks` model chunks; the first `num_layers % chunks` get one extra."""
@@ -21,3 +23,10 @@ def stage_layers(num_layers: int, pp: int, virtual_stages: int, stage: int) -> t
     """Layer indices on pipeline `stage`: chunks stage, stage+pp, ... (Megatron's interleaved assignment)."""
     chunks = chunk_layers(num_layers, pp * virtual_stages)
     return tuple(i for v in range(virtual_stages) for i in chunks[stage + v * pp])
+
+
+@lru_cache(maxsize=8192)
+def stage_layer_counts(model: ModelSpec, pp: int, virtual_stages: int, stage: int) -> tuple[int, int]:
+    """(layers, of which MoE) on pipeline `stage`: every layer of a kind costs the same, so costs need only these."""
+    layers = stage_layers(model.num_layers, pp, virtual_stages, stage)
+    return len(layers), sum(model.is_moe_layer(i) for i in layers)

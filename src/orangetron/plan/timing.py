@@ -20,7 +20,10 @@ MFU counts model FLOPs only (no recompute), attention as full (non-causal) s x s
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import operator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -37,7 +40,7 @@ from orangetron.plan.network import (
     collective_time,
     p2p_time,
 )
-from orangetron.plan.stages import stage_layers
+from orangetron.plan.stages import stage_layer_counts, stage_layers
 from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
@@ -332,13 +335,15 @@ def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
 
 def _records_time(records, places: dict[str, Placement], cluster: Cluster, net: NetworkParams,
                   msg_bytes: float = 0.0) -> float:
-    # Record lists repeat the same few objects (one per layer, micro-batch or gather): price each once.
+    # Record lists repeat the same few objects (one per layer, micro-batch or gather), in runs: price each
+    # once, and add a run's copies one at a time in C (the same additions in the same order as a plain loop).
     total, cache = 0.0, {}
-    for r in records:
-        t = cache.get(id(r))
+    for key, run in itertools.groupby(records, key=id):
+        copies = list(run)
+        t = cache.get(key)
         if t is None:
-            t = cache[id(r)] = _record_time(r, places[r.dim], cluster, net, msg_bytes)
-        total += t
+            t = cache[key] = _record_time(copies[0], places[copies[0].dim], cluster, net, msg_bytes)
+        total = functools.reduce(operator.add, itertools.repeat(t, len(copies)), total)
     return total
 
 
@@ -373,30 +378,14 @@ def _stage_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, stag
 @lru_cache(maxsize=16384)
 def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, stage: int,
                        net: NetworkParams, eff: Efficiency) -> _StageTime:
-    places = _places(deg, cluster)
-    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
-    n_moe = sum(model.is_moe_layer(i) for i in layers)
-    cp_records = context_parallel_records(model, deg, job)
+    layers, n_moe = stage_layer_counts(model, deg.pp, job.virtual_stages, stage)
     compute = tp = cp = ep = 0.0
-    for moe, count in ((False, len(layers) - n_moe), (True, n_moe)):
+    for moe, count in ((False, layers - n_moe), (True, n_moe)):
         if not count:
             continue
-        cost = layer_cost(model, deg, job, cluster, moe, eff)
-        run, attention = _fwd_bwd(cost, job)
-        cp_t = _records_time(cp_records, places, cluster, net)
-        if job.cp_mode in ("ring", "rsa"):
-            cp_t = _hide(cp_t, attention, eff)  # each ring step hides behind the previous block's attention
-        ep_t = 0.0
-        if moe:
-            row = job.param_bytes * model.hidden_size
-            ep_t = _records_time(expert_parallel_records(model, deg, job), places, cluster, net, msg_bytes=row)
-            ep_t = _hide(ep_t, _ep_window(cost, run, job, deg), eff)
+        run, tp_t, cp_t, ep_t = _layer_times(model, deg, job, cluster, moe, net, eff)
         compute += count * run
-        blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
-        tp_records = tensor_parallel_records(model, deg, job, blocks)
-        if moe:
-            tp_records = tp_records + expert_tensor_parallel_records(model, deg, job)
-        tp += count * _records_time(tp_records, places, cluster, net)
+        tp += count * tp_t
         cp += count * cp_t
         ep += count * ep_t
     if stage == deg.pp - 1 and model.vocab_size:
@@ -404,8 +393,31 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
         compute += sum(_linear(rows, model.hidden_size, model.vocab_size // deg.tp, cluster, job))
         compute += _loss_time(model, deg, job, cluster, eff)
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
-                       places, cluster, net)
+                       _places(deg, cluster), cluster, net)
     return _StageTime(compute, tp, cp, ep, pp)
+
+
+@lru_cache(maxsize=16384)
+def _layer_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: bool, net: NetworkParams,
+                 eff: Efficiency) -> tuple[float, float, float, float]:
+    """(compute, exposed tp, cp and ep seconds) of one dense or MoE layer for one micro-batch: the same on
+    every stage, so the stages of a layout share them."""
+    places = _places(deg, cluster)
+    cost = layer_cost(model, deg, job, cluster, moe, eff)
+    run, attention = _fwd_bwd(cost, job)
+    cp_t = _records_time(context_parallel_records(model, deg, job), places, cluster, net)
+    if job.cp_mode in ("ring", "rsa"):
+        cp_t = _hide(cp_t, attention, eff)  # each ring step hides behind the previous block's attention
+    ep_t = 0.0
+    if moe:
+        row = job.param_bytes * model.hidden_size
+        ep_t = _records_time(expert_parallel_records(model, deg, job), places, cluster, net, msg_bytes=row)
+        ep_t = _hide(ep_t, _ep_window(cost, run, job, deg), eff)
+    blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
+    tp_records = tensor_parallel_records(model, deg, job, blocks)
+    if moe:
+        tp_records = tp_records + expert_tensor_parallel_records(model, deg, job)
+    return run, _records_time(tp_records, places, cluster, net), cp_t, ep_t
 
 
 def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
