@@ -263,9 +263,9 @@ def _interleaved_prefix(p: int, microbatches: int, v: int, stage: int) -> tuple:
 
 @lru_cache(maxsize=1024)
 def _interleaved_prefixes(p: int, microbatches: int, v: int) -> tuple:
-    from orangetron.plan.schedule import actions
+    from orangetron.plan.schedule import interleaved_prefix
 
-    return tuple(tuple(rank[:16 * p * v]) for rank in actions(p, microbatches, "interleaved", v))
+    return tuple(tuple(rank) for rank in interleaved_prefix(p, microbatches, v, 16 * p * v))
 
 
 def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: LayerShape) -> int:
@@ -320,7 +320,17 @@ def _walk_holdings(p: int, microbatches: int, v: int, stage: int,
             holders[act.microbatch] += sign
             masks += (holders[act.microbatch] > 0) - (before > 0)
         seen.add((*chunks, masks))
-    return tuple(h for h in seen if not any(o != h and all(a >= b for a, b in zip(o, h, strict=True)) for o in seen))
+    return _not_covered(seen)
+
+
+def _not_covered(counts: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The count vectors no other one covers entry by entry. One that covers another has a larger sum, so in
+    order of decreasing sums each needs checking only against those kept before it."""
+    kept: list[tuple[int, ...]] = []
+    for h in sorted(counts, key=sum, reverse=True):
+        if not any(all(a >= b for a, b in zip(k, h, strict=True)) for k in kept):
+            kept.append(h)
+    return tuple(kept)
 
 
 def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: int,

@@ -12,6 +12,8 @@ Virtual stage g = chunk * pp + rank: with v chunks, rank r holds chunks r, r + p
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from orangetron.plan.config import SCHEDULES
@@ -67,6 +69,19 @@ def actions(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: 
 
 def _one_forward_one_backward(m: int, warmup: int, chunks: int, pp: int) -> list[Action]:
     """Warmup forwards, then alternate one forward and one backward, then the remaining backwards."""
+    return list(_one_forward_one_backward_order(m, warmup, chunks, pp))
+
+
+def interleaved_prefix(pp: int, microbatches: int, virtual_stages: int, length: int) -> list[list[Action]]:
+    """The first `length` actions of every rank in the interleaved schedule (`actions` without the rest)."""
+    _check(pp, microbatches, "interleaved", virtual_stages)
+    m, v = microbatches, virtual_stages
+    return [list(itertools.islice(
+        _one_forward_one_backward_order(m, warmup=min((pp - r - 1) * 2 + (v - 1) * pp, m * v), chunks=v, pp=pp),
+        length)) for r in range(pp)]
+
+
+def _one_forward_one_backward_order(m: int, warmup: int, chunks: int, pp: int) -> Iterator[Action]:
     total = m * chunks
 
     def nth(k: int, backward: bool) -> Action:
@@ -77,11 +92,13 @@ def _one_forward_one_backward(m: int, warmup: int, chunks: int, pp: int) -> list
             chunk = chunks - 1 - chunk
         return Action("B" if backward else "F", chunk, group * pp + within % pp)
 
-    order = [nth(k, False) for k in range(warmup)]
+    for k in range(warmup):
+        yield nth(k, False)
     for k in range(total - warmup):
-        order += [nth(warmup + k, False), nth(k, True)]
-    order += [nth(k, True) for k in range(total - warmup, total)]
-    return order
+        yield nth(warmup + k, False)
+        yield nth(k, True)
+    for k in range(total - warmup, total):
+        yield nth(k, True)
 
 
 def simulate(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1,
