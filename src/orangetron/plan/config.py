@@ -100,9 +100,16 @@ class Job:
 
 
 @lru_cache(maxsize=65536)
+def canonical_job(job: Job) -> Job:
+    """The first job seen equal to `job`. Cache keys built from one canonical object match by identity,
+    without comparing every field (a search looks such keys up hundreds of thousands of times)."""
+    return job
+
+
+@lru_cache(maxsize=65536)
 def without_data_parallel(job: Job) -> Job:
     """`job` with its optimizer sharding reset: the key for costs that sharding cannot change."""
-    return replace(job, zero_stage=0, distributed_optimizer=False)
+    return canonical_job(replace(job, zero_stage=0, distributed_optimizer=False))
 
 
 @lru_cache(maxsize=65536)
@@ -110,9 +117,10 @@ def model_state_job(job: Job) -> Job:
     """`job` with every option reset that only sets activations, compute or the micro-batch count (sequence,
     micro-batch, global batch, recompute, cp, dispatcher, kernel, FP8): the key for the model states, their
     padding and gradient buckets."""
-    return replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1, sequence_parallel=False,
-                   cp_mode="ring", ulysses_degree=1, dispatcher="ragged", capacity_factor=1.0, ep_overlap_chunks=1,
-                   recompute="none", attention_kernel="flash", overlap_ep=True, fp8=False)
+    return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1,
+                                 sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
+                                 capacity_factor=1.0, ep_overlap_chunks=1, recompute="none",
+                                 attention_kernel="flash", overlap_ep=True, fp8=False))
 
 
 def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:

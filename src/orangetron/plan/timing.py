@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from orangetron.plan.compute import ATTN_QUERY_TILE, causal_keys, flash_efficiency, gemm_time, linear_time
-from orangetron.plan.config import Degrees, Job, model_state_job, without_data_parallel
+from orangetron.plan.config import Degrees, Job, canonical_job, model_state_job, without_data_parallel
 from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import stage_params
 from orangetron.plan.models import ModelSpec
@@ -497,7 +497,7 @@ def _data_parallel_job(job: Job, microbatches: int) -> Job:
     """The key for one step's data-parallel traffic: the model-state options, and under ZeRO-3 (which gathers
     every unit again per micro-batch) the micro-batch count, carried as `num_microbatches`."""
     states = model_state_job(job)
-    return replace(states, num_microbatches=microbatches) if job.zero_stage == 3 else states
+    return canonical_job(replace(states, num_microbatches=microbatches)) if job.zero_stage == 3 else states
 
 
 @lru_cache(maxsize=16384)
