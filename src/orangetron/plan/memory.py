@@ -161,7 +161,7 @@ def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
 
 def stage_memory(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> dict[str, int]:
     """Bytes by category (and `total`) on one GPU of pipeline `stage`; `buffers` sums the transient ones."""
-    states, gathered, buckets = _stage_state_memory(model, deg, model_state_job(job), stage)
+    states, gathered, buckets, _ = _stage_state_memory(model, deg, model_state_job(job), stage)
     out = dict(states)
     out["activations"] = stage_activation_bytes(model, deg, job, stage)
     out["gathered_params"] = gathered
@@ -171,14 +171,22 @@ def stage_memory(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> dict[s
     return out
 
 
+def _stage_total(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
+    """`stage_memory(...)["total"]` without building the breakdown."""
+    return _stage_state_memory(model, deg, model_state_job(job), stage)[3] + \
+        stage_activation_bytes(model, deg, job, stage)
+
+
 @lru_cache(maxsize=16384)
 def _stage_state_memory(model: ModelSpec, deg: Degrees, job: Job,
-                        stage: int) -> tuple[tuple[tuple[str, int], ...], int, int]:
-    """(model-state bytes by category, ZeRO-3 gathered units, gradient buckets) of one stage: what the
-    parameters and their sharding fix, shared by every micro-batch size, recompute and cp mode a search tries."""
+                        stage: int) -> tuple[tuple[tuple[str, int], ...], int, int, int]:
+    """(model-state bytes by category, ZeRO-3 gathered units, gradient buckets, their sum) of one stage: what
+    the parameters and their sharding fix, shared by every micro-batch size, recompute and cp mode a search
+    tries."""
     segments = data_parallel_segments(model, deg, job, stage)
     states = model_state_bytes(stage_params(model, deg, stage, job.virtual_stages), deg, job, segments)
-    return tuple(states.items()), zero3_gather_bytes(model, deg, job, stage), grad_bucket_bytes(model, deg, job, stage)
+    gathered, buckets = zero3_gather_bytes(model, deg, job, stage), grad_bucket_bytes(model, deg, job, stage)
+    return tuple(states.items()), gathered, buckets, sum(states.values()) + gathered + buckets
 
 
 def zero3_gather_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
@@ -245,4 +253,4 @@ def memory_per_gpu(model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:
     """The busiest GPU's bytes by category: the stage with the largest total (first and last are checked,
     plus the middle one, which bound every other stage)."""
     stages = sorted({0, deg.pp // 2, deg.pp - 1})
-    return max((stage_memory(model, deg, job, s) for s in stages), key=lambda r: r["total"])
+    return stage_memory(model, deg, job, max(stages, key=lambda s: _stage_total(model, deg, job, s)))
