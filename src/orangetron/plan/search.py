@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 
 from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate
 from orangetron.plan.estimate import Estimate
@@ -87,21 +88,29 @@ def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: i
     vs = space.virtual_stages if deg.pp > 1 else (1,)
     modes = space.cp_mode if deg.cp > 1 else (base.cp_mode,)
     dispatchers = space.dispatcher if deg.ep > 1 else (base.dispatcher,)
-    zeros = [z for z in _ZERO if z in space.zero]
-    recomputes = [r for r in RECOMPUTE if r in space.recompute]
     for mb, v, mode, disp in itertools.product(space.micro_batch, vs, modes, dispatchers):
         if global_batch % (mb * deg.dp):
             continue
-        group = []
-        for rc, zero in itertools.product(recomputes, zeros):
-            stage, distopt = _ZERO[zero]
-            group.append(Job(seq_len=seq_len, micro_batch=mb, global_batch=global_batch,
-                             sequence_parallel=deg.tp > 1, cp_mode=mode, dispatcher=disp,
-                             capacity_factor=base.capacity_factor, zero_stage=stage, distributed_optimizer=distopt,
-                             param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",
-                             virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
-                             overlap_ep=base.overlap_ep, fp8=base.fp8, fp8_recipe=base.fp8_recipe))
-        yield group
+        yield list(_job_group(seq_len, global_batch, mb, v, mode, disp, deg.tp > 1, space, base))
+
+
+@lru_cache(maxsize=4096)
+def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp: str, sequence_parallel: bool,
+               space: SearchSpace, base: Job) -> tuple[Job, ...]:
+    # Built once for every layout that shares these options: the same Job objects then key the cost caches,
+    # which match them by identity instead of comparing every field.
+    zeros = [z for z in _ZERO if z in space.zero]
+    recomputes = [r for r in RECOMPUTE if r in space.recompute]
+    group = []
+    for rc, zero in itertools.product(recomputes, zeros):
+        stage, distopt = _ZERO[zero]
+        group.append(Job(seq_len=seq_len, micro_batch=mb, global_batch=global_batch,
+                         sequence_parallel=sequence_parallel, cp_mode=mode, dispatcher=disp,
+                         capacity_factor=base.capacity_factor, zero_stage=stage, distributed_optimizer=distopt,
+                         param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",
+                         virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
+                         overlap_ep=base.overlap_ep, fp8=base.fp8, fp8_recipe=base.fp8_recipe))
+    return tuple(group)
 
 
 def _pricing_class(job: Job) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
+from functools import lru_cache
 
 from orangetron.plan import collectives as cf
 from orangetron.plan.collectives import CommRecord
@@ -46,6 +47,7 @@ def _gather(op: str, dim: str, full: int, n: int) -> CommRecord:
     return CommRecord(op, dim, full, *fn(full, n))
 
 
+@lru_cache(maxsize=16384)
 def _a2a(dim: str, payload: int, n: int) -> CommRecord:
     per_peer = payload // n  # balanced: equal rows to every rank
     sent, received = cf.all_to_all_bytes([per_peer] * n, [per_peer] * n, 0)
