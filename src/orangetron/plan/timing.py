@@ -335,16 +335,23 @@ def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
 
 def _records_time(records, places: dict[str, Placement], cluster: Cluster, net: NetworkParams,
                   msg_bytes: float = 0.0) -> float:
+    return _records_times(records, places, cluster, net, msg_bytes)[0]
+
+
+def _records_times(records, places: dict[str, Placement], cluster: Cluster, net: NetworkParams,
+                   msg_bytes: float = 0.0, split_gathers: bool = False) -> tuple[float, float]:
+    """Seconds of the records, summed in order; with `split_gathers`, (all but the all-gathers, the all-gathers)."""
     # Record lists repeat the same few objects (one per layer, micro-batch or gather), in runs: price each
     # once, and add a run's copies one at a time in C (the same additions in the same order as a plain loop).
-    total, cache = 0.0, {}
+    totals, cache = [0.0, 0.0], {}
     for key, run in itertools.groupby(records, key=id):
         copies = list(run)
         t = cache.get(key)
         if t is None:
             t = cache[key] = _record_time(copies[0], places[copies[0].dim], cluster, net, msg_bytes)
-        total = functools.reduce(operator.add, itertools.repeat(t, len(copies)), total)
-    return total
+        gather = split_gathers and copies[0].op == "all_gather"
+        totals[gather] = functools.reduce(operator.add, itertools.repeat(t, len(copies)), totals[gather])
+    return totals[0], totals[1]
 
 
 def _record_time(r, where: Placement, cluster: Cluster, net: NetworkParams, msg_bytes: float) -> float:
@@ -505,7 +512,6 @@ def _dp_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
               net: NetworkParams) -> tuple[float, float, int]:
     """(reduction seconds, gather seconds, layers on stage 0) of one step's data-parallel traffic."""
     places = _places(deg, cluster)
-    records = data_parallel_records(model, deg, job, 0)
-    reduce = _records_time([r for r in records if r.op != "all_gather"], places, cluster, net)
-    gather = _records_time([r for r in records if r.op == "all_gather"], places, cluster, net)
+    reduce, gather = _records_times(data_parallel_records(model, deg, job, 0), places, cluster, net,
+                                    split_gathers=True)
     return reduce, gather, max(1, len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, 0)))
