@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from orangetron.layout import Layout
+from orangetron.plan.keys import hash_fields_once, state_without_hash
 from orangetron.plan.models import ModelSpec
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -57,6 +58,9 @@ class Job:
     overlap_ep: bool = True
     fp8: bool = False  # FP8 linear layers (Transformer Engine style); planner only
     fp8_recipe: str = "delayed"  # how FP8 tensors are scaled (FP8_RECIPES)
+
+    __hash__ = hash_fields_once  # keys the cost caches: hashed once
+    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         _check_choice("recompute", self.recompute, RECOMPUTE)

@@ -20,6 +20,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from orangetron.plan.keys import hash_fields_once, state_without_hash
+
 _PRESET_DIR = "presets/models"
 
 
@@ -56,6 +58,9 @@ class ModelSpec:
     aux_loss_coef: float = 0.0  # MoE balancing loss weight; >0 under EP adds its global all-reduce
     router_z_loss_coef: float = 0.0  # router z-loss weight; >0 keeps the router logits, a global all-reduce
     router_bias: bool = False  # auxiliary-loss-free balancing: one all-reduce of the expert loads per step
+
+    __hash__ = hash_fields_once  # keys the cost caches: hashed once
+    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         _check_spec(self)
