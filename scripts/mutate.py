@@ -359,6 +359,18 @@ MUTANTS = [
     Mutant("rank_phase_never_posted", "src/orangetron/train/faults.py",
            (("    _board.post(_step, PHASES.index(phase))", "    pass"),),
            ("tests/test_faults.py::test_a_dead_or_hung_rank_ends_every_rank_naming_it",)),
+    # ---- planner search caches --------------------------------------------------------------------------
+    Mutant("plan_dp_time_key_drops_the_zero3_micro_batches", "src/orangetron/plan/timing.py",
+           (("    return canonical_job(replace(states, num_microbatches=microbatches)) if job.zero_stage == 3 else states",
+             "    return states"),),
+           ("tests/test_plan_search_caches.py",)),
+    Mutant("plan_state_key_drops_the_bucket_size", "src/orangetron/plan/config.py",
+           (('capacity_factor=1.0, ep_overlap_chunks=1, recompute="none",',
+             'capacity_factor=1.0, ep_overlap_chunks=1, recompute="none", bucket_numel=0,'),),
+           ("tests/test_plan_search_caches.py",)),
+    Mutant("plan_interleaved_masks_counted_per_chunk", "src/orangetron/plan/activations.py",
+           (("            masks += (holders[act.microbatch] > 0) - (before > 0)", "            masks += sign"),),
+           ("tests/test_plan_search_caches.py",)),
 ]
 
 
