@@ -361,8 +361,8 @@ MUTANTS = [
            ("tests/test_faults.py::test_a_dead_or_hung_rank_ends_every_rank_naming_it",)),
     # ---- planner search caches --------------------------------------------------------------------------
     Mutant("plan_dp_time_key_drops_the_zero3_micro_batches", "src/orangetron/plan/timing.py",
-           (("    return canonical_job(replace(states, num_microbatches=microbatches)) if job.zero_stage == 3 else states",
-             "    return states"),),
+           (("canonical_job(replace(states, num_microbatches=microbatches)) if job.zero_stage == 3 else states",
+             "states"),),
            ("tests/test_plan_search_caches.py",)),
     Mutant("plan_state_key_drops_the_bucket_size", "src/orangetron/plan/config.py",
            (('capacity_factor=1.0, ep_overlap_chunks=1, recompute="none",',
