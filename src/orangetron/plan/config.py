@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from orangetron.layout import Layout
-from orangetron.plan.keys import hash_fields_once, state_without_hash
+from orangetron.plan.keys import hash_fields_once
 from orangetron.plan.models import ModelSpec
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -60,7 +60,6 @@ class Job:
     fp8_recipe: str = "delayed"  # how FP8 tensors are scaled (FP8_RECIPES)
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
-    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         _check_choice("recompute", self.recompute, RECOMPUTE)
@@ -119,12 +118,12 @@ def without_data_parallel(job: Job) -> Job:
 @lru_cache(maxsize=65536)
 def model_state_job(job: Job) -> Job:
     """`job` with every option reset that only sets activations, compute or the micro-batch count (sequence,
-    micro-batch, global batch, recompute, cp, dispatcher, kernel, FP8): the key for the model states, their
-    padding and gradient buckets."""
+    micro-batch, global batch, recompute, cp, dispatcher, kernel): the key for the model states, their padding
+    and gradient buckets. FP8 stays: a search never varies it, and its recipe is checked against it."""
     return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1,
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
                                  capacity_factor=1.0, ep_overlap_chunks=1, recompute="none",
-                                 attention_kernel="flash", overlap_ep=True, fp8=False))
+                                 attention_kernel="flash", overlap_ep=True))
 
 
 def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:

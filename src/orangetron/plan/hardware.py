@@ -7,7 +7,7 @@ from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-from orangetron.plan.keys import hash_fields_once, state_without_hash
+from orangetron.plan.keys import hash_fields_once
 
 _PRESET_DIR = "presets/gpus"
 GIB = 1024**3
@@ -67,7 +67,6 @@ class Cluster:
     transport: str = "proxy"  # "proxy" (CPU proxy thread) | "ibgda" (GPU-initiated)
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
-    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1 or self.gpus_per_node < 1:

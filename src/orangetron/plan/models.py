@@ -20,7 +20,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from orangetron.plan.keys import hash_fields_once, state_without_hash
+from orangetron.plan.keys import hash_fields_once
 
 _PRESET_DIR = "presets/models"
 
@@ -60,7 +60,6 @@ class ModelSpec:
     router_bias: bool = False  # auxiliary-loss-free balancing: one all-reduce of the expert loads per step
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
-    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         _check_spec(self)
