@@ -209,6 +209,83 @@ BRIDGE_MOE = [
 ]
 
 
+
+# MosaicML llm-foundry's MPT benchmark table (mosaicml/llm-foundry scripts/train/benchmarking/README.md, "H100 80GB
+# BF16"): Composer with PyTorch FSDP FULL_SHARD (ZeRO-3, bf16 gathers and reductions), tokens/s per GPU. The MPT
+# benchmark models are GPT-style (biases, LayerNorm, GeLU 4h, learned positions, tied embeddings, vocabulary
+# 50368); their shapes (scripts/train/yamls/pretrain/mpt-*.yaml) reproduce the table's NumParams exactly. Which
+# attention kernel ran is not stated (the yamls name `attn_impl: triton`, a Triton FlashAttention), so these rows
+# are priced with FlashAttention-2's efficiency and reported beside the validation set.
+MPT_SHAPES = {"760m": (12, 1536, 24), "1b": (16, 2048, 24), "3b": (20, 2560, 32), "7b": (32, 4096, 32),
+              "13b": (40, 5120, 40), "30b": (56, 7168, 48), "70b": (64, 8192, 80)}
+# (model, seq, GPUs, micro-batch, accumulation, global batch, tokens/s per GPU, activation checkpointing)
+_MPT_TABLE = [
+    ('70b', 2048, 64, 8, 4, 2048, 1039, 'T'),
+    ('70b', 2048, 32, 2, 16, 1024, 882, 'T'),
+    ('30b', 8192, 8, 1, 21, 168, 1384, 'T'),
+    ('30b', 4096, 8, 1, 21, 168, 1802, 'T'),
+    ('30b', 2048, 32, 14, 3, 1344, 2308, 'T'),
+    ('30b', 2048, 16, 10, 3, 480, 2263, 'T'),
+    ('30b', 2048, 8, 3, 21, 504, 2002, 'T'),
+    ('30b', 1024, 8, 6, 21, 1008, 2084, 'T'),
+    ('13b', 32768, 8, 1, 3, 24, 1976, 'T'),
+    ('13b', 16384, 8, 3, 3, 72, 2985, 'T'),
+    ('13b', 4096, 8, 10, 3, 240, 4717, 'T'),
+    ('13b', 2048, 64, 2, 1, 128, 4800, 'F'),
+    ('13b', 2048, 32, 2, 1, 64, 4811, 'F'),
+    ('13b', 2048, 16, 2, 1, 32, 4767, 'F'),
+    ('13b', 2048, 8, 2, 1, 16, 4792, 'F'),
+    ('13b', 1024, 8, 40, 3, 960, 5502, 'T'),
+    ('7b', 65536, 8, 1, 2, 16, 1956, 'T'),
+    ('7b', 32768, 8, 2, 2, 32, 3318, 'T'),
+    ('7b', 8192, 8, 8, 2, 128, 6935, 'T'),
+    ('7b', 4096, 8, 16, 2, 256, 8611, 'T'),
+    ('7b', 2048, 8, 6, 1, 48, 10643, 'F'),
+    ('7b', 1024, 8, 64, 2, 1024, 10203, 'T'),
+    ('3b', 65536, 8, 1, 2, 16, 3262, 'T'),
+    ('3b', 32768, 8, 3, 6, 144, 5873, 'T'),
+    ('3b', 16384, 8, 1, 6, 48, 11152, 'F'),
+    ('3b', 8192, 8, 3, 6, 144, 16578, 'F'),
+    ('3b', 4096, 8, 5, 6, 240, 20964, 'F'),
+    ('3b', 2048, 64, 6, 3, 1152, 22525, 'F'),
+    ('3b', 2048, 32, 6, 3, 576, 23021, 'F'),
+    ('3b', 2048, 16, 10, 3, 480, 24142, 'F'),
+    ('3b', 1024, 8, 20, 6, 960, 27046, 'F'),
+    ('3b', 512, 8, 40, 6, 1920, 27965, 'F'),
+    ('1b', 65536, 8, 1, 2, 16, 5506, 'T'),
+    ('1b', 32768, 8, 1, 4, 32, 12025, 'F'),
+    ('1b', 16384, 8, 2, 4, 64, 19649, 'F'),
+    ('1b', 8192, 8, 3, 4, 96, 29157, 'F'),
+    ('1b', 4096, 8, 7, 4, 224, 38535, 'F'),
+    ('1b', 2048, 64, 20, 1, 1280, 44402, 'F'),
+    ('1b', 2048, 32, 20, 1, 640, 45130, 'F'),
+    ('1b', 2048, 16, 20, 1, 320, 46037, 'F'),
+    ('1b', 2048, 8, 14, 1, 112, 45455, 'F'),
+    ('1b', 1024, 8, 18, 4, 576, 48910, 'F'),
+    ('1b', 512, 8, 56, 4, 1792, 52275, 'F'),
+    ('760m', 32768, 8, 1, 2, 16, 16291, 'F'),
+    ('760m', 16384, 8, 3, 2, 48, 27815, 'F'),
+    ('760m', 8192, 8, 6, 2, 96, 41825, 'F'),
+    ('760m', 4096, 8, 12, 2, 192, 55459, 'F'),
+    ('760m', 2048, 32, 24, 1, 768, 67971, 'F'),
+    ('760m', 2048, 16, 24, 1, 384, 68551, 'F'),
+    ('760m', 2048, 8, 24, 2, 384, 63147, 'F'),
+    ('760m', 1024, 8, 48, 2, 768, 78581, 'F'),
+    ('760m', 512, 8, 96, 2, 1536, 83749, 'F'),
+]
+
+
+def _mpt(name, seq, gpus, mb, _accumulation, batch, tokens, checkpointing) -> Run:
+    heads, hidden, layers = MPT_SHAPES[name]
+    job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, zero_stage=3, attention_kernel="flash2",
+              recompute="full" if checkpointing == "T" else "none")
+    return Run(f"MPT-{name} seq {seq}, {gpus} H100, mb {mb}", "check",
+               gpt(heads, hidden, layers, vocab=50368, dropout=0.0, positions=seq), "h100", Degrees(dp=gpus), job,
+               "tokens", tokens)
+
+
+MOSAIC_MPT = [_mpt(*row) for row in _MPT_TABLE]
+
 def _fits(model: ModelSpec, deg: Degrees, job: Job, capacity: float) -> bool:
     try:
         validate(model, deg, job)
