@@ -97,7 +97,8 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False) -> None:
                    help="sequences per step (default: one micro-batch per replica)")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bfloat16")
     p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="flash",
-                   help="flash: the GPU's best fused kernel; flash2: FlashAttention-2; eager: stored scores")
+                   help="flash: the GPU's best fused kernel; flash2: FlashAttention-2; flash-triton: FlashAttention in "
+                        "Triton; eager: stored scores")
     p.add_argument("--fp8", action="store_true",
                    help="FP8 linear layers: FP8 GEMM peak, FP8 weight copies and scale tensors")
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",

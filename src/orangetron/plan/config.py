@@ -14,7 +14,7 @@ RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "allgather", "ulysses", "usp", "rsa")
 DISPATCHERS = ("ragged", "capacity", "allgather")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-ATTENTION_KERNELS = ("flash", "flash2", "eager")
+ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "eager")
 # "delayed": Transformer Engine's per-tensor scales from an amax history; "blockwise": DeepSeek-V3's fine-grained
 # scales, one per 1 x 128 activation tile and per 128 x 128 weight block (arXiv:2412.19437 section 3.3.2)
 FP8_RECIPES = ("delayed", "blockwise")
@@ -51,7 +51,8 @@ class Job:
     virtual_stages: int = 1
     recompute: str = "none"
     # "flash": the GPU's best fused kernel (FlashAttention-3 / cuDNN on Hopper), keeps no [s, s] scores;
-    # "flash2": FlashAttention-2 (the same memory, its own speed); "eager" stores the scores
+    # "flash2": FlashAttention-2 (the same memory, its own speed); "flash-triton": FlashAttention in Triton (the
+    # same memory, slower than FlashAttention-2 by the gaps `compute.TRITON_FLASH_GAP`); "eager" stores the scores
     attention_kernel: str = "flash"
     # Expert all-to-all hidden behind another micro-batch's layer (DualPipe-style pairing); off: behind the shared
     # experts only (see `timing._ep_window`)

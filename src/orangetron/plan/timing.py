@@ -27,7 +27,14 @@ import operator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from orangetron.plan.compute import ATTN_QUERY_TILE, causal_keys, flash_efficiency, gemm_time, linear_time
+from orangetron.plan.compute import (
+    ATTN_QUERY_TILE,
+    TRITON_FLASH_GAP,
+    causal_keys,
+    flash_efficiency,
+    gemm_time,
+    linear_time,
+)
 from orangetron.plan.config import Degrees, Job, canonical_job, model_state_job, without_data_parallel
 from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import stage_params
@@ -184,11 +191,20 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     # Ring CP calls the kernel once per step on a K,V block of s/cp keys: each call's query tiles pay their fill
     # over that block, not over the whole sequence.
     call_keys = min(keys, job.seq_len / deg.cp) if deg.cp > 1 and job.cp_mode in ("ring", "rsa") else keys
-    base_fwd, base_bwd = gpu.attention_efficiency(job.attention_kernel)
-    fwd_eff = flash_efficiency(base_fwd or eff.flash_fwd_efficiency, call_keys, ctas, gpu.sms)
-    bwd_eff = flash_efficiency(base_bwd or eff.flash_bwd_efficiency, call_keys, ctas, gpu.sms)
+    base_fwd, base_bwd = _kernel_efficiency(gpu, job.attention_kernel, eff)
+    fwd_eff = flash_efficiency(base_fwd, call_keys, ctas, gpu.sms)
+    bwd_eff = flash_efficiency(base_bwd, call_keys, ctas, gpu.sms)
     # Backward: dV, dP, dS->dQ, dK plus the recomputed scores: 2.5x the forward's FLOPs (Dao 2023).
     return flops / (peak * fwd_eff), 2.5 * flops / (peak * bwd_eff)
+
+
+def _kernel_efficiency(gpu, kernel: str, eff: Efficiency) -> tuple[float, float]:
+    """(forward, backward) long-sequence share of peak of a fused attention kernel on `gpu`."""
+    fwd, bwd = gpu.attention_efficiency("flash2" if kernel == "flash-triton" else kernel)
+    fwd, bwd = fwd or eff.flash_fwd_efficiency, bwd or eff.flash_bwd_efficiency
+    if kernel == "flash-triton":
+        return fwd / TRITON_FLASH_GAP[0], bwd / TRITON_FLASH_GAP[1]
+    return fwd, bwd
 
 
 def _eager_attention_time(model: ModelSpec, rows: int, keys: int, batch_heads: int, cluster: Cluster,
