@@ -50,8 +50,9 @@ LLAMA3 = [
 
 def korthikanti_mfu(shape, tp, pp, dp, batch, recompute):
     deg = Degrees(tp=tp, pp=pp, dp=dp)
+    # Megatron-LM of 2022 all-reduced gradients after the last backward (train_step: allreduce_gradients()).
     job = Job(seq_len=2048, global_batch=batch, sequence_parallel=True, recompute=recompute,
-              attention_kernel="eager")
+              attention_kernel="eager", overlap_grad_reduce=False)
     return step_time(gpt(*shape), deg, job, make_cluster("a100-80gb", deg.world_size)).mfu
 
 
@@ -203,3 +204,20 @@ def test_flash2_prices_attention_at_its_own_efficiency():
     a100 = make_cluster("a100-80gb", 8)
     assert layer_cost(model, deg, Job(seq_len=16384, attention_kernel="flash2"), a100, False) == \
         layer_cost(model, deg, Job(seq_len=16384), a100, False)
+
+
+def test_gradient_reduction_after_backward_is_exposed_whole():
+    """Without overlap (Megatron-LM 2021, DeepSpeed's pipeline engine) DDP's one all-reduce of the whole bf16
+    gradient, over 8 GPUs of one node, is all exposed; with overlap only its last layer's share and the
+    contention of the rest are."""
+    from orangetron.plan.memory import stage_params
+    from orangetron.plan.network import Placement, collective_time
+
+    model, cluster, deg = load_model("llama3-8b"), make_cluster("h100", 8), Degrees(dp=8)
+    job = Job(seq_len=4096, global_batch=8)
+    whole = collective_time("all_reduce", 2 * stage_params(model, deg, 0).total, Placement(8, 8), cluster)[0]
+    after = step_time(model, deg, replace(job, overlap_grad_reduce=False), cluster)
+    behind = step_time(model, deg, job, cluster)
+    assert after.dp_s == pytest.approx(whole, rel=1e-12)
+    assert behind.dp_s < 0.2 * whole
+    assert after.step_s - behind.step_s == pytest.approx(after.dp_s - behind.dp_s, rel=1e-9)

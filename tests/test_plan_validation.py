@@ -5,7 +5,10 @@ per-GPU-type GEMM efficiency was set looking at those. Every run below is predic
 presets and global constants; nothing is set per run. Knobs a source does not publish (micro-batch, virtual
 pipeline stages) are chosen as the authors would have tuned them: the planner's fastest choice that fits.
 
-Sources (each run's numbers are quoted from its paper; metrics use the paper's own FLOP convention):
+Sources (each run's numbers are quoted from its paper; metrics use the paper's own FLOP convention). The
+Megatron-LM (SC'21) and DeepSpeed pipeline-engine runs (MT-NLG, BLOOM, GPT-NeoX) reduced gradients after the last
+backward, not behind it (Megatron-LM's train_step of the time calls allreduce_gradients() after the schedule;
+DeepSpeed's TrainSchedule issues ReduceGrads after its last step): `overlap_grad_reduce=False`.
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
   (SC'21, arXiv:2104.04473), Table 1: GPT 1.7B-1T on A100 80GB, seq 2048, vocab 51200, full activation
   recomputation, achieved teraFLOP/s per GPU counted with recomputation (96BslH^2(1 + s/6h + V/16lh)).
@@ -78,7 +81,7 @@ class Run:
 
 def _sc21(name, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Run:
     cls = "size" if hidden <= 6144 else "scale"
-    job = Job(seq_len=2048, global_batch=batch, recompute="full", attention_kernel="eager")
+    job = Job(seq_len=2048, global_batch=batch, recompute="full", attention_kernel="eager", overlap_grad_reduce=False)
     return Run(f"SC'21 {name}", cls, gpt(heads, hidden, layers), "a100-80gb",
                Degrees(tp=tp, pp=pp, dp=gpus // (tp * pp)), job, "tflops", tflops, ("micro_batch", "virtual_stages"))
 
@@ -109,7 +112,7 @@ def _neox_tokens_per_s(tflops: float) -> float:
 
 
 _MTNLG = gpt(128, 20480, 105)
-_MTNLG_JOB = Job(seq_len=2048, global_batch=1920, recompute="full", attention_kernel="eager")
+_MTNLG_JOB = Job(seq_len=2048, global_batch=1920, recompute="full", attention_kernel="eager", overlap_grad_reduce=False)
 
 RUNS = [
     _sc21("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
@@ -131,11 +134,11 @@ RUNS = [
     Run("BLOOM 176B, 384 GPUs", "scale", gpt(112, 14336, 70, vocab=250880, dropout=0.0, positions=0),
         "a100-80gb", Degrees(tp=4, pp=12, dp=8),
         Job(seq_len=2048, global_batch=2048, micro_batch=2, recompute="full", attention_kernel="eager",
-            zero_stage=1), "tflops", 156),
+            zero_stage=1, overlap_grad_reduce=False), "tflops", 156),
     Run("GPT-NeoX 20B, 96 GPUs", "size", gpt(64, 6144, 44, vocab=50432, dropout=0.0, positions=0, tied=False),
         "a100-40gb", Degrees(tp=2, pp=4, dp=12),
         Job(seq_len=2048, global_batch=1536, micro_batch=4, recompute="full", attention_kernel="eager",
-            zero_stage=1), "tokens", _neox_tokens_per_s(117)),
+            zero_stage=1, overlap_grad_reduce=False), "tokens", _neox_tokens_per_s(117)),
     Run("DeepSeek-V2, 1024 GPUs", "moe", load_model("deepseek-v2"), "h800", Degrees(pp=16, dp=64, ep=8),
         Job(seq_len=4096, global_batch=2304, zero_stage=1, overlap_ep=False), "tokens", 1e12 / (172.8e3 * 3600)),
     Run("DeepSeek-V3, 2048 GPUs", "precision", load_model("deepseek-v3"), "h800", Degrees(pp=16, dp=128, ep=64),
@@ -337,6 +340,7 @@ def test_mean_error_overall_and_by_class():
     errs = errors()
     mean = sum(abs(e) for _, _, e in errs.values()) / len(errs)
     assert mean <= 0.12
+    assert max(abs(e) for _, _, e in errs.values()) <= 0.30
     for cls in {c for c, _, _ in errs.values()}:
         mine = [abs(e) for c, _, e in errs.values() if c == cls]
         assert sum(mine) / len(mine) <= 0.20, cls
@@ -430,3 +434,19 @@ def megatron_peak(run: MegatronMemory) -> int:
 @pytest.mark.parametrize("run", MEGATRON_CI, ids=[r.case.split(" ")[0] + "-" + r.gpu for r in MEGATRON_CI])
 def test_peak_memory_within_10_percent_of_megatron_ci(run):
     assert megatron_peak(run) == pytest.approx(run.max_allocated, rel=0.10)
+
+
+# torchtitan's December 2024 benchmark (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1
+# and 3): Llama 3.1 8B under FSDP on 8 and on 128 H100 with the same local batch, peak reserved memory 82.4 / 77.0
+# / 76.8 GiB and 67.0 / 62.0 / 61.8 GiB (plain, torch.compile, + Float8). Its absolute figures hold a loss and an
+# allocator cache the planner does not price (docs/planner.md); their difference cancels both, and activations,
+# leaving what sharding over 16x more ranks frees: fp32 parameters, gradients and Adam moments (FSDP2 keeps fp32
+# shards and, by default, reduces in fp32).
+TORCHTITAN_FSDP_DROP_GIB = (82.4 - 67.0, 77.0 - 62.0, 76.8 - 61.8)
+
+
+@pytest.mark.parametrize("measured", TORCHTITAN_FSDP_DROP_GIB)
+def test_fsdp_memory_freed_from_8_to_128_gpus_within_10_percent_of_torchtitan(measured):
+    model, job = load_model("llama3-8b"), Job(seq_len=8192, micro_batch=2, zero_stage=3, param_dtype="float32")
+    drop = memory_per_gpu(model, Degrees(dp=8), job)["total"] - memory_per_gpu(model, Degrees(dp=128), job)["total"]
+    assert drop / 2**30 == pytest.approx(measured, rel=0.10)

@@ -61,6 +61,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                      help="gradient reduction dtype (default: the param dtype, as the seed's tables)")
     est.add_argument("--no-overlap-ep", action="store_true",
                      help="no paired micro-batch overlap: only shared experts hide the expert all-to-all")
+    est.add_argument("--no-overlap-grad-reduce", action="store_true",
+                     help="reduce gradients after the last backward instead of behind it (Megatron-LM 2021, "
+                          "DeepSpeed's pipeline engine)")
     est.add_argument("--pp-schedule", choices=SCHEDULES, default=None,
                      help="default: interleaved when --virtual-stages > 1, else 1f1b")
     # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
@@ -167,7 +170,8 @@ def run_estimate(args: argparse.Namespace) -> int:
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
-              overlap_ep=not args.no_overlap_ep, fp8=args.fp8, fp8_recipe=args.fp8_recipe)
+              overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce, fp8=args.fp8,
+              fp8_recipe=args.fp8_recipe)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     warning = fit_warning(est)
     if warning:

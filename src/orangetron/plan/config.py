@@ -57,6 +57,9 @@ class Job:
     # Expert all-to-all hidden behind another micro-batch's layer (DualPipe-style pairing); off: behind the shared
     # experts only (see `timing._ep_window`)
     overlap_ep: bool = True
+    # Gradient reductions hidden behind backward as buckets fill (the runtime, Megatron-Core's overlap_grad_reduce);
+    # off: reduced after the last backward, as Megatron-LM (2021) and DeepSpeed's pipeline engine did. Planner only
+    overlap_grad_reduce: bool = True
     fp8: bool = False  # FP8 linear layers (Transformer Engine style); planner only
     fp8_recipe: str = "delayed"  # how FP8 tensors are scaled (FP8_RECIPES)
 
@@ -124,7 +127,7 @@ def model_state_job(job: Job) -> Job:
     return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1,
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
                                  capacity_factor=1.0, ep_overlap_chunks=1, recompute="none",
-                                 attention_kernel="flash", overlap_ep=True))
+                                 attention_kernel="flash", overlap_ep=True, overlap_grad_reduce=True))
 
 
 def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:

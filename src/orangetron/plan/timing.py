@@ -509,8 +509,11 @@ def _dp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, t_mb
     """DP traffic left over after overlapping reductions with the last backward and gathers with the
     first forward (ZeRO-3's per-micro-batch gathers hide behind each micro-batch)."""
     reduce, gather, layers = _dp_times(model, deg, _data_parallel_job(job, m), cluster, net)
-    tail = reduce / layers  # the last bucket never overlaps
-    exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)
+    if job.overlap_grad_reduce:
+        tail = reduce / layers  # the last bucket never overlaps
+        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)
+    else:  # every reduction after the last backward, before the optimizer
+        exposed = reduce
     window = m * t_mb if job.zero_stage == 3 else t_mb / 3
     return exposed + _hide(gather, window, eff)
 
