@@ -36,7 +36,7 @@ from orangetron.plan.compute import (
     linear_time,
 )
 from orangetron.plan.config import Degrees, Job, canonical_job, model_state_job, without_data_parallel
-from orangetron.plan.hardware import Cluster
+from orangetron.plan.hardware import Cluster, GPUSpec
 from orangetron.plan.memory import stage_params
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import (
@@ -198,7 +198,7 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     return flops / (peak * fwd_eff), 2.5 * flops / (peak * bwd_eff)
 
 
-def _kernel_efficiency(gpu, kernel: str, eff: Efficiency) -> tuple[float, float]:
+def _kernel_efficiency(gpu: GPUSpec, kernel: str, eff: Efficiency) -> tuple[float, float]:
     """(forward, backward) long-sequence share of peak of a fused attention kernel on `gpu`."""
     fwd, bwd = gpu.attention_efficiency("flash2" if kernel == "flash-triton" else kernel)
     fwd, bwd = fwd or eff.flash_fwd_efficiency, bwd or eff.flash_bwd_efficiency
