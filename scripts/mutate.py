@@ -62,8 +62,8 @@ MUTANTS = [
            (("            wire = torch.zeros(seg.padded, dtype", "            wire = torch.zeros(seg.numel, dtype"),),
            ("tests/test_data_parallel.py::test_every_stage_matches_one_device_with_exact_ledger_and_memory",)),
     Mutant("grads_averaged_over_d_squared", "src/orangetron/parallel/data.py",
-           (("            part.reduce(self.group.size, self.transient)  # the loss",
-             "            part.reduce(self.group.size ** 2, self.transient)  # the loss"),),
+           (("            part.reduce(self.group.size, self.transient, self.param_grads.free)",
+             "            part.reduce(self.group.size ** 2, self.transient, self.param_grads.free)"),),
            ("tests/test_mixed_precision.py",)),
     Mutant("zero3_grads_averaged_over_d_squared", "src/orangetron/parallel/data.py",
            (("            for part in self.parts:\n                part.main_grads.div_(self.group.size)\n",
@@ -327,8 +327,8 @@ MUTANTS = [
            ("tests/test_checkpoint_sharded.py::test_every_layout_reshards_onto_the_next_exactly",)),
     # ---- gradient buckets of the sharded stages -------------------------------------------------------
     Mutant("sharded_bucket_grad_freed_before_its_last_bucket", "src/orangetron/parallel/buckets.py",
-           (("            if self.pending_buckets[i] == 0:\n                p.grad = None",
-             "            if True:\n                p.grad = None"),),
+           (("            if self.pending_buckets[i] == 0:\n                self.dp.param_grads.free(p)",
+             "            if True:\n                self.dp.param_grads.free(p)"),),
            ("tests/test_data_parallel.py::test_every_stage_matches_one_device_with_exact_ledger_and_memory",)),
     Mutant("sharded_buckets_not_retired_before_the_next", "src/orangetron/parallel/buckets.py",
            (("        self.retire()  # one bucket in flight", "        pass  # one bucket in flight"),),
@@ -378,6 +378,17 @@ MUTANTS = [
     Mutant("plan_interleaved_masks_counted_per_chunk", "src/orangetron/plan/activations.py",
            (("            masks += (holders[act.microbatch] > 0) - (before > 0)", "            masks += sign"),),
            ("tests/test_plan_search_caches.py",)),
+    # ---- per-parameter gradients (param_grads) --------------------------------------------------------------
+    Mutant("param_grads_never_uncounted_when_freed", "src/orangetron/parallel/param_grads.py",
+           (("        self.transient.add(\"param_grads\", -self.counted.pop(id(p), 0))",
+             "        self.counted.pop(id(p), 0)"),),
+           ("tests/test_data_parallel.py::test_every_stage_matches_one_device_with_exact_ledger_and_memory",)),
+    Mutant("planner_in_place_buckets_hold_every_grad", "src/orangetron/plan/param_grads.py",
+           (("        return largest * job.param_bytes", "        return total * job.param_bytes"),),
+           ("tests/test_data_parallel.py::test_planner_predicts_the_per_parameter_gradients_by_hand",)),
+    Mutant("planner_grads_freed_inside_no_sync", "src/orangetron/plan/param_grads.py",
+           (("            if not reduces:\n                continue\n", ""),),
+           ("tests/test_pipeline_parallel.py",)),
 ]
 
 

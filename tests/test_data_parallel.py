@@ -160,7 +160,27 @@ def expected_records(stage: str, step: int, numel: int, d: int):
     }[stage]
 
 
+# Per-parameter .grad bytes at their peak, by hand for the test model (float64): unbucketed stages keep every
+# gradient until the step; the in-place buckets (DDP, ZeRO-1, distributed optimizer) add each one into the main
+# buffer on arrival, so one tensor at a time, the largest being 576 elements (embedding, output, each stacked
+# expert matrix); ZeRO-2's buckets of 496 cut every stacked expert matrix, so w2 waits for the bucket it shares
+# with w3 to fill: two 576-element tensors; ZeRO-3 frees a unit's gradients when the unit is complete: one block.
+LARGEST_TENSOR, BLOCK = 576, 3132
+
+
+def param_grad_bytes(stage: str, numel: int) -> int:
+    if stage in ("ddp", "zero1", "zero2", "distopt"):
+        return numel * 8
+    if stage == "zero2_buckets":
+        return 2 * LARGEST_TENSOR * 8
+    return (BLOCK if stage in ZERO3 else LARGEST_TENSOR) * 8
+
+
 def expected_state(stage: str, numel: int, d: int, units: list[int]):
+    return model_states(stage, numel, d, units) | {"param_grads": param_grad_bytes(stage, numel)}
+
+
+def model_states(stage: str, numel: int, d: int, units: list[int]):
     shard, padded = -(-numel // d) * 8, -(-numel // d) * d * 8
     if stage in ("ddp", "ddp_buckets"):  # all_reduce returns a new full buffer; the bucketed one sums in place
         return {"params": numel * 8, "grads": numel * 8, "main_params": 0, "optimizer": 2 * numel * 8,
@@ -224,7 +244,8 @@ def test_bfloat16_params_keep_fp32_main_state_and_reduce_in_bf16():
     torch.testing.assert_close(mean_losses, reference(2)[0], rtol=2e-2, atol=0)  # bf16 tracks float64
     shard, padded = -(-numel // 2), -(-numel // 2) * 2
     assert state == {"params": padded * 2, "grads": shard * 4, "main_params": shard * 4, "optimizer": shard * 8,
-                     "gathered_params": 0, "grad_buckets": padded * 2 + shard * 2}  # bf16 full buffer and slice
+                     "gathered_params": 0, "grad_buckets": padded * 2 + shard * 2,  # bf16 full buffer and slice
+                     "param_grads": numel * 2}  # every bf16 .grad, until the step
     assert records[0] == ("all_gather", "dp_cp", padded * 2, shard * 2)  # params travel in bf16
     assert records[1] == ("reduce_scatter", "dp_cp", padded * 2, shard * 2)  # and so do gradients
 
@@ -255,6 +276,42 @@ def test_reduction_buffers_count_in_grad_buckets_when_dtypes_differ_and_unbucket
         config = ParallelConfig(param_dtype=dtype, **STAGES[stage])
         _, predicted = predicted_step(CFG, Layout(dp=4), config, seq_len=SEQ, micro_batch=PER_RANK)
         assert predicted["grad_buckets"] == expected[name], name
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_planner_predicts_the_per_parameter_gradients_by_hand(stage):
+    config = ParallelConfig(param_dtype="float64", **STAGES[stage])
+    _, predicted = predicted_step(CFG, Layout(dp=2), config, seq_len=SEQ, micro_batch=PER_RANK)
+    assert predicted["param_grads"] == param_grad_bytes(stage, 7434)
+
+
+def accumulated_param_grads(stage: str) -> int:
+    """Peak .grad bytes of one step of two micro-batches, the first inside no_sync."""
+    dp = DataParallel(Transformer(CFG, seed=0, dtype=torch.float64), init_mesh(Layout(dp=2)),
+                      ParallelConfig(param_dtype="float64", **STAGES[stage]))
+    rows = batch(0, 2 * PER_RANK)
+    with dp.no_sync():
+        ce(dp(rows[:1, :-1]), rows[:1]).backward()
+    ce(dp(rows[1:, :-1]), rows[1:]).backward()
+    dp.reduce_gradients()
+    return dp.transient_peaks()["param_grads"]
+
+
+def accumulated_runs(stages: tuple[str, ...]) -> dict[str, int]:
+    return {stage: accumulated_param_grads(stage) for stage in stages}
+
+
+def test_no_sync_keeps_every_gradient_until_the_last_micro_batch_under_zero2_buckets_and_zero3():
+    """Under ZeRO-2 and ZeRO-3 the first micro-batch's gradients wait in .grad: all 7434 elements at once,
+    where one micro-batch holds two expert matrices or one block (in-place buckets still hold one tensor)."""
+    stages = ("zero2_buckets", "zero3", "ddp_buckets")
+    measured = run_distributed(accumulated_runs, 2, args=(stages,))
+    expected = {"zero2_buckets": 7434 * 8, "zero3": 7434 * 8, "ddp_buckets": LARGEST_TENSOR * 8}
+    assert measured == [expected] * 2
+    for stage in stages:
+        config = ParallelConfig(param_dtype="float64", microbatches=2, **STAGES[stage])
+        _, predicted = predicted_step(CFG, Layout(dp=2), config, seq_len=SEQ, micro_batch=1)
+        assert predicted["param_grads"] == expected[stage], stage
 
 
 def test_parallel_config_rules():

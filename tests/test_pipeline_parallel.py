@@ -36,6 +36,10 @@ CASES = {
                                           "grad_bucket_numel": 200}),
        ("dense", Layout(pp=2, dp=2), {"pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2,
                                       "zero_stage": 1, "grad_bucket_numel": 150}),
+       # ZeRO-2 keeps .grad until a bucket fills: with as many micro-batches as stages, a chunk's last backward
+       # frees its gradients before the other chunk's first one (plan.param_grads replays the schedule).
+       ("dense", Layout(pp=2, dp=2), {"pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2,
+                                      "zero_stage": 2, "grad_bucket_numel": 150}),
        # ZeRO-3 by unit on each stage: gathered per micro-batch, reduce-scattered after a chunk's last backward.
        ("dense", Layout(pp=2, dp=2), {"pp_schedule": "1f1b", "microbatches": 2, "zero_stage": 3}),
        ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "gpipe", "microbatches": 2, "zero_stage": 3,

@@ -25,6 +25,17 @@ def test_estimate_json_contract(capsys):
     assert data["step_time_s"] > 0 and 0 < data["mfu"] < 1 and data["tflops_per_gpu"] > 0
 
 
+def test_estimate_grad_bucket_numel_frees_each_grad_on_arrival(capsys):
+    """Llama 3 8B (8,030,261,248 parameters, bf16) on dp=8: unbucketed, every .grad waits for the reduction;
+    with buckets each one is added into the main buffer as it arrives, the largest being the 128256 x 4096
+    embedding (or output) matrix."""
+    args = ["estimate", "--model", "llama3-8b", "--gpu", "h100", "--dp", "8", "--seq", "4096", "--json"]
+    run(args)
+    assert last_json(capsys)["memory_bytes"]["param_grads"] == 8_030_261_248 * 2
+    run([*args, "--grad-bucket-numel", "40000000"])
+    assert last_json(capsys)["memory_bytes"]["param_grads"] == 128256 * 4096 * 2
+
+
 def test_estimate_text_report(capsys):
     assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "64", "--ep", "8", "--tp", "2",
                 "--sequence-parallel", "--zero-stage", "1", "--seq", "4096"]) == 0

@@ -8,6 +8,8 @@ term-by-term generalization, so for GPT-style layers they must reproduce the pap
 (tolerance 0).
 """
 
+from dataclasses import replace
+
 import pytest
 
 from orangetron.plan.activations import layer_activation_bytes, stage_activation_bytes
@@ -170,6 +172,28 @@ def test_memory_per_gpu_total_is_sum():
     parts = ("params", "grads", "main_params", "optimizer", "activations", "buffers")
     assert mem["total"] == sum(mem[c] for c in parts)
     assert mem["gathered_params"] == 0  # only ZeRO-3 gathers full layers
-    # One reduction after backward: a bf16 wire copy of the fp32 main gradients (padded to dp=4) and its slice.
+    # One reduction after backward: a bf16 wire copy of the fp32 main gradients (padded to dp=4) and its slice;
+    # until then every parameter's bf16 .grad, as many bytes as the bf16 parameters (no padding at dp=4 here).
     padded = mem["grads"] // 4
-    assert padded % 4 == 0 and mem["buffers"] == mem["grad_buckets"] == 2 * padded + 2 * padded // 4
+    assert padded % 4 == 0 and mem["grad_buckets"] == 2 * padded + 2 * padded // 4
+    assert mem["param_grads"] == mem["params"] == 2 * padded
+    assert mem["buffers"] == mem["grad_buckets"] + mem["param_grads"]
+
+
+def test_per_parameter_gradient_shortcut_equals_the_schedule_replay():
+    """With more micro-batches than stages the interleaved schedule gives every chunk a backward before any
+    chunk's last one, so ZeRO-2's buckets and ZeRO-3's units hold every .grad: the planner's shortcut must equal a
+    replay of the whole schedule, and with m <= pp the replay frees a chunk early (less than every tensor)."""
+    from orangetron.plan.config import model_state_job
+    from orangetron.plan.param_grads import _replayed_peak, _totals, param_grad_bytes
+
+    model = load_model("llama3-8b")
+    for pp, vs in ((2, 2), (4, 2), (4, 4)):
+        deg = Degrees(pp=pp, dp=2)
+        for job in (Job(seq_len=1, zero_stage=3, virtual_stages=vs, pp_schedule="interleaved"),
+                    Job(seq_len=1, zero_stage=2, bucket_numel=10**8, virtual_stages=vs, pp_schedule="interleaved")):
+            for m in (pp, 2 * pp, 3 * pp):
+                for stage in range(pp):
+                    replayed = _replayed_peak(model, deg, model_state_job(job), stage, m)
+                    assert param_grad_bytes(model, deg, replace(job, num_microbatches=m), stage) == 2 * replayed
+                    assert (replayed == _totals(model, deg, stage, vs)[0]) == (m > pp)

@@ -12,7 +12,7 @@ from dataclasses import fields, replace
 
 import pytest
 
-from orangetron.plan import activations, config, keys, memory, search, stages, timing, traffic
+from orangetron.plan import activations, config, keys, memory, param_grads, search, stages, timing, traffic
 from orangetron.plan.activations import _interleaved_holdings, stage_activation_bytes
 from orangetron.plan.config import Degrees, Job
 from orangetron.plan.hardware import make_cluster
@@ -36,11 +36,12 @@ ACTIVATION_ONLY = [dict(seq_len=2048), dict(micro_batch=2), dict(global_batch=48
                    dict(sequence_parallel=True), dict(attention_kernel="eager"), dict(fp8=True)]
 SHARDING = [dict(), dict(zero_stage=1), dict(distributed_optimizer=True, bucket_numel=3_000_001),
             dict(zero_stage=2, reduce_dtype="float32"), dict(zero_stage=3), dict(zero_stage=3, zero3_keep_params=True),
-            dict(zero_stage=3, zero3_prefetch=False, clip_grad=True), dict(zero_stage=1, clip_grad=True)]
+            dict(zero_stage=3, zero3_prefetch=False, clip_grad=True), dict(zero_stage=1, clip_grad=True),
+            dict(zero_stage=2, bucket_numel=2_000_003)]
 
 
 def _clear_caches() -> None:
-    for module in (activations, config, memory, search, stages, timing, traffic):
+    for module in (activations, config, memory, param_grads, search, stages, timing, traffic):
         for value in vars(module).values():
             if hasattr(value, "cache_clear"):
                 value.cache_clear()
@@ -59,7 +60,10 @@ def _state_reference(model, deg, job, stage) -> dict[str, int]:
     out["activations"] = stage_activation_bytes(model, deg, job, stage)
     out["gathered_params"] = zero3_gather_bytes(model, deg, job, stage)
     out["grad_buckets"] = grad_bucket_bytes(model, deg, job, stage)
-    out["buffers"] = out["gathered_params"] + out["grad_buckets"]
+    for cached in (param_grads.stage_tensors, param_grads._totals, param_grads._replayed_peak):
+        cached.cache_clear()  # cold: the gradient peak from this job alone
+    out["param_grads"] = param_grads.param_grad_bytes(model, deg, job, stage)
+    out["buffers"] = out["gathered_params"] + out["grad_buckets"] + out["param_grads"]
     out["total"] = sum(out[c] for c in memory.CATEGORIES) + out["buffers"]
     return out
 

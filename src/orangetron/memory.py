@@ -85,7 +85,8 @@ def model_state_bytes(
     """Bytes of params, grads, fp32 main params and optimizer state held by this rank.
 
     A wrapper with `transient_peaks()` (`DataParallel`) adds the peaks of what exists only during a step:
-    `gathered_params` (ZeRO-3's full units) and `grad_buckets` (gradient wire buffers in flight).
+    `gathered_params` (ZeRO-3's full units), `grad_buckets` (gradient wire buffers in flight) and `param_grads`
+    (per-parameter `.grad` tensors not yet moved into the flat buffers).
 
     `main_params` are the fp32 master copies a mixed-precision optimizer keeps; when the model itself
     trains in fp32 there are none and the category is 0, as in the cost model. A wrapper that owns its

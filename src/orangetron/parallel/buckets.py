@@ -81,7 +81,7 @@ class GradBuckets:
     def _add(self, index: int) -> None:
         part, at, p = self.spans[index]
         part.main_grads[at:at + p.numel()].add_(p.grad.reshape(-1))
-        p.grad = None  # the flat buffer holds it now
+        self.dp.param_grads.free(p)  # the flat buffer holds it now
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         if self.defer:
@@ -166,7 +166,7 @@ class ShardedGradBuckets:
         if self.in_place:
             part, at, _ = self.params[index]
             part.main_grads[at:at + param.numel()].add_(param.grad.reshape(-1))
-            param.grad = None  # the main buffer holds it now
+            self.dp.param_grads.free(param)  # the main buffer holds it now
         if not self.sync:
             return  # ZeRO-2 accumulates micro-batches in .grad, the others in the main buffer
         _arrive(self, index)
@@ -199,7 +199,7 @@ class ShardedGradBuckets:
                 wire[lo - seg.start:hi - seg.start].copy_(p.grad.reshape(-1)[lo - at:hi - at])
             self.pending_buckets[i] -= 1
             if self.pending_buckets[i] == 0:
-                p.grad = None  # the wire buffers hold it now
+                self.dp.param_grads.free(p)  # the wire buffers hold it now
         return wire
 
     def retire(self) -> None:
@@ -223,7 +223,7 @@ class ShardedGradBuckets:
                 for part, at, p in self.params:
                     if p.grad is not None:
                         part.main_grads[at:at + p.numel()].add_(p.grad.reshape(-1))
-                        p.grad = None
+                        self.dp.param_grads.free(p)
         for k in range(len(self.buckets)):
             if k not in self.launched:
                 self._launch(k)

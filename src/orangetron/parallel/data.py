@@ -40,6 +40,7 @@ from orangetron.parallel.buckets import GradBuckets, ShardedGradBuckets
 from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.flat import FlatPart
 from orangetron.parallel.optim import FlatAdamW
+from orangetron.parallel.param_grads import ParamGrads
 from orangetron.parallel.state import Shards, sharded_state
 from orangetron.parallel.tensor import gather_tensor
 from orangetron.parallel.units import TransientPeaks, Zero3Schedule, find_units
@@ -69,6 +70,7 @@ class DataParallel(nn.Module):
         if experts:
             self.parts.append(FlatPart(experts, mesh["edp"], self.config, self.device, unit_of))
         self.transient = TransientPeaks()
+        self.param_grads = ParamGrads([p for _, p in self._named], self.transient)  # hooked before the others
         self.schedule = Zero3Schedule(self, units) if self.zero3 else None
         self._params_stale = False
         self._grads_pending = False
@@ -126,7 +128,8 @@ class DataParallel(nn.Module):
         (`gathered_params`) and of the gradient reduction's buffers (`grad_buckets`): ZeRO-3's unit and the
         sharded stages' bucket in flight (wire buffer, reduced slice), bucketed DDP's wire copies (held until
         the step), and without buckets each flat buffer's temporary or wire copy with the collective's result
-        (`plan.memory.grad_bucket_bytes` predicts them)."""
+        (`plan.memory.grad_bucket_bytes` predicts them); and of the per-parameter `.grad` tensors not yet moved
+        into the flat buffers (`param_grads`, predicted by `plan.param_grads.param_grad_bytes`)."""
         return dict(self.transient.peak)
 
     def reset_transient_peaks(self) -> None:
@@ -194,7 +197,8 @@ class DataParallel(nn.Module):
         if self.tp is not None:
             self.module.sync_grads()
         for part in self.parts:
-            part.reduce(self.group.size, self.transient)  # the loss is the mean over dp x cp, experts included
+            # the loss is the mean over dp x cp, experts included
+            part.reduce(self.group.size, self.transient, self.param_grads.free)
         self._grads_pending = False
 
     def owned_grads(self) -> torch.Tensor:
@@ -356,7 +360,7 @@ class ShardedAdamW:
 
     def zero_grad(self) -> None:
         for _, p in self.dp._named:
-            p.grad = None
+            self.dp.param_grads.free(p)
         if self.dp.buckets is not None:  # gradients accumulate in the flat buffers themselves
             for part in self.dp.parts:
                 part.main_grads.zero_()

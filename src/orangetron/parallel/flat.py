@@ -14,6 +14,7 @@ and ZeRO-2's gradients). For equal buckets the owned slices of a full buffer are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -158,9 +159,10 @@ class FlatPart:
         for seg in self.segments:
             self.gather_start(seg).wait()
 
-    def reduce(self, divisor: int, transient: TransientPeaks) -> None:
+    def reduce(self, divisor: int, transient: TransientPeaks, free: Callable[[torch.Tensor], None]) -> None:
         """Sum the parameters' gradients over the group into `main_grads`, divided by `divisor`; the buffers it
-        allocates on the way count in `transient`'s `grad_buckets` until they are freed here."""
+        allocates on the way count in `transient`'s `grad_buckets` until they are freed here, and each `.grad`
+        goes through `free` once copied."""
         cfg = self.config
         # DDP and ZeRO-1 collect into the persistent full buffer; ZeRO-2/3 only into a temporary one.
         if cfg.zero_stage >= 2:
@@ -173,7 +175,7 @@ class FlatPart:
                 full[at:at + p.numel()].copy_(p.grad.reshape(-1))
             else:
                 full[at:at + p.numel()].zero_()
-            p.grad = None
+            free(p)
         wire = full.to(cfg.torch_reduce_dtype)  # no copy when the dtypes already agree
         # The temporary full buffer (ZeRO-2) or the wire copy, then the collective's result: all_reduce is out
         # of place (a full buffer), reduce_scatter returns the slice; over a group of one neither allocates.

@@ -71,7 +71,7 @@ def _qualified(root: nn.Module, sub: nn.Module, name: str) -> str:
 class TransientPeaks:
     """Live and peak bytes of buffers that exist only during a step, by memory category."""
 
-    CATEGORIES = ("gathered_params", "grad_buckets")
+    CATEGORIES = ("gathered_params", "grad_buckets", "param_grads")
 
     def __init__(self) -> None:
         self.live = dict.fromkeys(self.CATEGORIES, 0)
@@ -241,7 +241,7 @@ class Zero3Schedule:
                 if unit == u and p.grad is not None:
                     at = part.offsets[name] - seg.start
                     wire[at:at + p.numel()].copy_(p.grad.reshape(-1))
-                    p.grad = None  # the wire holds it now
+                    self.dp.param_grads.free(p)  # the wire holds it now
             nbytes = (seg.padded + seg.shard_numel) * wire.element_size()  # the wire and its reduced slice
             self.dp.transient.add("grad_buckets", nbytes)
             self.in_flight.append((wire, seg, part, comm.reduce_scatter_start(wire, part.group), nbytes))

@@ -20,8 +20,8 @@ Saved activations: every linear layer keeps the FP8 cast of its input (1 byte pe
 from __future__ import annotations
 
 from orangetron.plan.config import Degrees, Job
-from orangetron.plan.memory import stage_params
 from orangetron.plan.models import ModelSpec
+from orangetron.plan.params import stage_params
 from orangetron.plan.stages import stage_layers
 
 AMAX_HISTORY = 1024  # Transformer Engine's default amax_history_len

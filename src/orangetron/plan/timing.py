@@ -37,7 +37,6 @@ from orangetron.plan.compute import (
 )
 from orangetron.plan.config import Degrees, Job, canonical_job, model_state_job, without_data_parallel
 from orangetron.plan.hardware import Cluster, GPUSpec
-from orangetron.plan.memory import stage_params
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import (
     DEFAULT_PARAMS,
@@ -47,6 +46,7 @@ from orangetron.plan.network import (
     collective_time,
     p2p_time,
 )
+from orangetron.plan.params import stage_params
 from orangetron.plan.stages import stage_layer_counts, stage_layers
 from orangetron.plan.traffic import (
     context_parallel_records,

@@ -35,8 +35,9 @@ from functools import lru_cache
 from orangetron.plan import collectives as cf
 from orangetron.plan.collectives import CommRecord
 from orangetron.plan.config import Degrees, Job
-from orangetron.plan.memory import data_parallel_segments, shard_groups, stage_params
+from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.models import ModelSpec
+from orangetron.plan.params import shard_groups, stage_params
 from orangetron.plan.sharding import bucket_layout, padded_numel
 from orangetron.plan.stages import stage_layers
 

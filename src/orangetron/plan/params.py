@@ -1,0 +1,97 @@
+"""Parameters one GPU holds: per stage, per layer, per flat data-parallel buffer and per ZeRO-3 unit (shared by
+the memory model and the per-parameter gradient model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from orangetron.plan.config import Degrees
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.stages import stage_layers
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- model states ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one GPU of a stage holds: `dense` replicated over dp x cp, `expert` over edp."""
+
+    dense: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def stage_params(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: int = 1) -> StageParams:
+    """Parameter counts on one GPU of pipeline `stage` (TP shards projections, MLPs and the vocabulary)."""
+    return _stage_params(model, deg.tp, deg.pp, deg.ep, deg.etp, stage, virtual_stages)
+
+
+@lru_cache(maxsize=8192)
+def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: int,
+                  virtual_stages: int) -> StageParams:
+    dense = expert = 0
+    for i in stage_layers(model.num_layers, pp, virtual_stages, stage):
+        layer = _layer_params(model, t, ep, etp, i)
+        dense, expert = dense + layer.dense, expert + layer.expert
+    if stage == 0:
+        dense += _ceil_div(model.vocab_size * model.hidden_size, t) if not model.patch_size else 0
+        dense += model.embedding_params() - (0 if model.patch_size else model.vocab_size * model.hidden_size)
+    if stage == pp - 1:
+        final_norm = model.hidden_size * (2 if model.bias else 1)
+        head = model.output_params() - final_norm
+        # A tied head on a separate last stage keeps its own copy of the embedding (as Megatron does).
+        if model.tied_embeddings and pp > 1 and not model.patch_size:
+            head = model.vocab_size * model.hidden_size
+        dense += final_norm + _ceil_div(head, t)
+    return StageParams(dense, expert)
+
+
+@lru_cache(maxsize=65536)
+def _layer_params(model: ModelSpec, t: int, ep: int, etp: int, i: int) -> StageParams:
+    # Norm weights and the router are replicated across tp; everything else is split, except kv heads
+    # fewer than tp, of which each rank keeps one.
+    kv_whole, kv_local = _kv_weights(model, t)
+    replicated = model.norm_params() + (model.num_experts * model.hidden_size if model.is_moe_layer(i) else 0)
+    split = model.dense_params_of_layer(i) - replicated - kv_whole
+    expert = _ceil_div(model.expert_params_per_layer(), ep * etp) if model.is_moe_layer(i) else 0
+    return StageParams(replicated + _ceil_div(split, t) + kv_local, expert)
+
+
+def _kv_weights(model: ModelSpec, t: int) -> tuple[int, int]:
+    """(whole, per-rank) K and V projection elements of a layer when its kv heads are fewer than tp and so
+    replicated, one per rank; (0, 0) when they split evenly like the other heads."""
+    if model.kv_lora_rank or model.kv_heads >= t:
+        return 0, 0
+    per_head = 2 * model.qk_head_dim * (model.hidden_size + (1 if model.bias else 0))
+    return model.kv_heads * per_head, per_head
+
+
+def shard_groups(params: StageParams, deg: Degrees) -> list[tuple[str, int, int]]:
+    """(mesh dim, ranks, elements) of each flat data-parallel buffer. With ep = 1 the experts are ordinary
+    replicated parameters and share the dense buffer over dp x cp, as in the runtime."""
+    if deg.ep == 1:
+        return [("dp_cp", deg.dp_cp, params.total)]
+    return [("dp_cp", deg.dp_cp, params.dense), ("edp", deg.edp, params.expert)]
+
+
+def zero3_units(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: int = 1) -> list[StageParams]:
+    """Parameters of each ZeRO-3 unit on one GPU, in forward order, as `parallel.units` cuts the model: the
+    embedding, every layer, the head (final norm and output layer). With tied embeddings (or on a pipeline
+    stage that lacks the embedding or the head) the embedding and head form one unit gathered for the whole
+    forward, listed first."""
+    layers = [_layer_params(model, deg.tp, deg.ep, deg.etp, i)
+              for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage)]
+    whole = stage_params(model, deg, stage, virtual_stages)
+    rest = StageParams(whole.dense - sum(u.dense for u in layers), whole.expert - sum(u.expert for u in layers))
+    if deg.pp == 1 and not model.tied_embeddings and not model.patch_size:
+        embedding = _ceil_div(model.vocab_size * model.hidden_size, deg.tp) + model.embedding_params() \
+            - model.vocab_size * model.hidden_size
+        return [StageParams(embedding, 0), *layers, StageParams(rest.dense - embedding, rest.expert)]
+    return [u for u in [rest, *layers] if u.total]
