@@ -144,8 +144,8 @@ MUTANTS = [
            (("        row_max = comm.all_reduce_max(logits.max(-1, keepdim=True).values, group)  # [N, 1]",
              "        row_max = logits.max(-1, keepdim=True).values  # [N, 1]"),),
            ("tests/test_tensor_parallel.py",)),
-    Mutant("plan_tp_grad_sum_forgets_the_kv_slots", "src/orangetron/plan/traffic.py",
-           (("    numel = _kv_slot_params(model, t) * len(", "    numel = 0 * len("),),
+    Mutant("plan_tp_grad_sum_forgets_the_kv_slots", "src/orangetron/plan/params.py",
+           (("    numel = _kv_slot_params(model, deg.tp) * len(", "    numel = 0 * len("),),
            ("tests/test_plan_traffic.py",)),
     Mutant("plan_moe_layer_without_shared_expert_splits_two_blocks", "src/orangetron/plan/traffic.py",
            (("    return 1 if model.is_moe_layer(index) and not model.num_shared_experts else 2",
@@ -389,6 +389,13 @@ MUTANTS = [
     Mutant("planner_grads_freed_inside_no_sync", "src/orangetron/plan/param_grads.py",
            (("            if not reduces:\n                continue\n", ""),),
            ("tests/test_pipeline_parallel.py",)),
+    Mutant("tp_grad_sum_buffers_not_counted", "src/orangetron/parallel/tensor.py",
+           (("            transient.add(\"grad_buckets\", nbytes)\n", "            pass\n"),),
+           ("tests/test_tensor_parallel.py",)),
+    Mutant("planner_tp_grad_sum_not_doubled", "src/orangetron/plan/memory.py",
+           (("    return 2 * tp_grad_sum_numel(model, deg, job, stage) * job.param_bytes",
+             "    return tp_grad_sum_numel(model, deg, job, stage) * job.param_bytes"),),
+           ("tests/test_tensor_parallel.py",)),
 ]
 
 

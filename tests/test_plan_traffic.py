@@ -275,6 +275,8 @@ def test_tensor_parallel_grad_sums_by_hand(sp):
     # all-reduce over 4 ranks: twice 3/4 of the payload; the clip's sum of squares is one float32.
     assert got == [("all_reduce", "tp", payload, 2 * (3 * payload // 4)), ("all_reduce", "tp", 4, 6)]
     assert payload == (4480 if sp else 1536)
+    # With no data parallelism the tp sum's concatenation and its out-of-place sum are the reduction buffers.
+    assert stage_memory(TP_MODEL, Degrees(tp=4), job, 0)["grad_buckets"] == 2 * payload
 
 
 def test_replicated_kv_heads_keep_one_head_per_rank():

@@ -187,7 +187,7 @@ class DataParallel(nn.Module):
             return
         if self.schedule is not None:  # ZeRO-3: reduce-scattered unit by unit during backward
             if self.schedule.defer:
-                self.module.sync_grads()
+                self.module.sync_grads(self.transient)
                 self.schedule.reduce_all()
             self.schedule.retire()
             for part in self.parts:
@@ -195,7 +195,7 @@ class DataParallel(nn.Module):
             self._grads_pending = False
             return
         if self.tp is not None:
-            self.module.sync_grads()
+            self.module.sync_grads(self.transient)
         for part in self.parts:
             # the loss is the mean over dp x cp, experts included
             part.reduce(self.group.size, self.transient, self.param_grads.free)

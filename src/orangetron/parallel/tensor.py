@@ -23,6 +23,7 @@ sees only this rank's tokens; and a replicated key/value head sees only this ran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ from orangetron.model.autograd import accumulate_dtype, cross_entropy_grad_, swi
 from orangetron.model.layers import apply_rope, rope_cos_sin
 from orangetron.model.moe import MoE
 from orangetron.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from orangetron.parallel.units import TransientPeaks
 
 
 # ---- where each parameter lives ------------------------------------------------------------------
@@ -351,13 +355,17 @@ class TensorParallelTransformer(nn.Module):
         embeddings = self.cfg.vocab_size * self.cfg.dim if exclude_embeddings else 0
         return self._full_numel - embeddings
 
-    def sync_grads(self) -> None:
-        """Sum the partial gradients over tp (see the module docstring): one all-reduce of all of them."""
+    def sync_grads(self, transient: TransientPeaks | None = None) -> None:
+        """Sum the partial gradients over tp (see the module docstring): one all-reduce of all of them. Their
+        concatenation and the sum count in `transient`'s `grad_buckets` while they exist."""
         pieces = [(p, self.placements[n]) for n, p in self.named_parameters()
                   if self.placements[n].needs_sync() and p.grad is not None]
         if not pieces or self.group.size == 1:
             return
         flat = torch.cat([_sync_slots(p.grad, pl, self.group) for p, pl in pieces])
+        nbytes = 2 * flat.numel() * flat.element_size()  # the concatenation and the all-reduce's sum
+        if transient is not None:
+            transient.add("grad_buckets", nbytes)
         flat = comm.all_reduce(flat, self.group)
         offset = 0
         for p, pl in pieces:
@@ -367,6 +375,8 @@ class TensorParallelTransformer(nn.Module):
                 summed = summed.view(pl.slices(self.group.size), -1)[pl.slice_index(self.group.rank)]
             p.grad.copy_(summed.view_as(p.grad))
             offset += width
+        if transient is not None:
+            transient.add("grad_buckets", -nbytes)
 
 
 def _sync_slots(grad: torch.Tensor, placement: Placement, group: MeshGroup) -> torch.Tensor:

@@ -13,7 +13,7 @@ from orangetron.plan.activations import stage_activation_bytes
 from orangetron.plan.config import DTYPE_BYTES, Degrees, Job, model_state_job
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.param_grads import param_grad_bytes
-from orangetron.plan.params import StageParams, shard_groups, stage_params, zero3_units
+from orangetron.plan.params import StageParams, shard_groups, stage_params, tp_grad_sum_numel, zero3_units
 from orangetron.plan.sharding import bucket_layout, padded_numel, shard_numel
 
 CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations")
@@ -82,7 +82,7 @@ def stage_memory(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> dict[s
     out = dict(states)
     out["activations"] = stage_activation_bytes(model, deg, job, stage)
     out["gathered_params"] = gathered
-    out["grad_buckets"] = buckets
+    out["grad_buckets"] = max(buckets, tp_grad_sum_bytes(model, deg, job, stage))
     out["param_grads"] = param_grad_bytes(model, deg, job, stage)
     out["buffers"] = out["gathered_params"] + out["grad_buckets"] + out["param_grads"]
     out["total"] = sum(out[c] for c in CATEGORIES) + out["buffers"]
@@ -91,8 +91,9 @@ def stage_memory(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> dict[s
 
 def _stage_total(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
     """`stage_memory(...)["total"]` without building the breakdown."""
-    return _stage_state_memory(model, deg, model_state_job(job), stage)[3] + \
-        stage_activation_bytes(model, deg, job, stage) + param_grad_bytes(model, deg, job, stage)
+    _, _, buckets, states = _stage_state_memory(model, deg, model_state_job(job), stage)
+    tp_sum = max(0, tp_grad_sum_bytes(model, deg, job, stage) - buckets)  # one or the other at the peak
+    return states + tp_sum + stage_activation_bytes(model, deg, job, stage) + param_grad_bytes(model, deg, job, stage)
 
 
 @lru_cache(maxsize=16384)
@@ -103,7 +104,7 @@ def _stage_state_memory(model: ModelSpec, deg: Degrees, job: Job,
     tries."""
     segments = data_parallel_segments(model, deg, job, stage)
     states = model_state_bytes(stage_params(model, deg, stage, job.virtual_stages), deg, job, segments)
-    gathered, buckets = zero3_gather_bytes(model, deg, job, stage), grad_bucket_bytes(model, deg, job, stage)
+    gathered, buckets = zero3_gather_bytes(model, deg, job, stage), _dp_reduction_bytes(model, deg, job, stage)
     return tuple(states.items()), gathered, buckets, sum(states.values()) + gathered + buckets
 
 
@@ -129,7 +130,19 @@ def zero3_gather_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0)
 
 
 def grad_bucket_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
-    """The gradient reduction's transient buffers at their peak (reduce dtype throughout).
+    """The gradient reduction's transient buffers at their peak: the data-parallel reduction's, or the tp sum's
+    that runs before it (`tp_grad_sum_bytes`)."""
+    return max(_dp_reduction_bytes(model, deg, job, stage), tp_grad_sum_bytes(model, deg, job, stage))
+
+
+def tp_grad_sum_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
+    """The tp sum of partial gradients (`plan.params.tp_grad_sum_numel`): their concatenation and the
+    all-reduce's sum, out of place, both in the parameter dtype."""
+    return 2 * tp_grad_sum_numel(model, deg, job, stage) * job.param_bytes
+
+
+def _dp_reduction_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
+    """The data-parallel reduction's transient buffers at their peak (reduce dtype throughout).
 
     ZeRO-3: one unit's padded wire buffer and the slice it reduces to (each retired before the next starts).
     ZeRO-2 with buckets: one bucket's wire buffer and slice. ZeRO-1 and the distributed optimizer with buckets

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from orangetron.plan.config import Degrees
+from orangetron.plan.config import Degrees, Job
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.stages import stage_layers
 
@@ -95,3 +95,37 @@ def zero3_units(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: 
             - model.vocab_size * model.hidden_size
         return [StageParams(embedding, 0), *layers, StageParams(rest.dense - embedding, rest.expert)]
     return [u for u in [rest, *layers] if u.total]
+
+
+def tp_grad_sum_numel(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
+    """Elements of the one all-reduce that sums a stage's partial gradients over tp at the step: with SP every
+    parameter replicated over tp (it saw this rank's tokens only), and kv heads replicated over tp ranks, each
+    in its slot of all the slices (it saw those ranks' query heads only)."""
+    if deg.tp == 1:
+        return 0
+    numel = _kv_slot_params(model, deg.tp) * len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage))
+    if job.sequence_parallel:
+        numel += _replicated_params(model, deg, job.virtual_stages, stage)
+    return numel
+
+
+def _kv_slot_params(model: ModelSpec, t: int) -> int:
+    """Elements of one layer's K and V weights when kv heads are fewer than tp (else 0)."""
+    if model.kv_lora_rank or model.kv_heads >= t:
+        return 0
+    return 2 * model.kv_heads * model.qk_head_dim * (model.hidden_size + (1 if model.bias else 0))
+
+
+def _replicated_params(model: ModelSpec, deg: Degrees, virtual_stages: int, stage: int) -> int:
+    """Parameters of a stage that every tp rank holds whole: norms, routers, and the routed experts on this
+    rank when they are neither split over tp (etp = tp) nor folded over their own mesh (replicated over edp)."""
+    experts_whole_on_tp = deg.etp == 1 and not deg.expert_fold
+    total = 0
+    for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage):
+        total += model.norm_params()
+        if model.is_moe_layer(i):
+            total += model.num_experts * model.hidden_size
+            total += model.expert_params_per_layer() // deg.ep if experts_whole_on_tp else 0
+    if stage == deg.pp - 1:
+        total += model.hidden_size * (2 if model.bias else 1)  # final norm
+    return total

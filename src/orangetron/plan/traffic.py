@@ -37,7 +37,7 @@ from orangetron.plan.collectives import CommRecord
 from orangetron.plan.config import Degrees, Job
 from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.params import shard_groups, stage_params
+from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel
 from orangetron.plan.sharding import bucket_layout, padded_numel
 from orangetron.plan.stages import stage_layers
 
@@ -143,35 +143,11 @@ def tensor_parallel_grad_records(model: ModelSpec, deg: Degrees, job: Job, stage
     t = deg.tp
     if t == 1:
         return []
-    numel = _kv_slot_params(model, t) * len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage))
-    if job.sequence_parallel:
-        numel += _replicated_params(model, deg, job, stage)
+    numel = tp_grad_sum_numel(model, deg, job, stage)
     out = [_gather("all_reduce", "tp", numel * job.param_bytes, t)] if numel else []
     if job.clip_grad:
         out.append(_gather("all_reduce", "tp", 4 if job.mixed_precision else job.param_bytes, t))
     return out
-
-
-def _kv_slot_params(model: ModelSpec, t: int) -> int:
-    """Elements of one layer's K and V weights when kv heads are fewer than tp (else 0)."""
-    if model.kv_lora_rank or model.kv_heads >= t:
-        return 0
-    return 2 * model.kv_heads * model.qk_head_dim * (model.hidden_size + (1 if model.bias else 0))
-
-
-def _replicated_params(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
-    """Parameters of a stage that every tp rank holds whole: norms, routers, and the routed experts on this
-    rank when they are neither split over tp (etp = tp) nor folded over their own mesh (replicated over edp)."""
-    experts_whole_on_tp = deg.etp == 1 and not deg.expert_fold
-    total = 0
-    for i in stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage):
-        total += model.norm_params()
-        if model.is_moe_layer(i):
-            total += model.num_experts * model.hidden_size
-            total += model.expert_params_per_layer() // deg.ep if experts_whole_on_tp else 0
-    if stage == deg.pp - 1:
-        total += model.hidden_size * (2 if model.bias else 1)  # final norm
-    return total
 
 
 def _kv_bytes(model: ModelSpec, deg: Degrees, job: Job, heads: int | None = None, dim: int | None = None) -> int:
