@@ -176,8 +176,8 @@ MUTANTS = [
            (("return fwd / TRITON_FLASH_GAP[0], bwd / TRITON_FLASH_GAP[1]", "return fwd, bwd / TRITON_FLASH_GAP[1]"),),
            ("tests/test_plan_timing.py",)),
     Mutant("plan_reduction_after_backward_still_hidden", "src/orangetron/plan/timing.py",
-           (("    if job.overlap_grad_reduce:\n        tail = reduce / layers",
-             "    if True:\n        tail = reduce / layers"),),
+           (("    if job.overlap_grad_reduce:\n        rounds = reduce_rounds(",
+             "    if True:\n        rounds = reduce_rounds("),),
            ("tests/test_plan_timing.py",)),
     Mutant("plan_folded_experts_placed_as_unfolded", "src/orangetron/plan/timing.py",
            (("for dim, fixed in (_FIXED_FOLDED if deg.expert_fold else _FIXED).items():",
@@ -368,7 +368,7 @@ MUTANTS = [
            ("tests/test_faults.py::test_a_dead_or_hung_rank_ends_every_rank_naming_it",)),
     # ---- planner search caches --------------------------------------------------------------------------
     Mutant("plan_dp_time_key_drops_the_zero3_micro_batches", "src/orangetron/plan/timing.py",
-           (("canonical_job(replace(states, num_microbatches=microbatches)) if job.zero_stage == 3 else states",
+           (("canonical_job(replace(states, num_microbatches=microbatches, zero3_reduce_every_microbatch=every))",
              "states"),),
            ("tests/test_plan_search_caches.py",)),
     Mutant("plan_state_key_drops_the_bucket_size", "src/orangetron/plan/config.py",
@@ -396,6 +396,13 @@ MUTANTS = [
            (("    return 2 * tp_grad_sum_numel(model, deg, job, stage) * job.param_bytes",
              "    return tp_grad_sum_numel(model, deg, job, stage) * job.param_bytes"),),
            ("tests/test_tensor_parallel.py",)),
+    Mutant("zero3_every_microbatch_still_waits_in_no_sync", "src/orangetron/parallel/data.py",
+           (("        if hooks is None or self.config.zero3_reduce_every_microbatch:",
+             "        if hooks is None:"),),
+           ("tests/test_data_parallel.py::test_zero3_reduce_every_microbatch_matches_one_device_with_one_unit_of_grads",)),
+    Mutant("planner_zero3_reduces_once_per_step_always", "src/orangetron/plan/traffic.py",
+           (("        return job.microbatches(deg)\n    return 1", "        return 1\n    return 1"),),
+           ("tests/test_plan_cli.py::test_estimate_zero3_reduce_every_microbatch",)),
 ]
 
 

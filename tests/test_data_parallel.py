@@ -314,6 +314,60 @@ def test_no_sync_keeps_every_gradient_until_the_last_micro_batch_under_zero2_buc
         assert predicted["param_grads"] == expected[stage], stage
 
 
+def zero3_every_microbatch_step(every: bool) -> dict:
+    """One step of two micro-batches under ZeRO-3 (the first inside no_sync): whole averaged gradients, the
+    step's reduce-scatters, the peak .grad bytes and the parameters after one AdamW step."""
+    config = ParallelConfig(param_dtype="float64", zero_stage=3, zero3_reduce_every_microbatch=every)
+    dp = DataParallel(Transformer(CFG, seed=0, dtype=torch.float64), init_mesh(Layout(dp=2)), config)
+    opt = dp.optimizer(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    g = dp.group
+    rows = batch(0, 2 * PER_RANK)[g.rank * PER_RANK:(g.rank + 1) * PER_RANK]
+    with comm.measure() as records:
+        with dp.no_sync():
+            (ce(dp(rows[:1, :-1]), rows[:1]) / 2).backward()
+        (ce(dp(rows[1:, :-1]), rows[1:]) / 2).backward()
+        dp.reduce_gradients()
+    with comm.unmeasured():
+        grads = dp.full_grads()
+    opt.step()
+    with comm.unmeasured():
+        params = dp.full_state(opt)["params"]
+    scatters = sorted(r.payload_bytes for r in records if r.op == "reduce_scatter")
+    return {"grads": grads, "params": params, "scatters": scatters,
+            "param_grads": dp.transient_peaks()["param_grads"]}
+
+
+def zero3_every_microbatch_runs() -> dict:
+    return {every: zero3_every_microbatch_step(every) for every in (False, True)}
+
+
+def test_zero3_reduce_every_microbatch_matches_one_device_with_one_unit_of_grads():
+    """Reduce-scattering each micro-batch into the sharded main buffer gives the gradients and the AdamW step of
+    one device (torch.optim.AdamW), as reducing once does, with twice the reduce-scatters, and holds one block's
+    .grad (3132 x 8 bytes) where accumulating in .grad holds all 7434 elements."""
+    ref = Transformer(CFG, seed=0, dtype=torch.float64)
+    groups = [{"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=False)
+    tokens = batch(0, 2 * PER_RANK)
+    ce(ref(tokens[:, :-1]), tokens).backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    opt.step()
+    results = run_distributed(zero3_every_microbatch_runs, 2)
+    units = [-(-u // 2) * 2 * 8 for u in unit_numels()]  # each unit padded to dp=2, float64
+    for every, result in results[0].items():
+        for name, ref_grad in ref_grads.items():
+            torch.testing.assert_close(result["grads"][name], ref_grad, rtol=1e-9, atol=1e-12, msg=name)
+        assert result["scatters"] == sorted(units * (2 if every else 1))
+        assert result["param_grads"] == (BLOCK if every else 7434) * 8
+        config = ParallelConfig(param_dtype="float64", zero_stage=3, zero3_reduce_every_microbatch=every,
+                                microbatches=2)
+        _, predicted = predicted_step(CFG, Layout(dp=2), config, seq_len=SEQ, micro_batch=1)
+        assert predicted["param_grads"] == result["param_grads"]
+        for name, p in ref.named_parameters():  # and the same AdamW step
+            torch.testing.assert_close(result["params"][name], p.detach(), rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_parallel_config_rules():
     with pytest.raises(ParallelConfigError, match=r"zero_stage=4: must be 0 \(DDP\), 1, 2 or 3"):
         ParallelConfig(zero_stage=4)

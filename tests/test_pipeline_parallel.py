@@ -42,6 +42,8 @@ CASES = {
                                       "zero_stage": 2, "grad_bucket_numel": 150}),
        # ZeRO-3 by unit on each stage: gathered per micro-batch, reduce-scattered after a chunk's last backward.
        ("dense", Layout(pp=2, dp=2), {"pp_schedule": "1f1b", "microbatches": 2, "zero_stage": 3}),
+       ("dense", Layout(pp=2, dp=2), {"pp_schedule": "1f1b", "microbatches": 2, "zero_stage": 3,
+                                      "zero3_reduce_every_microbatch": True}),
        ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "gpipe", "microbatches": 2, "zero_stage": 3,
                                           "zero3_keep_params": True})],
     8: [("moe", Layout(tp=2, cp=2, pp=2), {"pp_schedule": "1f1b", "microbatches": 2, "sequence_parallel": True,

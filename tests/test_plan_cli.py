@@ -36,6 +36,23 @@ def test_estimate_grad_bucket_numel_frees_each_grad_on_arrival(capsys):
     assert last_json(capsys)["memory_bytes"]["param_grads"] == 128256 * 4096 * 2
 
 
+def test_estimate_zero3_reduce_every_microbatch(capsys):
+    """Llama 3 8B, ZeRO-3 on dp=8, 4 micro-batches per step: reduce-scattering every micro-batch moves 4 times the
+    gradient bytes and holds one unit's .grad at a time, the largest being the head (final norm of 4096 and the
+    128256 x 4096 output layer, whose gradient arrives first and waits for the norm's), instead of every
+    parameter's."""
+    args = ["estimate", "--model", "llama3-8b", "--gpu", "h100", "--dp", "8", "--seq", "4096", "--zero-stage", "3",
+            "--micro-batch", "1", "--global-batch", "32", "--json"]
+    run(args)
+    once = last_json(capsys)
+    run([*args, "--zero3-reduce-every-microbatch"])
+    every = last_json(capsys)
+    rs = "reduce_scatter/dp_cp"
+    assert every["comm_bytes"][rs] == 4 * once["comm_bytes"][rs]
+    assert once["memory_bytes"]["param_grads"] == 8_030_261_248 * 2
+    assert every["memory_bytes"]["param_grads"] == (128256 * 4096 + 4096) * 2
+
+
 def test_estimate_text_report(capsys):
     assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "64", "--ep", "8", "--tp", "2",
                 "--sequence-parallel", "--zero-stage", "1", "--seq", "4096"]) == 0

@@ -269,6 +269,10 @@ def test_cli_passes_every_parallel_flag(monkeypatch) -> None:
                      "--zero3-keep-params", "--batch-size", "4"]) == 0
     pc = seen["cfg"].parallel_config()
     assert (pc.zero_stage, pc.zero3_prefetch, pc.zero3_keep_params) == (3, False, True)
+    assert not pc.zero3_reduce_every_microbatch
+    assert cli.main(["train", "--quiet", "--dp", "2", "--zero-stage", "3", "--zero3-reduce-every-microbatch",
+                     "--batch-size", "4"]) == 0
+    assert seen["cfg"].parallel_config().zero3_reduce_every_microbatch
 
 
 # ---- orangetron verify ------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class ParallelConfig:
     zero3_prefetch: bool = True  # ZeRO-3: start gathering the next unit while the current one computes
     zero3_keep_params: bool = False  # ZeRO-3: keep the forward's gathered units until their backward (no
     # second gather, more memory: Llama 3's choice)
+    zero3_reduce_every_microbatch: bool = False  # ZeRO-3: reduce-scatter each micro-batch's gradients into the
+    # sharded main buffer (as DeepSpeed and FSDP2 by default); off: inside no_sync they wait, whole, in .grad
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved
     microbatches: int = 1  # micro-batches per step
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
@@ -74,6 +76,9 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"grad_bucket_numel={self.grad_bucket_numel} with zero_stage=3: ZeRO-3 reduce-scatters each unit "
                 "(transformer block) during backward, its own buckets; use 0")
+        if self.zero3_reduce_every_microbatch and self.zero_stage != 3:
+            raise ParallelConfigError(f"zero3_reduce_every_microbatch with zero_stage={self.zero_stage}: only "
+                                      "ZeRO-3 reduces unit by unit during backward; use zero_stage 3")
         if not self.capacity_factor > 0:
             raise ParallelConfigError(f"capacity_factor={self.capacity_factor!r}: must be positive")
         if self.ep_overlap_chunks > 1 and self.dispatcher != "ragged":

@@ -166,7 +166,7 @@ class DataParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate gradients (the earlier micro-batches of a step)."""
         hooks = self.buckets if self.buckets is not None else self.schedule
-        if hooks is None:  # gradients wait in .grad until the step anyway
+        if hooks is None or self.config.zero3_reduce_every_microbatch:  # .grad waits anyway, or reduce each one
             yield
             return
         hooks.sync = False

@@ -32,7 +32,8 @@ def job_from_parallel_config(pc: object, seq_len: int, micro_batch: int) -> Job:
                dispatcher=pc.dispatcher, capacity_factor=pc.capacity_factor,
                ep_overlap_chunks=pc.ep_overlap_chunks, zero_stage=pc.zero_stage,
                distributed_optimizer=pc.distributed_optimizer, zero3_prefetch=pc.zero3_prefetch,
-               zero3_keep_params=pc.zero3_keep_params, param_dtype=pc.param_dtype,
+               zero3_keep_params=pc.zero3_keep_params,
+               zero3_reduce_every_microbatch=pc.zero3_reduce_every_microbatch, param_dtype=pc.param_dtype,
                reduce_dtype=pc.reduce_dtype or "", bucket_numel=pc.grad_bucket_numel, pp_schedule=pc.pp_schedule,
                virtual_stages=pc.virtual_stages, recompute=pc.recompute)
 

@@ -59,6 +59,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--capacity-factor", type=float, default=1.0)
     est.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES), default="",
                      help="gradient reduction dtype (default: the param dtype, as the seed's tables)")
+    est.add_argument("--zero3-reduce-every-microbatch", action="store_true",
+                     help="--zero-stage 3: reduce-scatter every micro-batch, as `train` (default: once per step)")
     est.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",
                      help="gradient buckets of about N elements reduced during backward, as `train` (default 0: "
                           "one reduction after backward, every parameter's .grad kept until then)")
@@ -174,7 +176,8 @@ def run_estimate(args: argparse.Namespace) -> int:
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
               overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce, fp8=args.fp8,
-              fp8_recipe=args.fp8_recipe, bucket_numel=args.grad_bucket_numel)
+              fp8_recipe=args.fp8_recipe, bucket_numel=args.grad_bucket_numel,
+              zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     warning = fit_warning(est)
     if warning:

@@ -44,6 +44,7 @@ class Job:
     distributed_optimizer: bool = False
     zero3_prefetch: bool = True  # ZeRO-3 gathers the next unit while one computes (two units at the peak)
     zero3_keep_params: bool = False  # ZeRO-3 keeps forward's units until backward (one gather, whole model)
+    zero3_reduce_every_microbatch: bool = False  # ZeRO-3 reduce-scatters every micro-batch (else once, after no_sync)
     param_dtype: str = "bfloat16"
     grad_dtype: str = "float32"  # main-gradient buffer (DESIGN section 5: fp32, 4 B)
     reduce_dtype: str = ""  # gradient reduction dtype; "" = param_dtype (the seed's default)
@@ -72,6 +73,8 @@ class Job:
         _check_choice("pp_schedule", self.pp_schedule, SCHEDULES)
         _check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if self.zero3_reduce_every_microbatch and self.zero_stage != 3:
+            raise ValueError(f"zero3_reduce_every_microbatch needs zero_stage=3, not {self.zero_stage}")
         if self.fp8_recipe != "delayed" and not self.fp8:
             raise ValueError(f"fp8_recipe={self.fp8_recipe!r} needs fp8=True")
         for name in ("param_dtype", "grad_dtype"):
@@ -116,7 +119,7 @@ def canonical_job(job: Job) -> Job:
 @lru_cache(maxsize=65536)
 def without_data_parallel(job: Job) -> Job:
     """`job` with its optimizer sharding reset: the key for costs that sharding cannot change."""
-    return canonical_job(replace(job, zero_stage=0, distributed_optimizer=False))
+    return canonical_job(replace(job, zero_stage=0, distributed_optimizer=False, zero3_reduce_every_microbatch=False))
 
 
 @lru_cache(maxsize=65536)

@@ -22,7 +22,7 @@ from functools import lru_cache
 
 from orangetron.plan.config import Degrees, Job, model_state_job
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.params import _kv_weights, _layer_params, stage_params
+from orangetron.plan.params import _kv_weights, _layer_params, stage_params, tp_sums_first
 from orangetron.plan.schedule import actions
 from orangetron.plan.sharding import bucket_layout
 from orangetron.plan.stages import chunk_layers
@@ -113,8 +113,7 @@ def _backward_passes(deg: Degrees, job: Job, stage: int, m: int) -> list[tuple[i
 def _held_to_step(model: ModelSpec, deg: Degrees, job: Job) -> bool:
     """Unbucketed reductions, and partial gradients that are first summed over tp (sequence parallel, kv heads
     fewer than tp), keep every `.grad` until the step."""
-    tp_sums = deg.tp > 1 and (job.sequence_parallel or (not model.kv_lora_rank and model.kv_heads < deg.tp))
-    return tp_sums or (job.zero_stage != 3 and job.bucket_numel <= 0)
+    return tp_sums_first(model, deg, job) or (job.zero_stage != 3 and job.bucket_numel <= 0)
 
 
 def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
@@ -124,7 +123,7 @@ def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
         return total * job.param_bytes
     if job.zero_stage < 2:  # added into the full main buffer as each arrives
         return largest * job.param_bytes
-    m = job.microbatches(deg)
+    m = 1 if job.zero3_reduce_every_microbatch else job.microbatches(deg)  # each backward frees its units
     # Inside no_sync nothing is freed: with one chunk its first backward fills every .grad, and with more
     # micro-batches than stages every chunk's first backward comes before any chunk's last (the interleaved
     # schedule runs the chunks in groups of pp micro-batches). Only shorter steps need the replay.

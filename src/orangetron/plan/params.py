@@ -129,3 +129,9 @@ def _replicated_params(model: ModelSpec, deg: Degrees, virtual_stages: int, stag
     if stage == deg.pp - 1:
         total += model.hidden_size * (2 if model.bias else 1)  # final norm
     return total
+
+
+def tp_sums_first(model: ModelSpec, deg: Degrees, job: Job) -> bool:
+    """Partial gradients must be summed over tp before the data-parallel reduction (SP, kv heads fewer than tp):
+    the runtime then reduces everything at the step, after that sum."""
+    return deg.tp > 1 and (job.sequence_parallel or (not model.kv_lora_rank and model.kv_heads < deg.tp))

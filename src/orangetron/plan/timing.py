@@ -54,6 +54,7 @@ from orangetron.plan.traffic import (
     expert_parallel_records,
     expert_tensor_parallel_records,
     pipeline_records,
+    reduce_rounds,
     tensor_parallel_records,
 )
 
@@ -508,10 +509,12 @@ def _dp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, t_mb
                 net: NetworkParams, eff: Efficiency) -> float:
     """DP traffic left over after overlapping reductions with the last backward and gathers with the
     first forward (ZeRO-3's per-micro-batch gathers hide behind each micro-batch)."""
-    reduce, gather, layers = _dp_times(model, deg, _data_parallel_job(job, m), cluster, net)
+    dp_job = _data_parallel_job(model, deg, job, m)
+    reduce, gather, layers = _dp_times(model, deg, dp_job, cluster, net)
     if job.overlap_grad_reduce:
-        tail = reduce / layers  # the last bucket never overlaps
-        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)
+        rounds = reduce_rounds(model, deg, dp_job)  # each behind its own micro-batch's backward
+        tail = reduce / (layers * rounds)  # the last bucket never overlaps
+        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb * rounds, eff)
     else:  # every reduction after the last backward, before the optimizer
         exposed = reduce
     window = m * t_mb if job.zero_stage == 3 else t_mb / 3
@@ -519,11 +522,15 @@ def _dp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, t_mb
 
 
 @lru_cache(maxsize=16384)
-def _data_parallel_job(job: Job, microbatches: int) -> Job:
+def _data_parallel_job(model: ModelSpec, deg: Degrees, job: Job, microbatches: int) -> Job:
     """The key for one step's data-parallel traffic: the model-state options, and under ZeRO-3 (which gathers
-    every unit again per micro-batch) the micro-batch count, carried as `num_microbatches`."""
+    every unit again per micro-batch) the micro-batch count, carried as `num_microbatches`, with
+    `zero3_reduce_every_microbatch` only where it takes effect (the key drops sequence parallelism)."""
     states = model_state_job(job)
-    return canonical_job(replace(states, num_microbatches=microbatches)) if job.zero_stage == 3 else states
+    if job.zero_stage != 3:
+        return states
+    every = reduce_rounds(model, deg, replace(job, num_microbatches=microbatches, global_batch=0)) > 1
+    return canonical_job(replace(states, num_microbatches=microbatches, zero3_reduce_every_microbatch=every))
 
 
 @lru_cache(maxsize=16384)

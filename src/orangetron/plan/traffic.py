@@ -37,7 +37,7 @@ from orangetron.plan.collectives import CommRecord
 from orangetron.plan.config import Degrees, Job
 from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel
+from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first
 from orangetron.plan.sharding import bucket_layout, padded_numel
 from orangetron.plan.stages import stage_layers
 
@@ -70,6 +70,7 @@ def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int =
     params = stage_params(model, deg, stage, job.virtual_stages)
     m = job.microbatches(deg)
     sharding = job.zero_stage >= 1 or job.distributed_optimizer
+    rounds = reduce_rounds(model, deg, job)
     out: list[CommRecord] = []
     for dim, n, numel in shard_groups(params, deg):
         if n <= 1 or numel == 0:
@@ -82,7 +83,7 @@ def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int =
         else:
             buckets = _buckets(numel, job.bucket_numel)
         for bucket in buckets:
-            out += _bucket_records(dim, n, padded_numel(bucket, n if sharding else 1), job, m)
+            out += _bucket_records(dim, n, padded_numel(bucket, n if sharding else 1), job, m, rounds)
         if sharding and job.clip_grad:
             # The global gradient norm: one all-reduce of this rank's sum of squares (main-grad dtype).
             out.append(_gather("all_reduce", dim, 4 if job.mixed_precision else job.param_bytes, n))
@@ -91,7 +92,15 @@ def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int =
     return out
 
 
-def _bucket_records(dim: str, n: int, numel: int, job: Job, m: int) -> list[CommRecord]:
+def reduce_rounds(model: ModelSpec, deg: Degrees, job: Job) -> int:
+    """Gradient reductions per step: one, or one per micro-batch under ZeRO-3 with
+    `zero3_reduce_every_microbatch` (unless partial gradients are first summed over tp: then all at the step)."""
+    if job.zero_stage == 3 and job.zero3_reduce_every_microbatch and not tp_sums_first(model, deg, job):
+        return job.microbatches(deg)
+    return 1
+
+
+def _bucket_records(dim: str, n: int, numel: int, job: Job, m: int, rounds: int) -> list[CommRecord]:
     grads, weights = numel * job.reduce_bytes, numel * job.param_bytes
     if job.zero_stage == 0 and not job.distributed_optimizer:
         return [_gather("all_reduce", dim, grads, n)]
@@ -99,7 +108,7 @@ def _bucket_records(dim: str, n: int, numel: int, job: Job, m: int) -> list[Comm
         gathers = [_gather("all_gather", dim, weights, n)] * ((1 if job.zero3_keep_params else 2) * m)
     else:  # lazy (ZeRO-1/2) or eager (distributed optimizer): once per step
         gathers = [_gather("all_gather", dim, weights, n)]
-    return gathers + [_gather("reduce_scatter", dim, grads, n)]
+    return gathers + [_gather("reduce_scatter", dim, grads, n)] * rounds
 
 
 # ---- per-layer model parallel traffic ----------------------------------------------------------

@@ -120,6 +120,9 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero3-keep-params", action="store_true",
                    help="--zero-stage 3: keep forward's gathered units until their backward (no second gather, "
                    "more memory)")
+    p.add_argument("--zero3-reduce-every-microbatch", action="store_true",
+                   help="--zero-stage 3: reduce-scatter every micro-batch's gradients into the sharded main buffer "
+                   "(one unit's .grad at a time, m times the reduce-scatters; default: accumulate whole in .grad)")
 
 
 def _add_config_flag(p: argparse.ArgumentParser) -> None:

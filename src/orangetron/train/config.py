@@ -83,6 +83,7 @@ class TrainConfig:
     grad_bucket_numel: int = 0  # reduce gradient buckets of about this many elements during backward (not ZeRO-3)
     zero3_prefetch: bool = True  # zero_stage 3: gather the next unit while the current one computes
     zero3_keep_params: bool = False  # zero_stage 3: keep forward's gathered units until their backward
+    zero3_reduce_every_microbatch: bool = False  # zero_stage 3: reduce-scatter every micro-batch's gradients
     sequence_parallel: bool = False  # with tp > 1: norms on sequence shards, reduce-scatter + all-gather
     cp_mode: str = "ring"  # context-parallel attention with cp > 1: ring, allgather, ulysses, rsa, usp
     ulysses_degree: int = 1  # cp_mode usp: the all-to-all factor of cp (the rest is a ring)
@@ -149,6 +150,7 @@ class TrainConfig:
         return ParallelConfig(zero_stage=self.zero_stage, distributed_optimizer=self.distributed_optimizer,
                               param_dtype=self.dtype, grad_bucket_numel=self.grad_bucket_numel,
                               zero3_prefetch=self.zero3_prefetch, zero3_keep_params=self.zero3_keep_params,
+                              zero3_reduce_every_microbatch=self.zero3_reduce_every_microbatch,
                               sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode,
                               ulysses_degree=self.ulysses_degree,
                               dispatcher=self.dispatcher, capacity_factor=self.capacity_factor,
