@@ -22,7 +22,7 @@ from functools import lru_cache
 
 from orangetron.plan.config import Degrees, Job, model_state_job
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.params import _kv_weights, _layer_params, stage_params, tp_sums_first
+from orangetron.plan.params import _ceil_div, _kv_weights, _layer_params, stage_params, tp_sums_first
 from orangetron.plan.schedule import actions
 from orangetron.plan.sharding import bucket_layout
 from orangetron.plan.stages import chunk_layers
@@ -38,10 +38,6 @@ class ParamTensor:
     unit: str  # ZeRO-3 unit: "embedding", "layer.<i>" or "rest"
 
 
-def _div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _layer_tensors(model: ModelSpec, deg: Degrees, i: int) -> list[tuple[int, bool]]:
     """(elements, expert) of layer `i`'s tensors on one rank, in the runtime's module order: norm, attention
     (q, k, v, o), norm, then the MLP (w1, w3, w2) or router, experts (w1, w3, w2) and shared expert. Shapes the
@@ -51,10 +47,11 @@ def _layer_tensors(model: ModelSpec, deg: Degrees, i: int) -> list[tuple[int, bo
     layer = _layer_params(model, t, deg.ep, deg.etp, i)
     ffn = model.num_shared_experts * model.moe_ffn_hidden_size if model.is_moe_layer(i) else model.ffn_hidden_size
     mats = 3 if model.mlp == "swiglu" else 2
-    mlp = [_div(h * ffn, t)] * mats if ffn and not model.bias else ([_div(model.mlp_params(ffn), t)] if ffn else [])
+    split = [_ceil_div(h * ffn, t)] * mats if not model.bias else [_ceil_div(model.mlp_params(ffn), t)]
+    mlp = split if ffn else []  # w1 (w3) and w2 over tp; with biases one piece
     moe: list[tuple[int, bool]] = []
     if model.is_moe_layer(i):
-        experts = _div(model.num_experts, deg.ep) * _div(h * model.moe_ffn_hidden_size, deg.etp)
+        experts = _ceil_div(model.num_experts, deg.ep) * _ceil_div(h * model.moe_ffn_hidden_size, deg.etp)
         expert_tensors = [experts] * mats if not model.bias else [layer.expert]
         moe = [(model.num_experts * h, False)] + [(n, deg.ep > 1) for n in expert_tensors]  # router first
     router = model.num_experts * h if model.is_moe_layer(i) else 0
@@ -66,9 +63,9 @@ def _attention_tensors(model: ModelSpec, t: int, total: int) -> list[int]:
     """wq, wk, wv, wo on one rank (the output projection takes any rounding), or one piece for MLA and biases."""
     if model.kv_lora_rank or model.bias:
         return [total]
-    h, q = model.hidden_size, _div(model.hidden_size * model.num_heads * model.qk_head_dim, t)
+    h, q = model.hidden_size, _ceil_div(model.hidden_size * model.num_heads * model.qk_head_dim, t)
     _, kv_local = _kv_weights(model, t)
-    kv = kv_local // 2 if kv_local else _div(h * model.kv_heads * model.qk_head_dim, t)
+    kv = kv_local // 2 if kv_local else _ceil_div(h * model.kv_heads * model.qk_head_dim, t)
     return [q, kv, kv, total - q - 2 * kv]
 
 
@@ -88,7 +85,7 @@ def stage_tensors(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: in
             layers += _layer_params(model, deg.tp, deg.ep, deg.etp, i).total
     whole = stage_params(model, deg, stage, virtual_stages).total
     if first:
-        table = _div(model.vocab_size * model.hidden_size, deg.tp) if not model.patch_size else 0
+        table = _ceil_div(model.vocab_size * model.hidden_size, deg.tp) if not model.patch_size else 0
         positions = model.embedding_params() - (0 if model.patch_size else model.vocab_size * model.hidden_size)
         embedding = [n for n in (table, positions) if n]
         out = [ParamTensor(n, False, 0, "embedding" if separate else "rest") for n in embedding] + out
