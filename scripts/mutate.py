@@ -403,6 +403,10 @@ MUTANTS = [
     Mutant("planner_zero3_reduces_once_per_step_always", "src/orangetron/plan/traffic.py",
            (("        return job.microbatches(deg)\n    return 1", "        return 1\n    return 1"),),
            ("tests/test_plan_cli.py::test_estimate_zero3_reduce_every_microbatch",)),
+    Mutant("checkpoint_step_outcome_not_shared", "src/orangetron/train/sharded.py",
+           (("    outcomes = [mine] if alone else comm.all_gather_objects(_picklable(mine), group)",
+             "    outcomes = [mine]"),),
+           ("tests/test_checkpoint_sharded.py::test_a_checkpoint_step_that_fails_on_one_rank_raises_on_every_rank",)),
 ]
 
 

@@ -10,6 +10,7 @@ whole tensors are known from the plain model too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -168,9 +169,51 @@ def _saving_peaks(folder: Path) -> dict[str, int]:
     return {"sharded": sharded.total, "sharded_torch": sharded.torch_bytes, "gathered": gathered.total}
 
 
+_COLLECTIVES = ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object", "gather",
+                "gather_object", "scatter", "scatter_object_list", "broadcast", "broadcast_object_list", "all_reduce",
+                "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+                "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+@contextlib.contextmanager
+def _counting_collectives():
+    """Count every torch.distributed collective called inside the block (whoever calls it)."""
+    import torch.distributed as dist
+
+    calls, originals = [], {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _checkpoint_traffic(folder: Path) -> dict[str, tuple[int, int]]:
+    """(torch.distributed calls, ledger records) of saving and of loading a sharded checkpoint."""
+    dp, opt = _build(Layout(tp=2, dp=2), dict(zero_stage=1), seed=0)
+    out = {}
+    with _counting_collectives() as calls, comm.measure() as records:
+        _save(dp, opt, folder / "ledger")
+    out["save"] = (len(calls), len(records))
+    with _counting_collectives() as calls, comm.measure() as records:
+        _load(dp, opt, folder / "ledger")
+    out["load"] = (len(calls), len(records))
+    return out
+
+
 def _all_checks(folder: str) -> dict:
     folder = Path(folder)
-    out = {"float64": _reshard_cycle(folder, LAYOUTS, "float64", _reference(MOE, torch.float64))}
+    out = {"traffic": _checkpoint_traffic(folder)}
+    out["float64"] = _reshard_cycle(folder, LAYOUTS, "float64", _reference(MOE, torch.float64))
     mixed = _reference(MOE, torch.float32)
     mixed = {k: {n: t.to(torch.bfloat16).to(torch.float32) if k != "buffers" else t for n, t in v.items()}
              for k, v in mixed.items()}
@@ -185,6 +228,16 @@ def _all_checks(folder: str) -> dict:
 def four_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     folder = tmp_path_factory.mktemp("sharded")
     return folder, run_distributed(_all_checks, 4, args=(str(folder),), timeout=600)  # many layouts in one call
+
+
+def test_checkpoint_traffic_goes_through_the_ledger(four_ranks):
+    """Every torch.distributed call made while saving and loading is one of comm's recorded collectives (none
+    is DCP's own): saving exchanges six times (name, plans, write results, metadata written, manifest,
+    done), loading twice (files checked, boxes read), each a recorded pair of all-gathers; after loading,
+    ZeRO-1 all-gathers its parameters once."""
+    _, results = four_ranks
+    for result in results:
+        assert result["traffic"] == {"save": (12, 12), "load": (5, 5)}
 
 
 def test_every_layout_reshards_onto_the_next_exactly(four_ranks):
@@ -232,3 +285,28 @@ def test_saving_holds_about_one_shard_per_rank_not_the_model(four_ranks):
         assert peaks["sharded"] < whole / 2, (rank, peaks, whole)
         assert peaks["sharded_torch"] <= whole / 4 * 1.25, (rank, peaks, whole)  # about one shard
 
+
+
+def _shared_outcomes() -> tuple[object, object]:
+    from orangetron.train.sharded import CheckpointError, _everywhere
+
+    group = comm.world_group()
+    ok = _everywhere(lambda: group.rank * 10, group)
+
+    def fail_on_rank_one() -> int:
+        if group.rank == 1:
+            raise CheckpointError("rank 1 could not write its shard")
+        return group.rank
+
+    try:
+        _everywhere(fail_on_rank_one, group)
+        failed: object = "returned"
+    except CheckpointError as err:
+        failed = str(err)
+    return ok, failed
+
+
+def test_a_checkpoint_step_that_fails_on_one_rank_raises_on_every_rank():
+    """Saving and loading share each step's outcome: results in rank order, or the failing rank's error on all
+    ranks (a rank that went on alone would wait forever at its next collective)."""
+    assert run_distributed(_shared_outcomes, 2) == [([0, 10], "rank 1 could not write its shard")] * 2

@@ -28,7 +28,7 @@ import dataclasses
 import io
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, T
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
+from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.parallel.state import Shards
 
@@ -199,23 +200,70 @@ def _dcp_errors() -> Iterator[None]:
         raise
 
 
-def _process_group(group: MeshGroup | None) -> dict[str, Any]:
-    if group is None or group.size == 1:
-        return {"no_dist": True}
-    return {"process_group": group.group}
+def _everywhere(step: Callable[[], Any], group: MeshGroup | None) -> list[Any]:
+    """Run `step` on this rank and share the outcome through `comm` (so the ledger sees it): every rank gets every
+    rank's result in rank order, or every rank raises, its own exception if it failed, else the lowest failing
+    rank's, so that no rank goes on alone."""
+    try:
+        with _dcp_errors():
+            mine: Any = step()
+    except Exception as err:
+        mine = err
+    alone = group is None or group.size == 1
+    outcomes = [mine] if alone else comm.all_gather_objects(_picklable(mine), group)
+    if isinstance(mine, Exception):
+        raise mine
+    failed = [o for o in outcomes if isinstance(o, Exception)]
+    if failed:
+        raise failed[0]
+    return outcomes
+
+
+def _picklable(outcome: Any) -> Any:
+    if not isinstance(outcome, Exception):
+        return outcome
+    try:
+        pickle.dumps(outcome)
+        return outcome
+    except Exception:
+        return CheckpointError(f"{type(outcome).__name__}: {outcome}")
 
 
 def save_shards(folder: Path, tensors: dict[str, Shards], group: MeshGroup | None) -> None:
     """Every rank of `group` writes its boxes of `tensors` under `folder` (one file per rank), rank 0 also
-    DCP's `.metadata`; replicated boxes are written once. Collective: every rank calls it."""
+    DCP's `.metadata`; replicated boxes are written once. Collective: every rank calls it.
+
+    DCP's own save coordinates the ranks with torch.distributed directly; these steps are its steps, with the
+    plans and write results exchanged by `comm.all_gather_objects` and the global plan made on every rank (it is
+    deterministic), so the checkpoint's traffic is in the ledger."""
+    rank = group.rank if group is not None else 0
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1)
-    with _dcp_errors():
-        dcp.save({}, storage_writer=writer, planner=_SavePlanner(tensors), **_process_group(group))
+    planner = _SavePlanner(tensors)
+
+    def local_plan() -> SavePlan:
+        writer.reset()
+        planner.set_up_planner({}, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    plans = _everywhere(local_plan, group)
+    global_plans, metadata = _everywhere(lambda: planner.create_global_plan(plans), None)[0]
+    global_plans = writer.prepare_global_plan(global_plans)
+
+    def write() -> list[Any]:
+        written = writer.write_data(planner.finish_plan(global_plans[rank]), planner)
+        written.wait()
+        return written.value()
+
+    results = _everywhere(write, group)
+    _everywhere(lambda: writer.finish(metadata=metadata, results=results) if rank == 0 else None, group)
 
 
 def load_shards(folder: Path, metadata: Metadata, tensors: dict[str, Shards], group: MeshGroup | None) -> None:
     """Fill the boxes of `tensors` from the checkpoint at `folder` (saved on any layout). The names and whole
-    shapes must be in `metadata` (check with `saved_shapes`). Collective: every rank calls it."""
-    with _dcp_errors():
-        dcp.load({}, storage_reader=_Reader(folder, metadata), planner=_LoadPlanner(tensors),
-                 **_process_group(group))
+    shapes must be in `metadata` (check with `saved_shapes`). Collective: every rank calls it.
+
+    Each rank plans and reads its own boxes (a load needs nothing from the other ranks); the outcome is shared
+    through `comm`, so a rank that fails stops every rank."""
+    _everywhere(lambda: dcp.load({}, storage_reader=_Reader(folder, metadata), planner=_LoadPlanner(tensors),
+                                 no_dist=True), group)
