@@ -407,6 +407,9 @@ MUTANTS = [
            (("    outcomes = [mine] if alone else comm.all_gather_objects(_picklable(mine), group)",
              "    outcomes = [mine]"),),
            ("tests/test_checkpoint_sharded.py::test_a_checkpoint_step_that_fails_on_one_rank_raises_on_every_rank",)),
+    Mutant("plan_search_never_reduces_zero3_per_micro_batch", "src/orangetron/plan/search.py",
+           (('"zero3", "zero3-mb")', '"zero3")'),),
+           ("tests/test_plan_search.py",)),
 ]
 
 

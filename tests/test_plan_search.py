@@ -52,3 +52,21 @@ def test_restricted_space_is_respected():
     for e in result.ranked:
         assert (e.degrees.tp, e.degrees.pp, e.degrees.cp) == (8, 2, 1)
         assert e.job.distributed_optimizer and e.job.recompute == "full"
+
+
+def test_search_reduces_zero3_every_micro_batch_where_whole_gradients_do_not_fit():
+    """Llama 3 8B on 8 H100 at 8192 tokens, 64 sequences: ZeRO-3 fits only when each micro-batch is
+    reduce-scattered (one unit's .grad at a time); accumulating whole .grad tensors adds 16 GB per GPU."""
+    from dataclasses import replace
+
+    from orangetron.plan.memory import memory_per_gpu
+    from orangetron.plan.overhead import DEFAULT_OVERHEAD, with_overhead
+
+    model, cluster = load_model("llama3-8b"), make_cluster("h100", 8)
+    best = search(model, cluster, 8192, 64).ranked[0]
+    assert best.job.zero_stage == 3 and best.job.zero3_reduce_every_microbatch
+    assert best.job.microbatches(best.degrees) > 1
+    whole = replace(best.job, zero3_reduce_every_microbatch=False)
+    total = with_overhead(memory_per_gpu(model, best.degrees, whole), best.degrees, DEFAULT_OVERHEAD)["total"]
+    assert total > cluster.gpu.memory_bytes
+    assert memory_per_gpu(model, best.degrees, whole)["param_grads"] == 8_030_261_248 * 2

@@ -274,6 +274,7 @@ def format_ranking(ranked: list[Estimate]) -> str:
     for i, e in enumerate(ranked, 1):
         d, j = e.degrees, e.job
         zero = "distopt" if j.distributed_optimizer else ("ddp" if j.zero_stage == 0 else f"zero{j.zero_stage}")
+        zero += "-mb" if j.zero3_reduce_every_microbatch else ""
         mode = j.cp_mode if d.cp > 1 else "-"
         rows.append(f"{i:>2} {d.tp:>3} {d.cp:>3} {d.pp:>3} {j.virtual_stages:>2} {d.dp:>4} {d.ep:>3} "
                     f"{j.micro_batch:>3} {zero:<8} {j.recompute:<9} {mode:<9} {e.memory['total'] / GIB:>8.1f} "

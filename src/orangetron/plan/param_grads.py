@@ -102,6 +102,8 @@ def _backward_passes(deg: Degrees, job: Job, stage: int, m: int) -> list[tuple[i
     its last one."""
     if deg.pp == 1:
         return [(0, k == m - 1) for k in range(m)]
+    if m == 1:  # one backward per chunk, the last chunk's first (also ZeRO-3 reducing every micro-batch)
+        return [(c, True) for c in reversed(range(job.virtual_stages))]
     plan = [a for a in actions(deg.pp, m, job.pp_schedule, job.virtual_stages)[stage] if a.kind == "B"]
     last = {a.chunk: k for k, a in enumerate(plan)}
     return [(a.chunk, k == last[a.chunk]) for k, a in enumerate(plan)]

@@ -29,7 +29,7 @@ class SearchSpace:
     ep: tuple[int, ...] | None = None
     virtual_stages: tuple[int, ...] = (1, 2, 4)
     micro_batch: tuple[int, ...] = (1, 2, 4)
-    zero: tuple[str, ...] = ("ddp", "zero1", "distopt", "zero2", "zero3")
+    zero: tuple[str, ...] = ("ddp", "zero1", "distopt", "zero2", "zero3", "zero3-mb")
     recompute: tuple[str, ...] = ("none", "selective", "full")
     cp_mode: tuple[str, ...] = ("ring", "allgather", "ulysses")
     dispatcher: tuple[str, ...] = ("ragged",)  # capacity only adds padding at the same traffic pattern
@@ -50,7 +50,10 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-_ZERO = {"ddp": (0, False), "zero1": (1, False), "distopt": (0, True), "zero2": (2, False), "zero3": (3, False)}
+# name: (zero_stage, distributed_optimizer, zero3_reduce_every_microbatch); "zero3-mb" reduce-scatters every
+# micro-batch (one unit's .grad at a time) where "zero3" accumulates whole gradients and reduces once.
+_ZERO = {"ddp": (0, False, False), "zero1": (1, False, False), "distopt": (0, True, False), "zero2": (2, False, False),
+         "zero3": (3, False, False), "zero3-mb": (3, False, True)}
 
 
 def candidate_degrees(model: ModelSpec, cluster: Cluster, space: SearchSpace, seq_len: int = 0) -> Iterator[Degrees]:
@@ -103,10 +106,11 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
     recomputes = [r for r in RECOMPUTE if r in space.recompute]
     group = []
     for rc, zero in itertools.product(recomputes, zeros):
-        stage, distopt = _ZERO[zero]
+        stage, distopt, every = _ZERO[zero]
         group.append(Job(seq_len=seq_len, micro_batch=mb, global_batch=global_batch,
                          sequence_parallel=sequence_parallel, cp_mode=mode, dispatcher=disp,
                          capacity_factor=base.capacity_factor, zero_stage=stage, distributed_optimizer=distopt,
+                         zero3_reduce_every_microbatch=every,
                          param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",
                          virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
                          overlap_ep=base.overlap_ep, fp8=base.fp8, fp8_recipe=base.fp8_recipe))
@@ -117,8 +121,10 @@ def _pricing_class(job: Job) -> int:
     # DDP, ZeRO-1/2 and the distributed optimizer move the same bytes per step and overlap them the same
     # way, and less recompute is never slower, so within a class the first option that fits (groups are
     # ordered by recompute, then sharding) is never slower than the later ones. ZeRO-3 adds
-    # per-micro-batch gathers and is its own class.
-    return 3 if job.zero_stage == 3 else 0
+    # per-micro-batch gathers and is its own class; reduce-scattering every micro-batch another.
+    if job.zero_stage == 3:
+        return 4 if job.zero3_reduce_every_microbatch else 3
+    return 0
 
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, space: SearchSpace | None = None,
@@ -141,8 +147,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
             priced: set[int] = set()
             for job in group:
                 cls = _pricing_class(job)
-                if cls in priced:
-                    continue
+                if cls in priced or job.zero3_reduce_every_microbatch and job.microbatches(deg) == 1:
+                    continue  # dominated, or (one micro-batch) the same step as "zero3"
                 try:
                     validate(model, deg, job)
                 except ValueError:
