@@ -410,6 +410,10 @@ MUTANTS = [
     Mutant("plan_search_never_reduces_zero3_per_micro_batch", "src/orangetron/plan/search.py",
            (('"zero3", "zero3-mb")', '"zero3")'),),
            ("tests/test_plan_search.py",)),
+    Mutant("plan_zero3_rounds_share_one_backward_window", "src/orangetron/plan/timing.py",
+           (("        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb * rounds, eff)",
+             "        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)"),),
+           ("tests/test_plan_timing.py",)),
 ]
 
 

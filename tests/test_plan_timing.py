@@ -221,3 +221,29 @@ def test_gradient_reduction_after_backward_is_exposed_whole():
     assert after.dp_s == pytest.approx(whole, rel=1e-12)
     assert behind.dp_s < 0.2 * whole
     assert after.step_s - behind.step_s == pytest.approx(after.dp_s - behind.dp_s, rel=1e-9)
+
+
+def test_zero3_reducing_every_micro_batch_hides_each_reduction_behind_its_own_backward():
+    """ZeRO-3 over 4 micro-batches: reducing every micro-batch moves 4x the reduce-scatter bytes (R per round).
+    With backward windows long enough to hide a round each, only the last unit's share of the last round is
+    exposed either way, and the 3 extra rounds cost their overlap contention: 0.10 x 3R; with no window at all
+    every round is exposed: 3R more."""
+    from orangetron.plan import timing
+    from orangetron.plan.network import DEFAULT_PARAMS
+
+    model, cluster, deg = load_model("llama3-8b"), make_cluster("h100", 16), Degrees(dp=16)
+    once = Job(seq_len=4096, global_batch=64, zero_stage=3)
+    every = replace(once, zero3_reduce_every_microbatch=True)
+    m, eff = 4, timing.DEFAULT_EFFICIENCY
+    rounds = timing._dp_times(model, deg, timing._data_parallel_job(model, deg, once, m), cluster, DEFAULT_PARAMS)[0]
+    four = timing._dp_times(model, deg, timing._data_parallel_job(model, deg, every, m), cluster, DEFAULT_PARAMS)[0]
+    assert four == pytest.approx(4 * rounds, rel=1e-12)
+
+    def exposed(job: Job, t_mb: float) -> float:
+        return timing._dp_exposed(model, deg, job, cluster, t_mb, m, DEFAULT_PARAMS, eff)
+
+    # Each round has its own micro-batch's backward: at t_mb = 1.5 R one window (R) holds one round, four hold four.
+    for t_mb in (1.5 * rounds, 1e3):
+        assert exposed(every, t_mb) - exposed(once, t_mb) == pytest.approx(eff.overlap_contention * 3 * rounds,
+                                                                           rel=1e-9)
+    assert exposed(every, 0.0) - exposed(once, 0.0) == pytest.approx(3 * rounds, rel=1e-9)
