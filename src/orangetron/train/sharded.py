@@ -247,7 +247,7 @@ def save_shards(folder: Path, tensors: dict[str, Shards], group: MeshGroup | Non
         return writer.prepare_local_plan(planner.create_local_plan())
 
     plans = _everywhere(local_plan, group)
-    global_plans, metadata = _everywhere(lambda: planner.create_global_plan(plans), None)[0]
+    global_plans, metadata = planner.create_global_plan(plans)  # the same on every rank, errors included
     global_plans = writer.prepare_global_plan(global_plans)
 
     def write() -> list[Any]:
