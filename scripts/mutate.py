@@ -414,6 +414,14 @@ MUTANTS = [
            (("        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb * rounds, eff)",
              "        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)"),),
            ("tests/test_plan_timing.py",)),
+    # ---- Megatron-Core's gradient path (planner only) ------------------------------------------------------------
+    Mutant("planner_fused_grads_still_held_for_tp_sums", "src/orangetron/plan/param_grads.py",
+           (("    if job.grad_accumulation_fusion:  # Megatron-Core sums and reduces inside the main-gradient buffer\n"
+             "        return False\n", ""),),
+           ("tests/test_plan_cli.py::test_estimate_grad_accumulation_fusion",)),
+    Mutant("planner_fused_grads_keep_reduction_buffers", "src/orangetron/plan/memory.py",
+           (("    if job.grad_accumulation_fusion:\n        return 0\n    segments", "    segments"),),
+           ("tests/test_plan_validation.py::test_peak_memory_within_10_percent_of_megatron_ci",)),
 ]
 
 

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from orangetron.cli import main as run
+from orangetron.plan.config import Job
 
 
 def last_json(capsys):
@@ -35,6 +36,32 @@ def test_estimate_grad_bucket_numel_frees_each_grad_on_arrival(capsys):
     run([*args, "--grad-bucket-numel", "40000000"])
     assert last_json(capsys)["memory_bytes"]["param_grads"] == 128256 * 4096 * 2
 
+
+
+def test_estimate_grad_accumulation_fusion(capsys):
+    """Llama 3 8B on tp2 x dp4 with SP and the distributed optimizer. orangetron's runtime sums the SP norms'
+    partial gradients over tp before the dp reduction, so it keeps every .grad until the step and concatenates
+    the partials out of place; Megatron-Core adds each gradient into its main-gradient buffer as it arrives and
+    reduces there: one .grad at a time (the largest, this rank's 64128 x 4096 half of the embedding or output
+    layer), no reduction buffers, the same bytes on the wire."""
+    args = ["estimate", "--model", "llama3-8b", "--gpu", "h100", "--tp", "2", "--dp", "4", "--sequence-parallel",
+            "--distributed-optimizer", "--grad-bucket-numel", "40000000", "--seq", "4096", "--json"]
+    run(args)
+    runtime = last_json(capsys)
+    run([*args, "--grad-accumulation-fusion"])
+    fused = last_json(capsys)
+    norms = 65 * 4096  # two per layer and the final one, whole on both tp ranks
+    assert runtime["memory_bytes"]["param_grads"] == ((8_030_261_248 - norms) // 2 + norms) * 2
+    assert runtime["memory_bytes"]["grad_buckets"] > 0
+    assert fused["memory_bytes"]["param_grads"] == 64128 * 4096 * 2
+    assert fused["memory_bytes"]["grad_buckets"] == 0
+    assert fused["comm_bytes"] == runtime["comm_bytes"]
+
+
+def test_grad_accumulation_fusion_needs_a_whole_main_gradient_buffer():
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match="grad_accumulation_fusion with zero_stage"):
+            Job(seq_len=8, zero_stage=stage, grad_accumulation_fusion=True)
 
 def test_estimate_zero3_reduce_every_microbatch(capsys):
     """Llama 3 8B, ZeRO-3 on dp=8, 4 micro-batches per step: reduce-scattering every micro-batch moves 4 times the

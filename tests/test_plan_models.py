@@ -18,6 +18,7 @@ PUBLISHED = [
     ("deepseek-v3", 671e9, 37e9, "DeepSeek-V3 technical report, arXiv:2412.19437"),
     ("gpt-oss-120b", 116.8e9, None, "gpt-oss model card, arXiv:2508.10925"),
     ("qwen3-30b-a3b", 30.5e9, 3.3e9, "Qwen3 technical report, arXiv:2505.09388"),
+    ("qwen3-235b-a22b", 235e9, 22e9, "Qwen3 technical report, arXiv:2505.09388"),
 ]
 
 

@@ -64,6 +64,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",
                      help="gradient buckets of about N elements reduced during backward, as `train` (default 0: "
                           "one reduction after backward, every parameter's .grad kept until then)")
+    est.add_argument("--grad-accumulation-fusion", action="store_true",
+                     help="price Megatron-Core's gradient path (planner only): gradients land in the main-gradient "
+                          "buffer, one .grad at a time, and are reduced where they lie")
     est.add_argument("--no-overlap-ep", action="store_true",
                      help="no paired micro-batch overlap: only shared experts hide the expert all-to-all")
     est.add_argument("--no-overlap-grad-reduce", action="store_true",
@@ -177,7 +180,8 @@ def run_estimate(args: argparse.Namespace) -> int:
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
               overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce, fp8=args.fp8,
               fp8_recipe=args.fp8_recipe, bucket_numel=args.grad_bucket_numel,
-              zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch)
+              zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
+              grad_accumulation_fusion=args.grad_accumulation_fusion)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     warning = fit_warning(est)
     if warning:

@@ -61,6 +61,10 @@ class Job:
     # Gradient reductions hidden behind backward as buckets fill (the runtime, Megatron-Core's overlap_grad_reduce);
     # off: reduced after the last backward, as Megatron-LM (2021) and DeepSpeed's pipeline engine did. Planner only
     overlap_grad_reduce: bool = True
+    # Megatron-Core's gradient path: weight gradients land in the contiguous main-gradient buffer (its fused
+    # weight-gradient GEMM, or a hook adding each `.grad` as it arrives), and every reduction, the tp sums
+    # included, runs where the buffer lies: one `.grad` at a time, no reduction buffers. Planner only
+    grad_accumulation_fusion: bool = False
     fp8: bool = False  # FP8 linear layers (Transformer Engine style); planner only
     fp8_recipe: str = "delayed"  # how FP8 tensors are scaled (FP8_RECIPES)
 
@@ -75,6 +79,9 @@ class Job:
         _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         if self.zero3_reduce_every_microbatch and self.zero_stage != 3:
             raise ValueError(f"zero3_reduce_every_microbatch needs zero_stage=3, not {self.zero_stage}")
+        if self.grad_accumulation_fusion and self.zero_stage >= 2:
+            raise ValueError(f"grad_accumulation_fusion with zero_stage={self.zero_stage}: Megatron-Core's "
+                             "main-gradient buffer is whole on every rank (DDP, ZeRO-1 or the distributed optimizer)")
         if self.fp8_recipe != "delayed" and not self.fp8:
             raise ValueError(f"fp8_recipe={self.fp8_recipe!r} needs fp8=True")
         for name in ("param_dtype", "grad_dtype"):

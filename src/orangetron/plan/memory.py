@@ -137,7 +137,10 @@ def grad_bucket_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) 
 
 def tp_grad_sum_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
     """The tp sum of partial gradients (`plan.params.tp_grad_sum_numel`): their concatenation and the
-    all-reduce's sum, out of place, both in the parameter dtype."""
+    all-reduce's sum, out of place, both in the parameter dtype (none where they are summed in the main-gradient
+    buffer, `Job.grad_accumulation_fusion`)."""
+    if job.grad_accumulation_fusion:
+        return 0
     return 2 * tp_grad_sum_numel(model, deg, job, stage) * job.param_bytes
 
 
@@ -151,8 +154,11 @@ def _dp_reduction_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0
     (when the dtypes differ) of every bucket, all in flight until the step, so the whole of every buffer.
     Without buckets each flat buffer is reduced once after backward, one after another: ZeRO-2's temporary
     full buffer, or the others' wire copy when the dtypes differ, plus the collective's result (all-reduce: a
-    full buffer, reduce-scatter: the slice; nothing over one rank).
+    full buffer, reduce-scatter: the slice; nothing over one rank). `Job.grad_accumulation_fusion` reduces the
+    main-gradient buffer where it lies: nothing.
     """
+    if job.grad_accumulation_fusion:
+        return 0
     segments = data_parallel_segments(model, deg, job, stage)
     if job.zero_stage == 3:
         return max(((padded_numel(numel, ranks) + shard_numel(numel, ranks)) * job.reduce_bytes

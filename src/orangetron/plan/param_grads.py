@@ -112,6 +112,8 @@ def _backward_passes(deg: Degrees, job: Job, stage: int, m: int) -> list[tuple[i
 def _held_to_step(model: ModelSpec, deg: Degrees, job: Job) -> bool:
     """Unbucketed reductions, and partial gradients that are first summed over tp (sequence parallel, kv heads
     fewer than tp), keep every `.grad` until the step."""
+    if job.grad_accumulation_fusion:  # Megatron-Core sums and reduces inside the main-gradient buffer
+        return False
     return tp_sums_first(model, deg, job) or (job.zero_stage != 3 and job.bucket_numel <= 0)
 
 
@@ -120,7 +122,7 @@ def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
     total, largest = _totals(model, deg, stage, job.virtual_stages)
     if _held_to_step(model, deg, job):
         return total * job.param_bytes
-    if job.zero_stage < 2:  # added into the full main buffer as each arrives
+    if job.zero_stage < 2 or job.grad_accumulation_fusion:  # added into the full main buffer as each arrives
         return largest * job.param_bytes
     m = 1 if job.zero3_reduce_every_microbatch else job.microbatches(deg)  # each backward frees its units
     # Inside no_sync nothing is freed: with one chunk its first backward fills every .grad, and with more
