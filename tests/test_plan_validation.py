@@ -250,6 +250,22 @@ MODELZOO_MOE = [
 ]
 
 
+# NVIDIA's "Optimizing DeepSeek-V3 Training Performance on NVIDIA GB200 NVL72" (NVIDIA/Megatron-LM
+# docs/discussions/deepseek-v3-gb200-optimization): 256 GB200, MXFP8 (priced as the planner's FP8), tp1 pp8 vp4
+# ep32, micro-batch 1, global batch 2048, seq 4096, from a 494 TFLOP/s baseline (NCCL all-to-all dispatcher)
+# to 970 after kernel fusions, CUDA graphs, CPU-side work and HybridEP. TFLOP/s in Megatron's count, turned
+# into tokens/s with that count's own ratio for DeepSeek-V3 at seq 4096 in Megatron-Bridge's table (3454
+# tokens/s per GPU = 899 TFLOP/s, docs/performance-summary.md, 25.11, DGX-GB200).
+def _gb200_guide(name: str, tflops: float) -> Run:
+    job = Job(seq_len=4096, global_batch=2048, fp8=True, distributed_optimizer=True, virtual_stages=4,
+              pp_schedule="interleaved", bucket_numel=_mcore_buckets(32), grad_accumulation_fusion=True)
+    return Run(f"DeepSeek-V3 on 256 GB200 (MCore guide), {name}", "check", load_model("deepseek-v3"), "gb200",
+               Degrees(pp=8, dp=32, ep=32), job, "tokens", tflops * 3454 / 899, (), 64)
+
+
+GB200_GUIDE = [_gb200_guide("baseline", 494.46), _gb200_guide("optimized", 970.01)]
+
+
 # MosaicML llm-foundry's MPT benchmark table (mosaicml/llm-foundry scripts/train/benchmarking/README.md, "H100 80GB
 # BF16"): Composer with PyTorch FSDP FULL_SHARD (ZeRO-3, bf16 gathers and reductions), tokens/s per GPU. The MPT
 # benchmark models are GPT-style (biases, LayerNorm, GeLU 4h, learned positions, tied embeddings, vocabulary
