@@ -414,6 +414,12 @@ MUTANTS = [
            (("        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb * rounds, eff)",
              "        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)"),),
            ("tests/test_plan_timing.py",)),
+    Mutant("runtime_silently_ignores_recompute", "src/orangetron/parallel/data.py",
+           (("        if self.config.recompute != \"none\":", "        if False:"),),
+           ("tests/test_data_parallel.py::test_the_runtime_refuses_recomputation_it_does_not_do",)),
+    Mutant("planner_usp_ring_placed_as_ulysses", "src/orangetron/plan/timing.py",
+           (("sum(c.cp % ulysses == 0 for c in same)", "sum(c.cp < ulysses for c in same)"),),
+           ("tests/test_plan_timing.py::test_usp_groups_follow_the_runtime_split_of_cp",)),
     # ---- Megatron-Core's gradient path (planner only) ------------------------------------------------------------
     Mutant("planner_fused_grads_still_held_for_tp_sums", "src/orangetron/plan/param_grads.py",
            (("    if job.grad_accumulation_fusion:  # Megatron-Core sums and reduces inside the main-gradient buffer\n"

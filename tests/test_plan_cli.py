@@ -63,6 +63,17 @@ def test_grad_accumulation_fusion_needs_a_whole_main_gradient_buffer():
         with pytest.raises(ValueError, match="grad_accumulation_fusion with zero_stage"):
             Job(seq_len=8, zero_stage=stage, grad_accumulation_fusion=True)
 
+
+def test_estimate_prices_usp(capsys):
+    """Llama 3 8B (32 layers) on tp2 x cp4 with Ulysses over 2 ranks and a ring over 2: per layer, forward and
+    backward each send Q, K+V and the output through one all-to-all (3 x 2 x 32 = 192 calls), and the ring passes
+    K,V once forward and once backward, then returns dK,dV over both hops ((2 - 1) x 2 + 2 = 4 x 32 = 128)."""
+    assert run(["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "2", "--cp", "4", "--seq", "8192",
+                "--sequence-parallel", "--cp-mode", "usp", "--ulysses-degree", "2", "--json"]) == 0
+    comm = last_json(capsys)["comm"]
+    assert comm["all_to_all/cp_ulysses"]["calls"] == 192
+    assert comm["send_recv/cp_ring"]["calls"] == 128
+
 def test_estimate_zero3_reduce_every_microbatch(capsys):
     """Llama 3 8B, ZeRO-3 on dp=8, 4 micro-batches per step: reduce-scattering every micro-batch moves 4 times the
     gradient bytes and holds one unit's .grad at a time, the largest being the head (final norm of 4096 and the

@@ -147,6 +147,24 @@ def test_group_placement_follows_the_runtime_rank_order():
     assert (places["tp"].size, places["tp"].per_node) == (2, 2)
 
 
+
+def test_usp_groups_follow_the_runtime_split_of_cp():
+    """`mesh.split_cp` puts Ulysses over consecutive cp ranks and the ring over every u-th. With tp=2, cp=4,
+    u=2 (ranks tp fastest, then cp): rank 0's Ulysses group is cp 0, 1 = ranks 0, 2 and its ring cp 0, 2 =
+    ranks 0, 4: one node of 8, but on nodes of 4 the ring crosses to the second node. Pricing usp needs both,
+    for every Ulysses degree (u = 1 is all ring, u = cp all Ulysses)."""
+    from orangetron.plan.timing import _usp_places
+
+    deg = Degrees(tp=2, cp=4)
+    wide = _usp_places(deg, make_cluster("h100", 8), 2)
+    narrow = _usp_places(deg, make_cluster("h100", 8, 4), 2)
+    assert [(p.size, p.per_node) for p in (wide["cp_ulysses"], wide["cp_ring"])] == [(2, 2), (2, 2)]
+    assert [(p.size, p.per_node) for p in (narrow["cp_ulysses"], narrow["cp_ring"])] == [(2, 2), (2, 1)]
+    model = load_model("llama3-8b")
+    for u in (1, 2, 4):
+        job = Job(seq_len=8192, sequence_parallel=True, cp_mode="usp", ulysses_degree=u)
+        assert step_time(model, deg, job, make_cluster("h100", 8, 4)).cp_s > 0
+
 def test_few_tokens_per_expert_cost_more_per_token():
     """Grouped expert GEMMs pad their tiles per expert and read every local expert's weights. The same 1024
     token copies (seq 512, top 2) cost the same FLOPs as 8 experts x 128 copies (ep=1) or 1 expert x 1024

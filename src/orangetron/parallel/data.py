@@ -37,7 +37,7 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import ParallelMesh
 from orangetron.parallel.buckets import GradBuckets, ShardedGradBuckets
-from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.config import ParallelConfig, ParallelConfigError
 from orangetron.parallel.flat import FlatPart
 from orangetron.parallel.optim import FlatAdamW
 from orangetron.parallel.param_grads import ParamGrads
@@ -51,8 +51,12 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> None:
         super().__init__()
-        self.module = module
         self.config = config or ParallelConfig()
+        if self.config.recompute != "none":
+            raise ParallelConfigError(
+                f"recompute={self.config.recompute!r}: the runtime keeps every activation for backward (it does not "
+                "recompute yet); the planner prices recomputation (`orangetron estimate --recompute`)")
+        self.module = module
         self.mesh = mesh
         self.group = mesh["dp_cp"]
         self.placements = getattr(module, "placements", None)  # by parameter name, under tensor parallelism

@@ -55,6 +55,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     est.add_argument("--distributed-optimizer", action="store_true")
     est.add_argument("--cp-mode", choices=CP_MODES, default="ring")
+    est.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
+                     help="--cp-mode usp: the all-to-all factor of cp (the rest is a ring), as `train`")
     est.add_argument("--dispatcher", choices=DISPATCHERS, default="ragged")
     est.add_argument("--capacity-factor", type=float, default=1.0)
     est.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES), default="",
@@ -173,7 +175,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     deg = _degrees(args)
     schedule = args.pp_schedule or ("interleaved" if args.virtual_stages > 1 else "1f1b")
     job = Job(seq_len=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
-              sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, dispatcher=args.dispatcher,
+              sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
+              dispatcher=args.dispatcher,
               capacity_factor=args.capacity_factor, zero_stage=args.zero_stage,
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,

@@ -350,6 +350,18 @@ def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
     return out
 
 
+@lru_cache(maxsize=4096)
+def _usp_places(deg: Degrees, cluster: Cluster, ulysses: int) -> dict[str, Placement]:
+    """Where USP's two cp subgroups land (`mesh.split_cp`: Ulysses over `ulysses` consecutive cp ranks, the
+    ring over every `ulysses`-th): the members of rank 0's groups on its node."""
+    g = cluster.gpus_per_node
+    first_node = [deg.coordinates(r) for r in range(min(g, deg.world_size))]
+    same = [c for c in first_node if (c.tp, c.dp, c.pp) == (0, 0, 0)]
+    ring = deg.cp // ulysses
+    return {"cp_ulysses": Placement(ulysses, sum(c.cp < ulysses for c in same)) if ulysses > 1 else Placement(1, 1),
+            "cp_ring": Placement(ring, sum(c.cp % ulysses == 0 for c in same)) if ring > 1 else Placement(1, 1)}
+
+
 def _records_time(records, places: dict[str, Placement], cluster: Cluster, net: NetworkParams,
                   msg_bytes: float = 0.0) -> float:
     return _records_times(records, places, cluster, net, msg_bytes)[0]
@@ -429,9 +441,14 @@ def _layer_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe
     places = _places(deg, cluster)
     cost = layer_cost(model, deg, job, cluster, moe, eff)
     run, attention = _fwd_bwd(cost, job)
-    cp_t = _records_time(context_parallel_records(model, deg, job), places, cluster, net)
-    if job.cp_mode in ("ring", "rsa"):
-        cp_t = _hide(cp_t, attention, eff)  # each ring step hides behind the previous block's attention
+    cp_records = context_parallel_records(model, deg, job)
+    if job.cp_mode == "usp":
+        places = {**places, **_usp_places(deg, cluster, job.ulysses_degree)}
+    # Each ring step (ring, rsa, usp's ring) hides behind the previous block's attention; gathers and
+    # Ulysses' all-to-alls come before the attention that needs them.
+    hops = [r for r in cp_records if r.op == "send_recv"]
+    cp_t = _records_time([r for r in cp_records if r.op != "send_recv"], places, cluster, net)
+    cp_t += _hide(_records_time(hops, places, cluster, net), attention, eff)
     ep_t = 0.0
     if moe:
         row = job.param_bytes * model.hidden_size

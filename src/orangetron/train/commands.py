@@ -138,8 +138,8 @@ def _add_verify_command(sub: Any) -> None:
     p = sub.add_parser(
         "verify", help="check that a layout reproduces one rank",
         description="Run the same steps on one rank and on the layout; print the largest relative loss and "
-        "gradient differences; exit 1 past the tolerance. The MoE load-balancing loss is off in both runs, "
-        "except with --ep > 1, where it is balanced over the global batch and stays on.",
+        "gradient differences; exit 1 past the tolerance. The MoE load-balancing loss stays on: every layout "
+        "computes it over the whole batch, as one rank does.",
     )
     p.add_argument("--model", default="tiny-moe", help="model preset (default: %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default: %(default)s)")
