@@ -420,6 +420,10 @@ MUTANTS = [
     Mutant("planner_usp_ring_placed_as_ulysses", "src/orangetron/plan/timing.py",
            (("sum(c.cp % ulysses == 0 for c in same)", "sum(c.cp < ulysses for c in same)"),),
            ("tests/test_plan_timing.py::test_usp_groups_follow_the_runtime_split_of_cp",)),
+    Mutant("planner_chunked_dispatch_hides_nothing_more", "src/orangetron/plan/timing.py",
+           (("    return comm / c + _hide(comm * share, window + experts * share, eff)",
+             "    return comm / c + _hide(comm * share, window, eff)"),),
+           ("tests/test_plan_timing.py::test_chunked_dispatch_hides_all_but_one_chunk_behind_the_other_chunks_experts",)),
     # ---- Megatron-Core's gradient path (planner only) ------------------------------------------------------------
     Mutant("planner_fused_grads_still_held_for_tp_sums", "src/orangetron/plan/param_grads.py",
            (("    if job.grad_accumulation_fusion:  # Megatron-Core sums and reduces inside the main-gradient buffer\n"

@@ -132,6 +132,39 @@ def test_ep_window_is_the_work_that_does_not_wait_for_the_tokens():
     assert _ep_window(cost, 10.0, replace(two, overlap_ep=True, global_batch=4), deg) == 3.0  # none in flight
 
 
+
+def test_chunked_dispatch_hides_all_but_one_chunk_behind_the_other_chunks_experts():
+    """Hand-made costs: routed experts 0.5 fwd + 1 bwd, shared experts 1 + 2, the layer 10; 6 s of all-to-all,
+    no contention. One chunk: 6 - 3 (behind the shared experts) = 3 exposed. With c chunks, 6/c cannot hide
+    (the first dispatch, the last combine) and the other 6 (c-1)/c hides behind the shared experts plus (c-1)/c
+    of the routed ones: c = 2 leaves 3 (its 3 s fit the 3 + 0.75 s window). Without shared experts one chunk
+    leaves all 6, c = 2 leaves 3 + (3 - 0.75) = 5.25 and c = 4 leaves 1.5 + (4.5 - 1.125) = 4.875. Behind a
+    paired micro-batch's whole layer, chunking changes nothing."""
+    from orangetron.plan.timing import Efficiency, LayerCost, _ep_exposed
+
+    eff = Efficiency(overlap_contention=0.0)
+    cost = LayerCost(gemm_f=2, gemm_b=4, attention_f=1, attention_b=2, elementwise=0.25, experts_f=0.5,
+                     experts_b=1, shared_f=1, shared_b=2)
+    routed_only = replace(cost, shared_f=0.0, shared_b=0.0)
+    deg = Degrees(dp=4, ep=4)
+    job = Job(seq_len=1024, global_batch=8, overlap_ep=False)
+    assert _ep_exposed(6.0, cost, 10.0, job, deg, eff) == 3.0
+    assert _ep_exposed(6.0, cost, 10.0, replace(job, ep_overlap_chunks=2), deg, eff) == 3.0
+    assert _ep_exposed(6.0, routed_only, 10.0, job, deg, eff) == 6.0
+    assert _ep_exposed(6.0, routed_only, 10.0, replace(job, ep_overlap_chunks=2), deg, eff) == 5.25
+    assert _ep_exposed(6.0, routed_only, 10.0, replace(job, ep_overlap_chunks=4), deg, eff) == 4.875
+    paired = replace(job, overlap_ep=True, ep_overlap_chunks=4)
+    assert _ep_exposed(6.0, routed_only, 10.0, paired, deg, eff) == 0.0
+
+
+def test_chunked_overlap_is_for_the_ragged_dispatcher():
+    from orangetron.plan.config import validate
+
+    for dispatcher in ("capacity", "allgather"):
+        with pytest.raises(ValueError, match="ep_overlap_chunks=2: chunked overlap is for the ragged dispatcher"):
+            validate(load_model("mixtral-8x7b"), Degrees(dp=8, ep=8),
+                     Job(seq_len=1024, dispatcher=dispatcher, ep_overlap_chunks=2))
+
 def test_group_placement_follows_the_runtime_rank_order():
     """Ranks go tp fastest, then cp, dp, pp; experts take ep fastest over dp x cp. On nodes of 8 with tp=2, cp=2,
     dp=4, ep=4: rank 0's ep group is dp_cp 0..3 = ranks 0, 2, 4, 6 (one node); its edp group is dp_cp 0, 4 =

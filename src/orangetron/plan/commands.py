@@ -59,6 +59,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                      help="--cp-mode usp: the all-to-all factor of cp (the rest is a ring), as `train`")
     est.add_argument("--dispatcher", choices=DISPATCHERS, default="ragged")
     est.add_argument("--capacity-factor", type=float, default=1.0)
+    est.add_argument("--ep-overlap-chunks", type=int, default=1, metavar="N",
+                     help="ragged dispatch in N token chunks, each chunk's all-to-all overlapping the other "
+                          "chunks' experts, as `train`")
     est.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES), default="",
                      help="gradient reduction dtype (default: the param dtype, as the seed's tables)")
     est.add_argument("--zero3-reduce-every-microbatch", action="store_true",
@@ -177,7 +180,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     job = Job(seq_len=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
               sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
               dispatcher=args.dispatcher,
-              capacity_factor=args.capacity_factor, zero_stage=args.zero_stage,
+              capacity_factor=args.capacity_factor, ep_overlap_chunks=args.ep_overlap_chunks,
+              zero_stage=args.zero_stage,
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,

@@ -175,6 +175,9 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     if job.cp_mode == "usp" and c > 1 and (c % job.ulysses_degree or (model.num_heads // t) % job.ulysses_degree):
         raise ValueError(f"ulysses_degree={job.ulysses_degree}: usp needs it to divide cp={c} and the heads per tp "
                          f"rank ({model.num_heads // t})")
+    if job.ep_overlap_chunks > 1 and job.dispatcher != "ragged":
+        raise ValueError(f"ep_overlap_chunks={job.ep_overlap_chunks}: chunked overlap is for the ragged dispatcher, "
+                         f"not {job.dispatcher!r}")
     if model.is_moe and model.num_experts % degrees.ep:
         raise ValueError(f"ep={degrees.ep}: num_experts={model.num_experts} is not divisible by ep")
     if degrees.expert_fold:

@@ -453,12 +453,28 @@ def _layer_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe
     if moe:
         row = job.param_bytes * model.hidden_size
         ep_t = _records_time(expert_parallel_records(model, deg, job), places, cluster, net, msg_bytes=row)
-        ep_t = _hide(ep_t, _ep_window(cost, run, job, deg), eff)
+        ep_t = _ep_exposed(ep_t, cost, run, job, deg, eff)
     blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
     tp_records = tensor_parallel_records(model, deg, job, blocks)
     if moe:
         tp_records = tp_records + expert_tensor_parallel_records(model, deg, job)
     return run, _records_time(tp_records, places, cluster, net), cp_t, ep_t
+
+
+def _ep_exposed(comm: float, cost: LayerCost, run: float, job: Job, deg: Degrees, eff: Efficiency) -> float:
+    """Seconds of one MoE layer's all-to-all (`comm`) that compute does not hide.
+
+    Behind a paired micro-batch's whole layer, or behind the shared experts (`_ep_window`). With the runtime's
+    `ep_overlap_chunks` c > 1 (ragged dispatch in token chunks, forward and backward), a chunk's transfers also
+    overlap the other chunks' routed experts: all but the first chunk's dispatch and the last one's combine,
+    (c - 1)/c of the traffic, can hide behind (c - 1)/c of the routed-expert compute."""
+    window = _ep_window(cost, run, job, deg)
+    c = job.ep_overlap_chunks
+    if c == 1 or window >= run:
+        return _hide(comm, window, eff)
+    experts = cost.experts_f + cost.experts_b + (cost.experts_f if job.recompute == "full" else 0.0)
+    share = (c - 1) / c
+    return comm / c + _hide(comm * share, window + experts * share, eff)
 
 
 def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
