@@ -43,7 +43,8 @@ def test_estimate_grad_accumulation_fusion(capsys):
     partial gradients over tp before the dp reduction, so it keeps every .grad until the step and concatenates
     the partials out of place; Megatron-Core adds each gradient into its main-gradient buffer as it arrives and
     reduces there: one .grad at a time (the largest, this rank's 64128 x 4096 half of the embedding or output
-    layer), no reduction buffers, the same bytes on the wire."""
+    layer), no reduction buffers, and the reduce-scatter in the buffer's own fp32 where the runtime sends a bf16
+    copy (twice the bytes; everything else on the wire the same)."""
     args = ["estimate", "--model", "llama3-8b", "--gpu", "h100", "--tp", "2", "--dp", "4", "--sequence-parallel",
             "--distributed-optimizer", "--grad-bucket-numel", "40000000", "--seq", "4096", "--json"]
     run(args)
@@ -55,13 +56,20 @@ def test_estimate_grad_accumulation_fusion(capsys):
     assert runtime["memory_bytes"]["grad_buckets"] > 0
     assert fused["memory_bytes"]["param_grads"] == 64128 * 4096 * 2
     assert fused["memory_bytes"]["grad_buckets"] == 0
-    assert fused["comm_bytes"] == runtime["comm_bytes"]
+    rs = "reduce_scatter/dp_cp"
+    assert fused["comm_bytes"][rs] == 2 * runtime["comm_bytes"][rs]
+    assert {k: v for k, v in fused["comm_bytes"].items() if k != rs} == \
+        {k: v for k, v in runtime["comm_bytes"].items() if k != rs}
 
 
-def test_grad_accumulation_fusion_needs_a_whole_main_gradient_buffer():
+def test_grad_accumulation_fusion_needs_a_whole_main_gradient_buffer_reduced_in_its_dtype():
     for stage in (2, 3):
         with pytest.raises(ValueError, match="grad_accumulation_fusion with zero_stage"):
             Job(seq_len=8, zero_stage=stage, grad_accumulation_fusion=True)
+    with pytest.raises(ValueError, match="reduced where it lies, in its own dtype"):
+        Job(seq_len=8, grad_accumulation_fusion=True, reduce_dtype="bfloat16")
+    assert Job(seq_len=8, grad_accumulation_fusion=True, reduce_dtype="float32").reduce_bytes == 4
+    assert Job(seq_len=8, grad_accumulation_fusion=True, grad_dtype="bfloat16").reduce_bytes == 2
 
 
 def test_estimate_prices_usp(capsys):

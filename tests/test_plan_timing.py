@@ -137,8 +137,9 @@ def test_chunked_dispatch_hides_all_but_one_chunk_behind_the_other_chunks_expert
     """Hand-made costs: routed experts 0.5 fwd + 1 bwd, shared experts 1 + 2, the layer 10; 6 s of all-to-all,
     no contention. One chunk: 6 - 3 (behind the shared experts) = 3 exposed. With c chunks, 6/c cannot hide
     (the first dispatch, the last combine) and the other 6 (c-1)/c hides behind the shared experts plus (c-1)/c
-    of the routed ones: c = 2 leaves 3 (its 3 s fit the 3 + 0.75 s window). Without shared experts one chunk
-    leaves all 6, c = 2 leaves 3 + (3 - 0.75) = 5.25 and c = 4 leaves 1.5 + (4.5 - 1.125) = 4.875. Behind a
+    of the routed ones, and the shared experts' window covers any of it: c = 2 leaves 6 - (3 + 0.75) = 2.25.
+    Without shared experts one chunk leaves all 6, c = 2 leaves 6 - 0.75 = 5.25 and c = 4 leaves 6 - 1.125 =
+    4.875; full recompute replays the routed forward too (2 s of routed work: c = 2 leaves 6 - 1 = 5). Behind a
     paired micro-batch's whole layer, chunking changes nothing."""
     from orangetron.plan.timing import Efficiency, LayerCost, _ep_exposed
 
@@ -149,13 +150,28 @@ def test_chunked_dispatch_hides_all_but_one_chunk_behind_the_other_chunks_expert
     deg = Degrees(dp=4, ep=4)
     job = Job(seq_len=1024, global_batch=8, overlap_ep=False)
     assert _ep_exposed(6.0, cost, 10.0, job, deg, eff) == 3.0
-    assert _ep_exposed(6.0, cost, 10.0, replace(job, ep_overlap_chunks=2), deg, eff) == 3.0
+    assert _ep_exposed(6.0, cost, 10.0, replace(job, ep_overlap_chunks=2), deg, eff) == 2.25
     assert _ep_exposed(6.0, routed_only, 10.0, job, deg, eff) == 6.0
     assert _ep_exposed(6.0, routed_only, 10.0, replace(job, ep_overlap_chunks=2), deg, eff) == 5.25
     assert _ep_exposed(6.0, routed_only, 10.0, replace(job, ep_overlap_chunks=4), deg, eff) == 4.875
+    assert _ep_exposed(6.0, routed_only, 10.0, replace(job, ep_overlap_chunks=2, recompute="full"), deg, eff) == 5.0
     paired = replace(job, overlap_ep=True, ep_overlap_chunks=4)
     assert _ep_exposed(6.0, routed_only, 10.0, paired, deg, eff) == 0.0
 
+
+
+def test_chunked_experts_run_as_their_own_grouped_gemms():
+    """Each token chunk's experts run on their own tokens: c grouped GEMMs on 1/c of the tokens each. On
+    Mixtral (ep 8, one expert per GPU, 4096 tokens x top 2 per micro-batch) two chunks do the same FLOPs
+    in two launches and re-read the weights once more: never faster, and slower where the tokens per expert
+    are few (a 256-token sequence: 64 rows per chunk fill half a 128-row tile)."""
+    model, cluster = load_model("mixtral-8x7b"), make_cluster("h100", 8)
+    deg = Degrees(dp=8, ep=8)
+    for seq, slower in ((4096, False), (256, True)):
+        one = layer_cost(model, deg, Job(seq_len=seq), cluster, True)
+        two = layer_cost(model, deg, Job(seq_len=seq, ep_overlap_chunks=2), cluster, True)
+        assert two.experts_f >= one.experts_f and two.experts_b >= one.experts_b
+        assert (two.experts_f > 1.1 * one.experts_f) is slower
 
 def test_chunked_overlap_is_for_the_ragged_dispatcher():
     from orangetron.plan.config import validate
@@ -193,10 +209,13 @@ def test_usp_groups_follow_the_runtime_split_of_cp():
     narrow = _usp_places(deg, make_cluster("h100", 8, 4), 2)
     assert [(p.size, p.per_node) for p in (wide["cp_ulysses"], wide["cp_ring"])] == [(2, 2), (2, 2)]
     assert [(p.size, p.per_node) for p in (narrow["cp_ulysses"], narrow["cp_ring"])] == [(2, 2), (2, 1)]
-    model = load_model("llama3-8b")
-    for u in (1, 2, 4):
-        job = Job(seq_len=8192, sequence_parallel=True, cp_mode="usp", ulysses_degree=u)
-        assert step_time(model, deg, job, make_cluster("h100", 8, 4)).cp_s > 0
+    model, cluster = load_model("llama3-8b"), make_cluster("h100", 8, 4)
+    job = Job(seq_len=8192, sequence_parallel=True, cp_mode="usp")
+    times = {u: step_time(model, deg, replace(job, ulysses_degree=u), cluster).cp_s for u in (1, 2, 4)}
+    # u = 1 is ring attention over cp, u = cp is Ulysses: the same records and groups, the same time.
+    assert times[1] == step_time(model, deg, replace(job, cp_mode="ring"), cluster).cp_s
+    assert times[4] == step_time(model, deg, replace(job, cp_mode="ulysses"), cluster).cp_s
+    assert times[2] > 0
 
 def test_few_tokens_per_expert_cost_more_per_token():
     """Grouped expert GEMMs pad their tiles per expert and read every local expert's weights. The same 1024

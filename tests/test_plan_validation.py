@@ -87,8 +87,7 @@ class Run:
 
 def _sc21(name, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Run:
     cls = "size" if hidden <= 6144 else "scale"
-    job = Job(seq_len=2048, global_batch=batch, recompute="full", attention_kernel="eager", overlap_grad_reduce=False,
-              grad_accumulation_fusion=True)
+    job = Job(seq_len=2048, global_batch=batch, recompute="full", attention_kernel="eager", overlap_grad_reduce=False)
     return Run(f"SC'21 {name}", cls, gpt(heads, hidden, layers), "a100-80gb",
                Degrees(tp=tp, pp=pp, dp=gpus // (tp * pp)), job, "tflops", tflops, ("micro_batch", "virtual_stages"))
 

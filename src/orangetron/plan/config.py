@@ -82,6 +82,10 @@ class Job:
         if self.grad_accumulation_fusion and self.zero_stage >= 2:
             raise ValueError(f"grad_accumulation_fusion with zero_stage={self.zero_stage}: Megatron-Core's "
                              "main-gradient buffer is whole on every rank (DDP, ZeRO-1 or the distributed optimizer)")
+        if self.grad_accumulation_fusion and self.reduce_dtype and self.reduce_dtype != self.main_grad_dtype:
+            raise ValueError(f"grad_accumulation_fusion with reduce_dtype={self.reduce_dtype!r}: the main-gradient "
+                             f"buffer is reduced where it lies, in its own dtype ({self.main_grad_dtype}); set "
+                             "grad_dtype instead")
         if self.fp8_recipe != "delayed" and not self.fp8:
             raise ValueError(f"fp8_recipe={self.fp8_recipe!r} needs fp8=True")
         for name in ("param_dtype", "grad_dtype"):
@@ -101,8 +105,19 @@ class Job:
         return DTYPE_BYTES[self.param_dtype]
 
     @property
+    def main_grad_dtype(self) -> str:
+        """The main gradients' dtype: `grad_dtype` under mixed precision, else the parameters'."""
+        return self.grad_dtype if self.mixed_precision else self.param_dtype
+
+    @property
+    def wire_dtype(self) -> str:
+        """The gradient reduction's dtype: `reduce_dtype`, else the parameters' (the seed's tables), or the
+        main-gradient buffer's own under `grad_accumulation_fusion` (reduced where it lies)."""
+        return self.reduce_dtype or (self.main_grad_dtype if self.grad_accumulation_fusion else self.param_dtype)
+
+    @property
     def reduce_bytes(self) -> int:
-        return DTYPE_BYTES[self.reduce_dtype or self.param_dtype]
+        return DTYPE_BYTES[self.wire_dtype]
 
     @property
     def mixed_precision(self) -> bool:

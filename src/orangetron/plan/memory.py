@@ -163,8 +163,7 @@ def _dp_reduction_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0
     if job.zero_stage == 3:
         return max(((padded_numel(numel, ranks) + shard_numel(numel, ranks)) * job.reduce_bytes
                     for _, ranks, numel in segments), default=0)
-    main_dtype = job.grad_dtype if job.mixed_precision else job.param_dtype
-    copies = (job.reduce_dtype or job.param_dtype) != main_dtype  # a wire copy of the main gradients
+    copies = job.wire_dtype != job.main_grad_dtype  # a wire copy of the main gradients
     sharded = job.zero_stage >= 1 or job.distributed_optimizer
     if job.bucket_numel <= 0:
         return max((_unbucketed(numel, ranks, job.zero_stage == 2 or copies, sharded) * job.reduce_bytes

@@ -189,9 +189,10 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     flops = _attention_flops(model, rows * b, keys, heads)
     ctas = b * heads * -(-rows // ATTN_QUERY_TILE)
     peak = gpu.peak_flops(job.param_dtype)  # attention stays in 16-bit under FP8 training (as TE does)
-    # Ring CP calls the kernel once per step on a K,V block of s/cp keys: each call's query tiles pay their fill
-    # over that block, not over the whole sequence.
-    call_keys = min(keys, job.seq_len / deg.cp) if deg.cp > 1 and job.cp_mode in ("ring", "rsa") else keys
+    # Ring CP calls the kernel once per step on a K,V block of s/cp keys (USP's ring: s/(cp/u)): each call's
+    # query tiles pay their fill over that block, not over the whole sequence.
+    ring = {"ring": deg.cp, "rsa": deg.cp, "usp": deg.cp // job.ulysses_degree}.get(job.cp_mode, 1)
+    call_keys = min(keys, job.seq_len / ring) if ring > 1 else keys
     base_fwd, base_bwd = _kernel_efficiency(gpu, job.attention_kernel, eff)
     fwd_eff = flash_efficiency(base_fwd, call_keys, ctas, gpu.sms)
     bwd_eff = flash_efficiency(base_bwd, call_keys, ctas, gpu.sms)
@@ -262,13 +263,16 @@ def busiest_share(copies: int, ranks: int) -> float:
 def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
                          rows: int) -> tuple[float, float]:
     """This GPU's experts on the busiest rank's share of the routed token copies, as one grouped GEMM per
-    projection: few tokens per expert pad their tiles (see `compute`)."""
+    projection, or per projection and token chunk under `ep_overlap_chunks` (each chunk's experts run on
+    its own tokens): few tokens per expert pad their tiles and re-read the weights (see `compute`)."""
     routed = _routed_copies(model, deg, job, rows)
     if job.dispatcher != "capacity":  # capacity pads every rank to the same slots
         routed = round(routed * busiest_share(routed, deg.ep))
     local = max(1, model.num_experts // deg.ep)
-    per_expert = max(1, routed // local)
-    return _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job, groups=local)
+    chunks = job.ep_overlap_chunks
+    per_expert = max(1, routed // local // chunks)
+    fwd, bwd = _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job, groups=local)
+    return fwd * chunks, bwd * chunks
 
 
 def _elementwise_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, ffn: int,
@@ -467,14 +471,14 @@ def _ep_exposed(comm: float, cost: LayerCost, run: float, job: Job, deg: Degrees
     Behind a paired micro-batch's whole layer, or behind the shared experts (`_ep_window`). With the runtime's
     `ep_overlap_chunks` c > 1 (ragged dispatch in token chunks, forward and backward), a chunk's transfers also
     overlap the other chunks' routed experts: all but the first chunk's dispatch and the last one's combine,
-    (c - 1)/c of the traffic, can hide behind (c - 1)/c of the routed-expert compute."""
+    (c - 1)/c of the traffic, can hide behind (c - 1)/c of the routed-expert compute; the shared experts'
+    window covers any of it."""
     window = _ep_window(cost, run, job, deg)
     c = job.ep_overlap_chunks
-    if c == 1 or window >= run:
-        return _hide(comm, window, eff)
-    experts = cost.experts_f + cost.experts_b + (cost.experts_f if job.recompute == "full" else 0.0)
-    share = (c - 1) / c
-    return comm / c + _hide(comm * share, window + experts * share, eff)
+    if c > 1 and window < run:
+        experts = cost.experts_f + cost.experts_b + (cost.experts_f if job.recompute == "full" else 0.0)
+        window += min(comm, experts) * (c - 1) / c
+    return _hide(comm, window, eff)
 
 
 def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
