@@ -122,7 +122,7 @@ def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
     total, largest = _totals(model, deg, stage, job.virtual_stages)
     if _held_to_step(model, deg, job):
         return total * job.param_bytes
-    if job.zero_stage < 2 or job.grad_accumulation_fusion:  # added into the full main buffer as each arrives
+    if job.zero_stage < 2:  # added into the full main buffer as each arrives
         return largest * job.param_bytes
     m = 1 if job.zero3_reduce_every_microbatch else job.microbatches(deg)  # each backward frees its units
     # Inside no_sync nothing is freed: with one chunk its first backward fills every .grad, and with more
