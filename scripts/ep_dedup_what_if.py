@@ -6,7 +6,7 @@ node holding one of its experts and forward it there over NVLink. With top-k exp
 spread evenly over N nodes, a token reaches N * (1 - C(E - E/N, k) / C(E, k)) distinct nodes; DeepSeek-V3
 limits that to M = 4 of its N = 8 (its own node among them with probability M/N).
 
-This what-if is not part of the planner: it scales the inter-node part of every EP all-to-all by the ratio
+This what-if is not part of the planner: it scales the inter-node part of every all-to-all by the ratio
 of remote node copies to the planner's remote rows and reprices the MoE rows of the validation set and the
 checks beside it. Prints one JSON object per run: the factor and the error before and after.
 """
@@ -48,20 +48,14 @@ def dedup_factor(run: held_out.Run) -> float:
     return remote_copies(model.num_experts, model.top_k, where.nodes, NODE_LIMITED.get(run.name, 0)) / rows
 
 
-def _scaled_all_to_all(factor: float):
-    def priced(sent, where, cluster, msg_bytes, params=network.DEFAULT_PARAMS):
-        if where.size <= 1 or sent <= 0:
-            return 0.0
-        local_peers, remote_peers = where.per_node - 1, where.size - where.per_node
-        per_peer = sent / (where.size - 1)
-        lat, bw = network._intra(cluster, params)
-        t_local = lat + local_peers * per_peer / bw if local_peers else 0.0
-        t_remote = 0.0
-        if remote_peers:
-            rate = network.message_throughput(msg_bytes, cluster, params=params)
-            t_remote = params.inter_latency_s + factor * remote_peers * per_peer / rate
-        return max(t_local, t_remote)
-    return priced
+def _scaled_rate(factor: float):
+    """The NIC's message throughput divided by `factor`: `network.all_to_all_time` (its only caller) then takes
+    `factor` times as long for the inter-node part and is unchanged within a node."""
+    original = network.message_throughput
+
+    def rate(msg_bytes, cluster, transport=None, params=network.DEFAULT_PARAMS):
+        return original(msg_bytes, cluster, transport, params) / factor
+    return rate
 
 
 def _clear_timing_caches() -> None:
@@ -73,17 +67,17 @@ def _clear_timing_caches() -> None:
 def main() -> None:
     runs = [r for r in held_out.RUNS + held_out.BRIDGE_MOE + held_out.MODELZOO_MOE if r.model.is_moe]
     before = {r.name: held_out.predict(r) / r.published - 1 for r in runs}
-    original = timing.all_to_all_time
+    original = network.message_throughput
     for run in runs:
         factor = dedup_factor(run)
         if factor == 1.0:
             continue
         _clear_timing_caches()
-        timing.all_to_all_time = _scaled_all_to_all(factor)
+        network.message_throughput = _scaled_rate(factor)
         try:
             after = held_out.predict(run) / run.published - 1
         finally:
-            timing.all_to_all_time = original
+            network.message_throughput = original
             _clear_timing_caches()
         print(json.dumps({"run": run.name, "remote_factor": round(factor, 3),
                           "error_before": round(before[run.name], 4), "error_after": round(after, 4)}))

@@ -340,12 +340,16 @@ _FIXED_FOLDED = {**_FIXED, "ep": ("pp", "edp", "etp"), "edp": ("pp", "ep", "etp"
 _SIZE = {"dp_cp": lambda d: d.dp_cp, "edp": lambda d: d.edp}
 
 
+def _first_node(deg: Degrees, cluster: Cluster) -> list:
+    """Coordinates of the ranks on the first node (ranks fill nodes in order)."""
+    return [deg.coordinates(r) for r in range(min(cluster.gpus_per_node, deg.world_size))]
+
+
 @lru_cache(maxsize=16384)
 def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
     """Where each mesh dimension's group lands, read from the runtime's own rank order: the members of rank
     0's group that share its node (ranks fill nodes in order)."""
-    g = cluster.gpus_per_node
-    first_node = [deg.coordinates(r) for r in range(min(g, deg.world_size))]
+    first_node = _first_node(deg, cluster)
     out = {}
     for dim, fixed in (_FIXED_FOLDED if deg.expert_fold else _FIXED).items():
         size = _SIZE[dim](deg) if dim in _SIZE else getattr(deg, dim)
@@ -358,9 +362,7 @@ def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
 def _usp_places(deg: Degrees, cluster: Cluster, ulysses: int) -> dict[str, Placement]:
     """Where USP's two cp subgroups land (`mesh.split_cp`: Ulysses over `ulysses` consecutive cp ranks, the
     ring over every `ulysses`-th): the members of rank 0's groups on its node."""
-    g = cluster.gpus_per_node
-    first_node = [deg.coordinates(r) for r in range(min(g, deg.world_size))]
-    same = [c for c in first_node if (c.tp, c.dp, c.pp) == (0, 0, 0)]
+    same = [c for c in _first_node(deg, cluster) if (c.tp, c.dp, c.pp) == (0, 0, 0)]
     ring = deg.cp // ulysses
     return {"cp_ulysses": Placement(ulysses, sum(c.cp < ulysses for c in same)) if ulysses > 1 else Placement(1, 1),
             "cp_ring": Placement(ring, sum(c.cp % ulysses == 0 for c in same)) if ring > 1 else Placement(1, 1)}
