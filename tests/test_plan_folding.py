@@ -10,7 +10,7 @@ from orangetron.plan.config import Degrees, Job, validate
 from orangetron.plan.hardware import make_cluster
 from orangetron.plan.memory import stage_params
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.timing import _places, step_time
+from orangetron.plan.timing import group_places, step_time
 from orangetron.plan.traffic import data_parallel_records, expert_parallel_records, tensor_parallel_grad_records
 
 # 4 layers, every one MoE: 8 experts of width 128 (SwiGLU: 3 x 256 x 128 = 98304 weights each), top 2.
@@ -23,13 +23,13 @@ def test_folded_ep_group_fills_the_node_that_tp_shares():
     """tp = 4 attention on 16 GPUs (nodes of 8): unfolded, ep can be at most dp x cp = 4, ranks 0, 4, 8, 12 (two
     per node, two nodes); folded, ep = 8 is ranks 0..7, one node, and edp = 2 spans both."""
     cluster = make_cluster("h100", 16)
-    unfolded = _places(Degrees(tp=4, dp=4, ep=4), cluster)
+    unfolded = group_places(Degrees(tp=4, dp=4, ep=4), cluster)
     assert (unfolded["ep"].size, unfolded["ep"].per_node) == (4, 2)
-    folded = _places(Degrees(tp=4, dp=4, ep=8, expert_fold=True), cluster)
+    folded = group_places(Degrees(tp=4, dp=4, ep=8, expert_fold=True), cluster)
     assert (folded["ep"].size, folded["ep"].per_node) == (8, 8)
     assert (folded["edp"].size, folded["edp"].per_node) == (2, 1)
     # etp = 2 fastest: the etp group is a rank pair, the ep group every other rank of a node.
-    split = _places(Degrees(tp=4, dp=4, ep=4, etp=2, expert_fold=True), cluster)
+    split = group_places(Degrees(tp=4, dp=4, ep=4, etp=2, expert_fold=True), cluster)
     assert (split["etp"].size, split["etp"].per_node) == (2, 2)
     assert (split["ep"].size, split["ep"].per_node) == (4, 4)
     assert (split["edp"].size, split["edp"].per_node) == (2, 1)

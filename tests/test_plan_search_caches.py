@@ -104,7 +104,7 @@ def test_data_parallel_time_cached_by_model_states_equals_a_plain_sum_over_each_
     cluster = make_cluster("h100", 48)
     for model, deg in _layouts():
         deg = replace(deg, dp=48 // (deg.tp * deg.cp * deg.pp))
-        places = timing._places(deg, cluster)
+        places = timing.group_places(deg, cluster)
         for sharding in SHARDING:
             warm = Job(seq_len=4096, global_batch=96, **sharding)
             timing._dp_exposed(model, deg, warm, cluster, 1.0, warm.microbatches(deg), DEFAULT_PARAMS,

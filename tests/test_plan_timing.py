@@ -185,9 +185,9 @@ def test_group_placement_follows_the_runtime_rank_order():
     """Ranks go tp fastest, then cp, dp, pp; experts take ep fastest over dp x cp. On nodes of 8 with tp=2, cp=2,
     dp=4, ep=4: rank 0's ep group is dp_cp 0..3 = ranks 0, 2, 4, 6 (one node); its edp group is dp_cp 0, 4 =
     ranks 0 and 8 (two nodes); its cp group ranks 0, 2; its dp group ranks 0, 4, 8, 12 (two per node)."""
-    from orangetron.plan.timing import _places
+    from orangetron.plan.timing import group_places
 
-    places = _places(Degrees(tp=2, cp=2, dp=4, ep=4), make_cluster("h100", 16))
+    places = group_places(Degrees(tp=2, cp=2, dp=4, ep=4), make_cluster("h100", 16))
     assert (places["ep"].size, places["ep"].per_node) == (4, 4)
     assert (places["edp"].size, places["edp"].per_node) == (2, 1)
     assert (places["cp"].size, places["cp"].per_node) == (2, 2)

@@ -53,6 +53,9 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _choice("cp_mode", self.cp_mode, CP_MODES)
+        if self.dispatcher == "deepep":
+            raise ParallelConfigError("dispatcher='deepep': node-deduplicated dispatch is priced by the planner only "
+                                      "(estimate --dispatcher deepep); the runtime runs ragged, capacity or allgather")
         _choice("dispatcher", self.dispatcher, DISPATCHERS)
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
         _choice("pp_schedule", self.pp_schedule, SCHEDULES)

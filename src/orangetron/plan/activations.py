@@ -152,7 +152,7 @@ def _capacity(m: ModelSpec, tokens: int, job: Job) -> int:
 def expert_dispatch_bytes(m: ModelSpec, x: LayerShape, job: Job, ep: int) -> int:
     """What an expert-parallel dispatcher keeps besides the single-device MoE's tensors, with balanced routing.
 
-    Each of this rank's T tokens travels as one row to each of min(top_k, ep) ranks (R rows out, as many in),
+    Each of this rank's T tokens travels as one row to each of `routed_ranks(ep)` ranks (R rows out, as many in),
     and the rank's experts receive T * top_k copies (C). ragged keeps each row's token (int64 [R]) and the
     mask of its slots on the destination (bool [R, k]); allgather keeps the rows it serves (int64 [R]) and
     the mask over the gathered slots (bool [ep * T, k]); capacity, ragged's with every destination padded
@@ -166,7 +166,7 @@ def expert_dispatch_bytes(m: ModelSpec, x: LayerShape, job: Job, ep: int) -> int
     if job.dispatcher == "capacity":
         rows = min(m.num_experts // ep * _capacity(m, tokens, job), tokens) * ep
     else:
-        rows = tokens * min(k, ep)
+        rows = tokens * m.routed_ranks(ep)
     mask = ep * tokens * k if job.dispatcher == "allgather" else rows * k
     return 8 * rows + mask + 16 * copies
 

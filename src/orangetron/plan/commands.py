@@ -15,9 +15,9 @@ from dataclasses import replace
 from orangetron.plan.config import (
     ATTENTION_KERNELS,
     CP_MODES,
-    DISPATCHERS,
     DTYPE_BYTES,
     FP8_RECIPES,
+    PLAN_DISPATCHERS,
     RECOMPUTE,
     SCHEDULES,
     Degrees,
@@ -57,7 +57,6 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--cp-mode", choices=CP_MODES, default="ring")
     est.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
                      help="--cp-mode usp: the all-to-all factor of cp (the rest is a ring), as `train`")
-    est.add_argument("--dispatcher", choices=DISPATCHERS, default="ragged")
     est.add_argument("--capacity-factor", type=float, default=1.0)
     est.add_argument("--ep-overlap-chunks", type=int, default=1, metavar="N",
                      help="ragged dispatch in N token chunks, each chunk's all-to-all overlapping the other "
@@ -120,6 +119,11 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False) -> None:
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
                    help="with --fp8: delayed (per-tensor scales from an amax history, Transformer Engine) or "
                         "blockwise (1x128 activation tiles, 128x128 weight blocks, DeepSeek-V3)")
+    p.add_argument("--dispatcher", choices=PLAN_DISPATCHERS, default="ragged",
+                   help="expert dispatch; deepep (planner only): a token crosses to each remote node once, then "
+                        "NVLink")
+    p.add_argument("--ep-comm-sms", type=int, default=20, metavar="N",
+                   help="--dispatcher deepep: SMs its kernels take from the compute they overlap (default 20)")
     p.add_argument("--overhead-gib", type=float, default=None,
                    help="fixed memory overhead per GPU: CUDA context, library workspaces, NCCL buffers (default: "
                         "1 GiB plus 0.5 GiB per communicator of the layout)")
@@ -179,8 +183,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     schedule = args.pp_schedule or ("interleaved" if args.virtual_stages > 1 else "1f1b")
     job = Job(seq_len=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
               sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
-              dispatcher=args.dispatcher,
-              capacity_factor=args.capacity_factor, ep_overlap_chunks=args.ep_overlap_chunks,
+              dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
+              ep_overlap_chunks=args.ep_overlap_chunks, ep_comm_sms=args.ep_comm_sms,
               zero_stage=args.zero_stage,
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
@@ -240,10 +244,10 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     global_batch = args.global_batch or args.gpus
     base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8,
-               fp8_recipe=args.fp8_recipe)
+               fp8_recipe=args.fp8_recipe, dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
-    space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep)
+    space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, dispatcher=(args.dispatcher,))
     if args.attention_kernel != "eager":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
     start = time.perf_counter()

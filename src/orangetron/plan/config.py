@@ -12,7 +12,9 @@ from orangetron.plan.models import ModelSpec
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "selective", "full")
 CP_MODES = ("ring", "allgather", "ulysses", "usp", "rsa")
-DISPATCHERS = ("ragged", "capacity", "allgather")
+DISPATCHERS = ("ragged", "capacity", "allgather")  # the runtime's
+# "deepep": node-deduplicated dispatch over RDMA with NVLink forwarding (plan.node_dispatch); planner only
+PLAN_DISPATCHERS = DISPATCHERS + ("deepep",)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "eager")
 # "delayed": Transformer Engine's per-tensor scales from an amax history; "blockwise": DeepSeek-V3's fine-grained
@@ -40,6 +42,8 @@ class Job:
     dispatcher: str = "ragged"
     capacity_factor: float = 1.0
     ep_overlap_chunks: int = 1  # ragged dispatch in token chunks (one count exchange, then per-chunk rows)
+    # SMs the "deepep" dispatcher's kernels occupy (Megatron-Core's moe_deepep_num_sms default; DeepSeek-V3's 20)
+    ep_comm_sms: int = 20
     zero_stage: int = 0
     distributed_optimizer: bool = False
     zero3_prefetch: bool = True  # ZeRO-3 gathers the next unit while one computes (two units at the peak)
@@ -73,7 +77,7 @@ class Job:
     def __post_init__(self) -> None:
         _check_choice("recompute", self.recompute, RECOMPUTE)
         _check_choice("cp_mode", self.cp_mode, CP_MODES)
-        _check_choice("dispatcher", self.dispatcher, DISPATCHERS)
+        _check_choice("dispatcher", self.dispatcher, PLAN_DISPATCHERS)
         _check_choice("pp_schedule", self.pp_schedule, SCHEDULES)
         _check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
@@ -96,6 +100,8 @@ class Job:
             raise ValueError(f"zero_stage={self.zero_stage}: must be 0 (DDP), 1, 2 or 3")
         if self.distributed_optimizer and self.zero_stage in (2, 3):
             raise ValueError(f"distributed_optimizer with zero_stage={self.zero_stage}: pick one sharding scheme")
+        if self.ep_comm_sms < 0:
+            raise ValueError(f"ep_comm_sms={self.ep_comm_sms}: must be >= 0")
         for name in ("seq_len", "micro_batch", "virtual_stages", "num_microbatches", "ep_overlap_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -151,7 +157,7 @@ def model_state_job(job: Job) -> Job:
     and gradient buckets. FP8 stays: a search never varies it, and its recipe is checked against it."""
     return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1,
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
-                                 capacity_factor=1.0, ep_overlap_chunks=1, recompute="none",
+                                 capacity_factor=1.0, ep_overlap_chunks=1, ep_comm_sms=20, recompute="none",
                                  attention_kernel="flash", overlap_ep=True, overlap_grad_reduce=True))
 
 

@@ -11,7 +11,7 @@ from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import DEFAULT_PARAMS, NetworkParams
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
-from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, step_time
+from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 
 
@@ -73,7 +73,7 @@ def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: Ne
     if job.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     memory = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)
-    comm = summarize(step_records(model, deg, job, stage=0))
+    comm = summarize(step_records(model, deg, job, stage=0, ep_where=group_places(deg, cluster)["ep"]))
     return Estimate(model, deg, job, cluster, memory, comm, step_time(model, deg, job, cluster, net, eff))
 
 

@@ -3,6 +3,7 @@
 A decoder is described by the keys of DESIGN section 3. Optional keys cover the variants the presets need:
 `head_dim` (when heads x head_dim != hidden, as GPT-OSS and Qwen3), `first_dense_layers` (DeepSeek-V3's
 leading dense layers), `bias` and `max_position_embeddings` (GPT-3 style learned positions and biases),
+group-limited routing (`expert_groups`, `groups_per_token`: how many EP ranks or nodes a token may reach),
 and MLA (`q_lora_rank`, `kv_lora_rank`, `qk_rope_head_dim`, `v_head_dim`) whose parameters are counted
 exactly while its activations and attention FLOPs are priced as multi-head attention with
 `head_dim + qk_rope_head_dim` query/key width (see docs/planner.md).
@@ -58,6 +59,10 @@ class ModelSpec:
     aux_loss_coef: float = 0.0  # MoE balancing loss weight; >0 under EP adds its global all-reduce
     router_z_loss_coef: float = 0.0  # router z-loss weight; >0 keeps the router logits, a global all-reduce
     router_bias: bool = False  # auxiliary-loss-free balancing: one all-reduce of the expert loads per step
+    # Group-limited routing (HF config `n_group`, `topk_group`): experts form `expert_groups` equal groups and a
+    # token's experts come from at most `groups_per_token` of them (DeepSeek-V3: 8 and 4, one group per node)
+    expert_groups: int = 0
+    groups_per_token: int = 0
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
@@ -81,6 +86,18 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def allowed_bins(self, bins: int) -> int:
+        """How many of `bins` equal slices of the experts (EP ranks, nodes) one token may reach: under
+        group-limited routing `groups_per_token` groups' worth when every group is a whole number of bins,
+        else all of them."""
+        if not self.groups_per_token or bins % self.expert_groups:
+            return bins
+        return self.groups_per_token * bins // self.expert_groups
+
+    def routed_ranks(self, ep: int) -> int:
+        """EP ranks one token's copies go to under balanced routing: its experts on as many ranks as allowed."""
+        return min(self.top_k, self.allowed_bins(ep))
 
     def is_moe_layer(self, index: int) -> bool:
         """Layer `index` (0-based) has routed experts."""
@@ -196,6 +213,10 @@ def _check_spec(spec: ModelSpec) -> None:
                          f"num_kv_heads={spec.kv_heads}")
     if spec.is_moe and not (0 < spec.top_k <= spec.num_experts and spec.moe_ffn_hidden_size > 0):
         raise ValueError(f"model {spec.name}: MoE needs 0 < top_k <= num_experts and moe_ffn_hidden_size > 0")
+    if spec.groups_per_token and not (spec.expert_groups and 0 < spec.groups_per_token <= spec.expert_groups
+                                      and spec.num_experts % spec.expert_groups == 0):
+        raise ValueError(f"model {spec.name}: groups_per_token={spec.groups_per_token} needs 1 <= groups_per_token "
+                         f"<= expert_groups={spec.expert_groups}, which must divide num_experts={spec.num_experts}")
     if spec.moe_layer_freq < 1:
         raise ValueError(f"model {spec.name}: moe_layer_freq={spec.moe_layer_freq} must be >= 1")
     if not spec.is_moe and spec.ffn_hidden_size <= 0:

@@ -15,7 +15,7 @@ from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
-from orangetron.plan.timing import step_time
+from orangetron.plan.timing import group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 
 
@@ -109,7 +109,8 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
         stage, distopt, every = _ZERO[zero]
         group.append(Job(seq_len=seq_len, micro_batch=mb, global_batch=global_batch,
                          sequence_parallel=sequence_parallel, cp_mode=mode, dispatcher=disp,
-                         capacity_factor=base.capacity_factor, zero_stage=stage, distributed_optimizer=distopt,
+                         capacity_factor=base.capacity_factor, ep_comm_sms=base.ep_comm_sms, zero_stage=stage,
+                         distributed_optimizer=distopt,
                          zero3_reduce_every_microbatch=every,
                          param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",
                          virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
@@ -159,6 +160,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                 priced.add(cls)
                 scored.append((step_time(model, deg, job, cluster).step_s, mem["total"], deg, job, mem))
     scored.sort(key=lambda row: (row[0], row[1]))
-    ranked = [Estimate(model, deg, job, cluster, mem, summarize(step_records(model, deg, job)),
+    ranked = [Estimate(model, deg, job, cluster, mem,
+                       summarize(step_records(model, deg, job, ep_where=group_places(deg, cluster)["ep"])),
                        step_time(model, deg, job, cluster)) for _, _, deg, job, mem in scored[:top]]
     return SearchResult(ranked, len(scored), considered)

@@ -27,6 +27,7 @@ import operator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from orangetron.plan import node_dispatch
 from orangetron.plan.compute import (
     ATTN_QUERY_TILE,
     TRITON_FLASH_GAP,
@@ -55,6 +56,7 @@ from orangetron.plan.traffic import (
     expert_tensor_parallel_records,
     pipeline_records,
     reduce_rounds,
+    routed_tokens,
     tensor_parallel_records,
 )
 
@@ -346,7 +348,7 @@ def _first_node(deg: Degrees, cluster: Cluster) -> list:
 
 
 @lru_cache(maxsize=16384)
-def _places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
+def group_places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
     """Where each mesh dimension's group lands, read from the runtime's own rank order: the members of rank
     0's group that share its node (ranks fill nodes in order)."""
     first_node = _first_node(deg, cluster)
@@ -435,7 +437,7 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
         compute += sum(_linear(rows, model.hidden_size, model.vocab_size // deg.tp, cluster, job))
         compute += _loss_time(model, deg, job, cluster, eff)
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
-                       _places(deg, cluster), cluster, net)
+                       group_places(deg, cluster), cluster, net)
     return _StageTime(compute, tp, cp, ep, pp)
 
 
@@ -444,7 +446,7 @@ def _layer_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe
                  eff: Efficiency) -> tuple[float, float, float, float]:
     """(compute, exposed tp, cp and ep seconds) of one dense or MoE layer for one micro-batch: the same on
     every stage, so the stages of a layout share them."""
-    places = _places(deg, cluster)
+    places = group_places(deg, cluster)
     cost = layer_cost(model, deg, job, cluster, moe, eff)
     run, attention = _fwd_bwd(cost, job)
     cp_records = context_parallel_records(model, deg, job)
@@ -455,16 +457,25 @@ def _layer_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe
     hops = [r for r in cp_records if r.op == "send_recv"]
     cp_t = _records_time([r for r in cp_records if r.op != "send_recv"], places, cluster, net)
     cp_t += _hide(_records_time(hops, places, cluster, net), attention, eff)
-    ep_t = 0.0
-    if moe:
-        row = job.param_bytes * model.hidden_size
-        ep_t = _records_time(expert_parallel_records(model, deg, job), places, cluster, net, msg_bytes=row)
-        ep_t = _ep_exposed(ep_t, cost, run, job, deg, eff)
+    ep_t = _ep_time(model, deg, job, cluster, places["ep"], cost, run, net, eff) if moe else 0.0
     blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
     tp_records = tensor_parallel_records(model, deg, job, blocks)
     if moe:
         tp_records = tp_records + expert_tensor_parallel_records(model, deg, job)
     return run, _records_time(tp_records, places, cluster, net), cp_t, ep_t
+
+
+def _ep_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, where: Placement, cost: LayerCost,
+             run: float, net: NetworkParams, eff: Efficiency) -> float:
+    """Exposed seconds of one MoE layer's expert traffic for one micro-batch. Hidden "deepep" traffic costs
+    the share of SMs its kernels take from compute (`node_dispatch.sm_share`) instead of the generic
+    contention."""
+    if job.dispatcher != "deepep":
+        row = job.param_bytes * model.hidden_size
+        comm = _records_time(expert_parallel_records(model, deg, job), {"ep": where}, cluster, net, msg_bytes=row)
+        return _ep_exposed(comm, cost, run, job, deg, eff)
+    comm = node_dispatch.layer_time(model, where, job, routed_tokens(deg, job), cluster, net)
+    return _ep_exposed(comm, cost, run, job, deg, replace(eff, overlap_contention=node_dispatch.sm_share(job, cluster)))
 
 
 def _ep_exposed(comm: float, cost: LayerCost, run: float, job: Job, deg: Degrees, eff: Efficiency) -> float:
@@ -576,7 +587,7 @@ def _data_parallel_job(model: ModelSpec, deg: Degrees, job: Job, microbatches: i
 def _dp_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
               net: NetworkParams) -> tuple[float, float, int]:
     """(reduction seconds, gather seconds, layers on stage 0) of one step's data-parallel traffic."""
-    places = _places(deg, cluster)
+    places = group_places(deg, cluster)
     reduce, gather = _records_times(data_parallel_records(model, deg, job, 0), places, cluster, net,
                                     split_gathers=True)
     return reduce, gather, max(1, len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, 0)))

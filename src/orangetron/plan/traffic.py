@@ -18,7 +18,8 @@ runtime's conventions (DESIGN sections 4 and 5):
   again in backward, and reduce-scatters dK,dV; Ulysses all-to-alls Q, K+V (kv heads replicated up to one
   per rank) and the output forward and their gradients backward.
 - EP per MoE layer and micro-batch: the dispatcher's collectives (`expert_parallel_records`), with balanced
-  routing: one row per (token, destination rank), each token on min(top_k, ep) ranks, rows spread evenly;
+  routing: one row per (token, destination rank), each token on min(top_k, ep) ranks (fewer under
+  group-limited routing, `ModelSpec.routed_ranks`), rows spread evenly;
   the global balancing loss's all-reduce; with clipping, the experts' squared norm summed over ep. With
   etp = tp the experts' tp collectives on the received rows (`expert_tensor_parallel_records`).
 - PP per micro-batch and model chunk: activations forward and their gradients backward, one record for the
@@ -33,10 +34,12 @@ from collections.abc import Iterable
 from functools import lru_cache
 
 from orangetron.plan import collectives as cf
+from orangetron.plan import node_dispatch
 from orangetron.plan.collectives import CommRecord
 from orangetron.plan.config import Degrees, Job
 from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.models import ModelSpec
+from orangetron.plan.network import Placement
 from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first
 from orangetron.plan.sharding import bucket_layout, padded_numel
 from orangetron.plan.stages import stage_layers
@@ -206,23 +209,32 @@ def ulysses_kv_heads(model: ModelSpec, deg: Degrees, degree: int | None = None) 
     return max(max(1, model.kv_heads // deg.tp), deg.cp if degree is None else degree)
 
 
-def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
+def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job,
+                            ep_where: Placement | None = None) -> list[CommRecord]:
     """EP collectives of one MoE layer, one micro-batch, as `parallel.expert.Dispatcher` issues them.
 
     ragged and capacity: the row counts (one int64 per peer), then the rows, their local expert ids (int64)
     and routing weights (float32, float64 for float64) forward; backward returns the rows' and the weights'
     gradients; combine sends the outputs back and its backward the gradients out again. A row is one token
-    for one destination rank: with balanced routing each token's top_k experts lie on min(top_k, ep) ranks
-    and every rank receives as many rows as it sends. capacity pads every destination to
-    min(E/ep * capacity, tokens) rows, capacity = ceil(tokens * top_k / E * capacity_factor). ragged with
-    `ep_overlap_chunks` c: one count exchange of c int64 per peer, then the row records once per token chunk.
+    for one destination rank: with balanced routing each token's top_k experts lie on `model.routed_ranks(ep)`
+    ranks (min(top_k, ep) without group-limited routing) and every rank receives as many rows as it sends.
+    capacity pads every destination to min(E/ep * capacity, tokens) rows, capacity = ceil(tokens * top_k / E
+    * capacity_factor). ragged with `ep_overlap_chunks` c: one count exchange of c int64 per peer, then the
+    row records once per token chunk.
+    deepep (planner only): one record per dispatch or combine with the bytes `node_dispatch.bytes_sent` counts
+    for the EP group's placement `ep_where`.
     allgather: the token counts, then tokens, ids and weights gathered forward and reduce-scattered
     backward (tokens and weights); combine reduce-scatters the outputs and its backward gathers again.
     """
     e = deg.ep
     if e == 1:
         return []
-    tokens = _routed_tokens(deg, job)
+    tokens = routed_tokens(deg, job)
+    if job.dispatcher == "deepep":  # what crosses nodes depends on where the group lies
+        if ep_where is None:
+            raise ValueError("dispatcher 'deepep': its traffic needs the EP group's placement on nodes")
+        sent = node_dispatch.bytes_sent(model, ep_where, job, tokens)
+        return [CommRecord("all_to_all", "ep", b, b, b) for b in sent]
     k = model.top_k
     row, ids, weights = job.param_bytes * model.hidden_size, 8 * k, (8 if job.param_bytes == 8 else 4) * k
     replays = 1 if job.recompute == "full" else 0
@@ -235,7 +247,7 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[Co
     if job.dispatcher == "capacity":
         chunk_rows = [_received_rows(model, deg, job)]
     else:  # each overlap chunk sends its own tokens' rows; one count exchange carries every chunk's counts
-        chunk_rows = [n * min(k, e) // e * e for n in token_chunks(tokens, job.ep_overlap_chunks)]
+        chunk_rows = [n * model.routed_ranks(e) // e * e for n in token_chunks(tokens, job.ep_overlap_chunks)]
     forward = [_a2a("ep", 8 * e * len(chunk_rows), e)]
     forward += [_a2a("ep", rows * b, e) for rows in chunk_rows for b in (row, ids, weights, row)]
     backward = [_a2a("ep", rows * b, e) for rows in chunk_rows for b in (row, weights, row)]
@@ -248,7 +260,7 @@ def token_chunks(tokens: int, chunks: int) -> list[int]:
     return [base + (c < extra) for c in range(chunks)]
 
 
-def _routed_tokens(deg: Degrees, job: Job) -> int:
+def routed_tokens(deg: Degrees, job: Job) -> int:
     """Tokens one rank routes per micro-batch: its sequence shard, split over tp under SP."""
     tokens = (job.seq_len // deg.cp) * job.micro_batch
     return tokens // deg.tp if job.sequence_parallel else tokens
@@ -257,13 +269,13 @@ def _routed_tokens(deg: Degrees, job: Job) -> int:
 def _received_rows(model: ModelSpec, deg: Degrees, job: Job) -> int:
     """Rows (one per token and destination rank) an EP rank receives per micro-batch under ragged or capacity
     dispatch, on balance; without EP every token is one row."""
-    e, k, tokens = deg.ep, model.top_k, _routed_tokens(deg, job)
+    e, k, tokens = deg.ep, model.top_k, routed_tokens(deg, job)
     if e == 1:
         return tokens
     if job.dispatcher == "capacity":
         slots = math.ceil(tokens * k / model.num_experts * job.capacity_factor)
         return min(model.num_experts // e * slots, tokens) * e
-    return tokens * min(k, e) // e * e
+    return tokens * model.routed_ranks(e) // e * e
 
 
 def expert_tensor_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
@@ -332,13 +344,15 @@ def pipeline_grad_records(deg: Degrees, job: Job) -> list[CommRecord]:
     return [_gather("all_reduce", "pp", 4 if job.mixed_precision else job.param_bytes, deg.pp)]
 
 
-def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[CommRecord]:
-    """Every collective one rank of pipeline `stage` issues in one training step, in the ledger's shape."""
+def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
+                 ep_where: Placement | None = None) -> list[CommRecord]:
+    """Every collective one rank of pipeline `stage` issues in one training step, in the ledger's shape
+    (`ep_where`: the EP group's placement, which the "deepep" dispatcher's traffic depends on)."""
     layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
     moe = sum(model.is_moe_layer(i) for i in layers)
     m = job.microbatches(deg)
     per_mb = context_parallel_records(model, deg, job) * len(layers)
-    per_mb += (expert_parallel_records(model, deg, job) + expert_tensor_parallel_records(model, deg, job)
+    per_mb += (expert_parallel_records(model, deg, job, ep_where) + expert_tensor_parallel_records(model, deg, job)
                + balancing_loss_records(model, deg, job)) * moe
     for i in layers:
         per_mb += tensor_parallel_records(model, deg, job, _split_blocks(model, i))
