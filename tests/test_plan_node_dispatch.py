@@ -1,20 +1,24 @@
-"""The "deepep" dispatcher's pricing (plan.node_dispatch): fan-out, bytes and time worked out by hand, the
-expectations checked by enumerating every expert choice, and the SM share hidden traffic costs."""
+"""The "deepep" dispatcher's pricing (plan.node_dispatch) and group-limited routing: fan-out, bytes and time
+worked out by hand, the expectations checked by enumerating every choice of groups and experts, the SMs hidden
+traffic costs, and what the planner refuses."""
 
 import itertools
 import json
 from dataclasses import replace
+from math import comb
 
 import pytest
 
 from orangetron.cli import main as run
 from orangetron.plan import node_dispatch as nd
-from orangetron.plan.config import Degrees, Job
+from orangetron.plan.config import Degrees, Job, validate
 from orangetron.plan.hardware import make_cluster
-from orangetron.plan.models import ModelSpec, load_model
+from orangetron.plan.models import ModelSpec, load_model, spec_from_model_config
 from orangetron.plan.network import DEFAULT_PARAMS, Placement
 from orangetron.plan.timing import step_time
 from orangetron.plan.traffic import expert_parallel_records, step_records
+
+P = DEFAULT_PARAMS
 
 
 def _moe(experts=8, top_k=2, hidden=64, **kw) -> ModelSpec:
@@ -22,17 +26,29 @@ def _moe(experts=8, top_k=2, hidden=64, **kw) -> ModelSpec:
                      top_k=top_k, moe_ffn_hidden_size=32, **kw)
 
 
-def _enumerated_reach(experts: int, top_k: int, bins: int, pool: int) -> float:
-    """Average distinct bins over every set of top_k experts drawn from the first `pool` bins' experts."""
-    per_bin = experts // bins
-    picks = list(itertools.combinations(range(per_bin * pool), top_k))
-    return sum(len({e // per_bin for e in pick}) for pick in picks) / len(picks)
+def _enumerated_reach(experts: int, top_k: int, bins: int, groups: int, per_token: int) -> float:
+    """Average distinct bins over every choice of `per_token` groups and every set of top_k of their experts
+    (all experts when there are no groups)."""
+    group, width = (experts // groups, experts // bins) if groups else (experts, experts // bins)
+    choices = list(itertools.combinations(range(groups), per_token)) if groups else [(0,)]
+    total = count = 0
+    for chosen in choices:
+        pool = [e for g in chosen for e in range(g * group, (g + 1) * group)]
+        for pick in itertools.combinations(pool, top_k):
+            total += len({e // width for e in pick})
+            count += 1
+    return total / count
 
 
-@pytest.mark.parametrize("experts,top_k,bins,pool", [(8, 2, 4, 0), (8, 3, 4, 0), (12, 4, 6, 3), (16, 5, 8, 4),
-                                                     (6, 6, 3, 0), (8, 1, 8, 2)])
-def test_reach_equals_the_average_over_every_expert_choice(experts, top_k, bins, pool):
-    assert nd.reach(experts, top_k, bins, pool) == pytest.approx(_enumerated_reach(experts, top_k, bins, pool or bins))
+@pytest.mark.parametrize("experts,top_k,bins,groups,per_token", [
+    (8, 2, 4, 0, 0), (8, 3, 4, 0, 0), (6, 6, 3, 0, 0),  # no limit
+    (16, 3, 8, 4, 2), (16, 4, 8, 8, 4),  # groups span whole bins
+    (16, 3, 4, 8, 2), (16, 4, 2, 8, 3),  # bins hold whole groups
+    (24, 4, 4, 6, 2), (12, 2, 3, 4, 2), (24, 3, 8, 6, 3),  # groups straddle bins
+])
+def test_reach_equals_the_average_over_every_choice(experts, top_k, bins, groups, per_token):
+    expected = _enumerated_reach(experts, top_k, bins, groups, per_token)
+    assert nd.reach(experts, top_k, bins, groups, per_token) == pytest.approx(expected)
 
 
 def test_fanout_by_hand():
@@ -46,85 +62,123 @@ def test_fanout_by_hand():
     assert one_node.remote_nodes == 0 and one_node.nvlink_rows == pytest.approx(2 * 7 / 8)
 
 
-def _miss(pool_experts: int, per_bin: int, top_k: int) -> float:
-    """Chance that a bin of `per_bin` experts gets none of top_k drawn from `pool_experts`."""
-    miss = 1.0
-    for i in range(top_k):
-        miss *= (pool_experts - per_bin - i) / (pool_experts - i)
-    return miss
-
-
-def test_node_limited_routing_draws_from_the_allowed_nodes_only():
-    """DeepSeek-V3 (256 experts, top 8, at most 4 of 8 groups). On ep 64 = 8 nodes a group is a node: a chosen
-    node holds 32 of the 128 allowed experts. On ep 128 = 16 nodes a group is two nodes: 8 of 16 allowed, 16
-    experts each. On ep 32 = 4 nodes a group is half a node: every node may be reached, but only 16 of the 32
-    GPUs (8 experts each)."""
+def test_group_limited_routing_by_hand():
+    """DeepSeek-V3: 256 experts, top 8, 4 of 8 groups of 32. On ep 64 = 8 nodes a group is a node: a chosen node
+    (probability 1/2) holds 32 of the 128 allowed experts. On ep 32 = 4 nodes a node holds two groups, of which
+    0, 1 or 2 are chosen with probability 15/70, 40/70, 15/70, holding 0, 32 or 64 of the 128 allowed; a GPU
+    (8 experts) lies in one group."""
     v3 = load_model("deepseek-v3")
-    assert nd.fanout(v3, Placement(64, 8)).remote_nodes == pytest.approx(4 * (1 - _miss(128, 32, 8)) * 7 / 8)
-    assert nd.fanout(v3, Placement(128, 8)).remote_nodes == pytest.approx(8 * (1 - _miss(128, 16, 8)) * 15 / 16)
+
+    def hit(allowed_here: int) -> float:
+        return 1 - comb(128 - allowed_here, 8) / comb(128, 8)
+
+    assert nd.fanout(v3, Placement(64, 8)).remote_nodes == pytest.approx(8 * 0.5 * hit(32) * 7 / 8)
     four = nd.fanout(v3, Placement(32, 8))
-    assert four.remote_nodes == pytest.approx(4 * (1 - _miss(256, 64, 8)) * 3 / 4)
-    assert four.nvlink_rows == pytest.approx(16 * (1 - _miss(128, 8, 8)) * 7 / 8)
+    node_hit = 40 / 70 * hit(32) + 15 / 70 * hit(64)
+    assert four.remote_nodes == pytest.approx(4 * node_hit * 3 / 4)
+    assert four.nvlink_rows == pytest.approx(32 * 0.5 * hit(8) * 7 / 8)
     unlimited = replace(v3, expert_groups=0, groups_per_token=0)
-    assert nd.fanout(v3, Placement(64, 8)).remote_nodes < nd.fanout(unlimited, Placement(64, 8)).remote_nodes
+    assert nd.fanout(v3, Placement(32, 8)).remote_nodes < nd.fanout(unlimited, Placement(32, 8)).remote_nodes
 
 
-def test_balanced_routing_reaches_the_allowed_ranks():
-    """The ragged dispatcher's convention: each token on min(top_k, allowed ranks). DeepSeek-V2 (top 6, at most
-    3 of 8 groups): 3 ranks at ep 8, 6 at ep 16 (each group two ranks), 4 at ep 4 (two groups per rank, no
-    limit); Mixtral has no groups."""
+def test_balanced_routing_reaches_the_most_ranks_its_groups_allow():
+    """The ragged dispatcher's convention: each token on min(top_k, the most ranks its groups can reach).
+    DeepSeek-V2 (top 6, 3 of 8 groups of 20): 3 ranks at ep 4 (two groups per rank) and ep 8 (one), 6 at ep 16
+    (each group two ranks), and at ep 10 a group of 20 experts straddles at most 3 ranks of 16, so 6 again;
+    Mixtral has no groups. The runtime's router groups (`n_expert_groups`, `topk_groups`) reach the planner."""
     v2 = load_model("deepseek-v2")
-    assert [v2.routed_ranks(e) for e in (4, 8, 16)] == [4, 3, 6]
+    assert [v2.routed_ranks(e) for e in (4, 8, 10, 16)] == [3, 3, 6, 6]
+    assert [v2.allowed_bins(e) for e in (4, 8, 10, 16)] == [3, 3, 9, 6]
     assert load_model("mixtral-8x7b").routed_ranks(8) == 2
+    from orangetron.model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=32, n_experts=8, top_k=2,
+                      n_expert_groups=4, topk_groups=1)
+    spec = spec_from_model_config(cfg)
+    assert (spec.expert_groups, spec.groups_per_token, spec.routed_ranks(4)) == (4, 1, 1)
+    assert spec_from_model_config(replace(cfg, n_expert_groups=1, topk_groups=1)).expert_groups == 0
 
 
 def test_bytes_sent_by_hand():
-    """28 tokens, 67/28 copies each (39/28 over RDMA, 1 over NVLink): bf16 rows of 64 values plus 2 ids (int64)
-    and 2 weights (float32) dispatched, 128 B combined; backward sends the same two; full recompute once more.
-    Under the blockwise FP8 recipe a 256-wide token dispatches as 256 B plus two float32 scales."""
+    """28 tokens, 67/28 copies each (39/28 over RDMA, 1 over NVLink). Forward dispatch: 64 bf16 values and 2
+    indices and 2 weights of 4 bytes (144 B); combine 128 B; backward sends the output gradients the dispatch
+    way (128 B) and the input gradients back (128 B); full recompute repeats the forward. Under the blockwise
+    FP8 recipe a 256-wide token dispatches as 256 B plus two float32 scales."""
     job = Job(seq_len=28)
-    assert nd.bytes_sent(_moe(), Placement(8, 2), job, 28) == [67 * 152, 67 * 128] * 2
-    assert nd.bytes_sent(_moe(), Placement(8, 2), replace(job, recompute="full"), 28) == [67 * 152, 67 * 128] * 3
+    assert nd.bytes_sent(_moe(), Placement(8, 2), job, 28) == [67 * 144, 67 * 128, 67 * 128, 67 * 128]
+    full = nd.bytes_sent(_moe(), Placement(8, 2), replace(job, recompute="full"), 28)
+    assert full == [67 * 144, 67 * 128] * 2 + [67 * 128, 67 * 128]
     fp8 = replace(job, fp8=True, fp8_recipe="blockwise")
-    assert nd.row_bytes(_moe(hidden=256), fp8) == (256 + 8 + 24, 512)
-    assert nd.row_bytes(_moe(hidden=256), replace(fp8, fp8_recipe="delayed")) == (512 + 24, 512)
+    assert nd.row_bytes(_moe(hidden=256), fp8) == (256 + 8 + 16, 256 + 8, 512)
+    assert nd.row_bytes(_moe(hidden=256), replace(fp8, fp8_recipe="delayed")) == (512 + 16, 512, 512)
 
 
-def test_layer_time_by_hand():
-    """4096-wide bf16 rows on H100 nodes of 2 (NDR 400 Gb/s per GPU at 90%; NVLink 450 GB/s at 80%): each of the
-    four transfers takes the slower of 28 * 39/28 rows over RDMA and 28 rows over NVLink."""
-    model, cluster, p = _moe(hidden=4096), make_cluster("h100", 8, 2), DEFAULT_PARAMS
-    dispatch, combine = 2 * 4096 + 24, 2 * 4096
-    rdma_bw, nvlink_bw = 50e9 * p.inter_efficiency, 450e9 * p.intra_efficiency
-    expected = 0.0
-    for row in (dispatch, combine):
-        rdma = p.inter_latency_s + 39 * row / rdma_bw
-        nvlink = p.intra_latency_s + 28 * row / nvlink_bw
-        expected += 2 * max(rdma, nvlink)
-    assert nd.layer_time(model, Placement(8, 2), Job(seq_len=28), 28, cluster, p) == pytest.approx(expected)
+def _two_legs(rows_rdma: float, rows_nvlink: float, row: int, cluster) -> float:
+    rdma = P.inter_latency_s + rows_rdma * row / min(50e9 * P.inter_efficiency, row * P.proxy_msg_rate)
+    nvlink = P.intra_latency_s + rows_nvlink * row / (cluster.gpu.intra_bw_gbs * 1e9 * P.intra_efficiency)
+    return max(rdma, nvlink)
+
+
+@pytest.mark.parametrize("hidden", [4096, 64])  # bandwidth bound, and message-rate bound (144-byte rows)
+def test_layer_time_by_hand(hidden):
+    """H100 nodes of 2 (NDR 400 Gb/s per GPU at 90%, NVLink 450 GB/s at 80%, a CPU proxy posting 22 M rows/s):
+    each of the four transfers takes the slower of 28 * 39/28 rows over RDMA and 28 rows over NVLink; full
+    recompute adds a forward dispatch and combine; inside one node only NVLink carries the 28 * 7/4 rows."""
+    model, cluster = _moe(hidden=hidden), make_cluster("h100", 8, 2)
+    forward, backward, combine = 2 * hidden + 16, 2 * hidden, 2 * hidden
+    legs = {row: _two_legs(39, 28, row, cluster) for row in (forward, backward, combine)}
+    none = legs[forward] + legs[backward] + 2 * legs[combine]
+    assert nd.layer_time(model, Placement(8, 2), Job(seq_len=28), 28, cluster, P) == pytest.approx(none)
+    full = nd.layer_time(model, Placement(8, 2), Job(seq_len=28, recompute="full"), 28, cluster, P)
+    assert full == pytest.approx(none + legs[forward] + legs[combine])
+    one_node = sum(P.intra_latency_s + 28 * 7 / 4 * row / (450e9 * P.intra_efficiency)
+                   for row in (forward, combine, backward, combine))
+    one_cluster = make_cluster("h100", 8)
+    assert nd.layer_time(model, Placement(8, 8), Job(seq_len=28), 28, one_cluster, P) == pytest.approx(one_node)
+
+
+def test_fewer_sms_than_saturate_the_links_slow_the_transfers():
+    model, cluster, where = _moe(hidden=4096), make_cluster("h100", 8, 2), Placement(8, 2)
+    time = {s: nd.layer_time(model, where, Job(seq_len=28, ep_comm_sms=s), 28, cluster, P) for s in (10, 20, 40)}
+    assert time[10] == pytest.approx(2 * time[20])
+    assert time[40] == time[20]
+
+
+def _v3_job(**kw) -> Job:
+    return Job(seq_len=4096, global_batch=15360, zero_stage=1, fp8=True, fp8_recipe="blockwise", dispatcher="deepep",
+               **kw)
 
 
 def test_hidden_traffic_costs_the_sms_its_kernels_hold():
-    """DeepSeek-V3's layout with paired micro-batches hides the dispatch entirely: what remains of it is the
-    compute slowed by ep_comm_sms of 132 SMs, so the exposed EP time scales with ep_comm_sms."""
-    model, deg = load_model("deepseek-v3"), Degrees(pp=16, dp=128, ep=64)
-    job = Job(seq_len=4096, global_batch=15360, zero_stage=1, fp8=True, fp8_recipe="blockwise", dispatcher="deepep")
-    cluster = make_cluster("h800", 2048)
-    ep = {s: step_time(model, deg, replace(job, ep_comm_sms=s), cluster).ep_s for s in (0, 20, 40)}
-    assert ep[0] == 0.0 and ep[20] > 0.0
-    assert ep[40] == pytest.approx(2 * ep[20])
+    """DeepSeek-V3 on 2048 H800 (pp 16: the last stage, 3 MoE layers and the head, is the slowest) with paired
+    micro-batches hides every transfer: what remains of it is 120 micro-batches x 3 layers x the layer's
+    traffic x 20/132, its kernels' share of the SMs (40 SMs: 40/132 of a traffic twice as fast to hide)."""
+    model, deg, cluster = load_model("deepseek-v3"), Degrees(pp=16, dp=128, ep=64), make_cluster("h800", 2048)
+    for sms in (20, 40):
+        job = _v3_job(ep_comm_sms=sms)
+        traffic = nd.layer_time(model, Placement(64, 8), job, 4096, cluster, P)
+        assert step_time(model, deg, job, cluster).ep_s == pytest.approx(120 * 3 * traffic * sms / 132)
     with pytest.raises(ValueError, match="ep_comm_sms=132: the h800 has 132 SMs"):
-        step_time(model, deg, replace(job, ep_comm_sms=132), cluster)
+        step_time(model, deg, _v3_job(ep_comm_sms=132), cluster)
+
+
+def test_exposed_traffic_follows_each_ranks_tokens():
+    """Mixtral, tp 2 with SP, ep 4 inside one node, no overlap and no shared experts: all 32 layers' traffic is
+    exposed, each rank routing its 2048-token half of the sequence."""
+    model, deg, cluster = load_model("mixtral-8x7b"), Degrees(tp=2, dp=4, ep=4), make_cluster("h100", 8)
+    job = Job(seq_len=4096, global_batch=4, sequence_parallel=True, overlap_ep=False, dispatcher="deepep")
+    traffic = nd.layer_time(model, Placement(4, 4), job, 2048, cluster, P)
+    assert step_time(model, deg, job, cluster).ep_s == pytest.approx(32 * traffic)
 
 
 def test_deepseek_v3_sends_under_half_the_rows_over_infiniband():
-    """Per MoE layer the ragged dispatcher sends each token to its 8 destination GPUs, 7/8 of them off node;
-    the deepep dispatcher sends it to about 3.2 remote nodes: the exposed time falls by more than half."""
+    """Per MoE layer the ragged dispatcher sends each token to its 4 allowed destination GPUs (balanced
+    convention), 7/8 of them off node; the deepep dispatcher sends it to about 3.2 remote nodes in FP8."""
     model, deg = load_model("deepseek-v3"), Degrees(pp=16, dp=128, ep=64)
     job = Job(seq_len=4096, global_batch=15360, zero_stage=1, overlap_ep=False)
     cluster = make_cluster("h800", 2048)
     ragged, deepep = (step_time(model, deg, replace(job, dispatcher=d), cluster).ep_s for d in ("ragged", "deepep"))
-    assert deepep < 0.5 * ragged
+    assert deepep < ragged
 
 
 def test_traffic_records_need_the_placement_and_the_runtime_refuses_deepep():
@@ -140,8 +194,8 @@ def test_traffic_records_need_the_placement_and_the_runtime_refuses_deepep():
 
 
 def test_estimate_reports_deepep_traffic(capsys):
-    """DeepSeek-V3 on 2048 H800: every MoE layer (3 or 4 on a stage; stage 0 holds the 3 dense ones and 1 MoE)
-    sends four transfers per micro-batch, 120 micro-batches, the bytes of `bytes_sent`."""
+    """DeepSeek-V3 on 2048 H800: stage 0 holds the 3 dense layers and 1 MoE layer, whose four transfers per
+    micro-batch over 120 micro-batches send the bytes of `bytes_sent`."""
     args = ["estimate", "--model", "deepseek-v3", "--gpu", "h800", "--gpus", "2048", "--pp", "16", "--dp", "128",
             "--ep", "64", "--seq", "4096", "--global-batch", "15360", "--zero-stage", "1", "--fp8",
             "--fp8-recipe", "blockwise", "--dispatcher", "deepep", "--json"]
@@ -159,8 +213,8 @@ def test_estimate_reports_deepep_traffic(capsys):
 
 def test_plan_searches_with_the_chosen_dispatcher(capsys):
     """`plan --dispatcher deepep --ep-comm-sms 24` ranks layouts priced with that dispatcher and SM count; the best
-    deepep layout is faster than the best ragged one at ep 64 across 8 nodes (the rows cross InfiniBand once per
-    node), and its EP bytes equal the dispatcher's own count."""
+    deepep layout is faster than the best ragged one at ep 64 across 8 nodes, and its EP bytes equal the
+    dispatcher's own count for the tokens each rank routes."""
     args = ["plan", "--model", "deepseek-v3", "--gpu", "h800", "--gpus", "2048", "--seq", "4096", "--global-batch",
             "15360", "--fp8", "--fp8-recipe", "blockwise", "--pp", "16", "--ep", "64", "--top", "1", "--json"]
     best = {}
@@ -171,10 +225,29 @@ def test_plan_searches_with_the_chosen_dispatcher(capsys):
     assert deepep["job"]["dispatcher"] == "deepep" and deepep["job"]["ep_comm_sms"] == 24
     assert deepep["step_time_s"] < best["ragged"]["step_time_s"]
     layout, job = deepep["layout"], Job(**deepep["job"])
-    tokens = job.seq_len // layout["cp"] * job.micro_batch
+    tokens = job.seq_len // layout["cp"] * job.micro_batch // (layout["tp"] if job.sequence_parallel else 1)
     per_layer = nd.bytes_sent(load_model("deepseek-v3"), Placement(64, 8), job, tokens)
     microbatches = job.global_batch // (job.micro_batch * layout["dp"])
     assert deepep["comm_bytes"]["all_to_all/ep"] == microbatches * sum(per_layer)  # stage 0: one MoE layer
+
+
+def test_layouts_deepep_cannot_run_are_refused(capsys):
+    """An EP group that does not fill its nodes (tp 2 x ep 8 puts 4 of its ranks on each of two nodes), experts
+    split over tp, and an SM count DeepEP does not take."""
+    args = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "2", "--dp", "8", "--ep", "8",
+            "--sequence-parallel", "--dispatcher", "deepep"]
+    assert run(args) == 2
+    assert "needs an EP group of whole nodes: this layout puts 4 of its 8 ranks" in capsys.readouterr().err
+    one_node = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--tp", "2", "--dp", "4", "--ep", "4",
+                "--sequence-parallel", "--dispatcher", "deepep"]
+    assert run(one_node) == 0  # tp 2 x ep 4: one node
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="etp=2 with dispatcher 'deepep'"):
+        validate(load_model("qwen3-30b-a3b"), Degrees(tp=2, dp=8, ep=8, etp=2, expert_fold=True),
+                 Job(seq_len=4096, sequence_parallel=True, dispatcher="deepep"))
+    for sms in (0, 7):
+        with pytest.raises(ValueError, match=f"ep_comm_sms={sms}: DeepEP takes an even number of SMs"):
+            Job(seq_len=8, ep_comm_sms=sms)
 
 
 def test_group_limits_are_checked():
@@ -182,5 +255,5 @@ def test_group_limits_are_checked():
         _moe(expert_groups=4, groups_per_token=5)
     with pytest.raises(ValueError, match="groups_per_token=1 needs"):
         _moe(expert_groups=3, groups_per_token=1)  # 3 groups cannot split 8 experts
-    with pytest.raises(ValueError, match="ep_comm_sms=-1"):
-        Job(seq_len=8, ep_comm_sms=-1)
+    with pytest.raises(ValueError, match="top_k=4 exceeds the 2 experts"):
+        _moe(top_k=4, expert_groups=8, groups_per_token=2)

@@ -386,11 +386,11 @@ def errors() -> dict[str, tuple[str, float, float]]:
     return out
 
 
-# Runs the planner misses by more than the goals allow, with the band their error must stay in: a change either
-# way fails here and must be explained in docs/planner.md section 6. DeepSeek-V3: once its dispatch and routing
-# are priced as it ran (node-deduplicated, at most 4 nodes per token), the planner is 1.6x too fast; what it
-# misses is not identified.
-OPEN_GAPS = {"DeepSeek-V3, 2048 GPUs": (0.55, 0.75)}
+# Runs the planner misses by more than the goals allow, with the band their error must stay in: a change of more
+# than about 3 points either way fails here and must be explained in docs/planner.md section 6. DeepSeek-V3: once
+# its dispatch and routing are priced as it ran (node-deduplicated, at most 4 nodes per token), the planner is
+# 1.6x too fast; what it misses is not identified.
+OPEN_GAPS = {"DeepSeek-V3, 2048 GPUs": (0.61, 0.67)}
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
@@ -402,7 +402,8 @@ def test_each_validation_run_within_40_percent_or_its_stated_gap(run):
 
 def test_mean_error_overall_and_by_class():
     """The goals (mean <= 12%, worst <= 30%, every class <= 20%) on the runs outside the open gaps; the gaps'
-    bands above pin the rest, so the totals over all runs (docs/planner.md section 6) cannot move unseen."""
+    bands above pin the rest to a few points. A class whose runs are all open gaps (precision: DeepSeek-V3
+    alone) is not checked here."""
     closed = {name: v for name, v in errors().items() if name not in OPEN_GAPS}
     assert sum(abs(e) for _, _, e in closed.values()) / len(closed) <= 0.12
     assert max(abs(e) for _, _, e in closed.values()) <= 0.30

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from orangetron.plan.config import Degrees, Job, without_data_parallel
+from orangetron.plan.fp8 import ACTIVATION_TILE
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.stages import stage_layer_counts, stage_layers
 
@@ -63,7 +64,7 @@ class LayerShape:
 
     def tile_scales(self, elements: int) -> int:
         """Bytes of the fp32 tile scales a saved FP8 GEMM input of `elements` keeps (blockwise recipe)."""
-        return 4 * elements // 128 if self.tiled else 0
+        return 4 * elements // ACTIVATION_TILE if self.tiled else 0
 
 
 def layer_shape(deg: Degrees, job: Job) -> LayerShape:

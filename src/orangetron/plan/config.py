@@ -100,8 +100,8 @@ class Job:
             raise ValueError(f"zero_stage={self.zero_stage}: must be 0 (DDP), 1, 2 or 3")
         if self.distributed_optimizer and self.zero_stage in (2, 3):
             raise ValueError(f"distributed_optimizer with zero_stage={self.zero_stage}: pick one sharding scheme")
-        if self.ep_comm_sms < 0:
-            raise ValueError(f"ep_comm_sms={self.ep_comm_sms}: must be >= 0")
+        if self.ep_comm_sms < 2 or self.ep_comm_sms % 2:
+            raise ValueError(f"ep_comm_sms={self.ep_comm_sms}: DeepEP takes an even number of SMs, at least 2")
         for name in ("seq_len", "micro_batch", "virtual_stages", "num_microbatches", "ep_overlap_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -196,6 +196,9 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     if job.cp_mode == "usp" and c > 1 and (c % job.ulysses_degree or (model.num_heads // t) % job.ulysses_degree):
         raise ValueError(f"ulysses_degree={job.ulysses_degree}: usp needs it to divide cp={c} and the heads per tp "
                          f"rank ({model.num_heads // t})")
+    if job.dispatcher == "deepep" and degrees.etp > 1:
+        raise ValueError(f"etp={degrees.etp} with dispatcher 'deepep': the planner prices DeepEP over the EP group "
+                         "with whole experts per rank (etp 1)")
     if job.ep_overlap_chunks > 1 and job.dispatcher != "ragged":
         raise ValueError(f"ep_overlap_chunks={job.ep_overlap_chunks}: chunked overlap is for the ragged dispatcher, "
                          f"not {job.dispatcher!r}")

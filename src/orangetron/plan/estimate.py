@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from orangetron.plan import node_dispatch
 from orangetron.plan.config import Degrees, Job, validate
 from orangetron.plan.fp8 import with_fp8
 from orangetron.plan.hardware import GIB, Cluster
@@ -70,6 +71,8 @@ def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: Ne
     `overhead` term (context, communicator buffers, fragmentation) in its `overhead` entry and `total`."""
     validate(model, deg, job)
     check_cluster(deg, cluster)
+    if job.dispatcher == "deepep" and deg.ep > 1:
+        node_dispatch.check_placement(group_places(deg, cluster)["ep"], cluster)
     if job.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     memory = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)

@@ -27,6 +27,7 @@ from orangetron.plan.stages import stage_layers
 AMAX_HISTORY = 1024  # Transformer Engine's default amax_history_len
 GEMMS_PER_LAYER = 4  # QKV, output projection, up (gate+up), down
 WEIGHT_BLOCK = 128 * 128  # elements per fp32 scale of a blockwise-scaled weight
+ACTIVATION_TILE = 128  # elements per fp32 scale of a blockwise-scaled activation (1 x 128 tiles)
 
 
 def fp8_memory_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:

@@ -59,8 +59,9 @@ class ModelSpec:
     aux_loss_coef: float = 0.0  # MoE balancing loss weight; >0 under EP adds its global all-reduce
     router_z_loss_coef: float = 0.0  # router z-loss weight; >0 keeps the router logits, a global all-reduce
     router_bias: bool = False  # auxiliary-loss-free balancing: one all-reduce of the expert loads per step
-    # Group-limited routing (HF config `n_group`, `topk_group`): experts form `expert_groups` equal groups and a
-    # token's experts come from at most `groups_per_token` of them (DeepSeek-V3: 8 and 4, one group per node)
+    # Group-limited routing (the runtime's `n_expert_groups`, `topk_groups`; HF configs' `n_group`, `topk_group`):
+    # experts form `expert_groups` equal contiguous groups and a token's experts come from at most
+    # `groups_per_token` of them (DeepSeek-V3: 8 and 4, one group per node); 0: no limit
     expert_groups: int = 0
     groups_per_token: int = 0
 
@@ -87,13 +88,24 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def group_limited(self) -> bool:
+        return 0 < self.groups_per_token < self.expert_groups
+
     def allowed_bins(self, bins: int) -> int:
-        """How many of `bins` equal slices of the experts (EP ranks, nodes) one token may reach: under
-        group-limited routing `groups_per_token` groups' worth when every group is a whole number of bins,
-        else all of them."""
-        if not self.groups_per_token or bins % self.expert_groups:
+        """The most of `bins` equal contiguous slices of the experts (EP ranks, nodes) one token can reach under
+        group-limited routing: a group spans bins/groups bins when bins are finer, lies in one bin when
+        coarser, and otherwise straddles at most ceil(bins/groups) + 1."""
+        if not self.group_limited:
             return bins
-        return self.groups_per_token * bins // self.expert_groups
+        g, m = self.expert_groups, self.groups_per_token
+        if bins % g == 0:
+            span = bins // g
+        elif g % bins == 0:
+            span = 1
+        else:
+            span = -(-bins // g) + 1
+        return min(bins, m * span)
 
     def routed_ranks(self, ep: int) -> int:
         """EP ranks one token's copies go to under balanced routing: its experts on as many ranks as allowed."""
@@ -213,14 +225,25 @@ def _check_spec(spec: ModelSpec) -> None:
                          f"num_kv_heads={spec.kv_heads}")
     if spec.is_moe and not (0 < spec.top_k <= spec.num_experts and spec.moe_ffn_hidden_size > 0):
         raise ValueError(f"model {spec.name}: MoE needs 0 < top_k <= num_experts and moe_ffn_hidden_size > 0")
-    if spec.groups_per_token and not (spec.expert_groups and 0 < spec.groups_per_token <= spec.expert_groups
-                                      and spec.num_experts % spec.expert_groups == 0):
-        raise ValueError(f"model {spec.name}: groups_per_token={spec.groups_per_token} needs 1 <= groups_per_token "
-                         f"<= expert_groups={spec.expert_groups}, which must divide num_experts={spec.num_experts}")
+    _check_groups(spec)
     if spec.moe_layer_freq < 1:
         raise ValueError(f"model {spec.name}: moe_layer_freq={spec.moe_layer_freq} must be >= 1")
     if not spec.is_moe and spec.ffn_hidden_size <= 0:
         raise ValueError(f"model {spec.name}: ffn_hidden_size must be positive for a dense model")
+
+
+def _check_groups(spec: ModelSpec) -> None:
+    """The runtime's rules (`ModelConfig._check_groups`): groups split the experts evenly, a token picks at
+    most all of them, and its top_k experts fit in the groups it picks."""
+    g, m = spec.expert_groups, spec.groups_per_token
+    if not (g or m):
+        return
+    if not (g > 0 and spec.num_experts % g == 0 and 0 < m <= g):
+        raise ValueError(f"model {spec.name}: groups_per_token={m} needs 1 <= groups_per_token <= expert_groups={g}, "
+                         f"which must divide num_experts={spec.num_experts}")
+    if spec.top_k > m * (spec.num_experts // g):
+        raise ValueError(f"model {spec.name}: top_k={spec.top_k} exceeds the {m * (spec.num_experts // g)} experts "
+                         f"of groups_per_token={m} groups")
 
 
 @dataclass(frozen=True)
@@ -303,7 +326,16 @@ def spec_from_model_config(cfg: object, name: str = "runtime") -> ModelSpec:
         tied_embeddings=cfg.tied_embeddings, aux_loss_coef=cfg.aux_loss_coef if cfg.n_experts else 0.0,
         router_z_loss_coef=getattr(cfg, "router_z_loss_coef", 0.0) if cfg.n_experts else 0.0,
         router_bias=bool(getattr(cfg, "router_bias_rate", 0.0)) and cfg.n_experts > 0,
+        **_runtime_groups(cfg),
     )
+
+
+def _runtime_groups(cfg: object) -> dict[str, int]:
+    """The runtime router's group limit (`n_expert_groups`, `topk_groups`; one group means none)."""
+    groups = getattr(cfg, "n_expert_groups", 1) if cfg.n_experts else 1
+    if groups <= 1:
+        return {}
+    return {"expert_groups": groups, "groups_per_token": cfg.topk_groups}
 
 
 def load_decoder(name_or_path: str) -> ModelSpec:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
+from orangetron.plan import node_dispatch
 from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate
 from orangetron.plan.estimate import Estimate
 from orangetron.plan.fp8 import with_fp8
@@ -152,6 +153,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                     continue  # dominated, or (one micro-batch) the same step as "zero3"
                 try:
                     validate(model, deg, job)
+                    if job.dispatcher == "deepep" and deg.ep > 1:
+                        node_dispatch.check_placement(group_places(deg, cluster)["ep"], cluster)
                 except ValueError:
                     break  # the group shares every degree-dependent rule
                 mem = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)

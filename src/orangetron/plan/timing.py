@@ -475,6 +475,8 @@ def _ep_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, where: 
         comm = _records_time(expert_parallel_records(model, deg, job), {"ep": where}, cluster, net, msg_bytes=row)
         return _ep_exposed(comm, cost, run, job, deg, eff)
     comm = node_dispatch.layer_time(model, where, job, routed_tokens(deg, job), cluster, net)
+    if not comm:
+        return 0.0
     return _ep_exposed(comm, cost, run, job, deg, replace(eff, overlap_contention=node_dispatch.sm_share(job, cluster)))
 
 
