@@ -504,6 +504,12 @@ MUTANTS = [
     Mutant("deepep_hidden_traffic_costs_the_generic_contention", "src/orangetron/plan/timing.py",
            (("replace(eff, overlap_contention=node_dispatch.sm_share(job, cluster))", "eff"),),
            ("tests/test_plan_node_dispatch.py::test_hidden_traffic_costs_the_sms_its_kernels_hold",)),
+    Mutant("tracing_stopped_where_stopping_can_crash", "src/orangetron/memory.py",
+           (("            if started and _CAN_STOP_TRACING:\n", "            if started:\n"),),
+           ("tests/test_memory.py::test_python_peaks_of_consecutive_blocks_and_tracing_left_on_where_stopping_can_crash",)),
+    Mutant("python_peak_not_reset_between_blocks", "src/orangetron/memory.py",
+           (("        tracemalloc.reset_peak()\n", ""),),
+           ("tests/test_memory.py::test_python_peaks_of_consecutive_blocks_and_tracing_left_on_where_stopping_can_crash",)),
 ]
 
 

@@ -37,6 +37,15 @@ def test_results_come_back_in_rank_order_and_workers_are_reused():
     assert [r[2] for r in second] == [r[2] for r in first]  # same processes: launch cost paid once
 
 
+def test_shutting_down_one_world_size_keeps_the_others():
+    from orangetron.testing import shutdown_workers
+
+    ones, twos = run_distributed(rank_and_pid, 1, args=(1,)), run_distributed(rank_and_pid, 2, args=(1,))
+    shutdown_workers(2)
+    assert [r[2] for r in run_distributed(rank_and_pid, 1, args=(1,))] == [r[2] for r in ones]  # kept
+    assert not {r[2] for r in run_distributed(rank_and_pid, 2, args=(1,))} & {r[2] for r in twos}  # new ranks
+
+
 def test_exception_names_rank_and_traceback_then_recovers():
     with pytest.raises(DistributedError) as info:
         run_distributed(fail_on_rank_one, 2)

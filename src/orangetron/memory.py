@@ -6,6 +6,7 @@ a flat gradient buffer) are counted once.
 
 from __future__ import annotations
 
+import sys
 import tracemalloc
 import weakref
 from collections.abc import Iterable, Iterator
@@ -265,20 +266,32 @@ class AllocationPeak:
         return self.torch_bytes + self.python_bytes
 
 
+# tracemalloc.stop() can crash the interpreter when a thread Python did not start (gloo's transport loop, which
+# takes the GIL to free a tensor) allocates at that moment: CPython gh-128679, fixed in 3.12.9 and 3.13.2.
+# Before those, tracing a peak measurement started stays on for the rest of the process.
+_CAN_STOP_TRACING = (3, 12, 9) <= sys.version_info[:3] < (3, 13) or sys.version_info[:3] >= (3, 13, 2)
+
+
 @contextmanager
 def peak_allocations() -> Iterator[AllocationPeak]:
-    """Measure the peak bytes the block allocates (torch's and Python's); read the result after the block."""
+    """Measure the peak bytes the block allocates (torch's and Python's); read the result after the block.
+    On Python before 3.12.9 (3.13 before 3.13.2) Python's tracing stays on afterwards (`_CAN_STOP_TRACING`)."""
     from torch._C._profiler import _EventType  # the profiler loads only where a peak is measured
     from torch.profiler import ProfilerActivity, profile
 
     peak = AllocationPeak()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        tracemalloc.start()  # inside: the profiler's own Python records are not the block's
+        started = not tracemalloc.is_tracing()  # inside: the profiler's own Python records are not the block's
+        if started:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        live_before = tracemalloc.get_traced_memory()[0]
         try:
             yield peak
         finally:
-            peak.python_bytes = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
+            peak.python_bytes = max(0, tracemalloc.get_traced_memory()[1] - live_before)
+            if started and _CAN_STOP_TRACING:
+                tracemalloc.stop()
     events = []
 
     def walk(event) -> None:

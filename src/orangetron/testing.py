@@ -170,11 +170,13 @@ def run_distributed(
         raise
 
 
-def shutdown_workers() -> None:
-    """Stop every cached worker pool (called automatically at exit)."""
-    while _pools:
-        _, pool = _pools.popitem()
-        pool.close()
+def shutdown_workers(world_size: int | None = None) -> None:
+    """Stop the cached worker pool of `world_size` ranks, or every pool (called automatically at exit)."""
+    sizes = list(_pools) if world_size is None else [world_size]
+    for size in sizes:
+        pool = _pools.pop(size, None)
+        if pool is not None:
+            pool.close()
 
 
 atexit.register(shutdown_workers)
