@@ -60,7 +60,7 @@ def _rank(folder: str) -> dict[str, list[float]]:
             start = time.perf_counter()
             fn()
             out[f"{name}_s"].append(time.perf_counter() - start)
-    # Peaks last: on older Pythons the measurement leaves Python's allocation tracing on (memory.peak_allocations).
+    # Peaks last: measuring leaves Python's allocation tracing on (memory.peak_allocations), which slows what follows.
     out["sharded_peak"] = [_peak_bytes(sharded)]
     out["gathered_peak"] = [_peak_bytes(gathered)]
     return out

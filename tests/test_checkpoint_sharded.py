@@ -228,7 +228,7 @@ def _all_checks(folder: str) -> dict:
 def four_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     folder = tmp_path_factory.mktemp("sharded")
     results = run_distributed(_all_checks, 4, args=(str(folder),), timeout=600)  # many layouts in one call
-    shutdown_workers(4)  # its peak measurement may leave Python's allocation tracing on (memory.peak_allocations)
+    shutdown_workers(4)  # its peak measurement leaves Python's allocation tracing on (memory.peak_allocations)
     return folder, results
 
 

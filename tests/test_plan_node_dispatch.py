@@ -88,7 +88,13 @@ def test_balanced_routing_reaches_the_most_ranks_its_groups_allow():
     Mixtral has no groups. The runtime's router groups (`n_expert_groups`, `topk_groups`) reach the planner."""
     v2 = load_model("deepseek-v2")
     assert [v2.routed_ranks(e) for e in (4, 8, 10, 16)] == [3, 3, 6, 6]
-    assert [v2.allowed_bins(e) for e in (4, 8, 10, 16)] == [3, 3, 9, 6]
+    assert [v2.allowed_bins(e) for e in (4, 8, 10, 16)] == [3, 3, 6, 6]  # a group of 20 crosses 2 ranks of 16
+    for experts, bins, groups in ((12, 3, 2), (12, 4, 3), (36, 9, 4), (20, 4, 5), (30, 6, 5), (60, 12, 5)):
+        model = _moe(experts=experts, top_k=2, expert_groups=groups, groups_per_token=1)
+        width = experts // bins
+        most = max(len({e // width for e in range(g * experts // groups, (g + 1) * experts // groups)})
+                   for g in range(groups))
+        assert model.allowed_bins(bins) == most, (experts, bins, groups)
     assert load_model("mixtral-8x7b").routed_ranks(8) == 2
     from orangetron.model.config import ModelConfig
 
@@ -232,16 +238,23 @@ def test_plan_searches_with_the_chosen_dispatcher(capsys):
 
 
 def test_layouts_deepep_cannot_run_are_refused(capsys):
-    """An EP group that does not fill its nodes (tp 2 x ep 8 puts 4 of its ranks on each of two nodes), experts
-    split over tp, and an SM count DeepEP does not take."""
+    """EP groups must be whole nodes or lie inside one. On nodes of 8: tp 2 x ep 8 puts 4 ranks of each group
+    on each of two nodes (refused); tp 2 x ep 4 covers ranks 0-7 (accepted); ep 6 and ep 12 straddle nodes, ep
+    16 is two whole nodes. Experts split over tp (etp > 1) and an SM count DeepEP does not take are refused."""
     args = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "16", "--tp", "2", "--dp", "8", "--ep", "8",
             "--sequence-parallel", "--dispatcher", "deepep"]
     assert run(args) == 2
-    assert "needs an EP group of whole nodes: this layout puts 4 of its 8 ranks" in capsys.readouterr().err
+    assert "groups of 8 ranks span 16 consecutive ranks, 4 of them on a node of 8" in capsys.readouterr().err
     one_node = ["estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--tp", "2", "--dp", "4", "--ep", "4",
                 "--sequence-parallel", "--dispatcher", "deepep"]
-    assert run(one_node) == 0  # tp 2 x ep 4: one node
+    assert run(one_node) == 0
     capsys.readouterr()
+    model, cluster = _moe(experts=96, hidden=256), make_cluster("h100", 48)
+    job = Job(seq_len=256, global_batch=48, dispatcher="deepep")
+    for ep in (6, 12):
+        with pytest.raises(ValueError, match=f"groups of {ep} ranks span {ep} consecutive ranks"):
+            step_time(model, Degrees(dp=48, ep=ep), job, cluster)
+    assert step_time(model, Degrees(dp=48, ep=16), job, cluster).ep_s > 0
     with pytest.raises(ValueError, match="etp=2 with dispatcher 'deepep'"):
         validate(load_model("qwen3-30b-a3b"), Degrees(tp=2, dp=8, ep=8, etp=2, expert_fold=True),
                  Job(seq_len=4096, sequence_parallel=True, dispatcher="deepep"))
@@ -251,6 +264,11 @@ def test_layouts_deepep_cannot_run_are_refused(capsys):
 
 
 def test_group_limits_are_checked():
+    with pytest.raises(ValueError, match="need experts"):
+        ModelSpec(name="dense", hidden_size=64, num_layers=2, num_heads=4, vocab_size=128, ffn_hidden_size=128,
+                  expert_groups=4, groups_per_token=2)
+    with pytest.raises(ValueError, match="groups_per_token=0 needs .* set both"):
+        _moe(expert_groups=4)
     with pytest.raises(ValueError, match="groups_per_token=5 needs"):
         _moe(expert_groups=4, groups_per_token=5)
     with pytest.raises(ValueError, match="groups_per_token=1 needs"):

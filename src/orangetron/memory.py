@@ -6,7 +6,6 @@ a flat gradient buffer) are counted once.
 
 from __future__ import annotations
 
-import sys
 import tracemalloc
 import weakref
 from collections.abc import Iterable, Iterator
@@ -266,32 +265,36 @@ class AllocationPeak:
         return self.torch_bytes + self.python_bytes
 
 
-# tracemalloc.stop() can crash the interpreter when a thread Python did not start (gloo's transport loop, which
-# takes the GIL to free a tensor) allocates at that moment: CPython gh-128679, fixed in 3.12.9 and 3.13.2.
-# Before those, tracing a peak measurement started stays on for the rest of the process.
-_CAN_STOP_TRACING = (3, 12, 9) <= sys.version_info[:3] < (3, 13) or sys.version_info[:3] >= (3, 13, 2)
+# Python's allocation tracing, once a peak measurement starts it, stays on for the rest of the process:
+# tracemalloc.stop() can crash the interpreter when a thread Python did not start (one of gloo's, taking the GIL
+# to free a tensor) allocates at that moment (CPython gh-128679, fixed in 3.12.9 and 3.13.2; related races are
+# still open upstream). Later measurements clear the traces instead, so the frees of earlier objects never count.
+_tracing_ours = False
 
 
 @contextmanager
 def peak_allocations() -> Iterator[AllocationPeak]:
     """Measure the peak bytes the block allocates (torch's and Python's); read the result after the block.
-    On Python before 3.12.9 (3.13 before 3.13.2) Python's tracing stays on afterwards (`_CAN_STOP_TRACING`)."""
+
+    Python's tracing stays on afterwards (see `_tracing_ours`). Under a tracer someone else started, its peak is
+    reset and frees of objects it traced before the block count against the block."""
+    global _tracing_ours
     from torch._C._profiler import _EventType  # the profiler loads only where a peak is measured
     from torch.profiler import ProfilerActivity, profile
 
     peak = AllocationPeak()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        started = not tracemalloc.is_tracing()  # inside: the profiler's own Python records are not the block's
-        if started:
-            tracemalloc.start()
+        if not tracemalloc.is_tracing():
+            tracemalloc.start()  # inside the profiler: its own Python records are not the block's
+            _tracing_ours = True
+        elif _tracing_ours:
+            tracemalloc.clear_traces()
         tracemalloc.reset_peak()
         live_before = tracemalloc.get_traced_memory()[0]
         try:
             yield peak
         finally:
             peak.python_bytes = max(0, tracemalloc.get_traced_memory()[1] - live_before)
-            if started and _CAN_STOP_TRACING:
-                tracemalloc.stop()
     events = []
 
     def walk(event) -> None:

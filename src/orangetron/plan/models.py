@@ -15,6 +15,7 @@ for vision towers; see `DualEncoderSpec`.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
@@ -94,18 +95,13 @@ class ModelSpec:
 
     def allowed_bins(self, bins: int) -> int:
         """The most of `bins` equal contiguous slices of the experts (EP ranks, nodes) one token can reach under
-        group-limited routing: a group spans bins/groups bins when bins are finer, lies in one bin when
-        coarser, and otherwise straddles at most ceil(bins/groups) + 1."""
+        group-limited routing: its groups_per_token groups, each a contiguous run of w experts, which crosses at
+        most 1 + ceil((w - gcd(w, b)) / b) slices of b experts."""
         if not self.group_limited:
             return bins
-        g, m = self.expert_groups, self.groups_per_token
-        if bins % g == 0:
-            span = bins // g
-        elif g % bins == 0:
-            span = 1
-        else:
-            span = -(-bins // g) + 1
-        return min(bins, m * span)
+        w, b = self.num_experts // self.expert_groups, self.num_experts // bins
+        span = 1 + -(-(w - math.gcd(w, b)) // b)
+        return min(bins, self.groups_per_token * span)
 
     def routed_ranks(self, ep: int) -> int:
         """EP ranks one token's copies go to under balanced routing: its experts on as many ranks as allowed."""
@@ -235,15 +231,18 @@ def _check_spec(spec: ModelSpec) -> None:
 def _check_groups(spec: ModelSpec) -> None:
     """The runtime's rules (`ModelConfig._check_groups`): groups split the experts evenly, a token picks at
     most all of them, and its top_k experts fit in the groups it picks."""
-    g, m = spec.expert_groups, spec.groups_per_token
-    if not (g or m):
+    groups, per_token = spec.expert_groups, spec.groups_per_token
+    if not (groups or per_token):
         return
-    if not (g > 0 and spec.num_experts % g == 0 and 0 < m <= g):
-        raise ValueError(f"model {spec.name}: groups_per_token={m} needs 1 <= groups_per_token <= expert_groups={g}, "
-                         f"which must divide num_experts={spec.num_experts}")
-    if spec.top_k > m * (spec.num_experts // g):
-        raise ValueError(f"model {spec.name}: top_k={spec.top_k} exceeds the {m * (spec.num_experts // g)} experts "
-                         f"of groups_per_token={m} groups")
+    if not spec.is_moe:
+        raise ValueError(f"model {spec.name}: expert_groups and groups_per_token need experts (num_experts > 0)")
+    if not (groups > 0 and spec.num_experts % groups == 0 and 0 < per_token <= groups):
+        raise ValueError(f"model {spec.name}: groups_per_token={per_token} needs 1 <= groups_per_token <= "
+                         f"expert_groups={groups}, which must divide num_experts={spec.num_experts}; set both")
+    reachable = per_token * (spec.num_experts // groups)
+    if spec.top_k > reachable:
+        raise ValueError(f"model {spec.name}: top_k={spec.top_k} exceeds the {reachable} experts of "
+                         f"groups_per_token={per_token} groups")
 
 
 @dataclass(frozen=True)

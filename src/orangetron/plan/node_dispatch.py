@@ -80,11 +80,11 @@ def _bin_hit(experts: int, top_k: int, bins: int, groups: int, per_token: int, b
 
 def fanout(model: ModelSpec, where: Placement) -> Fanout:
     """Per token: remote node copies and NVLink rows, over the EP group `where` (experts spread evenly)."""
-    nodes, g = where.nodes, where.per_node
+    nodes, per_node = where.nodes, where.per_node
     limit = (model.expert_groups, model.groups_per_token) if model.group_limited else (0, 0)
     nodes_reached = reach(model.num_experts, model.top_k, nodes, *limit)
     gpus_reached = reach(model.num_experts, model.top_k, where.size, *limit)
-    return Fanout(nodes_reached * (nodes - 1) / nodes, gpus_reached * (g - 1) / g)
+    return Fanout(nodes_reached * (nodes - 1) / nodes, gpus_reached * (per_node - 1) / per_node)
 
 
 def row_bytes(model: ModelSpec, job: Job) -> tuple[int, int, int]:
@@ -113,13 +113,16 @@ def bytes_sent(model: ModelSpec, where: Placement, job: Job, tokens: int) -> lis
     return [round(tokens * (f.remote_nodes + f.nvlink_rows) * row) for row in _transfers(model, job)]
 
 
-def check_placement(where: Placement, cluster: Cluster) -> None:
-    """DeepEP pairs each rank with the ranks of the same local index on other nodes and forwards over the
-    NVLink of one node: its EP group must be whole nodes of consecutive ranks (or lie within one)."""
-    if where.per_node != min(where.size, cluster.gpus_per_node):
-        raise ValueError(f"dispatcher 'deepep' needs an EP group of whole nodes: this layout puts {where.per_node} "
-                         f"of its {where.size} ranks on each of {where.nodes} nodes of {cluster.gpus_per_node} GPUs; "
-                         "make tp x ep fill a node, or use another dispatcher")
+def check_placement(where: Placement, span: int, cluster: Cluster) -> None:
+    """DeepEP pairs ranks of the same local index across nodes and forwards over one node's NVLink, so every EP
+    group must be whole nodes or lie inside one: `span` is the run of consecutive ranks one group covers."""
+    gpus = cluster.gpus_per_node
+    whole_nodes = where.size % gpus == 0 and where.per_node == gpus
+    inside_one = where.per_node == where.size and gpus % span == 0
+    if not (whole_nodes or inside_one):
+        raise ValueError(f"dispatcher 'deepep' needs EP groups of whole nodes or inside one: this layout's groups of "
+                         f"{where.size} ranks span {span} consecutive ranks, {where.per_node} of them on a node of "
+                         f"{gpus} GPUs; make tp x ep fill whole nodes or divide one, or use another dispatcher")
 
 
 def layer_time(model: ModelSpec, where: Placement, job: Job, tokens: int, cluster: Cluster,
@@ -129,7 +132,6 @@ def layer_time(model: ModelSpec, where: Placement, job: Job, tokens: int, cluste
     than the `FULL_RATE_SMS` that saturate both."""
     if where.size == 1:
         return 0.0
-    check_placement(where, cluster)
     f = fanout(model, where)
     total = 0.0
     for row in _transfers(model, job):

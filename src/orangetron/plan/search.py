@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
-from orangetron.plan import node_dispatch
 from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate
 from orangetron.plan.estimate import Estimate
 from orangetron.plan.fp8 import with_fp8
@@ -16,7 +15,7 @@ from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
-from orangetron.plan.timing import group_places, step_time
+from orangetron.plan.timing import check_ep_placement, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 
 
@@ -153,8 +152,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                     continue  # dominated, or (one micro-batch) the same step as "zero3"
                 try:
                     validate(model, deg, job)
-                    if job.dispatcher == "deepep" and deg.ep > 1:
-                        node_dispatch.check_placement(group_places(deg, cluster)["ep"], cluster)
+                    check_ep_placement(deg, job, cluster)
                 except ValueError:
                     break  # the group shares every degree-dependent rule
                 mem = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)

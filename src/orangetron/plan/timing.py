@@ -360,6 +360,14 @@ def group_places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
     return out
 
 
+def check_ep_placement(deg: Degrees, job: Job, cluster: Cluster) -> None:
+    """ValueError when the dispatcher cannot run on this layout's EP groups ("deepep": whole nodes, or inside
+    one). A group's ranks lie tp apart (etp apart when the experts fold), so it covers ep x that many."""
+    if job.dispatcher == "deepep" and deg.ep > 1:
+        span = deg.ep * (deg.etp if deg.expert_fold else deg.tp)
+        node_dispatch.check_placement(group_places(deg, cluster)["ep"], span, cluster)
+
+
 @lru_cache(maxsize=4096)
 def _usp_places(deg: Degrees, cluster: Cluster, ulysses: int) -> dict[str, Placement]:
     """Where USP's two cp subgroups land (`mesh.split_cp`: Ulysses over `ulysses` consecutive cp ranks, the
@@ -474,6 +482,7 @@ def _ep_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, where: 
         row = job.param_bytes * model.hidden_size
         comm = _records_time(expert_parallel_records(model, deg, job), {"ep": where}, cluster, net, msg_bytes=row)
         return _ep_exposed(comm, cost, run, job, deg, eff)
+    check_ep_placement(deg, job, cluster)
     comm = node_dispatch.layer_time(model, where, job, routed_tokens(deg, job), cluster, net)
     if not comm:
         return 0.0
