@@ -89,7 +89,8 @@ def fanout(model: ModelSpec, where: Placement) -> Fanout:
 
 def row_bytes(model: ModelSpec, job: Job) -> tuple[int, int, int]:
     """(forward dispatch, backward dispatch, combine) bytes per token row. The forward dispatch carries the
-    token's top_k expert indices and weights, 4 bytes each; the backward one reuses that layout."""
+    token's top_k expert indices and weights, 4 bytes each; the backward one, routed by the forward's layout,
+    sends the gradient alone."""
     h = model.hidden_size
     blockwise_fp8 = job.fp8 and job.fp8_recipe == "blockwise"
     token = h + 4 * -(-h // ACTIVATION_TILE) if blockwise_fp8 else job.param_bytes * h
