@@ -11,7 +11,7 @@ from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import DEFAULT_PARAMS, NetworkParams
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
-from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, check_ep_placement, group_places, step_time
+from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 
 
@@ -70,7 +70,6 @@ def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: Ne
     `overhead` term (context, communicator buffers, fragmentation) in its `overhead` entry and `total`."""
     validate(model, deg, job)
     check_cluster(deg, cluster)
-    check_ep_placement(deg, job, cluster)
     if job.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     memory = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)
