@@ -12,11 +12,24 @@ def tiny():
 
 def test_fp8_weight_copies_and_scales_by_hand():
     # Per layer: attention 4 * 64 * 64 = 16384, MLP 3 * 64 * 128 = 24576, two RMSNorm weights 128 -> 41088.
-    # One GPU holds 2 layers (82176), the embedding 6400 (excluded: a lookup), final norm 64, head 6400; the
-    # norm weights ride along with the linear ones (under 1% of a layer; FP8 copies are per parameter buffer).
-    linear_like = 82176 + 64 + 6400
+    # One GPU holds 2 layers (82176), the embedding 6400 (excluded: a lookup), final norm 64 and the head 6400
+    # (excluded: it stays 16-bit); the norm weights ride along with the linear ones (under 1% of a layer; FP8
+    # copies are per parameter buffer).
+    linear_like = 82176 + 64
     scales = 2 * 4 * 3 * (2 + 1024) * 4  # layers x GEMMs x operands x (scale, scale_inv, amax history) x fp32
     assert fp8_memory_bytes(tiny(), Degrees(), Job(seq_len=64, fp8=True)) == 2 * linear_like + scales
+
+
+def test_fp8_head_stays_16_bit_on_the_last_stage_only():
+    # pp = 2: stage 0 holds layer 0 (41088) and the embedding (a lookup, excluded); stage 1 holds layer 1, the
+    # final norm (64) and the head (6400, excluded). Untied, the head is its own weight; tied on a separate
+    # last stage, Megatron's copy of the embedding is the head, excluded the same way.
+    deg, job = Degrees(pp=2), Job(seq_len=64, fp8=True, fp8_recipe="blockwise")
+    assert fp8_memory_bytes(tiny(), deg, job, stage=0) == 2 * 41088 + 2 * 4 * 3
+    assert fp8_memory_bytes(tiny(), deg, job, stage=1) == 2 * (41088 + 64) + 2 * 4 * 3
+    tied = ModelSpec(name="tied", hidden_size=64, num_layers=2, num_heads=4, vocab_size=100, ffn_hidden_size=128,
+                     tied_embeddings=True)
+    assert fp8_memory_bytes(tied, deg, job, stage=1) == 2 * (41088 + 64) + 2 * 4 * 3
 
 
 def test_fp8_off_adds_nothing():
@@ -28,9 +41,9 @@ def test_fp8_off_adds_nothing():
 
 
 def test_blockwise_weight_scales_by_hand():
-    # The same 88640 FP8-cast parameters; one fp32 scale per 128 x 128 block of each of the two copies
-    # (ceil(88640 / 16384) = 6 blocks), and no amax history.
-    linear_like = 82176 + 64 + 6400
+    # The same 82240 FP8-cast parameters; one fp32 scale per 128 x 128 block of each of the two copies
+    # (ceil(82240 / 16384) = 6 blocks), and no amax history.
+    linear_like = 82176 + 64
     job = Job(seq_len=64, fp8=True, fp8_recipe="blockwise")
     assert fp8_memory_bytes(tiny(), Degrees(), job) == 2 * linear_like + 2 * 4 * 6
 

@@ -8,7 +8,9 @@ computes one tile at a time. Three shape losses multiply the GPU's sustained eff
   ceil(n/tn)*tn computed outputs are useful;
 - wave quantization: tiles run in waves of one per SM; a last, partial wave leaves SMs idle;
 - the K loop: each tile spends about `K_FILL` elements of K outside its main loop (pipeline fill, epilogue),
-  so a short reduction (attention's head dim, a few tokens' wgrad) cannot amortize it.
+  so a short reduction (attention's head dim, a few tokens' wgrad) cannot amortize it. That time is fixed per
+  tile (the epilogue writes the same 16-bit outputs), so at FP8's doubled rate it is worth twice the K
+  elements (`k_fill`).
 The library picks the tile shape that does best (`TILES`, with the relative speed of each shape: larger
 tiles reuse more operands per byte loaded). Small or skinny GEMMs end up memory bound by the roofline:
 time = max(FLOPs / (peak x efficiency), bytes / HBM bandwidth).
@@ -32,7 +34,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from orangetron.plan.hardware import GPUSpec
+from orangetron.plan.hardware import FP8_FORMATS, GPUSpec
 
 # (tile rows, tile columns, relative throughput of the shape): CUTLASS/cuBLAS Hopper and Ampere kernels.
 TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.92), (64, 128, 0.80), (64, 64, 0.60))
@@ -47,8 +49,9 @@ TRITON_FLASH_GAP = (1.4, 2.0)
 
 
 @lru_cache(maxsize=65536)
-def shape_efficiency(m: int, k: int, n: int, sms: int, groups: int = 1) -> float:
-    """Share of the ideal-shape efficiency a GEMM (or `groups` equal GEMMs launched together) reaches."""
+def shape_efficiency(m: int, k: int, n: int, sms: int, groups: int = 1, k_fill: float = K_FILL) -> float:
+    """Share of the ideal-shape efficiency a GEMM (or `groups` equal GEMMs launched together) reaches, its
+    tiles spending `k_fill` K elements' worth of time outside the main loop."""
     if m <= 0 or k <= 0 or n <= 0:
         return 1.0
     best = 0.0
@@ -58,7 +61,7 @@ def shape_efficiency(m: int, k: int, n: int, sms: int, groups: int = 1) -> float
         padding = m * n / (rows * tm * cols * tn)
         waves = tiles / (math.ceil(tiles / sms) * sms)
         best = max(best, speed * padding * waves)
-    return best * k / (k + K_FILL)
+    return best * k / (k + k_fill)
 
 
 def gemm_time(m: int, k: int, n: int, gpu: GPUSpec, dtype: str, in_bytes: float, out_bytes: float,
@@ -67,7 +70,8 @@ def gemm_time(m: int, k: int, n: int, gpu: GPUSpec, dtype: str, in_bytes: float,
     (inputs of `in_bytes`, output of `out_bytes`, plus `acc_bytes` per output element read back to
     accumulate) over HBM bandwidth."""
     flops = 2.0 * m * k * n * groups
-    eff = gpu.gemm_efficiency * shape_efficiency(m, k, n, gpu.sms, groups)
+    k_fill = K_FILL * gpu.peak_flops(dtype) / gpu.peak_flops("bfloat16") if dtype in FP8_FORMATS else K_FILL
+    eff = gpu.matmul_efficiency(dtype) * shape_efficiency(m, k, n, gpu.sms, groups, k_fill)
     nbytes = groups * (in_bytes * (m * k + k * n) + (out_bytes + acc_bytes) * m * n)
     return max(flops / (gpu.peak_flops(dtype) * eff), nbytes / (gpu.memory_bw_gbs * 1e9))
 

@@ -11,6 +11,9 @@ from orangetron.plan.keys import hash_fields_once
 
 _PRESET_DIR = "presets/gpus"
 GIB = 1024**3
+# GEMM operand formats on the FP8 tensor cores: per-tensor scales (Transformer Engine's delayed scaling), and
+# DeepSeek-V3's 1 x 128 / 128 x 128 blocks, whose scales Hopper applies on the CUDA cores every 128 elements.
+FP8_FORMATS = ("float8", "float8-blockwise")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class GPUSpec:
     attention_bwd_efficiency: float = 0.0  # and bwd; 0: the global defaults of `timing.Efficiency`
     flash2_fwd_efficiency: float = 0.0  # FlashAttention-2's share where it differs from the best kernel's
     flash2_bwd_efficiency: float = 0.0  # (Hopper); 0: the same as attention_*_efficiency
+    fp8_blockwise_gemm_efficiency: float = 0.0  # gemm_efficiency of blockwise-scaled FP8; 0: gemm_efficiency
 
     def attention_efficiency(self, kernel: str) -> tuple[float, float]:
         """(forward, backward) long-sequence share of peak of the fused attention `kernel` on this GPU (0: use
@@ -44,12 +48,18 @@ class GPUSpec:
 
     def peak_flops(self, dtype: str = "bfloat16") -> float:
         """Dense peak in FLOP/s for matmuls in `dtype` (float32 runs on the FP32 cores; TF32 is not assumed;
-        "float8" is the FP8 tensor-core peak)."""
-        if dtype == "float8":
+        the FP8 formats run at the FP8 tensor-core peak)."""
+        if dtype in FP8_FORMATS:
             if not self.fp8_tflops:
                 raise ValueError(f"fp8: gpu {self.name} has no FP8 tensor cores (fp8_tflops = 0)")
             return self.fp8_tflops * 1e12
         return (self.fp32_tflops if dtype in ("float32", "float64") else self.bf16_tflops) * 1e12
+
+    def matmul_efficiency(self, dtype: str) -> float:
+        """Share of `dtype`'s peak a large, well-shaped GEMM sustains (shape losses apart)."""
+        if dtype == "float8-blockwise" and self.fp8_blockwise_gemm_efficiency:
+            return self.fp8_blockwise_gemm_efficiency
+        return self.gemm_efficiency
 
     @property
     def memory_bytes(self) -> float:

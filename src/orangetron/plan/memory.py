@@ -15,6 +15,7 @@ from orangetron.plan.models import ModelSpec
 from orangetron.plan.param_grads import param_grad_bytes
 from orangetron.plan.params import StageParams, shard_groups, stage_params, tp_grad_sum_numel, zero3_units
 from orangetron.plan.sharding import bucket_layout, padded_numel, shard_numel
+from orangetron.plan.stages import distinct_stages
 
 CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations")
 # Buffers that exist only during a step (their peak): ZeRO-3's gathered units, the reduction's buffers, and the
@@ -186,7 +187,7 @@ def _unbucketed(numel: int, ranks: int, wire: bool, sharded: bool) -> int:
 
 
 def memory_per_gpu(model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:
-    """The busiest GPU's bytes by category: the stage with the largest total (first and last are checked,
-    plus the middle one, which bound every other stage)."""
-    stages = sorted({0, deg.pp // 2, deg.pp - 1})
+    """The busiest GPU's bytes by category: the stage with the largest total among the first of each kind of
+    stage (`stages.distinct_stages`: later stages of a kind hold the same states and fewer micro-batches)."""
+    stages = distinct_stages(model, deg.pp, job.virtual_stages)
     return stage_memory(model, deg, job, max(stages, key=lambda s: _stage_total(model, deg, job, s)))

@@ -44,13 +44,17 @@ def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: i
         dense += _ceil_div(model.vocab_size * model.hidden_size, t) if not model.patch_size else 0
         dense += model.embedding_params() - (0 if model.patch_size else model.vocab_size * model.hidden_size)
     if stage == pp - 1:
-        final_norm = model.hidden_size * (2 if model.bias else 1)
-        head = model.output_params() - final_norm
-        # A tied head on a separate last stage keeps its own copy of the embedding (as Megatron does).
-        if model.tied_embeddings and pp > 1 and not model.patch_size:
-            head = model.vocab_size * model.hidden_size
-        dense += final_norm + _ceil_div(head, t)
+        dense += model.hidden_size * (2 if model.bias else 1) + head_weights(model, t, pp)
     return StageParams(dense, expert)
+
+
+def head_weights(model: ModelSpec, t: int, pp: int) -> int:
+    """Output-projection elements on one GPU of the last stage: none when tied to the embedding on the same
+    stage; a tied head on a separate last stage keeps its own copy of the embedding (as Megatron does)."""
+    head = model.output_params() - model.hidden_size * (2 if model.bias else 1)
+    if model.tied_embeddings and pp > 1 and not model.patch_size:
+        head = model.vocab_size * model.hidden_size
+    return _ceil_div(head, t)
 
 
 @lru_cache(maxsize=65536)

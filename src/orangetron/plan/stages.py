@@ -30,3 +30,16 @@ def stage_layer_counts(model: ModelSpec, pp: int, virtual_stages: int, stage: in
     """(layers, of which MoE) on pipeline `stage`: every layer of a kind costs the same, so costs need only these."""
     layers = stage_layers(model.num_layers, pp, virtual_stages, stage)
     return len(layers), sum(model.is_moe_layer(i) for i in layers)
+
+
+@lru_cache(maxsize=8192)
+def distinct_stages(model: ModelSpec, pp: int, virtual_stages: int) -> tuple[int, ...]:
+    """The first stage of each kind: (layers, of which MoE) and whether it is the first or the last stage.
+    Stages of a kind take the same time per micro-batch, and the earliest holds the most in flight, so
+    these bound every stage's time and memory (the middle stages may be the slowest: MoE layers after dense
+    ones, or a last stage with a layer fewer)."""
+    kinds: dict[tuple, int] = {}
+    for stage in range(pp):
+        kind = (stage_layer_counts(model, pp, virtual_stages, stage), stage == 0, stage == pp - 1)
+        kinds.setdefault(kind, stage)
+    return tuple(kinds.values())

@@ -48,7 +48,7 @@ from orangetron.plan.network import (
     p2p_time,
 )
 from orangetron.plan.params import stage_params
-from orangetron.plan.stages import stage_layer_counts, stage_layers
+from orangetron.plan.stages import distinct_stages, stage_layer_counts, stage_layers
 from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
@@ -98,8 +98,10 @@ class StepTime:
 
 # ---- FLOPs ----------------------------------------------------------------------------------------
 def _gemm_dtype(job: Job) -> tuple[str, float]:
-    """(peak to use, bytes per GEMM input element): FP8 GEMMs read 1-byte operands."""
-    return ("float8", 1.0) if job.fp8 else (job.param_dtype, float(job.param_bytes))
+    """(operand format, bytes per GEMM input element): FP8 GEMMs read 1-byte operands."""
+    if job.fp8:
+        return ("float8-blockwise" if job.fp8_recipe == "blockwise" else "float8"), 1.0
+    return job.param_dtype, float(job.param_bytes)
 
 
 def _linear(m: int, k: int, n: int, cluster: Cluster, job: Job, groups: int = 1) -> tuple[float, float]:
@@ -442,7 +444,11 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
         ep += count * ep_t
     if stage == deg.pp - 1 and model.vocab_size:
         rows = job.seq_len // deg.cp * job.micro_batch
-        compute += sum(_linear(rows, model.hidden_size, model.vocab_size // deg.tp, cluster, job))
+        # The output head stays in 16-bit under FP8 training: Megatron's output layer is not a Transformer
+        # Engine module, and DeepSeek-V3 keeps it in BF16 (arXiv:2412.19437 section 3.3.1).
+        head = linear_time(rows, model.hidden_size, model.vocab_size // deg.tp, cluster.gpu, job.param_dtype,
+                           float(job.param_bytes))
+        compute += sum(head)
         compute += _loss_time(model, deg, job, cluster, eff)
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
                        group_places(deg, cluster), cluster, net)
@@ -534,7 +540,8 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
               eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
     """Predicted seconds per training step and MFU for one configuration on `cluster`."""
     m = job.microbatches(deg)
-    stages = [_stage_time(model, deg, job, cluster, s, net, eff) for s in sorted({0, deg.pp - 1})]
+    stages = [_stage_time(model, deg, job, cluster, s, net, eff)
+              for s in distinct_stages(model, deg.pp, job.virtual_stages)]
     slow = max(stages, key=lambda st: st.total)
     v = job.virtual_stages if job.pp_schedule == "interleaved" else 1
     bubble = (deg.pp - 1) / v * slow.total

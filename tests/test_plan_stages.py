@@ -1,0 +1,69 @@
+"""Which stages bound a pipeline (plan/stages.py `distinct_stages`): worked by hand, then checked against every
+stage for time (`timing.step_time`) and memory (`memory.memory_per_gpu`)."""
+
+import pytest
+
+from orangetron.plan.config import Degrees, Job
+from orangetron.plan.hardware import make_cluster
+from orangetron.plan.memory import _stage_total, memory_per_gpu, stage_memory
+from orangetron.plan.models import ModelSpec
+from orangetron.plan.network import NetworkParams
+from orangetron.plan.stages import distinct_stages
+from orangetron.plan.timing import DEFAULT_EFFICIENCY, _stage_time, step_time
+
+
+def dense(layers: int) -> ModelSpec:
+    return ModelSpec(name="dense", hidden_size=256, num_layers=layers, num_heads=4, vocab_size=1000,
+                     ffn_hidden_size=1024)
+
+
+def dense_first_moe(layers: int, first_dense: int = 1) -> ModelSpec:
+    # A cheap dense layer before MoE layers of 8 experts, top 2 (DeepSeek's layout, in small).
+    return ModelSpec(name="moe", hidden_size=256, num_layers=layers, num_heads=4, vocab_size=1000,
+                     ffn_hidden_size=256, num_experts=8, top_k=2, moe_ffn_hidden_size=1024,
+                     first_dense_layers=first_dense)
+
+
+def test_distinct_stages_by_hand():
+    # 10 layers over 4 stages: 3, 3, 2, 2. First (3), a middle stage of 3, a middle stage of 2, last (2).
+    assert distinct_stages(dense(10), 4, 1) == (0, 1, 2, 3)
+    # 12 over 6: 2 each; the four middle stages are alike.
+    assert distinct_stages(dense(12), 6, 1) == (0, 1, 5)
+    # 8 layers, the first dense, over 3 stages: (3, 2 MoE), (3, 3 MoE), (2, 2 MoE).
+    assert distinct_stages(dense_first_moe(8), 3, 1) == (0, 1, 2)
+    # Interleaved, 16 layers in 8 chunks of 2 over 4 stages: stage 0 holds layers 0-1 and 8-9 (3 MoE), the
+    # others 4 MoE: first, one middle, last.
+    assert distinct_stages(dense_first_moe(16), 4, 2) == (0, 1, 3)
+    assert distinct_stages(dense(7), 1, 1) == (0,)
+    # MoE every second layer (1, 3, 5, ...), 12 layers over 4 stages of 3: the middle stages hold 2 and 1 MoE
+    # layers, two kinds although their layer counts are equal.
+    alternating = ModelSpec(name="alt", hidden_size=256, num_layers=12, num_heads=4, vocab_size=1000,
+                            ffn_hidden_size=1024, num_experts=8, top_k=2, moe_ffn_hidden_size=256,
+                            moe_layer_freq=2)
+    assert distinct_stages(alternating, 4, 1) == (0, 1, 2, 3)
+
+
+def test_the_slowest_stage_sets_the_pace_even_in_the_middle():
+    """Stage 1 (three MoE layers) is slower than stage 0 (a cheap dense layer and two MoE) and the last stage
+    (two MoE layers and a small head): the step runs at its pace, not at the first or last stage's."""
+    model, deg = dense_first_moe(8), Degrees(pp=3, dp=2, ep=2)
+    job, cluster = Job(seq_len=512, global_batch=16), make_cluster("h100", 6)
+    stages = [_stage_time(model, deg, job, cluster, s, NetworkParams(), DEFAULT_EFFICIENCY) for s in range(3)]
+    slowest = max(range(3), key=lambda s: stages[s].total)
+    assert slowest == 1
+    m = job.microbatches(deg)
+    t = step_time(model, deg, job, cluster)
+    assert t.compute_s == pytest.approx(m * stages[1].compute)
+    assert t.bubble_s == pytest.approx(2 * stages[1].total)
+
+
+@pytest.mark.parametrize("model,deg,job", [
+    (dense_first_moe(8), Degrees(pp=3, dp=2, ep=2), Job(seq_len=512, global_batch=16)),
+    (dense_first_moe(16, 3), Degrees(pp=4, dp=2, ep=2), Job(seq_len=512, global_batch=32, zero_stage=1)),
+    (dense_first_moe(16), Degrees(pp=4, dp=2, ep=2),
+     Job(seq_len=512, global_batch=32, virtual_stages=2, pp_schedule="interleaved")),
+    (dense(10), Degrees(pp=4, tp=2), Job(seq_len=512, global_batch=16, sequence_parallel=True)),
+])
+def test_memory_is_that_of_the_busiest_of_all_stages(model, deg, job):
+    busiest = max(range(deg.pp), key=lambda s: _stage_total(model, deg, job, s))
+    assert memory_per_gpu(model, deg, job) == stage_memory(model, deg, job, busiest)
