@@ -1,7 +1,10 @@
 """FP8 memory (plan/fp8.py): FP8 weight copies and transposes plus scale tensors, worked by hand."""
 
+from dataclasses import replace
+
 from orangetron.plan.config import Degrees, Job
-from orangetron.plan.fp8 import fp8_memory_bytes, with_fp8
+from orangetron.plan.fp8 import fp8_memory_bytes
+from orangetron.plan.memory import memory_per_gpu, stage_memory
 from orangetron.plan.models import ModelSpec
 
 
@@ -32,12 +35,28 @@ def test_fp8_head_stays_16_bit_on_the_last_stage_only():
     assert fp8_memory_bytes(tied, deg, job, stage=1) == 2 * (41088 + 64) + 2 * 4 * 3
 
 
-def test_fp8_off_adds_nothing():
-    memory = {"params": 10, "total": 10}
-    assert fp8_memory_bytes(tiny(), Degrees(), Job(seq_len=64)) == 0
-    assert with_fp8(memory, tiny(), Degrees(), Job(seq_len=64)) is memory
-    out = with_fp8(memory, tiny(), Degrees(), Job(seq_len=64, fp8=True))
-    assert out["total"] == 10 + out["fp8"]
+def test_memory_per_gpu_counts_the_fp8_copies_of_its_own_stage():
+    # Off: no entry. On, pp = 2 with one tiny layer per stage and one micro-batch: stage 1 (the head's 6400
+    # weights excluded from its FP8 copies, the final norm's 64 included) is the fullest, and the report's
+    # entry is that of the stage it reports, not stage 0's.
+    deg = Degrees(pp=2)
+    assert "fp8" not in memory_per_gpu(tiny(), deg, Job(seq_len=64, global_batch=1))
+    job = Job(seq_len=64, global_batch=1, fp8=True, fp8_recipe="blockwise")
+    busiest = max((0, 1), key=lambda s: stage_memory(tiny(), deg, job, s)["total"])
+    assert busiest == 1
+    report = memory_per_gpu(tiny(), deg, job)
+    assert report == stage_memory(tiny(), deg, job, busiest)
+    assert report["fp8"] == fp8_memory_bytes(tiny(), deg, job, busiest)
+    plain = stage_memory(tiny(), deg, replace(job, fp8=False, fp8_recipe="delayed"), busiest)
+    assert report["total"] - report["fp8"] == plain["total"] - (plain["activations"] - report["activations"])
+
+
+def test_a_tied_head_on_the_only_stage_is_the_embedding():
+    # Tied, pp = 1: the one vocabulary matrix is the embedding (a lookup, excluded once); nothing else goes.
+    tied = ModelSpec(name="tied", hidden_size=64, num_layers=2, num_heads=4, vocab_size=100, ffn_hidden_size=128,
+                     tied_embeddings=True)
+    job = Job(seq_len=64, fp8=True, fp8_recipe="blockwise")
+    assert fp8_memory_bytes(tied, Degrees(), job) == 2 * (82176 + 64) + 2 * 4 * 6
 
 
 def test_blockwise_weight_scales_by_hand():

@@ -15,6 +15,7 @@ import pytest
 from orangetron.plan import activations, config, keys, memory, param_grads, search, stages, timing, traffic
 from orangetron.plan.activations import _interleaved_holdings, stage_activation_bytes
 from orangetron.plan.config import Degrees, Job
+from orangetron.plan.fp8 import fp8_memory_bytes
 from orangetron.plan.hardware import make_cluster
 from orangetron.plan.memory import (
     data_parallel_segments,
@@ -68,6 +69,9 @@ def _state_reference(model, deg, job, stage) -> dict[str, int]:
     out["param_grads"] = param_grads.param_grad_bytes(model, deg, job, stage)
     out["buffers"] = out["gathered_params"] + out["grad_buckets"] + out["param_grads"]
     out["total"] = sum(out[c] for c in memory.CATEGORIES) + out["buffers"]
+    if job.fp8:
+        out["fp8"] = fp8_memory_bytes(model, deg, job, stage)
+        out["total"] += out["fp8"]
     return out
 
 

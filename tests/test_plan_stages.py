@@ -67,3 +67,42 @@ def test_the_slowest_stage_sets_the_pace_even_in_the_middle():
 def test_memory_is_that_of_the_busiest_of_all_stages(model, deg, job):
     busiest = max(range(deg.pp), key=lambda s: _stage_total(model, deg, job, s))
     assert memory_per_gpu(model, deg, job) == stage_memory(model, deg, job, busiest)
+
+
+def _layouts():
+    """Small layouts where stages differ: dense-first MoE, MoE every second or third layer, uneven splits,
+    interleaving, full recompute, a middle stage that sends and receives both ways."""
+    out = []
+    for layers, first_dense, freq in ((8, 1, 1), (9, 1, 3), (10, 0, 2), (12, 2, 3), (8, 0, 3)):
+        model = ModelSpec(name="mix", hidden_size=128, num_layers=layers, num_heads=4, vocab_size=512,
+                          ffn_hidden_size=256, num_experts=4, top_k=2, moe_ffn_hidden_size=1024,
+                          first_dense_layers=first_dense, moe_layer_freq=freq)
+        for pp, v in ((3, 1), (4, 1), (5, 1), (4, 2), (2, 2)):
+            if layers < pp * v:
+                continue
+            for recompute in ("none", "full"):
+                job = Job(seq_len=256, global_batch=8, virtual_stages=v, recompute=recompute,
+                          pp_schedule="interleaved" if v > 1 else "1f1b")
+                out.append((model, Degrees(pp=pp, dp=2, ep=2), job))
+    out.append((dense(12), Degrees(pp=4), Job(seq_len=256, global_batch=8)))  # middle stages pay both ways
+    # 12 layers, the first dense, MoE every second after it, in 8 chunks over 4 stages: stages 1 and 2 have
+    # alike first chunks (a MoE, then a dense layer) but different second ones.
+    alternating = ModelSpec(name="alt", hidden_size=128, num_layers=12, num_heads=4, vocab_size=512,
+                            ffn_hidden_size=256, num_experts=4, top_k=2, moe_ffn_hidden_size=1024,
+                            first_dense_layers=1, moe_layer_freq=2)
+    out.append((alternating, Degrees(pp=4, dp=2, ep=2),
+                Job(seq_len=256, global_batch=16, virtual_stages=2, pp_schedule="interleaved")))
+    return out
+
+
+def test_time_and_memory_bound_every_stage():
+    """Against every stage: the step's pace is the slowest stage's total (compute and exposed traffic), and the
+    memory report is the fullest stage's."""
+    cluster, net = make_cluster("h100", 16), NetworkParams()
+    for model, deg, job in _layouts():
+        stages = [_stage_time(model, deg, job, cluster, s, net, DEFAULT_EFFICIENCY) for s in range(deg.pp)]
+        slowest = max(st.total for st in stages)
+        v = job.virtual_stages
+        assert step_time(model, deg, job, cluster).bubble_s == pytest.approx((deg.pp - 1) / v * slowest)
+        fullest = max(range(deg.pp), key=lambda s: _stage_total(model, deg, job, s))
+        assert memory_per_gpu(model, deg, job) == stage_memory(model, deg, job, fullest), (model, deg, job)

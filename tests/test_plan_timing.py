@@ -322,19 +322,21 @@ def test_zero3_reducing_every_micro_batch_hides_each_reduction_behind_its_own_ba
 def test_fp8_prices_the_output_head_in_16_bit():
     """Under FP8 every layer's GEMMs speed up but the head's do not: the last stage's extra time over the
     first (head and loss; the two stages hold one identical layer each) is the same with and without FP8,
-    and equals the head's 16-bit linear time plus the loss."""
+    and equals the head's 16-bit linear time plus the loss, for a compute-bound head (2048 tokens, vocabulary
+    32768) and one bound by reading its 16-bit weights (256 tokens, vocabulary 128256)."""
     from orangetron.plan.compute import linear_time
     from orangetron.plan.network import NetworkParams
     from orangetron.plan.timing import DEFAULT_EFFICIENCY, _loss_time, _stage_time
 
-    model = ModelSpec(name="two", hidden_size=1024, num_layers=2, num_heads=8, vocab_size=32768,
-                      ffn_hidden_size=4096)
     deg, cluster, net = Degrees(pp=2), make_cluster("h100", 2), NetworkParams()
-    extra = {}
-    for fp8 in (False, True):
-        job = Job(seq_len=2048, fp8=fp8)
-        first, last = (_stage_time(model, deg, job, cluster, s, net, DEFAULT_EFFICIENCY).compute for s in (0, 1))
-        extra[fp8] = last - first
-    head = sum(linear_time(2048, 1024, 32768, cluster.gpu, "bfloat16", 2.0))
-    loss = _loss_time(model, deg, Job(seq_len=2048), cluster, DEFAULT_EFFICIENCY)
-    assert extra[True] == pytest.approx(extra[False]) and extra[True] == pytest.approx(head + loss)
+    for seq, hidden, vocab in ((2048, 1024, 32768), (256, 4096, 128256)):
+        model = ModelSpec(name="two", hidden_size=hidden, num_layers=2, num_heads=8, vocab_size=vocab,
+                          ffn_hidden_size=4 * hidden)
+        extra = {}
+        for fp8 in (False, True):
+            job = Job(seq_len=seq, fp8=fp8)
+            first, last = (_stage_time(model, deg, job, cluster, s, net, DEFAULT_EFFICIENCY).compute for s in (0, 1))
+            extra[fp8] = last - first
+        head = sum(linear_time(seq, hidden, vocab, cluster.gpu, "bfloat16", 2.0))
+        loss = _loss_time(model, deg, Job(seq_len=seq), cluster, DEFAULT_EFFICIENCY)
+        assert extra[True] == pytest.approx(extra[False]) and extra[True] == pytest.approx(head + loss)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from orangetron.plan.config import Degrees, Job, validate
-from orangetron.plan.fp8 import with_fp8
 from orangetron.plan.hardware import GIB, Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
@@ -72,7 +71,7 @@ def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: Ne
     check_cluster(deg, cluster)
     if job.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
-    memory = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)
+    memory = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
     comm = summarize(step_records(model, deg, job, stage=0, ep_where=group_places(deg, cluster)["ep"]))
     return Estimate(model, deg, job, cluster, memory, comm, step_time(model, deg, job, cluster, net, eff))
 

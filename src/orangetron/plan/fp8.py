@@ -47,11 +47,3 @@ def fp8_memory_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
     layers = len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage))
     scales = layers * GEMMS_PER_LAYER * 3 * (2 + AMAX_HISTORY) * 4
     return 2 * params + scales
-
-
-def with_fp8(memory: dict[str, int], model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:
-    """`memory` plus an `fp8` entry counted in `total` (absent when FP8 is off)."""
-    extra = fp8_memory_bytes(model, deg, job)
-    if not extra:
-        return memory
-    return {**memory, "fp8": extra, "total": memory["total"] + extra}

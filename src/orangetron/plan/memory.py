@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from orangetron.plan.activations import stage_activation_bytes
 from orangetron.plan.config import DTYPE_BYTES, Degrees, Job, model_state_job
+from orangetron.plan.fp8 import fp8_memory_bytes
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.param_grads import param_grad_bytes
 from orangetron.plan.params import StageParams, shard_groups, stage_params, tp_grad_sum_numel, zero3_units
@@ -87,6 +88,10 @@ def stage_memory(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> dict[s
     out["param_grads"] = param_grad_bytes(model, deg, job, stage)
     out["buffers"] = out["gathered_params"] + out["grad_buckets"] + out["param_grads"]
     out["total"] = sum(out[c] for c in CATEGORIES) + out["buffers"]
+    fp8 = fp8_memory_bytes(model, deg, job, stage)
+    if fp8:  # FP8 weight copies and scales (`fp8.py`), absent without FP8
+        out["fp8"] = fp8
+        out["total"] += fp8
     return out
 
 
@@ -94,7 +99,8 @@ def _stage_total(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
     """`stage_memory(...)["total"]` without building the breakdown."""
     _, _, buckets, states = _stage_state_memory(model, deg, model_state_job(job), stage)
     tp_sum = max(0, tp_grad_sum_bytes(model, deg, job, stage) - buckets)  # one or the other at the peak
-    return states + tp_sum + stage_activation_bytes(model, deg, job, stage) + param_grad_bytes(model, deg, job, stage)
+    return (states + tp_sum + stage_activation_bytes(model, deg, job, stage) + param_grad_bytes(model, deg, job, stage)
+            + fp8_memory_bytes(model, deg, job, stage))
 
 
 @lru_cache(maxsize=16384)

@@ -10,7 +10,6 @@ from functools import lru_cache
 
 from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate
 from orangetron.plan.estimate import Estimate
-from orangetron.plan.fp8 import with_fp8
 from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
@@ -155,7 +154,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                     check_ep_placement(deg, job, cluster)
                 except ValueError:
                     break  # the group shares every degree-dependent rule
-                mem = with_overhead(with_fp8(memory_per_gpu(model, deg, job), model, deg, job), deg, overhead)
+                mem = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
                 if mem["total"] > limit:
                     continue
                 priced.add(cls)

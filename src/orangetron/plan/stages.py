@@ -34,12 +34,15 @@ def stage_layer_counts(model: ModelSpec, pp: int, virtual_stages: int, stage: in
 
 @lru_cache(maxsize=8192)
 def distinct_stages(model: ModelSpec, pp: int, virtual_stages: int) -> tuple[int, ...]:
-    """The first stage of each kind: (layers, of which MoE) and whether it is the first or the last stage.
-    Stages of a kind take the same time per micro-batch, and the earliest holds the most in flight, so
-    these bound every stage's time and memory (the middle stages may be the slowest: MoE layers after dense
-    ones, or a last stage with a layer fewer)."""
+    """The first stage of each kind: the dense-or-MoE sequence of each of its chunks, and whether it is the
+    first or the last stage. Stages of a kind take the same time per micro-batch and hold the same states,
+    and the earliest holds the most micro-batches in flight, so these bound every stage's time and memory (a
+    middle stage may be the slowest or the fullest: MoE layers after dense ones, a last stage with a layer
+    fewer; where in a chunk its MoE layers sit decides what full recompute and an interleaved schedule hold).
+    """
+    chunks = chunk_layers(model.num_layers, pp * virtual_stages)
     kinds: dict[tuple, int] = {}
     for stage in range(pp):
-        kind = (stage_layer_counts(model, pp, virtual_stages, stage), stage == 0, stage == pp - 1)
-        kinds.setdefault(kind, stage)
+        layout = tuple(tuple(model.is_moe_layer(i) for i in chunks[stage + v * pp]) for v in range(virtual_stages))
+        kinds.setdefault((layout, stage == 0, stage == pp - 1), stage)
     return tuple(kinds.values())
