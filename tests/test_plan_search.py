@@ -70,3 +70,30 @@ def test_search_reduces_zero3_every_micro_batch_where_whole_gradients_do_not_fit
     total = with_overhead(memory_per_gpu(model, best.degrees, whole), best.degrees, DEFAULT_OVERHEAD)["total"]
     assert total > cluster.gpu.memory_bytes
     assert memory_per_gpu(model, best.degrees, whole)["param_grads"] == 8_030_261_248 * 2
+
+
+def test_search_replays_as_few_layers_as_the_memory_needs():
+    """Llama 3 70B on 64 H100 at tp 8 pp 2 (40 layers a stage), distributed optimizer, 8192 tokens: without
+    recompute a stage holds too much; the search replays the fewest leading layers per stage that fit, which a
+    scan over every count confirms, and is faster than replaying all of them."""
+    from dataclasses import replace
+
+    from orangetron.plan.memory import memory_per_gpu
+    from orangetron.plan.overhead import DEFAULT_OVERHEAD, with_overhead
+
+    model, cluster = load_model("llama3-70b"), make_cluster("h100", 64)
+    space = SearchSpace(tp=(8,), pp=(2,), cp=(1,), virtual_stages=(1,), micro_batch=(1,), zero=("distopt",))
+    best = search(model, cluster, seq_len=8192, global_batch=64, space=space, top=1).ranked[0]
+    assert best.job.recompute == "full" and 0 < best.job.recompute_layers < 40
+
+    def fits(job):
+        return with_overhead(memory_per_gpu(model, best.degrees, job), best.degrees,
+                             DEFAULT_OVERHEAD)["total"] <= cluster.gpu.memory_bytes
+
+    assert not fits(replace(best.job, recompute="none", recompute_layers=0))
+    fitting = [r for r in range(1, 40) if fits(replace(best.job, recompute_layers=r))]
+    assert best.job.recompute_layers == min(fitting)
+    full = estimate(model, best.degrees, replace(best.job, recompute_layers=0), cluster)
+    assert best.time.step_s < full.time.step_s
+    off = search(model, cluster, seq_len=8192, global_batch=64, space=replace(space, partial_recompute=False), top=1)
+    assert off.ranked[0].job.recompute_layers == 0

@@ -353,6 +353,13 @@ def _fits(model: ModelSpec, deg: Degrees, job: Job, capacity: float) -> bool:
     return with_overhead(memory_per_gpu(model, deg, job), deg, DEFAULT_OVERHEAD)["total"] <= capacity
 
 
+def _partial_recomputes(run: Run, job: Job) -> list[Job]:
+    """`job` replaying only the first r layers of each pipeline chunk (Megatron's block method), for every r
+    short of the longest chunk."""
+    longest = -(-run.model.num_layers // (run.deg.pp * job.virtual_stages))
+    return [replace(job, recompute_layers=r) for r in range(1, longest)]
+
+
 def _tuned(run: Run, cluster) -> list[Job]:
     choices = {"micro_batch": (1, 2, 4, 8), "virtual_stages": (1, 2, 4) if run.deg.pp > 1 else (1,),
                "recompute": ("none", "full")}
@@ -360,6 +367,8 @@ def _tuned(run: Run, cluster) -> list[Job]:
     for knob in run.tune:
         jobs = [replace(j, **{knob: value}) for j in jobs for value in choices[knob]]
     jobs = [replace(j, pp_schedule="interleaved") if j.virtual_stages > 1 else j for j in jobs]
+    if "recompute" in run.tune:
+        jobs += [partial for j in jobs if j.recompute == "full" for partial in _partial_recomputes(run, j)]
     fitting = [j for j in jobs if _fits(run.model, run.deg, j, cluster.gpu.memory_bytes)]
     return fitting or [run.job]
 

@@ -26,13 +26,14 @@ by the load-balancing loss. GPT-style layers keep the paper's terms unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from orangetron.plan.config import Degrees, Job, without_data_parallel
 from orangetron.plan.fp8 import ACTIVATION_TILE
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.stages import stage_layer_counts, stage_layers
+from orangetron.plan.stages import replayed_layers, stage_layer_counts, stage_layers
 
 
 @dataclass(frozen=True)
@@ -219,12 +220,10 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     _, moe_layers = stage_layer_counts(m, deg.pp, job.virtual_stages, stage)
     if deg.pp > 1 and job.pp_schedule == "interleaved" and job.virtual_stages > 1:
         return _interleaved_peak(m, deg, job, stage, x)
-    per_mb = (moe_layers * layer_activation_bytes(m, deg, job, True)
-              + (len(layers) - moe_layers) * layer_activation_bytes(m, deg, job, False))
-    total = int(per_mb * in_flight(deg, job, stage))
+    total = int(_saved_bytes(m, deg, job, stage, layers) * in_flight(deg, job, stage))
     if job.recompute == "full" and layers:
         # Backward re-runs one layer's forward: its full activations exist transiently.
-        total += layer_activation_bytes(m, deg, replace(job, recompute="none"),
+        total += layer_activation_bytes(m, deg, replace(job, recompute="none", recompute_layers=0),
                                         m.is_moe_layer(layers[0]))
     sb, h = x.s * x.b, m.hidden_size
     if stage == 0 and m.dropout:
@@ -254,6 +253,19 @@ def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: int, moe: int) ->
         (layers - moe) * layer_activation_bytes(m, deg, job, False)
 
 
+def _saved_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Sequence[int]) -> int:
+    """Bytes `layers` of `stage` (all of them, or one chunk's) save for one micro-batch: under partial
+    recompute the replayed ones keep their input only, the others everything."""
+    if not job.partial_recompute:
+        return _layer_bytes(m, deg, job, len(layers), sum(m.is_moe_layer(i) for i in layers))
+    replayed = replayed_layers(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers)
+    total = 0
+    for flag in (True, False):
+        mine = [i for i in layers if (i in replayed) == flag]
+        total += _layer_bytes(m, deg, job.layer_job(flag), len(mine), sum(m.is_moe_layer(i) for i in mine))
+    return total
+
+
 def _interleaved_prefix(p: int, microbatches: int, v: int, stage: int) -> tuple:
     """The first 16*p*v actions of `stage` in the interleaved schedule the runtime executes. Action k of the list
     does not depend on the micro-batch count once the warmup and 16*p*v more fit, so a long run's prefix is
@@ -280,7 +292,8 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     for c in range(v):
         layers, moe_layers = stage_layer_counts(m, p * v, 1, stage + c * p)
         ids, rope, mask_c = _small_stage_buffers(m, x, stage, layers, moe_layers)
-        weights.append(_layer_bytes(m, deg, job, layers, moe_layers) + rope + (mask_c if x.rep > 1 else 0))
+        saved = _saved_bytes(m, deg, job, stage, stage_layers(m.num_layers, p * v, 1, stage + c * p))
+        weights.append(saved + rope + (mask_c if x.rep > 1 else 0))
         masked.append(bool(mask_c) and x.rep == 1)
         mask = mask_c or mask  # every chunk with MoE layers has the same mask size
     if stage == 0:  # token ids (Llama-style models), embedding-dropout mask
@@ -292,7 +305,8 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
                for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
     first_chunk = stage_layers(m.num_layers, p * v, 1, stage)
     if job.recompute == "full" and first_chunk:
-        peak += layer_activation_bytes(m, deg, replace(job, recompute="none"), m.is_moe_layer(first_chunk[0]))
+        peak += layer_activation_bytes(m, deg, replace(job, recompute="none", recompute_layers=0),
+                                       m.is_moe_layer(first_chunk[0]))
     return peak
 
 

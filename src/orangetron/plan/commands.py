@@ -51,6 +51,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--virtual-stages", type=int, default=1, help="interleaved pipeline chunks per stage")
     est.add_argument("--micro-batch", type=int, default=1)
     est.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    est.add_argument("--recompute-layers", type=int, default=0, metavar="N",
+                     help="--recompute full: replay only the first N layers of each pipeline chunk (Megatron's "
+                          "block method; planner only); 0: every layer")
     est.add_argument("--sequence-parallel", action="store_true")
     est.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     est.add_argument("--distributed-optimizer", action="store_true")
@@ -91,6 +94,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--memory-fraction", type=float, default=1.0,
                       help="share of GPU memory a configuration may use, overhead term included")
     plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations")
+    plan.add_argument("--no-partial-recompute", action="store_true",
+                      help="full recompute replays every layer (default: only as many leading layers per chunk as "
+                           "the memory needs, Megatron's block method; shown as full/N)")
     for dim in ("tp", "cp", "pp", "ep"):
         plan.add_argument(f"--{dim}", type=_int_list, default=None, metavar="N[,N...]",
                           help=f"only these {dim} degrees (default: every sensible value)")
@@ -188,7 +194,8 @@ def run_estimate(args: argparse.Namespace) -> int:
               zero_stage=args.zero_stage,
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
-              attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
+              recompute_layers=args.recompute_layers, attention_kernel=args.attention_kernel,
+              reduce_dtype=args.reduce_dtype,
               overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce, fp8=args.fp8,
               fp8_recipe=args.fp8_recipe, bucket_numel=args.grad_bucket_numel,
               zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
@@ -247,7 +254,8 @@ def run_plan(args: argparse.Namespace) -> int:
                fp8_recipe=args.fp8_recipe, dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
-    space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, dispatcher=(args.dispatcher,))
+    space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, dispatcher=(args.dispatcher,),
+                        partial_recompute=not args.no_partial_recompute)
     if args.attention_kernel != "eager":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
     start = time.perf_counter()
@@ -291,8 +299,9 @@ def format_ranking(ranked: list[Estimate]) -> str:
         zero = "distopt" if j.distributed_optimizer else ("ddp" if j.zero_stage == 0 else f"zero{j.zero_stage}")
         zero += "-mb" if j.zero3_reduce_every_microbatch else ""
         mode = j.cp_mode if d.cp > 1 else "-"
+        recompute = f"full/{j.recompute_layers}" if j.partial_recompute else j.recompute  # layers per chunk
         rows.append(f"{i:>2} {d.tp:>3} {d.cp:>3} {d.pp:>3} {j.virtual_stages:>2} {d.dp:>4} {d.ep:>3} "
-                    f"{j.micro_batch:>3} {zero:<8} {j.recompute:<9} {mode:<9} {e.memory['total'] / GIB:>8.1f} "
+                    f"{j.micro_batch:>3} {zero:<8} {recompute:<9} {mode:<9} {e.memory['total'] / GIB:>8.1f} "
                     f"{e.time.step_s:>8.3f} {100 * e.time.mfu:>6.1f}")
     return "\n".join(rows)
 

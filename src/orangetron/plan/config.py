@@ -55,6 +55,9 @@ class Job:
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"
+    # Under full recompute, how many layers of each pipeline chunk replay their forward, counted from the chunk's
+    # first (Megatron's block method, --recompute-num-layers); 0: every layer. Planner only
+    recompute_layers: int = 0
     # "flash": the GPU's best fused kernel (FlashAttention-3 / cuDNN on Hopper), keeps no [s, s] scores;
     # "flash2": FlashAttention-2 (the same memory, its own speed); "flash-triton": FlashAttention in Triton (the
     # same memory, slower than FlashAttention-2 by the gaps `compute.TRITON_FLASH_GAP`); "eager" stores the scores
@@ -90,6 +93,11 @@ class Job:
             raise ValueError(f"grad_accumulation_fusion with reduce_dtype={self.reduce_dtype!r}: the main-gradient "
                              f"buffer is reduced where it lies, in its own dtype ({self.main_grad_dtype}); set "
                              "grad_dtype instead")
+        if self.recompute_layers < 0:
+            raise ValueError(f"recompute_layers={self.recompute_layers}: must be >= 0 (0: every layer)")
+        if self.recompute_layers and self.recompute != "full":
+            raise ValueError(f"recompute_layers={self.recompute_layers} needs recompute='full', not "
+                             f"{self.recompute!r}")
         if self.fp8_recipe != "delayed" and not self.fp8:
             raise ValueError(f"fp8_recipe={self.fp8_recipe!r} needs fp8=True")
         for name in ("param_dtype", "grad_dtype"):
@@ -130,11 +138,26 @@ class Job:
         """fp32 main params exist only when the model params are in a lower precision."""
         return DTYPE_BYTES[self.param_dtype] < 4
 
+    @property
+    def partial_recompute(self) -> bool:
+        """Full recompute of only the first `recompute_layers` layers of each chunk."""
+        return self.recompute == "full" and self.recompute_layers > 0
+
+    def layer_job(self, replayed: bool) -> Job:
+        """The job one layer runs under: under partial recompute a replayed layer's is full recompute and the
+        others' none, so per-layer costs need only the two uniform cases; otherwise `self`."""
+        return _layer_job(self, replayed) if self.partial_recompute else self
+
     def microbatches(self, degrees: Degrees) -> int:
         """Micro-batches per step on each data-parallel replica."""
         if not self.global_batch:
             return self.num_microbatches
         return self.global_batch // (self.micro_batch * degrees.dp)
+
+
+@lru_cache(maxsize=65536)
+def _layer_job(job: Job, replayed: bool) -> Job:
+    return canonical_job(replace(job, recompute="full" if replayed else "none", recompute_layers=0))
 
 
 @lru_cache(maxsize=65536)
@@ -158,7 +181,8 @@ def model_state_job(job: Job) -> Job:
     return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1,
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
                                  capacity_factor=1.0, ep_overlap_chunks=1, ep_comm_sms=20, recompute="none",
-                                 attention_kernel="flash", overlap_ep=True, overlap_grad_reduce=True))
+                                 recompute_layers=0, attention_kernel="flash", overlap_ep=True,
+                                 overlap_grad_reduce=True))
 
 
 def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:

@@ -95,6 +95,7 @@ def stage_memory(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> dict[s
     return out
 
 
+@lru_cache(maxsize=16384)
 def _stage_total(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
     """`stage_memory(...)["total"]` without building the breakdown."""
     _, _, buckets, states = _stage_state_memory(model, deg, model_state_job(job), stage)

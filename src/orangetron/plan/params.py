@@ -120,6 +120,7 @@ def _kv_slot_params(model: ModelSpec, t: int) -> int:
     return 2 * model.kv_heads * model.qk_head_dim * (model.hidden_size + (1 if model.bias else 0))
 
 
+@lru_cache(maxsize=16384)
 def _replicated_params(model: ModelSpec, deg: Degrees, virtual_stages: int, stage: int) -> int:
     """Parameters of a stage that every tp rank holds whole: norms, routers, and the routed experts on this
     rank when they are neither split over tp (etp = tp) nor folded over their own mesh (replicated over edp)."""

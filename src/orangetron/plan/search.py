@@ -4,8 +4,9 @@ and micro-batch for a fixed cluster and global batch; keep what fits; rank by st
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate
@@ -30,6 +31,8 @@ class SearchSpace:
     micro_batch: tuple[int, ...] = (1, 2, 4)
     zero: tuple[str, ...] = ("ddp", "zero1", "distopt", "zero2", "zero3", "zero3-mb")
     recompute: tuple[str, ...] = ("none", "selective", "full")
+    # Full recompute of only as many layers per chunk as the memory needs (Megatron's block method)
+    partial_recompute: bool = True
     cp_mode: tuple[str, ...] = ("ring", "allgather", "ulysses")
     dispatcher: tuple[str, ...] = ("ragged",)  # capacity only adds padding at the same traffic pattern
 
@@ -127,6 +130,63 @@ def _pricing_class(job: Job) -> int:
     return 0
 
 
+def fewest_replays_that_fit(model: ModelSpec, deg: Degrees, job: Job, limit: float,
+                            overhead: MemoryOverhead = DEFAULT_OVERHEAD, full: int | None = None) -> Job:
+    """`job` (full recompute) replaying only the first r layers of each pipeline chunk, for the smallest r whose
+    memory fits in `limit` bytes: fewer replays are never slower, and memory falls as r grows, about linearly
+    (each replayed layer keeps its input instead of its activations), so the walk starts where the line
+    between no recompute and full recompute crosses the limit. `job` itself when no r short of the longest
+    chunk fits. `full`: the job's own total, when known."""
+    longest = -(-model.num_layers // (deg.pp * job.virtual_stages))
+
+    def total(r: int) -> int:
+        at_r = replace(job, recompute="none") if r == 0 else replace(job, recompute_layers=r % longest)
+        return with_overhead(memory_per_gpu(model, deg, at_r), deg, overhead)["total"]
+
+    if longest < 2:
+        return job
+    none, full = total(0), full if full is not None else total(longest)
+    r = max(1, min(longest - 1, math.ceil(longest * (none - limit) / max(1, none - full))))
+    if total(r) <= limit:
+        while r > 1 and total(r - 1) <= limit:
+            r -= 1
+        return replace(job, recompute_layers=r)
+    while r < longest - 1:
+        r += 1
+        if total(r) <= limit:
+            return replace(job, recompute_layers=r)
+    return job
+
+
+Scored = list[tuple[float, int, Degrees, Job, dict[str, int]]]
+
+
+def _replay_fewer_layers(model: ModelSpec, cluster: Cluster, scored: Scored, top: int, limit: float,
+                         overhead: MemoryOverhead) -> Scored:
+    """`scored` (fastest first) with each full-recompute layout that could reach the `top` replaying only the
+    layers its memory needs (`fewest_replays_that_fit`). A layer's backward takes at least its forward, in compute
+    and in traffic, so replaying every forward adds at most half a step: a layout whose full-recompute time is
+    1.5 times the top's slowest cannot get there, nor one that would miss it without any replay; those stay as
+    they are."""
+    done: set[tuple[Degrees, Job]] = set()
+    while True:
+        cutoff = scored[top - 1][0] if len(scored) >= top else math.inf
+        todo = [i for i, (t, _, deg, job, _) in enumerate(scored) if t / 1.5 < cutoff and job.recompute == "full"
+                and not job.recompute_layers and (deg, job) not in done]
+        if not todo:
+            return scored
+        for i in todo:
+            _, total, deg, job, mem = scored[i]
+            done.add((deg, job))
+            if step_time(model, deg, replace(job, recompute="none"), cluster).step_s >= cutoff:
+                continue  # no replay at all would still miss the top
+            partial = fewest_replays_that_fit(model, deg, job, limit, overhead, total)
+            if partial is not job:
+                mem = with_overhead(memory_per_gpu(model, deg, partial), deg, overhead)
+                scored[i] = (step_time(model, deg, partial, cluster).step_s, mem["total"], deg, partial, mem)
+        scored.sort(key=lambda row: (row[0], row[1]))
+
+
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, space: SearchSpace | None = None,
            base: Job | None = None, top: int = 10, memory_fraction: float = 1.0,
            overhead: MemoryOverhead = DEFAULT_OVERHEAD) -> SearchResult:
@@ -160,6 +220,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
                 priced.add(cls)
                 scored.append((step_time(model, deg, job, cluster).step_s, mem["total"], deg, job, mem))
     scored.sort(key=lambda row: (row[0], row[1]))
+    if space.partial_recompute:
+        scored = _replay_fewer_layers(model, cluster, scored, top, limit, overhead)
     ranked = [Estimate(model, deg, job, cluster, mem,
                        summarize(step_records(model, deg, job, ep_where=group_places(deg, cluster)["ep"])),
                        step_time(model, deg, job, cluster)) for _, _, deg, job, mem in scored[:top]]

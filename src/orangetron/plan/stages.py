@@ -46,3 +46,25 @@ def distinct_stages(model: ModelSpec, pp: int, virtual_stages: int) -> tuple[int
         layout = tuple(tuple(model.is_moe_layer(i) for i in chunks[stage + v * pp]) for v in range(virtual_stages))
         kinds.setdefault((layout, stage == 0, stage == pp - 1), stage)
     return tuple(kinds.values())
+
+
+@lru_cache(maxsize=8192)
+def replayed_layers(num_layers: int, pp: int, virtual_stages: int, stage: int, per_chunk: int) -> frozenset[int]:
+    """Layers of `stage` that replay their forward when full recompute covers the first `per_chunk` layers of
+    each of its chunks (0: all of them)."""
+    chunks = chunk_layers(num_layers, pp * virtual_stages)
+    mine = (chunks[stage + v * pp] for v in range(virtual_stages))
+    return frozenset(i for chunk in mine for i in (chunk if not per_chunk else chunk[:per_chunk]))
+
+
+def stage_layer_groups(model: ModelSpec, pp: int, virtual_stages: int, stage: int,
+                       per_chunk: int) -> tuple[tuple[bool, int, int], ...]:
+    """(replayed, layers, of which MoE) of `stage`, for the replayed and the other layers (those present)."""
+    layers = stage_layers(model.num_layers, pp, virtual_stages, stage)
+    replayed = replayed_layers(model.num_layers, pp, virtual_stages, stage, per_chunk)
+    out = []
+    for flag in (True, False):
+        mine = [i for i in layers if (i in replayed) == flag]
+        if mine:
+            out.append((flag, len(mine), sum(model.is_moe_layer(i) for i in mine)))
+    return tuple(out)

@@ -48,7 +48,13 @@ from orangetron.plan.network import (
     p2p_time,
 )
 from orangetron.plan.params import stage_params
-from orangetron.plan.stages import distinct_stages, stage_layer_counts, stage_layers
+from orangetron.plan.stages import (
+    distinct_stages,
+    replayed_layers,
+    stage_layer_counts,
+    stage_layer_groups,
+    stage_layers,
+)
 from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
@@ -432,12 +438,11 @@ def _stage_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, stag
 @lru_cache(maxsize=16384)
 def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, stage: int,
                        net: NetworkParams, eff: Efficiency) -> _StageTime:
-    layers, n_moe = stage_layer_counts(model, deg.pp, job.virtual_stages, stage)
     compute = tp = cp = ep = 0.0
-    for moe, count in ((False, layers - n_moe), (True, n_moe)):
+    for layer_job, count, moe in _layer_kinds(model, deg, job, stage):
         if not count:
             continue
-        run, tp_t, cp_t, ep_t = _layer_times(model, deg, job, cluster, moe, net, eff)
+        run, tp_t, cp_t, ep_t = _layer_times(model, deg, layer_job, cluster, moe, net, eff)
         compute += count * run
         tp += count * tp_t
         cp += count * cp_t
@@ -453,6 +458,30 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
                        group_places(deg, cluster), cluster, net)
     return _StageTime(compute, tp, cp, ep, pp)
+
+
+def _layer_kinds(model: ModelSpec, deg: Degrees, job: Job, stage: int):
+    """(the job a layer runs under, how many such layers, MoE or not) on `stage`: dense and MoE layers, and
+    under partial recompute the replayed layers and the others apart."""
+    if job.partial_recompute:
+        groups = stage_layer_groups(model, deg.pp, job.virtual_stages, stage, job.recompute_layers)
+    else:
+        groups = ((job.recompute == "full", *stage_layer_counts(model, deg.pp, job.virtual_stages, stage)),)
+    for replayed, layers, n_moe in groups:
+        layer_job = job.layer_job(replayed)
+        yield layer_job, layers - n_moe, False
+        yield layer_job, n_moe, True
+
+
+def replayed_share(model: ModelSpec, deg: Degrees, job: Job) -> float:
+    """Share of the model's layers whose forward full recompute replays (0 without it)."""
+    if job.recompute != "full":
+        return 0.0
+    if not job.recompute_layers:
+        return 1.0
+    replayed = sum(len(replayed_layers(model.num_layers, deg.pp, job.virtual_stages, s, job.recompute_layers))
+                   for s in range(deg.pp))
+    return replayed / model.num_layers
 
 
 @lru_cache(maxsize=16384)
@@ -526,11 +555,11 @@ def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _hardware_flops(model: ModelSpec, job: Job, sequences: int) -> float:
+def _hardware_flops(model: ModelSpec, job: Job, sequences: int, replayed: float) -> float:
     flops = model_flops_per_step(model, job, sequences)
     if job.recompute == "full":
         head = 3.0 * 2 * sequences * job.seq_len * model.hidden_size * model.vocab_size
-        flops += (flops - head) / 3  # one more forward of every layer
+        flops += (flops - head) / 3 * replayed  # one more forward of every replayed layer
     elif job.recompute == "selective" and job.attention_kernel == "eager":
         flops += _attention_flops(model, sequences * job.seq_len, job.seq_len, model.num_heads) * model.num_layers
     return flops
@@ -550,7 +579,7 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
     step = m * slow.total + bubble + dp + optimizer
     sequences = m * job.micro_batch * deg.dp
     flops = model_flops_per_step(model, job, sequences)
-    hardware = _hardware_flops(model, job, sequences)
+    hardware = _hardware_flops(model, job, sequences, replayed_share(model, deg, job))
     causal = model_flops_per_step(model, job, sequences, causal_attention=True)
     peak = cluster.gpu.peak_flops(job.param_dtype) * deg.world_size
     return StepTime(step, m * slow.compute, bubble, m * slow.tp, m * slow.cp, m * slow.ep, m * slow.pp, dp,

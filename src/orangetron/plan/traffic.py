@@ -42,7 +42,7 @@ from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import Placement
 from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first
 from orangetron.plan.sharding import bucket_layout, padded_numel
-from orangetron.plan.stages import stage_layers
+from orangetron.plan.stages import replayed_layers, stage_layers
 
 
 def _gather(op: str, dim: str, full: int, n: int) -> CommRecord:
@@ -351,15 +351,29 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
     layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
     moe = sum(model.is_moe_layer(i) for i in layers)
     m = job.microbatches(deg)
-    per_mb = context_parallel_records(model, deg, job) * len(layers)
-    per_mb += (expert_parallel_records(model, deg, job, ep_where) + expert_tensor_parallel_records(model, deg, job)
-               + balancing_loss_records(model, deg, job)) * moe
-    for i in layers:
-        per_mb += tensor_parallel_records(model, deg, job, _split_blocks(model, i))
+    per_mb: list[CommRecord] = []
+    for layer_job, mine in _replay_groups(model, deg, job, stage, layers):
+        n_moe = sum(model.is_moe_layer(i) for i in mine)
+        per_mb += context_parallel_records(model, deg, layer_job) * len(mine)
+        per_mb += (expert_parallel_records(model, deg, layer_job, ep_where)
+                   + expert_tensor_parallel_records(model, deg, layer_job)
+                   + balancing_loss_records(model, deg, layer_job)) * n_moe
+        for i in mine:
+            per_mb += tensor_parallel_records(model, deg, layer_job, _split_blocks(model, i))
     per_mb += pipeline_records(model, deg, job, stage) + _vocab_records(model, deg, job, stage)
     per_step = tensor_parallel_grad_records(model, deg, job, stage) + data_parallel_records(model, deg, job, stage)
     per_step += pipeline_grad_records(deg, job) + router_bias_records(model, deg, job, moe)
     return per_mb * m + per_step
+
+
+def _replay_groups(model: ModelSpec, deg: Degrees, job: Job, stage: int,
+                   layers: tuple[int, ...]) -> list[tuple[Job, tuple[int, ...]]]:
+    """(the job they run under, layers) of `stage`: under partial recompute the replayed layers, which repeat
+    their forward's traffic, apart from the others; otherwise all of them under `job`."""
+    if not job.partial_recompute:
+        return [(job, layers)]
+    replayed = replayed_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers)
+    return [(job.layer_job(flag), tuple(i for i in layers if (i in replayed) == flag)) for flag in (True, False)]
 
 
 def router_bias_records(model: ModelSpec, deg: Degrees, job: Job, moe_layers: int) -> list[CommRecord]:
