@@ -587,6 +587,18 @@ MUTANTS = [
            (("if t / 1.5 < cutoff and job.recompute", "if t / 1.5 < 0 and job.recompute"),),
            ("tests/test_plan_search.py::test_search_replays_as_few_layers_as_the_memory_needs",
             "tests/test_plan_cli.py::test_plan_replays_only_the_layers_memory_needs")),
+    # ---- SMs set aside for the deepep kernels for the whole step -------------------------------------------------
+    Mutant("reserved_sms_leave_compute_alone", "src/orangetron/plan/timing.py",
+           (("        cluster = _with_sms_reserved(cluster, job.ep_comm_sms)", "        pass"),),
+           ("tests/test_plan_node_dispatch.py",)),
+    Mutant("reserved_sms_still_contend", "src/orangetron/plan/timing.py",
+           (("    share = 0.0 if job.ep_comm_sms_reserved else node_dispatch.sm_share(job, cluster)",
+             "    share = node_dispatch.sm_share(job, cluster)"),),
+           ("tests/test_plan_node_dispatch.py",)),
+    Mutant("reserved_sms_keep_every_peak", "src/orangetron/plan/hardware.py",
+           (("        return replace(self, sms=self.sms - reserved, bf16_tflops=self.bf16_tflops * left,",
+             "        return replace(self, sms=self.sms - reserved, bf16_tflops=self.bf16_tflops,"),),
+           ("tests/test_plan_node_dispatch.py",)),
     Mutant("tracing_stopped_after_a_measurement", "src/orangetron/memory.py",
            (("            peak.python_bytes = max(0, tracemalloc.get_traced_memory()[1] - live_before)\n",
              "            peak.python_bytes = max(0, tracemalloc.get_traced_memory()[1] - live_before)\n"

@@ -168,6 +168,31 @@ def test_hidden_traffic_costs_the_sms_its_kernels_hold():
         step_time(model, deg, _v3_job(ep_comm_sms=132), cluster)
 
 
+def test_sms_set_aside_for_the_step_slow_every_layers_compute_instead():
+    """With DeepSeek-V3's 20 of 132 SMs reserved, its layers compute on an H800 of 112 SMs and 112/132 of each
+    peak (built here by hand), the hidden traffic costs nothing more, and only its exposed part remains: none,
+    behind paired micro-batches. The dense model is not touched."""
+    from orangetron.plan.hardware import GPUSpec
+
+    model, deg, cluster = load_model("deepseek-v3"), Degrees(pp=16, dp=128, ep=64), make_cluster("h800", 2048)
+    h800 = cluster.gpu
+    left = GPUSpec(**{**vars(h800), "sms": 112, "bf16_tflops": 989.4 * 112 / 132,
+                      "fp32_tflops": 66.9 * 112 / 132, "fp8_tflops": 1978.9 * 112 / 132})
+    assert h800.without_sms(20) == left
+    reserved = step_time(model, deg, _v3_job(ep_comm_sms_reserved=True), cluster)
+    by_hand = step_time(model, deg, _v3_job(), replace(cluster, gpu=left))
+    assert reserved.compute_s == pytest.approx(by_hand.compute_s)
+    assert reserved.ep_s == 0 < by_hand.ep_s
+    dense, dp8 = load_model("llama3-8b"), Degrees(dp=8)
+    job = Job(seq_len=4096, global_batch=8, dispatcher="deepep")
+    assert step_time(dense, dp8, replace(job, ep_comm_sms_reserved=True), make_cluster("h800", 8)) == \
+        step_time(dense, dp8, job, make_cluster("h800", 8))
+    with pytest.raises(ValueError, match="ep_comm_sms_reserved needs dispatcher='deepep'"):
+        Job(seq_len=64, ep_comm_sms_reserved=True)
+    with pytest.raises(ValueError, match="132 reserved SMs: the h800 has 132"):
+        h800.without_sms(132)
+
+
 def test_exposed_traffic_follows_each_ranks_tokens():
     """Mixtral, tp 2 with SP, ep 4 inside one node, no overlap and no shared experts: all 32 layers' traffic is
     exposed, each rank routing its 2048-token half of the sequence."""
@@ -215,6 +240,11 @@ def test_estimate_reports_deepep_traffic(capsys):
     stage0 = step_records(load_model("deepseek-v3"), Degrees(pp=16, dp=128, ep=64),
                           replace(job, global_batch=15360, zero_stage=1), 0, Placement(64, 8))
     assert sum(r.bytes_sent for r in stage0 if r.key == "all_to_all/ep") == ep["sent"]
+    assert run([*args, "--ep-comm-sms-reserved"]) == 0
+    reserved = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert reserved["job"]["ep_comm_sms_reserved"] and reserved["comm"] == out["comm"]
+    assert reserved["time_breakdown_s"]["compute_s"] > out["time_breakdown_s"]["compute_s"]
+    assert reserved["time_breakdown_s"]["ep_s"] == 0 < out["time_breakdown_s"]["ep_s"]
 
 
 def test_plan_searches_with_the_chosen_dispatcher(capsys):

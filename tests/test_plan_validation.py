@@ -150,8 +150,11 @@ RUNS = [
             zero_stage=1, overlap_grad_reduce=False), "tokens", _neox_tokens_per_s(117)),
     Run("DeepSeek-V2, 1024 GPUs", "moe", load_model("deepseek-v2"), "h800", Degrees(pp=16, dp=64, ep=8),
         Job(seq_len=4096, global_batch=2304, zero_stage=1, overlap_ep=False), "tokens", 1e12 / (172.8e3 * 3600)),
+    # DeepSeek-V3 as its report describes the run: node-limited DeepEP-style dispatch (section 3.2.2) with 20 of the
+    # 132 SMs set aside for communication (section 3.5.1), blockwise FP8 (section 3.3), ZeRO-1, pp 16, ep 64.
     Run("DeepSeek-V3, 2048 GPUs", "precision", load_model("deepseek-v3"), "h800", Degrees(pp=16, dp=128, ep=64),
-        Job(seq_len=4096, global_batch=15360, zero_stage=1, fp8=True, fp8_recipe="blockwise", dispatcher="deepep"),
+        Job(seq_len=4096, global_batch=15360, zero_stage=1, fp8=True, fp8_recipe="blockwise", dispatcher="deepep",
+            ep_comm_sms_reserved=True),
         "tokens",
         1e12 / (180e3 * 3600)),
     Run("Megatron-Core Mixtral 8x7B, 64 GPUs", "moe", load_model("mixtral-8x7b"), "h100", Degrees(pp=4, dp=16, ep=8),
@@ -396,10 +399,11 @@ def errors() -> dict[str, tuple[str, float, float]]:
 
 
 # Runs the planner misses by more than the goals allow, with the band their error must stay in: a change of more
-# than about 3 points either way fails here and must be explained in docs/planner.md section 6. DeepSeek-V3: with
-# its dispatch and routing priced as it ran, its blockwise FP8 GEMMs at DeepGEMM's efficiency and its head in
-# BF16, the planner is 1.32x too fast; what it misses is not identified.
-OPEN_GAPS = {"DeepSeek-V3, 2048 GPUs": (0.29, 0.35)}
+# than about 3 points either way fails here and must be explained in docs/planner.md section 6. DeepSeek-V3 is
+# inside the worst-run goal (+22.9%) but alone in its class, which the 20% class goal would then fail; it moved
+# from +63.8% by mechanisms found while studying its gap (so it is no longer blind), and its figure rests on an
+# unpublished layer split (docs/planner.md section 6).
+OPEN_GAPS = {"DeepSeek-V3, 2048 GPUs": (0.20, 0.26)}
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])

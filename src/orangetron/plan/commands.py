@@ -130,6 +130,9 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False) -> None:
                         "NVLink")
     p.add_argument("--ep-comm-sms", type=int, default=20, metavar="N",
                    help="--dispatcher deepep: SMs its kernels take from the compute they overlap (default 20)")
+    p.add_argument("--ep-comm-sms-reserved", action="store_true",
+                   help="--dispatcher deepep: those SMs are set aside from compute for the whole step (DeepSeek-V3), "
+                        "not only while a transfer runs")
     p.add_argument("--overhead-gib", type=float, default=None,
                    help="fixed memory overhead per GPU: CUDA context, library workspaces, NCCL buffers (default: "
                         "1 GiB plus 0.5 GiB per communicator of the layout)")
@@ -191,6 +194,7 @@ def run_estimate(args: argparse.Namespace) -> int:
               sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
               dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
               ep_overlap_chunks=args.ep_overlap_chunks, ep_comm_sms=args.ep_comm_sms,
+              ep_comm_sms_reserved=args.ep_comm_sms_reserved,
               zero_stage=args.zero_stage,
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
@@ -251,7 +255,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     global_batch = args.global_batch or args.gpus
     base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8,
-               fp8_recipe=args.fp8_recipe, dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms)
+               fp8_recipe=args.fp8_recipe, dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms,
+               ep_comm_sms_reserved=args.ep_comm_sms_reserved)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, dispatcher=(args.dispatcher,),

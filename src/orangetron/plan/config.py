@@ -44,6 +44,9 @@ class Job:
     ep_overlap_chunks: int = 1  # ragged dispatch in token chunks (one count exchange, then per-chunk rows)
     # SMs the "deepep" dispatcher's kernels occupy (Megatron-Core's moe_deepep_num_sms default; DeepSeek-V3's 20)
     ep_comm_sms: int = 20
+    # Those SMs set aside from compute for the whole step (DeepSeek-V3 "allocate[s] 20 out of the 132 SMs" to
+    # communication, arXiv:2412.19437 section 3.5.1); off: taken only while a transfer runs (Megatron-Core)
+    ep_comm_sms_reserved: bool = False
     zero_stage: int = 0
     distributed_optimizer: bool = False
     zero3_prefetch: bool = True  # ZeRO-3 gathers the next unit while one computes (two units at the peak)
@@ -108,6 +111,9 @@ class Job:
             raise ValueError(f"zero_stage={self.zero_stage}: must be 0 (DDP), 1, 2 or 3")
         if self.distributed_optimizer and self.zero_stage in (2, 3):
             raise ValueError(f"distributed_optimizer with zero_stage={self.zero_stage}: pick one sharding scheme")
+        if self.ep_comm_sms_reserved and self.dispatcher != "deepep":
+            raise ValueError(f"ep_comm_sms_reserved needs dispatcher='deepep' (the one priced with its SMs), not "
+                             f"{self.dispatcher!r}")
         if self.ep_comm_sms < 2 or self.ep_comm_sms % 2:
             raise ValueError(f"ep_comm_sms={self.ep_comm_sms}: DeepEP takes an even number of SMs, at least 2")
         for name in ("seq_len", "micro_batch", "virtual_stages", "num_microbatches", "ep_overlap_chunks"):
@@ -180,7 +186,8 @@ def model_state_job(job: Job) -> Job:
     and gradient buckets. FP8 stays: a search never varies it, and its recipe is checked against it."""
     return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1,
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
-                                 capacity_factor=1.0, ep_overlap_chunks=1, ep_comm_sms=20, recompute="none",
+                                 capacity_factor=1.0, ep_overlap_chunks=1, ep_comm_sms=20, ep_comm_sms_reserved=False,
+                                 recompute="none",
                                  recompute_layers=0, attention_kernel="flash", overlap_ep=True,
                                  overlap_grad_reduce=True))
 

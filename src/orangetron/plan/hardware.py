@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 
@@ -60,6 +60,16 @@ class GPUSpec:
         if dtype == "float8-blockwise" and self.fp8_blockwise_gemm_efficiency:
             return self.fp8_blockwise_gemm_efficiency
         return self.gemm_efficiency
+
+    def without_sms(self, reserved: int) -> GPUSpec:
+        """This GPU as compute sees it when `reserved` SMs are set aside for communication: fewer SMs, and each
+        tensor and FP32 peak scaled by the SMs left. HBM bandwidth stays: memory-bound kernels saturate it with
+        fewer SMs than a GPU has (an assumption, not a measurement)."""
+        if not 0 <= reserved < self.sms:
+            raise ValueError(f"{reserved} reserved SMs: the {self.name} has {self.sms}")
+        left = (self.sms - reserved) / self.sms
+        return replace(self, sms=self.sms - reserved, bf16_tflops=self.bf16_tflops * left,
+                       fp32_tflops=self.fp32_tflops * left, fp8_tflops=self.fp8_tflops * left)
 
     @property
     def memory_bytes(self) -> float:

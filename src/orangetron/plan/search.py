@@ -111,7 +111,8 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
         stage, distopt, every = _ZERO[zero]
         group.append(Job(seq_len=seq_len, micro_batch=mb, global_batch=global_batch,
                          sequence_parallel=sequence_parallel, cp_mode=mode, dispatcher=disp,
-                         capacity_factor=base.capacity_factor, ep_comm_sms=base.ep_comm_sms, zero_stage=stage,
+                         capacity_factor=base.capacity_factor, ep_comm_sms=base.ep_comm_sms,
+                         ep_comm_sms_reserved=base.ep_comm_sms_reserved and disp == "deepep", zero_stage=stage,
                          distributed_optimizer=distopt,
                          zero3_reduce_every_microbatch=every,
                          param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",

@@ -438,6 +438,8 @@ def _stage_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, stag
 @lru_cache(maxsize=16384)
 def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, stage: int,
                        net: NetworkParams, eff: Efficiency) -> _StageTime:
+    if job.ep_comm_sms_reserved and model.is_moe and deg.ep > 1:
+        cluster = _with_sms_reserved(cluster, job.ep_comm_sms)  # compute runs on what the dispatch leaves
     compute = tp = cp = ep = 0.0
     for layer_job, count, moe in _layer_kinds(model, deg, job, stage):
         if not count:
@@ -458,6 +460,12 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
                        group_places(deg, cluster), cluster, net)
     return _StageTime(compute, tp, cp, ep, pp)
+
+
+@lru_cache(maxsize=64)
+def _with_sms_reserved(cluster: Cluster, sms: int) -> Cluster:
+    """`cluster` whose GPUs compute on all but `sms` SMs (one object per pair: it keys the cost caches)."""
+    return replace(cluster, gpu=cluster.gpu.without_sms(sms))
 
 
 def _layer_kinds(model: ModelSpec, deg: Degrees, job: Job, stage: int):
@@ -521,7 +529,10 @@ def _ep_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, where: 
     comm = node_dispatch.layer_time(model, where, job, routed_tokens(deg, job), cluster, net)
     if not comm:
         return 0.0
-    return _ep_exposed(comm, cost, run, job, deg, replace(eff, overlap_contention=node_dispatch.sm_share(job, cluster)))
+    # Hidden traffic takes its SMs from compute while it runs, unless they were set aside for the whole step
+    # (then compute is priced on the SMs left, `_stage_time_cached`).
+    share = 0.0 if job.ep_comm_sms_reserved else node_dispatch.sm_share(job, cluster)
+    return _ep_exposed(comm, cost, run, job, deg, replace(eff, overlap_contention=share))
 
 
 def _ep_exposed(comm: float, cost: LayerCost, run: float, job: Job, deg: Degrees, eff: Efficiency) -> float:
