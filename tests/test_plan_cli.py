@@ -335,15 +335,15 @@ def test_estimate_folds_experts_with_edp(capsys):
 
 
 def test_plan_replays_only_the_layers_memory_needs(capsys):
-    """Llama 3 8B at 32768 tokens on 4 H100: replaying 5 of 32 layers (cp 4) beats replaying all of them, which
-    `--no-partial-recompute` is left with; the table shows full/5."""
+    """Llama 3 8B at 32768 tokens on 4 H100: replaying 4 of 32 layers (cp 4) beats replaying all of them, which
+    `--no-partial-recompute` is left with; the table shows full/4."""
     args = ["plan", "--model", "llama3-8b", "--gpus", "4", "--seq", "32768", "--global-batch", "4", "--top", "2"]
     assert run([*args, "--json"]) == 0
     partial = last_json(capsys)["ranked"][0]
     assert run([*args, "--json", "--no-partial-recompute"]) == 0
     whole = last_json(capsys)["ranked"][0]
-    assert partial["job"]["recompute"] == "full" and partial["job"]["recompute_layers"] == 5
+    assert partial["job"]["recompute"] == "full" and partial["job"]["recompute_layers"] == 4
     assert whole["job"]["recompute_layers"] == 0
     assert partial["step_time_s"] < whole["step_time_s"]
     assert run(args) == 0
-    assert " full/5 " in capsys.readouterr().out
+    assert " full/4 " in capsys.readouterr().out

@@ -187,6 +187,16 @@ def test_sms_set_aside_for_the_step_slow_every_layers_compute_instead():
     job = Job(seq_len=4096, global_batch=8, dispatcher="deepep")
     assert step_time(dense, dp8, replace(job, ep_comm_sms_reserved=True), make_cluster("h800", 8)) == \
         step_time(dense, dp8, job, make_cluster("h800", 8))
+    # Every layer computes on the SMs left, the dense ones too (stage 0: three dense layers and one MoE), and MFU
+    # stays against the whole GPU's peak.
+    from orangetron.plan.network import NetworkParams
+    from orangetron.plan.timing import DEFAULT_EFFICIENCY, _stage_time
+
+    first = _stage_time(model, deg, _v3_job(ep_comm_sms_reserved=True), cluster, 0, NetworkParams(), DEFAULT_EFFICIENCY)
+    first_by_hand = _stage_time(model, deg, _v3_job(), replace(cluster, gpu=left), 0, NetworkParams(),
+                                DEFAULT_EFFICIENCY)
+    assert first.compute == pytest.approx(first_by_hand.compute)
+    assert reserved.mfu == pytest.approx(reserved.model_flops / reserved.step_s / (2048 * 989.4e12))
     with pytest.raises(ValueError, match="ep_comm_sms_reserved needs dispatcher='deepep'"):
         Job(seq_len=64, ep_comm_sms_reserved=True)
     with pytest.raises(ValueError, match="132 reserved SMs: the h800 has 132"):
@@ -265,6 +275,21 @@ def test_plan_searches_with_the_chosen_dispatcher(capsys):
     per_layer = nd.bytes_sent(load_model("deepseek-v3"), Placement(64, 8), job, tokens)
     microbatches = job.global_batch // (job.micro_batch * layout["dp"])
     assert deepep["comm_bytes"]["all_to_all/ep"] == microbatches * sum(per_layer)  # stage 0: one MoE layer
+
+
+def test_plan_keeps_the_sms_set_aside(capsys):
+    """`plan --ep-comm-sms-reserved` prices what `estimate` does with the flag for the layout it ranks first."""
+    args = ["--model", "deepseek-v3", "--gpu", "h800", "--gpus", "2048", "--seq", "4096", "--global-batch", "15360",
+            "--fp8", "--fp8-recipe", "blockwise", "--dispatcher", "deepep", "--ep-comm-sms-reserved", "--json"]
+    assert run(["plan", *args, "--pp", "16", "--ep", "64", "--top", "1"]) == 0
+    best = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ranked"][0]
+    assert best["job"]["ep_comm_sms_reserved"]
+    job = Job(**best["job"])
+    deg = Degrees(**{k: v for k, v in best["layout"].items() if k != "edp"})
+    assert best["step_time_s"] == pytest.approx(step_time(load_model("deepseek-v3"), deg, job,
+                                                          make_cluster("h800", 2048)).step_s)
+    assert best["step_time_s"] > step_time(load_model("deepseek-v3"), deg, replace(job, ep_comm_sms_reserved=False),
+                                           make_cluster("h800", 2048)).step_s
 
 
 def test_layouts_deepep_cannot_run_are_refused(capsys):

@@ -27,6 +27,8 @@ def test_replayed_layers_are_the_first_of_each_chunk():
     assert replayed_layers(10, 2, 2, 1, 2) == {3, 4, 8, 9}
     assert replayed_layers(10, 2, 2, 0, 0) == {0, 1, 2, 6, 7}  # 0: every layer
     assert replayed_layers(10, 2, 1, 1, 9) == {5, 6, 7, 8, 9}  # more than a chunk holds: all of it
+    # Uneven chunks (3, 3, 2, 2 over pp 4), 3 per chunk: every layer of every stage.
+    assert replayed_share(model(10), Degrees(pp=4), Job(seq_len=64, recompute="full", recompute_layers=3)) == 1.0
     deg = Degrees(pp=2)
     assert replayed_share(model(10), Degrees(pp=2), Job(seq_len=64, recompute="full", recompute_layers=2)) == 0.4
     assert replayed_share(model(10), deg, Job(seq_len=64, recompute="full")) == 1.0
@@ -34,22 +36,38 @@ def test_replayed_layers_are_the_first_of_each_chunk():
 
 
 def test_activations_by_hand():
-    """pp = 1, one micro-batch in flight: two of six layers keep only their input; the backward's replay of
-    one layer holds its whole activations transiently, as under full recompute."""
+    """pp = 1, one micro-batch in flight: two of six layers keep only their input. Backward replays them after
+    the four kept layers' backward freed their activations, so the replay adds nothing to the peak; under full
+    recompute (nothing freed first) one layer's activations exist on top, as before."""
     m, deg = model(), Degrees()
     none, full = Job(seq_len=512), Job(seq_len=512, recompute="full")
     whole, kept_input = layer_activation_bytes(m, deg, none, False), layer_activation_bytes(m, deg, full, False)
     partial = Job(seq_len=512, recompute="full", recompute_layers=2)
     assert stage_activation_bytes(m, deg, partial, 0) == \
-        stage_activation_bytes(m, deg, none, 0) - 2 * (whole - kept_input) + whole
+        stage_activation_bytes(m, deg, none, 0) - 2 * (whole - kept_input)
+    assert stage_activation_bytes(m, deg, full, 0) == \
+        stage_activation_bytes(m, deg, none, 0) - 6 * (whole - kept_input) + whole
     assert stage_activation_bytes(m, deg, Job(seq_len=512, recompute="full", recompute_layers=6), 0) == \
         stage_activation_bytes(m, deg, full, 0)
+
+
+def test_full_recompute_replays_the_largest_layer_on_top():
+    """A dense first layer before five MoE layers, all replayed: the transient is a MoE layer's activations,
+    the largest of the stage, not the first layer's."""
+    moe = ModelSpec(name="moe", hidden_size=256, num_layers=6, num_heads=4, vocab_size=1000, ffn_hidden_size=256,
+                    num_experts=4, top_k=2, moe_ffn_hidden_size=1024, first_dense_layers=1)
+    deg, none, full = Degrees(ep=2, dp=2), Job(seq_len=512), Job(seq_len=512, recompute="full")
+    dense_in, moe_in = (layer_activation_bytes(moe, deg, full, k) for k in (False, True))
+    moe_whole = layer_activation_bytes(moe, deg, none, True)
+    assert moe_whole > layer_activation_bytes(moe, deg, none, False)
+    buffers = stage_activation_bytes(moe, deg, none, 0) - 5 * moe_whole - layer_activation_bytes(moe, deg, none, False)
+    assert stage_activation_bytes(moe, deg, full, 0) == buffers + dense_in + 5 * moe_in + moe_whole
 
 
 def test_interleaved_activations_replay_the_first_layer_of_every_chunk():
     """pp 2 x 2 chunks of 3 layers, one replayed per chunk: each (chunk, micro-batch) the schedule holds keeps
     one input and two whole layers, where none keeps three whole layers and full three inputs; so a stage's
-    peak is none's plus (full - none) / 3 of its layer bytes, plus the transient replay."""
+    peak is none's less (none - full) / 3 of its layer bytes (the replay comes after two layers' backward)."""
     m, deg = model(12), Degrees(pp=2)
     kw = dict(seq_len=512, global_batch=8, virtual_stages=2, pp_schedule="interleaved")
     none, full = Job(**kw), Job(**kw, recompute="full")
@@ -58,7 +76,26 @@ def test_interleaved_activations_replay_the_first_layer_of_every_chunk():
     for stage in (0, 1):
         a_none, a_full = stage_activation_bytes(m, deg, none, stage), stage_activation_bytes(m, deg, full, stage)
         layer_share = (a_none - (a_full - whole)) // 3  # (none - full without its transient) over 3 per layer
-        assert stage_activation_bytes(m, deg, partial, stage) == a_none - layer_share + whole
+        assert stage_activation_bytes(m, deg, partial, stage) == a_none - layer_share
+
+
+def test_moe_layers_replayed_by_position():
+    """MoE every second layer (1, 3, 5, 7), pp 2 of 4 layers, one replayed per stage: stage 0 replays dense
+    layer 0 and keeps MoE 1 and 3 whole; stage 1 replays dense layer 4. HFU counts the replayed layers' FLOPs:
+    two dense layers of eight, not a quarter of all layers' FLOPs."""
+    from orangetron.plan.timing import _layer_forward_flops
+
+    alt = ModelSpec(name="alt", hidden_size=256, num_layers=8, num_heads=4, vocab_size=1000, ffn_hidden_size=1024,
+                    num_experts=4, top_k=2, moe_ffn_hidden_size=1024, moe_layer_freq=2)
+    deg, none = Degrees(pp=2), Job(seq_len=512, global_batch=2)
+    partial = Job(seq_len=512, global_batch=2, recompute="full", recompute_layers=1)
+    whole = {k: layer_activation_bytes(alt, deg, none, k) for k in (False, True)}
+    kept_input = layer_activation_bytes(alt, deg, Job(seq_len=512, recompute="full"), False)
+    assert stage_activation_bytes(alt, deg, partial, 0) == \
+        stage_activation_bytes(alt, deg, none, 0) - 2 * (whole[False] - kept_input)  # two micro-batches in flight
+    dense, moe = _layer_forward_flops(alt, 0, 512), _layer_forward_flops(alt, 1, 512)
+    assert moe > dense
+    assert replayed_share(alt, deg, partial) == pytest.approx(2 * dense / (4 * dense + 4 * moe))
 
 
 def test_compute_and_hardware_flops_by_hand():

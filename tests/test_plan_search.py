@@ -97,3 +97,66 @@ def test_search_replays_as_few_layers_as_the_memory_needs():
     assert best.time.step_s < full.time.step_s
     off = search(model, cluster, seq_len=8192, global_batch=64, space=replace(space, partial_recompute=False), top=1)
     assert off.ranked[0].job.recompute_layers == 0
+
+
+def test_partial_recompute_keeps_options_a_uniform_one_would_dominate():
+    """Two rules of the uniform search no longer hold once only some layers replay, and the search drops them:
+    - a more sharded option moves the same bytes but may need fewer replays (Mixtral on 16 H100: ZeRO-2 replays
+      5 layers a chunk where DDP needs 15), so searching every sharding finds what ZeRO-2 alone finds;
+    - replaying a few layers may beat selective recompute (eager attention), so offering selective too must not
+      make the answer slower."""
+    from dataclasses import replace
+
+    model, cluster = load_model("mixtral-8x7b"), make_cluster("h100", 16)
+    space = SearchSpace(tp=(1,), cp=(4,), pp=(2,), ep=(8,), cp_mode=("ring",),
+                        zero=("ddp", "zero1", "distopt", "zero2"), recompute=("none", "full"), micro_batch=(1,),
+                        virtual_stages=(1,))
+    every = search(model, cluster, 8192, 64, space=space, top=1).ranked[0]
+    zero2 = search(model, cluster, 8192, 64, space=replace(space, zero=("zero2",)), top=1).ranked[0]
+    assert every.time.step_s == zero2.time.step_s and every.job.recompute_layers == zero2.job.recompute_layers
+    assert every.job.zero_stage == 2 and every.job.recompute_layers > 0
+
+    model, cluster = load_model("llama3-8b"), make_cluster("h100", 8)
+    space = SearchSpace(tp=(2,), cp=(4,), pp=(1,), micro_batch=(1,), zero=("distopt",), cp_mode=("ring",))
+    eager = Job(seq_len=8192, attention_kernel="eager")
+    with_selective = search(model, cluster, 8192, 64, space=space, base=eager, top=1).ranked[0]
+    without = search(model, cluster, 8192, 64, space=replace(space, recompute=("none", "full")), base=eager,
+                     top=1).ranked[0]
+    assert with_selective.time.step_s == without.time.step_s and without.job.recompute_layers > 0
+
+
+def test_partial_recompute_reaches_the_top_from_far_behind():
+    """Qwen3-30B-A3B on 32 H100 at 16384 tokens, within 34.75 GiB: replaying one layer a chunk wins, though
+    replaying all of them takes more than 1.5 times the runner-up (the forward's expert and ring traffic exceed
+    the backward's window), so no bound on what replays cost may prune it."""
+    from dataclasses import replace
+
+    from orangetron.plan.hardware import GIB
+
+    model, cluster = load_model("qwen3-30b-a3b"), make_cluster("h100", 32)
+    space = SearchSpace(tp=(2,), cp=(8, 16), pp=(1,), zero=("distopt", "zero3"), micro_batch=(1,),
+                        virtual_stages=(1,), cp_mode=("ring", "allgather"), recompute=("none", "full"))
+    ranked = search(model, cluster, 16384, 128, space=space, top=2,
+                    memory_fraction=34.75 * GIB / cluster.gpu.memory_bytes).ranked
+    best, second = ranked
+    assert best.job.recompute == "full" and best.job.recompute_layers == 1
+    full = estimate(model, best.degrees, replace(best.job, recompute_layers=0), cluster)
+    assert full.time.step_s > 1.5 * second.time.step_s
+
+
+def test_fewest_replays_with_uneven_chunks():
+    """10 layers over pp 4 (chunks of 3, 3, 2, 2): r runs to 2, one short of the longest chunk; with the memory of
+    r = 2 as the limit, 2 is the answer, and with r = 1's, 1."""
+    from orangetron.plan.memory import memory_per_gpu
+    from orangetron.plan.models import ModelSpec
+    from orangetron.plan.overhead import DEFAULT_OVERHEAD, with_overhead
+    from orangetron.plan.search import fewest_replays_that_fit
+
+    model = ModelSpec(name="ten", hidden_size=256, num_layers=10, num_heads=4, vocab_size=1000, ffn_hidden_size=1024)
+    deg, full = Degrees(pp=4), Job(seq_len=4096, global_batch=8, recompute="full")
+    totals = {r: with_overhead(memory_per_gpu(model, deg, Job(seq_len=4096, global_batch=8, recompute="full",
+                                                              recompute_layers=r)), deg, DEFAULT_OVERHEAD)["total"]
+              for r in (1, 2)}
+    assert totals[1] > totals[2]
+    for r in (1, 2):
+        assert fewest_replays_that_fit(model, deg, full, totals[r]).recompute_layers == r

@@ -35,7 +35,9 @@ from orangetron.plan.traffic import data_parallel_records
 ACTIVATION_ONLY = [dict(seq_len=2048), dict(micro_batch=2), dict(global_batch=48), dict(recompute="full"),
                    dict(cp_mode="allgather"), dict(dispatcher="capacity", capacity_factor=1.25),
                    dict(sequence_parallel=True), dict(attention_kernel="eager"), dict(fp8=True),
-                   dict(cp_mode="usp", ulysses_degree=2), dict(ep_overlap_chunks=2)]
+                   dict(cp_mode="usp", ulysses_degree=2), dict(ep_overlap_chunks=2),
+                   dict(recompute="full", recompute_layers=1),
+                   dict(dispatcher="deepep", ep_comm_sms_reserved=True)]
 SHARDING = [dict(), dict(zero_stage=1), dict(distributed_optimizer=True, bucket_numel=3_000_001),
             dict(zero_stage=2, reduce_dtype="float32"), dict(zero_stage=3), dict(zero_stage=3, zero3_keep_params=True),
             dict(zero_stage=3, zero3_prefetch=False, clip_grad=True), dict(zero_stage=1, clip_grad=True),

@@ -221,10 +221,7 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     if deg.pp > 1 and job.pp_schedule == "interleaved" and job.virtual_stages > 1:
         return _interleaved_peak(m, deg, job, stage, x)
     total = int(_saved_bytes(m, deg, job, stage, layers) * in_flight(deg, job, stage))
-    if job.recompute == "full" and layers:
-        # Backward re-runs one layer's forward: its full activations exist transiently.
-        total += layer_activation_bytes(m, deg, replace(job, recompute="none", recompute_layers=0),
-                                        m.is_moe_layer(layers[0]))
+    total += _replay_transient(m, deg, job, stage, layers)
     sb, h = x.s * x.b, m.hidden_size
     if stage == 0 and m.dropout:
         total += int(sb * h // x.rep * in_flight(deg, job, 0))  # embedding-dropout mask
@@ -251,6 +248,18 @@ def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: int, moe: int) ->
     """Bytes `layers` layers save, `moe` of them MoE: every layer of a kind saves the same."""
     return (moe * layer_activation_bytes(m, deg, job, True) if moe else 0) + \
         (layers - moe) * layer_activation_bytes(m, deg, job, False)
+
+
+def _replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Sequence[int]) -> int:
+    """Bytes backward adds while it replays a layer's forward under full recompute: the largest replayed layer's
+    activations, less what the chunk's kept layers freed first (their backward runs before the replays)."""
+    if job.recompute != "full" or not layers:
+        return 0
+    replayed = replayed_layers(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers)
+    whole = replace(job, recompute="none", recompute_layers=0)
+    largest = max(layer_activation_bytes(m, deg, whole, m.is_moe_layer(i)) for i in layers if i in replayed)
+    freed = sum(layer_activation_bytes(m, deg, whole, m.is_moe_layer(i)) for i in layers if i not in replayed)
+    return max(0, largest - freed)
 
 
 def _saved_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Sequence[int]) -> int:
@@ -303,11 +312,7 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     weights.append(mask)
     peak = max(sum(w * n for w, n in zip(weights, held, strict=True))
                for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
-    first_chunk = stage_layers(m.num_layers, p * v, 1, stage)
-    if job.recompute == "full" and first_chunk:
-        peak += layer_activation_bytes(m, deg, replace(job, recompute="none", recompute_layers=0),
-                                       m.is_moe_layer(first_chunk[0]))
-    return peak
+    return peak + _replay_transient(m, deg, job, stage, stage_layers(m.num_layers, p * v, 1, stage))
 
 
 def _interleaved_holdings(p: int, microbatches: int, v: int, stage: int,

@@ -162,24 +162,56 @@ def fewest_replays_that_fit(model: ModelSpec, deg: Degrees, job: Job, limit: flo
 Scored = list[tuple[float, int, Degrees, Job, dict[str, int]]]
 
 
+def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Cluster, limit: float,
+                 overhead: MemoryOverhead, partial: bool) -> Scored:
+    """The options of one group worth timing. Within a pricing class the first that fits (less recompute, then
+    less sharding) is never slower than the later ones. Under partial recompute a more sharded option replays
+    fewer layers, and a few replayed layers may beat selective recompute: then only no recompute closes a class,
+    selective recompute closes its own options, and of the full-recompute options that fit only the smallest is
+    kept, to replay as few layers as it needs (`_replay_fewer_layers`)."""
+    rows: Scored = []
+    closed: set = set()
+    smallest: dict[int, tuple[Job, dict[str, int]]] = {}
+    for job in group:
+        cls = _pricing_class(job)
+        key = (cls, job.recompute) if partial and job.recompute != "none" else cls
+        if cls in closed or key in closed or job.zero3_reduce_every_microbatch and job.microbatches(deg) == 1:
+            continue  # dominated, or (one micro-batch) the same step as "zero3"
+        try:
+            validate(model, deg, job)
+            check_ep_placement(deg, job, cluster)
+        except ValueError:
+            break  # the group shares every degree-dependent rule
+        mem = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
+        if mem["total"] > limit:
+            continue
+        if partial and job.recompute == "full":
+            if cls not in smallest or mem["total"] < smallest[cls][1]["total"]:
+                smallest[cls] = (job, mem)
+            continue
+        closed.add(key)
+        rows.append((step_time(model, deg, job, cluster).step_s, mem["total"], deg, job, mem))
+    for job, mem in smallest.values():
+        rows.append((step_time(model, deg, job, cluster).step_s, mem["total"], deg, job, mem))
+    return rows
+
+
 def _replay_fewer_layers(model: ModelSpec, cluster: Cluster, scored: Scored, top: int, limit: float,
                          overhead: MemoryOverhead) -> Scored:
     """`scored` (fastest first) with each full-recompute layout that could reach the `top` replaying only the
-    layers its memory needs (`fewest_replays_that_fit`). A layer's backward takes at least its forward, in compute
-    and in traffic, so replaying every forward adds at most half a step: a layout whose full-recompute time is
-    1.5 times the top's slowest cannot get there, nor one that would miss it without any replay; those stay as
-    they are."""
+    layers its memory needs (`fewest_replays_that_fit`). Time only grows with the layers replayed, so a layout
+    that would miss the top even replaying none cannot get there, and stays as it is."""
     done: set[tuple[Degrees, Job]] = set()
     while True:
         cutoff = scored[top - 1][0] if len(scored) >= top else math.inf
-        todo = [i for i, (t, _, deg, job, _) in enumerate(scored) if t / 1.5 < cutoff and job.recompute == "full"
-                and not job.recompute_layers and (deg, job) not in done]
+        todo = [i for i, (_, _, deg, job, _) in enumerate(scored)
+                if job.recompute == "full" and not job.recompute_layers and (deg, job) not in done]
         if not todo:
             return scored
         for i in todo:
-            _, total, deg, job, mem = scored[i]
+            t, total, deg, job, mem = scored[i]
             done.add((deg, job))
-            if step_time(model, deg, replace(job, recompute="none"), cluster).step_s >= cutoff:
+            if t >= cutoff and step_time(model, deg, replace(job, recompute="none"), cluster).step_s >= cutoff:
                 continue  # no replay at all would still miss the top
             partial = fewest_replays_that_fit(model, deg, job, limit, overhead, total)
             if partial is not job:
@@ -205,21 +237,7 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     for deg in candidate_degrees(model, cluster, space, seq_len):
         for group in candidate_jobs(model, deg, seq_len, global_batch, space, base):
             considered += len(group)
-            priced: set[int] = set()
-            for job in group:
-                cls = _pricing_class(job)
-                if cls in priced or job.zero3_reduce_every_microbatch and job.microbatches(deg) == 1:
-                    continue  # dominated, or (one micro-batch) the same step as "zero3"
-                try:
-                    validate(model, deg, job)
-                    check_ep_placement(deg, job, cluster)
-                except ValueError:
-                    break  # the group shares every degree-dependent rule
-                mem = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
-                if mem["total"] > limit:
-                    continue
-                priced.add(cls)
-                scored.append((step_time(model, deg, job, cluster).step_s, mem["total"], deg, job, mem))
+            scored += _price_group(model, deg, group, cluster, limit, overhead, space.partial_recompute)
     scored.sort(key=lambda row: (row[0], row[1]))
     if space.partial_recompute:
         scored = _replay_fewer_layers(model, cluster, scored, top, limit, overhead)

@@ -482,14 +482,24 @@ def _layer_kinds(model: ModelSpec, deg: Degrees, job: Job, stage: int):
 
 
 def replayed_share(model: ModelSpec, deg: Degrees, job: Job) -> float:
-    """Share of the model's layers whose forward full recompute replays (0 without it)."""
+    """Share of the layers' forward FLOPs that full recompute replays (0 without it)."""
     if job.recompute != "full":
         return 0.0
     if not job.recompute_layers:
         return 1.0
-    replayed = sum(len(replayed_layers(model.num_layers, deg.pp, job.virtual_stages, s, job.recompute_layers))
-                   for s in range(deg.pp))
-    return replayed / model.num_layers
+    replayed = set().union(*(replayed_layers(model.num_layers, deg.pp, job.virtual_stages, s, job.recompute_layers)
+                             for s in range(deg.pp)))
+    flops = [_layer_forward_flops(model, i, job.seq_len) for i in range(model.num_layers)]
+    return sum(f for i, f in enumerate(flops) if i in replayed) / sum(flops)
+
+
+def _layer_forward_flops(model: ModelSpec, index: int, seq_len: int) -> float:
+    """Forward FLOPs of layer `index` per token: its active parameters (a MoE layer's idle experts excluded) and
+    its attention over `seq_len` keys, counted as `model_flops_per_step` does."""
+    params = model.layer_params(index)
+    if model.is_moe_layer(index):
+        params -= (model.num_experts - model.top_k) * model.mlp_params(model.moe_ffn_hidden_size)
+    return 2.0 * params + _attention_flops(model, 1, seq_len, model.num_heads)
 
 
 @lru_cache(maxsize=16384)
