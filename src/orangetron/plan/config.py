@@ -187,8 +187,7 @@ def model_state_job(job: Job) -> Job:
     return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1,
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
                                  capacity_factor=1.0, ep_overlap_chunks=1, ep_comm_sms=20, ep_comm_sms_reserved=False,
-                                 recompute="none",
-                                 recompute_layers=0, attention_kernel="flash", overlap_ep=True,
+                                 recompute="none", recompute_layers=0, attention_kernel="flash", overlap_ep=True,
                                  overlap_grad_reduce=True))
 
 

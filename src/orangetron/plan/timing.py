@@ -24,6 +24,7 @@ import functools
 import itertools
 import math
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -468,7 +469,7 @@ def _with_sms_reserved(cluster: Cluster, sms: int) -> Cluster:
     return replace(cluster, gpu=cluster.gpu.without_sms(sms))
 
 
-def _layer_kinds(model: ModelSpec, deg: Degrees, job: Job, stage: int):
+def _layer_kinds(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> Iterator[tuple[Job, int, bool]]:
     """(the job a layer runs under, how many such layers, MoE or not) on `stage`: dense and MoE layers, and
     under partial recompute the replayed layers and the others apart."""
     if job.partial_recompute:
