@@ -608,8 +608,8 @@ MUTANTS = [
            (("    return max(0, largest - freed)", "    return largest"),),
            ("tests/test_plan_recompute.py",)),
     Mutant("replay_transient_of_the_first_layer", "src/orangetron/plan/activations.py",
-           (("    largest = max(layer_activation_bytes(m, deg, whole, m.is_moe_layer(i)) for i in layers "
-             "if i in replayed)",
+           (("    largest = max(layer_activation_bytes(m, deg, whole, moe) for moe in {m.is_moe_layer(i) for i in "
+             "split[True]})",
              "    largest = layer_activation_bytes(m, deg, whole, m.is_moe_layer(layers[0]))"),),
            ("tests/test_plan_recompute.py",)),
     Mutant("replayed_share_by_layer_count", "src/orangetron/plan/timing.py",

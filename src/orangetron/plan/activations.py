@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
-from orangetron.plan.config import Degrees, Job, without_data_parallel
+from orangetron.plan.config import Degrees, Job, without_data_parallel, without_recompute
 from orangetron.plan.fp8 import ACTIVATION_TILE
 from orangetron.plan.models import ModelSpec
-from orangetron.plan.stages import replayed_layers, stage_layer_counts, stage_layers
+from orangetron.plan.stages import replay_split, stage_layer_counts, stage_layers
 
 
 @dataclass(frozen=True)
@@ -255,10 +255,10 @@ def _replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: 
     activations, less what the chunk's kept layers freed first (their backward runs before the replays)."""
     if job.recompute != "full" or not layers:
         return 0
-    replayed = replayed_layers(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers)
-    whole = replace(job, recompute="none", recompute_layers=0)
-    largest = max(layer_activation_bytes(m, deg, whole, m.is_moe_layer(i)) for i in layers if i in replayed)
-    freed = sum(layer_activation_bytes(m, deg, whole, m.is_moe_layer(i)) for i in layers if i not in replayed)
+    split = dict(replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers))
+    whole, kept = without_recompute(job), split.get(False, ())
+    largest = max(layer_activation_bytes(m, deg, whole, moe) for moe in {m.is_moe_layer(i) for i in split[True]})
+    freed = _layer_bytes(m, deg, whole, len(kept), sum(m.is_moe_layer(i) for i in kept))
     return max(0, largest - freed)
 
 
@@ -267,12 +267,9 @@ def _saved_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Seque
     recompute the replayed ones keep their input only, the others everything."""
     if not job.partial_recompute:
         return _layer_bytes(m, deg, job, len(layers), sum(m.is_moe_layer(i) for i in layers))
-    replayed = replayed_layers(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers)
-    total = 0
-    for flag in (True, False):
-        mine = [i for i in layers if (i in replayed) == flag]
-        total += _layer_bytes(m, deg, job.layer_job(flag), len(mine), sum(m.is_moe_layer(i) for i in mine))
-    return total
+    split = replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers)
+    return sum(_layer_bytes(m, deg, job.layer_job(flag), len(mine), sum(m.is_moe_layer(i) for i in mine))
+               for flag, mine in split)
 
 
 def _interleaved_prefix(p: int, microbatches: int, v: int, stage: int) -> tuple:

@@ -162,6 +162,12 @@ class Job:
 
 
 @lru_cache(maxsize=65536)
+def without_recompute(job: Job) -> Job:
+    """`job` recomputing nothing: what each layer saves whole."""
+    return canonical_job(replace(job, recompute="none", recompute_layers=0))
+
+
+@lru_cache(maxsize=65536)
 def _layer_job(job: Job, replayed: bool) -> Job:
     return canonical_job(replace(job, recompute="full" if replayed else "none", recompute_layers=0))
 

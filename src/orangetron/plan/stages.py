@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 from orangetron.plan.models import ModelSpec
@@ -57,14 +58,9 @@ def replayed_layers(num_layers: int, pp: int, virtual_stages: int, stage: int, p
     return frozenset(i for chunk in mine for i in (chunk if not per_chunk else chunk[:per_chunk]))
 
 
-def stage_layer_groups(model: ModelSpec, pp: int, virtual_stages: int, stage: int,
-                       per_chunk: int) -> tuple[tuple[bool, int, int], ...]:
-    """(replayed, layers, of which MoE) of `stage`, for the replayed and the other layers (those present)."""
-    layers = stage_layers(model.num_layers, pp, virtual_stages, stage)
-    replayed = replayed_layers(model.num_layers, pp, virtual_stages, stage, per_chunk)
-    out = []
-    for flag in (True, False):
-        mine = [i for i in layers if (i in replayed) == flag]
-        if mine:
-            out.append((flag, len(mine), sum(model.is_moe_layer(i) for i in mine)))
-    return tuple(out)
+def replay_split(num_layers: int, pp: int, virtual_stages: int, stage: int, per_chunk: int,
+                 layers: Sequence[int]) -> tuple[tuple[bool, tuple[int, ...]], ...]:
+    """`layers` of `stage` as (replayed or not, those layers), the replayed ones first, each group where present."""
+    replayed = replayed_layers(num_layers, pp, virtual_stages, stage, per_chunk)
+    groups = ((flag, tuple(i for i in layers if (i in replayed) == flag)) for flag in (True, False))
+    return tuple((flag, mine) for flag, mine in groups if mine)

@@ -51,9 +51,9 @@ from orangetron.plan.network import (
 from orangetron.plan.params import stage_params
 from orangetron.plan.stages import (
     distinct_stages,
+    replay_split,
     replayed_layers,
     stage_layer_counts,
-    stage_layer_groups,
     stage_layers,
 )
 from orangetron.plan.traffic import (
@@ -472,14 +472,17 @@ def _with_sms_reserved(cluster: Cluster, sms: int) -> Cluster:
 def _layer_kinds(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> Iterator[tuple[Job, int, bool]]:
     """(the job a layer runs under, how many such layers, MoE or not) on `stage`: dense and MoE layers, and
     under partial recompute the replayed layers and the others apart."""
-    if job.partial_recompute:
-        groups = stage_layer_groups(model, deg.pp, job.virtual_stages, stage, job.recompute_layers)
-    else:
-        groups = ((job.recompute == "full", *stage_layer_counts(model, deg.pp, job.virtual_stages, stage)),)
-    for replayed, layers, n_moe in groups:
-        layer_job = job.layer_job(replayed)
-        yield layer_job, layers - n_moe, False
-        yield layer_job, n_moe, True
+    if not job.partial_recompute:
+        layers, n_moe = stage_layer_counts(model, deg.pp, job.virtual_stages, stage)
+        yield job, layers - n_moe, False
+        yield job, n_moe, True
+        return
+    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
+    for replayed, mine in replay_split(model.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers,
+                                       layers):
+        n_moe = sum(model.is_moe_layer(i) for i in mine)
+        yield job.layer_job(replayed), len(mine) - n_moe, False
+        yield job.layer_job(replayed), n_moe, True
 
 
 def replayed_share(model: ModelSpec, deg: Degrees, job: Job) -> float:

@@ -42,7 +42,7 @@ from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import Placement
 from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first
 from orangetron.plan.sharding import bucket_layout, padded_numel
-from orangetron.plan.stages import replayed_layers, stage_layers
+from orangetron.plan.stages import replay_split, stage_layers
 
 
 def _gather(op: str, dim: str, full: int, n: int) -> CommRecord:
@@ -372,8 +372,8 @@ def _replay_groups(model: ModelSpec, deg: Degrees, job: Job, stage: int,
     their forward's traffic, apart from the others; otherwise all of them under `job`."""
     if not job.partial_recompute:
         return [(job, layers)]
-    replayed = replayed_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers)
-    return [(job.layer_job(flag), tuple(i for i in layers if (i in replayed) == flag)) for flag in (True, False)]
+    split = replay_split(model.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers)
+    return [(job.layer_job(flag), mine) for flag, mine in split]
 
 
 def router_bias_records(model: ModelSpec, deg: Degrees, job: Job, moe_layers: int) -> list[CommRecord]:
