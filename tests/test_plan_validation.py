@@ -61,6 +61,7 @@ from orangetron.plan.hardware import make_cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec, load_model
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, with_overhead
+from orangetron.plan.stages import longest_chunk
 from orangetron.plan.timing import step_time
 
 
@@ -359,7 +360,7 @@ def _fits(model: ModelSpec, deg: Degrees, job: Job, capacity: float) -> bool:
 def _partial_recomputes(run: Run, job: Job) -> list[Job]:
     """`job` replaying only the first r layers of each pipeline chunk (Megatron's block method), for every r
     short of the longest chunk."""
-    longest = -(-run.model.num_layers // (run.deg.pp * job.virtual_stages))
+    longest = longest_chunk(run.model.num_layers, run.deg.pp, job.virtual_stages)
     return [replace(job, recompute_layers=r) for r in range(1, longest)]
 
 

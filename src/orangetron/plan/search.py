@@ -9,12 +9,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate
+from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate, without_recompute
 from orangetron.plan.estimate import Estimate
 from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.models import ModelSpec
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
+from orangetron.plan.stages import longest_chunk
 from orangetron.plan.timing import check_ep_placement, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 
@@ -138,10 +139,10 @@ def fewest_replays_that_fit(model: ModelSpec, deg: Degrees, job: Job, limit: flo
     (each replayed layer keeps its input instead of its activations), so the walk starts where the line
     between no recompute and full recompute crosses the limit. `job` itself when no r short of the longest
     chunk fits. `full`: the job's own total, when known."""
-    longest = -(-model.num_layers // (deg.pp * job.virtual_stages))
+    longest = longest_chunk(model.num_layers, deg.pp, job.virtual_stages)
 
     def total(r: int) -> int:
-        at_r = replace(job, recompute="none") if r == 0 else replace(job, recompute_layers=r % longest)
+        at_r = without_recompute(job) if r == 0 else replace(job, recompute_layers=r % longest)
         return with_overhead(memory_per_gpu(model, deg, at_r), deg, overhead)["total"]
 
     if longest < 2:
@@ -211,7 +212,7 @@ def _replay_fewer_layers(model: ModelSpec, cluster: Cluster, scored: Scored, top
         for i in todo:
             t, total, deg, job, mem = scored[i]
             done.add((deg, job))
-            if t >= cutoff and step_time(model, deg, replace(job, recompute="none"), cluster).step_s >= cutoff:
+            if t >= cutoff and step_time(model, deg, without_recompute(job), cluster).step_s >= cutoff:
                 continue  # no replay at all would still miss the top
             partial = fewest_replays_that_fit(model, deg, job, limit, overhead, total)
             if partial is not job:

@@ -49,6 +49,11 @@ def distinct_stages(model: ModelSpec, pp: int, virtual_stages: int) -> tuple[int
     return tuple(kinds.values())
 
 
+def longest_chunk(num_layers: int, pp: int, virtual_stages: int) -> int:
+    """Layers of the largest pipeline chunk (`chunk_layers` gives the first ones the extra layers)."""
+    return -(-num_layers // (pp * virtual_stages))
+
+
 @lru_cache(maxsize=8192)
 def replayed_layers(num_layers: int, pp: int, virtual_stages: int, stage: int, per_chunk: int) -> frozenset[int]:
     """Layers of `stage` that replay their forward when full recompute covers the first `per_chunk` layers of
