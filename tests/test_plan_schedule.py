@@ -83,3 +83,62 @@ def test_interleaved_peak_walks_the_same_actions_for_any_number_of_micro_batches
                 full = actions(pp, m, "interleaved", v)
                 for stage in range(pp):
                     assert list(_interleaved_prefix(pp, m, v, stage)) == full[stage][:length], (pp, v, m, stage)
+
+
+# ---- zb-h1: the backward split into B (input gradient) and W (weight gradient) ------------------------------
+ZB_CASES = [(2, 2), (2, 5), (3, 3), (4, 4), (4, 9), (8, 8), (8, 19)]
+ZB_COSTS = [(1.0, 1.0, 1.0), (1.0, 1.5, 0.8), (2.0, 2.0, 1.0), (1.0, 0.5, 1.5), (0.5, 3.0, 2.0), (3.0, 1.0, 0.25)]
+
+
+@pytest.mark.parametrize("pp, m", ZB_CASES)
+def test_zero_bubble_h1_runs_every_pass_once_after_its_inputs_and_holds_what_1f1b_holds_on_stage_0(pp, m):
+    slots = simulate(pp, m, "zb-h1", forward_cost=1.0, backward_cost=2.0, weight_cost=0.75)
+    end = {(s.action.kind, s.rank, s.action.microbatch): s.end for s in slots}
+    assert len(end) == len(slots) == 3 * pp * m
+    for s in slots:
+        r, i = s.rank, s.action.microbatch
+        need = {"F": ("F", r - 1) if r else None, "B": ("B", r + 1) if r < pp - 1 else ("F", r), "W": ("B", r)}
+        if need[s.action.kind]:
+            assert s.start >= end[(*need[s.action.kind], i)]
+        assert s.end - s.start == {"F": 1.0, "B": 1.25, "W": 0.75}[s.action.kind]
+    job = Job(seq_len=8, global_batch=m, pp_schedule="zb-h1")
+    for rank in range(pp):  # a micro-batch is held from its forward to its W: pp of them on every rank
+        assert peak_in_flight(slots, rank) == pp == in_flight(Degrees(pp=pp), job, rank)
+
+
+@pytest.mark.parametrize("pp, m", ZB_CASES)
+@pytest.mark.parametrize("f, b, w", ZB_COSTS)
+def test_zero_bubble_h1_makespan_equals_its_closed_form(pp, m, f, b, w):
+    from orangetron.plan.schedule import zero_bubble_h1_bubble
+
+    slots = simulate(pp, m, "zb-h1", forward_cost=f, backward_cost=b + w, weight_cost=w)
+    assert max(s.end for s in slots) == pytest.approx(m * (f + b + w) + zero_bubble_h1_bubble(pp, f, b, w))
+
+
+def test_zero_bubble_h1_by_hand():
+    """pp=2, m=2, F = B = W = 1. Rank 1 runs each W one backward late: F0 B0 F1 B1 W0 W1, from t=1 to 7.
+    Rank 0 runs F0 F1, waits for rank 1's B0 (t=3), B0 W0, waits for B1 (t=5), B1 W1: both end at 7, where
+    1F1B (backward 2) ends at 9 and the closed form gives 2 * 3 + (2 - 1)(1 + 1 - 1) = 7."""
+    names = [[f"{a.kind}{a.microbatch}" for a in rank] for rank in actions(2, 2, "zb-h1")]
+    assert names == [["F0", "F1", "B0", "W0", "B1", "W1"], ["F0", "B0", "F1", "B1", "W0", "W1"]]
+    slots = simulate(2, 2, "zb-h1", forward_cost=1.0, backward_cost=2.0, weight_cost=1.0)
+    assert [(s.start, s.end) for s in sorted(slots, key=lambda s: (s.rank, s.start)) if s.rank == 0] == \
+        [(0, 1), (1, 2), (3, 4), (4, 5), (5, 6), (6, 7)]
+    assert max(s.end for s in simulate(2, 2, "1f1b", forward_cost=1.0, backward_cost=2.0)) == 9
+
+
+def test_zero_bubble_h1_refuses_fewer_micro_batches_than_stages():
+    with pytest.raises(ScheduleError, match=r"microbatches=3: the zb-h1 schedule needs at least pp=4"):
+        actions(4, 3, "zb-h1")
+
+
+def test_schedule_command_zero_bubble_h1(capsys):
+    import json
+
+    from orangetron.cli import main
+
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zb-h1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # F = B = W = 1: idle (4 - 1) * 1 per rank over a makespan of 8 * 3 + 3.
+    assert result["bubble_fraction"] == pytest.approx(3 / 27) == result["formula_bubble_fraction"]
+    assert result["peak_in_flight"] == [4, 4, 4, 4] and result["order"][3][:6] == ["F0", "B0", "F1", "B1", "F2", "B2"]

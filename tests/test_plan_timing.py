@@ -340,3 +340,47 @@ def test_fp8_prices_the_output_head_in_16_bit():
         head = sum(linear_time(seq, hidden, vocab, cluster.gpu, "bfloat16", 2.0))
         loss = _loss_time(model, deg, Job(seq_len=seq), cluster, DEFAULT_EFFICIENCY)
         assert extra[True] == pytest.approx(extra[False]) and extra[True] == pytest.approx(head + loss)
+
+
+def test_zero_bubble_h1_saves_twice_the_weight_gradients_of_the_slowest_stage_per_bubble_slot():
+    """zb-h1 against 1F1B on the same layout: the same per-micro-batch work, a bubble of (pp - 1)(F + B - W)
+    for W below F and B instead of (pp - 1)(F + B + W), so the step is shorter by 2 (pp - 1) W, W being the
+    last stage's weight gradients: two layers' QKV, output, up and down projections and the head's, each a
+    [k, n] = [k, m] x [m, n] GEMM accumulated into fp32 (`compute.weight_grad_time`)."""
+    from orangetron.plan.compute import weight_grad_time
+
+    model = ModelSpec(name="g", hidden_size=1024, num_layers=4, num_heads=8, vocab_size=32768, ffn_hidden_size=4096,
+                      mlp="gelu")
+    cluster, deg, rows, h = make_cluster("h100", 2), Degrees(pp=2), 2048, 1024
+    one_f_one_b = step_time(model, deg, Job(seq_len=rows, global_batch=8), cluster)
+    zero_bubble = step_time(model, deg, Job(seq_len=rows, global_batch=8, pp_schedule="zb-h1"), cluster)
+    gpu = cluster.gpu
+    per_layer = sum(weight_grad_time(rows, k, n, gpu, "bfloat16", 2.0)
+                    for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)))
+    w = 2 * per_layer + weight_grad_time(rows, h, 32768, gpu, "bfloat16", 2.0)
+    assert one_f_one_b.compute_s == zero_bubble.compute_s
+    assert one_f_one_b.bubble_s - zero_bubble.bubble_s == pytest.approx(2 * (deg.pp - 1) * w, rel=1e-12)
+    assert one_f_one_b.step_s - zero_bubble.step_s == pytest.approx(2 * (deg.pp - 1) * w, rel=1e-12)
+
+
+def test_zero_bubble_h1_holds_pp_micro_batches_on_every_stage():
+    """Stage 0 holds pp micro-batches under both schedules; the last stage holds one under 1F1B and, with its
+    Ws pp - 1 backwards late, pp under zb-h1 (its head and loss buffers too): twice as much at pp 2."""
+    from orangetron.plan.activations import stage_activation_bytes
+
+    model = ModelSpec(name="g", hidden_size=1024, num_layers=4, num_heads=8, vocab_size=32768, ffn_hidden_size=4096)
+    deg = Degrees(pp=2)
+    one_f_one_b, zero_bubble = ([stage_activation_bytes(model, deg, Job(seq_len=2048, global_batch=8,
+                                                                            pp_schedule=s), stage) for stage in (0, 1)]
+                                for s in ("1f1b", "zb-h1"))
+    assert zero_bubble[0] == one_f_one_b[0] and zero_bubble[1] == 2 * one_f_one_b[1]
+
+
+def test_zero_bubble_h1_is_priced_not_run():
+    from orangetron.parallel.config import ParallelConfig, ParallelConfigError
+    from orangetron.plan.config import validate
+
+    with pytest.raises(ParallelConfigError, match="pp_schedule='zb-h1': the zero-bubble schedule is priced by"):
+        ParallelConfig(pp_schedule="zb-h1", microbatches=4)
+    with pytest.raises(ValueError, match="pp=4: the zb-h1 schedule needs at least pp micro-batches, not 2"):
+        validate(gpt(8, 1024, 8), Degrees(pp=4), Job(seq_len=2048, global_batch=2, pp_schedule="zb-h1"))

@@ -58,6 +58,9 @@ class ParallelConfig:
                                       "(estimate --dispatcher deepep); the runtime runs ragged, capacity or allgather")
         _choice("dispatcher", self.dispatcher, DISPATCHERS)
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        if self.pp_schedule == "zb-h1":
+            raise ParallelConfigError("pp_schedule='zb-h1': the zero-bubble schedule is priced by the planner only "
+                                      "(estimate --pp-schedule zb-h1); the runtime runs gpipe, 1f1b or interleaved")
         _choice("pp_schedule", self.pp_schedule, SCHEDULES)
         _choice("recompute", self.recompute, RECOMPUTE)
         _choice("param_dtype", self.param_dtype, tuple(DTYPES))

@@ -195,7 +195,8 @@ def in_flight(deg: Degrees, job: Job, stage: int) -> float:
     """Layer-chunks' worth of micro-batches a stage holds at its peak, in units of the stage's layers.
 
     1F1B: stage s holds pp - s micro-batches (stage 0 holds pp); GPipe holds all of them; interleaved with v
-    chunks holds v*pp + pp - 1 - 2s chunk-micro-batches of 1/v of its layers (Korthikanti's 1 + (p-1)/(p*v)).
+    chunks holds v*pp + pp - 1 - 2s chunk-micro-batches of 1/v of its layers (Korthikanti's 1 + (p-1)/(p*v));
+    zb-h1 holds pp on every stage, counting a micro-batch whose W waits as whole (an upper bound).
     """
     p, m, v = deg.pp, job.microbatches(deg), job.virtual_stages
     if p == 1:
@@ -204,6 +205,8 @@ def in_flight(deg: Degrees, job: Job, stage: int) -> float:
         return float(m)
     if job.pp_schedule == "interleaved" and v > 1:
         return min(v * p + p - 1 - 2 * stage, m * v) / v
+    if job.pp_schedule == "zb-h1":  # stage s runs each W s backwards late: pp - s waiting for B, s for W
+        return float(min(p, m))
     return float(min(p - stage, m))
 
 
@@ -240,7 +243,10 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
 
 def head_in_flight(deg: Degrees, job: Job) -> int:
     """Micro-batches whose output layer and loss the last stage holds at once: GPipe runs every forward
-    before any backward (m); 1F1B and interleaved 1F1B run the last chunk's backward right after its forward."""
+    before any backward (m); 1F1B and interleaved 1F1B run the last chunk's backward right after its forward;
+    zb-h1's last stage runs each W pp - 1 backwards late, and the head's W needs the logits' gradient."""
+    if deg.pp > 1 and job.pp_schedule == "zb-h1":
+        return min(deg.pp, job.microbatches(deg))
     return job.microbatches(deg) if deg.pp > 1 and job.pp_schedule == "gpipe" else 1
 
 

@@ -64,8 +64,9 @@ def schedule_chart(slots: list, pp: int, title: str, path: str) -> None:
     palette = plt.get_cmap("tab10")
     for s in slots:
         shade = palette(s.action.chunk % 10)
-        alpha = 0.45 if s.action.kind == "F" else 0.95
-        ax.barh(s.rank, s.end - s.start, left=s.start, color=shade, alpha=alpha, edgecolor="black", linewidth=0.5)
+        alpha = {"F": 0.45, "B": 0.95, "W": 0.7}[s.action.kind]
+        ax.barh(s.rank, s.end - s.start, left=s.start, color=shade, alpha=alpha, edgecolor="black", linewidth=0.5,
+                hatch="//" if s.action.kind == "W" else None)
         text = f"{s.action.kind}{s.action.microbatch}" + (f".{s.action.chunk}" if chunks > 1 else "")
         ax.text((s.start + s.end) / 2, s.rank, text, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])

@@ -18,8 +18,8 @@ from orangetron.plan.config import (
     DTYPE_BYTES,
     FP8_RECIPES,
     PLAN_DISPATCHERS,
+    PLAN_SCHEDULES,
     RECOMPUTE,
-    SCHEDULES,
     Degrees,
     Job,
 )
@@ -79,8 +79,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--no-overlap-grad-reduce", action="store_true",
                      help="reduce gradients after the last backward instead of behind it (Megatron-LM 2021, "
                           "DeepSpeed's pipeline engine)")
-    est.add_argument("--pp-schedule", choices=SCHEDULES, default=None,
-                     help="default: interleaved when --virtual-stages > 1, else 1f1b")
+    est.add_argument("--pp-schedule", choices=PLAN_SCHEDULES, default=None,
+                     help="default: interleaved when --virtual-stages > 1, else 1f1b; zb-h1 (zero bubble with "
+                          "1F1B's memory) is priced here only")
     # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
     est.add_argument("--allow-oom", action="store_true", help=argparse.SUPPRESS)
     est.set_defaults(run=run_estimate)
@@ -328,7 +329,8 @@ def _add_schedule_command(sub: argparse._SubParsersAction) -> None:
                                    "and a timeline chart.")
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=PLAN_SCHEDULES, default="1f1b",
+                   help="zb-h1 splits each backward into B and W (W = half of it here)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     p.add_argument("-o", "--output", metavar="FILE.png", help="draw the timeline")
     p.add_argument("--measured", action="store_true",
@@ -353,7 +355,7 @@ def run_schedule(args: argparse.Namespace) -> int:
         "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
         "virtual_stages": args.virtual_stages, "bubble_fraction": bubble_fraction(slots, args.pp),
         "measured": args.measured, "simulated_bubble_fraction": simulated,
-        "formula_bubble_fraction": (args.pp - 1) / (args.virtual_stages * args.microbatches + args.pp - 1),
+        "formula_bubble_fraction": _formula_bubble(args.pp, args.microbatches, args.schedule, args.virtual_stages),
         "makespan": max(s.end for s in slots),
         "peak_in_flight": [peak_in_flight(slots, r) for r in range(args.pp)],
         "order": [[f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if args.virtual_stages > 1 else "") for a in rank]
@@ -375,6 +377,16 @@ def run_schedule(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _formula_bubble(pp: int, microbatches: int, schedule: str, virtual_stages: int) -> float:
+    """The cost model's bubble fraction at the simulation's costs (forward 1, backward 2, W half of it)."""
+    from orangetron.plan.schedule import zero_bubble_h1_bubble
+
+    if schedule == "zb-h1":
+        idle = zero_bubble_h1_bubble(pp, 1.0, 1.0, 1.0)
+        return idle / (3.0 * microbatches + idle)
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
 def _require_matplotlib() -> None:

@@ -80,11 +80,23 @@ def linear_time(m: int, k: int, n: int, gpu: GPUSpec, dtype: str, act_bytes: flo
                 groups: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds of a linear layer: y[m, n] = x[m, k] W[k, n]; backward is dgrad and the
     wgrad accumulated into an fp32 main gradient (read and written: 8 bytes per weight element)."""
+    fwd, dgrad, wgrad = linear_parts(m, k, n, gpu, dtype, act_bytes, groups)
+    return fwd, dgrad + wgrad
+
+
+def linear_parts(m: int, k: int, n: int, gpu: GPUSpec, dtype: str, act_bytes: float,
+                 groups: int = 1) -> tuple[float, float, float]:
+    """(forward, dgrad, wgrad) seconds of `linear_time`'s linear layer: a zero-bubble pipeline schedules the
+    weight gradient apart from the input gradient."""
     out = 2.0 if act_bytes < 2 else act_bytes  # FP8 GEMMs write 16-bit outputs
     fwd = gemm_time(m, k, n, gpu, dtype, act_bytes, out, groups)
     dgrad = gemm_time(m, n, k, gpu, dtype, act_bytes, out, groups)
-    wgrad = gemm_time(k, m, n, gpu, dtype, act_bytes, 4.0, groups, acc_bytes=4.0)
-    return fwd, dgrad + wgrad
+    return fwd, dgrad, weight_grad_time(m, k, n, gpu, dtype, act_bytes, groups)
+
+
+def weight_grad_time(m: int, k: int, n: int, gpu: GPUSpec, dtype: str, act_bytes: float, groups: int = 1) -> float:
+    """Seconds of a linear layer's wgrad: dW[k, n] = x^T dy, accumulated into the fp32 main gradient."""
+    return gemm_time(k, m, n, gpu, dtype, act_bytes, 4.0, groups, acc_bytes=4.0)
 
 
 def causal_keys(seq: int) -> float:

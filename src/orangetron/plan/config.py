@@ -15,7 +15,9 @@ CP_MODES = ("ring", "allgather", "ulysses", "usp", "rsa")
 DISPATCHERS = ("ragged", "capacity", "allgather")  # the runtime's
 # "deepep": node-deduplicated dispatch over RDMA with NVLink forwarding (plan.node_dispatch); planner only
 PLAN_DISPATCHERS = DISPATCHERS + ("deepep",)
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the runtime's
+# "zb-h1": zero-bubble pipeline with 1F1B's memory (plan.schedule); planner only
+PLAN_SCHEDULES = SCHEDULES + ("zb-h1",)
 ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "eager")
 # "delayed": Transformer Engine's per-tensor scales from an amax history; "blockwise": DeepSeek-V3's fine-grained
 # scales, one per 1 x 128 activation tile and per 128 x 128 weight block (arXiv:2412.19437 section 3.3.2)
@@ -84,7 +86,7 @@ class Job:
         _check_choice("recompute", self.recompute, RECOMPUTE)
         _check_choice("cp_mode", self.cp_mode, CP_MODES)
         _check_choice("dispatcher", self.dispatcher, PLAN_DISPATCHERS)
-        _check_choice("pp_schedule", self.pp_schedule, SCHEDULES)
+        _check_choice("pp_schedule", self.pp_schedule, PLAN_SCHEDULES)
         _check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         if self.zero3_reduce_every_microbatch and self.zero_stage != 3:
@@ -250,3 +252,5 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     m = job.microbatches(degrees)
     if job.pp_schedule == "interleaved" and p > 1 and m % p:
         raise ValueError(f"pp={p}: interleaved schedule needs micro-batches ({m}) divisible by pp")
+    if job.pp_schedule == "zb-h1" and p > 1 and m < p:
+        raise ValueError(f"pp={p}: the zb-h1 schedule needs at least pp micro-batches, not {m}")

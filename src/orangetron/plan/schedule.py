@@ -7,6 +7,11 @@ backward costs, which gives the bubble and how many micro-batches' activations e
 peak. The cost model's closed forms (the bubble (p-1)/(v*m + p-1) of Narayanan et al. 2021, the in-flight
 counts of Korthikanti et al. 2022) are tested against this simulation.
 
+"zb-h1" is the zero-bubble schedule of Qi et al. 2024 (arXiv:2401.10241, ZB-H1) that keeps 1F1B's peak memory:
+the backward splits into B (the gradient of the input, on the critical path) and W (the weight gradient,
+which nothing downstream waits for), and rank r runs each W r backward passes late, so that the Ws fill the
+drain at the end of the step. Its bubble is (pp-1)(F + B - min(W, F, B)) against 1F1B's (pp-1)(F + B + W).
+
 Virtual stage g = chunk * pp + rank: with v chunks, rank r holds chunks r, r + pp, ... of the model.
 """
 
@@ -16,7 +21,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from orangetron.plan.config import SCHEDULES
+from orangetron.plan.config import PLAN_SCHEDULES
 
 
 class ScheduleError(ValueError):
@@ -25,7 +30,7 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" or "B"
+    kind: str  # "F" forward, "B" backward (input gradient only under zb-h1), "W" weight gradient (zb-h1)
     chunk: int
     microbatch: int
 
@@ -44,12 +49,14 @@ def _check(pp: int, microbatches: int, schedule: str, virtual_stages: int) -> No
     for name, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name}={value!r}: must be a positive integer")
-    if schedule not in SCHEDULES:
-        raise ScheduleError(f"schedule={schedule!r}: must be one of {', '.join(SCHEDULES)}")
+    if schedule not in PLAN_SCHEDULES:
+        raise ScheduleError(f"schedule={schedule!r}: must be one of {', '.join(PLAN_SCHEDULES)}")
     if virtual_stages > 1 and schedule != "interleaved":
         raise ScheduleError(f"virtual_stages={virtual_stages}: needs schedule 'interleaved'")
     if schedule == "interleaved" and microbatches % pp:
         raise ScheduleError(f"microbatches={microbatches}: the interleaved schedule needs a multiple of pp={pp}")
+    if schedule == "zb-h1" and microbatches < pp:
+        raise ScheduleError(f"microbatches={microbatches}: the zb-h1 schedule needs at least pp={pp}")
 
 
 def actions(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> list[list[Action]]:
@@ -61,6 +68,8 @@ def actions(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: 
                 for _ in range(pp)]
     if schedule == "1f1b":
         return [_one_forward_one_backward(m, warmup=min(pp - r - 1, m), chunks=1, pp=pp) for r in range(pp)]
+    if schedule == "zb-h1":
+        return [_zero_bubble_h1(m, pp, r) for r in range(pp)]
     v = virtual_stages
     # Megatron's interleaved warmup: two extra forwards per rank below, plus a full round of the other chunks.
     return [_one_forward_one_backward(m, warmup=min((pp - r - 1) * 2 + (v - 1) * pp, m * v), chunks=v, pp=pp)
@@ -70,6 +79,24 @@ def actions(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: 
 def _one_forward_one_backward(m: int, warmup: int, chunks: int, pp: int) -> list[Action]:
     """Warmup forwards, then alternate one forward and one backward, then the remaining backwards."""
     return list(_one_forward_one_backward_order(m, warmup, chunks, pp))
+
+
+def _zero_bubble_h1(m: int, pp: int, rank: int) -> list[Action]:
+    """1F1B's order of forwards and input-gradient backwards, each weight gradient `rank` backwards late."""
+    out, waiting = [], []
+    for a in _one_forward_one_backward_order(m, warmup=pp - rank - 1, chunks=1, pp=pp):
+        out.append(a)
+        if a.kind == "B":
+            waiting.append(a.microbatch)
+            if len(waiting) > rank:
+                out.append(Action("W", 0, waiting.pop(0)))
+    return out + [Action("W", 0, i) for i in waiting]
+
+
+def zero_bubble_h1_bubble(pp: int, forward: float, input_grad: float, weight_grad: float) -> float:
+    """Idle seconds of each rank in a zb-h1 step (at least pp micro-batches): the drain's Bs wait for the next
+    rank as in 1F1B, and each gap takes one deferred W, as long as W fits in it (F and B bound the gaps)."""
+    return (pp - 1) * (forward + input_grad - min(weight_grad, forward, input_grad))
 
 
 def interleaved_prefix(pp: int, microbatches: int, virtual_stages: int, length: int) -> list[list[Action]]:
@@ -102,11 +129,14 @@ def _one_forward_one_backward_order(m: int, warmup: int, chunks: int, pp: int) -
 
 
 def simulate(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1,
-             forward_cost: float = 1.0, backward_cost: float = 2.0) -> list[Slot]:
+             forward_cost: float = 1.0, backward_cost: float = 2.0, weight_cost: float | None = None) -> list[Slot]:
     """Place every action at the earliest time its rank is free and its input has arrived.
 
-    Costs are per chunk (a rank's whole stage costs `forward_cost`, each of its v chunks 1/v of it).
+    Costs are per chunk (a rank's whole stage costs `forward_cost`, each of its v chunks 1/v of it). Under
+    zb-h1 the backward's `weight_cost` (default: half of it) runs as its own W pass after that B.
     """
+    weight = backward_cost / 2 if weight_cost is None else weight_cost
+    cost = {"F": forward_cost, "B": backward_cost - weight if schedule == "zb-h1" else backward_cost, "W": weight}
     plan = actions(pp, microbatches, schedule, virtual_stages)
     v = virtual_stages
     last = v * pp - 1
@@ -120,12 +150,12 @@ def simulate(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages:
                 continue
             act = plan[rank][cursor[rank]]
             g = act.chunk * pp + rank
-            needs = (("F", g - 1) if g > 0 else None) if act.kind == "F" else (("B", g + 1) if g < last else ("F", g))
+            needs = _needs(act.kind, g, last)
             ready = 0.0 if needs is None else done.get((*needs, act.microbatch))
             if ready is None:
                 continue
             start = max(free[rank], ready)
-            end = start + (forward_cost if act.kind == "F" else backward_cost) / v
+            end = start + cost[act.kind] / v
             done[(act.kind, g, act.microbatch)] = free[rank] = end
             slots.append(Slot(rank, act, start, end))
             cursor[rank] += 1
@@ -133,6 +163,15 @@ def simulate(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages:
         if not progressed:
             raise ScheduleError(f"schedule={schedule!r} deadlocks with pp={pp}, microbatches={microbatches}")
     return slots
+
+
+def _needs(kind: str, g: int, last: int) -> tuple[str, int] | None:
+    """The pass (kind, virtual stage) of the same micro-batch that must end before `kind` runs on stage `g`."""
+    if kind == "F":
+        return ("F", g - 1) if g > 0 else None
+    if kind == "W":
+        return ("B", g)
+    return ("B", g + 1) if g < last else ("F", g)
 
 
 def bubble_fraction(slots: list[Slot], pp: int) -> float:
@@ -143,8 +182,12 @@ def bubble_fraction(slots: list[Slot], pp: int) -> float:
 
 
 def peak_in_flight(slots: list[Slot], rank: int) -> int:
-    """Most (chunk, micro-batch) activations `rank` holds at once: from a forward's start to its backward's end."""
-    events = sorted(((s.start, 1) if s.action.kind == "F" else (s.end, -1)) for s in slots if s.rank == rank)
+    """Most (chunk, micro-batch) activations `rank` holds at once: from a forward's start to the end of its last
+    backward pass (the W under zb-h1, which needs the layer inputs and output gradients)."""
+    mine = [s for s in slots if s.rank == rank]
+    release = "W" if any(s.action.kind == "W" for s in mine) else "B"
+    events = sorted((s.start, 1) if s.action.kind == "F" else (s.end, -1)
+                    for s in mine if s.action.kind in ("F", release))
     held = peak = 0
     for _, change in events:
         held += change

@@ -35,7 +35,9 @@ from orangetron.plan.compute import (
     causal_keys,
     flash_efficiency,
     gemm_time,
+    linear_parts,
     linear_time,
+    weight_grad_time,
 )
 from orangetron.plan.config import Degrees, Job, canonical_job, model_state_job, without_data_parallel
 from orangetron.plan.hardware import Cluster, GPUSpec
@@ -49,6 +51,7 @@ from orangetron.plan.network import (
     p2p_time,
 )
 from orangetron.plan.params import stage_params
+from orangetron.plan.schedule import zero_bubble_h1_bubble
 from orangetron.plan.stages import (
     distinct_stages,
     replay_split,
@@ -111,9 +114,14 @@ def _gemm_dtype(job: Job) -> tuple[str, float]:
     return job.param_dtype, float(job.param_bytes)
 
 
-def _linear(m: int, k: int, n: int, cluster: Cluster, job: Job, groups: int = 1) -> tuple[float, float]:
+# GEMM seconds travel as (forward, backward, of which the weight gradient): zb-h1 schedules the last apart.
+Gemms = tuple[float, float, float]
+
+
+def _linear(m: int, k: int, n: int, cluster: Cluster, job: Job, groups: int = 1) -> Gemms:
     dtype, nbytes = _gemm_dtype(job)
-    return linear_time(m, k, n, cluster.gpu, dtype, nbytes, groups)
+    fwd, dgrad, wgrad = linear_parts(m, k, n, cluster.gpu, dtype, nbytes, groups)
+    return fwd, dgrad + wgrad, wgrad
 
 
 def _attention_flops(model: ModelSpec, rows: int, keys: float, heads: int) -> float:
@@ -134,14 +142,15 @@ class LayerCost:
     experts_b: float
     shared_f: float = 0.0  # the shared-expert GEMMs (part of `gemm_*`): they need no dispatched token
     shared_b: float = 0.0
+    wgrad: float = 0.0  # the weight gradients (part of `gemm_b`)
 
     @property
     def forward(self) -> float:
         return self.gemm_f + self.attention_f + self.elementwise
 
 
-def _add(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
-    return a[0] + b[0], a[1] + b[1]
+def _add(a: Gemms, b: Gemms) -> Gemms:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
 
 
 @lru_cache(maxsize=4096)
@@ -153,7 +162,7 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
     h = model.hidden_size
     o_in = model.num_heads * model.v_dim // t
     gemm = _add(_qkv_time(model, rows, t, cluster, job), _linear(rows, o_in, h, cluster, job))
-    experts = shared = (0.0, 0.0)
+    experts = shared = (0.0, 0.0, 0.0)
     if moe:
         experts = _routed_experts_time(model, deg, job, cluster, rows)
         shared_ffn = model.num_shared_experts * model.moe_ffn_hidden_size // t
@@ -167,10 +176,10 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
     elementwise = _elementwise_time(model, deg, job, cluster, ffn, eff)
     if moe:
         elementwise += _permute_time(model, deg, job, cluster, rows, eff)
-    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts, *shared)
+    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts[:2], *shared[:2], wgrad=gemm[2])
 
 
-def _qkv_time(model: ModelSpec, rows: int, t: int, cluster: Cluster, job: Job) -> tuple[float, float]:
+def _qkv_time(model: ModelSpec, rows: int, t: int, cluster: Cluster, job: Job) -> Gemms:
     """Q, K, V projections. MLA (kv_lora_rank > 0) runs its real shapes: down-projections to the latent
     ranks (replicated across tp) and up-projections to the heads, not a full-width multi-head projection."""
     h, heads = model.hidden_size, model.num_heads // t
@@ -234,8 +243,7 @@ def _eager_attention_time(model: ModelSpec, rows: int, keys: int, batch_heads: i
     return qk + pv, bwd
 
 
-def _mlp_time(model: ModelSpec, rows: int, ffn: int, cluster: Cluster, job: Job,
-              groups: int = 1) -> tuple[float, float]:
+def _mlp_time(model: ModelSpec, rows: int, ffn: int, cluster: Cluster, job: Job, groups: int = 1) -> Gemms:
     """Up (gate + up for SwiGLU) and down projections of width `ffn` on this GPU."""
     up = 2 if model.mlp == "swiglu" else 1
     h = model.hidden_size
@@ -272,7 +280,7 @@ def busiest_share(copies: int, ranks: int) -> float:
 
 
 def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
-                         rows: int) -> tuple[float, float]:
+                         rows: int) -> Gemms:
     """This GPU's experts on the busiest rank's share of the routed token copies, as one grouped GEMM per
     projection, or per projection and token chunk under `ep_overlap_chunks` (each chunk's experts run on
     its own tokens): few tokens per expert pad their tiles and re-read the weights (see `compute`)."""
@@ -282,8 +290,8 @@ def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Clus
     local = max(1, model.num_experts // deg.ep)
     chunks = job.ep_overlap_chunks
     per_expert = max(1, routed // local // chunks)
-    fwd, bwd = _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job, groups=local)
-    return fwd * chunks, bwd * chunks
+    gemms = _mlp_time(model, per_expert, model.moe_ffn_hidden_size // deg.etp, cluster, job, groups=local)
+    return gemms[0] * chunks, gemms[1] * chunks, gemms[2] * chunks
 
 
 def _elementwise_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, ffn: int,
@@ -423,6 +431,8 @@ class _StageTime:
     cp: float
     ep: float
     pp: float
+    forward: float = 0.0  # compute seconds of the forward pass (part of `compute`; zb-h1 only)
+    wgrad: float = 0.0  # compute seconds of the weight gradients (part of `compute`; zb-h1 only)
 
     @property
     def total(self) -> float:
@@ -441,7 +451,8 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
                        net: NetworkParams, eff: Efficiency) -> _StageTime:
     if job.ep_comm_sms_reserved and model.is_moe and deg.ep > 1:
         cluster = _with_sms_reserved(cluster, job.ep_comm_sms)  # compute runs on what the dispatch leaves
-    compute = tp = cp = ep = 0.0
+    compute = tp = cp = ep = forward = wgrad = 0.0
+    split = job.pp_schedule == "zb-h1"
     for layer_job, count, moe in _layer_kinds(model, deg, job, stage):
         if not count:
             continue
@@ -450,17 +461,24 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
         tp += count * tp_t
         cp += count * cp_t
         ep += count * ep_t
+        if split:
+            cost = layer_cost(model, deg, layer_job, cluster, moe, eff)
+            forward += count * cost.forward
+            wgrad += count * cost.wgrad
     if stage == deg.pp - 1 and model.vocab_size:
         rows = job.seq_len // deg.cp * job.micro_batch
         # The output head stays in 16-bit under FP8 training: Megatron's output layer is not a Transformer
         # Engine module, and DeepSeek-V3 keeps it in BF16 (arXiv:2412.19437 section 3.3.1).
-        head = linear_time(rows, model.hidden_size, model.vocab_size // deg.tp, cluster.gpu, job.param_dtype,
-                           float(job.param_bytes))
-        compute += sum(head)
-        compute += _loss_time(model, deg, job, cluster, eff)
+        shape = (rows, model.hidden_size, model.vocab_size // deg.tp, cluster.gpu, job.param_dtype,
+                 float(job.param_bytes))
+        head = linear_time(*shape)
+        loss = _loss_time(model, deg, job, cluster, eff)
+        compute += sum(head) + loss
+        forward += head[0] + loss
+        wgrad += weight_grad_time(*shape)
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
                        group_places(deg, cluster), cluster, net)
-    return _StageTime(compute, tp, cp, ep, pp)
+    return _StageTime(compute, tp, cp, ep, pp, forward, wgrad)
 
 
 @lru_cache(maxsize=64)
@@ -599,6 +617,8 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
     slow = max(stages, key=lambda st: st.total)
     v = job.virtual_stages if job.pp_schedule == "interleaved" else 1
     bubble = (deg.pp - 1) / v * slow.total
+    if job.pp_schedule == "zb-h1":  # exposed communication counts with the input-gradient backward
+        bubble = zero_bubble_h1_bubble(deg.pp, slow.forward, slow.total - slow.forward - slow.wgrad, slow.wgrad)
     dp = _dp_exposed(model, deg, job, cluster, slow.total, m, net, eff)
     optimizer = _optimizer_time(model, deg, job, cluster, eff)
     step = m * slow.total + bubble + dp + optimizer
