@@ -117,8 +117,8 @@ def test_zero_bubble_h1_makespan_equals_its_closed_form(pp, m, f, b, w):
 
 def test_zero_bubble_h1_by_hand():
     """pp=2, m=2, F = B = W = 1. Rank 1 runs each W one backward late: F0 B0 F1 B1 W0 W1, from t=1 to 7.
-    Rank 0 runs F0 F1, waits for rank 1's B0 (t=3), B0 W0, waits for B1 (t=5), B1 W1: both end at 7, where
-    1F1B (backward 2) ends at 9 and the closed form gives 2 * 3 + (2 - 1)(1 + 1 - 1) = 7."""
+    Rank 0 runs F0 F1, waits for rank 1's B0 (t=3), then B0 W0 and B1 (rank 1's B1 ended at 5) and W1: both
+    end at 7, where 1F1B (backward 2) ends at 9 and the closed form gives 2 * 3 + (2 - 1)(1 + 1 - 1) = 7."""
     names = [[f"{a.kind}{a.microbatch}" for a in rank] for rank in actions(2, 2, "zb-h1")]
     assert names == [["F0", "F1", "B0", "W0", "B1", "W1"], ["F0", "B0", "F1", "B1", "W0", "W1"]]
     slots = simulate(2, 2, "zb-h1", forward_cost=1.0, backward_cost=2.0, weight_cost=1.0)
@@ -127,9 +127,11 @@ def test_zero_bubble_h1_by_hand():
     assert max(s.end for s in simulate(2, 2, "1f1b", forward_cost=1.0, backward_cost=2.0)) == 9
 
 
-def test_zero_bubble_h1_refuses_fewer_micro_batches_than_stages():
+def test_zero_bubble_h1_refuses_fewer_micro_batches_than_stages_and_a_w_longer_than_the_backward():
     with pytest.raises(ScheduleError, match=r"microbatches=3: the zb-h1 schedule needs at least pp=4"):
         actions(4, 3, "zb-h1")
+    with pytest.raises(ScheduleError, match=r"weight_cost=2.0: must lie between 0 and backward_cost=1.0"):
+        simulate(2, 2, "zb-h1", backward_cost=1.0, weight_cost=2.0)
 
 
 def test_schedule_command_zero_bubble_h1(capsys):

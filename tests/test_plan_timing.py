@@ -364,16 +364,29 @@ def test_zero_bubble_h1_saves_twice_the_weight_gradients_of_the_slowest_stage_pe
 
 
 def test_zero_bubble_h1_holds_pp_micro_batches_on_every_stage():
-    """Stage 0 holds pp micro-batches under both schedules; the last stage holds one under 1F1B and, with its
-    Ws pp - 1 backwards late, pp under zb-h1 (its head and loss buffers too): twice as much at pp 2."""
+    """Stage 0 holds pp micro-batches waiting for their B under both schedules. The last stage (pp 2) holds one
+    under 1F1B; under zb-h1 it also holds one whose W waits, and the head's buffers once more. The W reads
+    every GEMM's input and 16-bit output gradient: per layer and token, QKV h in and 3h out, the output
+    projection h and h, fc1 h and 4h, fc2 4h and h, 16h elements; the head keeps its input twice (2h) and the
+    fp32 logits' gradient (the paper's 4sbh(1 + v/h)). Recompute frees the waiting-for-B micro-batch's
+    activations, never what the W reads (the replay made it again), so the W costs the same with it."""
     from orangetron.plan.activations import stage_activation_bytes
 
-    model = ModelSpec(name="g", hidden_size=1024, num_layers=4, num_heads=8, vocab_size=32768, ffn_hidden_size=4096)
-    deg = Degrees(pp=2)
-    one_f_one_b, zero_bubble = ([stage_activation_bytes(model, deg, Job(seq_len=2048, global_batch=8,
-                                                                            pp_schedule=s), stage) for stage in (0, 1)]
-                                for s in ("1f1b", "zb-h1"))
-    assert zero_bubble[0] == one_f_one_b[0] and zero_bubble[1] == 2 * one_f_one_b[1]
+    model = ModelSpec(name="g", hidden_size=1024, num_layers=4, num_heads=8, vocab_size=32768, ffn_hidden_size=4096,
+                      mlp="gelu")
+    deg, h, tokens = Degrees(pp=2), 1024, 2048
+
+    def peaks(schedule: str, recompute: str = "none") -> list[int]:
+        job = Job(seq_len=tokens, global_batch=8, pp_schedule=schedule, recompute=recompute)
+        return [stage_activation_bytes(model, deg, job, stage) for stage in (0, 1)]
+
+    one_f_one_b, zero_bubble = peaks("1f1b"), peaks("zb-h1")
+    w_state = 2 * 2 * tokens * 16 * h  # two layers, 2 bytes
+    head = 2 * 2 * tokens * h + 4 * tokens * 32768
+    assert zero_bubble[0] == one_f_one_b[0] and zero_bubble[1] == one_f_one_b[1] + w_state + head
+    replayed, replayed_zb = peaks("1f1b", "full"), peaks("zb-h1", "full")
+    assert replayed_zb[1] - replayed[1] == w_state + head
+    assert replayed_zb[0] == replayed[0] < one_f_one_b[0]
 
 
 def test_zero_bubble_h1_is_priced_not_run():
@@ -384,3 +397,62 @@ def test_zero_bubble_h1_is_priced_not_run():
         ParallelConfig(pp_schedule="zb-h1", microbatches=4)
     with pytest.raises(ValueError, match="pp=4: the zb-h1 schedule needs at least pp micro-batches, not 2"):
         validate(gpt(8, 1024, 8), Degrees(pp=4), Job(seq_len=2048, global_batch=2, pp_schedule="zb-h1"))
+
+
+def test_zero_bubble_h1_on_moe_layers_by_hand():
+    """A MoE stage under zb-h1: W is each GEMM's weight gradient, the routed experts' as grouped GEMMs of
+    s * top_k / experts rows each (4 experts, top-2: 1024 rows), the shared expert's over all s rows, and the
+    head's; F is the forward of every layer (GEMMs, attention and memory-bound work) with the head and loss;
+    B the rest. The bubble is the closed form on those three, and the step is 1F1B's less the difference."""
+    from orangetron.plan.compute import linear_time, weight_grad_time
+    from orangetron.plan.network import DEFAULT_PARAMS
+    from orangetron.plan.schedule import zero_bubble_h1_bubble
+    from orangetron.plan.timing import DEFAULT_EFFICIENCY, _loss_time, _stage_time
+
+    model = ModelSpec(name="moe", hidden_size=1024, num_layers=4, num_heads=8, vocab_size=32768,
+                      ffn_hidden_size=4096, mlp="gelu", num_experts=4, top_k=2, moe_ffn_hidden_size=1024,
+                      num_shared_experts=1)
+    cluster, deg, rows, h, f = make_cluster("h100", 2), Degrees(pp=2), 2048, 1024, 1024
+    gpu, wg = cluster.gpu, weight_grad_time
+    layer_w = sum(wg(rows, k, n, gpu, "bfloat16", 2.0) for k, n in ((h, 3 * h), (h, h), (h, f), (f, h)))
+    layer_w += wg(1024, h, f, gpu, "bfloat16", 2.0, groups=4) + wg(1024, f, h, gpu, "bfloat16", 2.0, groups=4)
+    w = 2 * layer_w + wg(rows, h, 32768, gpu, "bfloat16", 2.0)
+    base, zb = Job(seq_len=rows, global_batch=8), Job(seq_len=rows, global_batch=8, pp_schedule="zb-h1")
+    forward = 2 * layer_cost(model, deg, zb, cluster, True).forward + \
+        linear_time(rows, h, 32768, gpu, "bfloat16", 2.0)[0] + _loss_time(model, deg, zb, cluster, DEFAULT_EFFICIENCY)
+    last = _stage_time(model, deg, zb, cluster, 1, DEFAULT_PARAMS, DEFAULT_EFFICIENCY)
+    assert last.forward == pytest.approx(forward, rel=1e-12) and last.wgrad == pytest.approx(w, rel=1e-12)
+    one_f_one_b, zero_bubble = step_time(model, deg, base, cluster), step_time(model, deg, zb, cluster)
+    stage = one_f_one_b.bubble_s / (deg.pp - 1)
+    assert zero_bubble.bubble_s == pytest.approx(zero_bubble_h1_bubble(deg.pp, forward, stage - forward - w, w),
+                                                 rel=1e-12)
+    assert one_f_one_b.step_s - zero_bubble.step_s == pytest.approx(one_f_one_b.bubble_s - zero_bubble.bubble_s,
+                                                                    rel=1e-12)
+
+
+def test_zero_bubble_h1_shared_experts_hide_traffic_without_their_weight_gradients():
+    """Without EP overlap the all-to-all hides behind the shared experts; under zb-h1 their W runs in the W pass,
+    apart from the B whose traffic it hid."""
+    from orangetron.plan.timing import LayerCost, _ep_window
+
+    cost = LayerCost(gemm_f=2, gemm_b=4, attention_f=1, attention_b=2, elementwise=0.25, experts_f=0.5,
+                     experts_b=1.0, shared_f=0.5, shared_b=1.0, wgrad=2.0, shared_w=0.4)
+    deg = Degrees(pp=2, dp=2, ep=2)
+    one_f_one_b = Job(seq_len=8, global_batch=8, overlap_ep=False)
+    zero_bubble = replace(one_f_one_b, pp_schedule="zb-h1")
+    assert _ep_window(cost, 9.0, one_f_one_b, deg) == 1.5
+    assert _ep_window(cost, 9.0, zero_bubble, deg) == pytest.approx(1.1)
+
+
+def test_weight_gradient_state_of_an_mla_moe_layer_by_hand():
+    """What a waiting W reads per token (2 bytes each, tp 1): the output projection 64 in, 128 out; MLA's kv
+    down 128 -> 32 + 8 and up 32 -> 4 x (16 + 16); q down 128 -> 48 and up 48 -> 4 x (16 + 8); per routed copy
+    (top-2) gate-and-up 128 -> 2 x 64 and down 64 -> 128; the shared expert the same once."""
+    from orangetron.plan.activations import weight_grad_state_bytes
+
+    model = ModelSpec(name="mla", hidden_size=128, num_layers=2, num_heads=4, vocab_size=1024, head_dim=16,
+                      v_head_dim=16, qk_rope_head_dim=8, kv_lora_rank=32, q_lora_rank=48, num_experts=4, top_k=2,
+                      moe_ffn_hidden_size=64, num_shared_experts=1)
+    attention = (64 + 128) + (128 + 40) + (32 + 128) + (128 + 48) + (48 + 96)
+    expert = (128 + 128) + (64 + 128)
+    assert weight_grad_state_bytes(model, Degrees(), Job(seq_len=256), True) == 2 * 256 * (attention + 3 * expert)

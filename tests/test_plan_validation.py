@@ -23,9 +23,10 @@ DeepSpeed's TrainSchedule issues ReduceGrads after its last step): `overlap_grad
   117 teraFLOP/s per GPU counted as GPT-NeoX logged it then (megatron/training.py `get_flops`: 6 x parameters
   + 60 x seq x hidden x layers per token, no recomputation term), which the paper's 1830 hours of training
   for 150,000 such steps confirm; compared as tokens/s per GPU.
-- DeepSeek-AI 2024, DeepSeek-V2 (arXiv:2405.04434) section 3.2: 172.8K H800 GPU hours per trillion tokens
-  (1607.5 tokens/s per GPU), pp 16, ep 8, ZeRO-1 data parallel, seq 4096, batch 2304 sequences. The cluster
-  size is not published; 1024 GPUs assumed.
+- DeepSeek-AI 2024, DeepSeek-V2 (arXiv:2405.04434) section 3: 172.8K H800 GPU hours per trillion tokens
+  (1607.5 tokens/s per GPU), pp 16 (zero-bubble), ep 8, ZeRO-1 data parallel, seq 4096, batch 9216 sequences
+  (after 2304 rising to 9216 over the first 225B of 8.1T tokens), MLA on an improved FlashAttention-2, some
+  operators recomputed. The cluster size is not published; 1024 GPUs assumed.
 - DeepSeek-AI 2024, DeepSeek-V3 (arXiv:2412.19437) sections 3.2 and 4.2: 180K H800 GPU hours per trillion
   tokens (1543.2 tokens/s per GPU) on 2048 H800, pp 16, ep 64, ZeRO-1 data parallel, FP8 GEMMs with blockwise
   scales (section 3.3.2: 1 x 128 activation tiles, 128 x 128 weight blocks), seq 4096,
@@ -153,10 +154,11 @@ RUNS = [
     # sequences over the first 225B of 8.1T tokens and stayed at 9216, so 97% of the tokens ran at 9216. "A portion
     # of the operators are recomputed to save activation memory", which ones unpublished: recompute is tuned. "MLA
     # is also optimized based on an improved version of FlashAttention-2": priced as FlashAttention-2. Its "16-way
-    # zero-bubble pipeline parallelism" (Qi et al.) is priced as ZB-H1, the variant with 1F1B's memory.
+    # zero-bubble pipeline parallelism" is priced as 1F1B: under zb-h1 no recompute choice fits the planner's
+    # memory model (the last stage holds 15 micro-batches' weight-gradient inputs, docs/planner.md section 6).
     Run("DeepSeek-V2, 1024 GPUs", "moe", load_model("deepseek-v2"), "h800", Degrees(pp=16, dp=64, ep=8),
-        Job(seq_len=4096, global_batch=9216, zero_stage=1, overlap_ep=False, attention_kernel="flash2",
-            pp_schedule="zb-h1"), "tokens", 1e12 / (172.8e3 * 3600),
+        Job(seq_len=4096, global_batch=9216, zero_stage=1, overlap_ep=False, attention_kernel="flash2"), "tokens",
+        1e12 / (172.8e3 * 3600),
         ("recompute",)),
     # DeepSeek-V3 as its report describes the run: node-limited DeepEP-style dispatch (section 3.2.2) with 20 of the
     # 132 SMs set aside for communication (section 3.5.1), blockwise FP8 (section 3.3), ZeRO-1, pp 16, ep 64.

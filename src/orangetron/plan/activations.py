@@ -224,6 +224,8 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     if deg.pp > 1 and job.pp_schedule == "interleaved" and job.virtual_stages > 1:
         return _interleaved_peak(m, deg, job, stage, x)
     total = int(_saved_bytes(m, deg, job, stage, layers) * in_flight(deg, job, stage))
+    if job.pp_schedule == "zb-h1" and deg.pp > 1:
+        total = _zero_bubble_layers_bytes(m, deg, job, stage, layers)
     total += _replay_transient(m, deg, job, stage, layers)
     sb, h = x.s * x.b, m.hidden_size
     if stage == 0 and m.dropout:
@@ -239,6 +241,44 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
         head = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
         total += head * head_in_flight(deg, job)
     return total
+
+
+def _zero_bubble_layers_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Sequence[int]) -> int:
+    """zb-h1 (pp <= m): stage s holds pp - s micro-batches waiting for their B, as 1F1B's stage 0 does, and s
+    whose W waits. A W reads each GEMM's input and output gradient, whatever the recompute (a replayed layer's
+    inputs were made again by its B's replay, and its W keeps them)."""
+    waiting_for_b = _saved_bytes(m, deg, job, stage, layers) * (deg.pp - stage)
+    moe = sum(m.is_moe_layer(i) for i in layers)
+    w_state = moe * weight_grad_state_bytes(m, deg, job, True) + \
+        (len(layers) - moe) * weight_grad_state_bytes(m, deg, job, False)
+    return int(waiting_for_b + w_state * stage)
+
+
+@lru_cache(maxsize=4096)
+def weight_grad_state_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> int:
+    """Bytes one layer's weight gradients read for one micro-batch: every GEMM's input (as saved: in the GEMM's
+    dtype, sharded under SP) and its 16-bit output gradient. The GEMMs: Q, K, V (MLA: its down- and
+    up-projections) and the output projection; the MLP's up (gate and up) and down projections, per routed copy
+    and for the shared experts in a MoE layer."""
+    x = layer_shape(deg, job)
+    sb, h, t, rep = x.s * x.b, m.hidden_size, x.t, x.rep
+    heads, kv = _heads(m.num_heads, t), _heads(m.kv_heads, t)
+    up = 2 if m.mlp == "swiglu" else 1
+    gemms = [(sb, heads * m.v_dim, h // rep)]  # (rows, input width, output width); the output projection
+    if m.kv_lora_rank:
+        nope = m.qk_head_dim - m.qk_rope_head_dim
+        gemms += [(sb, h // rep, m.kv_lora_rank + m.qk_rope_head_dim), (sb, m.kv_lora_rank, heads * (nope + m.v_dim))]
+        gemms += [(sb, h // rep, m.q_lora_rank), (sb, m.q_lora_rank, heads * m.qk_head_dim)] if m.q_lora_rank else \
+            [(sb, h // rep, heads * m.qk_head_dim)]
+    else:
+        gemms.append((sb, h // rep, heads * m.qk_head_dim + kv * (m.qk_head_dim + m.v_dim)))
+    mlps = [(sb, m.ffn_hidden_size // t, rep)] if not moe else \
+        [(sb // rep * m.top_k * (deg.etp if x.sp else 1), m.moe_ffn_hidden_size // deg.etp, 1)]
+    if moe and m.num_shared_experts:
+        mlps.append((sb, m.num_shared_experts * m.moe_ffn_hidden_size // t, rep))
+    for rows, ffn, h_div in mlps:
+        gemms += [(rows, h // h_div, up * ffn), (rows, ffn, h // h_div)]
+    return sum(rows * (x.g * k + x.a * n) for rows, k, n in gemms)
 
 
 def head_in_flight(deg: Degrees, job: Job) -> int:

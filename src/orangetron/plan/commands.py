@@ -81,7 +81,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                           "DeepSpeed's pipeline engine)")
     est.add_argument("--pp-schedule", choices=PLAN_SCHEDULES, default=None,
                      help="default: interleaved when --virtual-stages > 1, else 1f1b; zb-h1 (zero bubble with "
-                          "1F1B's memory) is priced here only")
+                          "deferred weight gradients) is priced here only")
     # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
     est.add_argument("--allow-oom", action="store_true", help=argparse.SUPPRESS)
     est.set_defaults(run=run_estimate)

@@ -16,7 +16,7 @@ DISPATCHERS = ("ragged", "capacity", "allgather")  # the runtime's
 # "deepep": node-deduplicated dispatch over RDMA with NVLink forwarding (plan.node_dispatch); planner only
 PLAN_DISPATCHERS = DISPATCHERS + ("deepep",)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the runtime's
-# "zb-h1": zero-bubble pipeline with 1F1B's memory (plan.schedule); planner only
+# "zb-h1": zero-bubble pipeline, each W deferred to fill the drain (plan.schedule); planner only
 PLAN_SCHEDULES = SCHEDULES + ("zb-h1",)
 ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "eager")
 # "delayed": Transformer Engine's per-tensor scales from an amax history; "blockwise": DeepSeek-V3's fine-grained

@@ -7,7 +7,7 @@ backward costs, which gives the bubble and how many micro-batches' activations e
 peak. The cost model's closed forms (the bubble (p-1)/(v*m + p-1) of Narayanan et al. 2021, the in-flight
 counts of Korthikanti et al. 2022) are tested against this simulation.
 
-"zb-h1" is the zero-bubble schedule of Qi et al. 2024 (arXiv:2401.10241, ZB-H1) that keeps 1F1B's peak memory:
+"zb-h1" is the zero-bubble schedule of Qi et al. 2024 (arXiv:2401.10241, ZB-H1), the one they size at 1F1B's memory:
 the backward splits into B (the gradient of the input, on the critical path) and W (the weight gradient,
 which nothing downstream waits for), and rank r runs each W r backward passes late, so that the Ws fill the
 drain at the end of the step. Its bubble is (pp-1)(F + B - min(W, F, B)) against 1F1B's (pp-1)(F + B + W).
@@ -136,6 +136,8 @@ def simulate(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages:
     zb-h1 the backward's `weight_cost` (default: half of it) runs as its own W pass after that B.
     """
     weight = backward_cost / 2 if weight_cost is None else weight_cost
+    if schedule == "zb-h1" and not 0 <= weight <= backward_cost:
+        raise ScheduleError(f"weight_cost={weight!r}: must lie between 0 and backward_cost={backward_cost!r}")
     cost = {"F": forward_cost, "B": backward_cost - weight if schedule == "zb-h1" else backward_cost, "W": weight}
     plan = actions(pp, microbatches, schedule, virtual_stages)
     v = virtual_stages

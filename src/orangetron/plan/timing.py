@@ -143,6 +143,7 @@ class LayerCost:
     shared_f: float = 0.0  # the shared-expert GEMMs (part of `gemm_*`): they need no dispatched token
     shared_b: float = 0.0
     wgrad: float = 0.0  # the weight gradients (part of `gemm_b`)
+    shared_w: float = 0.0  # the shared experts' weight gradients (part of `shared_b`)
 
     @property
     def forward(self) -> float:
@@ -176,7 +177,8 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
     elementwise = _elementwise_time(model, deg, job, cluster, ffn, eff)
     if moe:
         elementwise += _permute_time(model, deg, job, cluster, rows, eff)
-    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts[:2], *shared[:2], wgrad=gemm[2])
+    return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts[:2], *shared[:2], wgrad=gemm[2],
+                     shared_w=shared[2])
 
 
 def _qkv_time(model: ModelSpec, rows: int, t: int, cluster: Cluster, job: Job) -> Gemms:
@@ -594,7 +596,8 @@ def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
     Megatron-Core's EP all-to-all overlap in 1F1B), which needs a second micro-batch in flight."""
     if job.overlap_ep and job.microbatches(deg) > 1:
         return run
-    return cost.shared_f + cost.shared_b + (cost.shared_f if job.recompute == "full" else 0.0)
+    shared_b = cost.shared_b - (cost.shared_w if job.pp_schedule == "zb-h1" else 0.0)  # zb-h1 runs W apart
+    return cost.shared_f + shared_b + (cost.shared_f if job.recompute == "full" else 0.0)
 
 
 @lru_cache(maxsize=4096)
