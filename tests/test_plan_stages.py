@@ -85,6 +85,13 @@ def _layouts():
                           pp_schedule="interleaved" if v > 1 else "1f1b")
                 out.append((model, Degrees(pp=pp, dp=2, ep=2), job))
     out.append((dense(12), Degrees(pp=4), Job(seq_len=256, global_batch=8)))  # middle stages pay both ways
+    # Layouts: a heavy middle stage, a last stage of one layer, an empty chunk, interleaved and replayed.
+    moe = dense_first_moe(12)
+    for layout, v in (((2, 5, 4, 1), 1), ((4, 4, 4, 0), 1), ((1, 2, 2, 3, 1, 1, 1, 1), 2)):
+        for recompute in ("none", "full"):
+            out.append((moe, Degrees(pp=4, dp=2, ep=2),
+                        Job(seq_len=256, global_batch=16, virtual_stages=v, recompute=recompute, pipeline_layout=layout,
+                            pp_schedule="interleaved" if v > 1 else "1f1b")))
     # 12 layers, the first dense, MoE every second after it, in 8 chunks over 4 stages: stages 1 and 2 have
     # alike first chunks (a MoE, then a dense layer) but different second ones.
     alternating = ModelSpec(name="alt", hidden_size=128, num_layers=12, num_heads=4, vocab_size=512,
@@ -106,3 +113,66 @@ def test_time_and_memory_bound_every_stage():
         assert step_time(model, deg, job, cluster).bubble_s == pytest.approx((deg.pp - 1) / v * slowest)
         fullest = max(range(deg.pp), key=lambda s: _stage_total(model, deg, job, s))
         assert memory_per_gpu(model, deg, job) == stage_memory(model, deg, job, fullest), (model, deg, job)
+
+
+def test_pipeline_layout_by_hand():
+    """A layout lists each virtual stage's layers in order; chunk g runs on rank g % pp."""
+    from orangetron.plan.stages import chunk_layers, longest_chunk, stage_layers
+
+    assert chunk_layers(10, 4, (4, 3, 2, 1)) == [range(0, 4), range(4, 7), range(7, 9), range(9, 10)]
+    assert chunk_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    # pp 2, v 2: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3.
+    assert stage_layers(10, 2, 2, 0, (1, 3, 3, 3)) == (0, 4, 5, 6)
+    assert stage_layers(10, 2, 2, 1, (1, 3, 3, 3)) == (1, 2, 3, 7, 8, 9)
+    assert longest_chunk(10, 2, 2, (1, 3, 5, 1)) == 5 and longest_chunk(10, 2, 2) == 3
+    # A stage may hold no decoder layer (Megatron's layouts give the loss a stage of its own).
+    assert stage_layers(4, 2, 1, 1, (4, 0)) == ()
+    assert distinct_stages(dense(10), 4, 1, (4, 2, 2, 2)) == (0, 1, 3)
+
+
+def test_pipeline_layout_is_checked():
+    from orangetron.plan.config import validate
+
+    with pytest.raises(ValueError, match=r"pipeline_layout has 3 virtual stages; pp\*virtual_stages is 4"):
+        validate(dense(10), Degrees(pp=4), Job(seq_len=256, pipeline_layout=(4, 3, 3)))
+    with pytest.raises(ValueError, match=r"pipeline_layout holds 11 layers; dense has 10"):
+        validate(dense(10), Degrees(pp=4), Job(seq_len=256, pipeline_layout=(4, 3, 3, 1)))
+    with pytest.raises(ValueError, match=r"layers per virtual stage must be integers >= 0"):
+        Job(seq_len=256, pipeline_layout=(4, -1))
+    assert Job(seq_len=256, pipeline_layout=[2, 2]).pipeline_layout == (2, 2)  # from JSON
+
+
+def test_pipeline_layout_moves_parameters_not_their_sum():
+    """Every layer's parameters sit on exactly one stage whatever the split; a last stage with one layer holds
+    that layer, the final norm and the head."""
+    from orangetron.plan.params import stage_params
+
+    model, deg = dense_first_moe(10), Degrees(pp=4, dp=2, ep=2)
+    even = [stage_params(model, deg, s).total for s in range(4)]
+    uneven = [stage_params(model, deg, s, 1, (4, 3, 2, 1)).total for s in range(4)]
+    assert sum(uneven) == sum(even) and uneven != even
+    one_layer = stage_params(model, deg, 3, 1, (4, 3, 2, 1)).total
+    two_layers = stage_params(model, deg, 3, 1, (4, 2, 2, 2)).total
+    assert two_layers - one_layer == stage_params(model, deg, 1, 1, (4, 1, 3, 2)).total - \
+        stage_params(model, deg, 1, 1, (4, 0, 4, 2)).total  # one MoE layer's share, on the last stage or not
+
+
+def test_plan_cli_pipeline_layout(capsys):
+    import json
+
+    from orangetron.cli import main
+
+    args = ["estimate", "--model", "llama3-8b", "--gpus", "4", "--pp", "4", "--seq", "2048", "--global-batch", "16",
+            "--json"]
+    assert main([*args, "--pipeline-layout", "10x3,2"]) == 0
+    uneven = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert uneven["job"]["pipeline_layout"] == [10, 10, 10, 2]
+    assert main(args) == 0
+    even = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--pipeline-layout", "5x3,17"]) == 0
+    heavy_last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # The 128k-word head costs about two layers: 8 layers and the head on the last stage set the even split's
+    # pace, 10 layers a little less; 17 layers and the head far more.
+    assert uneven["step_time_s"] < even["step_time_s"] < heavy_last["step_time_s"]
+    assert main([*args, "--pipeline-layout", "8x4,1"]) == 2
+    assert "pipeline_layout has 5 virtual stages" in capsys.readouterr().err

@@ -369,7 +369,7 @@ def _fits(model: ModelSpec, deg: Degrees, job: Job, capacity: float) -> bool:
 def _partial_recomputes(run: Run, job: Job) -> list[Job]:
     """`job` replaying only the first r layers of each pipeline chunk (Megatron's block method), for every r
     short of the longest chunk."""
-    longest = longest_chunk(run.model.num_layers, run.deg.pp, job.virtual_stages)
+    longest = longest_chunk(run.model.num_layers, run.deg.pp, job.virtual_stages, job.pipeline_layout)
     return [replace(job, recompute_layers=r) for r in range(1, longest)]
 
 

@@ -219,8 +219,8 @@ def stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) -> 
 @lru_cache(maxsize=16384)
 def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
     x = layer_shape(deg, job)
-    layers = stage_layers(m.num_layers, deg.pp, job.virtual_stages, stage)
-    _, moe_layers = stage_layer_counts(m, deg.pp, job.virtual_stages, stage)
+    layers = stage_layers(m.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
+    _, moe_layers = stage_layer_counts(m, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
     if deg.pp > 1 and job.pp_schedule == "interleaved" and job.virtual_stages > 1:
         return _interleaved_peak(m, deg, job, stage, x)
     total = int(_saved_bytes(m, deg, job, stage, layers) * in_flight(deg, job, stage))
@@ -301,7 +301,8 @@ def _replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: 
     activations, less what the chunk's kept layers freed first (their backward runs before the replays)."""
     if job.recompute != "full" or not layers:
         return 0
-    split = dict(replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers))
+    split = dict(replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers,
+                              job.pipeline_layout))
     whole, kept = without_recompute(job), split.get(False, ())
     largest = max(layer_activation_bytes(m, deg, whole, moe) for moe in {m.is_moe_layer(i) for i in split[True]})
     freed = _layer_bytes(m, deg, whole, len(kept), sum(m.is_moe_layer(i) for i in kept))
@@ -313,7 +314,8 @@ def _saved_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Seque
     recompute the replayed ones keep their input only, the others everything."""
     if not job.partial_recompute:
         return _layer_bytes(m, deg, job, len(layers), sum(m.is_moe_layer(i) for i in layers))
-    split = replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers)
+    split = replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers,
+                         job.pipeline_layout)
     return sum(_layer_bytes(m, deg, job.layer_job(flag), len(mine), sum(m.is_moe_layer(i) for i in mine))
                for flag, mine in split)
 
@@ -342,9 +344,10 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     sb, h = x.s * x.b, m.hidden_size
     weights, masked, mask = [], [], 0
     for c in range(v):
-        layers, moe_layers = stage_layer_counts(m, p * v, 1, stage + c * p)
+        layers, moe_layers = stage_layer_counts(m, p * v, 1, stage + c * p, job.pipeline_layout)
         ids, rope, mask_c = _small_stage_buffers(m, x, stage, layers, moe_layers)
-        saved = _saved_bytes(m, deg, job, stage, stage_layers(m.num_layers, p * v, 1, stage + c * p))
+        saved = _saved_bytes(m, deg, job, stage, stage_layers(m.num_layers, p * v, 1, stage + c * p,
+                                                              job.pipeline_layout))
         weights.append(saved + rope + (mask_c if x.rep > 1 else 0))
         masked.append(bool(mask_c) and x.rep == 1)
         mask = mask_c or mask  # every chunk with MoE layers has the same mask size
@@ -355,7 +358,8 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     weights.append(mask)
     peak = max(sum(w * n for w, n in zip(weights, held, strict=True))
                for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
-    return peak + _replay_transient(m, deg, job, stage, stage_layers(m.num_layers, p * v, 1, stage))
+    return peak + _replay_transient(m, deg, job, stage, stage_layers(m.num_layers, p * v, 1, stage,
+                                                                     job.pipeline_layout))
 
 
 def _interleaved_holdings(p: int, microbatches: int, v: int, stage: int,

@@ -49,6 +49,10 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                      help="fold the experts over their own mesh (MoE parallel folding, planner only): "
                           "etp x ep x edp must equal tp*cp*dp, and ep need not divide dp*cp")
     est.add_argument("--virtual-stages", type=int, default=1, help="interleaved pipeline chunks per stage")
+    est.add_argument("--pipeline-layout", type=_layout, default=(), metavar="N[xK][,N...]",
+                     help="decoder layers of each virtual stage in order (chunk g on pipeline rank g %% pp), NxK for "
+                          "K stages of N, as Megatron's --pipeline-model-parallel-layout places them (planner "
+                          "only; default: the even split). DeepSeek-V3 at pp 16 as Megatron-Bridge: 4x15,1")
     est.add_argument("--micro-batch", type=int, default=1)
     est.add_argument("--recompute", choices=RECOMPUTE, default="none")
     est.add_argument("--recompute-layers", type=int, default=0, metavar="N",
@@ -198,9 +202,9 @@ def run_estimate(args: argparse.Namespace) -> int:
               ep_comm_sms_reserved=args.ep_comm_sms_reserved,
               zero_stage=args.zero_stage,
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
-              pp_schedule=schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
-              recompute_layers=args.recompute_layers, attention_kernel=args.attention_kernel,
-              reduce_dtype=args.reduce_dtype,
+              pp_schedule=schedule, virtual_stages=args.virtual_stages, pipeline_layout=args.pipeline_layout,
+              recompute=args.recompute, recompute_layers=args.recompute_layers,
+              attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
               overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce, fp8=args.fp8,
               fp8_recipe=args.fp8_recipe, bucket_numel=args.grad_bucket_numel,
               zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
@@ -310,6 +314,18 @@ def format_ranking(ranked: list[Estimate]) -> str:
                     f"{j.micro_batch:>3} {zero:<8} {recompute:<9} {mode:<9} {e.memory['total'] / GIB:>8.1f} "
                     f"{e.time.step_s:>8.3f} {100 * e.time.mfu:>6.1f}")
     return "\n".join(rows)
+
+
+def _layout(text: str) -> tuple[int, ...]:
+    """'4x15,1' -> fifteen 4s and a 1."""
+    out: list[int] = []
+    try:
+        for item in text.split(","):
+            layers, _, times = item.partition("x")
+            out += [int(layers)] * (int(times) if times else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of N or NxK (N layers, K stages)") from None
+    return tuple(out)
 
 
 def _int_list(text: str) -> tuple[int, ...]:

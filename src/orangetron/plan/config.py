@@ -59,6 +59,9 @@ class Job:
     reduce_dtype: str = ""  # gradient reduction dtype; "" = param_dtype (the seed's default)
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
+    # Decoder layers of each virtual stage, in order (chunk g on pipeline rank g % pp), as Megatron's
+    # --pipeline-model-parallel-layout lists them; empty: the even split. Planner only
+    pipeline_layout: tuple[int, ...] = ()
     recompute: str = "none"
     # Under full recompute, how many layers of each pipeline chunk replay their forward, counted from the chunk's
     # first (Megatron's block method, --recompute-num-layers); 0: every layer. Planner only
@@ -98,6 +101,9 @@ class Job:
             raise ValueError(f"grad_accumulation_fusion with reduce_dtype={self.reduce_dtype!r}: the main-gradient "
                              f"buffer is reduced where it lies, in its own dtype ({self.main_grad_dtype}); set "
                              "grad_dtype instead")
+        object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))  # a list from JSON or TOML
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
+            raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
         if self.recompute_layers < 0:
             raise ValueError(f"recompute_layers={self.recompute_layers}: must be >= 0 (0: every layer)")
         if self.recompute_layers and self.recompute != "full":
@@ -215,13 +221,22 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r}: must be one of {', '.join(choices)}")
 
 
+def _validate_layout(model: ModelSpec, chunks: int, layout: tuple[int, ...]) -> None:
+    if len(layout) != chunks:
+        raise ValueError(f"pipeline_layout has {len(layout)} virtual stages; pp*virtual_stages is {chunks}")
+    if sum(layout) != model.num_layers:
+        raise ValueError(f"pipeline_layout holds {sum(layout)} layers; {model.name} has {model.num_layers}")
+
+
 def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     """Raise ValueError (naming the field, value and rule) for a layout the runtime could not run."""
     t, c, p = degrees.tp, degrees.cp, degrees.pp
     if model.num_heads % t or model.kv_heads % t and t % model.kv_heads:
         raise ValueError(f"tp={t}: num_heads={model.num_heads} and num_kv_heads={model.kv_heads} "
                          "must divide by tp (or kv heads be replicated across it)")
-    if model.num_layers < p * job.virtual_stages:
+    if job.pipeline_layout:
+        _validate_layout(model, p * job.virtual_stages, job.pipeline_layout)
+    elif model.num_layers < p * job.virtual_stages:
         raise ValueError(f"pp={p}: num_layers={model.num_layers} < pp*virtual_stages={p * job.virtual_stages}")
     if job.virtual_stages > 1 and job.pp_schedule != "interleaved":
         raise ValueError(f"virtual_stages={job.virtual_stages}: needs pp_schedule 'interleaved'")

@@ -36,7 +36,7 @@ def fp8_memory_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
     """Bytes FP8 training adds on one GPU of `stage`: FP8 weight copies and transposes, scale tensors."""
     if not job.fp8:
         return 0
-    params = stage_params(model, deg, stage, job.virtual_stages).total
+    params = stage_params(model, deg, stage, job.virtual_stages, job.pipeline_layout).total
     if stage == 0 and not model.patch_size:
         params -= model.vocab_size * model.hidden_size // deg.tp  # the embedding is a lookup, not a GEMM
     if stage == deg.pp - 1:
@@ -44,6 +44,6 @@ def fp8_memory_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
     params = max(0, params)
     if job.fp8_recipe == "blockwise":
         return 2 * params + 2 * 4 * -(-params // WEIGHT_BLOCK)  # both copies, one fp32 scale per block
-    layers = len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage))
+    layers = len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout))
     scales = layers * GEMMS_PER_LAYER * 3 * (2 + AMAX_HISTORY) * 4
     return 2 * params + scales

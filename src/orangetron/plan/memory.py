@@ -39,9 +39,9 @@ def data_parallel_segments(model: ModelSpec, deg: Degrees, job: Job, stage: int 
     """(mesh dim, ranks, elements) of each separately padded and sharded piece of the flat buffers: every
     ZeRO-3 unit's share of each buffer; every gradient bucket of ZeRO-1/2 and the distributed optimizer with
     `bucket_numel` (equal buckets, `plan.sharding.bucket_layout`); else each whole buffer."""
-    params = stage_params(model, deg, stage, job.virtual_stages)
+    params = stage_params(model, deg, stage, job.virtual_stages, job.pipeline_layout)
     if job.zero_stage == 3:
-        return _shards(zero3_units(model, deg, stage, job.virtual_stages), deg, {})
+        return _shards(zero3_units(model, deg, stage, job.virtual_stages, job.pipeline_layout), deg, {})
     groups = shard_groups(params, deg)
     if job.bucket_numel <= 0 or not job.distributed_optimizer and job.zero_stage == 0:
         return groups
@@ -111,7 +111,8 @@ def _stage_state_memory(model: ModelSpec, deg: Degrees, job: Job,
     the parameters and their sharding fix, shared by every micro-batch size, recompute and cp mode a search
     tries."""
     segments = data_parallel_segments(model, deg, job, stage)
-    states = model_state_bytes(stage_params(model, deg, stage, job.virtual_stages), deg, job, segments)
+    states = model_state_bytes(stage_params(model, deg, stage, job.virtual_stages, job.pipeline_layout), deg, job,
+                               segments)
     gathered, buckets = zero3_gather_bytes(model, deg, job, stage), _dp_reduction_bytes(model, deg, job, stage)
     return tuple(states.items()), gathered, buckets, sum(states.values()) + gathered + buckets
 
@@ -122,7 +123,7 @@ def zero3_gather_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0)
     kept parameters all of them; a unit listed first that spans the whole forward (tied embeddings) adds."""
     if job.zero_stage != 3:
         return 0
-    units = zero3_units(model, deg, stage, job.virtual_stages)
+    units = zero3_units(model, deg, stage, job.virtual_stages, job.pipeline_layout)
     sizes = [sum(padded_numel(numel, ranks) for _, ranks, numel in shard_groups(u, deg) if numel) * job.param_bytes
              for u in units]
     if job.zero3_keep_params:
@@ -196,5 +197,5 @@ def _unbucketed(numel: int, ranks: int, wire: bool, sharded: bool) -> int:
 def memory_per_gpu(model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:
     """The busiest GPU's bytes by category: the stage with the largest total among the first of each kind of
     stage (`stages.distinct_stages`: later stages of a kind hold the same states and fewer micro-batches)."""
-    stages = distinct_stages(model, deg.pp, job.virtual_stages)
+    stages = distinct_stages(model, deg.pp, job.virtual_stages, job.pipeline_layout)
     return stage_memory(model, deg, job, max(stages, key=lambda s: _stage_total(model, deg, job, s)))

@@ -70,10 +70,11 @@ def _attention_tensors(model: ModelSpec, t: int, total: int) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def stage_tensors(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: int = 1) -> tuple[ParamTensor, ...]:
+def stage_tensors(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: int = 1,
+                  layout: tuple[int, ...] = ()) -> tuple[ParamTensor, ...]:
     """Every parameter tensor of pipeline `stage` on one GPU, in the runtime's module order: the embedding,
     the layers by index, the final norm and the output layer."""
-    chunks = chunk_layers(model.num_layers, deg.pp * virtual_stages)
+    chunks = chunk_layers(model.num_layers, deg.pp * virtual_stages, layout)
     mine = [(c, chunks[c * deg.pp + stage]) for c in range(virtual_stages)]
     first, last = stage == 0, stage == deg.pp - 1
     separate = deg.pp == 1 and not model.tied_embeddings and not model.patch_size  # as `zero3_units`
@@ -83,7 +84,7 @@ def stage_tensors(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: in
         for i in layer_range:
             out += [ParamTensor(n, e, c, f"layer.{i}") for n, e in _layer_tensors(model, deg, i)]
             layers += _layer_params(model, deg.tp, deg.ep, deg.etp, i).total
-    whole = stage_params(model, deg, stage, virtual_stages).total
+    whole = stage_params(model, deg, stage, virtual_stages, layout).total
     if first:
         table = _ceil_div(model.vocab_size * model.hidden_size, deg.tp) if not model.patch_size else 0
         positions = model.embedding_params() - (0 if model.patch_size else model.vocab_size * model.hidden_size)
@@ -120,7 +121,7 @@ def _held_to_step(model: ModelSpec, deg: Degrees, job: Job) -> bool:
 
 def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
     """Peak bytes of per-parameter `.grad` tensors on one GPU of pipeline `stage` during one step."""
-    total, largest = _totals(model, deg, stage, job.virtual_stages)
+    total, largest = _totals(model, deg, stage, job.virtual_stages, job.pipeline_layout)
     if _held_to_step(model, deg, job):
         return total * job.param_bytes
     if job.zero_stage < 2:  # added into the full main buffer as each arrives
@@ -135,9 +136,10 @@ def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
 
 
 @lru_cache(maxsize=16384)
-def _totals(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: int) -> tuple[int, int]:
+def _totals(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: int,
+            layout: tuple[int, ...] = ()) -> tuple[int, int]:
     """(all, the largest) of a stage's tensors' elements."""
-    numels = [t.numel for t in stage_tensors(model, deg, stage, virtual_stages)]
+    numels = [t.numel for t in stage_tensors(model, deg, stage, virtual_stages, layout)]
     return sum(numels), max(numels, default=0)
 
 
@@ -145,7 +147,7 @@ def _totals(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: int) -> 
 def _replayed_peak(model: ModelSpec, deg: Degrees, job: Job, stage: int, microbatches: int) -> int:
     """Peak `.grad` elements over one step's backward passes under ZeRO-2 buckets or ZeRO-3 units: a tensor is
     freed once every group it belongs to has all its members' gradients, counted in passes that reduce."""
-    tensors = stage_tensors(model, deg, stage, job.virtual_stages)
+    tensors = stage_tensors(model, deg, stage, job.virtual_stages, job.pipeline_layout)
     groups = _release_groups(tensors, deg, job)
     missing: dict[object, int] = {}
     for gs in groups:

@@ -28,16 +28,17 @@ class StageParams:
         return self.dense + self.expert
 
 
-def stage_params(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: int = 1) -> StageParams:
+def stage_params(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: int = 1,
+                 layout: tuple[int, ...] = ()) -> StageParams:
     """Parameter counts on one GPU of pipeline `stage` (TP shards projections, MLPs and the vocabulary)."""
-    return _stage_params(model, deg.tp, deg.pp, deg.ep, deg.etp, stage, virtual_stages)
+    return _stage_params(model, deg.tp, deg.pp, deg.ep, deg.etp, stage, virtual_stages, layout)
 
 
 @lru_cache(maxsize=8192)
 def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: int,
-                  virtual_stages: int) -> StageParams:
+                  virtual_stages: int, layout: tuple[int, ...]) -> StageParams:
     dense = expert = 0
-    for i in stage_layers(model.num_layers, pp, virtual_stages, stage):
+    for i in stage_layers(model.num_layers, pp, virtual_stages, stage, layout):
         layer = _layer_params(model, t, ep, etp, i)
         dense, expert = dense + layer.dense, expert + layer.expert
     if stage == 0:
@@ -85,14 +86,15 @@ def shard_groups(params: StageParams, deg: Degrees) -> list[tuple[str, int, int]
     return [("dp_cp", deg.dp_cp, params.dense), ("edp", deg.edp, params.expert)]
 
 
-def zero3_units(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: int = 1) -> list[StageParams]:
+def zero3_units(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: int = 1,
+                layout: tuple[int, ...] = ()) -> list[StageParams]:
     """Parameters of each ZeRO-3 unit on one GPU, in forward order, as `parallel.units` cuts the model: the
     embedding, every layer, the head (final norm and output layer). With tied embeddings (or on a pipeline
     stage that lacks the embedding or the head) the embedding and head form one unit gathered for the whole
     forward, listed first."""
     layers = [_layer_params(model, deg.tp, deg.ep, deg.etp, i)
-              for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage)]
-    whole = stage_params(model, deg, stage, virtual_stages)
+              for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage, layout)]
+    whole = stage_params(model, deg, stage, virtual_stages, layout)
     rest = StageParams(whole.dense - sum(u.dense for u in layers), whole.expert - sum(u.expert for u in layers))
     if deg.pp == 1 and not model.tied_embeddings and not model.patch_size:
         embedding = _ceil_div(model.vocab_size * model.hidden_size, deg.tp) + model.embedding_params() \
@@ -107,9 +109,10 @@ def tp_grad_sum_numel(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> i
     in its slot of all the slices (it saw those ranks' query heads only)."""
     if deg.tp == 1:
         return 0
-    numel = _kv_slot_params(model, deg.tp) * len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage))
+    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
+    numel = _kv_slot_params(model, deg.tp) * len(layers)
     if job.sequence_parallel:
-        numel += _replicated_params(model, deg, job.virtual_stages, stage)
+        numel += _replicated_params(model, deg, job.virtual_stages, stage, job.pipeline_layout)
     return numel
 
 
@@ -121,12 +124,13 @@ def _kv_slot_params(model: ModelSpec, t: int) -> int:
 
 
 @lru_cache(maxsize=16384)
-def _replicated_params(model: ModelSpec, deg: Degrees, virtual_stages: int, stage: int) -> int:
+def _replicated_params(model: ModelSpec, deg: Degrees, virtual_stages: int, stage: int,
+                       layout: tuple[int, ...] = ()) -> int:
     """Parameters of a stage that every tp rank holds whole: norms, routers, and the routed experts on this
     rank when they are neither split over tp (etp = tp) nor folded over their own mesh (replicated over edp)."""
     experts_whole_on_tp = deg.etp == 1 and not deg.expert_fold
     total = 0
-    for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage):
+    for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage, layout):
         total += model.norm_params()
         if model.is_moe_layer(i):
             total += model.num_experts * model.hidden_size

@@ -139,7 +139,7 @@ def fewest_replays_that_fit(model: ModelSpec, deg: Degrees, job: Job, limit: flo
     (each replayed layer keeps its input instead of its activations), so the walk starts where the line
     between no recompute and full recompute crosses the limit. `job` itself when no r short of the longest
     chunk fits. `full`: the job's own total, when known."""
-    longest = longest_chunk(model.num_layers, deg.pp, job.virtual_stages)
+    longest = longest_chunk(model.num_layers, deg.pp, job.virtual_stages, job.pipeline_layout)
 
     def total(r: int) -> int:
         at_r = without_recompute(job) if r == 0 else replace(job, recompute_layers=r % longest)

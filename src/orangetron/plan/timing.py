@@ -493,13 +493,13 @@ def _layer_kinds(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> Iterat
     """(the job a layer runs under, how many such layers, MoE or not) on `stage`: dense and MoE layers, and
     under partial recompute the replayed layers and the others apart."""
     if not job.partial_recompute:
-        layers, n_moe = stage_layer_counts(model, deg.pp, job.virtual_stages, stage)
+        layers, n_moe = stage_layer_counts(model, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
         yield job, layers - n_moe, False
         yield job, n_moe, True
         return
-    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
+    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
     for replayed, mine in replay_split(model.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers,
-                                       layers):
+                                       layers, job.pipeline_layout):
         n_moe = sum(model.is_moe_layer(i) for i in mine)
         yield job.layer_job(replayed), len(mine) - n_moe, False
         yield job.layer_job(replayed), n_moe, True
@@ -511,8 +511,8 @@ def replayed_share(model: ModelSpec, deg: Degrees, job: Job) -> float:
         return 0.0
     if not job.recompute_layers:
         return 1.0
-    replayed = set().union(*(replayed_layers(model.num_layers, deg.pp, job.virtual_stages, s, job.recompute_layers)
-                             for s in range(deg.pp)))
+    replayed = set().union(*(replayed_layers(model.num_layers, deg.pp, job.virtual_stages, s, job.recompute_layers,
+                                             job.pipeline_layout) for s in range(deg.pp)))
     flops = [_layer_forward_flops(model, i, job.seq_len) for i in range(model.num_layers)]
     return sum(f for i, f in enumerate(flops) if i in replayed) / sum(flops)
 
@@ -616,7 +616,7 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
     """Predicted seconds per training step and MFU for one configuration on `cluster`."""
     m = job.microbatches(deg)
     stages = [_stage_time(model, deg, job, cluster, s, net, eff)
-              for s in distinct_stages(model, deg.pp, job.virtual_stages)]
+              for s in distinct_stages(model, deg.pp, job.virtual_stages, job.pipeline_layout)]
     slow = max(stages, key=lambda st: st.total)
     v = job.virtual_stages if job.pp_schedule == "interleaved" else 1
     bubble = (deg.pp - 1) / v * slow.total
@@ -637,7 +637,7 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
 
 def _optimizer_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, eff: Efficiency) -> float:
     """Adam over this GPU's shard: memory bound."""
-    params = stage_params(model, deg, 0, job.virtual_stages)
+    params = stage_params(model, deg, 0, job.virtual_stages, job.pipeline_layout)
     sharded = job.zero_stage > 0 or job.distributed_optimizer
     shard = params.dense / (deg.dp_cp if sharded else 1) + params.expert / (deg.edp if sharded else 1)
     return shard * eff.optimizer_bytes_per_param / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
@@ -685,4 +685,5 @@ def _dp_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     places = group_places(deg, cluster)
     reduce, gather = _records_times(data_parallel_records(model, deg, job, 0), places, cluster, net,
                                     split_gathers=True)
-    return reduce, gather, max(1, len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, 0)))
+    return reduce, gather, max(1, len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, 0,
+                                                   job.pipeline_layout)))

@@ -70,7 +70,7 @@ def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int =
     """Gradient reduction and parameter gathers of one step (DESIGN section 5's communication table),
     one record per bucket: DDP's fixed slices of `job.bucket_numel` elements, the sharded stages' equal
     buckets (`plan.sharding.bucket_layout`), ZeRO-3's units."""
-    params = stage_params(model, deg, stage, job.virtual_stages)
+    params = stage_params(model, deg, stage, job.virtual_stages, job.pipeline_layout)
     m = job.microbatches(deg)
     sharding = job.zero_stage >= 1 or job.distributed_optimizer
     rounds = reduce_rounds(model, deg, job)
@@ -348,7 +348,7 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
                  ep_where: Placement | None = None) -> list[CommRecord]:
     """Every collective one rank of pipeline `stage` issues in one training step, in the ledger's shape
     (`ep_where`: the EP group's placement, which the "deepep" dispatcher's traffic depends on)."""
-    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage)
+    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
     moe = sum(model.is_moe_layer(i) for i in layers)
     m = job.microbatches(deg)
     per_mb: list[CommRecord] = []
@@ -372,7 +372,8 @@ def _replay_groups(model: ModelSpec, deg: Degrees, job: Job, stage: int,
     their forward's traffic, apart from the others; otherwise all of them under `job`."""
     if not job.partial_recompute:
         return [(job, layers)]
-    split = replay_split(model.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers)
+    split = replay_split(model.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers,
+                         job.pipeline_layout)
     return [(job.layer_job(flag), mine) for flag, mine in split]
 
 
