@@ -156,14 +156,15 @@ def _v3_job(**kw) -> Job:
 
 
 def test_hidden_traffic_costs_the_sms_its_kernels_hold():
-    """DeepSeek-V3 on 2048 H800 (pp 16: the last stage, 3 MoE layers and the head, is the slowest) with paired
-    micro-batches hides every transfer: what remains of it is 120 micro-batches x 3 layers x the layer's
-    traffic x 20/132, its kernels' share of the SMs (40 SMs: 40/132 of a traffic twice as fast to hide)."""
+    """DeepSeek-V3 on 2048 H800 (pp 16 split evenly: the last stage, 3 MoE layers, the MTP module's MoE layer and
+    two passes through the head, is the slowest) with paired micro-batches hides every transfer: what remains of
+    it is 120 micro-batches x 4 layers x the layer's traffic x 20/132, its kernels' share of the SMs (40 SMs:
+    40/132 of a traffic twice as fast to hide)."""
     model, deg, cluster = load_model("deepseek-v3"), Degrees(pp=16, dp=128, ep=64), make_cluster("h800", 2048)
     for sms in (20, 40):
         job = _v3_job(ep_comm_sms=sms)
         traffic = nd.layer_time(model, Placement(64, 8), job, 4096, cluster, P)
-        assert step_time(model, deg, job, cluster).ep_s == pytest.approx(120 * 3 * traffic * sms / 132)
+        assert step_time(model, deg, job, cluster).ep_s == pytest.approx(120 * 4 * traffic * sms / 132)
     with pytest.raises(ValueError, match="ep_comm_sms=132: the h800 has 132 SMs"):
         step_time(model, deg, _v3_job(ep_comm_sms=132), cluster)
 

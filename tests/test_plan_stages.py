@@ -1,6 +1,8 @@
 """Which stages bound a pipeline (plan/stages.py `distinct_stages`): worked by hand, then checked against every
 stage for time (`timing.step_time`) and memory (`memory.memory_per_gpu`)."""
 
+from dataclasses import replace
+
 import pytest
 
 from orangetron.plan.config import Degrees, Job
@@ -87,6 +89,9 @@ def _layouts():
     out.append((dense(12), Degrees(pp=4), Job(seq_len=256, global_batch=8)))  # middle stages pay both ways
     # Layouts: a heavy middle stage, a last stage of one layer, an empty chunk, interleaved and replayed.
     moe = dense_first_moe(12)
+    for layout in ((2, 5, 4, 1), (4, 4, 4, 0), ()):  # with an MTP module on the last stage
+        out.append((replace(moe, mtp_layers=1), Degrees(pp=4, dp=2, ep=2),
+                    Job(seq_len=256, global_batch=16, pipeline_layout=layout)))
     for layout, v in (((2, 5, 4, 1), 1), ((4, 4, 4, 0), 1), ((1, 2, 2, 3, 1, 1, 1, 1), 2)):
         for recompute in ("none", "full"):
             out.append((moe, Degrees(pp=4, dp=2, ep=2),

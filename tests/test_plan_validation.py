@@ -122,6 +122,10 @@ def _neox_tokens_per_s(tflops: float) -> float:
     return tflops * 1e12 / per_token
 
 
+# Megatron-Bridge's DeepSeek-V3 recipe (NVIDIA-NeMo/Megatron-Bridge recipes/deepseek/deepseek_v3.py, its layout map
+# for pp 16 x vp 1 and pp 4 x vp 4): embedding and 4 layers, 14 virtual stages of 4, then 1 layer, the MTP module
+# and the loss.
+_V3_PP16_LAYOUT = (4,) * 15 + (1,)
 _MTNLG = gpt(128, 20480, 105)
 _MTNLG_JOB = Job(seq_len=2048, global_batch=1920, recompute="full", attention_kernel="eager", overlap_grad_reduce=False)
 
@@ -161,10 +165,12 @@ RUNS = [
         1e12 / (172.8e3 * 3600),
         ("recompute",)),
     # DeepSeek-V3 as its report describes the run: node-limited DeepEP-style dispatch (section 3.2.2) with 20 of the
-    # 132 SMs set aside for communication (section 3.5.1), blockwise FP8 (section 3.3), ZeRO-1, pp 16, ep 64.
+    # 132 SMs set aside for communication (section 3.5.1), blockwise FP8 (section 3.3), ZeRO-1, pp 16, ep 64, one
+    # MTP module (the preset). Its layer split is not published: NVIDIA's for this model at pp 16 (Megatron-Bridge's
+    # DeepSeek-V3 recipe: 4 layers on each stage but the last, which holds 1 and the MTP module and the loss).
     Run("DeepSeek-V3, 2048 GPUs", "precision", load_model("deepseek-v3"), "h800", Degrees(pp=16, dp=128, ep=64),
         Job(seq_len=4096, global_batch=15360, zero_stage=1, fp8=True, fp8_recipe="blockwise", dispatcher="deepep",
-            ep_comm_sms_reserved=True),
+            ep_comm_sms_reserved=True, pipeline_layout=_V3_PP16_LAYOUT),
         "tokens",
         1e12 / (180e3 * 3600)),
     Run("Megatron-Core Mixtral 8x7B, 64 GPUs", "moe", load_model("mixtral-8x7b"), "h100", Degrees(pp=4, dp=16, ep=8),
@@ -219,8 +225,10 @@ NEMO_2407 = [
 # with presets we ship, tokens/s per GPU; "we force-balance the token distribution among experts" (random
 # routing, as `busiest_share` assumes). GB200 jobs of 256 GPUs are placed 64 per NVL72 rack.
 def _bridge(name, preset, gpu, gpus, fp8, batch, mb, seq, pp, vp, ep, tokens, per_node=0) -> Run:
+    # DeepSeek-V3 runs the recipe's layout where it has one for the pipeline (pp x vp = 16 chunks).
+    layout = _V3_PP16_LAYOUT if preset == "deepseek-v3" and pp * vp == 16 else ()
     job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, fp8=fp8, distributed_optimizer=True,
-              virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b",
+              virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b", pipeline_layout=layout,
               bucket_numel=_mcore_buckets(gpus // pp), grad_accumulation_fusion=True)
     return Run(f"Megatron-Bridge 25.11 {name}", "check", load_model(preset), gpu,
                Degrees(pp=pp, dp=gpus // pp, ep=ep), job, "tokens", tokens, ("recompute",), per_node)
@@ -408,31 +416,32 @@ def errors() -> dict[str, tuple[str, float, float]]:
     return out
 
 
-# Runs the planner misses by more than the goals allow, with the band their error must stay in: a change of more
-# than about 3 points either way fails here and must be explained in docs/planner.md section 6. DeepSeek-V3 is
-# inside the worst-run goal (+22.9%) but alone in its class, which the 20% class goal would then fail; it moved
-# from +63.8% by mechanisms found while studying its gap (so it is no longer blind), and its figure rests on an
-# unpublished layer split (docs/planner.md section 6).
-OPEN_GAPS = {"DeepSeek-V3, 2048 GPUs": (0.20, 0.26)}
+# Runs whose figure rests on a choice their source does not publish, and whose pricing was revised while
+# studying them (so they are not blind), with the band their error must stay in: a change of more than about
+# 3 points fails here and must be explained in docs/planner.md section 6. DeepSeek-V2: which operators it
+# recomputes (the fewest replayed layers that fit, +12.1%; +42.7% if its recompute cost nothing). DeepSeek-V3: its
+# layer split (NVIDIA's published layout for this model at pp 16, +6.8%; Megatron's even split, -22%).
+PINNED = {"DeepSeek-V2, 1024 GPUs": (0.09, 0.15), "DeepSeek-V3, 2048 GPUs": (0.04, 0.10)}
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
-def test_each_validation_run_within_40_percent_or_its_stated_gap(run):
+def test_each_validation_run_within_40_percent_or_its_pinned_band(run):
     error = predict(run) / run.published - 1
-    low, high = OPEN_GAPS.get(run.name, (-0.40, 0.40))
+    low, high = PINNED.get(run.name, (-0.40, 0.40))
     assert low <= error <= high
 
 
 def test_mean_error_overall_and_by_class():
-    """The goals (mean <= 12%, worst <= 30%, every class <= 20%) on the runs outside the open gaps; the gaps'
-    bands above pin the rest to a few points. A class whose runs are all open gaps (precision: DeepSeek-V3
-    alone) is not checked here."""
-    closed = {name: v for name, v in errors().items() if name not in OPEN_GAPS}
-    assert sum(abs(e) for _, _, e in closed.values()) / len(closed) <= 0.12
-    assert max(abs(e) for _, _, e in closed.values()) <= 0.30
-    for cls in {c for c, _, _ in closed.values()}:
-        mine = [abs(e) for c, _, e in closed.values() if c == cls]
+    """The goals on all the runs: mean <= 12%, worst <= 30%, every class <= 20%, and the MoE class so with
+    DeepSeek-V3 (an MoE run filed under precision) counted in it too."""
+    everything = errors()
+    assert sum(abs(e) for _, _, e in everything.values()) / len(everything) <= 0.12
+    assert max(abs(e) for _, _, e in everything.values()) <= 0.30
+    for cls in {c for c, _, _ in everything.values()}:
+        mine = [abs(e) for c, _, e in everything.values() if c == cls]
         assert sum(mine) / len(mine) <= 0.20, cls
+    moe = [abs(e) for name, (c, _, e) in everything.items() if c == "moe" or name.startswith("DeepSeek-V3")]
+    assert sum(moe) / len(moe) <= 0.20
 
 
 # ---- memory -------------------------------------------------------------------------------------------------

@@ -240,7 +240,26 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
         # per micro-batch whose loss waits for its backward (`head_in_flight`).
         head = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
         total += head * head_in_flight(deg, job)
+        if m.mtp_layers:
+            layer, inputs = _mtp_layer_bytes(m, deg, job)
+            if job.pp_schedule == "zb-h1":  # as a decoder layer: one waits for its B, pp - 1 for their W
+                moe = m.is_moe_layer(m.mtp_layer_index)
+                layer = layer + weight_grad_state_bytes(m, deg, without_recompute(job), moe) * stage
+            else:
+                layer = layer * in_flight(deg, job, stage)
+            total += m.mtp_layers * (layer + inputs * in_flight(deg, job, stage) + head * head_in_flight(deg, job))
     return total
+
+
+def _mtp_layer_bytes(m: ModelSpec, deg: Degrees, job: Job) -> tuple[int, int]:
+    """(its layer's saved activations, its other inputs) of one multi-token-prediction module for one
+    micro-batch: the layer replays only when full recompute replays every layer; the projection keeps its 2h
+    input and the two norms theirs. Its head and loss keep what the main head does."""
+    x = layer_shape(deg, job)
+    sb, h = x.s * x.b, m.hidden_size
+    layer = layer_activation_bytes(m, deg, job.layer_job(False), m.is_moe_layer(m.mtp_layer_index))
+    proj_in = 2 * sb * h // x.rep
+    return layer, x.g * proj_in + x.tile_scales(proj_in) + 2 * x.a * sb * h // x.rep
 
 
 def _zero_bubble_layers_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Sequence[int]) -> int:
@@ -354,7 +373,8 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     if stage == 0:  # token ids (Llama-style models), embedding-dropout mask
         weights[0] += (8 * sb if _counts_small_buffers(m) else 0) + (sb * h // x.rep if m.dropout else 0)
     if stage == p - 1:
-        weights[-1] += 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
+        head = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
+        weights[-1] += head + m.mtp_layers * (sum(_mtp_layer_bytes(m, deg, job)) + head)
     weights.append(mask)
     peak = max(sum(w * n for w, n in zip(weights, held, strict=True))
                for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))

@@ -65,6 +65,11 @@ class ModelSpec:
     # `groups_per_token` of them (DeepSeek-V3: 8 and 4, one group per node); 0: no limit
     expert_groups: int = 0
     groups_per_token: int = 0
+    # Multi-token prediction (DeepSeek-V3's depth D, Megatron's --mtp-num-layers, HF configs'
+    # num_nextn_predict_layers): modules after the decoder on the last pipeline stage, each two norms on its
+    # inputs, a 2h -> h projection, one layer of the decoder's last layer's kind, a norm, and its own pass
+    # through the shared output head and the loss. Not in `total_params` (the published counts leave it out)
+    mtp_layers: int = 0
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
@@ -194,6 +199,17 @@ class ModelSpec:
         idle = (self.num_experts - self.top_k) * self.mlp_params(self.moe_ffn_hidden_size)
         return total - idle * self.num_moe_layers
 
+    def mtp_module_params(self) -> int:
+        """One multi-token-prediction module: three norms, the 2h -> h projection and its layer (the embedding
+        and the output head are shared)."""
+        h = self.hidden_size
+        return 3 * h * (2 if self.bias else 1) + 2 * h * h + self.layer_params(self.mtp_layer_index)
+
+    @property
+    def mtp_layer_index(self) -> int:
+        """A decoder layer of the kind an MTP module's layer is: the last one."""
+        return self.num_layers - 1
+
     def expert_params(self) -> int:
         """All routed-expert weights (sharded over ep, replicated over edp)."""
         return self.expert_params_per_layer() * self.num_moe_layers
@@ -222,6 +238,8 @@ def _check_spec(spec: ModelSpec) -> None:
     if spec.is_moe and not (0 < spec.top_k <= spec.num_experts and spec.moe_ffn_hidden_size > 0):
         raise ValueError(f"model {spec.name}: MoE needs 0 < top_k <= num_experts and moe_ffn_hidden_size > 0")
     _check_groups(spec)
+    if spec.mtp_layers < 0:
+        raise ValueError(f"model {spec.name}: mtp_layers={spec.mtp_layers} must be >= 0")
     if spec.moe_layer_freq < 1:
         raise ValueError(f"model {spec.name}: moe_layer_freq={spec.moe_layer_freq} must be >= 1")
     if not spec.is_moe and spec.ffn_hidden_size <= 0:

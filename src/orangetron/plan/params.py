@@ -46,7 +46,17 @@ def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: i
         dense += model.embedding_params() - (0 if model.patch_size else model.vocab_size * model.hidden_size)
     if stage == pp - 1:
         dense += model.hidden_size * (2 if model.bias else 1) + head_weights(model, t, pp)
+        mtp = mtp_module_params(model, t, ep, etp)
+        dense, expert = dense + model.mtp_layers * mtp.dense, expert + model.mtp_layers * mtp.expert
     return StageParams(dense, expert)
+
+
+def mtp_module_params(model: ModelSpec, t: int, ep: int, etp: int) -> StageParams:
+    """One multi-token-prediction module on one GPU of the last stage: its layer as a decoder layer of its kind,
+    the 2h -> h projection split over tp, its three norms whole."""
+    layer = _layer_params(model, t, ep, etp, model.mtp_layer_index)
+    norms = 3 * model.hidden_size * (2 if model.bias else 1)
+    return StageParams(layer.dense + norms + _ceil_div(2 * model.hidden_size**2, t), layer.expert)
 
 
 def head_weights(model: ModelSpec, t: int, pp: int) -> int:
@@ -94,6 +104,8 @@ def zero3_units(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: 
     forward, listed first."""
     layers = [_layer_params(model, deg.tp, deg.ep, deg.etp, i)
               for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage, layout)]
+    if stage == deg.pp - 1:  # each MTP module is a unit of its own, after the decoder's
+        layers += [mtp_module_params(model, deg.tp, deg.ep, deg.etp)] * model.mtp_layers
     whole = stage_params(model, deg, stage, virtual_stages, layout)
     rest = StageParams(whole.dense - sum(u.dense for u in layers), whole.expert - sum(u.expert for u in layers))
     if deg.pp == 1 and not model.tied_embeddings and not model.patch_size:
@@ -109,7 +121,7 @@ def tp_grad_sum_numel(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> i
     in its slot of all the slices (it saw those ranks' query heads only)."""
     if deg.tp == 1:
         return 0
-    layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
+    layers = _layers_with_mtp(model, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
     numel = _kv_slot_params(model, deg.tp) * len(layers)
     if job.sequence_parallel:
         numel += _replicated_params(model, deg, job.virtual_stages, stage, job.pipeline_layout)
@@ -130,14 +142,22 @@ def _replicated_params(model: ModelSpec, deg: Degrees, virtual_stages: int, stag
     rank when they are neither split over tp (etp = tp) nor folded over their own mesh (replicated over edp)."""
     experts_whole_on_tp = deg.etp == 1 and not deg.expert_fold
     total = 0
-    for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage, layout):
+    for i in _layers_with_mtp(model, deg.pp, virtual_stages, stage, layout):
         total += model.norm_params()
         if model.is_moe_layer(i):
             total += model.num_experts * model.hidden_size
             total += model.expert_params_per_layer() // deg.ep if experts_whole_on_tp else 0
     if stage == deg.pp - 1:
-        total += model.hidden_size * (2 if model.bias else 1)  # final norm
+        norm = model.hidden_size * (2 if model.bias else 1)
+        total += norm + 3 * norm * model.mtp_layers  # final norm, each MTP module's three
     return total
+
+
+def _layers_with_mtp(model: ModelSpec, pp: int, virtual_stages: int, stage: int,
+                     layout: tuple[int, ...]) -> tuple[int, ...]:
+    """The decoder layers of `stage`, and on the last stage an index of the MTP layers' kind for each module."""
+    layers = stage_layers(model.num_layers, pp, virtual_stages, stage, layout)
+    return layers + ((model.mtp_layer_index,) * model.mtp_layers if stage == pp - 1 else ())
 
 
 def tp_sums_first(model: ModelSpec, deg: Degrees, job: Job) -> bool:

@@ -345,11 +345,18 @@ def model_flops_per_step(model: ModelSpec, job: Job, sequences: int, causal_atte
     if model.is_moe:
         idle = (model.num_experts - model.top_k) * model.mlp_params(model.moe_ffn_hidden_size)
         layer_params -= idle * model.num_moe_layers
-    dense = 2.0 * tokens * layer_params
     keys = s / 2 if (causal_attention and model.causal) else s
-    attention = _attention_flops(model, tokens, keys, model.num_heads) * model.num_layers
+    attention = _attention_flops(model, tokens, keys, model.num_heads)
     head = 2.0 * tokens * model.hidden_size * model.vocab_size
-    return 3.0 * (dense + attention + head)
+    mtp = model.mtp_layers * (2.0 * tokens * (_active_layer_params(model, model.mtp_layer_index)
+                                              + 2 * model.hidden_size**2) + attention + head)
+    return 3.0 * (2.0 * tokens * layer_params + attention * model.num_layers + head + mtp)
+
+
+def _active_layer_params(model: ModelSpec, index: int) -> int:
+    """Parameters of layer `index` one token multiplies by: a MoE layer's idle experts left out."""
+    idle = (model.num_experts - model.top_k) * model.mlp_params(model.moe_ffn_hidden_size)
+    return model.layer_params(index) - (idle if model.is_moe_layer(index) else 0)
 
 
 # The coordinates that stay fixed inside each mesh dimension's group (the runtime's `Layout.coordinates`);
@@ -478,9 +485,30 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
         compute += sum(head) + loss
         forward += head[0] + loss
         wgrad += weight_grad_time(*shape)
+        for _ in range(model.mtp_layers):
+            mtp = _mtp_module_time(model, deg, job, cluster, net, eff)
+            compute, forward, wgrad = compute + mtp.compute, forward + mtp.forward, wgrad + mtp.wgrad
+            tp, cp, ep = tp + mtp.tp, cp + mtp.cp, ep + mtp.ep
     pp = _records_time([r for r in pipeline_records(model, deg, job, stage) if r.bytes_sent],
                        group_places(deg, cluster), cluster, net)
     return _StageTime(compute, tp, cp, ep, pp, forward, wgrad)
+
+
+def _mtp_module_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: NetworkParams,
+                     eff: Efficiency) -> _StageTime:
+    """One multi-token-prediction module for one micro-batch: the 2h -> h projection, its layer (replayed only
+    when full recompute replays every layer), its own pass through the shared head, and its loss."""
+    layer_job = job.layer_job(False)
+    moe = model.is_moe_layer(model.mtp_layer_index)
+    run, tp_t, cp_t, ep_t = _layer_times(model, deg, layer_job, cluster, moe, net, eff)
+    cost = layer_cost(model, deg, layer_job, cluster, moe, eff)
+    rows = job.seq_len // deg.cp * job.micro_batch
+    proj = _linear(rows, 2 * model.hidden_size, model.hidden_size // deg.tp, cluster, job)
+    shape = (rows, model.hidden_size, model.vocab_size // deg.tp, cluster.gpu, job.param_dtype, float(job.param_bytes))
+    head, loss = linear_time(*shape), _loss_time(model, deg, job, cluster, eff)
+    compute = run + proj[0] + proj[1] + sum(head) + loss
+    forward = cost.forward + proj[0] + head[0] + loss
+    return _StageTime(compute, tp_t, cp_t, ep_t, 0.0, forward, cost.wgrad + proj[2] + weight_grad_time(*shape))
 
 
 @lru_cache(maxsize=64)
@@ -520,10 +548,7 @@ def replayed_share(model: ModelSpec, deg: Degrees, job: Job) -> float:
 def _layer_forward_flops(model: ModelSpec, index: int, seq_len: int) -> float:
     """Forward FLOPs of layer `index` per token: its active parameters (a MoE layer's idle experts excluded) and
     its attention over `seq_len` keys, counted as `model_flops_per_step` does."""
-    params = model.layer_params(index)
-    if model.is_moe_layer(index):
-        params -= (model.num_experts - model.top_k) * model.mlp_params(model.moe_ffn_hidden_size)
-    return 2.0 * params + _attention_flops(model, 1, seq_len, model.num_heads)
+    return 2.0 * _active_layer_params(model, index) + _attention_flops(model, 1, seq_len, model.num_heads)
 
 
 @lru_cache(maxsize=16384)
@@ -603,9 +628,12 @@ def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
 @lru_cache(maxsize=4096)
 def _hardware_flops(model: ModelSpec, job: Job, sequences: int, replayed: float) -> float:
     flops = model_flops_per_step(model, job, sequences)
-    if job.recompute == "full":
-        head = 3.0 * 2 * sequences * job.seq_len * model.hidden_size * model.vocab_size
-        flops += (flops - head) / 3 * replayed  # one more forward of every replayed layer
+    if job.recompute == "full":  # one more forward of every replayed layer (an MTP module's only if all replay)
+        tokens = sequences * job.seq_len
+        decoder = sum(_layer_forward_flops(model, i, job.seq_len) for i in range(model.num_layers))
+        mtp = 0.0 if job.partial_recompute else \
+            model.mtp_layers * _layer_forward_flops(model, model.mtp_layer_index, job.seq_len)
+        flops += tokens * (decoder * replayed + mtp)
     elif job.recompute == "selective" and job.attention_kernel == "eager":
         flops += _attention_flops(model, sequences * job.seq_len, job.seq_len, model.num_heads) * model.num_layers
     return flops

@@ -361,9 +361,27 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
         for i in mine:
             per_mb += tensor_parallel_records(model, deg, layer_job, _split_blocks(model, i))
     per_mb += pipeline_records(model, deg, job, stage) + _vocab_records(model, deg, job, stage)
+    if stage == deg.pp - 1:
+        per_mb += _mtp_records(model, deg, job, ep_where) * model.mtp_layers
+        moe += model.mtp_layers * model.is_moe_layer(model.mtp_layer_index)
     per_step = tensor_parallel_grad_records(model, deg, job, stage) + data_parallel_records(model, deg, job, stage)
     per_step += pipeline_grad_records(deg, job) + router_bias_records(model, deg, job, moe)
     return per_mb * m + per_step
+
+
+def _mtp_records(model: ModelSpec, deg: Degrees, job: Job, ep_where: Placement | None) -> list[CommRecord]:
+    """One multi-token-prediction module per micro-batch: its layer's traffic, as a decoder layer of its kind
+    that is not replayed under partial recompute, and its own pass through the vocab-parallel head and loss.
+    The 2h -> h projection's TP traffic is not counted."""
+    if not model.mtp_layers:
+        return []
+    layer_job, i = job.layer_job(False), model.mtp_layer_index
+    out = context_parallel_records(model, deg, layer_job) + tensor_parallel_records(model, deg, layer_job,
+                                                                                    _split_blocks(model, i))
+    if model.is_moe_layer(i):
+        out += expert_parallel_records(model, deg, layer_job, ep_where) + \
+            expert_tensor_parallel_records(model, deg, layer_job) + balancing_loss_records(model, deg, layer_job)
+    return out + _head_records(model, deg, job)
 
 
 def _replay_groups(model: ModelSpec, deg: Degrees, job: Job, stage: int,
@@ -388,28 +406,34 @@ def router_bias_records(model: ModelSpec, deg: Degrees, job: Job, moe_layers: in
 
 def _vocab_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:
     """Vocab-parallel embedding (stage 0) and output layer + cross entropy (last stage) under TP."""
-    t = deg.tp
-    if t == 1:
+    if deg.tp == 1:
         return []
-    a = _act_bytes(model, deg, job)
-    sp = job.sequence_parallel
+    a, t = _act_bytes(model, deg, job), deg.tp
     out: list[CommRecord] = []
     if stage == 0:  # the vocab shards' partial embeddings are summed (SP: and scattered over the sequence)
-        if sp:  # backward all-gathers the sequence-sharded gradient for the embedding lookup
+        if job.sequence_parallel:  # backward all-gathers the sequence-sharded gradient for the embedding lookup
             out += [_gather("reduce_scatter", "tp", a, t), _gather("all_gather", "tp", a, t)]
         else:  # backward of the all-reduce is the identity
             out.append(_gather("all_reduce", "tp", a, t))
     if stage == deg.pp - 1 and model.vocab_size:
-        if sp:  # gather the sequence for the output projection; backward scatters its gradient, re-gathers input
-            out += [_gather("all_gather", "tp", a, t)] * 2 + [_gather("reduce_scatter", "tp", a, t)]
-        else:
-            out.append(_gather("all_reduce", "tp", a, t))
-        # Every tp rank holds logits for all s*b tokens (its vocab shard), gathered sequence or not; the
-        # vocab-parallel cross entropy reduces each token's maximum, then its sum of exponentials and
-        # target logit together, in float32 (float64 for float64).
-        rows = (8 if job.param_bytes == 8 else 4) * (job.seq_len // deg.cp) * job.micro_batch
-        out += [_gather("all_reduce", "tp", rows, t), _gather("all_reduce", "tp", 2 * rows, t)]
+        out += _head_records(model, deg, job)
     return out
+
+
+def _head_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
+    """The vocab-parallel output layer and cross entropy of one micro-batch under TP."""
+    if deg.tp == 1:
+        return []
+    a, t = _act_bytes(model, deg, job), deg.tp
+    if job.sequence_parallel:  # gather the sequence for the output projection; backward scatters its gradient,
+        out = [_gather("all_gather", "tp", a, t)] * 2 + [_gather("reduce_scatter", "tp", a, t)]  # re-gathers input
+    else:
+        out = [_gather("all_reduce", "tp", a, t)]
+    # Every tp rank holds logits for all s*b tokens (its vocab shard), gathered sequence or not; the
+    # vocab-parallel cross entropy reduces each token's maximum, then its sum of exponentials and
+    # target logit together, in float32 (float64 for float64).
+    rows = (8 if job.param_bytes == 8 else 4) * (job.seq_len // deg.cp) * job.micro_batch
+    return out + [_gather("all_reduce", "tp", rows, t), _gather("all_reduce", "tp", 2 * rows, t)]
 
 
 def summarize(records: Iterable[CommRecord]) -> dict[str, dict[str, int]]:
