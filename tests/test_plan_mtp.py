@@ -37,6 +37,10 @@ def test_parameters_of_a_module():
     assert extra == layer + 2 * H * H + 3 * H
     assert stage_params(MTP, PP2, 0) == stage_params(PLAIN, PP2, 0) and MTP.total_params() == PLAIN.total_params()
     assert sum(t.numel for t in stage_tensors(MTP, PP2, 1)) == stage_params(MTP, PP2, 1).total
+    moe = replace(PLAIN, mlp="swiglu", num_experts=4, top_k=2, moe_ffn_hidden_size=256)
+    deg = Degrees(pp=2, dp=2, ep=2)
+    extra = stage_params(replace(moe, mtp_layers=1), deg, 1).expert - stage_params(moe, deg, 1).expert
+    assert extra == 4 * 3 * H * 256 // 2  # the module's MoE layer: 4 SwiGLU experts over ep 2
     v3 = load_model("deepseek-v3")
     assert v3.mtp_layers == 1 and v3.mtp_module_params() == pytest.approx(11.6e9, rel=0.01)  # 14B less the shared
     # embedding and head (DeepSeek-V3's model card: 671B main model, 14B MTP module)

@@ -51,8 +51,8 @@ def distinct_stages(model: ModelSpec, pp: int, virtual_stages: int, layout: tupl
     chunks = chunk_layers(model.num_layers, pp * virtual_stages, layout)
     kinds: dict[tuple, int] = {}
     for stage in range(pp):
-        layout = tuple(tuple(model.is_moe_layer(i) for i in chunks[stage + v * pp]) for v in range(virtual_stages))
-        kinds.setdefault((layout, stage == 0, stage == pp - 1), stage)
+        moe = tuple(tuple(model.is_moe_layer(i) for i in chunks[stage + v * pp]) for v in range(virtual_stages))
+        kinds.setdefault((moe, stage == 0, stage == pp - 1), stage)
     return tuple(kinds.values())
 
 
