@@ -31,10 +31,13 @@ def _one_more_layer(measure) -> float:
 
 
 def test_parameters_of_a_module():
-    """Its layer, the projection (2h x h) and three norms (h each), on the last stage only, not in the total."""
+    """Its layer, the projection (2h x h) and three norms (h each), on the last stage only, not in the total;
+    and, as Megatron-Core keeps, a copy of the embedding (vocab x h) where it is not the first stage."""
     layer = _one_more_layer(lambda job, s: stage_params(PLAIN, PP2, s, 1, job.pipeline_layout).total)
     extra = stage_params(MTP, PP2, 1).total - stage_params(PLAIN, PP2, 1).total
-    assert extra == layer + 2 * H * H + 3 * H
+    assert extra == layer + 2 * H * H + 3 * H + VOCAB * H
+    one = Degrees()
+    assert stage_params(MTP, one, 0).total - stage_params(PLAIN, one, 0).total == layer + 2 * H * H + 3 * H
     assert stage_params(MTP, PP2, 0) == stage_params(PLAIN, PP2, 0) and MTP.total_params() == PLAIN.total_params()
     assert sum(t.numel for t in stage_tensors(MTP, PP2, 1)) == stage_params(MTP, PP2, 1).total
     moe = replace(PLAIN, mlp="swiglu", num_experts=4, top_k=2, moe_ffn_hidden_size=256)
@@ -90,3 +93,54 @@ def test_traffic_of_a_module():
     m = job.microbatches(deg)
     assert mtp["calls"] - plain["calls"] == m * (4 + 3)
     assert summarize(step_records(MTP, deg, job, 0)) == summarize(step_records(PLAIN, deg, job, 0))
+
+
+def test_module_under_interleaving_zero_bubble_and_zero3():
+    """The module sits in the last chunk of an interleaved last stage (held as often as that chunk's
+    micro-batches); under zb-h1 the last stage holds it for one micro-batch waiting for its B and pp - 1 whose W
+    waits (its GEMMs' inputs and output gradients: QKV h + 3h, output h + h, fc1 h + 4h, fc2 4h + h per token),
+    its inputs and head for pp; under ZeRO-3 it is a unit of its own."""
+    from orangetron.plan.activations import weight_grad_state_bytes
+    from orangetron.plan.params import mtp_module_params, zero3_units
+
+    layer = _one_more_layer(lambda j, s: stage_activation_bytes(PLAIN, PP2, j, s)) / 2
+    inputs, head = 2 * SEQ * 2 * H + 2 * 2 * SEQ * H, 2 * 2 * SEQ * H + 4 * SEQ * VOCAB
+    zb = Job(seq_len=SEQ, global_batch=4, pp_schedule="zb-h1")
+    w_state = weight_grad_state_bytes(PLAIN, PP2, zb, False)
+    assert w_state == 2 * SEQ * 16 * H
+    extra = stage_activation_bytes(MTP, PP2, zb, 1) - stage_activation_bytes(PLAIN, PP2, zb, 1)
+    assert extra == layer + w_state + 2 * (inputs + head)
+    deep = replace(PLAIN, num_layers=8)
+    interleaved = Job(seq_len=SEQ, global_batch=4, virtual_stages=2, pp_schedule="interleaved")
+    extra = stage_activation_bytes(replace(deep, mtp_layers=1), PP2, interleaved, 1) - \
+        stage_activation_bytes(deep, PP2, interleaved, 1)
+    assert extra > 0 and extra % (layer + inputs + head) == 0
+    units = zero3_units(MTP, PP2, 1)
+    assert mtp_module_params(MTP, 1, 1, 1) in units and len(units) == len(zero3_units(PLAIN, PP2, 1)) + 1
+
+
+def test_traffic_of_a_moe_module():
+    """A MoE module's layer adds a MoE layer's expert all-to-alls (as one more MoE layer on stage 0 does)."""
+    moe = replace(PLAIN, mlp="swiglu", num_experts=4, top_k=2, moe_ffn_hidden_size=256)
+    deg = Degrees(pp=2, dp=2, ep=2)
+
+    def calls(model: ModelSpec, job: Job, stage: int) -> int:
+        return summarize(step_records(model, deg, job, stage))["all_to_all/ep"]["calls"]
+
+    one_layer = _one_more_layer(lambda j, s: calls(moe, j, s))
+    job = Job(seq_len=SEQ, global_batch=4)
+    assert one_layer > 0 and calls(replace(moe, mtp_layers=1), job, 1) - calls(moe, job, 1) == one_layer
+
+
+def test_replay_of_a_module_whose_chunk_has_no_decoder_layer():
+    """Megatron's layouts give the MTP module and the loss a last chunk of their own: under full recompute its
+    layer's replay still needs that layer's whole activations for a moment."""
+    from orangetron.plan.activations import layer_activation_bytes
+
+    job = Job(seq_len=SEQ, global_batch=4, recompute="full", pipeline_layout=(4, 0))
+    without = stage_activation_bytes(PLAIN, PP2, job, 1)
+    with_mtp = stage_activation_bytes(MTP, PP2, job, 1)
+    inputs, head = 2 * SEQ * 2 * H + 2 * 2 * SEQ * H, 2 * 2 * SEQ * H + 4 * SEQ * VOCAB
+    checkpoint = 2 * SEQ * H
+    assert with_mtp - without == checkpoint + inputs + head + layer_activation_bytes(PLAIN, PP2, Job(seq_len=SEQ),
+                                                                                     False)

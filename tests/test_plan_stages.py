@@ -181,3 +181,58 @@ def test_plan_cli_pipeline_layout(capsys):
     assert uneven["step_time_s"] < even["step_time_s"] < heavy_last["step_time_s"]
     assert main([*args, "--pipeline-layout", "8x4,1"]) == 2
     assert "pipeline_layout has 5 virtual stages" in capsys.readouterr().err
+
+
+def test_pipeline_layout_reaches_replay_fp8_copies_and_the_optimizer():
+    """Partial recompute replays the first layers of each of the layout's chunks; FP8 weight copies and the
+    optimizer step follow the parameters a stage holds (here most of them on the last stage)."""
+    from orangetron.plan.memory import stage_memory
+    from orangetron.plan.stages import replayed_layers
+    from orangetron.plan.timing import _optimizer_time
+
+    # Chunks [0], [1-3], [4-6], [7-9]; stage 1 holds chunks 1 and 3.
+    assert replayed_layers(10, 2, 2, 1, 1, (1, 3, 3, 3)) == {1, 7}
+    assert replayed_layers(10, 2, 2, 0, 2, (1, 3, 3, 3)) == {0, 4, 5}
+    model, deg = dense(8), Degrees(pp=2)
+
+    def fp8(layout: tuple[int, ...], stage: int) -> int:
+        return stage_memory(model, deg, Job(seq_len=256, fp8=True, pipeline_layout=layout), stage)["fp8"]
+
+    from orangetron.plan.fp8 import AMAX_HISTORY, GEMMS_PER_LAYER
+
+    # Per layer: an FP8 copy and its transpose of every weight, and each GEMM's three scales with their history.
+    per_layer = 2 * model.layer_params(0) + GEMMS_PER_LAYER * 3 * (2 + AMAX_HISTORY) * 4
+    assert fp8((2, 6), 1) - fp8((4, 4), 1) == 2 * per_layer and fp8((5, 3), 0) - fp8((4, 4), 0) == per_layer
+    cluster, heavy = make_cluster("h100", 2), Job(seq_len=256, global_batch=4, pipeline_layout=(1, 7))
+    step = step_time(model, deg, heavy, cluster)
+    last = _optimizer_time(model, deg, heavy, cluster, DEFAULT_EFFICIENCY, 1)
+    assert step.optimizer_s == last > _optimizer_time(model, deg, heavy, cluster, DEFAULT_EFFICIENCY, 0)
+
+
+def test_replay_transient_of_every_chunk_of_an_interleaved_stage(monkeypatch):
+    """An interleaved stage replays each of its chunks in turn: its peak takes the largest chunk's transient,
+    here chunk 2's three layers where chunk 0 holds none (a transient of the first chunk alone would be 0)."""
+    from orangetron.plan import activations
+
+    seen = []
+    original = activations._stage_replay_transient
+    monkeypatch.setattr(activations, "_stage_replay_transient",
+                        lambda m, deg, job, stage, layers: seen.append(tuple(layers)) or original(m, deg, job, stage,
+                                                                                                  layers))
+    job = Job(seq_len=256, global_batch=4, virtual_stages=2, pp_schedule="interleaved", recompute="full",
+              pipeline_layout=(0, 4, 3, 1))
+    activations._stage_activation_bytes.cache_clear()
+    activations.stage_activation_bytes(dense(8), Degrees(pp=2), job, 0)
+    assert seen == [(), (4, 5, 6)]
+    whole = activations.layer_activation_bytes(dense(8), Degrees(pp=2), Job(seq_len=256), False)
+    assert original(dense(8), Degrees(pp=2), job, 0, (4, 5, 6)) == whole
+
+
+def test_plan_cli_refuses_a_malformed_layout(capsys):
+    from orangetron.cli import main
+
+    args = ["estimate", "--model", "llama3-8b", "--gpus", "4", "--pp", "4", "--seq", "2048"]
+    for bad in ("4x-1,32", "2x,3", "a,b"):
+        with pytest.raises(SystemExit):
+            main([*args, "--pipeline-layout", bad])
+        assert "each item must be N or NxK" in capsys.readouterr().err

@@ -126,6 +126,10 @@ def _neox_tokens_per_s(tflops: float) -> float:
 # for pp 16 x vp 1 and pp 4 x vp 4): embedding and 4 layers, 14 virtual stages of 4, then 1 layer, the MTP module
 # and the loss.
 _V3_PP16_LAYOUT = (4,) * 15 + (1,)
+# NVIDIA's layout for DeepSeek-V3 at pp 8 x vp 4 (yanring/Megatron-MoE-ModelZoo's DeepSeek-V3 benchmarking configs,
+# "Et*2|(tt|)*22t|(tt|)*7mL"): 23 chunks of 2 layers, one of 1, 7 of 2, and a last chunk with the MTP module and
+# the loss only.
+_V3_PP8_VP4_LAYOUT = (2,) * 23 + (1,) + (2,) * 7 + (0,)
 _MTNLG = gpt(128, 20480, 105)
 _MTNLG_JOB = Job(seq_len=2048, global_batch=1920, recompute="full", attention_kernel="eager", overlap_grad_reduce=False)
 
@@ -225,8 +229,8 @@ NEMO_2407 = [
 # with presets we ship, tokens/s per GPU; "we force-balance the token distribution among experts" (random
 # routing, as `busiest_share` assumes). GB200 jobs of 256 GPUs are placed 64 per NVL72 rack.
 def _bridge(name, preset, gpu, gpus, fp8, batch, mb, seq, pp, vp, ep, tokens, per_node=0) -> Run:
-    # DeepSeek-V3 runs the recipe's layout where it has one for the pipeline (pp x vp = 16 chunks).
-    layout = _V3_PP16_LAYOUT if preset == "deepseek-v3" and pp * vp == 16 else ()
+    # DeepSeek-V3 runs the recipe's layout (pp x vp = 16 chunks) or NVIDIA's own for pp 8 x vp 4.
+    layout = {16: _V3_PP16_LAYOUT, 32: _V3_PP8_VP4_LAYOUT}.get(pp * vp, ()) if preset == "deepseek-v3" else ()
     job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, fp8=fp8, distributed_optimizer=True,
               virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b", pipeline_layout=layout,
               bucket_numel=_mcore_buckets(gpus // pp), grad_accumulation_fusion=True)
@@ -281,7 +285,8 @@ MODELZOO_MOE = [
 # tokens/s per GPU = 899 TFLOP/s, docs/performance-summary.md, 25.11, DGX-GB200).
 def _gb200_guide(name: str, tflops: float) -> Run:
     job = Job(seq_len=4096, global_batch=2048, fp8=True, distributed_optimizer=True, virtual_stages=4,
-              pp_schedule="interleaved", bucket_numel=_mcore_buckets(32), grad_accumulation_fusion=True)
+              pp_schedule="interleaved", pipeline_layout=_V3_PP8_VP4_LAYOUT, bucket_numel=_mcore_buckets(32),
+              grad_accumulation_fusion=True)
     return Run(f"DeepSeek-V3 on 256 GB200 (MCore guide), {name}", "check", load_model("deepseek-v3"), "gb200",
                Degrees(pp=8, dp=32, ep=32), job, "tokens", tflops * 3454 / 899, (), 64)
 

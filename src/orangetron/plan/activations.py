@@ -226,7 +226,7 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     total = int(_saved_bytes(m, deg, job, stage, layers) * in_flight(deg, job, stage))
     if job.pp_schedule == "zb-h1" and deg.pp > 1:
         total = _zero_bubble_layers_bytes(m, deg, job, stage, layers)
-    total += _replay_transient(m, deg, job, stage, layers)
+    total += _stage_replay_transient(m, deg, job, stage, layers)
     sb, h = x.s * x.b, m.hidden_size
     if stage == 0 and m.dropout:
         total += int(sb * h // x.rep * in_flight(deg, job, 0))  # embedding-dropout mask
@@ -315,6 +315,15 @@ def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: int, moe: int) ->
         (layers - moe) * layer_activation_bytes(m, deg, job, False)
 
 
+def _stage_replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Sequence[int]) -> int:
+    """The replay transient of `layers` (a stage's or one chunk's), or on the last stage of an MTP module's layer
+    when full recompute replays every layer (its backward runs first, before any decoder layer's)."""
+    mtp = 0
+    if stage == deg.pp - 1 and m.mtp_layers and job.recompute == "full" and not job.partial_recompute:
+        mtp = layer_activation_bytes(m, deg, without_recompute(job), m.is_moe_layer(m.mtp_layer_index))
+    return max(mtp, _replay_transient(m, deg, job, stage, layers))
+
+
 def _replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Sequence[int]) -> int:
     """Bytes backward adds while it replays a layer's forward under full recompute: the largest replayed layer's
     activations, less what the chunk's kept layers freed first (their backward runs before the replays)."""
@@ -378,8 +387,8 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     weights.append(mask)
     peak = max(sum(w * n for w, n in zip(weights, held, strict=True))
                for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
-    return peak + _replay_transient(m, deg, job, stage, stage_layers(m.num_layers, p * v, 1, stage,
-                                                                     job.pipeline_layout))
+    chunks = (stage_layers(m.num_layers, p * v, 1, stage + c * p, job.pipeline_layout) for c in range(v))
+    return peak + max(_stage_replay_transient(m, deg, job, stage, layers) for layers in chunks)
 
 
 def _interleaved_holdings(p: int, microbatches: int, v: int, stage: int,

@@ -319,12 +319,12 @@ def format_ranking(ranked: list[Estimate]) -> str:
 def _layout(text: str) -> tuple[int, ...]:
     """'4x15,1' -> fifteen 4s and a 1."""
     out: list[int] = []
-    try:
-        for item in text.split(","):
-            layers, _, times = item.partition("x")
-            out += [int(layers)] * (int(times) if times else 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of N or NxK (N layers, K stages)") from None
+    for item in text.split(","):
+        layers, cross, times = item.partition("x")
+        if not layers.isdigit() or (cross and not (times.isdigit() and int(times) >= 1)):
+            raise argparse.ArgumentTypeError(f"{text!r}: each item must be N or NxK (N >= 0 layers, K >= 1 "
+                                             f"virtual stages), not {item!r}")
+        out += [int(layers)] * (int(times) if cross else 1)
     return tuple(out)
 
 

@@ -93,6 +93,10 @@ def stage_tensors(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: in
         layers += sum(embedding)
     if last:
         h = model.hidden_size
+        if model.mtp_layers and deg.pp > 1 and not model.tied_embeddings:  # the MTP modules' embedding copy
+            copy = _ceil_div(model.vocab_size * h, deg.tp)
+            out.append(ParamTensor(copy, False, virtual_stages - 1, "rest"))
+            layers += copy
         for k in range(model.mtp_layers):  # each MTP module: its layer's tensors, the projection, three norms
             mtp = _layer_tensors(model, deg, model.mtp_layer_index) + [(_ceil_div(2 * h * h, deg.tp), False)]
             mtp += [(h, False)] * (3 * (2 if model.bias else 1))

@@ -48,6 +48,10 @@ def _stage_params(model: ModelSpec, t: int, pp: int, ep: int, etp: int, stage: i
         dense += model.hidden_size * (2 if model.bias else 1) + head_weights(model, t, pp)
         mtp = mtp_module_params(model, t, ep, etp)
         dense, expert = dense + model.mtp_layers * mtp.dense, expert + model.mtp_layers * mtp.expert
+        if model.mtp_layers and pp > 1 and not model.tied_embeddings:
+            # MTP embeds the next tokens on the last stage: Megatron-Core keeps a copy of the embedding there (a
+            # tied head already is one) and sums its gradient with the first stage's
+            dense += _ceil_div(model.vocab_size * model.hidden_size, t)
     return StageParams(dense, expert)
 
 

@@ -643,15 +643,19 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
               eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
     """Predicted seconds per training step and MFU for one configuration on `cluster`."""
     m = job.microbatches(deg)
-    stages = [_stage_time(model, deg, job, cluster, s, net, eff)
-              for s in distinct_stages(model, deg.pp, job.virtual_stages, job.pipeline_layout)]
+    kinds = distinct_stages(model, deg.pp, job.virtual_stages, job.pipeline_layout)
+    stages = [_stage_time(model, deg, job, cluster, s, net, eff) for s in kinds]
     slow = max(stages, key=lambda st: st.total)
     v = job.virtual_stages if job.pp_schedule == "interleaved" else 1
     bubble = (deg.pp - 1) / v * slow.total
     if job.pp_schedule == "zb-h1":  # exposed communication counts with the input-gradient backward
         bubble = zero_bubble_h1_bubble(deg.pp, slow.forward, slow.total - slow.forward - slow.wgrad, slow.wgrad)
-    dp = _dp_exposed(model, deg, job, cluster, slow.total, m, net, eff)
-    optimizer = _optimizer_time(model, deg, job, cluster, eff)
+    # The step ends when the stage with the most parameters has reduced their gradients (behind its own
+    # backward) and stepped its optimizer: a layout can move most of them off stage 0.
+    heavy = max(range(len(kinds)), key=lambda k: stage_params(model, deg, kinds[k], job.virtual_stages,
+                                                              job.pipeline_layout).total)
+    dp = _dp_exposed(model, deg, job, cluster, stages[heavy].total, m, net, eff, kinds[heavy])
+    optimizer = _optimizer_time(model, deg, job, cluster, eff, kinds[heavy])
     step = m * slow.total + bubble + dp + optimizer
     sequences = m * job.micro_batch * deg.dp
     flops = model_flops_per_step(model, job, sequences)
@@ -663,9 +667,10 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
                     hardware / step / peak, causal / step / peak)
 
 
-def _optimizer_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, eff: Efficiency) -> float:
-    """Adam over this GPU's shard: memory bound."""
-    params = stage_params(model, deg, 0, job.virtual_stages, job.pipeline_layout)
+def _optimizer_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, eff: Efficiency,
+                    stage: int = 0) -> float:
+    """Adam over this GPU's shard of `stage`: memory bound."""
+    params = stage_params(model, deg, stage, job.virtual_stages, job.pipeline_layout)
     sharded = job.zero_stage > 0 or job.distributed_optimizer
     shard = params.dense / (deg.dp_cp if sharded else 1) + params.expert / (deg.edp if sharded else 1)
     return shard * eff.optimizer_bytes_per_param / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
@@ -679,11 +684,11 @@ def _hide(comm: float, window: float, eff: Efficiency) -> float:
 
 
 def _dp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, t_mb: float, m: int,
-                net: NetworkParams, eff: Efficiency) -> float:
-    """DP traffic left over after overlapping reductions with the last backward and gathers with the
+                net: NetworkParams, eff: Efficiency, stage: int = 0) -> float:
+    """DP traffic of `stage` left over after overlapping reductions with the last backward and gathers with the
     first forward (ZeRO-3's per-micro-batch gathers hide behind each micro-batch)."""
     dp_job = _data_parallel_job(model, deg, job, m)
-    reduce, gather, layers = _dp_times(model, deg, dp_job, cluster, net)
+    reduce, gather, layers = _dp_times(model, deg, dp_job, cluster, net, stage)
     if job.overlap_grad_reduce:
         rounds = reduce_rounds(model, deg, dp_job)  # each behind its own micro-batch's backward
         tail = reduce / (layers * rounds)  # the last bucket never overlaps
@@ -707,11 +712,11 @@ def _data_parallel_job(model: ModelSpec, deg: Degrees, job: Job, microbatches: i
 
 
 @lru_cache(maxsize=16384)
-def _dp_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
-              net: NetworkParams) -> tuple[float, float, int]:
-    """(reduction seconds, gather seconds, layers on stage 0) of one step's data-parallel traffic."""
+def _dp_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: NetworkParams,
+              stage: int = 0) -> tuple[float, float, int]:
+    """(reduction seconds, gather seconds, layers) of one step's data-parallel traffic on `stage`."""
     places = group_places(deg, cluster)
-    reduce, gather = _records_times(data_parallel_records(model, deg, job, 0), places, cluster, net,
+    reduce, gather = _records_times(data_parallel_records(model, deg, job, stage), places, cluster, net,
                                     split_gathers=True)
-    return reduce, gather, max(1, len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, 0,
+    return reduce, gather, max(1, len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage,
                                                    job.pipeline_layout)))
