@@ -82,9 +82,9 @@ def _layouts():
         for pp, v in ((3, 1), (4, 1), (5, 1), (4, 2), (2, 2)):
             if layers < pp * v:
                 continue
-            for recompute in ("none", "full"):
+            for recompute, replayed in (("none", 0), ("full", 0), ("full", 1)):  # 1: each chunk's first layer
                 job = Job(seq_len=256, global_batch=8, virtual_stages=v, recompute=recompute,
-                          pp_schedule="interleaved" if v > 1 else "1f1b")
+                          recompute_layers=replayed, pp_schedule="interleaved" if v > 1 else "1f1b")
                 out.append((model, Degrees(pp=pp, dp=2, ep=2), job))
     out.append((dense(12), Degrees(pp=4), Job(seq_len=256, global_batch=8)))  # middle stages pay both ways
     # Layouts: a heavy middle stage, a last stage of one layer, an empty chunk, interleaved and replayed.
@@ -93,10 +93,10 @@ def _layouts():
         out.append((replace(moe, mtp_layers=1), Degrees(pp=4, dp=2, ep=2),
                     Job(seq_len=256, global_batch=16, pipeline_layout=layout)))
     for layout, v in (((2, 5, 4, 1), 1), ((4, 4, 4, 0), 1), ((1, 2, 2, 3, 1, 1, 1, 1), 2)):
-        for recompute in ("none", "full"):
+        for recompute, replayed in (("none", 0), ("full", 0), ("full", 1)):
             out.append((moe, Degrees(pp=4, dp=2, ep=2),
                         Job(seq_len=256, global_batch=16, virtual_stages=v, recompute=recompute, pipeline_layout=layout,
-                            pp_schedule="interleaved" if v > 1 else "1f1b")))
+                            recompute_layers=replayed, pp_schedule="interleaved" if v > 1 else "1f1b")))
     # 12 layers, the first dense, MoE every second after it, in 8 chunks over 4 stages: stages 1 and 2 have
     # alike first chunks (a MoE, then a dense layer) but different second ones.
     alternating = ModelSpec(name="alt", hidden_size=128, num_layers=12, num_heads=4, vocab_size=512,
