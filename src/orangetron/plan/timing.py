@@ -440,8 +440,10 @@ class _StageTime:
     cp: float
     ep: float
     pp: float
-    forward: float = 0.0  # compute seconds of the forward pass (part of `compute`; zb-h1 only)
-    wgrad: float = 0.0  # compute seconds of the weight gradients (part of `compute`; zb-h1 only)
+    # Parts of `compute` only zb-h1 reads (the decoder layers' shares are summed only under it): the forward
+    # pass, and the weight gradients
+    forward: float = 0.0
+    wgrad: float = 0.0
 
     @property
     def total(self) -> float:
