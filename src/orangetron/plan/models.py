@@ -202,8 +202,11 @@ class ModelSpec:
     def mtp_module_params(self) -> int:
         """One multi-token-prediction module: three norms, the 2h -> h projection and its layer (the embedding
         and the output head are shared)."""
-        h = self.hidden_size
-        return 3 * h * (2 if self.bias else 1) + 2 * h * h + self.layer_params(self.mtp_layer_index)
+        return self.mtp_norm_params() + 2 * self.hidden_size**2 + self.layer_params(self.mtp_layer_index)
+
+    def mtp_norm_params(self) -> int:
+        """An MTP module's norms: one on each of its two inputs, one before the head."""
+        return 3 * self.hidden_size * (2 if self.bias else 1)
 
     @property
     def mtp_layer_index(self) -> int:

@@ -99,7 +99,7 @@ def stage_tensors(model: ModelSpec, deg: Degrees, stage: int, virtual_stages: in
             layers += copy
         for k in range(model.mtp_layers):  # each MTP module: its layer's tensors, the projection, three norms
             mtp = _layer_tensors(model, deg, model.mtp_layer_index) + [(_ceil_div(2 * h * h, deg.tp), False)]
-            mtp += [(h, False)] * (3 * (2 if model.bias else 1))
+            mtp += [(h, False)] * (model.mtp_norm_params() // h)
             out += [ParamTensor(n, e, virtual_stages - 1, f"mtp.{k}") for n, e in mtp]
             layers += sum(n for n, _ in mtp)
         norm = [model.hidden_size] * (2 if model.bias else 1)

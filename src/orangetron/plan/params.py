@@ -59,8 +59,7 @@ def mtp_module_params(model: ModelSpec, t: int, ep: int, etp: int) -> StageParam
     """One multi-token-prediction module on one GPU of the last stage: its layer as a decoder layer of its kind,
     the 2h -> h projection split over tp, its three norms whole."""
     layer = _layer_params(model, t, ep, etp, model.mtp_layer_index)
-    norms = 3 * model.hidden_size * (2 if model.bias else 1)
-    return StageParams(layer.dense + norms + _ceil_div(2 * model.hidden_size**2, t), layer.expert)
+    return StageParams(layer.dense + model.mtp_norm_params() + _ceil_div(2 * model.hidden_size**2, t), layer.expert)
 
 
 def head_weights(model: ModelSpec, t: int, pp: int) -> int:
@@ -152,8 +151,7 @@ def _replicated_params(model: ModelSpec, deg: Degrees, virtual_stages: int, stag
             total += model.num_experts * model.hidden_size
             total += model.expert_params_per_layer() // deg.ep if experts_whole_on_tp else 0
     if stage == deg.pp - 1:
-        norm = model.hidden_size * (2 if model.bias else 1)
-        total += norm + 3 * norm * model.mtp_layers  # final norm, each MTP module's three
+        total += model.hidden_size * (2 if model.bias else 1) + model.mtp_norm_params() * model.mtp_layers
     return total
 
 

@@ -477,11 +477,7 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
             forward += count * cost.forward
             wgrad += count * cost.wgrad
     if stage == deg.pp - 1 and model.vocab_size:
-        rows = job.seq_len // deg.cp * job.micro_batch
-        # The output head stays in 16-bit under FP8 training: Megatron's output layer is not a Transformer
-        # Engine module, and DeepSeek-V3 keeps it in BF16 (arXiv:2412.19437 section 3.3.1).
-        shape = (rows, model.hidden_size, model.vocab_size // deg.tp, cluster.gpu, job.param_dtype,
-                 float(job.param_bytes))
+        shape = _head_shape(model, deg, job, cluster)
         head = linear_time(*shape)
         loss = _loss_time(model, deg, job, cluster, eff)
         compute += sum(head) + loss
@@ -496,6 +492,13 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
     return _StageTime(compute, tp, cp, ep, pp, forward, wgrad)
 
 
+def _head_shape(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster) -> tuple:
+    """`linear_time`'s arguments for the output head of one micro-batch: in 16 bits even under FP8 (Megatron's
+    output layer is not a Transformer Engine module; DeepSeek-V3 keeps it in BF16, arXiv:2412.19437 3.3.1)."""
+    rows = job.seq_len // deg.cp * job.micro_batch
+    return rows, model.hidden_size, model.vocab_size // deg.tp, cluster.gpu, job.param_dtype, float(job.param_bytes)
+
+
 def _mtp_module_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: NetworkParams,
                      eff: Efficiency) -> _StageTime:
     """One multi-token-prediction module for one micro-batch: the 2h -> h projection, its layer (replayed only
@@ -506,7 +509,7 @@ def _mtp_module_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     cost = layer_cost(model, deg, layer_job, cluster, moe, eff)
     rows = job.seq_len // deg.cp * job.micro_batch
     proj = _linear(rows, 2 * model.hidden_size, model.hidden_size // deg.tp, cluster, job)
-    shape = (rows, model.hidden_size, model.vocab_size // deg.tp, cluster.gpu, job.param_dtype, float(job.param_bytes))
+    shape = _head_shape(model, deg, job, cluster)
     head, loss = linear_time(*shape), _loss_time(model, deg, job, cluster, eff)
     compute = run + proj[0] + proj[1] + sum(head) + loss
     forward = cost.forward + proj[0] + head[0] + loss
