@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from orangetron import comm, memory
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.parallel import ParallelConfig, parallelize
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 from orangetron.train.checkpoint import save_checkpoint
 

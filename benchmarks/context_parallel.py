@@ -23,12 +23,12 @@ import time
 import torch
 
 from orangetron import comm, memory
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.parallel import ParallelConfig, context, parallelize
 from orangetron.parallel.context import blocks, ring
 from orangetron.parallel.context.sharding import head_tail_indices
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 
 SMALL = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64, ffn_dim=64, max_seq_len=1 << 16)

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from orangetron import memory
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer, model_preset
 from orangetron.parallel import DataParallel, ParallelConfig
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 
 MODEL, BATCH, SEQ, STEPS = "tiny-moe", 4, 128, 8

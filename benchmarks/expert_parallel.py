@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig
 from orangetron.model.moe import MoE
 from orangetron.parallel.expert import Dispatcher, ExpertParallelMoE
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 
 EP, REPEATS, WARMUP = 2, 15, 2

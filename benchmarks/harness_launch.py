@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from orangetron import comm
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 
 

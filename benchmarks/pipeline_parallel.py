@@ -21,13 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from orangetron import comm
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.model.layers import rope_cos_sin
 from orangetron.parallel import ParallelConfig, parallelize
 from orangetron.parallel.pipeline import MicroBatch, run_pipeline
-from orangetron.plan.stages import chunk_layers
+from orangetron.spec.layout import Layout
+from orangetron.spec.stages import chunk_layers
 from orangetron.testing import run_distributed, shutdown_workers
 
 MODEL = ModelConfig(dim=128, n_layers=8, n_heads=4, n_kv_heads=4, vocab_size=256, ffn_dim=256, aux_loss_coef=0.0)

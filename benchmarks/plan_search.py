@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-from orangetron.plan.config import Job
 from orangetron.plan.estimate import estimate
-from orangetron.plan.hardware import make_cluster
-from orangetron.plan.models import load_model
 from orangetron.plan.network import message_throughput
 from orangetron.plan.search import SearchSpace, candidate_degrees, candidate_jobs, search
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import load_model
+from orangetron.spec.options import Job
 
 CASES = [("llama3-8b", "h100", 64, 8192, 256), ("llama3-70b", "h100", 256, 8192, 512),
          ("mixtral-8x7b", "h100", 64, 4096, 256), ("deepseek-v3", "h100", 1024, 4096, 4096)]

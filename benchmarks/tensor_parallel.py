@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from orangetron import memory
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.parallel import ParallelConfig, parallelize
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 
 CFG = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=768, max_seq_len=4096)

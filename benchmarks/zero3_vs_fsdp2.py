@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from orangetron import memory
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.parallel import ParallelConfig, parallelize
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 
 CFG = ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=256, ffn_dim=1536)

@@ -40,8 +40,8 @@ GPU_LAYOUT = "--tp 8 --sequence-parallel --pp 2 --dp 2 --zero-stage 1 --global-b
 
 def commands() -> list[list[str]]:
     """Every command the goldens cover, in a fixed order."""
-    from orangetron.plan.hardware import gpu_names
-    from orangetron.plan.models import DualEncoderSpec, load_model, preset_names
+    from orangetron.spec.hardware import gpu_names
+    from orangetron.spec.model import DualEncoderSpec, load_model, preset_names
 
     out: list[list[str]] = []
     for name in preset_names():

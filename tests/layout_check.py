@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from orangetron import comm, memory
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.model.moe import Router
@@ -20,6 +19,7 @@ from orangetron.parallel import ParallelConfig, context, parallelize
 from orangetron.parallel.expert import update_router_bias
 from orangetron.parallel.pipeline import MicroBatch, run_pipeline
 from orangetron.plan.bridge import predicted_step
+from orangetron.spec.layout import Layout
 
 SEQ, PER_RANK, STEPS, LR, CLIP = 8, 2, 3, 3e-2, 0.5
 

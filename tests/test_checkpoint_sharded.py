@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from orangetron import comm, memory
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer, model_preset
 from orangetron.parallel import ParallelConfig, parallelize
 from orangetron.parallel.state import flat_range_boxes
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 from orangetron.train.checkpoint import load_checkpoint, load_into, open_checkpoint, save_checkpoint
 

@@ -1,4 +1,4 @@
-"""The shared byte formulas (`orangetron.plan.collectives`) against numbers worked out by hand.
+"""The shared byte formulas (`orangetron.spec.collectives`) against numbers worked out by hand.
 
 Payloads are chosen not to divide by the group size, where the integer rule shows: one ring phase moves
 (n-1) * T // n bytes (rounded down), an all-reduce twice that. Every expected number is written out.
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from orangetron.plan import collectives as cf
+from orangetron.spec import collectives as cf
 
 
 def test_all_gather_and_reduce_scatter_round_down():

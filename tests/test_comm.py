@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from orangetron import comm
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed
 
 F64 = 8  # bytes per float64 element

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.parallel import context
 from orangetron.parallel.context.sharding import head_tail_indices
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed
 
 CHUNK, BATCH, HEAD_DIM = 3, 2, 4

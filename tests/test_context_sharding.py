@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from orangetron import comm
-from orangetron.layout import Layout, LayoutError
 from orangetron.mesh import init_mesh
 from orangetron.parallel import context
+from orangetron.spec.layout import Layout, LayoutError
 from orangetron.testing import run_distributed
 
 

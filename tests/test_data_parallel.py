@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from orangetron import comm, memory
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.parallel import DataParallel, ParallelConfig, ParallelConfigError
 from orangetron.plan.bridge import predicted_step
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed
 
 CFG = ModelConfig(dim=18, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=32, ffn_dim=24, n_experts=4, top_k=2,

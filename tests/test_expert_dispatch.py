@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from orangetron import comm
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model.moe import GroupedExperts
 from orangetron.parallel.config import ParallelConfigError
 from orangetron.parallel.expert import Dispatcher, run_local_experts
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.traffic import expert_parallel_records
+from orangetron.spec.layout import Layout
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job
 from orangetron.testing import run_distributed
 
 DIM, HIDDEN, TOKENS = 6, 5, 7  # tokens per rank (odd on purpose)

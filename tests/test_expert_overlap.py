@@ -21,14 +21,14 @@ from test_expert_dispatch import (
 )
 
 from orangetron import comm, memory
-from orangetron.layout import Layout
 from orangetron.mesh import MeshGroup, init_mesh
 from orangetron.model.moe import GroupedExperts
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
 from orangetron.parallel.expert import Dispatcher, run_local_experts
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.traffic import expert_parallel_records
+from orangetron.spec.layout import Layout
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job
 from orangetron.testing import run_distributed
 
 # (experts per rank, top_k, chunks)

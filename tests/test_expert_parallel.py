@@ -15,11 +15,11 @@ import torch
 from layout_check import CLIP, LR, PER_RANK, SEQ, STEPS, assert_equals_reference, batch
 
 from orangetron import comm, memory
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer, moe
 from orangetron.parallel import ParallelConfig, parallelize
 from orangetron.plan.bridge import predicted_step
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed
 
 BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, aux_loss_coef=0.05)

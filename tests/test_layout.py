@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orangetron.layout import Layout, LayoutError
+from orangetron.spec.layout import Layout, LayoutError
 
 
 def model(**overrides):

@@ -4,8 +4,8 @@ import pytest
 import torch.distributed as dist
 
 from orangetron import mesh as mesh_module
-from orangetron.layout import Layout
 from orangetron.mesh import MeshError, init_mesh
+from orangetron.spec.layout import Layout
 
 
 def start_group(folder, name: str) -> None:

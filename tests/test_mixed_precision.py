@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.parallel import DataParallel, ParallelConfig
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed
 
 # Dense on purpose: in bf16 a router's top-k can flip between one device and d ranks, which would turn a

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 from layout_check import check_layout, layout_run
 
-from orangetron.layout import Layout
 from orangetron.model import ModelConfig
 from orangetron.parallel import ParallelConfig
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed
 
 BASE = dict(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, aux_loss_coef=0.0)
@@ -70,9 +70,9 @@ def test_pipeline_parallel_matches_one_device_and_the_planner(world):
 
 
 def test_pipeline_settings_that_cannot_run_are_refused():
-    from orangetron.layout import LayoutError
     from orangetron.parallel import ParallelConfigError
     from orangetron.parallel.pipeline import check_pipeline
+    from orangetron.spec.layout import LayoutError
     from orangetron.train.config import TrainConfig, TrainConfigError
 
     tied = ModelConfig(**{**BASE, "tied_embeddings": True})

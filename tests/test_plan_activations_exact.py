@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from orangetron import memory
-from orangetron.layout import Layout
 from orangetron.model import ModelConfig, Transformer, attention_kernel, load_balancing_loss
 from orangetron.model.autograd import (
     CPUFlashAttention,
@@ -25,6 +24,7 @@ from orangetron.model.autograd import (
 )
 from orangetron.parallel import ParallelConfig
 from orangetron.plan.bridge import predicted_step
+from orangetron.spec.layout import Layout
 
 torch.set_num_threads(1)
 

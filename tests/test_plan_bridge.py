@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from orangetron import model as model_mod
-from orangetron.layout import Layout
 from orangetron.parallel import ParallelConfig
 from orangetron.plan.bridge import degrees_from_layout, job_from_parallel_config, predicted_step
-from orangetron.plan.collectives import OPS
-from orangetron.plan.models import spec_from_model_config
 from orangetron.plan.traffic import data_parallel_records
+from orangetron.spec.collectives import OPS
+from orangetron.spec.layout import Layout
+from orangetron.spec.model import spec_from_model_config
 from orangetron.testing import run_distributed
 
 
@@ -64,9 +64,9 @@ def _measured_dp_steps(world: int, param_dtype: str):
     import torch
 
     from orangetron import comm, memory
-    from orangetron.layout import Layout
     from orangetron.mesh import init_mesh
     from orangetron.parallel import DataParallel, ParallelConfig
+    from orangetron.spec.layout import Layout
 
     cfg = _config(n_experts=4, top_k=2, moe_ffn_dim=8, n_shared_experts=1)
     mesh = init_mesh(Layout(dp=world))

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from orangetron.cli import main as run
-from orangetron.plan.config import Job
+from orangetron.spec.options import Job
 
 
 def last_json(capsys):

@@ -15,10 +15,10 @@ from orangetron.plan.compute import (
     linear_time,
     shape_efficiency,
 )
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.hardware import GPUSpec, load_gpu, make_cluster
-from orangetron.plan.models import load_model
 from orangetron.plan.timing import layer_cost
+from orangetron.spec.hardware import GPUSpec, load_gpu, make_cluster
+from orangetron.spec.model import load_model
+from orangetron.spec.options import Degrees, Job
 
 # A round-number GPU: 100 SMs, 1000 TFLOPS, 1000 GB/s, half of peak on ideal shapes.
 GPU = GPUSpec(name="round", sms=100, bf16_tflops=1000.0, fp32_tflops=100.0, memory_gib=80.0, memory_bw_gbs=1000.0,

@@ -3,8 +3,8 @@
 import pytest
 
 from orangetron.plan.distmm import best_tower_plan, format_plan, plan_distmm
-from orangetron.plan.hardware import make_cluster
-from orangetron.plan.models import load_model
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import load_model
 
 
 @pytest.fixture(scope="module")

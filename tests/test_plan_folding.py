@@ -6,12 +6,12 @@ runtime refuses it (tests/test_comm.py); the planner places, sizes and prices it
 
 import pytest
 
-from orangetron.plan.config import Degrees, Job, validate
-from orangetron.plan.hardware import make_cluster
 from orangetron.plan.memory import stage_params
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.timing import group_places, step_time
 from orangetron.plan.traffic import data_parallel_records, expert_parallel_records, tensor_parallel_grad_records
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job, validate
 
 # 4 layers, every one MoE: 8 experts of width 128 (SwiGLU: 3 x 256 x 128 = 98304 weights each), top 2.
 MOE = ModelSpec(name="moe", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8, vocab_size=512,
@@ -86,7 +86,7 @@ def test_folding_rules():
 def test_folding_moves_mixtral_expert_traffic_into_the_node():
     """Mixtral 8x7B on 16 H100 with tp = 4: unfolded ep <= dp = 4 crosses nodes; folded ep = 8 stays inside
     one, so the exposed expert all-to-all time drops."""
-    from orangetron.plan.models import load_model
+    from orangetron.spec.model import load_model
 
     model, cluster = load_model("mixtral-8x7b"), make_cluster("h100", 16)
     job = Job(seq_len=4096, global_batch=16, sequence_parallel=True, overlap_ep=False, recompute="full")

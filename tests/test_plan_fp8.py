@@ -2,10 +2,10 @@
 
 from dataclasses import replace
 
-from orangetron.plan.config import Degrees, Job
 from orangetron.plan.fp8 import fp8_memory_bytes
 from orangetron.plan.memory import memory_per_gpu, stage_memory
-from orangetron.plan.models import ModelSpec
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job
 
 
 def tiny():

@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 
 from orangetron.plan.activations import layer_activation_bytes, stage_activation_bytes
-from orangetron.plan.config import Degrees, Job
 from orangetron.plan.memory import memory_per_gpu, model_state_bytes, stage_params
-from orangetron.plan.models import ModelSpec, load_model
+from orangetron.spec.model import ModelSpec, load_model
+from orangetron.spec.options import Degrees, Job
 
 # name: (heads, hidden, layers, tp, pp)
 KORTHIKANTI = {
@@ -184,8 +184,8 @@ def test_per_parameter_gradient_shortcut_equals_the_schedule_replay():
     """With more micro-batches than stages the interleaved schedule gives every chunk a backward before any
     chunk's last one, so ZeRO-2's buckets and ZeRO-3's units hold every .grad: the planner's shortcut must equal a
     replay of the whole schedule, and with m <= pp the replay frees a chunk early (less than every tensor)."""
-    from orangetron.plan.config import model_state_job
     from orangetron.plan.param_grads import _replayed_peak, _totals, param_grad_bytes
+    from orangetron.spec.options import model_state_job
 
     model = load_model("llama3-8b")
     for pp, vs in ((2, 2), (4, 2), (4, 4)):

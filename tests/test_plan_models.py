@@ -5,8 +5,8 @@ Tolerance: 1% of the published figure (published totals are themselves rounded t
 
 import pytest
 
-from orangetron.plan.hardware import gpu_names, load_gpu, make_cluster
-from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model, preset_names
+from orangetron.spec.hardware import gpu_names, load_gpu, make_cluster
+from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model, preset_names
 
 # (preset, published total, published active or None, source)
 PUBLISHED = [

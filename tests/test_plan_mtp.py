@@ -8,14 +8,14 @@ import pytest
 
 from orangetron.plan.activations import stage_activation_bytes
 from orangetron.plan.compute import linear_time
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.hardware import make_cluster
-from orangetron.plan.models import ModelSpec, load_model
 from orangetron.plan.network import NetworkParams
 from orangetron.plan.param_grads import stage_tensors
 from orangetron.plan.params import stage_params
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, _loss_time, _stage_time, model_flops_per_step
 from orangetron.plan.traffic import step_records, summarize
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import ModelSpec, load_model
+from orangetron.spec.options import Degrees, Job
 
 H, VOCAB, SEQ = 512, 4096, 1024
 PLAIN = ModelSpec(name="gpt", hidden_size=H, num_layers=4, num_heads=8, vocab_size=VOCAB, ffn_hidden_size=4 * H,

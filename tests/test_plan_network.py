@@ -9,7 +9,6 @@ product brief; one proxy thread about 22 M messages/s) are documented in docs/pl
 
 import pytest
 
-from orangetron.plan.hardware import make_cluster
 from orangetron.plan.network import (
     Placement,
     all_to_all_time,
@@ -17,6 +16,7 @@ from orangetron.plan.network import (
     message_throughput,
     placement,
 )
+from orangetron.spec.hardware import make_cluster
 
 CLUSTER = make_cluster("h100", 64)
 

@@ -11,12 +11,12 @@ import pytest
 
 from orangetron.cli import main as run
 from orangetron.plan import node_dispatch as nd
-from orangetron.plan.config import Degrees, Job, validate
-from orangetron.plan.hardware import make_cluster
-from orangetron.plan.models import ModelSpec, load_model, spec_from_model_config
 from orangetron.plan.network import DEFAULT_PARAMS, Placement
 from orangetron.plan.timing import step_time
 from orangetron.plan.traffic import expert_parallel_records, step_records
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import ModelSpec, load_model, spec_from_model_config
+from orangetron.spec.options import Degrees, Job, validate
 
 P = DEFAULT_PARAMS
 
@@ -173,7 +173,7 @@ def test_sms_set_aside_for_the_step_slow_every_layers_compute_instead():
     """With DeepSeek-V3's 20 of 132 SMs reserved, its layers compute on an H800 of 112 SMs and 112/132 of each
     peak (built here by hand), the hidden traffic costs nothing more, and only its exposed part remains: none,
     behind paired micro-batches. The dense model is not touched."""
-    from orangetron.plan.hardware import GPUSpec
+    from orangetron.spec.hardware import GPUSpec
 
     model, deg, cluster = load_model("deepseek-v3"), Degrees(pp=16, dp=128, ep=64), make_cluster("h800", 2048)
     h800 = cluster.gpu

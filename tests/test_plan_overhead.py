@@ -6,7 +6,6 @@ import json
 import pytest
 
 from orangetron.cli import main as run
-from orangetron.plan.config import Degrees
 from orangetron.plan.overhead import (
     DEFAULT_OVERHEAD,
     NO_OVERHEAD,
@@ -15,6 +14,7 @@ from orangetron.plan.overhead import (
     fixed_overhead,
     with_overhead,
 )
+from orangetron.spec.options import Degrees
 
 GIB = 1024**3
 

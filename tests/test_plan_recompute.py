@@ -8,12 +8,12 @@ import pytest
 
 from orangetron.cli import main as run
 from orangetron.plan.activations import layer_activation_bytes, stage_activation_bytes
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.hardware import make_cluster
-from orangetron.plan.models import ModelSpec
-from orangetron.plan.stages import replayed_layers
 from orangetron.plan.timing import layer_cost, replayed_share, step_time
 from orangetron.plan.traffic import step_records
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job
+from orangetron.spec.stages import replayed_layers
 
 
 def model(layers: int = 6) -> ModelSpec:

@@ -4,8 +4,8 @@ model's closed forms."""
 import pytest
 
 from orangetron.plan.activations import in_flight
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.schedule import ScheduleError, actions, bubble_fraction, peak_in_flight, simulate
+from orangetron.spec.options import Degrees, Job
+from orangetron.spec.schedule import ScheduleError, actions, bubble_fraction, peak_in_flight, simulate
 
 CASES = [("gpipe", 1, 4, 8), ("gpipe", 1, 3, 2), ("1f1b", 1, 4, 8), ("1f1b", 1, 4, 2), ("1f1b", 1, 8, 16),
          ("interleaved", 2, 4, 8), ("interleaved", 2, 4, 4), ("interleaved", 3, 2, 6), ("interleaved", 4, 4, 12)]
@@ -109,7 +109,7 @@ def test_zero_bubble_h1_runs_every_pass_once_after_its_inputs_and_holds_what_1f1
 @pytest.mark.parametrize("pp, m", ZB_CASES)
 @pytest.mark.parametrize("f, b, w", ZB_COSTS)
 def test_zero_bubble_h1_makespan_equals_its_closed_form(pp, m, f, b, w):
-    from orangetron.plan.schedule import zero_bubble_h1_bubble
+    from orangetron.spec.schedule import zero_bubble_h1_bubble
 
     slots = simulate(pp, m, "zb-h1", forward_cost=f, backward_cost=b + w, weight_cost=w)
     assert max(s.end for s in slots) == pytest.approx(m * (f + b + w) + zero_bubble_h1_bubble(pp, f, b, w))

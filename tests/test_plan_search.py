@@ -1,10 +1,10 @@
 """Layout search: what it enumerates, what it keeps, how it ranks."""
 
-from orangetron.plan.config import Degrees, Job
 from orangetron.plan.estimate import estimate
-from orangetron.plan.hardware import make_cluster
-from orangetron.plan.models import load_model
 from orangetron.plan.search import SearchSpace, candidate_degrees, search
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import load_model
+from orangetron.spec.options import Degrees, Job
 
 
 def test_candidate_degrees_cover_the_cluster():
@@ -131,7 +131,7 @@ def test_partial_recompute_reaches_the_top_from_far_behind():
     the backward's window), so no bound on what replays cost may prune it."""
     from dataclasses import replace
 
-    from orangetron.plan.hardware import GIB
+    from orangetron.spec.hardware import GIB
 
     model, cluster = load_model("qwen3-30b-a3b"), make_cluster("h100", 32)
     space = SearchSpace(tp=(2,), cp=(8, 16), pp=(1,), zero=("distopt", "zero3"), micro_batch=(1,),
@@ -148,9 +148,9 @@ def test_fewest_replays_with_uneven_chunks():
     """10 layers over pp 4 (chunks of 3, 3, 2, 2): r runs to 2, one short of the longest chunk; with the memory of
     r = 2 as the limit, 2 is the answer, and with r = 1's, 1."""
     from orangetron.plan.memory import memory_per_gpu
-    from orangetron.plan.models import ModelSpec
     from orangetron.plan.overhead import DEFAULT_OVERHEAD, with_overhead
     from orangetron.plan.search import fewest_replays_that_fit
+    from orangetron.spec.model import ModelSpec
 
     model = ModelSpec(name="ten", hidden_size=256, num_layers=10, num_heads=4, vocab_size=1000, ffn_hidden_size=1024)
     deg, full = Degrees(pp=4), Job(seq_len=4096, global_batch=8, recompute="full")

@@ -12,11 +12,9 @@ from dataclasses import fields, replace
 
 import pytest
 
-from orangetron.plan import activations, config, keys, memory, param_grads, search, stages, timing, traffic
+from orangetron.plan import activations, memory, param_grads, search, timing, traffic
 from orangetron.plan.activations import _interleaved_holdings, stage_activation_bytes
-from orangetron.plan.config import Degrees, Job
 from orangetron.plan.fp8 import fp8_memory_bytes
-from orangetron.plan.hardware import make_cluster
 from orangetron.plan.memory import (
     data_parallel_segments,
     grad_bucket_bytes,
@@ -25,11 +23,14 @@ from orangetron.plan.memory import (
     stage_params,
     zero3_gather_bytes,
 )
-from orangetron.plan.models import load_model
 from orangetron.plan.network import DEFAULT_PARAMS
-from orangetron.plan.schedule import actions
 from orangetron.plan.search import SearchSpace
 from orangetron.plan.traffic import data_parallel_records
+from orangetron.spec import keys, options, stages
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import load_model
+from orangetron.spec.options import Degrees, Job
+from orangetron.spec.schedule import actions
 
 # Options the normalized keys drop, each changed from the job that warms the cache.
 ACTIVATION_ONLY = [dict(seq_len=2048), dict(micro_batch=2), dict(global_batch=48), dict(recompute="full"),
@@ -47,7 +48,7 @@ SHARDING = [dict(), dict(zero_stage=1), dict(distributed_optimizer=True, bucket_
 
 
 def _clear_caches() -> None:
-    for module in (activations, config, memory, param_grads, search, stages, timing, traffic):
+    for module in (activations, options, memory, param_grads, search, stages, timing, traffic):
         for value in vars(module).values():
             if hasattr(value, "cache_clear"):
                 value.cache_clear()

@@ -5,13 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.hardware import make_cluster
 from orangetron.plan.memory import _stage_total, memory_per_gpu, stage_memory
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import NetworkParams
-from orangetron.plan.stages import distinct_stages
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, _stage_time, step_time
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job
+from orangetron.spec.stages import distinct_stages
 
 
 def dense(layers: int) -> ModelSpec:
@@ -122,7 +122,7 @@ def test_time_and_memory_bound_every_stage():
 
 def test_pipeline_layout_by_hand():
     """A layout lists each virtual stage's layers in order; chunk g runs on rank g % pp."""
-    from orangetron.plan.stages import chunk_layers, longest_chunk, stage_layers
+    from orangetron.spec.stages import chunk_layers, longest_chunk, stage_layers
 
     assert chunk_layers(10, 4, (4, 3, 2, 1)) == [range(0, 4), range(4, 7), range(7, 9), range(9, 10)]
     assert chunk_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
@@ -136,7 +136,7 @@ def test_pipeline_layout_by_hand():
 
 
 def test_pipeline_layout_is_checked():
-    from orangetron.plan.config import validate
+    from orangetron.spec.options import validate
 
     with pytest.raises(ValueError, match=r"pipeline_layout has 3 virtual stages; pp\*virtual_stages is 4"):
         validate(dense(10), Degrees(pp=4), Job(seq_len=256, pipeline_layout=(4, 3, 3)))
@@ -187,8 +187,8 @@ def test_pipeline_layout_reaches_replay_fp8_copies_and_the_optimizer():
     """Partial recompute replays the first layers of each of the layout's chunks; FP8 weight copies and the
     optimizer step follow the parameters a stage holds (here most of them on the last stage)."""
     from orangetron.plan.memory import stage_memory
-    from orangetron.plan.stages import replayed_layers
     from orangetron.plan.timing import _optimizer_time
+    from orangetron.spec.stages import replayed_layers
 
     # Chunks [0], [1-3], [4-6], [7-9]; stage 1 holds chunks 1 and 3.
     assert replayed_layers(10, 2, 2, 1, 1, (1, 3, 3, 3)) == {1, 7}

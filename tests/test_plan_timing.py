@@ -19,10 +19,10 @@ from dataclasses import replace
 
 import pytest
 
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.hardware import make_cluster
-from orangetron.plan.models import ModelSpec, load_model
 from orangetron.plan.timing import layer_cost, step_time
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import ModelSpec, load_model
+from orangetron.spec.options import Degrees, Job
 
 
 def gpt(heads, hidden, layers):
@@ -174,7 +174,7 @@ def test_chunked_experts_run_as_their_own_grouped_gemms():
         assert (two.experts_f > 1.1 * one.experts_f) is slower
 
 def test_chunked_overlap_is_for_the_ragged_dispatcher():
-    from orangetron.plan.config import validate
+    from orangetron.spec.options import validate
 
     for dispatcher in ("capacity", "allgather"):
         with pytest.raises(ValueError, match="ep_overlap_chunks=2: chunked overlap is for the ragged dispatcher"):
@@ -391,7 +391,7 @@ def test_zero_bubble_h1_holds_pp_micro_batches_on_every_stage():
 
 def test_zero_bubble_h1_is_priced_not_run():
     from orangetron.parallel.config import ParallelConfig, ParallelConfigError
-    from orangetron.plan.config import validate
+    from orangetron.spec.options import validate
 
     with pytest.raises(ParallelConfigError, match="pp_schedule='zb-h1': the zero-bubble schedule is priced by"):
         ParallelConfig(pp_schedule="zb-h1", microbatches=4)
@@ -406,8 +406,8 @@ def test_zero_bubble_h1_on_moe_layers_by_hand():
     B the rest. The bubble is the closed form on those three, and the step is 1F1B's less the difference."""
     from orangetron.plan.compute import linear_time, weight_grad_time
     from orangetron.plan.network import DEFAULT_PARAMS
-    from orangetron.plan.schedule import zero_bubble_h1_bubble
     from orangetron.plan.timing import DEFAULT_EFFICIENCY, _loss_time, _stage_time
+    from orangetron.spec.schedule import zero_bubble_h1_bubble
 
     model = ModelSpec(name="moe", hidden_size=1024, num_layers=4, num_heads=8, vocab_size=32768,
                       ffn_hidden_size=4096, mlp="gelu", num_experts=4, top_k=2, moe_ffn_hidden_size=1024,

@@ -1,16 +1,12 @@
 """Per-step CommRecords: DESIGN section 5's communication table and the seed's per-layer volumes.
 
 These are the records the runtime ledger will be compared with (op, mesh dim, payload, sent, received),
-computed with `orangetron.plan.collectives`, the ledger's own formulas.
+computed with `orangetron.spec.collectives`, the ledger's own formulas.
 """
 
 import pytest
 
-from orangetron.plan import collectives as cf
-from orangetron.plan.config import Degrees, Job
 from orangetron.plan.memory import stage_memory, stage_params
-from orangetron.plan.models import ModelSpec
-from orangetron.plan.sharding import bucket_layout
 from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
@@ -21,6 +17,10 @@ from orangetron.plan.traffic import (
     summarize,
     tensor_parallel_records,
 )
+from orangetron.spec import collectives as cf
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job
+from orangetron.spec.sharding import bucket_layout
 
 DENSE = ModelSpec(name="dense", hidden_size=256, num_layers=4, num_heads=8, vocab_size=512, ffn_hidden_size=512)
 MOE = ModelSpec(name="moe", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, vocab_size=512,

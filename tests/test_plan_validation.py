@@ -57,13 +57,13 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from orangetron.plan.config import Degrees, Job, validate
-from orangetron.plan.hardware import make_cluster
 from orangetron.plan.memory import memory_per_gpu
-from orangetron.plan.models import ModelSpec, load_model
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, with_overhead
-from orangetron.plan.stages import longest_chunk
 from orangetron.plan.timing import step_time
+from orangetron.spec.hardware import make_cluster
+from orangetron.spec.model import ModelSpec, load_model
+from orangetron.spec.options import Degrees, Job, validate
+from orangetron.spec.stages import longest_chunk
 
 
 def gpt(heads: int, hidden: int, layers: int, vocab: int = 51200, dropout: float = 0.1, positions: int = 2048,

@@ -12,11 +12,11 @@ import pytest
 import torch
 from layout_check import check_layout, layout_run
 
-from orangetron.layout import Layout
 from orangetron.model import ConfigError, ModelConfig
 from orangetron.model.moe import Router, choose_experts
 from orangetron.parallel import ParallelConfig
 from orangetron.parallel.expert import update_router_bias
+from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed
 
 BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, moe_ffn_dim=8)

@@ -13,10 +13,10 @@ import torch
 from layout_check import check_layout, layout_run
 
 from orangetron import memory
-from orangetron.layout import Layout, LayoutError
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.parallel import ParallelConfig, parallelize
+from orangetron.spec.layout import Layout, LayoutError
 from orangetron.testing import run_distributed
 
 BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, aux_loss_coef=0.0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from orangetron.layout import Layout, LayoutError
+from orangetron.spec.layout import Layout, LayoutError
 
 __version__ = "0.1.0"
 

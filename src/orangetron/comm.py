@@ -3,7 +3,7 @@
 Each public collective is one `torch.autograd.Function` whose backward is the mirror collective, so
 model code composes them like ordinary ops. A collective over a group of one rank returns its input
 untouched and records nothing. Each call that moves data appends a `CommRecord` to this process's
-ledger, with bytes from `orangetron.plan.collectives`, the formulas the cost model uses too. The
+ledger, with bytes from `orangetron.spec.collectives`, the formulas the cost model uses too. The
 process-wide ledger keeps a bounded window of recent records; `measure()` scopes keep everything.
 """
 
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from orangetron.mesh import MeshGroup
-from orangetron.plan import collectives as formulas
-from orangetron.plan.collectives import CommRecord
+from orangetron.spec import collectives as formulas
+from orangetron.spec.collectives import CommRecord
 
 __all__ = [
     "CommRecord", "LEDGER_LIMIT", "LedgerOverflow", "Pending", "PendingAllReduce",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from orangetron.plan.memory import CATEGORIES, TRANSIENT  # the cost model's categories, measured here
+from orangetron.spec.categories import CATEGORIES, TRANSIENT  # the cost model's categories, measured here
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from orangetron.layout import Coordinates, Layout
+from orangetron.spec.layout import Coordinates, Layout
 
 GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "ep", "edp")
 

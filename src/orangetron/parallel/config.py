@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orangetron.plan.config import CP_MODES, DISPATCHERS, RECOMPUTE, SCHEDULES  # the planner prices the same choices
+from orangetron.spec.options import CP_MODES, DISPATCHERS, RECOMPUTE, SCHEDULES  # the planner prices the same choices
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 DROP_POLICIES = ("probs", "position")

@@ -24,7 +24,7 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.parallel.config import ParallelConfig
-from orangetron.plan.sharding import bucket_layout, padded_numel, shard_numel
+from orangetron.spec.sharding import bucket_layout, padded_numel, shard_numel
 
 if TYPE_CHECKING:
     from orangetron.parallel.units import TransientPeaks

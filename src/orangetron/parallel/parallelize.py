@@ -6,7 +6,6 @@ from functools import partial
 
 from torch import nn
 
-from orangetron.layout import LayoutError
 from orangetron.mesh import ParallelMesh
 from orangetron.parallel import context, pipeline
 from orangetron.parallel.config import ParallelConfig
@@ -14,6 +13,7 @@ from orangetron.parallel.data import DataParallel
 from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.expert.balance import balance_globally
 from orangetron.parallel.tensor import tensor_parallel
+from orangetron.spec.layout import LayoutError
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> DataParallel:

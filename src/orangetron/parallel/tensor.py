@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from orangetron import comm
-from orangetron.layout import Layout, LayoutError
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.model.attention import attention_kernel
 from orangetron.model.autograd import accumulate_dtype, cross_entropy_grad_, swiglu_activation
 from orangetron.model.layers import apply_rope, rope_cos_sin
 from orangetron.model.moe import MoE
 from orangetron.model.transformer import Transformer
+from orangetron.spec.layout import Layout, LayoutError
 
 if TYPE_CHECKING:
     from orangetron.parallel.units import TransientPeaks

@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from orangetron.plan.config import Degrees, Job, without_data_parallel, without_recompute
 from orangetron.plan.fp8 import ACTIVATION_TILE
-from orangetron.plan.models import ModelSpec
-from orangetron.plan.stages import replay_split, stage_layer_counts, stage_layers
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job, without_data_parallel, without_recompute
+from orangetron.spec.stages import replay_split, stage_layer_counts, stage_layers
 
 
 @dataclass(frozen=True)
@@ -358,7 +358,7 @@ def _interleaved_prefix(p: int, microbatches: int, v: int, stage: int) -> tuple:
 
 @lru_cache(maxsize=1024)
 def _interleaved_prefixes(p: int, microbatches: int, v: int) -> tuple:
-    from orangetron.plan.schedule import interleaved_prefix
+    from orangetron.spec.schedule import interleaved_prefix
 
     return tuple(tuple(rank) for rank in interleaved_prefix(p, microbatches, v, 16 * p * v))
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from orangetron.plan.collectives import CommRecord
-from orangetron.plan.config import Degrees, Job
 from orangetron.plan.memory import stage_memory
-from orangetron.plan.models import spec_from_model_config
 from orangetron.plan.traffic import step_records
+from orangetron.spec.collectives import CommRecord
+from orangetron.spec.model import spec_from_model_config
+from orangetron.spec.options import Degrees, Job
 
 
 def degrees_from_layout(layout: object) -> Degrees:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orangetron.plan.estimate import Estimate
-from orangetron.plan.hardware import GIB
+from orangetron.spec.hardware import GIB
 
 MEMORY_PARTS = ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead")
 TIME_PARTS = ("compute_s", "bubble_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s", "optimizer_s")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from orangetron.plan.hardware import FP8_FORMATS, GPUSpec
+from orangetron.spec.hardware import FP8_FORMATS, GPUSpec
 
 # (tile rows, tile columns, relative throughput of the shape): CUTLASS/cuBLAS Hopper and Ampere kernels.
 TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.92), (64, 128, 0.80), (64, 64, 0.60))

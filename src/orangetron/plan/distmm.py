@@ -18,12 +18,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from orangetron.plan.config import Degrees, Job, validate
-from orangetron.plan.hardware import GIB, Cluster
 from orangetron.plan.memory import memory_per_gpu
-from orangetron.plan.models import DualEncoderSpec, ModelSpec
 from orangetron.plan.timing import step_time
 from orangetron.plan.traffic import data_parallel_records
+from orangetron.spec.hardware import GIB, Cluster
+from orangetron.spec.model import DualEncoderSpec, ModelSpec
+from orangetron.spec.options import Degrees, Job, validate
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from orangetron.plan.config import Degrees, Job, validate
-from orangetron.plan.hardware import GIB, Cluster
 from orangetron.plan.memory import memory_per_gpu
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import DEFAULT_PARAMS, NetworkParams
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
+from orangetron.spec.hardware import GIB, Cluster
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job, validate
 
 
 @dataclass(frozen=True)

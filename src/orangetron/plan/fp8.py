@@ -21,10 +21,10 @@ Saved activations: every linear layer keeps the FP8 cast of its input (1 byte pe
 
 from __future__ import annotations
 
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.params import head_weights, stage_params
-from orangetron.plan.stages import stage_layers
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job
+from orangetron.spec.stages import stage_layers
 
 AMAX_HISTORY = 1024  # Transformer Engine's default amax_history_len
 GEMMS_PER_LAYER = 4  # QKV, output projection, up (gate+up), down

@@ -10,19 +10,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 from orangetron.plan.activations import stage_activation_bytes
-from orangetron.plan.config import DTYPE_BYTES, Degrees, Job, model_state_job
 from orangetron.plan.fp8 import fp8_memory_bytes
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.param_grads import param_grad_bytes
 from orangetron.plan.params import StageParams, shard_groups, stage_params, tp_grad_sum_numel, zero3_units
-from orangetron.plan.sharding import bucket_layout, padded_numel, shard_numel
-from orangetron.plan.stages import distinct_stages
-
-CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations")
-# Buffers that exist only during a step (their peak): ZeRO-3's gathered units, the reduction's buffers, and the
-# per-parameter `.grad` tensors autograd fills before they reach the flat buffers (`plan.param_grads`).
-TRANSIENT = ("gathered_params", "grad_buckets", "param_grads")
-
+from orangetron.spec.categories import CATEGORIES
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import DTYPE_BYTES, Degrees, Job, model_state_job
+from orangetron.spec.sharding import bucket_layout, padded_numel, shard_numel
+from orangetron.spec.stages import distinct_stages
 
 
 def _shards(units: list[StageParams], deg: Degrees, n_of: dict[str, int]) -> list[tuple[str, int, int]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from orangetron.plan.hardware import Cluster
+from orangetron.spec.hardware import Cluster
 
 
 @dataclass(frozen=True)

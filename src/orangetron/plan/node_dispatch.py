@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import comb
 
-from orangetron.plan.config import Job
 from orangetron.plan.fp8 import ACTIVATION_TILE
-from orangetron.plan.hardware import Cluster
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import NetworkParams, Placement, message_throughput, p2p_time
+from orangetron.spec.hardware import Cluster
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Job
 
 # DeepSeek-V3 (arXiv:2412.19437 section 3.2.2): "only 20 SMs are sufficient to fully utilize the bandwidths of IB
 # and NVLink"; with fewer, the transfers slow in proportion

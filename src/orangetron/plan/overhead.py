@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orangetron.plan.config import Degrees
-from orangetron.plan.hardware import GIB
+from orangetron.spec.hardware import GIB
+from orangetron.spec.options import Degrees
 
 
 class OverheadError(ValueError):

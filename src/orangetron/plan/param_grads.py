@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from orangetron.plan.config import Degrees, Job, model_state_job
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.params import _ceil_div, _kv_weights, _layer_params, stage_params, tp_sums_first
-from orangetron.plan.schedule import actions
-from orangetron.plan.sharding import bucket_layout
-from orangetron.plan.stages import chunk_layers
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job, model_state_job
+from orangetron.spec.schedule import actions
+from orangetron.spec.sharding import bucket_layout
+from orangetron.spec.stages import chunk_layers
 
 
 @dataclass(frozen=True)

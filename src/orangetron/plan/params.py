@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from orangetron.plan.config import Degrees, Job
-from orangetron.plan.models import ModelSpec
-from orangetron.plan.stages import stage_layers
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job
+from orangetron.spec.stages import stage_layers
 
 
 def _ceil_div(a: int, b: int) -> int:

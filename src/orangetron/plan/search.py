@@ -9,15 +9,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from orangetron.plan.config import RECOMPUTE, Degrees, Job, validate, without_recompute
 from orangetron.plan.estimate import Estimate
-from orangetron.plan.hardware import Cluster
 from orangetron.plan.memory import memory_per_gpu
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
-from orangetron.plan.stages import longest_chunk
 from orangetron.plan.timing import check_ep_placement, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
+from orangetron.spec.hardware import Cluster
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import RECOMPUTE, Degrees, Job, validate, without_recompute
+from orangetron.spec.stages import longest_chunk
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,6 @@ from orangetron.plan.compute import (
     linear_time,
     weight_grad_time,
 )
-from orangetron.plan.config import Degrees, Job, canonical_job, model_state_job, without_data_parallel
-from orangetron.plan.hardware import Cluster, GPUSpec
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import (
     DEFAULT_PARAMS,
     NetworkParams,
@@ -51,14 +48,6 @@ from orangetron.plan.network import (
     p2p_time,
 )
 from orangetron.plan.params import stage_params
-from orangetron.plan.schedule import zero_bubble_h1_bubble
-from orangetron.plan.stages import (
-    distinct_stages,
-    replay_split,
-    replayed_layers,
-    stage_layer_counts,
-    stage_layers,
-)
 from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
@@ -68,6 +57,17 @@ from orangetron.plan.traffic import (
     reduce_rounds,
     routed_tokens,
     tensor_parallel_records,
+)
+from orangetron.spec.hardware import Cluster, GPUSpec
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job, canonical_job, model_state_job, without_data_parallel
+from orangetron.spec.schedule import zero_bubble_h1_bubble
+from orangetron.spec.stages import (
+    distinct_stages,
+    replay_split,
+    replayed_layers,
+    stage_layer_counts,
+    stage_layers,
 )
 
 

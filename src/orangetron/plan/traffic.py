@@ -1,6 +1,6 @@
 """Per-step communication of one rank as `CommRecord`s: the same records the runtime ledger writes.
 
-Every byte count goes through `orangetron.plan.collectives`, the formulas the ledger uses. Counts follow the
+Every byte count goes through `orangetron.spec.collectives`, the formulas the ledger uses. Counts follow the
 runtime's conventions (DESIGN sections 4 and 5):
 - DP: DDP all-reduces gradients over dp_cp (dense) and edp (experts); ZeRO-1/2 reduce-scatter gradients and
   all-gather parameters lazily before the next forward; the distributed optimizer reduce-scatters and
@@ -33,16 +33,16 @@ from collections import defaultdict
 from collections.abc import Iterable
 from functools import lru_cache
 
-from orangetron.plan import collectives as cf
 from orangetron.plan import node_dispatch
-from orangetron.plan.collectives import CommRecord
-from orangetron.plan.config import Degrees, Job
 from orangetron.plan.memory import data_parallel_segments
-from orangetron.plan.models import ModelSpec
 from orangetron.plan.network import Placement
 from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first
-from orangetron.plan.sharding import bucket_layout, padded_numel
-from orangetron.plan.stages import replay_split, stage_layers
+from orangetron.spec import collectives as cf
+from orangetron.spec.collectives import CommRecord
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job
+from orangetron.spec.sharding import bucket_layout, padded_numel, token_chunks
+from orangetron.spec.stages import replay_split, stage_layers
 
 
 def _gather(op: str, dim: str, full: int, n: int) -> CommRecord:
@@ -252,12 +252,6 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job,
     forward += [_a2a("ep", rows * b, e) for rows in chunk_rows for b in (row, ids, weights, row)]
     backward = [_a2a("ep", rows * b, e) for rows in chunk_rows for b in (row, weights, row)]
     return forward * (1 + replays) + backward
-
-
-def token_chunks(tokens: int, chunks: int) -> list[int]:
-    """Tokens per overlap chunk: `chunks` contiguous ranges, the first `tokens % chunks` one token longer."""
-    base, extra = divmod(tokens, chunks)
-    return [base + (c < extra) for c in range(chunks)]
 
 
 def routed_tokens(deg: Degrees, job: Job) -> int:

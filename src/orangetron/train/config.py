@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orangetron.layout import Layout
 from orangetron.model.config import MODEL_PRESETS, ModelConfig, model_preset
+from orangetron.spec.layout import Layout
 from orangetron.train.corpus import DEFAULT_CORPUS_BYTES
 from orangetron.train.faults import DEFAULT_TIMEOUT_S
 

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from orangetron.plan.config import Job
-from orangetron.plan.models import spec_from_model_config
 from orangetron.plan.timing import model_flops_per_step
+from orangetron.spec.model import spec_from_model_config
+from orangetron.spec.options import Job
 from orangetron.train.config import TrainConfig
 
 _PEAK_SIZE = 256  # large enough to leave the small-matrix overheads behind, small enough to cost milliseconds

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from orangetron import comm
-from orangetron.layout import Layout
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
 from orangetron.parallel import ParallelConfig, parallelize
 from orangetron.parallel.pipeline import MicroBatch, run_pipeline
-from orangetron.plan.schedule import Action, Slot
+from orangetron.spec.layout import Layout
+from orangetron.spec.schedule import Action, Slot
 from orangetron.train.launch import launch_local
 
 SEQ, ROWS_PER_MICROBATCH = 64, 2

@@ -256,7 +256,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
 
 def _model_parameters(cfg: TrainConfig) -> int:
     """Parameters of the whole model, whatever share of them this rank holds."""
-    from orangetron.plan.models import spec_from_model_config  # counts the reference model (tested equal)
+    from orangetron.spec.model import spec_from_model_config  # counts the reference model (tested equal)
 
     return spec_from_model_config(cfg.model_config()).total_params()
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from orangetron import comm
-from orangetron.layout import Layout, LayoutError
 from orangetron.mesh import ParallelMesh
+from orangetron.spec.layout import Layout, LayoutError
 
 
 def _chunk_len(seq_len: int, cp: int) -> int:

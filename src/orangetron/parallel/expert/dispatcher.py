@@ -29,7 +29,7 @@ from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
 from orangetron.parallel.expert import allgather, capacity, overlap, ragged
 from orangetron.parallel.expert.routing import sum_rows
-from orangetron.plan.config import DISPATCHERS
+from orangetron.spec.options import DISPATCHERS
 
 
 class Dispatcher:

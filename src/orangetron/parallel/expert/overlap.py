@@ -32,7 +32,7 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.parallel.expert.routing import route_rows, tokens_per_local_expert
-from orangetron.plan.traffic import token_chunks
+from orangetron.spec.sharding import token_chunks
 
 # (experts, recv_x [R, dim], recv_topk_idx [R, k], recv_topk_weights [R, k], tokens_per_expert [E/ep]) -> [R, dim]
 ExpertCompute = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -21,7 +21,7 @@ import torch
 from orangetron import comm
 from orangetron.parallel.data import DataParallel
 from orangetron.parallel.pipeline.stage import Chunk, chunk_forward, hidden_shape
-from orangetron.plan.schedule import Action, actions
+from orangetron.spec.schedule import Action, actions
 
 
 @dataclass

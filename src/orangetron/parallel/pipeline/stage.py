@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from orangetron.layout import LayoutError
 from orangetron.model.layers import rope_cos_sin
 from orangetron.model.moe import MoE
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
-from orangetron.plan.stages import chunk_layers
+from orangetron.spec.layout import LayoutError
+from orangetron.spec.stages import chunk_layers
 
 
 @dataclass(frozen=True)

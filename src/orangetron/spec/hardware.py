@@ -7,7 +7,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 
-from orangetron.plan.keys import hash_fields_once
+from orangetron.spec.keys import hash_fields_once
 
 _PRESET_DIR = "presets/gpus"
 GIB = 1024**3
@@ -104,7 +104,7 @@ class Cluster:
 
 
 def gpu_names() -> list[str]:
-    root = resources.files("orangetron.plan").joinpath(_PRESET_DIR)
+    root = resources.files("orangetron.spec").joinpath(_PRESET_DIR)
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
 
 
@@ -119,7 +119,7 @@ def load_gpu(name_or_path: str) -> GPUSpec:
         key = name_or_path.lower()
         if key not in gpu_names():
             raise ValueError(f"unknown gpu preset {name_or_path!r}; choose one of {', '.join(gpu_names())}")
-        text = resources.files("orangetron.plan").joinpath(_PRESET_DIR, f"{key}.toml").read_text()
+        text = resources.files("orangetron.spec").joinpath(_PRESET_DIR, f"{key}.toml").read_text()
     table = tomllib.loads(text)
     names = {f.name for f in fields(GPUSpec)}
     required = {f.name for f in fields(GPUSpec) if f.default is MISSING}

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from orangetron.plan.commands import add_plan_commands
+    from orangetron.cli.plan import add_plan_commands
     from orangetron.train.commands import add_train_commands
     from orangetron.train.export import add_export_command
 

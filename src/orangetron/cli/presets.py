@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from orangetron.plan.hardware import gpu_names, load_gpu
-from orangetron.plan.models import DualEncoderSpec, load_model, preset_names, spec_from_model_config
+from orangetron.spec.hardware import gpu_names, load_gpu
+from orangetron.spec.model import DualEncoderSpec, load_model, preset_names, spec_from_model_config
 
 
 def add_presets_command(sub: Any) -> None:

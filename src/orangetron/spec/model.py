@@ -22,7 +22,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from orangetron.plan.keys import hash_fields_once
+from orangetron.spec.keys import hash_fields_once
 
 _PRESET_DIR = "presets/models"
 
@@ -307,7 +307,7 @@ def parse_model(name: str, table: dict) -> ModelSpec | DualEncoderSpec:
 
 def preset_names() -> list[str]:
     """Names of the shipped model presets."""
-    root = resources.files("orangetron.plan").joinpath(_PRESET_DIR)
+    root = resources.files("orangetron.spec").joinpath(_PRESET_DIR)
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
 
 
@@ -323,7 +323,7 @@ def load_model(name_or_path: str) -> ModelSpec | DualEncoderSpec:
         if name_or_path not in names:
             raise ValueError(f"unknown model preset {name_or_path!r}; choose one of {', '.join(names)} "
                              "or pass a .toml file")
-        text = resources.files("orangetron.plan").joinpath(_PRESET_DIR, f"{name_or_path}.toml").read_text()
+        text = resources.files("orangetron.spec").joinpath(_PRESET_DIR, f"{name_or_path}.toml").read_text()
         name = name_or_path
     try:
         table = tomllib.loads(text)

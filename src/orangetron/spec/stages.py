@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from orangetron.plan.models import ModelSpec
+from orangetron.spec.model import ModelSpec
 
 
 def chunk_layers(num_layers: int, chunks: int, layout: tuple[int, ...] = ()) -> list[range]:

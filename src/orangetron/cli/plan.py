@@ -12,7 +12,13 @@ import sys
 import time
 from dataclasses import replace
 
-from orangetron.plan.config import (
+from orangetron.cli.presets import add_presets_command
+from orangetron.plan.estimate import Estimate, estimate, fit_warning
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
+from orangetron.plan.search import SearchSpace, search
+from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
+from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
+from orangetron.spec.options import (
     ATTENTION_KERNELS,
     CP_MODES,
     DTYPE_BYTES,
@@ -23,12 +29,6 @@ from orangetron.plan.config import (
     Degrees,
     Job,
 )
-from orangetron.plan.estimate import Estimate, estimate, fit_warning
-from orangetron.plan.hardware import GIB, Cluster, gpu_names, make_cluster
-from orangetron.plan.models import DualEncoderSpec, ModelSpec, load_model
-from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
-from orangetron.plan.presets_command import add_presets_command
-from orangetron.plan.search import SearchSpace, search
 
 
 def add_plan_commands(sub: argparse._SubParsersAction) -> None:
@@ -357,7 +357,7 @@ def _add_schedule_command(sub: argparse._SubParsersAction) -> None:
 
 
 def run_schedule(args: argparse.Namespace) -> int:
-    from orangetron.plan.schedule import actions, bubble_fraction, peak_in_flight, simulate
+    from orangetron.spec.schedule import actions, bubble_fraction, peak_in_flight, simulate
 
     if args.output:
         _require_matplotlib()
@@ -397,7 +397,7 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 def _formula_bubble(pp: int, microbatches: int, schedule: str, virtual_stages: int) -> float:
     """The cost model's bubble fraction at the simulation's costs (forward 1, backward 2, W half of it)."""
-    from orangetron.plan.schedule import zero_bubble_h1_bubble
+    from orangetron.spec.schedule import zero_bubble_h1_bubble
 
     if schedule == "zb-h1":
         idle = zero_bubble_h1_bubble(pp, 1.0, 1.0, 1.0)

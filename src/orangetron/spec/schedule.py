@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from orangetron.plan.config import PLAN_SCHEDULES
+from orangetron.spec.options import PLAN_SCHEDULES
 
 
 class ScheduleError(ValueError):

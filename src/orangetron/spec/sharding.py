@@ -24,3 +24,9 @@ def bucket_layout(numel: int, bucket_numel: int, shards: int) -> tuple[int, int]
         return 1, padded_numel(numel, shards)
     count = -(-numel // padded_numel(bucket_numel, shards))
     return count, padded_numel(-(-numel // count), shards)
+
+
+def token_chunks(tokens: int, chunks: int) -> list[int]:
+    """Tokens per overlap chunk: `chunks` contiguous ranges, the first `tokens % chunks` one token longer."""
+    base, extra = divmod(tokens, chunks)
+    return [base + (c < extra) for c in range(chunks)]

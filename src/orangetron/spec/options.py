@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from orangetron.layout import Layout
-from orangetron.plan.keys import hash_fields_once
-from orangetron.plan.models import ModelSpec
+from orangetron.spec.keys import hash_fields_once
+from orangetron.spec.layout import Layout
+from orangetron.spec.model import ModelSpec
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "selective", "full")

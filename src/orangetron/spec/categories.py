@@ -1,0 +1,8 @@
+"""Memory categories a rank keeps, as the runtime measures them and the cost model predicts them."""
+
+from __future__ import annotations
+
+CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations")
+# Buffers that exist only during a step (their peak): ZeRO-3's gathered units, the reduction's buffers, and the
+# per-parameter `.grad` tensors autograd fills before they reach the flat buffers (`plan/param_grads.py`).
+TRANSIENT = ("gathered_params", "grad_buckets", "param_grads")
