@@ -29,6 +29,7 @@ from orangetron.parallel import ParallelConfig, context, parallelize
 from orangetron.parallel.context import blocks, ring
 from orangetron.parallel.context.sharding import head_tail_indices
 from orangetron.spec.layout import Layout
+from orangetron.spec.variants import CONTEXT_MODES
 from orangetron.testing import run_distributed, shutdown_workers
 
 SMALL = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64, ffn_dim=64, max_seq_len=1 << 16)
@@ -130,7 +131,7 @@ def main() -> None:
         longest = base if cp == 1 else longest_sequence(cp)
         print(_line("cp_longest_sequence", {"cp": cp, "mode": "ring", "budget_bytes": BUDGET, "model": "dim 32"},
                     "seq_len", longest, "tokens", base), flush=True)
-    for mode in context.MODES:
+    for mode in CONTEXT_MODES.names(runtime=True):
         at_two = None
         for cp in (2, 4, 8):
             sent = max(s for s, _ in run_distributed(attention_layer, cp, args=(mode, 256 * cp)))

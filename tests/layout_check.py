@@ -156,21 +156,26 @@ def assert_equals_reference(losses: list[float], grads: list[dict], params: dict
 
 
 def check_layout(per_rank: list[dict], cfg: ModelConfig, layout: Layout, pc: ParallelConfig, where: str,
-                 seq: int = SEQ, rows: int = PER_RANK) -> None:
-    """Every rank of one `layout_run` against one device and against the planner."""
+                 seq: int = SEQ, rows: int = PER_RANK, balanced_routing: bool = False) -> None:
+    """Every rank of one `layout_run` against one device and against the planner. Under ep the dispatch's
+    records and activations follow the routing, which the planner takes as balanced: the records are compared
+    only when the model routes every token to every expert (`balanced_routing`: top_k = n_experts), and the
+    activations not at all (the planner counts 8 bytes more per MoE layer even then, not yet explained)."""
     # Every rank's loss is the mean over an equal share of the tokens (tp ranks repeat theirs); under pp only
     # the last stage's ranks have one.
     reporting = [r["losses"] for r in per_rank if r["losses"][0] is not None]
     losses = [sum(step) / len(reporting) for step in zip(*reporting, strict=True)]
     assert_equals_reference(losses, per_rank[0]["grads"], per_rank[0]["params"], cfg, layout.dp, where, seq, rows)
+    assert not balanced_routing or cfg.top_k == cfg.n_experts, "balanced routing needs top_k = n_experts"
     for rank, result in enumerate(per_rank):
         stage = layout.coordinates(rank).pp
         want_records, want_mem = predicted_step(cfg, layout, pc, seq_len=seq, micro_batch=rows // pc.microbatches,
                                                 stage=stage, clip_grad=True)
         want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in want_records)
         got, measured = result["ledger"], result["memory"]
-        if layout.ep > 1:  # dispatch sizes follow the routing; the planner assumes balanced routing
-            got, want = ([r for r in rs if r[1] != "ep" or r[0] == "all_reduce"] for rs in (got, want))
+        if layout.ep > 1:  # dispatch sizes follow the routing
+            if not balanced_routing:
+                got, want = ([r for r in rs if r[1] != "ep" or r[0] == "all_reduce"] for rs in (got, want))
             measured = {k: v for k, v in measured.items() if k != "activations"}
         assert result["kept"] == [], f"{where} rank {rank}"
         assert got == want, f"{where} rank {rank}"

@@ -38,9 +38,6 @@ def test_a_malformed_flag_is_refused_before_torch_loads() -> None:
 
 def test_the_cli_names_the_dtypes_the_runtime_knows() -> None:
     from orangetron.parallel.config import DTYPES
-    from orangetron.parallel.context import MODES
-    from orangetron.train.commands import CONTEXT_MODES
     from orangetron.train.config import PARAM_DTYPES
 
     assert sorted(PARAM_DTYPES) == sorted(DTYPES)
-    assert sorted(CONTEXT_MODES) == sorted(MODES)

@@ -15,6 +15,7 @@ from orangetron.mesh import init_mesh
 from orangetron.parallel import context
 from orangetron.parallel.context.sharding import head_tail_indices
 from orangetron.spec.layout import Layout
+from orangetron.spec.variants import CONTEXT_MODES
 from orangetron.testing import run_distributed
 
 CHUNK, BATCH, HEAD_DIM = 3, 2, 4
@@ -57,7 +58,7 @@ def reference(cp: int, kind: str, causal: bool) -> tuple[torch.Tensor, ...]:
 def variants(cp: int) -> list[tuple[str, int | None]]:
     """Every mode; USP with each proper factor of cp as its Ulysses degree, and 1."""
     usp = [("usp", u) for u in range(1, cp) if cp % u == 0]
-    return [(mode, None) for mode in context.MODES if mode != "usp"] + usp
+    return [(mode, None) for mode in CONTEXT_MODES.names(runtime=True) if mode != "usp"] + usp
 
 
 def all_modes(cp: int) -> dict:
@@ -94,11 +95,12 @@ def test_every_mode_equals_one_device(cp):
 
 
 def test_ulysses_names_heads_it_cannot_split():
-    from orangetron.parallel.context.ulysses import HeadsError, check_heads
+    from orangetron.spec.rules import RuleError, heads_split_by_all_to_all
 
-    with pytest.raises(HeadsError, match=r"ulysses degree 4: needs heads=6 divisible by it and kv heads=2"):
-        check_heads(6, 2, 4)
-    with pytest.raises(HeadsError, match=r"kv heads=3 divisible by it or dividing it"):
-        check_heads(8, 3, 2)
-    check_heads(8, 2, 4)  # kv heads dividing the degree: replicated
-    check_heads(8, 8, 4)  # divisible: split
+    with pytest.raises(RuleError, match=r"ulysses degree 4: needs heads per tp rank \(6\) divisible by it and kv heads "
+                       r"per tp rank \(2\)"):
+        heads_split_by_all_to_all(4, 6, 2)
+    with pytest.raises(RuleError, match=r"kv heads per tp rank \(3\) divisible by it or dividing it"):
+        heads_split_by_all_to_all(2, 8, 3)
+    heads_split_by_all_to_all(4, 8, 2)  # kv heads dividing the degree: replicated
+    heads_split_by_all_to_all(4, 8, 8)  # divisible: split

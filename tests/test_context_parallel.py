@@ -11,8 +11,9 @@ import pytest
 from layout_check import check_layout, layout_run
 
 from orangetron.model import ModelConfig
-from orangetron.parallel import ParallelConfig, context
+from orangetron.parallel import ParallelConfig
 from orangetron.spec.layout import Layout, LayoutError
+from orangetron.spec.variants import CONTEXT_MODES
 from orangetron.testing import run_distributed
 
 BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, aux_loss_coef=0.0)
@@ -23,10 +24,11 @@ MODELS = {
     "moe-aux": ModelConfig(**{**BASE, "aux_loss_coef": 0.05}, n_experts=4, top_k=2, moe_ffn_dim=8),
 }
 SEQ = 16
+BUILT_IN_MODES = CONTEXT_MODES.names(runtime=True)
 CASES = {
-    2: [(m, Layout(cp=2), {"cp_mode": mode}) for m in MODELS for mode in context.MODES if mode != "usp"]
+    2: [(m, Layout(cp=2), {"cp_mode": mode}) for m in MODELS for mode in BUILT_IN_MODES if mode != "usp"]
     + [("moe-aux", Layout(tp=2), {"sequence_parallel": True}), ("moe-aux", Layout(dp=2), {"zero_stage": 3})],
-    4: [("dense-gqa", Layout(cp=4), {"cp_mode": mode}) for mode in context.MODES if mode != "usp"]
+    4: [("dense-gqa", Layout(cp=4), {"cp_mode": mode}) for mode in BUILT_IN_MODES if mode != "usp"]
     + [("moe-mha", Layout(tp=2, cp=2), {"cp_mode": "ring", "sequence_parallel": True}),
        ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ring", "zero_stage": 1}),
        ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ulysses", "zero_stage": 3}),
@@ -91,7 +93,7 @@ def test_verify_command_context_parallel(capsys):
     from orangetron.cli import main
     from orangetron.train.commands import CONTEXT_MODES
 
-    assert set(CONTEXT_MODES) == set(context.MODES)  # the CLI's list, kept without importing torch
+    assert set(CONTEXT_MODES) == set(CONTEXT_MODES.names(runtime=True))  # the CLI's list, kept without importing torch
     code = main(["verify", "--cp", "2", "--tp", "2", "--sequence-parallel", "--cp-mode", "allgather", "--steps", "2",
                  "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -5,6 +5,7 @@ import pytest
 
 from orangetron.plan.activations import in_flight
 from orangetron.spec.options import Degrees, Job
+from orangetron.spec.rules import LayoutError, RuleError
 from orangetron.spec.schedule import ScheduleError, actions, bubble_fraction, peak_in_flight, simulate
 
 CASES = [("gpipe", 1, 4, 8), ("gpipe", 1, 3, 2), ("1f1b", 1, 4, 8), ("1f1b", 1, 4, 2), ("1f1b", 1, 8, 16),
@@ -47,12 +48,12 @@ def test_one_f_one_b_order_by_hand():
 
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(pp=0, microbatches=4), r"pp=0: must be a positive integer"),
-    (dict(pp=2, microbatches=4, schedule="zigzag"), r"schedule='zigzag': must be one of gpipe"),
-    (dict(pp=2, microbatches=4, virtual_stages=2), r"virtual_stages=2: needs schedule 'interleaved'"),
+    (dict(pp=2, microbatches=4, schedule="zigzag"), r"pp_schedule='zigzag': must be one of gpipe"),
+    (dict(pp=2, microbatches=4, virtual_stages=2), r"virtual_stages=2: needs pp_schedule 'interleaved'"),
     (dict(pp=4, microbatches=6, schedule="interleaved", virtual_stages=2), r"microbatches=6: .* multiple of pp=4"),
 ])
 def test_bad_schedules(kwargs, pattern):
-    with pytest.raises(ScheduleError, match=pattern):
+    with pytest.raises(LayoutError, match=pattern):  # ScheduleError and the shared RuleError alike
         actions(**kwargs)
 
 
@@ -128,7 +129,7 @@ def test_zero_bubble_h1_by_hand():
 
 
 def test_zero_bubble_h1_refuses_fewer_micro_batches_than_stages_and_a_w_longer_than_the_backward():
-    with pytest.raises(ScheduleError, match=r"microbatches=3: the zb-h1 schedule needs at least pp=4"):
+    with pytest.raises(RuleError, match=r"microbatches=3: the zb-h1 schedule needs at least pp=4"):
         actions(4, 3, "zb-h1")
     with pytest.raises(ScheduleError, match=r"weight_cost=2.0: must lie between 0 and backward_cost=1.0"):
         simulate(2, 2, "zb-h1", backward_cost=1.0, weight_cost=2.0)

@@ -177,7 +177,8 @@ def test_chunked_overlap_is_for_the_ragged_dispatcher():
     from orangetron.spec.options import validate
 
     for dispatcher in ("capacity", "allgather"):
-        with pytest.raises(ValueError, match="ep_overlap_chunks=2: chunked overlap is for the ragged dispatcher"):
+        with pytest.raises(ValueError, match=f"ep_overlap_chunks=2 with dispatcher='{dispatcher}': chunked overlap "
+                           "is implemented for ragged only"):
             validate(load_model("mixtral-8x7b"), Degrees(dp=8, ep=8),
                      Job(seq_len=1024, dispatcher=dispatcher, ep_overlap_chunks=2))
 
@@ -202,11 +203,13 @@ def test_usp_groups_follow_the_runtime_split_of_cp():
     u=2 (ranks tp fastest, then cp): rank 0's Ulysses group is cp 0, 1 = ranks 0, 2 and its ring cp 0, 2 =
     ranks 0, 4: one node of 8, but on nodes of 4 the ring crosses to the second node. Pricing usp needs both,
     for every Ulysses degree (u = 1 is all ring, u = cp all Ulysses)."""
-    from orangetron.plan.timing import _usp_places
+    from orangetron.plan.timing import _subgroup_places
+    from orangetron.spec.variants import CONTEXT_MODES
 
     deg = Degrees(tp=2, cp=4)
-    wide = _usp_places(deg, make_cluster("h100", 8), 2)
-    narrow = _usp_places(deg, make_cluster("h100", 8, 4), 2)
+    groups = tuple(CONTEXT_MODES["usp"].subgroups(deg, Job(seq_len=8192, cp_mode="usp", ulysses_degree=2)).items())
+    wide = _subgroup_places(deg, make_cluster("h100", 8), groups)
+    narrow = _subgroup_places(deg, make_cluster("h100", 8, 4), groups)
     assert [(p.size, p.per_node) for p in (wide["cp_ulysses"], wide["cp_ring"])] == [(2, 2), (2, 2)]
     assert [(p.size, p.per_node) for p in (narrow["cp_ulysses"], narrow["cp_ring"])] == [(2, 2), (2, 1)]
     model, cluster = load_model("llama3-8b"), make_cluster("h100", 8, 4)
@@ -390,12 +393,14 @@ def test_zero_bubble_h1_holds_pp_micro_batches_on_every_stage():
 
 
 def test_zero_bubble_h1_is_priced_not_run():
-    from orangetron.parallel.config import ParallelConfig, ParallelConfigError
+    from orangetron.parallel.config import ParallelConfig
     from orangetron.spec.options import validate
+    from orangetron.spec.rules import RuleError
 
-    with pytest.raises(ParallelConfigError, match="pp_schedule='zb-h1': the zero-bubble schedule is priced by"):
+    with pytest.raises(RuleError, match="pp_schedule='zb-h1': priced by the planner only; the runtime runs gpipe, "
+                       "1f1b, interleaved"):
         ParallelConfig(pp_schedule="zb-h1", microbatches=4)
-    with pytest.raises(ValueError, match="pp=4: the zb-h1 schedule needs at least pp micro-batches, not 2"):
+    with pytest.raises(ValueError, match="microbatches=2: the zb-h1 schedule needs at least pp=4"):
         validate(gpt(8, 1024, 8), Degrees(pp=4), Job(seq_len=2048, global_batch=2, pp_schedule="zb-h1"))
 
 

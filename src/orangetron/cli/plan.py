@@ -20,15 +20,13 @@ from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
 from orangetron.spec.options import (
     ATTENTION_KERNELS,
-    CP_MODES,
     DTYPE_BYTES,
     FP8_RECIPES,
-    PLAN_DISPATCHERS,
-    PLAN_SCHEDULES,
     RECOMPUTE,
     Degrees,
     Job,
 )
+from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
 
 def add_plan_commands(sub: argparse._SubParsersAction) -> None:
@@ -61,7 +59,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--sequence-parallel", action="store_true")
     est.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     est.add_argument("--distributed-optimizer", action="store_true")
-    est.add_argument("--cp-mode", choices=CP_MODES, default="ring")
+    est.add_argument("--cp-mode", choices=CONTEXT_MODES.names(), default="ring")
     est.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
                      help="--cp-mode usp: the all-to-all factor of cp (the rest is a ring), as `train`")
     est.add_argument("--capacity-factor", type=float, default=1.0)
@@ -83,7 +81,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--no-overlap-grad-reduce", action="store_true",
                      help="reduce gradients after the last backward instead of behind it (Megatron-LM 2021, "
                           "DeepSpeed's pipeline engine)")
-    est.add_argument("--pp-schedule", choices=PLAN_SCHEDULES, default=None,
+    est.add_argument("--pp-schedule", choices=SCHEDULES.names(), default=None,
                      help="default: interleaved when --virtual-stages > 1, else 1f1b; zb-h1 (zero bubble with "
                           "deferred weight gradients) is priced here only")
     # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
@@ -99,6 +97,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--memory-fraction", type=float, default=1.0,
                       help="share of GPU memory a configuration may use, overhead term included")
     plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations")
+    plan.add_argument("--pp-schedule", choices=SCHEDULES.names(), action="append", default=None,
+                      help="pipeline schedules to search (repeatable; default: 1f1b, and interleaved with virtual "
+                           "stages)")
     plan.add_argument("--no-partial-recompute", action="store_true",
                       help="full recompute replays every layer (default: only as many leading layers per chunk as "
                            "the memory needs, Megatron's block method; shown as full/N)")
@@ -130,7 +131,7 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False) -> None:
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
                    help="with --fp8: delayed (per-tensor scales from an amax history, Transformer Engine) or "
                         "blockwise (1x128 activation tiles, 128x128 weight blocks, DeepSeek-V3)")
-    p.add_argument("--dispatcher", choices=PLAN_DISPATCHERS, default="ragged",
+    p.add_argument("--dispatcher", choices=DISPATCHERS.names(), default="ragged",
                    help="expert dispatch; deepep (planner only): a token crosses to each remote node once, then "
                         "NVLink")
     p.add_argument("--ep-comm-sms", type=int, default=20, metavar="N",
@@ -266,6 +267,8 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, dispatcher=(args.dispatcher,),
                         partial_recompute=not args.no_partial_recompute)
+    if args.pp_schedule:
+        space = replace(space, pp_schedule=tuple(args.pp_schedule))
     if args.attention_kernel != "eager":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
     start = time.perf_counter()
@@ -345,7 +348,7 @@ def _add_schedule_command(sub: argparse._SubParsersAction) -> None:
                                    "and a timeline chart.")
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", choices=PLAN_SCHEDULES, default="1f1b",
+    p.add_argument("--schedule", choices=SCHEDULES.names(), default="1f1b",
                    help="zb-h1 splits each backward into B and W (W = half of it here)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     p.add_argument("-o", "--output", metavar="FILE.png", help="draw the timeline")
@@ -399,7 +402,7 @@ def _formula_bubble(pp: int, microbatches: int, schedule: str, virtual_stages: i
     """The cost model's bubble fraction at the simulation's costs (forward 1, backward 2, W half of it)."""
     from orangetron.spec.schedule import zero_bubble_h1_bubble
 
-    if schedule == "zb-h1":
+    if SCHEDULES[schedule].split_backward:
         idle = zero_bubble_h1_bubble(pp, 1.0, 1.0, 1.0)
         return idle / (3.0 * microbatches + idle)
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from orangetron.spec.options import CP_MODES, DISPATCHERS, RECOMPUTE, SCHEDULES  # the planner prices the same choices
+from orangetron.spec import rules
+from orangetron.spec.options import RECOMPUTE
+from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 DROP_POLICIES = ("probs", "position")
@@ -52,26 +54,17 @@ class ParallelConfig:
     recompute: str = "none"  # none, selective (attention core), full (whole layer)
 
     def __post_init__(self) -> None:
-        _choice("cp_mode", self.cp_mode, CP_MODES)
-        if self.dispatcher == "deepep":
-            raise ParallelConfigError("dispatcher='deepep': node-deduplicated dispatch is priced by the planner only "
-                                      "(estimate --dispatcher deepep); the runtime runs ragged, capacity or allgather")
-        _choice("dispatcher", self.dispatcher, DISPATCHERS)
+        mode = CONTEXT_MODES.runtime_record(self.cp_mode)
+        dispatcher = DISPATCHERS.runtime_record(self.dispatcher)
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
-        if self.pp_schedule == "zb-h1":
-            raise ParallelConfigError("pp_schedule='zb-h1': the zero-bubble schedule is priced by the planner only "
-                                      "(estimate --pp-schedule zb-h1); the runtime runs gpipe, 1f1b or interleaved")
-        _choice("pp_schedule", self.pp_schedule, SCHEDULES)
+        schedule = SCHEDULES.runtime_record(self.pp_schedule)
         _choice("recompute", self.recompute, RECOMPUTE)
         _choice("param_dtype", self.param_dtype, tuple(DTYPES))
         if self.reduce_dtype is not None:
             _choice("reduce_dtype", self.reduce_dtype, tuple(DTYPES))
         if self.zero_stage not in (0, 1, 2, 3):
             raise ParallelConfigError(f"zero_stage={self.zero_stage!r}: must be 0 (DDP), 1, 2 or 3")
-        if self.distributed_optimizer and self.zero_stage not in (0, 1):
-            raise ParallelConfigError(
-                f"distributed_optimizer with zero_stage={self.zero_stage}: the distributed optimizer is ZeRO-1 "
-                "sharding with an eager all-gather; use zero_stage 0 or 1 with it")
+        rules.distributed_optimizer_zero_stage(self.distributed_optimizer, self.zero_stage)
         for name in ("ulysses_degree", "microbatches", "virtual_stages", "ep_overlap_chunks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -79,18 +72,13 @@ class ParallelConfig:
         if isinstance(self.grad_bucket_numel, bool) or not isinstance(self.grad_bucket_numel, int) \
                 or self.grad_bucket_numel < 0:
             raise ParallelConfigError(f"grad_bucket_numel={self.grad_bucket_numel!r}: must be an integer >= 0")
-        if self.grad_bucket_numel and self.zero_stage == 3:
-            raise ParallelConfigError(
-                f"grad_bucket_numel={self.grad_bucket_numel} with zero_stage=3: ZeRO-3 reduce-scatters each unit "
-                "(transformer block) during backward, its own buckets; use 0")
-        if self.zero3_reduce_every_microbatch and self.zero_stage != 3:
-            raise ParallelConfigError(f"zero3_reduce_every_microbatch with zero_stage={self.zero_stage}: only "
-                                      "ZeRO-3 reduces unit by unit during backward; use zero_stage 3")
+        rules.grad_buckets_not_with_zero3(self.grad_bucket_numel, self.zero_stage)
+        rules.zero3_reduce_every_microbatch_needs_zero3(self.zero3_reduce_every_microbatch, self.zero_stage)
         if not self.capacity_factor > 0:
             raise ParallelConfigError(f"capacity_factor={self.capacity_factor!r}: must be positive")
-        if self.ep_overlap_chunks > 1 and self.dispatcher != "ragged":
-            raise ParallelConfigError(f"ep_overlap_chunks={self.ep_overlap_chunks} with dispatcher="
-                                      f"{self.dispatcher!r}: chunked overlap is implemented for ragged only; use 1")
+        rules.overlap_chunks_need_chunked_dispatcher(self.ep_overlap_chunks, self.dispatcher, dispatcher.chunked)
+        rules.ulysses_degree_only_for_its_modes(self.ulysses_degree, self.cp_mode, mode.takes_ulysses_degree)
+        rules.virtual_stages_need_chunked_schedule(self.virtual_stages, self.pp_schedule, schedule.chunks)
 
     @property
     def shards_optimizer(self) -> bool:

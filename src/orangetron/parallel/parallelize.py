@@ -13,7 +13,8 @@ from orangetron.parallel.data import DataParallel
 from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.expert.balance import balance_globally
 from orangetron.parallel.tensor import tensor_parallel
-from orangetron.spec.layout import LayoutError
+from orangetron.spec import rules
+from orangetron.spec.variants import CONTEXT_MODES
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> DataParallel:
@@ -52,18 +53,18 @@ def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str, ulysses_de
     `ulysses_degree` (mode "usp") must divide cp; its process groups are built here, on every rank.
     """
     cp = mesh["cp"].size
-    if mode not in context.MODES:
-        raise LayoutError(f"cp_mode={mode!r}: must be one of {', '.join(context.MODES)}")
-    if mode == "usp" and cp % ulysses_degree:
-        raise LayoutError(f"ulysses_degree={ulysses_degree}: must divide cp={cp} (usp is Ulysses x ring)")
-    degree = {"ulysses": cp, "usp": ulysses_degree}.get(mode)
-    if mode == "usp":
-        mesh.split_cp(ulysses_degree)
+    record = CONTEXT_MODES.runtime_record(mode)
+    rules.ulysses_degree_only_for_its_modes(ulysses_degree, mode, record.takes_ulysses_degree)
+    rules.ulysses_degree_divides_cp(ulysses_degree, cp)
+    degree = record.head_split(cp, ulysses_degree)
+    runtime = record.load()
+    if hasattr(runtime, "cp_group"):
+        runtime.cp_group(mesh, ulysses_degree)  # its process groups, built on every rank now
     for block in model.layers:
         attention = block.attention
-        if degree is not None:
+        if degree > 1:
             heads = attention.wq.weight.shape[0] // attention.head_dim
             kv_heads = attention.wk.weight.shape[0] // attention.head_dim
-            context.ulysses.check_heads(heads, kv_heads, degree)
+            rules.heads_split_by_all_to_all(degree, heads, kv_heads)
         attention.core_attention = partial(context.attention, mesh=mesh, mode=mode, causal=True,
-                                           ulysses_degree=ulysses_degree if mode == "usp" else None)
+                                           ulysses_degree=ulysses_degree if record.takes_ulysses_degree else None)

@@ -31,9 +31,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from orangetron.plan.fp8 import ACTIVATION_TILE
+from orangetron.spec.dispatchers import capacity_slots
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job, without_data_parallel, without_recompute
+from orangetron.spec.schedule import actions, peak_held
 from orangetron.spec.stages import replay_split, stage_layer_counts, stage_layers
+from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -96,15 +99,11 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
         total += a * out  # under FP8 the fused kernel keeps its 16-bit output besides the projection's FP8 copy
     if m.dropout:
         total += sb * h // x.rep  # dropout mask after the output projection (1 byte)
-    cp = x.s_kv // x.s
-    if cp > 1 and job.cp_mode == "rsa":  # ring self-attention keeps its [s/cp, s] probabilities instead
-        return total + x.acc * x.b * heads * x.s * x.s_kv
-    degree = {"ulysses": cp, "usp": job.ulysses_degree}.get(job.cp_mode, 1) if cp > 1 else 1
-    if degree > 1:
-        # Its core keeps the head-sharded output besides the sequence-sharded one the projection keeps, and
-        # kv heads fewer than the Ulysses degree arrive one per rank.
-        kv_sent = max(kv, degree)
-        total += a * sb * (heads * m.v_dim + (kv_sent - kv) * (m.qk_head_dim + m.v_dim))
+    if x.s_kv > x.s:  # what the cp mode keeps besides (rsa: its probabilities instead of the kernel's state)
+        mode = CONTEXT_MODES[job.cp_mode]
+        total += mode.saved_bytes(m, x, job, heads, kv)
+        if not mode.keeps_kernel_state:
+            return total
     if job.attention_kernel != "eager":
         return total + x.acc * x.b * heads * x.s  # fp32 (fp64) log-sum-exp per query and head
     if job.recompute != "selective":
@@ -135,8 +134,8 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
     # `capacity` of each rank's assignments per expert (padding rows carry no copies). etp = tp under SP: the
     # tp group's copies, gathered.
     routed = sb // x.rep * m.top_k * (etp if x.sp else 1)
-    if job.dispatcher == "capacity":
-        routed = min(routed, m.num_experts * _capacity(m, sb // x.rep, job))
+    if DISPATCHERS[job.dispatcher].pads:
+        routed = min(routed, m.num_experts * capacity_slots(m, sb // x.rep, job))
     total = router + mlp_bytes(m, x, m.moe_ffn_hidden_size, tokens=routed, shard_h=False, split=etp)
     if _counts_small_buffers(m):
         total += 8 * (sb // x.rep * m.top_k) + x.acc * routed  # int64 top-k ids, each copy's routing weight
@@ -144,11 +143,6 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
         shared = mlp_bytes(m, x, m.num_shared_experts * m.moe_ffn_hidden_size)
         total += shared - x.a * sb * m.hidden_size // x.rep  # shares the router's input
     return total
-
-
-def _capacity(m: ModelSpec, tokens: int, job: Job) -> int:
-    """Slots per expert for one rank's `tokens` (the runtime's `capacity`)."""
-    return math.ceil(tokens * m.top_k / m.num_experts * job.capacity_factor)
 
 
 def expert_dispatch_bytes(m: ModelSpec, x: LayerShape, job: Job, ep: int) -> int:
@@ -165,12 +159,9 @@ def expert_dispatch_bytes(m: ModelSpec, x: LayerShape, job: Job, ep: int) -> int
         return 0
     tokens, k = x.s * x.b // x.rep, m.top_k
     copies = tokens * k
-    if job.dispatcher == "capacity":
-        rows = min(m.num_experts // ep * _capacity(m, tokens, job), tokens) * ep
-    else:
-        rows = tokens * m.routed_ranks(ep)
-    mask = ep * tokens * k if job.dispatcher == "allgather" else rows * k
-    return 8 * rows + mask + 16 * copies
+    dispatcher = DISPATCHERS[job.dispatcher]
+    rows = dispatcher.rows(m, tokens, job, ep)
+    return 8 * rows + dispatcher.mask_bytes(m, tokens, job, ep, rows) + 16 * copies
 
 
 @lru_cache(maxsize=16384)
@@ -192,22 +183,15 @@ def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> i
 
 
 def in_flight(deg: Degrees, job: Job, stage: int) -> float:
-    """Layer-chunks' worth of micro-batches a stage holds at its peak, in units of the stage's layers.
-
-    1F1B: stage s holds pp - s micro-batches (stage 0 holds pp); GPipe holds all of them; interleaved with v
-    chunks holds v*pp + pp - 1 - 2s chunk-micro-batches of 1/v of its layers (Korthikanti's 1 + (p-1)/(p*v));
-    zb-h1 holds pp on every stage, counting a micro-batch whose W waits as whole (an upper bound).
-    """
+    """Layer-chunks' worth of micro-batches a stage holds at its peak, in units of the stage's layers: what the
+    schedule's record says (spec/schedules.py), or what its action lists hold."""
     p, m, v = deg.pp, job.microbatches(deg), job.virtual_stages
     if p == 1:
         return 1.0
-    if job.pp_schedule == "gpipe":
-        return float(m)
-    if job.pp_schedule == "interleaved" and v > 1:
-        return min(v * p + p - 1 - 2 * stage, m * v) / v
-    if job.pp_schedule == "zb-h1":  # stage s runs each W s backwards late: pp - s waiting for B, s for W
-        return float(min(p, m))
-    return float(min(p - stage, m))
+    schedule = SCHEDULES[job.pp_schedule]
+    if schedule.in_flight is None:
+        return peak_held(actions(p, m, job.pp_schedule, v)[stage], v)
+    return schedule.in_flight(p, v, m, stage)
 
 
 def stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
@@ -221,10 +205,11 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     x = layer_shape(deg, job)
     layers = stage_layers(m.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
     _, moe_layers = stage_layer_counts(m, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
-    if deg.pp > 1 and job.pp_schedule == "interleaved" and job.virtual_stages > 1:
+    schedule = SCHEDULES[job.pp_schedule]
+    if deg.pp > 1 and schedule.chunks and job.virtual_stages > 1:
         return _interleaved_peak(m, deg, job, stage, x)
     total = int(_saved_bytes(m, deg, job, stage, layers) * in_flight(deg, job, stage))
-    if job.pp_schedule == "zb-h1" and deg.pp > 1:
+    if schedule.split_backward and deg.pp > 1:
         total = _zero_bubble_layers_bytes(m, deg, job, stage, layers)
     total += _stage_replay_transient(m, deg, job, stage, layers)
     sb, h = x.s * x.b, m.hidden_size
@@ -242,7 +227,7 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
         total += head * head_in_flight(deg, job)
         if m.mtp_layers:
             layer, inputs = _mtp_layer_bytes(m, deg, job)
-            if job.pp_schedule == "zb-h1":  # as a decoder layer: one waits for its B, pp - 1 for their W
+            if schedule.split_backward:  # as a decoder layer: one waits for its B, pp - 1 for their W
                 moe = m.is_moe_layer(m.mtp_layer_index)
                 layer = layer + weight_grad_state_bytes(m, deg, without_recompute(job), moe) * stage
             else:
@@ -304,9 +289,12 @@ def head_in_flight(deg: Degrees, job: Job) -> int:
     """Micro-batches whose output layer and loss the last stage holds at once: GPipe runs every forward
     before any backward (m); 1F1B and interleaved 1F1B run the last chunk's backward right after its forward;
     zb-h1's last stage runs each W pp - 1 backwards late, and the head's W needs the logits' gradient."""
-    if deg.pp > 1 and job.pp_schedule == "zb-h1":
-        return min(deg.pp, job.microbatches(deg))
-    return job.microbatches(deg) if deg.pp > 1 and job.pp_schedule == "gpipe" else 1
+    if deg.pp == 1:
+        return 1
+    p, m, v, schedule = deg.pp, job.microbatches(deg), job.virtual_stages, SCHEDULES[job.pp_schedule]
+    if schedule.held_outputs is None:
+        return int(peak_held([a for a in actions(p, m, job.pp_schedule, v)[p - 1] if a.chunk == v - 1], 1))
+    return schedule.held_outputs(p, m)
 
 
 def _layer_bytes(m: ModelSpec, deg: Degrees, job: Job, layers: int, moe: int) -> int:
@@ -445,7 +433,7 @@ def _microbatches_in_flight(deg: Degrees, job: Job, stage: int) -> int:
     """Distinct micro-batches a stage holds at its peak. Interleaved: the forwards run before the first
     backward (warmup + 1) visit micro-batches in groups of pp per chunk, each micro-batch first in chunk 0."""
     v = job.virtual_stages
-    if deg.pp == 1 or v == 1 or job.pp_schedule != "interleaved":
+    if deg.pp == 1 or v == 1 or not SCHEDULES[job.pp_schedule].chunks:
         return int(in_flight(deg, job, stage))
     p, m = deg.pp, job.microbatches(deg)
     forwards = min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)

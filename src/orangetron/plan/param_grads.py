@@ -26,6 +26,7 @@ from orangetron.spec.options import Degrees, Job, model_state_job
 from orangetron.spec.schedule import actions
 from orangetron.spec.sharding import bucket_layout
 from orangetron.spec.stages import chunk_layers
+from orangetron.spec.variants import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def _backward_passes(deg: Degrees, job: Job, stage: int, m: int) -> list[tuple[i
         return [(0, k == m - 1) for k in range(m)]
     if m == 1:  # one backward per chunk, the last chunk's first (also ZeRO-3 reducing every micro-batch)
         return [(c, True) for c in reversed(range(job.virtual_stages))]
-    grads = "W" if job.pp_schedule == "zb-h1" else "B"  # zb-h1's weight gradients come in its W passes
+    grads = "W" if SCHEDULES[job.pp_schedule].split_backward else "B"  # weight gradients come in W passes
     plan = [a for a in actions(deg.pp, m, job.pp_schedule, job.virtual_stages)[stage] if a.kind == grads]
     last = {a.chunk: k for k, a in enumerate(plan)}
     return [(a.chunk, k == last[a.chunk]) for k, a in enumerate(plan)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from orangetron.plan.estimate import Estimate
@@ -18,6 +18,7 @@ from orangetron.spec.hardware import Cluster
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import RECOMPUTE, Degrees, Job, validate, without_recompute
 from orangetron.spec.stages import longest_chunk
+from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,10 @@ class SearchSpace:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     # Full recompute of only as many layers per chunk as the memory needs (Megatron's block method)
     partial_recompute: bool = True
-    cp_mode: tuple[str, ...] = ("ring", "allgather", "ulysses")
+    cp_mode: tuple[str, ...] = field(default_factory=lambda: tuple(m.name for m in CONTEXT_MODES if m.searched))
     dispatcher: tuple[str, ...] = ("ragged",)  # capacity only adds padding at the same traffic pattern
+    # With pp > 1 each virtual-stage count takes the schedules here that suit it (chunked ones for v > 1)
+    pp_schedule: tuple[str, ...] = ("1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -97,12 +100,20 @@ def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: i
     for mb, v, mode, disp in itertools.product(space.micro_batch, vs, modes, dispatchers):
         if global_batch % (mb * deg.dp):
             continue
-        yield list(_job_group(seq_len, global_batch, mb, v, mode, disp, deg.tp > 1, space, base))
+        for schedule in _schedules(space, deg.pp, v):
+            yield list(_job_group(seq_len, global_batch, mb, v, mode, disp, schedule, deg.tp > 1, space, base))
+
+
+def _schedules(space: SearchSpace, pp: int, v: int) -> tuple[str, ...]:
+    """The searched schedules for `v` virtual stages; without a pipeline the schedule plays no part."""
+    if pp == 1:
+        return ("1f1b",)
+    return tuple(s for s in space.pp_schedule if SCHEDULES[s].chunks == (v > 1))
 
 
 @lru_cache(maxsize=4096)
-def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp: str, sequence_parallel: bool,
-               space: SearchSpace, base: Job) -> tuple[Job, ...]:
+def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp: str, schedule: str,
+               sequence_parallel: bool, space: SearchSpace, base: Job) -> tuple[Job, ...]:
     # Built once for every layout that shares these options: the same Job objects then key the cost caches,
     # which match them by identity instead of comparing every field.
     zeros = [z for z in _ZERO if z in space.zero]
@@ -113,10 +124,10 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
         group.append(Job(seq_len=seq_len, micro_batch=mb, global_batch=global_batch,
                          sequence_parallel=sequence_parallel, cp_mode=mode, dispatcher=disp,
                          capacity_factor=base.capacity_factor, ep_comm_sms=base.ep_comm_sms,
-                         ep_comm_sms_reserved=base.ep_comm_sms_reserved and disp == "deepep", zero_stage=stage,
-                         distributed_optimizer=distopt,
+                         ep_comm_sms_reserved=base.ep_comm_sms_reserved and DISPATCHERS[disp].node_aware,
+                         zero_stage=stage, distributed_optimizer=distopt,
                          zero3_reduce_every_microbatch=every,
-                         param_dtype=base.param_dtype, pp_schedule="interleaved" if v > 1 else "1f1b",
+                         param_dtype=base.param_dtype, pp_schedule=schedule,
                          virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
                          overlap_ep=base.overlap_ep, fp8=base.fp8, fp8_recipe=base.fp8_recipe))
     return tuple(group)

@@ -69,6 +69,7 @@ from orangetron.spec.stages import (
     stage_layer_counts,
     stage_layers,
 )
+from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     peak = gpu.peak_flops(job.param_dtype)  # attention stays in 16-bit under FP8 training (as TE does)
     # Ring CP calls the kernel once per step on a K,V block of s/cp keys (USP's ring: s/(cp/u)): each call's
     # query tiles pay their fill over that block, not over the whole sequence.
-    ring = {"ring": deg.cp, "rsa": deg.cp, "usp": deg.cp // job.ulysses_degree}.get(job.cp_mode, 1)
+    ring = CONTEXT_MODES[job.cp_mode].key_blocks(deg, job) if deg.cp > 1 else 1
     call_keys = min(keys, job.seq_len / ring) if ring > 1 else keys
     base_fwd, base_bwd = _kernel_efficiency(gpu, job.attention_kernel, eff)
     fwd_eff = flash_efficiency(base_fwd, call_keys, ctas, gpu.sms)
@@ -260,7 +261,7 @@ def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int, gathered
     routed = rows // (deg.tp if sp else 1) * model.top_k
     if gathered and sp:
         routed *= deg.etp
-    return int(routed * job.capacity_factor) if job.dispatcher == "capacity" else routed
+    return int(routed * job.capacity_factor) if DISPATCHERS[job.dispatcher].pads else routed
 
 
 def _permute_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, rows: int, eff: Efficiency) -> float:
@@ -287,7 +288,7 @@ def _routed_experts_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Clus
     projection, or per projection and token chunk under `ep_overlap_chunks` (each chunk's experts run on
     its own tokens): few tokens per expert pad their tiles and re-read the weights (see `compute`)."""
     routed = _routed_copies(model, deg, job, rows)
-    if job.dispatcher != "capacity":  # capacity pads every rank to the same slots
+    if not DISPATCHERS[job.dispatcher].pads:  # a padding dispatcher gives every rank the same slots
         routed = round(routed * busiest_share(routed, deg.ep))
     local = max(1, model.num_experts // deg.ep)
     chunks = job.ep_overlap_chunks
@@ -389,19 +390,20 @@ def group_places(deg: Degrees, cluster: Cluster) -> dict[str, Placement]:
 def check_ep_placement(deg: Degrees, job: Job, cluster: Cluster) -> None:
     """ValueError when the dispatcher cannot run on this layout's EP groups ("deepep": whole nodes, or inside
     one). A group's ranks lie tp apart (etp apart when the experts fold), so it covers ep x that many."""
-    if job.dispatcher == "deepep" and deg.ep > 1:
+    if DISPATCHERS[job.dispatcher].node_aware and deg.ep > 1:
         span = deg.ep * (deg.etp if deg.expert_fold else deg.tp)
         node_dispatch.check_placement(group_places(deg, cluster)["ep"], span, cluster)
 
 
 @lru_cache(maxsize=4096)
-def _usp_places(deg: Degrees, cluster: Cluster, ulysses: int) -> dict[str, Placement]:
-    """Where USP's two cp subgroups land (`mesh.split_cp`: Ulysses over `ulysses` consecutive cp ranks, the
-    ring over every `ulysses`-th): the members of rank 0's groups on its node."""
+def _subgroup_places(deg: Degrees, cluster: Cluster, groups: tuple[tuple[str, tuple[int, int]], ...]
+                     ) -> dict[str, Placement]:
+    """Where a cp mode's subgroups of the cp ranks land, each (ranks, stride) as `mesh.split_cp` builds them
+    (USP: Ulysses over consecutive cp ranks, the ring over every `ulysses`-th): the members of rank 0's groups
+    on its node."""
     same = [c for c in _first_node(deg, cluster) if (c.tp, c.dp, c.pp) == (0, 0, 0)]
-    ring = deg.cp // ulysses
-    return {"cp_ulysses": Placement(ulysses, sum(c.cp < ulysses for c in same)) if ulysses > 1 else Placement(1, 1),
-            "cp_ring": Placement(ring, sum(c.cp % ulysses == 0 for c in same)) if ring > 1 else Placement(1, 1)}
+    return {name: Placement(size, sum(c.cp % stride == 0 and c.cp < size * stride for c in same)) if size > 1
+            else Placement(1, 1) for name, (size, stride) in groups}
 
 
 def _records_time(records, places: dict[str, Placement], cluster: Cluster, net: NetworkParams,
@@ -463,7 +465,7 @@ def _stage_time_cached(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
     if job.ep_comm_sms_reserved and model.is_moe and deg.ep > 1:
         cluster = _with_sms_reserved(cluster, job.ep_comm_sms)  # compute runs on what the dispatch leaves
     compute = tp = cp = ep = forward = wgrad = 0.0
-    split = job.pp_schedule == "zb-h1"
+    split = SCHEDULES[job.pp_schedule].split_backward
     for layer_job, count, moe in _layer_kinds(model, deg, job, stage):
         if not count:
             continue
@@ -565,13 +567,15 @@ def _layer_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe
     cost = layer_cost(model, deg, job, cluster, moe, eff)
     run, attention = _fwd_bwd(cost, job)
     cp_records = context_parallel_records(model, deg, job)
-    if job.cp_mode == "usp":
-        places = {**places, **_usp_places(deg, cluster, job.ulysses_degree)}
-    # Each ring step (ring, rsa, usp's ring) hides behind the previous block's attention; gathers and
-    # Ulysses' all-to-alls come before the attention that needs them.
-    hops = [r for r in cp_records if r.op == "send_recv"]
-    cp_t = _records_time([r for r in cp_records if r.op != "send_recv"], places, cluster, net)
-    cp_t += _hide(_records_time(hops, places, cluster, net), attention, eff)
+    mode = CONTEXT_MODES[job.cp_mode]
+    subgroups = mode.subgroups(deg, job) if deg.cp > 1 else {}
+    if subgroups:
+        places = {**places, **_subgroup_places(deg, cluster, tuple(subgroups.items()))}
+    # What the mode overlaps (each ring step hides behind the previous block's attention) against what comes
+    # before the attention that needs it (gathers, Ulysses' all-to-alls).
+    hidden = [r for r in cp_records if r.op in mode.overlapped_ops]
+    cp_t = _records_time([r for r in cp_records if r.op not in mode.overlapped_ops], places, cluster, net)
+    cp_t += _hide(_records_time(hidden, places, cluster, net), attention, eff)
     ep_t = _ep_time(model, deg, job, cluster, places["ep"], cost, run, net, eff) if moe else 0.0
     blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
     tp_records = tensor_parallel_records(model, deg, job, blocks)
@@ -585,7 +589,7 @@ def _ep_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, where: 
     """Exposed seconds of one MoE layer's expert traffic for one micro-batch. Hidden "deepep" traffic costs
     the share of SMs its kernels take from compute (`node_dispatch.sm_share`) instead of the generic
     contention."""
-    if job.dispatcher != "deepep":
+    if not DISPATCHERS[job.dispatcher].node_aware:
         row = job.param_bytes * model.hidden_size
         comm = _records_time(expert_parallel_records(model, deg, job), {"ep": where}, cluster, net, msg_bytes=row)
         return _ep_exposed(comm, cost, run, job, deg, eff)
@@ -626,7 +630,7 @@ def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
     Megatron-Core's EP all-to-all overlap in 1F1B), which needs a second micro-batch in flight."""
     if job.overlap_ep and job.microbatches(deg) > 1:
         return run
-    shared_b = cost.shared_b - (cost.shared_w if job.pp_schedule == "zb-h1" else 0.0)  # zb-h1 runs W apart
+    shared_b = cost.shared_b - (cost.shared_w if SCHEDULES[job.pp_schedule].split_backward else 0.0)  # W apart
     return cost.shared_f + shared_b + (cost.shared_f if job.recompute == "full" else 0.0)
 
 
@@ -651,9 +655,10 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
     kinds = distinct_stages(model, deg.pp, job.virtual_stages, job.pipeline_layout)
     stages = [_stage_time(model, deg, job, cluster, s, net, eff) for s in kinds]
     slow = max(stages, key=lambda st: st.total)
-    v = job.virtual_stages if job.pp_schedule == "interleaved" else 1
+    schedule = SCHEDULES[job.pp_schedule]
+    v = job.virtual_stages if schedule.chunks else 1
     bubble = (deg.pp - 1) / v * slow.total
-    if job.pp_schedule == "zb-h1":  # exposed communication counts with the input-gradient backward
+    if schedule.split_backward:  # exposed communication counts with the input-gradient backward
         bubble = zero_bubble_h1_bubble(deg.pp, slow.forward, slow.total - slow.forward - slow.wgrad, slow.wgrad)
     # The step ends when the stage with the most parameters has reduced their gradients (behind its own
     # backward) and stepped its optimizer: a layout can move most of them off stage 0.

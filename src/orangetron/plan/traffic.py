@@ -28,7 +28,6 @@ runtime's conventions (DESIGN sections 4 and 5):
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from functools import lru_cache
@@ -41,8 +40,9 @@ from orangetron.spec import collectives as cf
 from orangetron.spec.collectives import CommRecord
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job
-from orangetron.spec.sharding import bucket_layout, padded_numel, token_chunks
+from orangetron.spec.sharding import bucket_layout, padded_numel
 from orangetron.spec.stages import replay_split, stage_layers
+from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS
 
 
 def _gather(op: str, dim: str, full: int, n: int) -> CommRecord:
@@ -162,51 +162,12 @@ def tensor_parallel_grad_records(model: ModelSpec, deg: Degrees, job: Job, stage
     return out
 
 
-def _kv_bytes(model: ModelSpec, deg: Degrees, job: Job, heads: int | None = None, dim: int | None = None) -> int:
-    """K and V (or `dim` per head) of this rank's tokens and kv heads (`heads`, default the tp share)."""
-    heads = max(1, model.kv_heads // deg.tp) if heads is None else heads
-    tokens = (job.seq_len // deg.cp) * job.micro_batch
-    return job.param_bytes * tokens * heads * ((model.qk_head_dim + model.v_dim) if dim is None else dim)
-
-
 def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
-    """CP collectives of one layer, one micro-batch, forward + backward (+ replayed forward)."""
-    c = deg.cp
-    if c == 1:
+    """CP collectives of one layer, one micro-batch, forward + backward (+ replayed forward): what the job's
+    cp mode registers (spec/context_modes.py)."""
+    if deg.cp == 1:
         return []
-    kv = _kv_bytes(model, deg, job)
-    fwd_passes = 2 if job.recompute == "full" else 1
-
-    def hops(payload: int, count: int, dim: str = "cp") -> list[CommRecord]:
-        return [CommRecord("send_recv", dim, payload, *cf.send_recv_bytes(payload, payload))] * count
-
-    if job.cp_mode == "ring":  # K,V together: cp-1 hops per forward and in backward, dK,dV cp hops home
-        return hops(kv, (c - 1) * (fwd_passes + 1) + c)
-    if job.cp_mode == "rsa":  # K and V apart: forward K then V rings; backward V (+dV home), K (+dK home)
-        k, v = (_kv_bytes(model, deg, job, dim=d) for d in (model.qk_head_dim, model.v_dim))
-        return (hops(k, (c - 1) * (fwd_passes + 1)) + hops(v, (c - 1) * (fwd_passes + 1))
-                + hops(k, c) + hops(v, c))
-    if job.cp_mode == "allgather":  # gathered forward and again in backward (not kept), dK,dV scattered
-        gathered = kv * c
-        return ([_gather("all_gather", "cp", gathered, c)] * (fwd_passes + 1)
-                + [_gather("reduce_scatter", "cp", gathered, c)])
-    # Ulysses over u ranks: sequence shards <-> head shards for Q, K+V and the output. USP then passes the
-    # gathered K,V around a ring over the other c/u ranks (same bytes per hop as sent into the all-to-all).
-    u, dim = (c, "cp") if job.cp_mode == "ulysses" else (job.ulysses_degree, "cp_ulysses")
-    tokens = (job.seq_len // c) * job.micro_batch
-    heads = model.num_heads // deg.tp
-    q = job.param_bytes * tokens * heads * model.qk_head_dim
-    o = job.param_bytes * tokens * heads * model.v_dim
-    kv = _kv_bytes(model, deg, job, heads=ulysses_kv_heads(model, deg, u))
-    out = [_a2a(dim, q, u), _a2a(dim, kv, u), _a2a(dim, o, u)] * (fwd_passes + 1) if u > 1 else []
-    r = c // u
-    return out + (hops(kv, (r - 1) * (fwd_passes + 1) + r, "cp_ring") if r > 1 else [])
-
-
-def ulysses_kv_heads(model: ModelSpec, deg: Degrees, degree: int | None = None) -> int:
-    """KV heads a rank sends into Ulysses' all-to-all over `degree` ranks (default cp): its own, or one per
-    rank when it has fewer."""
-    return max(max(1, model.kv_heads // deg.tp), deg.cp if degree is None else degree)
+    return CONTEXT_MODES[job.cp_mode].records(model, deg, job, 2 if job.recompute == "full" else 1)
 
 
 def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job,
@@ -230,28 +191,13 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job,
     if e == 1:
         return []
     tokens = routed_tokens(deg, job)
-    if job.dispatcher == "deepep":  # what crosses nodes depends on where the group lies
+    dispatcher = DISPATCHERS[job.dispatcher]
+    if dispatcher.node_aware:  # what crosses nodes depends on where the group lies
         if ep_where is None:
-            raise ValueError("dispatcher 'deepep': its traffic needs the EP group's placement on nodes")
+            raise ValueError(f"dispatcher {job.dispatcher!r}: its traffic needs the EP group's placement on nodes")
         sent = node_dispatch.bytes_sent(model, ep_where, job, tokens)
         return [CommRecord("all_to_all", "ep", b, b, b) for b in sent]
-    k = model.top_k
-    row, ids, weights = job.param_bytes * model.hidden_size, 8 * k, (8 if job.param_bytes == 8 else 4) * k
-    replays = 1 if job.recompute == "full" else 0
-    if job.dispatcher == "allgather":
-        forward = [_gather("all_gather", "ep", 8 * e, e)]
-        forward += [_gather("all_gather", "ep", e * tokens * b, e) for b in (row, ids, weights)]
-        forward += [_gather("reduce_scatter", "ep", e * tokens * row, e)]  # combine
-        backward = [_gather("reduce_scatter", "ep", e * tokens * b, e) for b in (row, weights)]
-        return forward * (1 + replays) + backward + [_gather("all_gather", "ep", e * tokens * row, e)]
-    if job.dispatcher == "capacity":
-        chunk_rows = [_received_rows(model, deg, job)]
-    else:  # each overlap chunk sends its own tokens' rows; one count exchange carries every chunk's counts
-        chunk_rows = [n * model.routed_ranks(e) // e * e for n in token_chunks(tokens, job.ep_overlap_chunks)]
-    forward = [_a2a("ep", 8 * e * len(chunk_rows), e)]
-    forward += [_a2a("ep", rows * b, e) for rows in chunk_rows for b in (row, ids, weights, row)]
-    backward = [_a2a("ep", rows * b, e) for rows in chunk_rows for b in (row, weights, row)]
-    return forward * (1 + replays) + backward
+    return dispatcher.records(model, deg, job, tokens)
 
 
 def routed_tokens(deg: Degrees, job: Job) -> int:
@@ -261,15 +207,12 @@ def routed_tokens(deg: Degrees, job: Job) -> int:
 
 
 def _received_rows(model: ModelSpec, deg: Degrees, job: Job) -> int:
-    """Rows (one per token and destination rank) an EP rank receives per micro-batch under ragged or capacity
-    dispatch, on balance; without EP every token is one row."""
-    e, k, tokens = deg.ep, model.top_k, routed_tokens(deg, job)
+    """Rows (one per token and destination rank) an EP rank receives per micro-batch, on balance; without EP
+    every token is one row."""
+    e, tokens = deg.ep, routed_tokens(deg, job)
     if e == 1:
         return tokens
-    if job.dispatcher == "capacity":
-        slots = math.ceil(tokens * k / model.num_experts * job.capacity_factor)
-        return min(model.num_experts // e * slots, tokens) * e
-    return tokens * model.routed_ranks(e) // e * e
+    return DISPATCHERS[job.dispatcher].rows(model, tokens, job, e) // e * e
 
 
 def expert_tensor_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:

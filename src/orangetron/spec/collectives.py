@@ -26,6 +26,7 @@ Integer arithmetic keeps ledger and model bit-identical.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast", "reduce")
 
@@ -101,3 +102,26 @@ def reduce_bytes(tensor_bytes: int, group_size: int, rank: int, root: int) -> tu
     """(sent, received): the mirror of `broadcast_bytes`; partial sums flow down the chain to `root`."""
     sent, received = broadcast_bytes(tensor_bytes, group_size, rank, root)
     return received, sent
+
+
+# ---- records the cost model predicts -------------------------------------------------------------------
+_GATHER_BYTES = {"all_gather": all_gather_bytes, "reduce_scatter": reduce_scatter_bytes,
+                 "all_reduce": all_reduce_bytes}
+
+
+def gather_record(op: str, dim: str, full: int, n: int) -> CommRecord:
+    """The record of an all-gather, reduce-scatter or all-reduce of `full` bytes over `n` ranks."""
+    return CommRecord(op, dim, full, *_GATHER_BYTES[op](full, n))
+
+
+@lru_cache(maxsize=16384)
+def all_to_all_record(dim: str, payload: int, n: int) -> CommRecord:
+    """The record of a balanced all-to-all of `payload` bytes over `n` ranks: equal rows to every rank."""
+    per_peer = payload // n
+    sent, received = all_to_all_bytes([per_peer] * n, [per_peer] * n, 0)
+    return CommRecord("all_to_all", dim, payload, sent, received)
+
+
+def send_recv_records(dim: str, payload: int, count: int) -> list[CommRecord]:
+    """`count` point-to-point hops of `payload` bytes each (one record object, repeated)."""
+    return [CommRecord("send_recv", dim, payload, *send_recv_bytes(payload, payload))] * count

@@ -18,11 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from orangetron.spec import rules
+from orangetron.spec.rules import LayoutError
+
 DIMS = ("tp", "cp", "pp", "dp", "ep")
-
-
-class LayoutError(ValueError):
-    """A layout that cannot run; the message names the field, the value and the rule."""
 
 
 @dataclass(frozen=True)
@@ -63,11 +62,7 @@ class Layout:
         if self.etp not in (1, self.tp):
             raise LayoutError(f"etp={self.etp}: expert tensor parallelism must be 1 or tp={self.tp} "
                               "(other degrees need the folded expert mesh)")
-        if (self.dp * self.cp) % self.ep:
-            raise LayoutError(
-                f"ep={self.ep}: dp*cp={self.dp * self.cp} (dp={self.dp} x cp={self.cp}) is not divisible by ep; "
-                "experts shard over the dp x cp ranks (a folded expert mesh, planner only, lifts this)"
-            )
+        rules.ep_divides_dp_cp(self.ep, self.dp, self.cp)
 
     def _check_fold(self) -> None:
         stage = self.tp * self.cp * self.dp
@@ -147,22 +142,12 @@ class Layout:
 
     def _validate_model(self, model: Any) -> None:
         heads = getattr(model, "n_heads", None)
-        kv_heads = getattr(model, "n_kv_heads", None) or heads
-        if heads is not None and heads % self.tp:
-            raise LayoutError(f"tp={self.tp}: n_heads={heads} is not divisible by tp")
-        if kv_heads is not None and kv_heads % self.tp and self.tp % kv_heads:
-            raise LayoutError(
-                f"tp={self.tp}: n_kv_heads={kv_heads} must divide tp or be divisible by it "
-                "(kv heads are split, or replicated across tp ranks)"
-            )
+        if heads is not None:
+            rules.tp_splits_heads(self.tp, heads, getattr(model, "n_kv_heads", None) or heads)
         layers = getattr(model, "n_layers", None)
         if layers is not None and layers % self.pp:
             raise LayoutError(f"pp={self.pp}: n_layers={layers} is not divisible by pp")
-        experts = getattr(model, "n_experts", 0) or 0
-        if self.ep > 1 and experts == 0:
-            raise LayoutError(f"ep={self.ep}: the model has no experts (n_experts=0); use ep=1")
-        if experts and experts % self.ep:
-            raise LayoutError(f"ep={self.ep}: n_experts={experts} is not divisible by ep")
+        rules.ep_splits_experts(self.ep, getattr(model, "n_experts", 0) or 0)
         for name in ("ffn_dim", "shared_ffn_dim"):
             width = getattr(model, name, None) or 0
             if width % self.tp:
@@ -174,12 +159,6 @@ class Layout:
     def _validate_seq(self, seq_len: int, sequence_parallel: bool) -> None:
         if seq_len < 1:
             raise LayoutError(f"seq_len={seq_len}: must be positive")
-        if self.cp > 1 and seq_len % (2 * self.cp):
-            raise LayoutError(
-                f"cp={self.cp}: seq_len {seq_len} is not divisible by 2*cp={2 * self.cp} (head-tail chunks)"
-            )
-        local = seq_len // self.cp
-        if sequence_parallel and local % self.tp:
-            raise LayoutError(
-                f"tp={self.tp}: sequence_parallel needs seq_len/cp={local} divisible by tp"
-            )
+        rules.cp_splits_sequence(self.cp, seq_len)
+        if sequence_parallel:
+            rules.sp_splits_shard(self.tp, self.cp, seq_len)

@@ -5,19 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from orangetron.spec import rules
 from orangetron.spec.keys import hash_fields_once
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec
+from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "selective", "full")
-CP_MODES = ("ring", "allgather", "ulysses", "usp", "rsa")
-DISPATCHERS = ("ragged", "capacity", "allgather")  # the runtime's
-# "deepep": node-deduplicated dispatch over RDMA with NVLink forwarding (plan.node_dispatch); planner only
-PLAN_DISPATCHERS = DISPATCHERS + ("deepep",)
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the runtime's
-# "zb-h1": zero-bubble pipeline, each W deferred to fill the drain (plan.schedule); planner only
-PLAN_SCHEDULES = SCHEDULES + ("zb-h1",)
 ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "eager")
 # "delayed": Transformer Engine's per-tensor scales from an amax history; "blockwise": DeepSeek-V3's fine-grained
 # scales, one per 1 x 128 activation tile and per 128 x 128 weight block (arXiv:2412.19437 section 3.3.2)
@@ -87,13 +82,10 @@ class Job:
 
     def __post_init__(self) -> None:
         _check_choice("recompute", self.recompute, RECOMPUTE)
-        _check_choice("cp_mode", self.cp_mode, CP_MODES)
-        _check_choice("dispatcher", self.dispatcher, PLAN_DISPATCHERS)
-        _check_choice("pp_schedule", self.pp_schedule, PLAN_SCHEDULES)
+        CONTEXT_MODES[self.cp_mode], DISPATCHERS[self.dispatcher], SCHEDULES[self.pp_schedule]  # known names
         _check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
-        if self.zero3_reduce_every_microbatch and self.zero_stage != 3:
-            raise ValueError(f"zero3_reduce_every_microbatch needs zero_stage=3, not {self.zero_stage}")
+        rules.zero3_reduce_every_microbatch_needs_zero3(self.zero3_reduce_every_microbatch, self.zero_stage)
         if self.grad_accumulation_fusion and self.zero_stage >= 2:
             raise ValueError(f"grad_accumulation_fusion with zero_stage={self.zero_stage}: Megatron-Core's "
                              "main-gradient buffer is whole on every rank (DDP, ZeRO-1 or the distributed optimizer)")
@@ -106,22 +98,17 @@ class Job:
             raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
         if self.recompute_layers < 0:
             raise ValueError(f"recompute_layers={self.recompute_layers}: must be >= 0 (0: every layer)")
-        if self.recompute_layers and self.recompute != "full":
-            raise ValueError(f"recompute_layers={self.recompute_layers} needs recompute='full', not "
-                             f"{self.recompute!r}")
-        if self.fp8_recipe != "delayed" and not self.fp8:
-            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} needs fp8=True")
+        rules.recompute_layers_need_full(self.recompute_layers, self.recompute)
+        rules.fp8_recipe_needs_fp8(self.fp8_recipe, self.fp8)
         for name in ("param_dtype", "grad_dtype"):
             _check_choice(name, getattr(self, name), tuple(DTYPE_BYTES))
         if self.reduce_dtype:
             _check_choice("reduce_dtype", self.reduce_dtype, tuple(DTYPE_BYTES))
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage}: must be 0 (DDP), 1, 2 or 3")
-        if self.distributed_optimizer and self.zero_stage in (2, 3):
-            raise ValueError(f"distributed_optimizer with zero_stage={self.zero_stage}: pick one sharding scheme")
-        if self.ep_comm_sms_reserved and self.dispatcher != "deepep":
-            raise ValueError(f"ep_comm_sms_reserved needs dispatcher='deepep' (the one priced with its SMs), not "
-                             f"{self.dispatcher!r}")
+        rules.distributed_optimizer_zero_stage(self.distributed_optimizer, self.zero_stage)
+        dispatcher = DISPATCHERS[self.dispatcher]
+        rules.reserved_sms_need_node_dispatch(self.ep_comm_sms_reserved, self.dispatcher, dispatcher.node_aware)
         if self.ep_comm_sms < 2 or self.ep_comm_sms % 2:
             raise ValueError(f"ep_comm_sms={self.ep_comm_sms}: DeepEP takes an even number of SMs, at least 2")
         for name in ("seq_len", "micro_batch", "virtual_stages", "num_microbatches", "ep_overlap_chunks"):
@@ -231,41 +218,34 @@ def _validate_layout(model: ModelSpec, chunks: int, layout: tuple[int, ...]) -> 
 def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     """Raise ValueError (naming the field, value and rule) for a layout the runtime could not run."""
     t, c, p = degrees.tp, degrees.cp, degrees.pp
-    if model.num_heads % t or model.kv_heads % t and t % model.kv_heads:
-        raise ValueError(f"tp={t}: num_heads={model.num_heads} and num_kv_heads={model.kv_heads} "
-                         "must divide by tp (or kv heads be replicated across it)")
+    rules.tp_splits_heads(t, model.num_heads, model.kv_heads)
     if job.pipeline_layout:
         _validate_layout(model, p * job.virtual_stages, job.pipeline_layout)
     elif model.num_layers < p * job.virtual_stages:
         raise ValueError(f"pp={p}: num_layers={model.num_layers} < pp*virtual_stages={p * job.virtual_stages}")
-    if job.virtual_stages > 1 and job.pp_schedule != "interleaved":
-        raise ValueError(f"virtual_stages={job.virtual_stages}: needs pp_schedule 'interleaved'")
-    if c > 1 and job.seq_len % (2 * c):
-        raise ValueError(f"cp={c}: seq_len {job.seq_len} is not divisible by 2*cp={2 * c}")
-    if job.sequence_parallel and t > 1 and (job.seq_len // c) % t:
-        raise ValueError(f"tp={t}: sequence shard {job.seq_len // c} is not divisible by tp under sequence_parallel")
-    if job.cp_mode == "ulysses" and c > 1 and (model.num_heads // t) % c:
-        raise ValueError(f"cp={c}: ulysses needs heads per tp rank ({model.num_heads // t}) divisible by cp")
-    if job.cp_mode == "usp" and c > 1 and (c % job.ulysses_degree or (model.num_heads // t) % job.ulysses_degree):
-        raise ValueError(f"ulysses_degree={job.ulysses_degree}: usp needs it to divide cp={c} and the heads per tp "
-                         f"rank ({model.num_heads // t})")
-    if job.dispatcher == "deepep" and degrees.etp > 1:
-        raise ValueError(f"etp={degrees.etp} with dispatcher 'deepep': the planner prices DeepEP over the EP group "
-                         "with whole experts per rank (etp 1)")
-    if job.ep_overlap_chunks > 1 and job.dispatcher != "ragged":
-        raise ValueError(f"ep_overlap_chunks={job.ep_overlap_chunks}: chunked overlap is for the ragged dispatcher, "
-                         f"not {job.dispatcher!r}")
-    if model.is_moe and model.num_experts % degrees.ep:
-        raise ValueError(f"ep={degrees.ep}: num_experts={model.num_experts} is not divisible by ep")
+    schedule, dispatcher, mode = SCHEDULES[job.pp_schedule], DISPATCHERS[job.dispatcher], CONTEXT_MODES[job.cp_mode]
+    rules.virtual_stages_need_chunked_schedule(job.virtual_stages, job.pp_schedule, schedule.chunks)
+    rules.ulysses_degree_only_for_its_modes(job.ulysses_degree, job.cp_mode, mode.takes_ulysses_degree)
+    rules.overlap_chunks_need_chunked_dispatcher(job.ep_overlap_chunks, job.dispatcher, dispatcher.chunked)
+    rules.cp_splits_sequence(c, job.seq_len)
+    if job.sequence_parallel:
+        rules.sp_splits_shard(t, c, job.seq_len)
+    if c > 1:
+        _validate_context_mode(model, degrees, job)
+    rules.node_dispatch_needs_whole_experts(degrees.etp, job.dispatcher, dispatcher.node_aware)
     if degrees.expert_fold:
         _validate_fold(model, degrees, job)
-    if not model.is_moe and degrees.ep > 1:
-        raise ValueError(f"ep={degrees.ep}: model {model.name} has no experts")
+    rules.ep_splits_experts(degrees.ep, model.num_experts if model.is_moe else 0)
     if job.global_batch and job.global_batch % (job.micro_batch * degrees.dp):
         raise ValueError(f"global_batch={job.global_batch} is not divisible by micro_batch*dp="
                          f"{job.micro_batch * degrees.dp}")
-    m = job.microbatches(degrees)
-    if job.pp_schedule == "interleaved" and p > 1 and m % p:
-        raise ValueError(f"pp={p}: interleaved schedule needs micro-batches ({m}) divisible by pp")
-    if job.pp_schedule == "zb-h1" and p > 1 and m < p:
-        raise ValueError(f"pp={p}: the zb-h1 schedule needs at least pp micro-batches, not {m}")
+    schedule.check(p, job.microbatches(degrees))
+
+
+def _validate_context_mode(model: ModelSpec, degrees: Degrees, job: Job) -> None:
+    """The cp mode's rules: a Ulysses degree that divides cp, heads that its all-to-all can split."""
+    mode, c = CONTEXT_MODES[job.cp_mode], degrees.cp
+    rules.ulysses_degree_divides_cp(job.ulysses_degree, c)
+    split = mode.head_split(c, job.ulysses_degree)
+    if split > 1:
+        rules.heads_split_by_all_to_all(split, model.num_heads // degrees.tp, max(1, model.kv_heads // degrees.tp))

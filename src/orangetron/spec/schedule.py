@@ -21,10 +21,11 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from orangetron.spec.options import PLAN_SCHEDULES
+from orangetron.spec import rules
+from orangetron.spec.variants import SCHEDULES, Schedule
 
 
-class ScheduleError(ValueError):
+class ScheduleError(rules.LayoutError):
     """A schedule that cannot run; the message names the field, the value and the rule."""
 
 
@@ -45,38 +46,55 @@ class Slot:
     end: float
 
 
-def _check(pp: int, microbatches: int, schedule: str, virtual_stages: int) -> None:
+def _check(pp: int, microbatches: int, schedule: str, virtual_stages: int) -> Schedule:
     for name, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name}={value!r}: must be a positive integer")
-    if schedule not in PLAN_SCHEDULES:
-        raise ScheduleError(f"schedule={schedule!r}: must be one of {', '.join(PLAN_SCHEDULES)}")
-    if virtual_stages > 1 and schedule != "interleaved":
-        raise ScheduleError(f"virtual_stages={virtual_stages}: needs schedule 'interleaved'")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ScheduleError(f"microbatches={microbatches}: the interleaved schedule needs a multiple of pp={pp}")
-    if schedule == "zb-h1" and microbatches < pp:
-        raise ScheduleError(f"microbatches={microbatches}: the zb-h1 schedule needs at least pp={pp}")
+    record = SCHEDULES[schedule]
+    rules.virtual_stages_need_chunked_schedule(virtual_stages, schedule, record.chunks)
+    record.check(pp, microbatches)
+    return record
 
 
 def actions(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> list[list[Action]]:
-    """The ordered actions of every pipeline rank."""
-    _check(pp, microbatches, schedule, virtual_stages)
-    m = microbatches
-    if schedule == "gpipe":
-        return [[Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in reversed(range(m))]
-                for _ in range(pp)]
-    if schedule == "1f1b":
-        return [_one_forward_one_backward(m, warmup=min(pp - r - 1, m), chunks=1, pp=pp) for r in range(pp)]
-    if schedule == "zb-h1":
-        return [_zero_bubble_h1(m, pp, r) for r in range(pp)]
-    v = virtual_stages
-    # Megatron's interleaved warmup: two extra forwards per rank below, plus a full round of the other chunks.
-    return [_one_forward_one_backward(m, warmup=min((pp - r - 1) * 2 + (v - 1) * pp, m * v), chunks=v, pp=pp)
+    """The ordered actions of every pipeline rank, as the schedule's record lists them (spec/schedules.py)."""
+    return _check(pp, microbatches, schedule, virtual_stages).actions(pp, microbatches, virtual_stages)
+
+
+def gpipe(pp: int, m: int, v: int) -> list[list[Action]]:
+    """Every forward, then every backward in reverse."""
+    return [[Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in reversed(range(m))]
+            for _ in range(pp)]
+
+
+def one_forward_one_backward(pp: int, m: int, v: int) -> list[list[Action]]:
+    """1F1B: pp - r - 1 warmup forwards on rank r, then one forward and one backward in turn."""
+    return [one_forward_one_backward_rank(m, warmup=min(pp - r - 1, m), chunks=1, pp=pp) for r in range(pp)]
+
+
+def zero_bubble_h1(pp: int, m: int, v: int) -> list[list[Action]]:
+    """ZB-H1: 1F1B's forwards and input-gradient backwards, rank r's weight gradients r backwards late."""
+    return [_zero_bubble_h1(m, pp, r) for r in range(pp)]
+
+
+def interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B: two extra warmup forwards per rank below, plus a round of the other chunks."""
+    return [one_forward_one_backward_rank(m, warmup=min((pp - r - 1) * 2 + (v - 1) * pp, m * v), chunks=v, pp=pp)
             for r in range(pp)]
 
 
-def _one_forward_one_backward(m: int, warmup: int, chunks: int, pp: int) -> list[Action]:
+def peak_held(rank_actions: list[Action], virtual_stages: int) -> float:
+    """Most (chunk, micro-batch) pairs a rank's action list holds at once (a forward holds until its backward,
+    or its W when the backward splits), in units of the rank's layers (a chunk is 1/v of them)."""
+    release = "W" if any(a.kind == "W" for a in rank_actions) else "B"
+    held = peak = 0
+    for a in rank_actions:
+        held += 1 if a.kind == "F" else -1 if a.kind == release else 0
+        peak = max(peak, held)
+    return peak / virtual_stages
+
+
+def one_forward_one_backward_rank(m: int, warmup: int, chunks: int, pp: int) -> list[Action]:
     """Warmup forwards, then alternate one forward and one backward, then the remaining backwards."""
     return list(_one_forward_one_backward_order(m, warmup, chunks, pp))
 
@@ -136,9 +154,10 @@ def simulate(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages:
     zb-h1 the backward's `weight_cost` (default: half of it) runs as its own W pass after that B.
     """
     weight = backward_cost / 2 if weight_cost is None else weight_cost
-    if schedule == "zb-h1" and not 0 <= weight <= backward_cost:
+    split = SCHEDULES[schedule].split_backward
+    if split and not 0 <= weight <= backward_cost:
         raise ScheduleError(f"weight_cost={weight!r}: must lie between 0 and backward_cost={backward_cost!r}")
-    cost = {"F": forward_cost, "B": backward_cost - weight if schedule == "zb-h1" else backward_cost, "W": weight}
+    cost = {"F": forward_cost, "B": backward_cost - weight if split else backward_cost, "W": weight}
     plan = actions(pp, microbatches, schedule, virtual_stages)
     v = virtual_stages
     last = v * pp - 1

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-CONTEXT_MODES = ("ring", "allgather", "ulysses", "rsa", "usp")  # parallel.context.MODES, without importing torch
+from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES, Registry
 
 DEFAULTS_NOTE = "With no flags: the small-moe model on the embedded stdlib corpus, on one CPU rank."
 
@@ -86,13 +86,13 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="with --tp: norms on sequence shards, TP's all-reduces become reduce-scatter + all-gather")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel degree: local ranks that split every sequence head-tail (started for you)")
-    p.add_argument("--cp-mode", default="ring", choices=list(CONTEXT_MODES),
-                   help="context-parallel attention (default: %(default)s)")
+    p.add_argument("--cp-mode", default="ring", choices=CONTEXT_MODES.names(runtime=True),
+                   help="context-parallel attention (default: %(default)s): " + _summaries(CONTEXT_MODES))
     p.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
                    help="--cp-mode usp: all-to-all over N ranks, ring over cp/N (default: %(default)s)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel degree: local ranks that each run a contiguous share of the layers")
-    p.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
+    p.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES.names(runtime=True),
                    help="pipeline schedule with --pp, as `orangetron schedule` draws it (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=1,
                    help="micro-batches per step; gradients accumulate over them (default: %(default)s)")
@@ -100,9 +100,8 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="model chunks per pipeline rank, with --pp-schedule interleaved (default: %(default)s)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree: the dp ranks split the routed experts into ep blocks")
-    p.add_argument("--dispatcher", default="ragged", choices=("ragged", "capacity", "allgather"),
-                   help="expert dispatch with --ep: ragged (dropless all-to-all), capacity (drops past the "
-                   "capacity), allgather (default: %(default)s)")
+    p.add_argument("--dispatcher", default="ragged", choices=DISPATCHERS.names(runtime=True),
+                   help="expert dispatch with --ep (default: %(default)s): " + _summaries(DISPATCHERS))
     p.add_argument("--capacity-factor", type=float, default=1.0,
                    help="--dispatcher capacity: slots per expert as a multiple of the fair share (default: 1.0)")
     p.add_argument("--ep-overlap-chunks", type=int, default=1,
@@ -123,6 +122,11 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero3-reduce-every-microbatch", action="store_true",
                    help="--zero-stage 3: reduce-scatter every micro-batch's gradients into the sharded main buffer "
                    "(one unit's .grad at a time, m times the reduce-scatters; default: accumulate whole in .grad)")
+
+
+def _summaries(registry: Registry) -> str:
+    """'name: what it does; ...' for every variant the runtime runs (%% escaped for argparse)."""
+    return "; ".join(f"{r.name}: {r.summary}" for r in registry if r.runtime).replace("%", "%%")
 
 
 def _add_config_flag(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orangetron.model.config import MODEL_PRESETS, ModelConfig, model_preset
+from orangetron.spec import rules
 from orangetron.spec.layout import Layout
+from orangetron.spec.variants import CONTEXT_MODES, SCHEDULES
 from orangetron.train.corpus import DEFAULT_CORPUS_BYTES
 from orangetron.train.faults import DEFAULT_TIMEOUT_S
 
@@ -124,24 +126,16 @@ class TrainConfig:
     def _check_layout(self) -> None:
         for name in ("tp", "cp", "pp", "dp", "ep", "microbatches", "virtual_stages"):
             _check_int(name, getattr(self, name), minimum=1)
-        self._check_pipeline()
-        if (self.dp * self.cp) % self.ep:
-            raise TrainConfigError(f"ep={self.ep} (--ep): must divide dp*cp={self.dp * self.cp}; the routed "
-                                   "experts are split over the data-parallel ranks")
-        if self.cp_mode == "usp" and self.cp % self.ulysses_degree:
-            raise TrainConfigError(f"ulysses_degree={self.ulysses_degree} (--ulysses-degree): must divide cp={self.cp}")
+        schedule = SCHEDULES.runtime_record(self.pp_schedule)
+        rules.virtual_stages_need_chunked_schedule(self.virtual_stages, self.pp_schedule, schedule.chunks)
+        schedule.check(self.pp, self.microbatches)
+        self.layout  # noqa: B018 (the layout's own rules: ep divides dp*cp)
+        if CONTEXT_MODES.runtime_record(self.cp_mode).takes_ulysses_degree:
+            rules.ulysses_degree_divides_cp(self.ulysses_degree, self.cp)
         if self.batch_size % (self.dp * self.microbatches):
             raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp*microbatches="
                                    f"{self.dp * self.microbatches}, each data-parallel rank takes an equal share of "
                                    "every micro-batch")
-
-    def _check_pipeline(self) -> None:
-        if self.virtual_stages > 1 and self.pp_schedule != "interleaved":
-            raise TrainConfigError(f"virtual_stages={self.virtual_stages} (--virtual-stages): needs "
-                                   "--pp-schedule interleaved")
-        if self.pp > 1 and self.pp_schedule == "interleaved" and self.microbatches % self.pp:
-            raise TrainConfigError(f"microbatches={self.microbatches} (--microbatches): the interleaved schedule "
-                                   f"needs a multiple of pp={self.pp}")
 
     def parallel_config(self) -> ParallelConfig:
         """How the model is replicated and sharded over the data-parallel ranks."""

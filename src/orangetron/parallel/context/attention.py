@@ -1,7 +1,10 @@
-"""`attention`: one entry for every context-parallel attention mode, each in its own module.
+"""`attention`: one entry for every context-parallel attention mode; each mode is a record of its own.
 
-Every mode takes this rank's head-tail shard (`context.shard`) of q [B, L, Hq, D] and k, v
-[B, L, Hk, D] and returns this rank's output [B, L, Hq, D], forward and backward:
+Every mode takes this rank's head-tail shard (`context.shard`) of q [B, L, Hq, D] and k, v [B, L, Hk, D] and
+returns this rank's output [B, L, Hq, D], forward and backward. The modes, their traffic and their costs are
+records in spec/context_modes.py (`CONTEXT_MODES`); each names its runtime module here, which has
+`attention(q, k, v, group, causal, scale)` and, when it talks over other groups than `mesh["cp"]`,
+`cp_group(mesh, ulysses_degree)`:
 
 | mode | what travels over cp | module |
 |---|---|---|
@@ -17,9 +20,8 @@ from __future__ import annotations
 import torch
 
 from orangetron.mesh import ParallelMesh
-from orangetron.parallel.context import allgather, ring, rsa, ulysses, usp
-
-MODES = {"ring": ring, "allgather": allgather, "ulysses": ulysses, "rsa": rsa, "usp": usp}
+from orangetron.spec import rules
+from orangetron.spec.variants import CONTEXT_MODES
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, mode: str = "ring",
@@ -30,17 +32,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelM
     head_dim ** -0.5. `ulysses_degree` (mode "usp" only; it must divide cp) is the all-to-all factor. A cp
     group of one rank attends locally with the fused kernel.
     """
-    if mode not in MODES:
-        raise ValueError(f"cp_mode={mode!r}: must be one of {', '.join(MODES)}")
-    group = mesh["cp"]
+    record = CONTEXT_MODES.runtime_record(mode)
+    rules.ulysses_degree_only_for_its_modes(ulysses_degree or 1, mode, record.takes_ulysses_degree)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if group.size == 1:
+    if mesh["cp"].size == 1:
         from orangetron.model.attention import attention_kernel
 
         return attention_kernel(q, k, v, causal=causal, scale=scale)[0]
-    if mode == "usp":
-        group = mesh.split_cp(ulysses_degree or 1)
-    elif ulysses_degree not in (None, 1):
-        raise ValueError(f"ulysses_degree={ulysses_degree}: only cp_mode 'usp' takes it, not {mode!r}")
-    out = MODES[mode].attention(q, k, v, group, causal, scale)
+    runtime = record.load()
+    group = runtime.cp_group(mesh, ulysses_degree or 1) if hasattr(runtime, "cp_group") else mesh["cp"]
+    out = runtime.attention(q, k, v, group, causal, scale)
     return out[0] if isinstance(out, tuple) else out

@@ -14,16 +14,7 @@ from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.model.autograd import expand_kv
 from orangetron.parallel.context.blocks import PositionalAttention, pack
-
-
-class HeadsError(ValueError):
-    """Heads that cannot be split over the Ulysses degree; names heads, kv heads and the degree."""
-
-
-def check_heads(q_heads: int, kv_heads: int, degree: int) -> None:
-    if q_heads % degree or (kv_heads % degree and degree % kv_heads):
-        raise HeadsError(f"ulysses degree {degree}: needs heads={q_heads} divisible by it and kv heads={kv_heads} "
-                         "divisible by it or dividing it")
+from orangetron.spec import rules
 
 
 def to_heads(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
@@ -48,7 +39,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGrou
               scale: float) -> torch.Tensor:
     """Ulysses attention of this rank's head-tail shard -> out [B, L, Hq, D]."""
     n = group.size
-    check_heads(q.shape[2], k.shape[2], n)
+    rules.heads_split_by_all_to_all(n, q.shape[2], k.shape[2])
     kv = pack(k, v)
     if kv.shape[2] < n:
         kv = expand_kv(kv, n)  # one kv head per destination rank

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from orangetron.mesh import MeshGroup
+from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.model.autograd import expand_kv
 from orangetron.parallel.context import ring
 from orangetron.parallel.context.blocks import pack
-from orangetron.parallel.context.ulysses import check_heads, to_heads, to_sequence
+from orangetron.parallel.context.ulysses import to_heads, to_sequence
+from orangetron.spec import rules
+
+
+def cp_group(mesh: ParallelMesh, ulysses_degree: int) -> tuple[MeshGroup, MeshGroup]:
+    """(ring group, Ulysses group): the cp group split as `mesh.split_cp` builds it."""
+    return mesh.split_cp(ulysses_degree)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[MeshGroup, MeshGroup],
@@ -23,7 +29,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[M
     """USP attention of this rank's head-tail shard over (ring group, Ulysses group) -> [B, L, Hq, D]."""
     ring_group, ulysses_group = groups
     u, cp = ulysses_group.size, ring_group.size * ulysses_group.size
-    check_heads(q.shape[2], k.shape[2], u)
+    rules.heads_split_by_all_to_all(u, q.shape[2], k.shape[2])
     kv = pack(k, v)
     if kv.shape[2] < u:
         kv = expand_kv(kv, u)  # one kv head per Ulysses rank

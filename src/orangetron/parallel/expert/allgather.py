@@ -28,7 +28,8 @@ def _pad(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: MeshGroup,
-             num_experts: int):
+             num_experts: int, options: object = None):
+    """Gather the group's tokens and keep the rows of this rank's experts; `options` unused."""
     tokens = x.shape[0]
     local = num_experts // group.size
     counts = comm.all_gather(torch.tensor([tokens], dtype=torch.int64), group)  # [ep]

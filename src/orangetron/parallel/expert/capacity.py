@@ -11,12 +11,21 @@ different token counts (or none) stay safe.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
 from orangetron.mesh import MeshGroup
+from orangetron.parallel.expert import ragged
 from orangetron.parallel.expert.ragged import RaggedHandle, send
 from orangetron.parallel.expert.routing import Rows, route_rows
+
+
+class CapacityOptions(Protocol):
+    """What capacity dispatch reads from its dispatcher (`parallel.expert.Dispatcher` has both)."""
+
+    capacity_factor: float
+    drop_policy: str
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -55,11 +64,13 @@ def _padded(rows: Rows, per_rank: int, ep: int, num_tokens: int) -> Rows:
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: MeshGroup,
-             num_experts: int, capacity_factor: float, drop_policy: str):
+             num_experts: int, options: CapacityOptions):
+    """Ragged dispatch of at most `options.capacity_factor` x the fair share per expert, the rest dropped by
+    `options.drop_policy`, every destination padded to the same row count."""
     tokens, top_k = topk_idx.shape
     local = num_experts // group.size
-    slots = capacity(tokens, top_k, num_experts, capacity_factor)
-    keep = kept_slots(topk_idx, topk_weights, num_experts, slots, drop_policy)
+    slots = capacity(tokens, top_k, num_experts, options.capacity_factor)
+    keep = kept_slots(topk_idx, topk_weights, num_experts, slots, options.drop_policy)
     # No destination can receive more rows than there are tokens (one row per token and rank).
     per_rank = min(local * slots, tokens)
     rows = _padded(route_rows(topk_idx, local, group.size, routed=keep), per_rank, group.size, tokens)
@@ -70,3 +81,6 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     dropped = torch.bincount(topk_idx[~keep], minlength=num_experts)
     handle = RaggedHandle(rows.token, rows.send_rows, recv_rows, tokens, dropped)
     return recv_x, recv_idx, recv_w, tokens_per_expert, handle
+
+
+combine = ragged.combine  # the padded rows travel back like any other

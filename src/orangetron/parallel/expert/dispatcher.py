@@ -8,7 +8,9 @@ row per (token, destination rank) -- a token routed to two experts of one rank t
 
 `combine(expert_out [R, dim], handle)` returns [T, dim]: for each original token the unweighted sum of the
 rows sent back for it (the experts apply the weights, as DeepEP's normal mode). Dispatch's backward is a
-combine and combine's a dispatch (the collectives' autograd pairs). Modes share the signature:
+combine and combine's a dispatch (the collectives' autograd pairs). Each mode is a record in
+spec/dispatchers.py whose runtime module has `dispatch(x, topk_idx, topk_weights, group, num_experts, options)`
+(this object as `options`) and `combine(expert_out, handle, group)`; the built-in ones:
 
 - "ragged": dropless; row counts are exchanged, then one variable-split all-to-all per tensor.
 - "capacity": at most ceil(T * k / E * capacity_factor) assignments per expert from each rank, chosen by
@@ -27,9 +29,10 @@ from torch import nn
 
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
-from orangetron.parallel.expert import allgather, capacity, overlap, ragged
+from orangetron.parallel.expert import overlap
 from orangetron.parallel.expert.routing import sum_rows
-from orangetron.spec.options import DISPATCHERS
+from orangetron.spec import rules
+from orangetron.spec.variants import DISPATCHERS
 
 
 class Dispatcher:
@@ -38,8 +41,7 @@ class Dispatcher:
     def __init__(self, mesh: ParallelMesh | MeshGroup, num_experts: int, mode: str = "ragged",
                  capacity_factor: float = 1.0, drop_policy: str = "probs", overlap_chunks: int = 1) -> None:
         self.group = mesh if isinstance(mesh, MeshGroup) else mesh["ep"]
-        if mode not in DISPATCHERS:
-            raise ParallelConfigError(f"dispatcher={mode!r}: must be one of {', '.join(DISPATCHERS)}")
+        record = DISPATCHERS.runtime_record(mode)
         if drop_policy not in DROP_POLICIES:
             raise ParallelConfigError(f"drop_policy={drop_policy!r}: must be one of {', '.join(DROP_POLICIES)}")
         if not capacity_factor > 0:
@@ -49,9 +51,8 @@ class Dispatcher:
                                       f"{self.group.size} (experts sit in equal blocks per ep rank)")
         if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
             raise ParallelConfigError(f"overlap_chunks={overlap_chunks!r}: must be a positive integer")
-        if overlap_chunks > 1 and mode != "ragged":
-            raise ParallelConfigError(f"overlap_chunks={overlap_chunks} with dispatcher={mode!r}: chunked overlap "
-                                      "is implemented for the ragged dispatcher only; use 1")
+        rules.overlap_chunks_need_chunked_dispatcher(overlap_chunks, mode, record.chunked)
+        self.runtime = record.load()  # the mode's module: dispatch(x, idx, weights, group, experts, options), combine
         self.num_experts, self.mode, self.overlap_chunks = num_experts, mode, overlap_chunks
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.local_experts = num_experts // self.group.size
@@ -61,18 +62,11 @@ class Dispatcher:
         """x [T, dim], topk_idx [T, k] int64 in [0, E), topk_weights [T, k] -> (recv_x, recv_topk_idx,
         recv_topk_weights, tokens_per_expert, handle); see the module docstring."""
         self._check(x, topk_idx, topk_weights)
-        if self.mode == "ragged":
-            return ragged.dispatch(x, topk_idx, topk_weights, self.group, self.num_experts)
-        if self.mode == "capacity":
-            return capacity.dispatch(x, topk_idx, topk_weights, self.group, self.num_experts,
-                                     self.capacity_factor, self.drop_policy)
-        return allgather.dispatch(x, topk_idx, topk_weights, self.group, self.num_experts)
+        return self.runtime.dispatch(x, topk_idx, topk_weights, self.group, self.num_experts, self)
 
     def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
         """expert_out [R, dim] (the received rows' outputs, weighted) -> [T, dim] summed per token."""
-        if self.mode == "allgather":
-            return allgather.combine(expert_out, handle, self.group)
-        return ragged.combine(expert_out, handle, self.group)
+        return self.runtime.combine(expert_out, handle, self.group)
 
     def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                                  experts: nn.Module, compute: overlap.ExpertCompute | None = None) -> torch.Tensor:

@@ -39,7 +39,8 @@ def send(x: torch.Tensor, topk_weights: torch.Tensor, rows: Rows, group: MeshGro
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: MeshGroup,
-             num_experts: int):
+             num_experts: int, options: object = None):
+    """Dropless dispatch: one row per (token, destination rank); `options` unused."""
     local = num_experts // group.size
     rows = route_rows(topk_idx, local, group.size)
     recv_x, recv_idx, recv_w, tokens_per_expert, recv_rows = send(x, topk_weights, rows, group, local)

@@ -1,0 +1,187 @@
+"""Variants registered once: each context-parallel mode, expert dispatcher and pipeline schedule is one record.
+
+A record holds the variant's name, its runtime as an import path resolved on first use (so `--help` and the
+planner never import torch; None: the planner prices it but the runtime does not run it), its torch-free costs
+(the ledger records it issues, the bytes it saves for backward, what of its traffic overlaps compute) and its
+layout checks. The planner sums what the records say, the runtime calls what they name, and the CLI takes its
+choices from `names()`. The built-in records live in `context_modes.py`, `dispatchers.py` and `schedules.py`.
+
+Plugins add variants from outside the package: every module named in the environment variable
+`ORANGETRON_PLUGINS` (comma-separated) and every entry point of the group `orangetron.plugins` is imported the
+first time a registry is read, in every process: `train --help` subprocesses and the ranks a launcher starts
+see the same variants. A plugin module registers its records at import:
+
+    from orangetron.spec.variants import CONTEXT_MODES, ContextMode
+    CONTEXT_MODES.register(ContextMode(name="my-mode", runtime="my_package.my_mode", records=...))
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Generic, TypeVar
+
+from orangetron.spec.rules import RuleError
+
+PLUGINS_ENV = "ORANGETRON_PLUGINS"
+ENTRY_POINT_GROUP = "orangetron.plugins"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What every variant record has: a name, a one-line summary and where its runtime lives."""
+
+    name: str
+    summary: str = ""
+    # "package.module" (or "package.module:attribute"), imported on first use; None: planner only
+    runtime: str | None = None
+
+    def load(self) -> Any:
+        """The runtime object the import path names."""
+        module_name, _, attribute = self.runtime.partition(":")
+        module = importlib.import_module(module_name)
+        return getattr(module, attribute) if attribute else module
+
+
+V = TypeVar("V", bound=Variant)
+
+
+class Registry(Generic[V]):
+    """The records of one kind of variant, by name, in registration order (built-ins first)."""
+
+    def __init__(self, field: str, builtins: str) -> None:
+        self.field = field  # the option that names a variant of this kind, e.g. "cp_mode"
+        self._builtins = builtins  # the module that registers the built-in records
+        self._records: dict[str, V] = {}
+        self._loaded = False
+
+    def register(self, record: V) -> V:
+        """Add `record`; a second record of the same name is refused."""
+        self._load()
+        if record.name in self._records:
+            raise RuleError(f"{self.field}={record.name!r}: a variant of that name is already registered")
+        self._records[record.name] = record
+        return record
+
+    def __getitem__(self, name: str) -> V:
+        self._load()
+        if name not in self._records:
+            raise RuleError(f"{self.field}={name!r}: must be one of {', '.join(self._records)}")
+        return self._records[name]
+
+    def __contains__(self, name: object) -> bool:
+        self._load()
+        return name in self._records
+
+    def __iter__(self) -> Iterator[V]:
+        self._load()
+        return iter(list(self._records.values()))
+
+    def names(self, runtime: bool = False) -> tuple[str, ...]:
+        """Every registered name, or with `runtime` only those the runtime runs."""
+        return tuple(r.name for r in self if r.runtime is not None or not runtime)
+
+    def runtime_record(self, name: str) -> V:
+        """The record of `name`, refused in one line when the runtime does not run it."""
+        record = self[name]
+        if record.runtime is None:
+            raise RuleError(f"{self.field}={name!r}: priced by the planner only; the runtime runs "
+                            f"{', '.join(self.names(runtime=True))}")
+        return record
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True  # before the imports: they register into this registry
+        importlib.import_module(self._builtins)
+        load_plugins()
+
+
+_PLUGINS_LOADED: set[str] = set()  # process-wide by design: a plugin registers its variants once per process
+
+
+def load_plugins() -> None:
+    """Import every plugin module named by `ORANGETRON_PLUGINS` and the `orangetron.plugins` entry points."""
+    names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    for name in names:
+        if name not in _PLUGINS_LOADED:
+            _PLUGINS_LOADED.add(name)
+            importlib.import_module(name)
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.value not in _PLUGINS_LOADED:
+            _PLUGINS_LOADED.add(entry.value)
+            entry.load()
+
+
+# ---- the three kinds ------------------------------------------------------------------------------------
+# Cost functions take the spec's own objects: `ModelSpec` (model), `Layout` (deg), `Job` (job), and for saved
+# bytes the planner's per-layer shape `x` (tokens s, batch b, key length s_kv, dtype bytes a, accumulator bytes
+# acc; see plan/activations.py `LayerShape`).
+RecordsFn = Callable[..., list]
+
+
+@dataclass(frozen=True)
+class ContextMode(Variant):
+    """A context-parallel attention mode. Its runtime is a module with `attention(q, k, v, group, causal, scale)`
+    over its cp group, and optionally `cp_group(mesh, ulysses_degree)` when that group is not `mesh["cp"]`."""
+
+    # (model, deg, job, forward_passes) -> the CP records of one layer and micro-batch, forward + backward
+    records: RecordsFn = lambda model, deg, job, passes: []
+    # (model, x, job, heads, kv_heads) -> bytes one layer saves beyond q, k, v and the output
+    saved_bytes: Callable[..., int] = lambda model, x, job, heads, kv_heads: 0
+    keeps_kernel_state: bool = True  # False: it keeps its own softmax state instead of the kernel's lse or scores
+    # (deg, job) -> key blocks per kernel call: each call sees seq/blocks keys (a ring passes cp blocks)
+    key_blocks: Callable[..., int] = lambda deg, job: 1
+    # (cp, ulysses_degree) -> ranks the heads are split over by all-to-all (1: heads stay whole)
+    head_split: Callable[[int, int], int] = lambda cp, ulysses_degree: 1
+    # Ops of its records that run behind the attention blocks (the rest come before the attention needing them)
+    overlapped_ops: tuple[str, ...] = ("send_recv",)
+    # (deg, job) -> extra planner groups it talks over: name -> (ranks, stride in cp); none for plain "cp"
+    subgroups: Callable[..., dict[str, tuple[int, int]]] = lambda deg, job: {}
+    takes_ulysses_degree: bool = False  # the `ulysses_degree` option applies to it
+    searched: bool = True  # `plan` tries it (usp needs a degree of its own; rsa never beats ring)
+
+
+@dataclass(frozen=True)
+class Dispatcher(Variant):
+    """An expert dispatcher. Its runtime is a module with `dispatch(x, topk_idx, topk_weights, group,
+    num_experts, options)` and `combine(expert_out, handle, group)` (see parallel/expert/dispatcher.py)."""
+
+    # (model, deg, job, tokens) -> the EP records of one MoE layer and micro-batch, forward + backward, for a
+    # rank routing `tokens`; a node-aware dispatcher's come from its placement (plan/node_dispatch.py)
+    records: RecordsFn = lambda model, deg, job, tokens: []
+    # (model, tokens, job, ep) -> rows one rank sends (and receives, on balance) for its `tokens`
+    rows: Callable[..., int] = lambda model, tokens, job, ep: tokens * model.routed_ranks(ep)
+    # (model, tokens, job, ep, rows) -> bytes of the slot mask it keeps for backward
+    mask_bytes: Callable[..., int] = lambda model, tokens, job, ep, rows: rows * model.top_k
+    chunked: bool = False  # runs `ep_overlap_chunks` > 1 (token chunks overlapping the experts)
+    node_aware: bool = False  # priced from the EP group's node placement; needs whole experts (etp 1)
+    # Pads every expert to capacity_factor x its fair share (capacity slots): ranks compute equal padded loads
+    pads: bool = False
+
+
+@dataclass(frozen=True)
+class Schedule(Variant):
+    """A pipeline schedule. Its runtime is the executor that plays its action lists (parallel/pipeline/)."""
+
+    # (pp, microbatches, virtual_stages) -> each rank's ordered actions (spec/schedule.py `Action`); the
+    # executor runs them as listed, so any order whose sends and receives pair up runs
+    actions: Callable[..., list] = lambda pp, m, v: []
+    chunks: bool = False  # takes virtual_stages > 1
+    split_backward: bool = False  # B (input gradient) and W (weight gradient) run apart
+    # (pp, microbatches) -> raises RuleError when the micro-batch count does not suit it (spec/rules.py)
+    check: Callable[[int, int], None] = lambda pp, m: None
+    # (pp, virtual_stages, microbatches, stage) -> the stage's peak micro-batches in flight, in units of its
+    # layers; None: read off its action lists (spec/schedule.py `peak_held`)
+    in_flight: Callable[..., float] | None = None
+    # (pp, microbatches) -> micro-batches whose last-stage output and loss wait for their backward; None: read
+    # off the last rank's actions of the last chunk
+    held_outputs: Callable[[int, int], int] | None = None
+
+
+CONTEXT_MODES: Registry[ContextMode] = Registry("cp_mode", "orangetron.spec.context_modes")
+DISPATCHERS: Registry[Dispatcher] = Registry("dispatcher", "orangetron.spec.dispatchers")
+SCHEDULES: Registry[Schedule] = Registry("pp_schedule", "orangetron.spec.schedules")
