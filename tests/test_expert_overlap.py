@@ -29,6 +29,7 @@ from orangetron.plan.traffic import expert_parallel_records
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job
+from orangetron.spec.rules import RuleError
 from orangetron.testing import run_distributed
 
 # (experts per rank, top_k, chunks)
@@ -239,9 +240,9 @@ def test_overlap_configuration_errors():
     group = MeshGroup("ep", None, (0, 1), 0)
     with pytest.raises(ParallelConfigError, match=r"overlap_chunks=0: must be a positive integer"):
         Dispatcher(group, 4, overlap_chunks=0)
-    with pytest.raises(ParallelConfigError, match=r"overlap_chunks=2 with dispatcher='allgather'"):
+    with pytest.raises(RuleError, match=r"overlap_chunks=2 with dispatcher='allgather'"):
         Dispatcher(group, 4, mode="allgather", overlap_chunks=2)
-    with pytest.raises(ParallelConfigError, match=r"ep_overlap_chunks=2 with dispatcher='capacity'"):
+    with pytest.raises(RuleError, match=r"ep_overlap_chunks=2 with dispatcher='capacity'"):
         ParallelConfig(dispatcher="capacity", ep_overlap_chunks=2)
     with pytest.raises(ParallelConfigError, match=r"ep_overlap_chunks=0: must be a positive integer"):
         ParallelConfig(ep_overlap_chunks=0)

@@ -73,6 +73,7 @@ def test_pipeline_settings_that_cannot_run_are_refused():
     from orangetron.parallel import ParallelConfigError
     from orangetron.parallel.pipeline import check_pipeline
     from orangetron.spec.layout import LayoutError
+    from orangetron.spec.rules import RuleError
     from orangetron.train.config import TrainConfig, TrainConfigError
 
     tied = ModelConfig(**{**BASE, "tied_embeddings": True})
@@ -83,10 +84,9 @@ def test_pipeline_settings_that_cannot_run_are_refused():
     with pytest.raises(ParallelConfigError, match=r"zero_stage=3 with pp=2 and virtual_stages=2: ZeRO-3 is "
                        r"pipelined with one model chunk per rank only"):
         check_pipeline(MODELS["dense"], 2, ParallelConfig(zero_stage=3, pp_schedule="interleaved", virtual_stages=2))
-    with pytest.raises(TrainConfigError, match=r"virtual_stages=2 \(--virtual-stages\): needs --pp-schedule"):
+    with pytest.raises(RuleError, match=r"virtual_stages=2: needs pp_schedule 'interleaved' \(not '1f1b'\)"):
         TrainConfig(model="small-moe", pp=2, virtual_stages=2)
-    with pytest.raises(TrainConfigError, match=r"microbatches=3 \(--microbatches\): the interleaved schedule needs a "
-                       r"multiple of pp=2"):
+    with pytest.raises(RuleError, match=r"microbatches=3: the interleaved schedule needs a multiple of pp=2"):
         TrainConfig(model="small-moe", pp=2, pp_schedule="interleaved", virtual_stages=2, microbatches=3, batch_size=6)
     with pytest.raises(TrainConfigError, match=r"batch_size=8 \(--batch-size\): must divide by dp\*microbatches=6"):
         TrainConfig(model="small-moe", pp=2, dp=2, microbatches=3)

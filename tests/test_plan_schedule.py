@@ -145,3 +145,23 @@ def test_schedule_command_zero_bubble_h1(capsys):
     # F = B = W = 1: idle (4 - 1) * 1 per rank over a makespan of 8 * 3 + 3.
     assert result["bubble_fraction"] == pytest.approx(3 / 27) == result["formula_bubble_fraction"]
     assert result["peak_in_flight"] == [4, 4, 4, 4] and result["order"][3][:6] == ["F0", "B0", "F1", "B1", "F2", "B2"]
+
+
+def test_a_schedule_without_formulas_is_priced_from_its_action_lists():
+    """A registered schedule that gives no in-flight or held-output counts gets them read off its actions:
+    interleaved's, so read, equal its closed forms (Korthikanti et al.) on every stage."""
+    from dataclasses import replace
+
+    from orangetron.plan.activations import head_in_flight
+    from orangetron.spec.variants import SCHEDULES
+
+    bare = replace(SCHEDULES["interleaved"], name="interleaved-bare", in_flight=None, held_outputs=None)
+    with SCHEDULES.temporarily(bare):
+        for pp, v, m in ((2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 6)):
+            for stage in range(pp):
+                deg = Degrees(pp=pp)
+                jobs = [Job(seq_len=64, num_microbatches=m, virtual_stages=v, pp_schedule=s)
+                        for s in ("interleaved", "interleaved-bare")]
+                assert in_flight(deg, jobs[1], stage) == in_flight(deg, jobs[0], stage), (pp, v, m, stage)
+            assert head_in_flight(deg, jobs[1]) == head_in_flight(deg, jobs[0]) == 1
+    assert "interleaved-bare" not in SCHEDULES

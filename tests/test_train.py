@@ -101,8 +101,8 @@ def test_lr_schedule() -> None:
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"pp": 2, "virtual_stages": 2}, r"virtual_stages=2 \(--virtual-stages\): needs --pp-schedule interleaved"),
-        ({"ep": 4}, r"ep=4 \(--ep\): must divide dp\*cp=1"),
+        ({"pp": 2, "virtual_stages": 2}, r"virtual_stages=2: needs pp_schedule 'interleaved' \(not '1f1b'\)"),
+        ({"ep": 4}, r"ep=4: dp\*cp=1 \(dp=1 x cp=1\) is not divisible by ep"),
         ({"steps": 0}, r"steps=0 \(--steps\)"),
         ({"seq_len": -1}, r"seq_len=-1 \(--seq-len\)"),
         ({"model": "huge"}, r"model='huge' \(--model\): unknown preset"),
@@ -191,7 +191,7 @@ def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
     ("flags", "needle"),
     [
         (["--steps", "0"], "--steps"),
-        (["--pp", "2", "--virtual-stages", "2"], "virtual_stages=2 (--virtual-stages): needs --pp-schedule"),
+        (["--pp", "2", "--virtual-stages", "2"], "virtual_stages=2: needs pp_schedule 'interleaved'"),
         (["--model", "nope"], "--model"),
         (["--data", "/no/such/file.txt"], "--data"),
     ],

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Generic, TypeVar
@@ -66,6 +67,16 @@ class Registry(Generic[V]):
         self._records[record.name] = record
         return record
 
+    @contextmanager
+    def temporarily(self, record: V) -> Iterator[V]:
+        """`record` registered for the length of a `with` block, then removed (tests keep the registry as
+        they found it)."""
+        self.register(record)
+        try:
+            yield record
+        finally:
+            del self._records[record.name]
+
     def __getitem__(self, name: str) -> V:
         self._load()
         if name not in self._records:
@@ -86,6 +97,8 @@ class Registry(Generic[V]):
 
     def runtime_record(self, name: str) -> V:
         """The record of `name`, refused in one line when the runtime does not run it."""
+        if name not in self:
+            raise RuleError(f"{self.field}={name!r}: must be one of {', '.join(self.names(runtime=True))}")
         record = self[name]
         if record.runtime is None:
             raise RuleError(f"{self.field}={name!r}: priced by the planner only; the runtime runs "

@@ -116,6 +116,7 @@ class TrainConfig:
         self._check_checkpointing()
         self.parallel_config()  # raises for an impossible ZeRO setting
         self.layout.validate(self.model_config())  # and an unknown preset
+        self._check_context_mode()
         from orangetron.parallel.pipeline import check_pipeline  # torch: validation only, not the CLI's import
 
         check_pipeline(self.model_config(), self.pp, self.parallel_config())
@@ -130,12 +131,21 @@ class TrainConfig:
         rules.virtual_stages_need_chunked_schedule(self.virtual_stages, self.pp_schedule, schedule.chunks)
         schedule.check(self.pp, self.microbatches)
         self.layout  # noqa: B018 (the layout's own rules: ep divides dp*cp)
-        if CONTEXT_MODES.runtime_record(self.cp_mode).takes_ulysses_degree:
-            rules.ulysses_degree_divides_cp(self.ulysses_degree, self.cp)
         if self.batch_size % (self.dp * self.microbatches):
             raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp*microbatches="
                                    f"{self.dp * self.microbatches}, each data-parallel rank takes an equal share of "
                                    "every micro-batch")
+
+    def _check_context_mode(self) -> None:
+        """The cp mode's rules, before any rank starts: its Ulysses degree and the heads it splits."""
+        mode = CONTEXT_MODES.runtime_record(self.cp_mode)
+        if self.cp == 1:
+            return
+        if mode.takes_ulysses_degree:
+            rules.ulysses_degree_divides_cp(self.ulysses_degree, self.cp)
+        split, model = mode.head_split(self.cp, self.ulysses_degree), self.model_config()
+        if split > 1:
+            rules.heads_split_by_all_to_all(split, model.n_heads // self.tp, max(1, model.n_kv_heads // self.tp))
 
     def parallel_config(self) -> ParallelConfig:
         """How the model is replicated and sharded over the data-parallel ranks."""

@@ -11,12 +11,12 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import ParallelMesh
+from orangetron.spec import rules
 from orangetron.spec.layout import Layout, LayoutError
 
 
 def _chunk_len(seq_len: int, cp: int) -> int:
-    if seq_len % (2 * cp):
-        raise LayoutError(f"cp={cp}: seq_len {seq_len} is not divisible by 2*cp={2 * cp} (head-tail chunks)")
+    rules.cp_splits_sequence(cp, seq_len)
     return seq_len // (2 * cp)
 
 
