@@ -3,7 +3,8 @@
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
 from orangetron.parallel.data import DataParallel, ShardedAdamW
 from orangetron.parallel.parallelize import parallelize
-from orangetron.parallel.tensor import TensorParallelTransformer, tensor_parallel
+from orangetron.parallel.replace import replace_module
+from orangetron.parallel.tensor import tensor_parallel
 
-__all__ = ["DataParallel", "ParallelConfig", "ParallelConfigError", "ShardedAdamW", "TensorParallelTransformer",
-           "parallelize", "tensor_parallel"]
+__all__ = ["DataParallel", "ParallelConfig", "ParallelConfigError", "ShardedAdamW", "parallelize", "replace_module",
+           "tensor_parallel"]
