@@ -65,7 +65,7 @@ class Transformer(nn.Module):
     Parameters are created in `dtype` on `device` and initialized by `init_parameter` from (seed, cfg)
     alone; the global RNG is left as it was. With `tied_embeddings`, `output` is None and the embedding
     matrix projects to logits. `io` (a `TokenIO`) lays out the sequence and computes logits and the cross
-    entropy.
+    entropy; `orangetron/parallel/contract.py` lists what parallel code relies on.
     """
 
     def __init__(

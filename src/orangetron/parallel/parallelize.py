@@ -4,7 +4,8 @@ One mechanism applies every dimension: `replace_module(model, "layers.3.attentio
 (`orangetron/parallel/replace.py`) puts a module at a named submodule of the model, and parameters are
 sharded in place (their `.data` becomes this rank's slice). The root stays the reference `Transformer`, no
 `__init__` is skipped and no method is overwritten on an instance; parameter names stay the reference's.
-The model offers these named seams:
+The model offers these named seams (`orangetron/parallel/contract.py` lists them; `parallelize` checks them
+on entry):
 
 - tensor (and sequence) parallelism: `tok_embeddings`, `io` (logits, cross entropy, sequence layout), each
   block's `attention` and dense `feed_forward`, each MoE's `shared_expert`;
@@ -23,6 +24,7 @@ from torch import nn
 from orangetron.mesh import ParallelMesh
 from orangetron.parallel import context, pipeline
 from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.contract import check_model
 from orangetron.parallel.data import DataParallel
 from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.expert.balance import balance_globally
@@ -41,12 +43,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     `config.dispatcher`), then pipeline parallelism over pp (this rank keeps its stage's chunks; run a
     step with `pipeline.run_pipeline`), then data parallelism over dp x cp (experts over edp) with the
     ZeRO stage of `config`. Returns the `DataParallel` wrapper: call it like the model, and build the optimizer with
-    `.optimizer(lr=...)`. Every rank must build `model` from the same seed. Dimensions the runtime does not run
-    yet raise `LayoutError`.
+    `.optimizer(lr=...)`. Every rank must build `model` from the same seed. A model that lacks what the
+    parallel code relies on raises `ModelContractError`; dimensions the runtime does not run yet raise
+    `LayoutError`.
     """
+    check_model(model)
     config = config or ParallelConfig()
     layout = mesh.layout
-    layout.validate(getattr(model, "cfg", None), sequence_parallel=config.sequence_parallel)
+    layout.validate(model.cfg, sequence_parallel=config.sequence_parallel)
     pipeline.check_pipeline(model.cfg, layout.pp, config)
     if layout.tp > 1:
         model = tensor_parallel(model, mesh, config.sequence_parallel)
