@@ -6,8 +6,8 @@
 2. Scale: the longest sequence whose saved activations per rank (measured by the activation meter over a
    forward and backward of a small model, ring mode) fit a fixed budget, for cp = 1, 2, 4; ratio to cp=1.
 3. Bytes: what each mode sends per rank for one attention layer, forward and backward (the ledger), for
-   cp = 2, 4, 8 with the sequence grown with cp: Ulysses stays constant, the rings grow (the seed's
-   comparison). The baseline is the same mode at cp=2.
+   cp = 2, 4, 8 with the sequence grown with cp: Ulysses stays constant, the rings grow (the published
+   comparison, docs/context_parallel.md). The baseline is the same mode at cp=2.
 4. Time: ring attention (transfers overlapped with the block at hand) against the same ring waiting for
    each transfer (serial) and against all-gather, forward and backward of one attention layer.
    PyTorch's own `context_parallel` has no CPU kernel strategy (aten._scaled_dot_product_flash_attention_

@@ -1,7 +1,7 @@
 """Data parallelism over the dp x cp ranks: DDP, ZeRO-1/2/3 and Megatron's distributed optimizer.
 
 Every parameter lives in one flat buffer, padded so that each of the d = dp * cp ranks owns an equal slice.
-What each stage keeps and sends (the seed's tables, DESIGN section 5):
+What each stage keeps and sends (docs/data_parallel.md has the full tables):
 
 | stage | params | main grads | main params, optimizer | after backward | parameter sync |
 |---|---|---|---|---|---|
