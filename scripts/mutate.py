@@ -247,7 +247,7 @@ MUTANTS = [
            (("            grad_params = [_add(total, g) for total, g in zip(grad_params, found[1:], strict=True)]",
              "            grad_params = list(found[1:])"),),
            ("tests/test_expert_overlap.py::test_overlapped_dispatch_equals_one_device_and_counted_routing",)),
-    Mutant("ep_overlap_chunks_lose_the_uneven_remainder", "src/orangetron/plan/traffic.py",
+    Mutant("ep_overlap_chunks_lose_the_uneven_remainder", "src/orangetron/spec/sharding.py",
            (("base + (c < extra) for c", "base + (c < extra - 1) for c"),),
            ("tests/test_expert_overlap.py",)),
     Mutant("plan_ep_dispatch_keeps_one_index_per_copy", "src/orangetron/plan/activations.py",
