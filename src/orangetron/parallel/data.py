@@ -14,10 +14,10 @@ Gradients are averaged over the d ranks, so each rank's loss must be the mean ov
 batch. Every rank must build the model from the same seed (orangetron's initialization depends only on the
 seed and the config), because the wrapper does not broadcast the initial weights.
 
-On a mesh with tp > 1 the module is tensor-parallel (`orangetron.parallel.tensor`) and holds shards, laid out
-by `tensor.placements` (from the mesh's tp and `config.sequence_parallel`): its partial gradients are summed
-over tp before the data-parallel reduction, the gradient norm counts every distinct element once across tp,
-and `full_state` (gathered) and `sharded_state` (this rank's pieces) speak of whole tensors.
+A tensor-parallel module (one `orangetron.parallel.tensor` sharded; `tensor.tp_placements` gives the layout of
+its parameters) holds shards: its partial gradients are summed over tp before the data-parallel reduction, the
+gradient norm counts every distinct element once across tp, and `full_state` (gathered) and `sharded_state`
+(this rank's pieces) speak of whole tensors. Any other module is whole on every tp rank.
 
 Under expert parallelism (ep > 1) the routed experts' parameters (each rank holds its ep block) live in a
 second flat buffer sharded over edp = dp x cp / ep. Their gradients are summed over edp only (the all-to-all
@@ -42,7 +42,7 @@ from orangetron.parallel.flat import FlatPart
 from orangetron.parallel.optim import FlatAdamW
 from orangetron.parallel.param_grads import ParamGrads
 from orangetron.parallel.state import Shards, sharded_state
-from orangetron.parallel.tensor import gather_tensor, placements, sync_grads
+from orangetron.parallel.tensor import gather_tensor, sync_grads, tp_placements
 from orangetron.parallel.units import TransientPeaks, Zero3Schedule, find_units
 
 
@@ -59,9 +59,8 @@ class DataParallel(nn.Module):
         self.module = module
         self.mesh = mesh
         self.group = mesh["dp_cp"]
-        self.tp = mesh["tp"] if mesh["tp"].size > 1 else None
-        # By parameter name, under tensor parallelism.
-        self.placements = placements(module, self.tp.size, self.config.sequence_parallel) if self.tp else None
+        self.placements = tp_placements(module)  # by parameter name, under tensor parallelism
+        self.tp = mesh["tp"] if self.placements is not None and mesh["tp"].size > 1 else None
         self.ep = mesh["ep"] if mesh["ep"].size > 1 else None
         self.pp = mesh["pp"] if mesh["pp"].size > 1 else None  # each stage holds other parameters
         self.zero3 = self.config.zero_stage == 3

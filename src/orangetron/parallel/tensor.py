@@ -307,6 +307,15 @@ class TensorParallelIO(TokenIO):
         return _VocabParallelCrossEntropy.apply(logits, labels.reshape(-1), ignore_index, start, self.group)
 
 
+def tp_placements(model: nn.Module) -> dict[str, Placement] | None:
+    """The `Placement` of every parameter of `model` by name when `tensor_parallel` sharded it (its `io` is a
+    `TensorParallelIO`); None for a model every tp rank holds whole."""
+    io = getattr(model, "io", None)
+    if not isinstance(io, TensorParallelIO):
+        return None
+    return placements(model, io.group.size, io.sp)
+
+
 def sync_grads(model: nn.Module, by_name: dict[str, Placement], group: MeshGroup,
                transient: TransientPeaks | None = None) -> None:
     """Sum the partial gradients of `model` over tp (see the module docstring): one all-reduce of all of them.
