@@ -229,7 +229,7 @@ def test_presets_lists_every_preset_file(capsys):
 
     from orangetron.model.config import MODEL_PRESETS
 
-    root = resources.files("orangetron.plan").joinpath("presets")
+    root = resources.files("orangetron.spec").joinpath("presets")
     files = {kind: sorted(f.name[:-5] for f in root.joinpath(kind).iterdir() if f.name.endswith(".toml"))
              for kind in ("models", "gpus")}
     assert run(["presets", "--json"]) == 0
