@@ -46,6 +46,9 @@ def test_a_model_without_a_seam_is_refused_on_entry_naming_it():
         parallelize(model, mesh=None)  # refused before the mesh is touched
     with pytest.raises(ModelContractError, match=r"lacks \(an nn.Module\), cfg, tok_embeddings"):
         check_model(object())
+    other_io = Transformer(MODELS["dense"])
+    other_io.io = nn.Identity()
+    assert missing_members(other_io) == ["io.routing_mask", "io.hidden_len", "io.logits", "io.cross_entropy"]
 
 
 def test_replace_module_puts_a_module_at_a_path_and_returns_the_old_one():

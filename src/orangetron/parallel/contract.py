@@ -4,7 +4,8 @@ The reference `orangetron.model.transformer.Transformer` satisfies it (`tests/te
 Each member is listed because some dimension reads or replaces it:
 
 - the root: `cfg` (layout checks, rotary tables, stage shapes), the slots `tok_embeddings`, `layers`, `norm`,
-  `output` and `io` (tensor parallelism replaces them; a pipeline stage empties the ones it does not run),
+  `output` and `io` (tensor parallelism replaces them; a pipeline stage empties the ones it does not run; `io`
+  offers `routing_mask`, `hidden_len`, `logits` and `cross_entropy`),
   and the methods a pipeline stage and the training step call on parts of the model: `embed`,
   `routing_mask`, `head`, `cross_entropy`, `loss_from_logits`, `aux_loss`;
 - each block of `layers`: called as `block(h, cos, sin, token_mask)`, with `attention` (tensor parallelism
@@ -35,7 +36,7 @@ class ParallelModel(Protocol):
     layers: nn.ModuleList  # on a pipeline stage, an nn.ModuleDict of its layers by global index
     norm: nn.Module | None
     output: nn.Module | None
-    io: nn.Module  # routing_mask, hidden_len, logits, cross_entropy (orangetron/model/token_io.py)
+    io: nn.Module  # see ParallelIOParts
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
 
@@ -49,6 +50,19 @@ class ParallelModel(Protocol):
                          ignore_index: int = -100) -> torch.Tensor: ...
 
     def aux_loss(self) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ParallelIOParts(Protocol):
+    """The root's `io` (`orangetron/model/token_io.py`): what tensor parallelism replaces at the decoder's ends."""
+
+    def routing_mask(self, token_mask: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def hidden_len(self, seq_len: int) -> int: ...
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -102,6 +116,8 @@ def missing_members(model: object) -> list[str]:
     """Qualified names of the contract's members that `model` lacks (empty when it satisfies the contract)."""
     missing = [] if isinstance(model, nn.Module) else ["(an nn.Module)"]
     missing += _missing(model, ParallelModel, "")
+    if hasattr(model, "io"):
+        missing += _missing(model.io, ParallelIOParts, "io.")
     layers = getattr(model, "layers", None) or []
     for i, block in layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers):
         missing += _missing(block, ParallelBlock, f"layers.{i}.")
