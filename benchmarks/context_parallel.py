@@ -2,12 +2,12 @@
 
 1. Balance: query-key pairs each cp rank's causal attention must compute (keys at or before the query),
    for the head-tail split and for a contiguous split, as max/min over ranks; and the pairs our ring
-   attention actually computed per rank (counted by the block kernel), max/min.
+   attention actually computed per rank (counted by wrapping the block kernel), max/min.
 2. Scale: the longest sequence whose saved activations per rank (measured by the activation meter over a
    forward and backward of a small model, ring mode) fit a fixed budget, for cp = 1, 2, 4; ratio to cp=1.
 3. Bytes: what each mode sends per rank for one attention layer, forward and backward (the ledger), for
-   cp = 2, 4, 8 with the sequence grown with cp: Ulysses stays constant, the rings grow (the seed's
-   comparison). The baseline is the same mode at cp=2.
+   cp = 2, 4, 8 with the sequence grown with cp: Ulysses stays constant, the rings grow (the published
+   comparison, docs/context_parallel.md). The baseline is the same mode at cp=2.
 4. Time: ring attention (transfers overlapped with the block at hand) against the same ring waiting for
    each transfer (serial) and against all-gather, forward and backward of one attention layer.
    PyTorch's own `context_parallel` has no CPU kernel strategy (aten._scaled_dot_product_flash_attention_
@@ -49,12 +49,21 @@ def causal_pairs(positions: torch.Tensor, seq_len: int) -> int:
 
 
 def ring_pairs(seq_len: int) -> int:
+    """Query-key pairs this rank's ring attention computed: every block `ring` hands the block kernel."""
     mesh = init_mesh(Layout(cp=mesh_size()))
     q = torch.randn(1, seq_len // mesh["cp"].size, 1, 4)
-    blocks.PAIRS[:] = [0]
-    ring.attention(q, q, q, mesh["cp"], causal=True, scale=0.5)
-    count, blocks.PAIRS[:] = blocks.PAIRS[0], []
-    return count
+    pairs = []
+
+    def counted(q_block: torch.Tensor, k_block: torch.Tensor, *args):
+        pairs.append(q_block.shape[1] * k_block.shape[1])
+        return blocks.block_forward(q_block, k_block, *args)
+
+    ring.block_forward = counted  # this worker's copy of the module, restored below
+    try:
+        ring.attention(q, q, q, mesh["cp"], causal=True, scale=0.5)
+    finally:
+        ring.block_forward = blocks.block_forward
+    return sum(pairs)
 
 
 def mesh_size() -> int:

@@ -23,7 +23,7 @@ import torch
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig
 from orangetron.model.moe import MoE
-from orangetron.parallel.expert import Dispatcher, ExpertParallelMoE
+from orangetron.parallel.expert import Dispatcher, expert_parallel_moe
 from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 
@@ -40,10 +40,10 @@ OVERLAP_TOKENS = 1024
 CHUNKS = (1, 2, 4)
 
 
-def _layer(cfg: ModelConfig, mesh, mode: str, chunks: int = 1, **options) -> ExpertParallelMoE:
+def _layer(cfg: ModelConfig, mesh, mode: str, chunks: int = 1, **options) -> MoE:
     torch.manual_seed(0)
     dispatcher = Dispatcher(mesh, cfg.n_experts, mode, overlap_chunks=chunks, **options)
-    return ExpertParallelMoE(MoE(cfg), dispatcher, [mesh["dp_cp"]], EP)
+    return expert_parallel_moe(MoE(cfg), dispatcher, [mesh["dp_cp"]], EP)
 
 
 def _timed(fn) -> float:

@@ -391,7 +391,7 @@ MUTANTS = [
            (("            if not reduces:\n                continue\n", ""),),
            ("tests/test_pipeline_parallel.py",)),
     Mutant("tp_grad_sum_buffers_not_counted", "src/orangetron/parallel/tensor.py",
-           (("            transient.add(\"grad_buckets\", nbytes)\n", "            pass\n"),),
+           (("        transient.add(\"grad_buckets\", nbytes)\n", "        pass\n"),),
            ("tests/test_tensor_parallel.py",)),
     Mutant("planner_tp_grad_sum_not_doubled", "src/orangetron/plan/memory.py",
            (("    return 2 * tp_grad_sum_numel(model, deg, job, stage) * job.param_bytes",

@@ -1,5 +1,5 @@
 """DDP, ZeRO-1/2/3 and the distributed optimizer against one device, in float64, with ledger and memory
-checked against the seed's tables written out by hand."""
+checked against docs/data_parallel.md's tables written out by hand."""
 
 import contextlib
 
@@ -138,7 +138,7 @@ def zero3_records(stage: str, units: list[int], d: int):
 
 
 def expected_records(stage: str, step: int, numel: int, d: int):
-    """The seed's communication table for one step, float64 bytes, flat buffers padded to a multiple of d."""
+    """docs/data_parallel.md's table of one step, float64 bytes, flat buffers padded to a multiple of d."""
     padded = -(-numel // d) * d * 8
     share = padded * (d - 1) // d
     if stage == "ddp":

@@ -24,7 +24,7 @@ STAGES = {"ddp": dict(zero_stage=0), "ddp_buckets": dict(grad_bucket_numel=300),
           "zero1_buckets": dict(zero_stage=1, grad_bucket_numel=300),
           "zero2_buckets": dict(zero_stage=2, grad_bucket_numel=300)}
 # (param_dtype, reduce_dtype): bf16 weights reduced in fp32 for the close comparison, and in bf16 (the
-# default, as the seed's tables) for the loose one.
+# default, as docs/data_parallel.md's tables) for the loose one.
 PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", "float32"), "bf16_wire": ("bfloat16", None)}
 
 

@@ -1,4 +1,4 @@
-"""Memory model: DESIGN section 5's model-state table, and Korthikanti et al. 2022's activation formulas.
+"""Memory model: docs/planner.md section 3's model-state table, and Korthikanti et al. 2022's activation formulas.
 
 Source for the activation checks: V. Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models", MLSys 2023 (arXiv:2205.05198), section 4 (per-layer formulas and their summary
@@ -123,7 +123,7 @@ def test_fp8_saves_one_byte_gemm_inputs_by_hand():
     assert layer_activation_bytes(model, Degrees(), Job(seq_len=10, fp8=True, recompute="full"), False) == 1280
 
 
-# ---- DESIGN section 5: bytes per parameter on each GPU ----------------------------------------------
+# ---- docs/planner.md section 3: bytes per parameter on each GPU -------------------------------------
 def _tiny():
     return ModelSpec(name="tiny", hidden_size=64, num_layers=2, num_heads=4, vocab_size=128, ffn_hidden_size=128,
                      num_experts=4, top_k=2, moe_ffn_hidden_size=32)

@@ -2,8 +2,8 @@
 
 IBGDA source: NVIDIA Technical Blog, "Improving Network Performance of HPC Systems Using NVIDIA Magnum IO
 NVSHMEM and GPUDirect Async" (2022): GPU-initiated transfers reach up to 9.5x the throughput of the CPU-proxy
-path for small messages, most of the gain below 1 KiB, the two converging for large messages (the seed's
-IBGDA note repeats this). Our parameters (NetworkParams: NIC message rate 215 M/s from the ConnectX-6
+path for small messages, most of the gain below 1 KiB, the two converging for large messages (docs/planner.md
+section 5 uses this). Our parameters (NetworkParams: NIC message rate 215 M/s from the ConnectX-6
 product brief; one proxy thread about 22 M messages/s) are documented in docs/planner.md, not fitted here.
 """
 

@@ -1,4 +1,4 @@
-"""Per-step CommRecords: DESIGN section 5's communication table and the seed's per-layer volumes.
+"""Per-step CommRecords: docs/data_parallel.md's one-step table and docs/context_parallel.md's per-layer volumes.
 
 These are the records the runtime ledger will be compared with (op, mesh dim, payload, sent, received),
 computed with `orangetron.spec.collectives`, the ledger's own formulas.
@@ -123,7 +123,7 @@ def test_tp_volume_per_layer_matches_seed():
 
 
 def test_cp_ring_and_rsa_volume():
-    """Ring: K,V forward cp-1 times, K,V and dK,dV backward (cp-1 and cp times); the seed's ring
+    """Ring: K,V forward cp-1 times, K,V and dK,dV backward (cp-1 and cp times); the published ring
     self-attention volume 6(N-1)BLH/N is the same minus the final dK,dV hop home."""
     c, s, b, h = 4, 64, 1, DENSE.hidden_size
     job = Job(seq_len=s, micro_batch=b)

@@ -34,5 +34,5 @@ def __getattr__(name: str) -> Any:
     module_name, attr = _LAZY[name]
     module = importlib.import_module(module_name)
     value = module if attr is None else getattr(module, attr)
-    globals()[name] = value
+    globals()[name] = value  # bound once, so later lookups skip __getattr__; bounded by _LAZY
     return value

@@ -40,6 +40,9 @@ class LedgerOverflow(RuntimeError):
     """`ledger()` was asked for records it has already dropped (more than LEDGER_LIMIT since the reset)."""
 
 
+# The ledger is per process (one process is one rank): collectives record from deep inside autograd's backward,
+# where no handle could be passed down. Bounded by LEDGER_LIMIT; `reset_ledger()` clears it and every
+# `measure()` scope leaves `_scopes` when its block ends (docs/runtime.md, "Process-wide state").
 _records: deque[CommRecord] = deque(maxlen=LEDGER_LIMIT)
 _dropped = 0
 _scopes: list[list[CommRecord]] = []

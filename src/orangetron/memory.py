@@ -27,6 +27,8 @@ class _Report:
     values: dict[str, int] = field(default_factory=dict)
 
 
+# What `report()` returns: per process, as the ledger, since measurements happen wherever a model runs. It holds
+# the last measured model weakly and starts over whenever another model is measured.
 _report = _Report()
 
 

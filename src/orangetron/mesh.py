@@ -125,7 +125,9 @@ class ParallelMesh:
 
 # Each mesh with the world group it was built in. The group object itself is kept (not its id, which
 # Python may hand to a new group once the old one is destroyed), so a cached mesh is reused only while
-# its world is the current one.
+# its world is the current one. Process-wide because building a mesh creates process groups, a collective
+# step every rank of the process's world takes once; one entry per layout, dropped with its world or by
+# `forget_meshes()`.
 _meshes: dict[Layout, tuple[dist.ProcessGroup, ParallelMesh]] = {}
 
 

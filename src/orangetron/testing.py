@@ -138,6 +138,8 @@ class _WorkerPool:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+# Worker processes by world size, kept between calls so a test suite forks ranks a few times rather than per
+# check; one pool per world size, replaced after a failure, stopped by `shutdown_workers()` and at exit.
 _pools: dict[int, _WorkerPool] = {}
 
 

@@ -67,7 +67,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                      help="ragged dispatch in N token chunks, each chunk's all-to-all overlapping the other "
                           "chunks' experts, as `train`")
     est.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES), default="",
-                     help="gradient reduction dtype (default: the param dtype, as the seed's tables)")
+                     help="gradient reduction dtype (default: the param dtype, as docs/data_parallel.md's tables)")
     est.add_argument("--zero3-reduce-every-microbatch", action="store_true",
                      help="--zero-stage 3: reduce-scatter every micro-batch, as `train` (default: once per step)")
     est.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",

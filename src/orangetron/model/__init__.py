@@ -16,9 +16,11 @@ from .config import model_preset as model_preset
 
 _LAZY = {
     "attention_kernel": ".attention",
-    "Attention": ".layers", "RMSNorm": ".layers", "SwiGLU": ".layers", "apply_rope": ".layers",
-    "rope_cos_sin": ".layers",
-    "GroupedExperts": ".moe", "MoE": ".moe", "Router": ".moe", "load_balancing_loss": ".moe",
+    "Attention": ".layers", "CausalAttention": ".layers", "RMSNorm": ".layers", "SwiGLU": ".layers",
+    "apply_rope": ".layers", "rope_cos_sin": ".layers",
+    "GroupedExperts": ".moe", "LocalDispatcher": ".moe", "MoE": ".moe", "Router": ".moe", "RouterLosses": ".moe",
+    "load_balancing_loss": ".moe",
+    "TokenIO": ".token_io",
     "Transformer": ".transformer", "TransformerBlock": ".transformer", "init_parameter": ".transformer",
 }
 
@@ -29,5 +31,5 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
+    globals()[name] = value  # bound once, so later lookups skip __getattr__; bounded by _LAZY
     return value

@@ -1,4 +1,4 @@
-"""Dense building blocks: RMSNorm, rotary embedding, SwiGLU and grouped-query attention."""
+"""Dense building blocks: RMSNorm, rotary embedding, SwiGLU and grouped-query attention with its core."""
 
 from __future__ import annotations
 
@@ -72,12 +72,29 @@ class SwiGLU(nn.Module):
         return self.w2(swiglu_activation(self.w1(x), self.w3(x)))
 
 
+class CausalAttention(nn.Module):
+    """The attention core of `Attention`: causal attention over the local sequence by `attention_kernel`.
+
+    q: [B, S, Hq, D], k, v: [B, S, Hk, D] -> out [B, S, Hq, D]. `impl` selects the kernel implementation.
+    `Attention.core_attention` holds this module: the one seam where context parallelism puts its own core
+    (`orangetron/parallel/context/core.py`), with the same signature.
+    """
+
+    def __init__(self, impl: str = "fused") -> None:
+        super().__init__()
+        self.impl = impl
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, _ = attention_kernel(q, k, v, causal=True, impl=self.impl)
+        return out
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary embedding; x: [B, S, dim] -> [B, S, dim].
 
     Head counts are read from the projection sizes at run time, so a tensor-parallel copy with sliced
-    wq/wk/wv/wo works unchanged. `kernel_impl` selects the `attention_kernel` implementation; a context-
-    parallel wrapper replaces `core_attention`.
+    wq/wk/wv/wo works unchanged. The attention itself runs in the submodule `core_attention` (a
+    `CausalAttention`, whose kernel `kernel_impl` selects); context parallelism replaces that submodule.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -87,7 +104,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.kernel_impl = "fused"
+        self.core_attention = CausalAttention()
+
+    @property
+    def kernel_impl(self) -> str:
+        """The `attention_kernel` implementation of the local core ("fused" or "reference")."""
+        return self.core_attention.impl
+
+    @kernel_impl.setter
+    def kernel_impl(self, impl: str) -> None:
+        self.core_attention.impl = impl
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -97,8 +123,3 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core_attention(q, k, v)  # [B, S, Hq, D]
         return self.wo(out.reshape(b, s, -1))
-
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over the local sequence; q: [B, S, Hq, D], k, v: [B, S, Hk, D]."""
-        out, _ = attention_kernel(q, k, v, causal=True, impl=self.kernel_impl)
-        return out

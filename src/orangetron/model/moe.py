@@ -1,8 +1,11 @@
 """Mixture-of-Experts feed-forward: router, grouped experts, and the single-device dispatch/combine.
 
-The dispatch and combine steps mirror `expert.Dispatcher` (dispatch hands each expert its token copies
-with their routing weights; combine sums a token's weighted copies), so an expert-parallel dispatcher can
-replace `MoE._dispatch` / `MoE._combine` without touching the router or the experts.
+Two parts are seams that parallel code replaces, each a submodule with a fixed signature:
+- `MoE.dispatcher` (`LocalDispatcher` here) takes the routed tokens to the experts and back; it mirrors
+  `orangetron/parallel/expert/dispatcher.py`'s `Dispatcher` (dispatch hands each expert its token copies with
+  their routing weights; combine sums a token's weighted copies), which expert parallelism puts in its place;
+- `Router.aux_losses` (`RouterLosses` here) computes the auxiliary losses over the tokens this module routes;
+  when ranks split the batch, `orangetron/parallel/expert/balance.py` puts the global-batch version there.
 
 For backward a layer keeps (see `orangetron.plan.activations`): the router input, the router scores, the
 top-k expert ids, the dispatched token copies, each copy's routing weight, and per copy the experts'
@@ -52,6 +55,21 @@ def choose_experts(scores: torch.Tensor, top_k: int, n_groups: int = 1, topk_gro
     return torch.topk(choice, top_k, dim=-1).indices
 
 
+class RouterLosses(nn.Module):
+    """A router's auxiliary losses over the tokens it routes: `aux_coef * load_balancing_loss + z_coef * z-loss`.
+
+    forward(logits [T, E], scores [T, E], topk_idx [T, k], token_mask [T] or None, aux_coef, z_coef) -> 0-d
+    tensor in the scores' dtype; padding tokens (mask False) count in neither loss.
+    """
+
+    def forward(self, logits: torch.Tensor, scores: torch.Tensor, topk_idx: torch.Tensor,
+                token_mask: torch.Tensor | None, aux_coef: float, z_coef: float) -> torch.Tensor:
+        aux_loss = aux_coef * LoadBalancingLoss.apply(scores, topk_idx, token_mask)
+        if z_coef:
+            aux_loss = aux_loss + z_coef * RouterZLoss.apply(logits, token_mask)
+        return aux_loss
+
+
 class Router(nn.Module):
     """Top-k router: x [T, dim] -> (topk_idx [T, k] int64, topk_weights [T, k], aux_loss 0-d).
 
@@ -60,7 +78,7 @@ class Router(nn.Module):
     over the top-k. aux_loss is `aux_loss_coef * load_balancing_loss + router_z_loss_coef * z-loss`.
     With `router_bias_rate > 0` the buffer `expert_bias` [E] shifts the scores for choosing the top-k only,
     and `expert_load` [E] int64 counts the non-padding assignments of forwards with gradients (training,
-    not evaluation) since the last bias update.
+    not evaluation) since the last bias update. The auxiliary losses come from the submodule `aux_losses`.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -73,15 +91,14 @@ class Router(nn.Module):
         bias = torch.zeros(cfg.n_experts) if cfg.router_bias_rate else None
         self.register_buffer("expert_bias", bias)
         self.expert_load = torch.zeros(cfg.n_experts, dtype=torch.int64)
+        self.aux_losses = RouterLosses()
 
     def forward(
         self, x: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """token_mask: [T] bool, False for padding; padded tokens are routed but not balanced."""
         logits, scores, topk_idx, topk_weights = self.route(x, token_mask)
-        aux_loss = self.aux_loss_coef * LoadBalancingLoss.apply(scores, topk_idx, token_mask)
-        if self.z_loss_coef:
-            aux_loss = aux_loss + self.z_loss_coef * RouterZLoss.apply(logits, token_mask)
+        aux_loss = self.aux_losses(logits, scores, topk_idx, token_mask, self.aux_loss_coef, self.z_loss_coef)
         return topk_idx, topk_weights, aux_loss
 
     def route(
@@ -138,10 +155,41 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x_sorted.new_zeros(0, x_sorted.shape[-1])
 
 
+class LocalDispatcher(nn.Module):
+    """Every routed token to its experts on this device and back: dispatch, the experts, combine.
+
+    forward(x_flat [T, dim], topk_idx [T, k], topk_weights [T, k], experts) -> [T, dim], each token the sum of
+    its weighted expert outputs; the signature of `orangetron/parallel/expert/dispatcher.py`'s `Dispatcher`.
+    """
+
+    def forward(self, x_flat: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                experts: GroupedExperts) -> torch.Tensor:
+        x_sorted, weights_sorted, tokens_per_expert, handle = self.dispatch(x_flat, topk_idx, topk_weights,
+                                                                            experts.w1.shape[0])
+        y_sorted = experts(x_sorted, tokens_per_expert, weights_sorted)  # [T*k, dim], weighted
+        return self.combine(y_sorted, handle)  # [T, dim]
+
+    def dispatch(
+        self, x_flat: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, n_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token copies grouped by expert: (x_sorted [T*k, dim], weights_sorted [T*k], tokens_per_expert
+        [E], handle for `combine`). Within an expert, copies keep token order (stable sort)."""
+        k = topk_idx.shape[-1]
+        tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=n_experts)
+        x_sorted = ToExpertOrder.apply(x_flat, topk_idx, k)
+        weights_sorted = ToExpertOrder.apply(topk_weights.reshape(-1), topk_idx, 1)
+        return x_sorted, weights_sorted, tokens_per_expert, topk_idx
+
+    def combine(self, y_sorted: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        """Sum each token's (already weighted) expert outputs: y_sorted [T*k, dim] -> [T, dim]."""
+        return FromExpertOrder.apply(y_sorted, handle)
+
+
 class MoE(nn.Module):
     """Routed experts plus an optional shared expert; x: [B, S, dim] -> [B, S, dim].
 
-    After each forward `last_aux_loss` holds the router's load-balancing loss (already scaled).
+    After each forward `last_aux_loss` holds the router's load-balancing loss (already scaled). The routed
+    tokens reach the experts through the submodule `dispatcher` (a `LocalDispatcher` on one device).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -149,6 +197,7 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.moe_ffn_dim)
         self.shared_expert = SwiGLU(cfg.dim, cfg.shared_ffn_dim) if cfg.n_shared_experts > 0 else None
+        self.dispatcher = LocalDispatcher()
         self.last_aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,24 +206,7 @@ class MoE(nn.Module):
         x_flat = x.reshape(-1, x.shape[-1])  # [T, dim]
         mask = None if token_mask is None else token_mask.reshape(-1)
         topk_idx, topk_weights, self.last_aux_loss = self.router(x_flat, mask)
-        x_sorted, weights_sorted, tokens_per_expert, handle = self._dispatch(x_flat, topk_idx, topk_weights)
-        y_sorted = self.experts(x_sorted, tokens_per_expert, weights_sorted)  # [T*k, dim], weighted
-        y = self._combine(y_sorted, handle)  # [T, dim]
+        y = self.dispatcher(x_flat, topk_idx, topk_weights, self.experts)  # [T, dim]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x_flat)
         return y.view_as(x)
-
-    def _dispatch(
-        self, x_flat: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token copies grouped by expert: (x_sorted [T*k, dim], weights_sorted [T*k], tokens_per_expert
-        [E], handle for `_combine`). Within an expert, copies keep token order (stable sort)."""
-        k = topk_idx.shape[-1]
-        tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=self.experts.w1.shape[0])
-        x_sorted = ToExpertOrder.apply(x_flat, topk_idx, k)
-        weights_sorted = ToExpertOrder.apply(topk_weights.reshape(-1), topk_idx, 1)
-        return x_sorted, weights_sorted, tokens_per_expert, topk_idx
-
-    def _combine(self, y_sorted: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
-        """Sum each token's (already weighted) expert outputs: y_sorted [T*k, dim] -> [T, dim]."""
-        return FromExpertOrder.apply(y_sorted, handle)

@@ -6,13 +6,12 @@ import hashlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .autograd import CrossEntropy
 from .config import ModelConfig
 from .layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from .moe import MoE
+from .token_io import TokenIO
 
 # Output projections feed the residual stream; scaling them keeps its variance flat in depth (GPT-2).
 _RESIDUAL_OUTPUTS = ("wo", "w2")
@@ -65,7 +64,8 @@ class Transformer(nn.Module):
 
     Parameters are created in `dtype` on `device` and initialized by `init_parameter` from (seed, cfg)
     alone; the global RNG is left as it was. With `tied_embeddings`, `output` is None and the embedding
-    matrix projects to logits.
+    matrix projects to logits. `io` (a `TokenIO`) lays out the sequence and computes logits and the cross
+    entropy; `orangetron/parallel/contract.py` lists what parallel code relies on.
     """
 
     def __init__(
@@ -84,8 +84,10 @@ class Transformer(nn.Module):
             self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.output = None if cfg.tied_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.io = TokenIO()
         self.to(dtype)
         self.reset_parameters()
+        self._whole_numel = sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -109,6 +111,7 @@ class Transformer(nn.Module):
             position_ids = torch.arange(seq_len, device=tokens.device)
         h = self.embed(tokens)  # [B, S, dim]
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        token_mask = self.routing_mask(token_mask)
         for layer in self.layers:
             h = layer(h, cos, sin, token_mask)
         return self.head(h)
@@ -119,13 +122,13 @@ class Transformer(nn.Module):
         return self.tok_embeddings(tokens.clone(memory_format=torch.contiguous_format))
 
     def routing_mask(self, token_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The padding mask of the tokens the MoE layers route (all of them on one device)."""
-        return token_mask
+        """The padding mask of the tokens the MoE layers route (all of them on one device; `io` decides)."""
+        return self.io.routing_mask(token_mask)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The last layer's output [B, S, dim] -> logits [B, S, vocab]: final norm, output projection."""
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(self.norm(h), weight)  # [B, S, vocab]
+        return self.io.logits(self.norm(h), weight)  # [B, S, vocab]
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' load-balancing losses from the last forward; a 0-d zero when dense."""
@@ -154,11 +157,10 @@ class Transformer(nn.Module):
 
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Mean cross entropy of logits [B, S, V] over labels != ignore_index, without the aux loss."""
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, 1)  # [B*S, V]
-        # Keeps only the float32 (float64) logits' gradient for backward, not the logits or the labels.
-        return CrossEntropy.apply(logits, labels.reshape(-1), ignore_index)
+        return self.io.cross_entropy(logits, labels, ignore_index)
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
-        """Number of distinct parameters (a tied matrix counts once)."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
+        """Number of distinct parameters of the whole model (a tied matrix counts once), counted when it was
+        built: the same after `parallelize` shards the parameters in place."""
+        embeddings = self.cfg.vocab_size * self.cfg.dim if exclude_embeddings else 0
+        return self._whole_numel - embeddings

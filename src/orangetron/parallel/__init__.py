@@ -1,9 +1,11 @@
 """Parallel dimensions applied to a reference model from outside: one module per dimension."""
 
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
+from orangetron.parallel.contract import ModelContractError, ParallelModel
 from orangetron.parallel.data import DataParallel, ShardedAdamW
 from orangetron.parallel.parallelize import parallelize
-from orangetron.parallel.tensor import TensorParallelTransformer, tensor_parallel
+from orangetron.parallel.replace import replace_module
+from orangetron.parallel.tensor import tensor_parallel
 
-__all__ = ["DataParallel", "ParallelConfig", "ParallelConfigError", "ShardedAdamW", "TensorParallelTransformer",
-           "parallelize", "tensor_parallel"]
+__all__ = ["DataParallel", "ModelContractError", "ParallelConfig", "ParallelConfigError", "ParallelModel",
+           "ShardedAdamW", "parallelize", "replace_module", "tensor_parallel"]

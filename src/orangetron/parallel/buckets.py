@@ -104,7 +104,7 @@ class GradBuckets:
         """Launch what backward did not (buckets of unused parameters; all of them when deferred, after the tp
         sum), wait for all, in bucket order."""
         if self.defer:
-            self.dp.module.sync_grads(self.dp.transient)
+            self.dp.sync_tp_grads()
             for index, (_, _, p) in enumerate(self.spans):
                 if p.grad is not None:
                     self._add(index)
@@ -218,7 +218,7 @@ class ShardedGradBuckets:
     def finish(self) -> None:
         """Launch what backward did not (all of them when deferred, after the tp sum), wait for the last."""
         if self.defer:
-            self.dp.module.sync_grads(self.dp.transient)
+            self.dp.sync_tp_grads()
             if self.in_place:
                 for part, at, p in self.params:
                     if p.grad is not None:

@@ -39,7 +39,7 @@ class ParallelConfig:
     zero_stage: int = 0  # 0 = DDP, 1 = optimizer state, 2 = + gradients, 3 = + parameters sharded
     distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
     param_dtype: str = "float32"  # model parameters (fp32 main params and grads are kept when lower)
-    reduce_dtype: str | None = None  # gradient reduction dtype; None: param_dtype, as the seed's tables
+    reduce_dtype: str | None = None  # gradient reduction dtype; None: param_dtype, as docs/data_parallel.md's tables
     grad_bucket_numel: int = 0  # reduce gradients in buckets of about this many elements during backward (DDP:
     # all-reduce; ZeRO-1/2, distributed optimizer: reduce-scatter, buckets rounded to the shard count); 0: one
     # reduction after backward

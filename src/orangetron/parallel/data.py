@@ -1,7 +1,7 @@
 """Data parallelism over the dp x cp ranks: DDP, ZeRO-1/2/3 and Megatron's distributed optimizer.
 
 Every parameter lives in one flat buffer, padded so that each of the d = dp * cp ranks owns an equal slice.
-What each stage keeps and sends (the seed's tables, DESIGN section 5):
+What each stage keeps and sends (docs/data_parallel.md has the full tables):
 
 | stage | params | main grads | main params, optimizer | after backward | parameter sync |
 |---|---|---|---|---|---|
@@ -14,10 +14,10 @@ Gradients are averaged over the d ranks, so each rank's loss must be the mean ov
 batch. Every rank must build the model from the same seed (orangetron's initialization depends only on the
 seed and the config), because the wrapper does not broadcast the initial weights.
 
-A tensor-parallel module (one with `placements`, from `orangetron.parallel.tensor`) holds shards: its
-partial gradients are summed over tp before the data-parallel reduction, the gradient norm counts every
-distinct element once across tp, and `full_state` (gathered) and `sharded_state` (this rank's pieces) speak
-of whole tensors.
+A tensor-parallel module (one `orangetron.parallel.tensor` sharded; `tensor.tp_placements` gives the layout of
+its parameters) holds shards: its partial gradients are summed over tp before the data-parallel reduction, the
+gradient norm counts every distinct element once across tp, and `full_state` (gathered) and `sharded_state`
+(this rank's pieces) speak of whole tensors. Any other module is whole on every tp rank.
 
 Under expert parallelism (ep > 1) the routed experts' parameters (each rank holds its ep block) live in a
 second flat buffer sharded over edp = dp x cp / ep. Their gradients are summed over edp only (the all-to-all
@@ -42,7 +42,7 @@ from orangetron.parallel.flat import FlatPart
 from orangetron.parallel.optim import FlatAdamW
 from orangetron.parallel.param_grads import ParamGrads
 from orangetron.parallel.state import Shards, sharded_state
-from orangetron.parallel.tensor import gather_tensor
+from orangetron.parallel.tensor import gather_tensor, sync_grads, tp_placements
 from orangetron.parallel.units import TransientPeaks, Zero3Schedule, find_units
 
 
@@ -59,7 +59,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.mesh = mesh
         self.group = mesh["dp_cp"]
-        self.placements = getattr(module, "placements", None)  # by parameter name, under tensor parallelism
+        self.placements = tp_placements(module)  # by parameter name, under tensor parallelism
         self.tp = mesh["tp"] if self.placements is not None and mesh["tp"].size > 1 else None
         self.ep = mesh["ep"] if mesh["ep"].size > 1 else None
         self.pp = mesh["pp"] if mesh["pp"].size > 1 else None  # each stage holds other parameters
@@ -191,7 +191,7 @@ class DataParallel(nn.Module):
             return
         if self.schedule is not None:  # ZeRO-3: reduce-scattered unit by unit during backward
             if self.schedule.defer:
-                self.module.sync_grads(self.transient)
+                self.sync_tp_grads()
                 self.schedule.reduce_all()
             self.schedule.retire()
             for part in self.parts:
@@ -199,11 +199,15 @@ class DataParallel(nn.Module):
             self._grads_pending = False
             return
         if self.tp is not None:
-            self.module.sync_grads(self.transient)
+            self.sync_tp_grads()
         for part in self.parts:
             # the loss is the mean over dp x cp, experts included
             part.reduce(self.group.size, self.transient, self.param_grads.free)
         self._grads_pending = False
+
+    def sync_tp_grads(self) -> None:
+        """Sum the tensor-parallel partial gradients over tp (`tensor.sync_grads`), before the reduction."""
+        sync_grads(self.module, self.placements, self.tp, self.transient)
 
     def owned_grads(self) -> torch.Tensor:
         """This rank's averaged dense main gradients, aligned with `main_params` (after `reduce_gradients`)."""

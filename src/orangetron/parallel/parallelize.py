@@ -1,17 +1,34 @@
-"""`parallelize`: the one entry that applies every dimension a layout asks for to a reference model."""
+"""`parallelize`: the one entry that applies every dimension a layout asks for to a reference model.
+
+One mechanism applies every dimension: `replace_module(model, "layers.3.attention", new)`
+(`orangetron/parallel/replace.py`) puts a module at a named submodule of the model, and parameters are
+sharded in place (their `.data` becomes this rank's slice). The root stays the reference `Transformer`, no
+`__init__` is skipped and no method is overwritten on an instance; parameter names stay the reference's.
+The model offers these named seams (`orangetron/parallel/contract.py` lists them; `parallelize` checks them
+on entry):
+
+- tensor (and sequence) parallelism: `tok_embeddings`, `io` (logits, cross entropy, sequence layout), each
+  block's `attention` and dense `feed_forward`, each MoE's `shared_expert`;
+- context parallelism: each block's `attention.core_attention`, the attention core seam (q, k, v) -> out;
+- expert parallelism: each MoE's `dispatcher` and `router.aux_losses`, the routed experts' parameters sliced;
+- the balancing loss without ep: each MoE's `router.aux_losses` (the losses over the global batch);
+- pipeline parallelism: `layers` (this rank's only, by global index), and `tok_embeddings`, `norm`, `output`
+  emptied on the stages that do not run them;
+- data parallelism: nothing; `DataParallel` wraps the model.
+"""
 
 from __future__ import annotations
-
-from functools import partial
 
 from torch import nn
 
 from orangetron.mesh import ParallelMesh
 from orangetron.parallel import context, pipeline
 from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.contract import check_model
 from orangetron.parallel.data import DataParallel
 from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.expert.balance import balance_globally
+from orangetron.parallel.replace import replace_module
 from orangetron.parallel.tensor import tensor_parallel
 from orangetron.spec import rules
 from orangetron.spec.variants import CONTEXT_MODES
@@ -27,12 +44,14 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     `config.dispatcher`), then pipeline parallelism over pp (this rank keeps its stage's chunks; run a
     step with `pipeline.run_pipeline`), then data parallelism over dp x cp (experts over edp) with the
     ZeRO stage of `config`. Returns the `DataParallel` wrapper: call it like the model, and build the optimizer with
-    `.optimizer(lr=...)`. Every rank must build `model` from the same seed. Dimensions the runtime does not
-    run yet raise `LayoutError`.
+    `.optimizer(lr=...)`. Every rank must build `model` from the same seed. A model that lacks what the
+    parallel code relies on raises `ModelContractError`; dimensions the runtime does not run yet raise
+    `LayoutError`.
     """
+    check_model(model)
     config = config or ParallelConfig()
     layout = mesh.layout
-    layout.validate(getattr(model, "cfg", None), sequence_parallel=config.sequence_parallel)
+    layout.validate(model.cfg, sequence_parallel=config.sequence_parallel)
     pipeline.check_pipeline(model.cfg, layout.pp, config)
     if layout.tp > 1:
         model = tensor_parallel(model, mesh, config.sequence_parallel)
@@ -60,11 +79,11 @@ def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str, ulysses_de
     runtime = record.load()
     if hasattr(runtime, "cp_group"):
         runtime.cp_group(mesh, ulysses_degree)  # its process groups, built on every rank now
-    for block in model.layers:
+    for i, block in enumerate(model.layers):
         attention = block.attention
         if degree > 1:
             heads = attention.wq.weight.shape[0] // attention.head_dim
             kv_heads = attention.wk.weight.shape[0] // attention.head_dim
             rules.heads_split_by_all_to_all(degree, heads, kv_heads)
-        attention.core_attention = partial(context.attention, mesh=mesh, mode=mode, causal=True,
-                                           ulysses_degree=ulysses_degree if record.takes_ulysses_degree else None)
+        core = context.ContextParallelAttention(mesh, mode, ulysses_degree if record.takes_ulysses_degree else None)
+        replace_module(model, f"layers.{i}.attention.core_attention", core)

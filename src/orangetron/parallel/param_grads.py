@@ -17,7 +17,9 @@ class ParamGrads:
 
     def __init__(self, params: list[torch.Tensor], transient: TransientPeaks) -> None:
         self.transient = transient
-        self.counted: dict[int, int] = {}  # id(parameter) -> bytes of its .grad counted
+        # id(parameter) -> bytes of its .grad counted. Per wrapper, not per process; the parameters belong to the
+        # wrapped module, which lives as long as the wrapper, so an id is never reused while its entry exists.
+        self.counted: dict[int, int] = {}
         for p in params:
             p.register_post_accumulate_grad_hook(self._filled)
 

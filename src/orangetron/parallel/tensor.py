@@ -15,9 +15,13 @@ and the cross entropy runs on vocabulary shards, so no rank ever holds full-voca
 experts and the router stay whole on every tp rank (expert tensor parallelism 1); a shared expert splits
 like a dense MLP.
 
-Some gradients are partial sums over tp and are summed once per step (`TensorParallelTransformer.
-sync_grads`, one all-reduce): with SP, every replicated parameter (norm weights, router, routed experts)
-sees only this rank's tokens; and a replicated key/value head sees only this rank's query heads.
+Some gradients are partial sums over tp and are summed once per step (`sync_grads`, one all-reduce, which
+`DataParallel` calls): with SP, every replicated parameter (norm weights, router, routed experts) sees only
+this rank's tokens; and a replicated key/value head sees only this rank's query heads.
+
+`tensor_parallel` shards the parameters in place and puts the modules below into the reference model with
+`replace_module` (`orangetron/parallel/replace.py`): `tok_embeddings`, `io`, each block's `attention` and
+dense `feed_forward`, and each MoE's `shared_expert`. The root stays the reference `Transformer`.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from torch import nn
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup, ParallelMesh
-from orangetron.model.attention import attention_kernel
 from orangetron.model.autograd import accumulate_dtype, cross_entropy_grad_, swiglu_activation
-from orangetron.model.layers import apply_rope, rope_cos_sin
+from orangetron.model.layers import apply_rope
 from orangetron.model.moe import MoE
+from orangetron.model.token_io import TokenIO
 from orangetron.model.transformer import Transformer
+from orangetron.parallel.replace import replace_module
 from orangetron.spec.layout import Layout, LayoutError
 
 if TYPE_CHECKING:
@@ -218,13 +223,14 @@ class ParallelAttention(nn.Module):
     """Grouped-query attention on this rank's heads: column-parallel wq/wk/wv, row-parallel wo.
 
     x: [B, S/tp, dim] with SP, [B, S, dim] without; returns the same shape. The linear modules keep
-    their names, so parameter names equal the reference model's.
+    their names, so parameter names equal the reference model's; the attention core (`core_attention`, the
+    seam context parallelism fills) is the reference's too.
     """
 
     def __init__(self, dense: nn.Module, group: MeshGroup, sp: bool) -> None:
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = dense.wq, dense.wk, dense.wv, dense.wo
-        self.head_dim, self.kernel_impl = dense.head_dim, dense.kernel_impl
+        self.head_dim, self.core_attention = dense.head_dim, dense.core_attention
         self.group, self.sp = group, sp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -235,10 +241,6 @@ class ParallelAttention(nn.Module):
         v = v.view(b, s, -1, self.head_dim)
         out = self.core_attention(q, k, v)  # [B, S, Hq/tp, D]
         return row_output(F.linear(out.reshape(b, s, -1), self.wo.weight), self.group, self.sp)
-
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over the local sequence (context parallelism replaces it, as in `Attention`)."""
-        return attention_kernel(q, k, v, causal=True, impl=self.kernel_impl)[0]
 
 
 class ParallelSwiGLU(nn.Module):
@@ -267,57 +269,20 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sp = group, sp
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq_len = tokens.shape[1]
+        if self.sp and seq_len % self.group.size:
+            raise LayoutError(f"tp={self.group.size}: sequence_parallel needs seq_len {seq_len} divisible by tp")
         partial = _VocabEmbedding.apply(tokens, self.weight, self.start)  # [B, S, dim], zeros off-slice
         return row_output(partial, self.group, self.sp)
 
 
-class TensorParallelTransformer(nn.Module):
-    """The reference `Transformer` on one tp rank: same submodule and parameter names, sharded weights.
+class TensorParallelIO(TokenIO):
+    """`TokenIO` on one tp rank: logits and cross entropy on this rank's vocabulary slice; under SP the
+    activations between layers (and so the routers' padding mask) are this rank's sequence shard."""
 
-    forward(tokens [B, S]) -> this rank's vocabulary slice of the logits, [B, S, vocab/tp]; every tp rank
-    gets the whole sequence. `loss_from_logits` is the vocabulary-parallel cross entropy (plus the MoE
-    load-balancing loss, computed per rank over the tokens it routes: its sequence shard under SP).
-    """
-
-    def __init__(self, model: Transformer, group: MeshGroup, sequence_parallel: bool) -> None:
+    def __init__(self, group: MeshGroup, sp: bool) -> None:
         super().__init__()
-        _check_layout(model, group.size)
-        self.cfg, self.seed, self.group = model.cfg, model.seed, group
-        self.sp = sequence_parallel and group.size > 1
-        self.placements = placements(model, group.size, sequence_parallel)
-        self._full_numel = model.num_parameters()
-        _shard_parameters(model, self.placements, group)
-        self.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, self.sp)
-        self.layers = model.layers
-        for block in self.layers:
-            block.attention = ParallelAttention(block.attention, group, self.sp)
-            ff = block.feed_forward
-            if isinstance(ff, MoE):
-                if ff.shared_expert is not None:
-                    ff.shared_expert = ParallelSwiGLU(ff.shared_expert, group, self.sp)
-            else:
-                block.feed_forward = ParallelSwiGLU(ff, group, self.sp)
-        self.norm = model.norm
-        self.output = model.output
-
-    def forward(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.embed(tokens)  # [B, S/tp or S, dim]
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
-        token_mask = self.routing_mask(token_mask)
-        for layer in self.layers:
-            h = layer(h, cos, sin, token_mask)
-        return self.head(h)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] -> the first layer's input, [B, S/tp, dim] under SP, else [B, S, dim]."""
-        seq_len = tokens.shape[1]
-        if self.sp and seq_len % self.group.size:
-            raise LayoutError(f"tp={self.group.size}: sequence_parallel needs seq_len {seq_len} divisible by tp")
-        return self.tok_embeddings(tokens)
+        self.group, self.sp = group, sp
 
     def routing_mask(self, token_mask: torch.Tensor | None) -> torch.Tensor | None:
         """The padding mask [B, S] of the tokens this rank routes: its sequence shard under SP."""
@@ -326,57 +291,54 @@ class TensorParallelTransformer(nn.Module):
         # A copy, so the load-balancing loss keeps this shard, not the whole mask.
         return token_mask.chunk(self.group.size, dim=1)[self.group.rank].contiguous()
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """The last layer's output -> this rank's vocabulary slice of the logits, [B, S, vocab/tp]."""
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        (logits,) = column_inputs(self.norm(h), [weight], self.group, self.sp)
+    def hidden_len(self, seq_len: int) -> int:
+        """S/tp under SP, else S."""
+        return seq_len // self.group.size if self.sp else seq_len
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """h [B, S/tp or S, dim], this rank's vocabulary slice of the output matrix -> [B, S, vocab/tp]."""
+        (logits,) = column_inputs(h, [weight], self.group, self.sp)
         return logits
 
-    def aux_loss(self) -> torch.Tensor:
-        return Transformer.aux_loss(self)
-
-    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Vocabulary-parallel `Transformer.loss_from_logits`: logits [B, S, V/tp], labels [B, S]."""
-        return self.cross_entropy(logits, labels, ignore_index) + self.aux_loss()
-
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Vocabulary-parallel mean cross entropy, without the aux loss."""
+        """Vocabulary-parallel mean cross entropy: logits [B, S, V/tp], labels [B, S]."""
         logits = logits.to(accumulate_dtype(logits.dtype)).flatten(0, 1)  # [B*S, V/tp]
         start = self.group.rank * logits.shape[-1]
         return _VocabParallelCrossEntropy.apply(logits, labels.reshape(-1), ignore_index, start, self.group)
 
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-             ignore_index: int = -100) -> torch.Tensor:
-        logits = self.forward(tokens, position_ids, token_mask=labels != ignore_index)
-        return self.loss_from_logits(logits, labels, ignore_index)
 
-    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
-        """Parameters of the whole model (every shard), as the reference counts them."""
-        embeddings = self.cfg.vocab_size * self.cfg.dim if exclude_embeddings else 0
-        return self._full_numel - embeddings
+def tp_placements(model: nn.Module) -> dict[str, Placement] | None:
+    """The `Placement` of every parameter of `model` by name when `tensor_parallel` sharded it (its `io` is a
+    `TensorParallelIO`); None for a model every tp rank holds whole."""
+    io = getattr(model, "io", None)
+    if not isinstance(io, TensorParallelIO):
+        return None
+    return placements(model, io.group.size, io.sp)
 
-    def sync_grads(self, transient: TransientPeaks | None = None) -> None:
-        """Sum the partial gradients over tp (see the module docstring): one all-reduce of all of them. Their
-        concatenation and the sum count in `transient`'s `grad_buckets` while they exist."""
-        pieces = [(p, self.placements[n]) for n, p in self.named_parameters()
-                  if self.placements[n].needs_sync() and p.grad is not None]
-        if not pieces or self.group.size == 1:
-            return
-        flat = torch.cat([_sync_slots(p.grad, pl, self.group) for p, pl in pieces])
-        nbytes = 2 * flat.numel() * flat.element_size()  # the concatenation and the all-reduce's sum
-        if transient is not None:
-            transient.add("grad_buckets", nbytes)
-        flat = comm.all_reduce(flat, self.group)
-        offset = 0
-        for p, pl in pieces:
-            width = p.numel() * (pl.slices(self.group.size) if pl.copies > 1 else 1)
-            summed = flat[offset:offset + width]
-            if pl.copies > 1:
-                summed = summed.view(pl.slices(self.group.size), -1)[pl.slice_index(self.group.rank)]
-            p.grad.copy_(summed.view_as(p.grad))
-            offset += width
-        if transient is not None:
-            transient.add("grad_buckets", -nbytes)
+
+def sync_grads(model: nn.Module, by_name: dict[str, Placement], group: MeshGroup,
+               transient: TransientPeaks | None = None) -> None:
+    """Sum the partial gradients of `model` over tp (see the module docstring): one all-reduce of all of them.
+    Their concatenation and the sum count in `transient`'s `grad_buckets` while they exist."""
+    pieces = [(p, by_name[n]) for n, p in model.named_parameters()
+              if by_name[n].needs_sync() and p.grad is not None]
+    if not pieces or group.size == 1:
+        return
+    flat = torch.cat([_sync_slots(p.grad, pl, group) for p, pl in pieces])
+    nbytes = 2 * flat.numel() * flat.element_size()  # the concatenation and the all-reduce's sum
+    if transient is not None:
+        transient.add("grad_buckets", nbytes)
+    flat = comm.all_reduce(flat, group)
+    offset = 0
+    for p, pl in pieces:
+        width = p.numel() * (pl.slices(group.size) if pl.copies > 1 else 1)
+        summed = flat[offset:offset + width]
+        if pl.copies > 1:
+            summed = summed.view(pl.slices(group.size), -1)[pl.slice_index(group.rank)]
+        p.grad.copy_(summed.view_as(p.grad))
+        offset += width
+    if transient is not None:
+        transient.add("grad_buckets", -nbytes)
 
 
 def _sync_slots(grad: torch.Tensor, placement: Placement, group: MeshGroup) -> torch.Tensor:
@@ -395,8 +357,25 @@ def _shard_parameters(model: Transformer, by_name: dict[str, Placement], group: 
         p.data = shard_tensor(p.data, by_name[name], group.size, group.rank).clone()
 
 
-def tensor_parallel(
-    model: Transformer, mesh: ParallelMesh, sequence_parallel: bool = False
-) -> TensorParallelTransformer:
-    """Shard the reference `model` in place over `mesh["tp"]` and return the module that runs it."""
-    return TensorParallelTransformer(model, mesh["tp"], sequence_parallel)
+def tensor_parallel(model: Transformer, mesh: ParallelMesh, sequence_parallel: bool = False) -> Transformer:
+    """Shard the reference `model` in place over `mesh["tp"]`; returns `model`.
+
+    Afterwards forward(tokens [B, S]) gives this rank's vocabulary slice of the logits, [B, S, vocab/tp], every
+    tp rank getting the whole sequence; `loss_from_logits` is the vocabulary-parallel cross entropy (plus the
+    MoE load-balancing loss, computed per rank over the tokens it routes: its sequence shard under SP).
+    Parameter names stay the reference's.
+    """
+    group = mesh["tp"]
+    _check_layout(model, group.size)
+    sp = sequence_parallel and group.size > 1
+    _shard_parameters(model, placements(model, group.size, sequence_parallel), group)
+    replace_module(model, "tok_embeddings", VocabParallelEmbedding(model.tok_embeddings, group, sp))
+    replace_module(model, "io", TensorParallelIO(group, sp))
+    for i, block in enumerate(model.layers):
+        replace_module(model, f"layers.{i}.attention", ParallelAttention(block.attention, group, sp))
+        ff = block.feed_forward
+        if not isinstance(ff, MoE):
+            replace_module(model, f"layers.{i}.feed_forward", ParallelSwiGLU(ff, group, sp))
+        elif ff.shared_expert is not None:
+            replace_module(model, f"layers.{i}.feed_forward.shared_expert", ParallelSwiGLU(ff.shared_expert, group, sp))
+    return model

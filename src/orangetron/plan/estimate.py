@@ -31,7 +31,7 @@ class Estimate:
         return self.memory["total"] <= self.cluster.gpu.memory_bytes
 
     def to_json(self) -> dict:
-        """The `estimate --json` object (DESIGN section 3)."""
+        """The `estimate --json` object (its keys: docs/planner.md)."""
         return {
             "model": self.model.name,
             "gpu": self.cluster.gpu.name,

@@ -1,4 +1,4 @@
-"""Per-GPU memory by category: params, grads, main_params, optimizer (DESIGN section 5) and activations
+"""Per-GPU memory by category: params, grads, main_params, optimizer (docs/data_parallel.md) and activations
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198,
 generalized to GQA, SwiGLU, MoE, CP and flash attention).
 
@@ -49,7 +49,7 @@ def data_parallel_segments(model: ModelSpec, deg: Degrees, job: Job, stage: int 
 
 def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
                       segments: list[tuple[str, int, int]] | None = None) -> dict[str, int]:
-    """params / grads / main_params / optimizer bytes per GPU, exactly DESIGN section 5's table.
+    """params / grads / main_params / optimizer bytes per GPU, exactly docs/planner.md section 3's table.
 
     Dense parameters shard over d = dp x cp, expert parameters over edp. ZeRO-1 and the distributed
     optimizer shard optimizer state and fp32 main params; ZeRO-2 also the gradients; ZeRO-3 also the params.

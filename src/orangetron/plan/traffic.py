@@ -1,7 +1,7 @@
 """Per-step communication of one rank as `CommRecord`s: the same records the runtime ledger writes.
 
 Every byte count goes through `orangetron.spec.collectives`, the formulas the ledger uses. Counts follow the
-runtime's conventions (DESIGN sections 4 and 5):
+runtime's conventions (docs/runtime.md's ledger, docs/data_parallel.md's tables):
 - DP: DDP all-reduces gradients over dp_cp (dense) and edp (experts); ZeRO-1/2 reduce-scatter gradients and
   all-gather parameters lazily before the next forward; the distributed optimizer reduce-scatters and
   all-gathers eagerly after the step; ZeRO-3 all-gathers parameters before each forward and each backward
@@ -67,7 +67,7 @@ def _buckets(numel: int, bucket_numel: int) -> list[int]:
 
 
 def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[CommRecord]:
-    """Gradient reduction and parameter gathers of one step (DESIGN section 5's communication table),
+    """Gradient reduction and parameter gathers of one step (docs/data_parallel.md's one-step table),
     one record per bucket: DDP's fixed slices of `job.bucket_numel` elements, the sharded stages' equal
     buckets (`plan.sharding.bucket_layout`), ZeRO-3's units."""
     params = stage_params(model, deg, stage, job.virtual_stages, job.pipeline_layout)

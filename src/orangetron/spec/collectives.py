@@ -17,7 +17,7 @@ function states the algorithm it models, and over a whole group the bytes sent e
 Integer rule. Payloads need not divide by n (an all-reduce of 5 float32 over 3 ranks), and a real ring
 then gives ranks chunks that differ by an element; the ledger records one per-rank figure, rounded down:
 a ring phase moves `(n-1) * T // n` bytes, and an all-reduce moves twice that, `2 * ((n-1) * T // n)`,
-not `2 * (n-1) * T // n`. Rounding each phase keeps the seed's identity "an all-reduce moves exactly as
+not `2 * (n-1) * T // n`. Rounding each phase keeps docs/runtime.md's identity "an all-reduce moves exactly as
 much as a reduce-scatter plus an all-gather" true to the byte, which the data-parallel tables (DDP against
 ZeRO) compare; the other rule would make DDP cost up to one byte more than ZeRO for the same tensor.
 Integer arithmetic keeps ledger and model bit-identical.

@@ -1,6 +1,6 @@
 """Model descriptions for the planner: TOML files (and shipped presets) -> `ModelSpec`, parameter counts.
 
-A decoder is described by the keys of DESIGN section 3. Optional keys cover the variants the presets need:
+A decoder is described by the keys docs/planner.md section 1 lists. Optional keys cover the variants the presets need:
 `head_dim` (when heads x head_dim != hidden, as GPT-OSS and Qwen3), `first_dense_layers` (DeepSeek-V3's
 leading dense layers), `bias` and `max_position_embeddings` (GPT-3 style learned positions and biases),
 group-limited routing (`expert_groups`, `groups_per_token`: how many EP ranks or nodes a token may reach),

@@ -50,8 +50,8 @@ class Job:
     zero3_keep_params: bool = False  # ZeRO-3 keeps forward's units until backward (one gather, whole model)
     zero3_reduce_every_microbatch: bool = False  # ZeRO-3 reduce-scatters every micro-batch (else once, after no_sync)
     param_dtype: str = "bfloat16"
-    grad_dtype: str = "float32"  # main-gradient buffer (DESIGN section 5: fp32, 4 B)
-    reduce_dtype: str = ""  # gradient reduction dtype; "" = param_dtype (the seed's default)
+    grad_dtype: str = "float32"  # main-gradient buffer (docs/data_parallel.md: fp32, 4 B)
+    reduce_dtype: str = ""  # gradient reduction dtype; "" = param_dtype (docs/data_parallel.md's default)
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     # Decoder layers of each virtual stage, in order (chunk g on pipeline rank g % pp), as Megatron's
@@ -126,7 +126,7 @@ class Job:
 
     @property
     def wire_dtype(self) -> str:
-        """The gradient reduction's dtype: `reduce_dtype`, else the parameters' (the seed's tables), or the
+        """The gradient reduction's dtype: `reduce_dtype`, else the parameters' (docs/data_parallel.md), or the
         main-gradient buffer's own under `grad_accumulation_fusion` (reduced where it lies)."""
         return self.reduce_dtype or (self.main_grad_dtype if self.grad_accumulation_fusion else self.param_dtype)
 

@@ -59,6 +59,8 @@ class StoreBoard:
         return posts
 
 
+# This rank's board and step. A rank is a process, and its phases are posted from every part of a step without a
+# handle passed through them; `attach(None)` detaches (docs/runtime.md, "Process-wide state").
 _board: Board | None = None
 _step = 0
 

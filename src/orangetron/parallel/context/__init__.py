@@ -1,6 +1,7 @@
 """Context parallelism: head-tail sequence sharding over the cp ranks and attention across them."""
 
 from orangetron.parallel.context.attention import attention
+from orangetron.parallel.context.core import ContextParallelAttention
 from orangetron.parallel.context.sharding import (
     head_tail_indices,
     pad_sequence,
@@ -10,5 +11,5 @@ from orangetron.parallel.context.sharding import (
     unshard,
 )
 
-__all__ = ["attention", "head_tail_indices", "pad_sequence", "position_ids", "shard", "shard_multiple",
-           "unshard"]
+__all__ = ["ContextParallelAttention", "attention", "head_tail_indices", "pad_sequence", "position_ids", "shard",
+           "shard_multiple", "unshard"]

@@ -16,9 +16,6 @@ import torch
 
 from orangetron.model.autograd import accumulate_dtype, expand_kv
 
-# Query-key pairs each block computed, counted per process when enabled (the balance benchmark reads it).
-PAIRS: list[int] = []
-
 
 def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
             scale: float) -> torch.Tensor:
@@ -26,8 +23,6 @@ def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.
     qh = q.transpose(1, 2).to(acc)  # [B, Hq, Sq, D]
     kh = expand_kv(k, q.shape[2]).transpose(1, 2).to(acc)  # [B, Hq, Sk, D]
     scores = qh @ kh.transpose(-1, -2) * scale  # [B, Hq, Sq, Sk]
-    if PAIRS:
-        PAIRS[0] += q.shape[1] * k.shape[1]
     if causal:
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
     return scores

@@ -3,7 +3,7 @@
 A K ring fills this rank's [S/N, S] score rows block by block; after the softmax a V ring accumulates
 the output. Backward runs a V ring (with the dV accumulators travelling home behind it) for the
 probabilities' gradient, then a K ring (with dK) for the queries and keys. Unlike ring attention it keeps
-the [S/N, S] probabilities for backward, as the seed describes, and sends K and V separately.
+the [S/N, S] probabilities for backward, as Li et al. describe (arXiv:2105.13120), and sends K and V separately.
 """
 
 from __future__ import annotations

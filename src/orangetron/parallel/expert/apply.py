@@ -1,4 +1,4 @@
-"""`expert_parallel`: swap every MoE layer of a (tensor-parallel) reference model for its expert-parallel one."""
+"""`expert_parallel`: shard the routed experts of every MoE layer of a (tensor-parallel) reference model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from orangetron.model.moe import MoE
 from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.expert.balance import balancing_groups
 from orangetron.parallel.expert.dispatcher import Dispatcher
-from orangetron.parallel.expert.layer import ExpertParallelMoE
+from orangetron.parallel.expert.layer import expert_parallel_moe
 
 
 def expert_parallel(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> nn.Module:
@@ -23,5 +23,5 @@ def expert_parallel(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig
         if isinstance(ff, MoE):
             dispatcher = Dispatcher(mesh, ff.router.n_experts, config.dispatcher, config.capacity_factor,
                                     config.drop_policy, config.ep_overlap_chunks)
-            block.feed_forward = ExpertParallelMoE(ff, dispatcher, groups, mesh["dp_cp"].size)
+            expert_parallel_moe(ff, dispatcher, groups, mesh["dp_cp"].size)
     return model

@@ -9,16 +9,21 @@ averaged (and, under SP, tp-summed) gradients equal the single device's.
 
 The router z-loss is a mean over the same tokens: a second all-reduce per group sums the squared
 logsumexps and the token count (2 values), and its gradient is scaled the same way.
+
+`GlobalRouterLosses` computes both in the router's loss seam (`Router.aux_losses`, `orangetron/model/moe.py`),
+put there by `replace_module`.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from orangetron import comm
-from orangetron.mesh import MeshGroup
+from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.model.autograd import z_loss_grad
-from orangetron.model.moe import Router
+from orangetron.model.moe import MoE
+from orangetron.parallel.replace import replace_module
 
 
 class GlobalLoadBalancingLoss(torch.autograd.Function):
@@ -79,49 +84,47 @@ class GlobalRouterZLoss(torch.autograd.Function):
         return z_loss_grad(logits, token_mask, grad * ctx.grad_ranks / n.clamp(min=1)), None, None, None
 
 
-def global_router_losses(router: Router, logits: torch.Tensor, scores: torch.Tensor, topk_idx: torch.Tensor,
-                         token_mask: torch.Tensor | None, groups: list[MeshGroup], grad_ranks: int) -> torch.Tensor:
-    """The router's scaled balancing loss plus its z-loss, each over the global batch (0-d)."""
+def global_router_losses(aux_coef: float, z_coef: float, logits: torch.Tensor, scores: torch.Tensor,
+                         topk_idx: torch.Tensor, token_mask: torch.Tensor | None, groups: list[MeshGroup],
+                         grad_ranks: int) -> torch.Tensor:
+    """A router's scaled balancing loss plus its z-loss, each over the global batch (0-d)."""
     loss = scores.new_zeros(())
-    if router.aux_loss_coef:
+    if aux_coef:
         balance = GlobalLoadBalancingLoss.apply(scores, topk_idx, token_mask, groups, grad_ranks)
-        loss = router.aux_loss_coef * balance
-    if router.z_loss_coef:
-        loss = loss + router.z_loss_coef * GlobalRouterZLoss.apply(logits, token_mask, groups, grad_ranks)
+        loss = aux_coef * balance
+    if z_coef:
+        loss = loss + z_coef * GlobalRouterZLoss.apply(logits, token_mask, groups, grad_ranks)
     return loss
 
 
-class GlobalRouter(Router):
-    """The reference `router` (its gate taken over, same parameter names) with the balancing loss computed
-    over the global batch: for layouts without expert parallelism whose ranks split the tokens."""
+class GlobalRouterLosses(nn.Module):
+    """`RouterLosses` over the global batch: the tokens of every rank of `groups` (`grad_ranks`: the
+    data-parallel averaging divisor, dp x cp). Same signature, so it takes the place of `Router.aux_losses`."""
 
-    def __init__(self, router: Router, groups: list[MeshGroup], grad_ranks: int) -> None:
-        torch.nn.Module.__init__(self)
-        # Every setting and the gate, bias buffer and load counter, under the reference's names.
-        self.__dict__.update({k: v for k, v in router.__dict__.items() if not k.startswith("_")})
-        self.gate = router.gate
-        self.register_buffer("expert_bias", router.expert_bias)
+    def __init__(self, groups: list[MeshGroup], grad_ranks: int) -> None:
+        super().__init__()
         self.groups, self.grad_ranks = groups, grad_ranks
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None):
-        logits, scores, topk_idx, topk_weights = self.route(x, token_mask)
-        loss = global_router_losses(self, logits, scores, topk_idx, token_mask, self.groups, self.grad_ranks)
-        return topk_idx, topk_weights, loss
+    def forward(self, logits: torch.Tensor, scores: torch.Tensor, topk_idx: torch.Tensor,
+                token_mask: torch.Tensor | None, aux_coef: float, z_coef: float) -> torch.Tensor:
+        return global_router_losses(aux_coef, z_coef, logits, scores, topk_idx, token_mask, self.groups,
+                                    self.grad_ranks)
 
 
-def balancing_groups(mesh, sequence_parallel: bool) -> list[MeshGroup]:
+def balancing_groups(mesh: ParallelMesh, sequence_parallel: bool) -> list[MeshGroup]:
     """The groups whose ranks split the batch's tokens: dp x cp, and tp under sequence parallelism."""
     sp = sequence_parallel and mesh["tp"].size > 1
     return [mesh["dp_cp"]] + ([mesh["tp"]] if sp else [])
 
 
-def balance_globally(model: torch.nn.Module, mesh, sequence_parallel: bool) -> None:
+def balance_globally(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool) -> None:
     """Give every MoE router of `model` (experts not sharded) the global balancing loss, in place, when
     its ranks split the tokens and the loss is on; otherwise each rank's loss is already the global one."""
     groups = balancing_groups(mesh, sequence_parallel)
     if all(g.size == 1 for g in groups):
         return
-    for block in model.layers:
-        router = getattr(block.feed_forward, "router", None)
-        if router is not None and (router.aux_loss_coef or router.z_loss_coef):
-            block.feed_forward.router = GlobalRouter(router, groups, mesh["dp_cp"].size)
+    for i, block in enumerate(model.layers):
+        ff = block.feed_forward
+        if isinstance(ff, MoE) and (ff.router.aux_loss_coef or ff.router.z_loss_coef):
+            replace_module(model, f"layers.{i}.feed_forward.router.aux_losses",
+                           GlobalRouterLosses(groups, mesh["dp_cp"].size))

@@ -19,7 +19,9 @@ spec/dispatchers.py whose runtime module has `dispatch(x, topk_idx, topk_weights
 
 `dispatch_compute_combine(x, topk_idx, topk_weights, compute)` runs the three in one call; with
 `overlap_chunks` > 1 (ragged only) it pipelines them over token chunks so one chunk's all-to-all runs while
-another chunk's experts compute (`overlap.py`).
+another chunk's experts compute (`overlap.py`). Called as a module with the local experts, a `Dispatcher` is
+the expert-parallel `MoE.dispatcher` (the seam `orangetron/model/moe.py`'s `LocalDispatcher` fills on one
+device, same signature).
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from orangetron.spec import rules
 from orangetron.spec.variants import DISPATCHERS
 
 
-class Dispatcher:
+class Dispatcher(nn.Module):
     """Dispatch and combine over `mesh["ep"]` (or a `MeshGroup`) for `num_experts` experts."""
 
     def __init__(self, mesh: ParallelMesh | MeshGroup, num_experts: int, mode: str = "ragged",
                  capacity_factor: float = 1.0, drop_policy: str = "probs", overlap_chunks: int = 1) -> None:
+        super().__init__()
         self.group = mesh if isinstance(mesh, MeshGroup) else mesh["ep"]
         record = DISPATCHERS.runtime_record(mode)
         if drop_policy not in DROP_POLICIES:
@@ -57,6 +60,11 @@ class Dispatcher:
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.local_experts = num_experts // self.group.size
         self.first_expert = self.group.rank * self.local_experts
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                experts: nn.Module) -> torch.Tensor:
+        """x [T, dim] -> [T, dim]: `dispatch_compute_combine` with the local `experts` (`run_local_experts`)."""
+        return self.dispatch_compute_combine(x, topk_idx, topk_weights, experts)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         """x [T, dim], topk_idx [T, k] int64 in [0, E), topk_weights [T, k] -> (recv_x, recv_topk_idx,

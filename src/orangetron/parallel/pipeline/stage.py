@@ -4,7 +4,8 @@ With pp ranks and v virtual stages the layers form pp * v contiguous chunks, spl
 them (`plan.stages.chunk_layers`); rank r runs chunks r, r + pp, ... (virtual stage g = chunk * pp + r).
 The embedding lives on virtual stage 0, the final norm, output projection and loss on the last one.
 Parameters keep their reference names (`layers.5.attention.wq.weight`), so checkpoints and whole
-gradients are the same on every layout.
+gradients are the same on every layout. The parts a rank does not run are emptied with `replace_module`
+(`orangetron/parallel/replace.py`), like every other change a dimension makes to the model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from orangetron.model.layers import rope_cos_sin
 from orangetron.model.moe import MoE
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
+from orangetron.parallel.replace import replace_module
 from orangetron.spec.layout import LayoutError
 from orangetron.spec.stages import chunk_layers
 
@@ -58,20 +60,17 @@ def split_stages(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int) -
         g = c * pp + pp_rank
         chunks.append(Chunk(g, c, tuple(ranges[g]), g == 0, g == pp * virtual_stages - 1))
     kept = [i for chunk in chunks for i in chunk.layers]
-    model.layers = nn.ModuleDict({str(i): model.layers[i] for i in kept})
-    if not chunks[0].first:
-        model.tok_embeddings = None
-    if not chunks[-1].last:
-        model.norm = model.output = None
+    replace_module(model, "layers", nn.ModuleDict({str(i): model.layers[i] for i in kept}))
+    dropped = ([] if chunks[0].first else ["tok_embeddings"]) + ([] if chunks[-1].last else ["norm", "output"])
+    for name in dropped:
+        replace_module(model, name, None)
     return chunks
 
 
 def hidden_shape(model: nn.Module, tokens: torch.Tensor) -> tuple[int, int, int]:
     """The activation passed between stages for tokens [B, S]: [B, S/tp, dim] under SP, else [B, S, dim]."""
     b, s = tokens.shape
-    if getattr(model, "sp", False):
-        s //= model.group.size
-    return b, s, model.cfg.dim
+    return b, model.io.hidden_len(s), model.cfg.dim
 
 
 def chunk_forward(model: nn.Module, chunk: Chunk, x: torch.Tensor, positions: torch.Tensor,

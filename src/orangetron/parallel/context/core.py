@@ -1,0 +1,26 @@
+"""`ContextParallelAttention`: the attention core a context-parallel model runs in every attention block.
+
+It takes the place of the reference core (`Attention.core_attention`, a `CausalAttention` in
+`orangetron/model/layers.py`) with the same signature, so the projections, rotary embedding and tensor
+parallelism around it are unchanged: q [B, L, Hq, D], k, v [B, L, Hk, D] of this rank's head-tail shard
+-> out [B, L, Hq, D], attending causally over the whole sequence across the cp ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from orangetron.mesh import ParallelMesh
+from orangetron.parallel.context.attention import attention
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention over the cp ranks of `mesh` in `mode` (`context.attention`, `ulysses_degree` for usp)."""
+
+    def __init__(self, mesh: ParallelMesh, mode: str, ulysses_degree: int | None = None) -> None:
+        super().__init__()
+        self.mesh, self.mode, self.ulysses_degree = mesh, mode, ulysses_degree
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, self.mesh, mode=self.mode, causal=True, ulysses_degree=self.ulysses_degree)
