@@ -39,7 +39,7 @@ from orangetron.model.transformer import Transformer
 from orangetron.spec.layout import Layout, LayoutError
 
 if TYPE_CHECKING:
-    from orangetron.parallel.units import TransientPeaks
+    from orangetron.parallel.data.transient import TransientPeaks
 
 
 # ---- where each parameter lives ------------------------------------------------------------------
