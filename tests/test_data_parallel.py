@@ -89,8 +89,7 @@ def data_parallel_run(layout: Layout, stage: str, param_dtype: str = "float64"):
         peaks.append(meter.peak_bytes)
         step_records.append([(r.op, r.dim, r.payload_bytes, r.bytes_sent) for r in records])
     state = memory.model_state_bytes(dp, opt)
-    if dp.zero3 or dp._params_stale:
-        dp._gather_params()
+    dp.gather_params()  # whole parameters to read, where the strategy shards them
     params = torch.cat([p.detach().reshape(-1).double() for p in dp.module.parameters()])
     return losses, params, step_records, state | {"activations": max(peaks)}, dp.numel, grads
 
@@ -466,8 +465,7 @@ def awkward_run():
         for _ in awkward_steps(dp, lambda rows, r=r: rows[r * 2:(r + 1) * 2]):
             opt.step()
             opt.zero_grad()
-        if dp.zero3 or dp._params_stale:
-            dp._gather_params()
+        dp.gather_params()  # whole parameters to read, where the strategy shards them
         out[stage] = torch.cat([p.detach().reshape(-1) for p in dp.module.parameters()])
     return out
 

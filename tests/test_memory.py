@@ -166,8 +166,7 @@ def test_reference_models_keep_nothing_on_ctx():
 def check_comm_and_zero3_keep_nothing_on_ctx():
     from orangetron import comm
     from orangetron.mesh import init_mesh
-    from orangetron.parallel import ParallelConfig
-    from orangetron.parallel.data import DataParallel
+    from orangetron.parallel import DataParallel, ParallelConfig
     from orangetron.spec.layout import Layout
 
     mesh = init_mesh(Layout(dp=2))

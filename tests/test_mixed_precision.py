@@ -125,8 +125,7 @@ def dp_run(mesh, stage: str, precision: str) -> dict[str, list | torch.Tensor]:
         opt.zero_grad()
         losses.append(loss.item())
     main_params = flat(dp.full_state(opt)["params"].values())
-    if dp.zero3 or dp._params_stale:
-        dp._gather_params()
+    dp.gather_params()  # whole parameters to read, where the strategy shards them
     return {"losses": losses, "grads": grads, "params": flat(dp.module.parameters()), "main_params": main_params}
 
 

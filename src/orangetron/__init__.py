@@ -21,7 +21,8 @@ _LAZY = {
     "ModelConfig": ("orangetron.model", "ModelConfig"),
     "Transformer": ("orangetron.model", "Transformer"),
     "ParallelConfig": ("orangetron.parallel", "ParallelConfig"),
-    "DataParallel": ("orangetron.parallel", "DataParallel"),
+    "DataParallel": ("orangetron.parallel", "DataParallel"),  # the earlier name of ParallelModel
+    "ParallelModel": ("orangetron.parallel", "ParallelModel"),
     "parallelize": ("orangetron.parallel", "parallelize"),
 }
 

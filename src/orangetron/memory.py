@@ -33,7 +33,7 @@ _report = _Report()
 
 
 def _measured_model(model: nn.Module | None) -> nn.Module | None:
-    # A wrapper that exposes the wrapped model as `.module` (DataParallel, torch's DDP) counts as that model,
+    # A wrapper that exposes the wrapped model as `.module` (ParallelModel, torch's DDP) counts as that model,
     # so its model state and the activations of the module it wraps make one report.
     while model is not None and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
@@ -86,13 +86,13 @@ def model_state_bytes(
 ) -> dict[str, int]:
     """Bytes of params, grads, fp32 main params and optimizer state held by this rank.
 
-    A wrapper with `transient_peaks()` (`DataParallel`) adds the peaks of what exists only during a step:
+    A wrapper with `transient_peaks()` (`ParallelModel`) adds the peaks of what exists only during a step:
     `gathered_params` (ZeRO-3's full units), `grad_buckets` (gradient wire buffers in flight) and `param_grads`
     (per-parameter `.grad` tensors not yet moved into the flat buffers).
 
     `main_params` are the fp32 master copies a mixed-precision optimizer keeps; when the model itself
     trains in fp32 there are none and the category is 0, as in the cost model. A wrapper that owns its
-    buffers (`DataParallel`) reports them through `state_tensors()`; an optimizer may do the same.
+    buffers (`ParallelModel`) reports them through `state_tensors()`; an optimizer may do the same.
     """
     if hasattr(model, "state_tensors"):
         owned = model.state_tensors()
@@ -177,7 +177,7 @@ def report() -> dict[str, int | None]:
     model = _report.model
     if model is not None and model() is None:
         return dict.fromkeys(CATEGORIES)
-    # The transient peaks appear when the model measured has them (a `DataParallel` wrapper).
+    # The transient peaks appear when the model measured has them (a `ParallelModel`).
     names = CATEGORIES + tuple(t for t in TRANSIENT if t in _report.values)
     return {name: _report.values.get(name) for name in names}
 

@@ -152,7 +152,7 @@ class Transformer(nn.Module):
         return self.loss_from_logits(logits, labels, ignore_index)
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """`loss` for logits [B, S, V] already computed (by a wrapper such as DataParallel) by this model."""
+        """`loss` for logits [B, S, V] already computed (by a wrapper such as ParallelModel) by this model."""
         return self.cross_entropy(logits, labels, ignore_index) + self.aux_loss()
 
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

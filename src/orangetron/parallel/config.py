@@ -26,7 +26,7 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 @dataclass(frozen=True)
 class ParallelConfig:
     """Options of every parallel dimension; `train` takes most of them as flags of the same name with dashes.
-    `recompute` is priced by the planner only: the runtime refuses it (`DataParallel`)."""
+    `recompute` is priced by the planner only: the runtime refuses it (`ParallelModel`)."""
 
     sequence_parallel: bool = False  # TP's all-reduce becomes reduce-scatter + all-gather; norms on shards
     cp_mode: str = "ring"  # context-parallel attention: ring, allgather, ulysses, usp, rsa

@@ -28,7 +28,7 @@ from orangetron.model.moe import MoE
 
 
 @runtime_checkable
-class ParallelModel(Protocol):
+class ModelContract(Protocol):
     """The root module `parallelize` takes (an `nn.Module`)."""
 
     cfg: Any  # an orangetron.model.config.ModelConfig
@@ -115,7 +115,7 @@ def _missing(obj: object, protocol: type, prefix: str) -> list[str]:
 def missing_members(model: object) -> list[str]:
     """Qualified names of the contract's members that `model` lacks (empty when it satisfies the contract)."""
     missing = [] if isinstance(model, nn.Module) else ["(an nn.Module)"]
-    missing += _missing(model, ParallelModel, "")
+    missing += _missing(model, ModelContract, "")
     if hasattr(model, "io"):
         missing += _missing(model.io, ParallelIOParts, "io.")
     layers = getattr(model, "layers", None) or []

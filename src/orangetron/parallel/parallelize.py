@@ -25,16 +25,16 @@ from orangetron.mesh import ParallelMesh
 from orangetron.parallel import context, pipeline
 from orangetron.parallel.config import ParallelConfig
 from orangetron.parallel.contract import check_model
-from orangetron.parallel.data import DataParallel
 from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.expert.balance import balance_globally
+from orangetron.parallel.parallel_model import ParallelModel
 from orangetron.parallel.replace import replace_module
 from orangetron.parallel.tensor import tensor_parallel
 from orangetron.spec import rules
 from orangetron.spec.variants import CONTEXT_MODES
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> DataParallel:
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> ParallelModel:
     """Apply `mesh.layout` to the reference `model` (an `orangetron.Transformer`, sharded in place).
 
     Tensor parallelism (with sequence parallelism when `config.sequence_parallel`) first, then context
@@ -43,7 +43,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     `context.position_ids`), then expert parallelism over ep (routed experts in blocks per ep rank,
     `config.dispatcher`), then pipeline parallelism over pp (this rank keeps its stage's chunks; run a
     step with `pipeline.run_pipeline`), then data parallelism over dp x cp (experts over edp) with the
-    ZeRO stage of `config`. Returns the `DataParallel` wrapper: call it like the model, and build the optimizer with
+    ZeRO stage of `config`. Returns the `ParallelModel`: call it like the model, and build the optimizer with
     `.optimizer(lr=...)`. Every rank must build `model` from the same seed. A model that lacks what the
     parallel code relies on raises `ModelContractError`; dimensions the runtime does not run yet raise
     `LayoutError`.
@@ -61,9 +61,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
         model = expert_parallel(model, mesh, config)
     else:  # the balancing loss over every token of the batch, as one device computes it
         balance_globally(model, mesh, config.sequence_parallel)
+    chunks = None
     if layout.pp > 1:  # last: the other dimensions walk every layer of the whole model
-        model.pipeline_chunks = pipeline.split_stages(model, layout.pp, mesh["pp"].rank, config.virtual_stages)
-    return DataParallel(model, mesh, config)
+        chunks = pipeline.split_stages(model, layout.pp, mesh["pp"].rank, config.virtual_stages)
+    return ParallelModel(model, mesh, config, chunks)
 
 
 def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str, ulysses_degree: int = 1) -> None:

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from orangetron.parallel.flat import FlatPart
+from orangetron.parallel.data.flat import FlatPart
 
 if TYPE_CHECKING:
-    from orangetron.parallel.data import DataParallel, ShardedAdamW
+    from orangetron.parallel.data import DataParallelBuffers, ShardedAdamW
 
 
 @dataclass(frozen=True)
@@ -102,28 +102,29 @@ def _segment_slice(part: FlatPart, owned: torch.Tensor, k: int) -> torch.Tensor:
     return owned[seg.shard_start:seg.shard_start + seg.shard_numel]
 
 
-def _global_offset(dp: DataParallel, name: str, local_shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
+def _global_offset(buffers: DataParallelBuffers, name: str,
+                   local_shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
     """Where this rank's local tensor of `name` starts in the whole tensor, and the whole tensor's shape."""
     offset, shape = [0] * len(local_shape), list(local_shape)
-    if dp.tp is not None:
-        placement = dp.placements[name]
+    if buffers.tp is not None:
+        placement = buffers.placements[name]
         if placement.dim is not None:
-            offset[placement.dim] = placement.slice_index(dp.tp.rank) * local_shape[placement.dim]
-            shape[placement.dim] = local_shape[placement.dim] * placement.slices(dp.tp.size)
-    if dp._is_expert(name):  # the ep ranks hold consecutive blocks of experts
-        offset[0] += dp.ep.rank * local_shape[0]
-        shape[0] *= dp.ep.size
+            offset[placement.dim] = placement.slice_index(buffers.tp.rank) * local_shape[placement.dim]
+            shape[placement.dim] = local_shape[placement.dim] * placement.slices(buffers.tp.size)
+    if buffers.is_expert(name):  # the ep ranks hold consecutive blocks of experts
+        offset[0] += buffers.ep.rank * local_shape[0]
+        shape[0] *= buffers.ep.size
     return offset, shape
 
 
-def part_shards(dp: DataParallel, part: FlatPart, owned: torch.Tensor) -> dict[str, Shards]:
+def part_shards(buffers: DataParallelBuffers, part: FlatPart, owned: torch.Tensor) -> dict[str, Shards]:
     """The whole tensors by parameter name whose pieces `owned` (a shard-layout buffer of `part`: main params
     or an AdamW moment) holds; every parameter of the part is named, with no pieces where none is owned."""
     ranges = _owned_ranges(part)
     out = {}
     for name, p in part.named:
         local_shape = tuple(p.shape)
-        offset, shape = _global_offset(dp, name, local_shape)
+        offset, shape = _global_offset(buffers, name, local_shape)
         pieces = []
         for lo, hi, k, at in ranges.get(name, []):
             row = _segment_slice(part, owned, k)
@@ -135,17 +136,17 @@ def part_shards(dp: DataParallel, part: FlatPart, owned: torch.Tensor) -> dict[s
     return out
 
 
-def sharded_state(dp: DataParallel, optimizer: ShardedAdamW) -> dict[str, dict[str, Shards]]:
+def sharded_state(buffers: DataParallelBuffers, optimizer: ShardedAdamW) -> dict[str, dict[str, Shards]]:
     """This rank's pieces of the main parameters, both AdamW moments and the buffers, by parameter name.
 
-    Views, not copies: saving reads them, loading writes into them (follow a load with `dp.state_loaded`).
-    A pipeline stage names only its own layers; the stages together name the whole model.
+    Views, not copies: saving reads them, loading writes into them (follow a load with the model's
+    `state_loaded`). A pipeline stage names only its own layers; the stages together name the whole model.
     """
     state: dict[str, dict[str, Shards]] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
-    for part, adamw in zip(dp.parts, optimizer.adamws, strict=True):
-        state["params"] |= part_shards(dp, part, part.main_params)
-        state["exp_avg"] |= part_shards(dp, part, adamw.exp_avg)
-        state["exp_avg_sq"] |= part_shards(dp, part, adamw.exp_avg_sq)
+    for part, adamw in zip(buffers.parts, optimizer.adamws, strict=True):
+        state["params"] |= part_shards(buffers, part, part.main_params)
+        state["exp_avg"] |= part_shards(buffers, part, adamw.exp_avg)
+        state["exp_avg_sq"] |= part_shards(buffers, part, adamw.exp_avg_sq)
     # Buffers (the routers' balancing biases) are whole and the same on every rank of a stage.
-    state["buffers"] = {name: Shards.whole(b) for name, b in dp.module.named_buffers()}
+    state["buffers"] = {name: Shards.whole(b) for name, b in buffers.module.named_buffers()}
     return state

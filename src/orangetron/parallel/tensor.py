@@ -44,7 +44,7 @@ from orangetron.parallel.replace import replace_module
 from orangetron.spec.layout import Layout, LayoutError
 
 if TYPE_CHECKING:
-    from orangetron.parallel.units import TransientPeaks
+    from orangetron.parallel.data.transient import TransientPeaks
 
 
 # ---- where each parameter lives ------------------------------------------------------------------

@@ -36,7 +36,7 @@ def _rng_name(rank: int) -> str:
 
 def _tensors(setup: RunSetup) -> dict[str, Any]:
     """This rank's pieces of the run's tensors (views of its buffers), nested as the checkpoint names them."""
-    return {**setup.dp.sharded_state(setup.optimizer), "rng": {_rng_name(setup.rank): torch.get_rng_state()}}
+    return {**setup.model.sharded_state(setup.optimizer), "rng": {_rng_name(setup.rank): torch.get_rng_state()}}
 
 
 def save(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> Path | None:
@@ -47,7 +47,7 @@ def save(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> P
 
 def _write_checkpoint(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> Path | None:
     plain = {"step": step, "losses": list(losses), "model": dataclasses.asdict(cfg.model_config()),
-             "schedule": schedule_of(cfg), "optimizer_steps": setup.optimizer.adamw.steps,
+             "schedule": schedule_of(cfg), "optimizer_steps": setup.optimizer.steps,
              "data": {"batches": step}, "layout": cfg.layout.degrees()}  # losses: the global batch's, on every rank
     path = save_checkpoint(_checkpoint_folder(cfg), step, {**_tensors(setup), **plain}, comm.world_group())
     return path if setup.rank == 0 else None
@@ -87,7 +87,7 @@ def _resume(cfg: TrainConfig, setup: RunSetup, world: MeshGroup) -> tuple[TrainC
     if not same_layout:
         del tensors["rng"]
     load_into(checkpoint, tensors, world)
-    setup.dp.state_loaded(setup.optimizer, int(state["optimizer_steps"]))
+    setup.model.state_loaded(setup.optimizer, int(state["optimizer_steps"]))
     if same_layout:
         torch.set_rng_state(tensors["rng"][_rng_name(setup.rank)])
     return cfg, Resumed(step, [float(x) for x in state["losses"]], path)

@@ -32,7 +32,7 @@ def _rank_timeline(pp: int, microbatches: int, schedule: str, virtual_stages: in
     mesh = init_mesh(Layout(pp=pp))
     pc = ParallelConfig(pp_schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
     cfg = _model(pp, virtual_stages)
-    dp = parallelize(Transformer(cfg, seed=0), mesh, pc)
+    model = parallelize(Transformer(cfg, seed=0), mesh, pc)
     timeline: list[tuple] = []
     for step in range(2):
         rows = torch.randint(0, cfg.vocab_size, (ROWS_PER_MICROBATCH * microbatches, SEQ + 1),
@@ -41,8 +41,8 @@ def _rank_timeline(pp: int, microbatches: int, schedule: str, virtual_stages: in
                for x, y in zip(rows[:, :-1].chunk(microbatches), rows[:, 1:].chunk(microbatches), strict=True)]
         comm.all_reduce(torch.zeros(1), comm.world_group())  # start the recorded step together
         timeline.clear()
-        run_pipeline(dp, mbs, schedule, virtual_stages, timeline=timeline)
-        dp.module.zero_grad()
+        run_pipeline(model, mbs, schedule, virtual_stages, timeline=timeline)
+        model.module.zero_grad()
     return timeline
 
 

@@ -24,7 +24,7 @@ import torch
 from orangetron import comm
 from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import Transformer
-from orangetron.parallel import DataParallel, ShardedAdamW, parallelize
+from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
 from orangetron.train import faults
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
@@ -159,7 +159,7 @@ class RunSetup:
     """What every rank builds before its first step."""
 
     data: RunData
-    dp: DataParallel
+    model: ParallelModel
     optimizer: ShardedAdamW
     rank: int
     dp_rank: int
@@ -172,25 +172,30 @@ class RunSetup:
         return [mb[self.dp_rank * self.share:(self.dp_rank + 1) * self.share]
                 for mb in batch.chunk(self.microbatches)]
 
+    @property
+    def dp(self) -> ParallelModel:
+        """The parallel model, by the name this field had when it was the data-parallel wrapper."""
+        return self.model
+
 
 def setup_run(cfg: TrainConfig) -> RunSetup:
-    """Data, wrapped model and optimizer of this rank, inside an initialized process group."""
+    """Data, parallel model and optimizer of this rank, inside an initialized process group."""
     faults.enter("setup")
     mesh = init_mesh(cfg.layout)
     torch.manual_seed(cfg.seed)
     data = load_data(cfg)
-    model_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # bf16: cast by the wrapper
-    model = Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype)
-    dp = parallelize(model, mesh, cfg.parallel_config())
-    dp.train()
-    optimizer = dp.optimizer(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    model_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # bf16: cast by the flat buffers
+    reference = Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype)
+    model = parallelize(reference, mesh, cfg.parallel_config())
+    model.train()
+    optimizer = model.optimizer(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
     share = cfg.batch_size // (mesh["dp"].size * cfg.microbatches)
-    return RunSetup(data, dp, optimizer, mesh.rank, mesh["dp"].rank, share, cfg.microbatches)
+    return RunSetup(data, model, optimizer, mesh.rank, mesh["dp"].rank, share, cfg.microbatches)
 
 
 def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     setup = setup_run(cfg)
-    data, dp, optimizer, rank = setup.data, setup.dp, setup.optimizer, setup.rank
+    data, model, optimizer, rank = setup.data, setup.model, setup.optimizer, setup.rank
     bar = ProgressBar(cfg.steps, enabled=progress)
     bar.log(f"orangetron train: {_describe(cfg, data)}")
     start = Resumed(0, [])
@@ -199,7 +204,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         cfg, start = resume(cfg, setup)
         bar.log(f"resumed from {start.path} at step {start.step} of {cfg.steps}")
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    peak = measured_peak_flops(dp.config.torch_param_dtype, dp.device)
+    peak = measured_peak_flops(model.config.torch_param_dtype, model.device)
     run = RunLog(cfg, bar, write=rank == 0, start=start, flops_per_step=step_flops(cfg) / cfg.layout.world_size,
                  peak_flops=peak)
     eval_loss: float | None = None
@@ -215,7 +220,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             rows = setup.rows(next(batches))
             # The first step also measures memory; its hooks cost time, so run.step leaves it out of tokens/s.
             try:
-                loss, grad_norm, step_mem = train_step(dp, optimizer, rows, lr, cfg.grad_clip,
+                loss, grad_norm, step_mem = train_step(model, optimizer, rows, lr, cfg.grad_clip,
                                                         measure=step == start.step)
             except TrainingDiverged as err:  # nothing of this step was applied or written
                 kept = "; the run folder keeps the checkpoints of earlier steps" if cfg.out is not None else ""
@@ -225,7 +230,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
             if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
                 faults.enter("evaluation")
-                eval_loss = evaluate(dp, data.eval_samples, cfg.batch_size, cfg.eval_batches)
+                eval_loss = evaluate(model, data.eval_samples, cfg.batch_size, cfg.eval_batches)
                 record["eval_loss"] = eval_loss
             run.step(record, seconds)
             if cfg.out is not None and (step + 1 == last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):

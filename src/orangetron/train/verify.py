@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from orangetron.parallel import DataParallel
+from orangetron.parallel import ParallelModel
 from orangetron.train.config import DEFAULT_TOLERANCE, TrainConfig
 from orangetron.train.launch import launch_local, process_group
 from orangetron.train.schedule import lr_at
@@ -27,15 +27,15 @@ def _trace(cfg: TrainConfig) -> dict[str, Any]:
     setup = setup_run(cfg)
     grads: list[dict[str, torch.Tensor]] = []
 
-    def keep(dp: DataParallel) -> None:
-        whole = dp.full_grads()  # every rank takes part in the gathers
+    def keep(model: ParallelModel) -> None:
+        whole = model.full_grads()  # every rank takes part in the gathers
         if setup.rank == 0:
             grads.append({name: g.double() for name, g in whole.items()})
 
     losses, batches = [], iter(setup.data.train)
     for step in range(cfg.steps):
         rows = setup.rows(next(batches))
-        loss, _, _ = train_step(setup.dp, setup.optimizer, rows, lr_at(step, cfg), cfg.grad_clip,
+        loss, _, _ = train_step(setup.model, setup.optimizer, rows, lr_at(step, cfg), cfg.grad_clip,
                                  measure=False, on_grads=keep)
         setup.optimizer.zero_grad()
         losses.append(loss)

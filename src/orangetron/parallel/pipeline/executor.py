@@ -15,13 +15,16 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from orangetron import comm
-from orangetron.parallel.data import DataParallel
 from orangetron.parallel.pipeline.stage import Chunk, chunk_forward, hidden_shape
 from orangetron.spec.schedule import Action, actions
+
+if TYPE_CHECKING:
+    from orangetron.parallel.parallel_model import ParallelModel
 
 
 @dataclass
@@ -43,10 +46,10 @@ class _Transfers:
     """Sends and receives between neighbouring virtual stages over mesh["pp"], tagged by
     (virtual stage, micro-batch, direction) so that no two transfers between a pair of ranks can match."""
 
-    def __init__(self, dp: DataParallel, microbatches: int, stages: int) -> None:
-        self.group, self.m, self.stages = dp.mesh["pp"], microbatches, stages
-        self.dtype = next(dp.module.parameters()).dtype
-        self.device = dp.device
+    def __init__(self, model: ParallelModel, microbatches: int, stages: int) -> None:
+        self.group, self.m, self.stages = model.mesh["pp"], microbatches, stages
+        self.dtype = next(model.module.parameters()).dtype
+        self.device = model.device
         self.pending: list = []
 
     def _tag(self, stage: int, microbatch: int, backward: bool) -> int:
@@ -69,22 +72,25 @@ class _Transfers:
         self.pending.clear()
 
 
-def run_pipeline(dp: DataParallel, microbatches: list[MicroBatch], schedule: str, virtual_stages: int = 1,
+def run_pipeline(model: ParallelModel, microbatches: list[MicroBatch], schedule: str, virtual_stages: int = 1,
                  train: bool = True, timeline: list[tuple[str, int, int, float, float]] | None = None) -> float | None:
-    """Run one step's forwards (and backwards when `train`) of `schedule` on this pipeline rank.
+    """Run one step's forwards (and backwards when `train`) of `schedule` on this pipeline rank, with the
+    chunks `model` (from `parallelize` over pp > 1) holds.
 
     Returns the sum over micro-batches of loss_scale * cross entropy on the last stage, None elsewhere.
     Without `train`, only the forwards run, micro-batch by micro-batch, under no_grad. `timeline`, when
     given, receives (kind, chunk, micro-batch, start, end) per action in `time.perf_counter` seconds, from
     the moment its input has arrived to the moment its output is posted (waiting is not work).
     """
-    group = dp.mesh["pp"]
-    chunks: list[Chunk] = dp.module.pipeline_chunks
+    group = model.mesh["pp"]
+    chunks = model.pipeline_chunks
+    if chunks is None:
+        raise ValueError("run_pipeline: the model holds no pipeline chunks; parallelize it over pp > 1")
     if train:
         plan = actions(group.size, len(microbatches), schedule, virtual_stages)[group.rank]
     else:  # forwards only: every rank in micro-batch order, chunk by chunk (any count of micro-batches)
         plan = [Action("F", c, i) for i in range(len(microbatches)) for c in range(virtual_stages)]
-    runner = _Runner(dp, microbatches, chunks, _Transfers(dp, len(microbatches), group.size * virtual_stages))
+    runner = _Runner(model, microbatches, chunks, _Transfers(model, len(microbatches), group.size * virtual_stages))
     runner.timeline = timeline
     # Gradient buckets start with a chunk's last backward of the step; the earlier ones only accumulate.
     last_backward = {act.chunk: at for at, act in enumerate(plan) if act.kind == "B"}
@@ -93,7 +99,7 @@ def run_pipeline(dp: DataParallel, microbatches: list[MicroBatch], schedule: str
             if act.kind == "F":
                 runner.forward(chunks[act.chunk], act.microbatch)
                 continue
-            with dp.no_sync() if at != last_backward[act.chunk] else nullcontext():
+            with model.no_sync() if at != last_backward[act.chunk] else nullcontext():
                 runner.backward(chunks[act.chunk], act.microbatch)
     runner.transfers.finish()
     return runner.loss if chunks[-1].last else None
@@ -102,9 +108,9 @@ def run_pipeline(dp: DataParallel, microbatches: list[MicroBatch], schedule: str
 class _Runner:
     """The state of one step on one rank: what each in-flight (chunk, micro-batch) keeps until its backward."""
 
-    def __init__(self, dp: DataParallel, microbatches: list[MicroBatch], chunks: list[Chunk],
+    def __init__(self, model: ParallelModel, microbatches: list[MicroBatch], chunks: list[Chunk],
                  transfers: _Transfers) -> None:
-        self.dp, self.mbs, self.chunks, self.transfers = dp, microbatches, chunks, transfers
+        self.model, self.mbs, self.chunks, self.transfers = model, microbatches, chunks, transfers
         self.saved: dict[tuple[int, int], tuple] = {}
         self.loss = 0.0
         self.timeline: list | None = None
@@ -114,16 +120,16 @@ class _Runner:
             self.timeline.append((kind, chunk.index, i, start, time.perf_counter()))
 
     def forward(self, chunk: Chunk, i: int) -> None:
-        mb, model = self.mbs[i], self.dp.module
+        mb, module = self.mbs[i], self.model.module
         if chunk.first:
             x = mb.inputs
         else:
-            x = self.transfers.recv(hidden_shape(model, mb.inputs), chunk.stage - 1, chunk.stage, i)
+            x = self.transfers.recv(hidden_shape(module, mb.inputs), chunk.stage - 1, chunk.stage, i)
             x.requires_grad_(torch.is_grad_enabled())
         start = time.perf_counter()
-        out, aux = self.dp.run(chunk_forward, model, chunk, x, mb.positions, mb.token_mask)
+        out, aux = self.model.run(chunk_forward, module, chunk, x, mb.positions, mb.token_mask)
         if chunk.last:
-            ce = model.cross_entropy(out, mb.labels, mb.ignore_index) * mb.loss_scale
+            ce = module.cross_entropy(out, mb.labels, mb.ignore_index) * mb.loss_scale
             self.loss += float(ce.detach())
             objective = ce if aux is None else ce + aux * mb.aux_scale
             self.saved[(chunk.index, i)] = (x, objective, None)

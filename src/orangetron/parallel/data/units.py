@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from orangetron import comm
-from orangetron.parallel.flat import FlatPart, Segment
+from orangetron.parallel.data.flat import FlatPart, Segment
 
 if TYPE_CHECKING:
-    from orangetron.parallel.data import DataParallel
+    from orangetron.parallel.data.buffers import DataParallelBuffers
 
 
 @dataclass
@@ -68,45 +68,31 @@ def _qualified(root: nn.Module, sub: nn.Module, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-class TransientPeaks:
-    """Live and peak bytes of buffers that exist only during a step, by memory category."""
-
-    CATEGORIES = ("gathered_params", "grad_buckets", "param_grads")
-
-    def __init__(self) -> None:
-        self.live = dict.fromkeys(self.CATEGORIES, 0)
-        self.peak = dict.fromkeys(self.CATEGORIES, 0)
-
-    def add(self, category: str, nbytes: int) -> None:
-        self.live[category] += nbytes
-        self.peak[category] = max(self.peak[category], self.live[category])
-
-    def reset(self) -> None:
-        self.peak = dict(self.live)
-
-
 class Zero3Schedule:
-    """Hooks `dp`'s units for per-unit gather, prefetch, release and gradient reduce-scatter."""
+    """Hooks the units of `buffers` (`buffers.units`) for per-unit gather, prefetch, release and gradient
+    reduce-scatter."""
 
-    def __init__(self, dp: DataParallel, units: list[Unit]) -> None:
-        self.dp, self.units = dp, units
-        self.prefetch, self.keep = dp.config.zero3_prefetch, dp.config.zero3_keep_params
+    def __init__(self, buffers: DataParallelBuffers) -> None:
+        self.buffers, self.units = buffers, buffers.units
+        units = self.units
+        self.prefetch, self.keep = buffers.config.zero3_prefetch, buffers.config.zero3_keep_params
         # Each unit's segment in each part (a unit with no expert parameters has none in the expert part).
         self.segments: list[list[tuple[FlatPart, Segment]]] = [
-            [(part, seg) for part in dp.parts for seg in part.segments if seg.unit == u] for u in range(len(units))]
+            [(part, seg) for part in buffers.parts for seg in part.segments if seg.unit == u]
+            for u in range(len(units))]
         self.pending: dict[int, list[comm.Pending]] = {}
         self.in_flight: list[tuple[torch.Tensor, Segment, FlatPart, comm.Pending, int]] = []
         self.events: list[tuple[str, int]] = []  # ("gather" | "reduce", unit) launches, for overlap checks
         self.size = [len(u.names) for u in units]
         index = {name: k for k, u in enumerate(units) for name in u.names}
-        for name, p in dp._named:
+        for name, p in buffers.named:
             p.register_post_accumulate_grad_hook(partial(self._on_grad, index[name]))
         for unit in units:
             if unit.enter is not None:
                 unit.enter.register_forward_pre_hook(partial(self._enter_forward, unit.index))
                 unit.enter.register_forward_hook(partial(self._leave_forward, unit.index))
         self.sync = True
-        self.defer = dp.tp is not None and any(pl.needs_sync() for pl in dp.placements.values())
+        self.defer = buffers.tp_partials  # the units' reduce-scatters wait for the tp sum at the step
         self._end_backward()
 
     # ---- gathering --------------------------------------------------------------------------------
@@ -121,7 +107,7 @@ class Zero3Schedule:
         self.events.append(("gather", u))
         pending = []
         for part, seg in self.segments[u]:
-            self.dp.transient.add("gathered_params", seg.padded * seg.flat.element_size())
+            self.buffers.transient.add("gathered_params", seg.padded * seg.flat.element_size())
             pending.append(part.gather_start(seg))
         self.pending[u] = pending
 
@@ -135,7 +121,7 @@ class Zero3Schedule:
         self.ready(u)  # a prefetch still in flight must land before its buffer goes
         for part, seg in self.segments[u]:
             if part.is_gathered(seg):
-                self.dp.transient.add("gathered_params", -seg.padded * seg.flat.element_size())
+                self.buffers.transient.add("gathered_params", -seg.padded * seg.flat.element_size())
                 part.release(seg)
 
     def gather_all(self) -> None:
@@ -233,7 +219,7 @@ class Zero3Schedule:
     def reduce(self, u: int) -> None:
         """Reduce-scatter unit `u`'s gradients into this rank's main gradients; frees their `.grad`."""
         self.events.append(("reduce", u))
-        wire_dtype = self.dp.config.torch_reduce_dtype
+        wire_dtype = self.buffers.config.torch_reduce_dtype
         for part, seg in self.segments[u]:
             self.retire()  # one wire buffer at a time
             wire = torch.zeros(seg.padded, dtype=wire_dtype, device=part.device)  # padded to a multiple of n
@@ -241,9 +227,9 @@ class Zero3Schedule:
                 if unit == u and p.grad is not None:
                     at = part.offsets[name] - seg.start
                     wire[at:at + p.numel()].copy_(p.grad.reshape(-1))
-                    self.dp.param_grads.free(p)  # the wire holds it now
+                    self.buffers.param_grads.free(p)  # the wire holds it now
             nbytes = (seg.padded + seg.shard_numel) * wire.element_size()  # the wire and its reduced slice
-            self.dp.transient.add("grad_buckets", nbytes)
+            self.buffers.transient.add("grad_buckets", nbytes)
             self.in_flight.append((wire, seg, part, comm.reduce_scatter_start(wire, part.group), nbytes))
 
     def retire(self) -> None:
@@ -251,7 +237,7 @@ class Zero3Schedule:
         for _wire, seg, part, pending, nbytes in self.in_flight:
             owned = pending.wait()
             part.main_grads[seg.shard_start:seg.shard_start + seg.shard_numel].add_(owned)
-            self.dp.transient.add("grad_buckets", -nbytes)
+            self.buffers.transient.add("grad_buckets", -nbytes)
         self.in_flight = []
 
     def reduce_all(self) -> None:

@@ -1,5 +1,5 @@
 """The per-parameter `.grad` tensors, counted as a memory category from the moment autograd fills one until
-the data-parallel wrapper has moved it into its flat buffers (`plan.param_grads` predicts the peak)."""
+the data-parallel strategy has moved it into its flat buffers (`plan.param_grads` predicts the peak)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from orangetron.parallel.units import TransientPeaks
+    from orangetron.parallel.data.transient import TransientPeaks
 
 
 class ParamGrads:
@@ -31,6 +31,6 @@ class ParamGrads:
             self.counted[id(p)] = nbytes
 
     def free(self, p: torch.Tensor) -> None:
-        """Drop `p.grad` (its values live on in the wrapper's buffers)."""
+        """Drop `p.grad` (its values live on in the flat buffers)."""
         p.grad = None
         self.transient.add("param_grads", -self.counted.pop(id(p), 0))

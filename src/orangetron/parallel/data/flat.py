@@ -1,6 +1,6 @@
 """One flat data-parallel buffer: the parameters it holds, the group it shards over, and its slices.
 
-`DataParallel` keeps one for the dense parameters (over dp x cp) and, under expert parallelism, one for the
+`DataParallelBuffers` keeps one for the dense parameters (over dp x cp) and, under expert parallelism, one for the
 routed experts (over edp): each rank owns `[r * s, (r + 1) * s)` of every buffer of a part, with
 `s = ceil(numel / n)` (`plan.sharding`, shared with the planner).
 
@@ -27,7 +27,7 @@ from orangetron.parallel.config import ParallelConfig
 from orangetron.spec.sharding import bucket_layout, padded_numel, shard_numel
 
 if TYPE_CHECKING:
-    from orangetron.parallel.units import TransientPeaks
+    from orangetron.parallel.data.transient import TransientPeaks
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Segment:
 class FlatPart:
     """Flat parameter, main-gradient and main-parameter buffers of `named` parameters over `group`.
 
-    Under ZeRO-3 `unit_of` gives each parameter's unit (`parallel.units`): every unit is padded to a multiple
+    Under ZeRO-3 `unit_of` gives each parameter's unit (`parallel.data.units`): every unit is padded to a multiple
     of n on its own and gathered alone, and a rank's shard is its slice of every unit, one after another.
     """
 

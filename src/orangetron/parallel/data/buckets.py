@@ -3,7 +3,7 @@ overlaps it has its gradient, while backward goes on computing the rest.
 
 DDP (`GradBuckets`): fixed-size slices of the flat buffer in parameter order (the last may be shorter), each
 all-reduced. Gradients are added into the fp32 (or wider) main buffer as they arrive, so micro-batches
-accumulate there in the main dtype; inside `DataParallel.no_sync()` they only accumulate, and the last
+accumulate there in the main dtype; inside the model's `no_sync()` they only accumulate, and the last
 micro-batch's backward starts the reductions. The all-reduce sums in place; when the reduce dtype is not the
 main buffer's, each bucket travels as a wire copy, held (and counted in `grad_buckets`) until `finish()`.
 
@@ -28,36 +28,48 @@ import torch
 from orangetron import comm
 
 if TYPE_CHECKING:
-    from orangetron.parallel.data import DataParallel
-    from orangetron.parallel.flat import FlatPart, Segment
+    from orangetron.parallel.data.buffers import DataParallelBuffers
+    from orangetron.parallel.data.flat import FlatPart, Segment
 
 
-def _arrive(buckets: GradBuckets | ShardedGradBuckets, index: int) -> None:
-    """Parameter `index`'s gradient is in: launch every bucket it completes."""
-    if index in buckets.arrived:
-        raise RuntimeError(f"{buckets.names[index]}: a second gradient arrived before the step; run "
-                           "the earlier micro-batches' backward inside dp.no_sync()")
-    buckets.arrived.add(index)
-    for k in buckets.buckets_of[index]:
-        buckets.missing[k] -= 1
-        if buckets.missing[k] == 0:
-            buckets._launch(k)
+class _Arrivals:
+    """Which parameters' gradients are in, and the buckets they complete (both kinds of buckets count alike)."""
+
+    names: list[str]
+    buckets_of: list[list[int]]  # bucket indices each parameter overlaps
+    arrived: set[int]
+    missing: list[int]  # per bucket: parameters yet to arrive
+
+    def _arrive(self, index: int) -> None:
+        """Parameter `index`'s gradient is in: launch every bucket it completes."""
+        if index in self.arrived:
+            raise RuntimeError(f"{self.names[index]}: a second gradient arrived before the step; run "
+                               "the earlier micro-batches' backward inside dp.no_sync()")
+        self.arrived.add(index)
+        for k in self.buckets_of[index]:
+            self.missing[k] -= 1
+            if self.missing[k] == 0:
+                self._launch(k)
+
+    def _launch(self, k: int) -> None:
+        raise NotImplementedError
 
 
-class GradBuckets:
-    """Hooks every parameter of `dp` and launches one asynchronous all-reduce per full bucket.
+class GradBuckets(_Arrivals):
+    """Hooks every parameter of `buffers` and launches one asynchronous all-reduce per full bucket.
 
-    Each flat buffer (dense over dp x cp, experts over edp) has its own buckets. `defer`: partial gradients
-    must first be summed over tp, so the buckets wait for the step and go out there (same records, no overlap).
+    Each flat buffer (dense over dp x cp, experts over edp) has its own buckets. When partial gradients must
+    first be summed over tp (`buffers.tp_partials`), the buckets wait for the step and go out there (same
+    records, no overlap).
     """
 
-    def __init__(self, dp: DataParallel, bucket_numel: int, defer: bool = False) -> None:
-        self.dp, self.defer = dp, defer
+    def __init__(self, buffers: DataParallelBuffers, bucket_numel: int) -> None:
+        self.buffers, self.defer = buffers, buffers.tp_partials
         self.bounds: list[tuple[FlatPart, int, int]] = []  # (part, start, end) of each bucket
         self.spans: list[tuple[FlatPart, int, torch.Tensor]] = []  # (part, offset, parameter)
         self.names: list[str] = []
         self.buckets_of: list[list[int]] = []  # bucket indices each parameter overlaps
-        for part in dp.parts:
+        for part in buffers.parts:
             first = len(self.bounds)
             self.bounds += [(part, at, min(at + bucket_numel, part.numel)) for at in range(0, part.numel, bucket_numel)]
             for name, p in part.named:
@@ -81,7 +93,7 @@ class GradBuckets:
     def _add(self, index: int) -> None:
         part, at, p = self.spans[index]
         part.main_grads[at:at + p.numel()].add_(p.grad.reshape(-1))
-        self.dp.param_grads.free(p)  # the flat buffer holds it now
+        self.buffers.param_grads.free(p)  # the flat buffer holds it now
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         if self.defer:
@@ -89,22 +101,22 @@ class GradBuckets:
         self._add(index)
         if not self.sync:
             return
-        _arrive(self, index)
+        self._arrive(index)
 
     def _launch(self, k: int) -> None:
         part, start, end = self.bounds[k]
         region = part.main_grads[start:end]
-        wire = region.to(self.dp.config.torch_reduce_dtype)  # the region itself when the dtypes agree
+        wire = region.to(self.buffers.config.torch_reduce_dtype)  # the region itself when the dtypes agree
         # all_reduce_start sums in place: only a wire copy is extra, held until `finish` waits for it.
         nbytes = 0 if wire.data_ptr() == region.data_ptr() else wire.numel() * wire.element_size()
-        self.dp.transient.add("grad_buckets", nbytes)
+        self.buffers.transient.add("grad_buckets", nbytes)
         self.in_flight[k] = (region, comm.all_reduce_start(wire, part.group), nbytes)
 
     def finish(self) -> None:
         """Launch what backward did not (buckets of unused parameters; all of them when deferred, after the tp
         sum), wait for all, in bucket order."""
         if self.defer:
-            self.dp.sync_tp_grads()
+            self.buffers.sum_tp_partials()
             for index, (_, _, p) in enumerate(self.spans):
                 if p.grad is not None:
                     self._add(index)
@@ -117,26 +129,27 @@ class GradBuckets:
             if summed.data_ptr() != region.data_ptr():
                 region.copy_(summed)
             del pending, summed  # the wire copy goes with them
-            self.dp.transient.add("grad_buckets", -nbytes)
+            self.buffers.transient.add("grad_buckets", -nbytes)
         self._reset()
 
 
-class ShardedGradBuckets:
-    """Hooks every parameter of `dp` and launches one asynchronous reduce-scatter per full bucket.
+class ShardedGradBuckets(_Arrivals):
+    """Hooks every parameter of `buffers` and launches one asynchronous reduce-scatter per full bucket.
 
-    `defer`: partial gradients must first be summed over tp (sequence parallel, replicated kv heads), so the
-    buckets wait for the step and go out one after another there (the same records, no overlap).
+    When partial gradients must first be summed over tp (sequence parallel, replicated kv heads), the buckets
+    wait for the step and go out one after another there (the same records, no overlap).
     """
 
-    def __init__(self, dp: DataParallel, defer: bool = False) -> None:
-        self.dp, self.defer = dp, defer
-        self.in_place = dp.config.zero_stage < 2  # ZeRO-1 / distributed optimizer: a full main-gradient buffer
-        self.buckets: list[tuple[FlatPart, Segment]] = [(part, seg) for part in dp.parts for seg in part.segments]
+    def __init__(self, buffers: DataParallelBuffers) -> None:
+        self.buffers, self.defer = buffers, buffers.tp_partials
+        self.in_place = buffers.config.zero_stage < 2  # ZeRO-1 / distributed optimizer: a full main-gradient buffer
+        self.buckets: list[tuple[FlatPart, Segment]] = [
+            (part, seg) for part in buffers.parts for seg in part.segments]
         self.params: list[tuple[FlatPart, int, torch.Tensor]] = []  # (part, offset, parameter)
         self.names: list[str] = []
         self.buckets_of: list[list[int]] = []  # bucket indices each parameter overlaps
         first = 0
-        for part in dp.parts:
+        for part in buffers.parts:
             size = part.segments[0].padded  # equal buckets
             for name, p in part.named:
                 at = part.offsets[name]
@@ -166,17 +179,17 @@ class ShardedGradBuckets:
         if self.in_place:
             part, at, _ = self.params[index]
             part.main_grads[at:at + param.numel()].add_(param.grad.reshape(-1))
-            self.dp.param_grads.free(param)  # the main buffer holds it now
+            self.buffers.param_grads.free(param)  # the main buffer holds it now
         if not self.sync:
             return  # ZeRO-2 accumulates micro-batches in .grad, the others in the main buffer
-        _arrive(self, index)
+        self._arrive(index)
 
     def _launch(self, k: int) -> None:
         self.retire()  # one bucket in flight: the transient peak is one bucket's
         part, seg = self.buckets[k]
         self.launched.add(k)
         self.events.append(k)
-        dtype = self.dp.config.torch_reduce_dtype
+        dtype = self.buffers.config.torch_reduce_dtype
         if self.in_place:
             region = part.main_grads[seg.start:seg.start + seg.padded]
             wire = region.to(dtype)  # the region itself when the dtypes agree
@@ -186,7 +199,7 @@ class ShardedGradBuckets:
             extra = wire.numel()
         slice_numel = seg.shard_numel if part.shards > 1 else 0  # over one rank the wire itself comes back
         nbytes = (extra + slice_numel) * wire.element_size()
-        self.dp.transient.add("grad_buckets", nbytes)
+        self.buffers.transient.add("grad_buckets", nbytes)
         self.in_flight.append((k, comm.reduce_scatter_start(wire, part.group), nbytes))
 
     def _fill_wire(self, k: int, part: FlatPart, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
@@ -199,7 +212,7 @@ class ShardedGradBuckets:
                 wire[lo - seg.start:hi - seg.start].copy_(p.grad.reshape(-1)[lo - at:hi - at])
             self.pending_buckets[i] -= 1
             if self.pending_buckets[i] == 0:
-                self.dp.param_grads.free(p)  # the wire buffers hold it now
+                self.buffers.param_grads.free(p)  # the wire buffers hold it now
         return wire
 
     def retire(self) -> None:
@@ -212,18 +225,18 @@ class ShardedGradBuckets:
                 part.main_grads[seg.start + r * seg.shard_numel:seg.start + (r + 1) * seg.shard_numel].copy_(owned)
             else:
                 part.main_grads[seg.shard_start:seg.shard_start + seg.shard_numel].copy_(owned)
-            self.dp.transient.add("grad_buckets", -nbytes)
+            self.buffers.transient.add("grad_buckets", -nbytes)
         self.in_flight = []
 
     def finish(self) -> None:
         """Launch what backward did not (all of them when deferred, after the tp sum), wait for the last."""
         if self.defer:
-            self.dp.sync_tp_grads()
+            self.buffers.sum_tp_partials()
             if self.in_place:
                 for part, at, p in self.params:
                     if p.grad is not None:
                         part.main_grads[at:at + p.numel()].add_(p.grad.reshape(-1))
-                        self.dp.param_grads.free(p)
+                        self.buffers.param_grads.free(p)
         for k in range(len(self.buckets)):
             if k not in self.launched:
                 self._launch(k)
