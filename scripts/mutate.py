@@ -783,6 +783,25 @@ MUTANTS = [
            (("        if split > 1:\n            rules.heads_split_by_all_to_all",
              "        if split > 99:\n            rules.heads_split_by_all_to_all"),),
            ("tests/test_rules.py",)),
+    # ---- pipeline transfers in one order ------------------------------------------------------------
+    Mutant("pipeline_transfers_ordered_by_microbatch_not_by_time", "src/orangetron/spec/transfers.py",
+           (("    for t in sorted(transfers):",
+             "    for t in sorted(transfers, key=lambda t: (t.microbatch, t.low_stage, t.backward)):"),),
+           ("tests/test_pipeline_p2p.py",)),
+    Mutant("pipeline_sends_posted_as_soon_as_produced", "src/orangetron/parallel/pipeline/executor.py",
+           (("        self.produced[(from_stage, to_stage, microbatch)] = x.detach()\n",
+             "        tag = 2 * (min(from_stage, to_stage) * self.m + microbatch) + int(to_stage < from_stage)\n"
+             "        self.pending.append(comm.post_p2p([(x.detach(), self._rank_of(to_stage), tag)], [],"
+             " self.group))\n"),
+            ("            if op == \"send\" and key in self.produced:\n                x = self.produced.pop(key)\n"
+             "                self.pending.append(comm.post_p2p([(x, self._rank_of(transfer.target), "
+             "self._tag(transfer))], [],\n"
+             "                                                  self.group))\n",
+             "            if op == \"send\":\n                pass\n")),
+           ("tests/test_pipeline_p2p.py",)),
+    Mutant("rendezvous_lets_a_call_meet_the_peers_next_batch", "src/orangetron/spec/rendezvous.py",
+           (("    return peer_batch <= current[peer]", "    return peer_batch <= current[peer] + 1"),),
+           ("tests/test_pipeline_p2p.py",)),
 ]
 
 

@@ -14,6 +14,7 @@ import pickle
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,8 @@ __all__ = [
     "CommRecord", "LEDGER_LIMIT", "LedgerOverflow", "Pending", "PendingAllReduce",
     "RingExchange", "all_gather", "all_gather_into", "all_gather_into_start", "all_gather_objects", "all_reduce",
     "all_reduce_max", "all_reduce_start", "all_to_all", "all_to_all_start", "broadcast", "bytes_by_key",
-    "copy_to_group", "ledger", "measure", "recv", "reduce_scatter", "reduce_scatter_start", "reset_ledger",
-    "send_start", "unmeasured", "world_group",
+    "copy_to_group", "ledger", "measure", "P2PCall", "PendingP2P", "post_p2p", "reduce_scatter", "reduce_scatter_start",
+    "reset_ledger", "trace_p2p", "unmeasured", "world_group",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -481,35 +482,71 @@ class RingExchange:
 # ---- point to point (pipeline stages) ---------------------------------------------------------------
 
 
-def send_start(x: torch.Tensor, group: MeshGroup, dst: int, tag: int) -> object:
-    """Post a send of `x` to group member `dst` and return its work handle at once (no autograd).
+@dataclass(frozen=True)
+class P2PCall:
+    """One send or receive as `post_p2p` posted it, for `trace_p2p`: the batch it went out in (counted per
+    trace, from 0), its direction, the peer's global rank, its tag and its bytes."""
 
-    The caller keeps `x` alive and waits on the handle before the step ends; the matching `recv` names the
-    same `tag`. Records the sending side: payload and bytes sent are the tensor's bytes.
+    batch: int
+    op: str  # "send" or "recv"
+    peer: int
+    tag: int
+    nbytes: int
+
+
+# Open `trace_p2p()` scopes (docs/runtime.md, "Process-wide state"): the pipeline executor posts its transfers
+# from deep inside a step, and a test replays them as they were posted. Each scope leaves when its block ends.
+_p2p_traces: list[list[P2PCall]] = []
+
+
+@contextmanager
+def trace_p2p() -> Iterator[list[P2PCall]]:
+    """Collect every send and receive `post_p2p` posts inside the block, in posting order."""
+    calls: list[P2PCall] = []
+    _p2p_traces.append(calls)
+    try:
+        yield calls
+    finally:
+        _p2p_traces.remove(calls)
+
+
+def _trace(batch: Sequence[tuple[str, torch.Tensor, int, int]], group: MeshGroup) -> None:
+    for calls in _p2p_traces:
+        index = calls[-1].batch + 1 if calls else 0
+        calls.extend(P2PCall(index, op, group.global_rank(peer), tag, _nbytes(x)) for op, x, peer, tag in batch)
+
+
+def post_p2p(sends: Sequence[tuple[torch.Tensor, int, int]], recvs: Sequence[tuple[torch.Tensor, int, int]],
+             group: MeshGroup) -> PendingP2P:
+    """Post sends and receives as one batch (`dist.batch_isend_irecv`) and return at once (no autograd).
+
+    `sends`: (tensor, group member, tag); `recvs`: (buffer to fill, group member, tag). Backends that match
+    point-to-point calls in posting order and ignore tags (NCCL) block a send posted alone until its receive is
+    posted, so callers post in an order every rank agrees on (the pipeline's: `spec/transfers.py`). Records each
+    send as before (payload and bytes sent) and each receive (bytes received); `trace_p2p` sees every call.
     """
-    x = x.detach().contiguous()
-    work = dist.isend(x, group.global_rank(dst), group=group.group, tag=tag)
-    _record("send_recv", group, _nbytes(x), formulas.send_recv_bytes(_nbytes(x), 0))
-    return _PendingSend(x, work)
+    batch = [("send", x.detach().contiguous(), dst, tag) for x, dst, tag in sends]
+    batch += [("recv", out, src, tag) for out, src, tag in recvs]
+    if not batch:
+        return PendingP2P([], [])
+    ops = [dist.P2POp(dist.isend if op == "send" else dist.irecv, x, group.global_rank(peer), group.group, tag)
+           for op, x, peer, tag in batch]
+    works = dist.batch_isend_irecv(ops)
+    for op, x, _peer, _tag in batch:
+        sent = op == "send"
+        _record("send_recv", group, _nbytes(x) if sent else 0,
+                formulas.send_recv_bytes(_nbytes(x), 0) if sent else formulas.send_recv_bytes(0, _nbytes(x)))
+    _trace(batch, group)
+    return PendingP2P([x for _op, x, _peer, _tag in batch], works)
 
 
-class _PendingSend:
-    """A send in flight: holds the buffer until `wait()` (the backend reads it asynchronously)."""
+class PendingP2P:
+    """A batch in flight: holds every buffer it sends or fills until `wait()` (the backend uses them
+    asynchronously)."""
 
-    def __init__(self, buffer: torch.Tensor, work: object) -> None:
-        self.buffer, self.work = buffer, work
+    def __init__(self, buffers: list[torch.Tensor], works: list) -> None:
+        self.buffers, self.works = buffers, works
 
     def wait(self) -> None:
-        self.work.wait()
-
-
-def recv(shape: Sequence[int], dtype: torch.dtype, group: MeshGroup, src: int, tag: int,
-         device: torch.device | str = "cpu") -> torch.Tensor:
-    """Receive a tensor of `shape` and `dtype` from group member `src` (blocking, no autograd).
-
-    Records the receiving side: no payload handed in, the tensor's bytes received.
-    """
-    out = torch.empty(tuple(shape), dtype=dtype, device=device)
-    dist.irecv(out, group.global_rank(src), group=group.group, tag=tag).wait()
-    _record("send_recv", group, 0, formulas.send_recv_bytes(0, _nbytes(out)))
-    return out
+        for work in self.works:
+            work.wait()

@@ -113,7 +113,7 @@ def _stage_state_memory(model: ModelSpec, deg: Degrees, job: Job,
 
 
 def zero3_gather_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
-    """ZeRO-3's gathered full units at their peak, as `parallel.units` schedules them: with prefetch the unit
+    """ZeRO-3's gathered full units at their peak, as `parallel.data.units` schedules them: with prefetch the unit
     in use and the next one (adjacent in forward order, and so in backward), without it the one in use, with
     kept parameters all of them; a unit listed first that spans the whole forward (tied embeddings) adds."""
     if job.zero_stage != 3:

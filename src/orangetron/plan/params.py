@@ -101,7 +101,7 @@ def shard_groups(params: StageParams, deg: Degrees) -> list[tuple[str, int, int]
 
 def zero3_units(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: int = 1,
                 layout: tuple[int, ...] = ()) -> list[StageParams]:
-    """Parameters of each ZeRO-3 unit on one GPU, in forward order, as `parallel.units` cuts the model: the
+    """Parameters of each ZeRO-3 unit on one GPU, in forward order, as `parallel.data.units` cuts the model: the
     embedding, every layer, the head (final norm and output layer). With tied embeddings (or on a pipeline
     stage that lacks the embedding or the head) the embedding and head form one unit gathered for the whole
     forward, listed first."""

@@ -159,7 +159,15 @@ def simulate(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages:
         raise ScheduleError(f"weight_cost={weight!r}: must lie between 0 and backward_cost={backward_cost!r}")
     cost = {"F": forward_cost, "B": backward_cost - weight if split else backward_cost, "W": weight}
     plan = actions(pp, microbatches, schedule, virtual_stages)
-    v = virtual_stages
+    try:
+        return simulate_plan(plan, virtual_stages, cost)
+    except ScheduleError:
+        raise ScheduleError(f"schedule={schedule!r} deadlocks with pp={pp}, microbatches={microbatches}") from None
+
+
+def simulate_plan(plan: list[list[Action]], virtual_stages: int, cost: dict[str, float]) -> list[Slot]:
+    """`simulate` for given action lists (one per pipeline rank) and per-stage `cost` by kind ("F", "B", "W")."""
+    pp, v = len(plan), virtual_stages
     last = v * pp - 1
     done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
     cursor, free = [0] * pp, [0.0] * pp
@@ -182,7 +190,7 @@ def simulate(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages:
             cursor[rank] += 1
             progressed = True
         if not progressed:
-            raise ScheduleError(f"schedule={schedule!r} deadlocks with pp={pp}, microbatches={microbatches}")
+            raise ScheduleError(f"action lists deadlock with pp={pp}: no rank can start its next action")
     return slots
 
 

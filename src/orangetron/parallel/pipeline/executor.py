@@ -1,13 +1,14 @@
-"""One executor for every schedule: it runs `plan.schedule.actions`, the lists `orangetron schedule` draws.
+"""One executor for every schedule: it runs `spec.schedule.actions`, the lists `orangetron schedule` draws.
 
 Each pipeline rank walks its own action list. A forward of (chunk, micro-batch) receives its input from the
-previous virtual stage (or embeds the tokens), runs the chunk, and posts the output to the next virtual
-stage without waiting; a backward receives the output's gradient from the next virtual stage (or starts
-from the loss), runs autograd through the chunk and posts the input's gradient back. Receives block, sends
-do not, so a rank waits only for what its next action needs: the dependencies `plan.schedule.simulate`
-replays, which never deadlock. A micro-batch's saved activations are dropped as soon as its backward has
-run. Gradients accumulate in `.grad` over the micro-batches; every micro-batch's loss is scaled so that
-their sum is the step's objective.
+previous virtual stage (or embeds the tokens), runs the chunk, and queues the output for the next virtual
+stage; a backward receives the output's gradient from the next virtual stage (or starts from the loss),
+runs autograd through the chunk and queues the input's gradient back. Every rank posts its transfers in one
+order derived from the same action lists (`spec/transfers.py`), so no send can wait on a receive that waits
+on it. Receives block, sends do not, so a rank waits only for what its next action needs: the dependencies
+`spec.schedule.simulate` replays, which never deadlock. A micro-batch's saved activations are dropped as
+soon as its backward has run. Gradients accumulate in `.grad` over the micro-batches; every micro-batch's
+loss is scaled so that their sum is the step's objective.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from orangetron import comm
 from orangetron.parallel.pipeline.stage import Chunk, chunk_forward, hidden_shape
 from orangetron.spec.schedule import Action, actions
+from orangetron.spec.transfers import Transfer, transfer_order
 
 if TYPE_CHECKING:
     from orangetron.parallel.parallel_model import ParallelModel
@@ -44,31 +46,67 @@ class MicroBatch:
 
 class _Transfers:
     """Sends and receives between neighbouring virtual stages over mesh["pp"], tagged by
-    (virtual stage, micro-batch, direction) so that no two transfers between a pair of ranks can match."""
+    (virtual stage, micro-batch, direction) so that no two transfers between a pair of ranks can match.
 
-    def __init__(self, model: ParallelModel, microbatches: int, stages: int) -> None:
-        self.group, self.m, self.stages = model.mesh["pp"], microbatches, stages
+    Every call goes out in the order `spec.transfers.transfer_order` gives this rank, which every rank derives
+    from the same action lists: backends that match calls in posting order and block a send until its receive
+    (NCCL) cannot stall on it. A produced tensor waits until its send is next in that order; a pass's input is
+    received when its receive is next, which it is by then (the order follows a timeline of the same passes).
+    """
+
+    def __init__(self, model: ParallelModel, plan: list[list[Action]], microbatches: int, virtual_stages: int) -> None:
+        self.group, self.m = model.mesh["pp"], microbatches
         self.dtype = next(model.module.parameters()).dtype
         self.device = model.device
-        self.pending: list = []
+        self.calls = transfer_order(plan, virtual_stages)[self.group.rank]
+        self.next_call = 0
+        self.produced: dict[tuple[int, int, int], torch.Tensor] = {}  # (from, to, micro-batch) -> tensor
+        self.pending: list[comm.PendingP2P] = []
 
-    def _tag(self, stage: int, microbatch: int, backward: bool) -> int:
-        return 2 * (stage * self.m + microbatch) + int(backward)
+    def _tag(self, transfer: Transfer) -> int:
+        return 2 * (transfer.low_stage * self.m + transfer.microbatch) + int(transfer.backward)
 
     def _rank_of(self, stage: int) -> int:
         return stage % self.group.size
 
     def send(self, x: torch.Tensor, from_stage: int, to_stage: int, microbatch: int) -> None:
-        tag = self._tag(min(from_stage, to_stage), microbatch, backward=to_stage < from_stage)
-        self.pending.append(comm.send_start(x, self.group, self._rank_of(to_stage), tag))
+        """Hand over `x` for the next virtual stage; it goes out when its turn in the order comes."""
+        self.produced[(from_stage, to_stage, microbatch)] = x.detach()
+        self._post_due()
 
     def recv(self, shape: tuple[int, ...], from_stage: int, to_stage: int, microbatch: int) -> torch.Tensor:
-        tag = self._tag(min(from_stage, to_stage), microbatch, backward=to_stage < from_stage)
-        return comm.recv(shape, self.dtype, self.group, self._rank_of(from_stage), tag, self.device)
+        """The tensor a pass needs from a neighbouring virtual stage, once it has arrived."""
+        received = self._post_due(need=(from_stage, to_stage, microbatch), shape=shape)
+        if received is None:
+            raise RuntimeError(f"pipeline transfer {from_stage}->{to_stage} of micro-batch {microbatch} is not next "
+                               "in this rank's order (spec/transfers.py): the action lists and the order disagree")
+        return received
+
+    def _post_due(self, need: tuple[int, int, int] | None = None, shape: tuple[int, ...] = ()) -> torch.Tensor | None:
+        """Post calls in order while the next one is a produced send or the receive `need`; return what that
+        receive brought (None when `need` was not reached)."""
+        received = None
+        while self.next_call < len(self.calls):
+            op, transfer = self.calls[self.next_call]
+            key = (transfer.source, transfer.target, transfer.microbatch)
+            if op == "send" and key in self.produced:
+                x = self.produced.pop(key)
+                self.pending.append(comm.post_p2p([(x, self._rank_of(transfer.target), self._tag(transfer))], [],
+                                                  self.group))
+            elif op == "recv" and key == need:
+                received = torch.empty(shape, dtype=self.dtype, device=self.device)
+                comm.post_p2p([], [(received, self._rank_of(transfer.source), self._tag(transfer))], self.group).wait()
+            else:
+                break
+            self.next_call += 1
+        return received
 
     def finish(self) -> None:
-        for work in self.pending:
-            work.wait()
+        self._post_due()
+        if self.next_call != len(self.calls):
+            raise RuntimeError(f"pipeline transfers left unposted: {self.calls[self.next_call:]}")
+        for batch in self.pending:
+            batch.wait()
         self.pending.clear()
 
 
@@ -87,10 +125,12 @@ def run_pipeline(model: ParallelModel, microbatches: list[MicroBatch], schedule:
     if chunks is None:
         raise ValueError("run_pipeline: the model holds no pipeline chunks; parallelize it over pp > 1")
     if train:
-        plan = actions(group.size, len(microbatches), schedule, virtual_stages)[group.rank]
+        plans = actions(group.size, len(microbatches), schedule, virtual_stages)
     else:  # forwards only: every rank in micro-batch order, chunk by chunk (any count of micro-batches)
-        plan = [Action("F", c, i) for i in range(len(microbatches)) for c in range(virtual_stages)]
-    runner = _Runner(model, microbatches, chunks, _Transfers(model, len(microbatches), group.size * virtual_stages))
+        forwards = [Action("F", c, i) for i in range(len(microbatches)) for c in range(virtual_stages)]
+        plans = [forwards] * group.size
+    plan = plans[group.rank]
+    runner = _Runner(model, microbatches, chunks, _Transfers(model, plans, len(microbatches), virtual_stages))
     runner.timeline = timeline
     # Gradient buckets start with a chunk's last backward of the step; the earlier ones only accumulate.
     last_backward = {act.chunk: at for at, act in enumerate(plan) if act.kind == "B"}
