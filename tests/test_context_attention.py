@@ -104,3 +104,58 @@ def test_ulysses_names_heads_it_cannot_split():
         heads_split_by_all_to_all(2, 8, 3)
     heads_split_by_all_to_all(4, 8, 2)  # kv heads dividing the degree: replicated
     heads_split_by_all_to_all(4, 8, 8)  # divisible: split
+
+
+def ring_events(cp: int) -> list[str]:
+    """On this rank: the order of ring transfers (start/wait, by exchange) and block computations through one
+    ring attention forward and backward."""
+    from orangetron import comm
+    from orangetron.parallel.context import ring
+
+    events: list[str] = []
+    start, wait, backward = comm.RingExchange.start, comm.RingExchange.wait, ring.block_backward
+
+    def logged_start(self, x):
+        events.append(f"start {id(self)}")
+        return start(self, x)
+
+    def logged_wait(self):
+        events.append(f"wait {id(self)}")
+        return wait(self)
+
+    def logged_backward(*args):
+        events.append("block")
+        return backward(*args)
+
+    comm.RingExchange.start, comm.RingExchange.wait, ring.block_backward = logged_start, logged_wait, logged_backward
+    try:
+        mesh = init_mesh(Layout(cp=cp))
+        q, k, v, weight = (context.shard(t, mesh).requires_grad_() for t in inputs(cp, "mha"))
+        out = context.attention(q, k, v, mesh, mode="ring", causal=True)
+        events.append("backward")
+        (out * weight.detach()).sum().backward()
+    finally:
+        comm.RingExchange.start, comm.RingExchange.wait, ring.block_backward = start, wait, backward
+    return events[events.index("backward"):]
+
+
+def _exposed(events: list[str]) -> int:
+    """Transfers waited for with no block computed since they started."""
+    started: dict[str, int] = {}
+    exposed = 0
+    for at, event in enumerate(events):
+        kind, _, exchange = event.partition(" ")
+        if kind == "start":
+            started[exchange] = at
+        elif kind == "wait":
+            exposed += "block" not in events[started.pop(exchange):at]
+    return exposed
+
+
+def test_ring_backward_waits_for_each_gradient_one_block_later():
+    # Backward sends K,V (cp-1 times) and the K,V gradient accumulator (cp times). Each travels while a block
+    # computes, except the accumulator's last trip home, which has no block left to hide behind.
+    cp = 4
+    for events in run_distributed(ring_events, cp, args=(cp,)):
+        assert events.count("block") == cp
+        assert _exposed(events) == 1, events

@@ -2,7 +2,9 @@
 
 Forward: cp steps; at step i this rank attends to the K,V of cp rank r-i, received while step i-1
 computed (cp-1 transfers). Backward: the K,V go around again (cp-1 transfers) with an accumulator of
-their gradients that ends back home (cp transfers); dq stays local.
+their gradients that ends back home (cp transfers); dq stays local. Each accumulator is sent after its
+block and waited for only after the next block has computed, so every transfer but its last trip home
+travels behind a block (`tests/test_context_attention.py` checks the order).
 
 Under head-tail causal sharding (rank r holds chunks r and 2cp-1-r) every step after the first does the
 same work on every rank, as zigzag ring attention does: the K,V of an earlier rank (j < r) is seen
@@ -86,7 +88,7 @@ class _RingAttention(torch.autograd.Function):
         zigzag = ctx.layout[0] == "head_tail"
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv_ring, grad_ring = comm.RingExchange(group), comm.RingExchange(group)
-        kv, dkv = pack(k, v), torch.zeros_like(pack(k, v))
+        kv = pack(k, v)
         for step in range(cp):
             if step < cp - 1:
                 kv_ring.start(kv)
@@ -96,10 +98,14 @@ class _RingAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = block_backward(q[:, rows], kb, vb, out[:, rows], lse[:, :, rows], grad_out[:, rows],
                                               positions[r][rows], positions[source][cols], masked, scale)
             dq[:, rows] += dq_b
+            # The accumulator of these K,V gradients left the previous rank after its last step: it travelled
+            # while this block computed, and is waited for only now.
+            dkv = torch.zeros_like(kv) if step == 0 else grad_ring.wait()
             dkv[:, cols] += torch.cat((dk_b, dv_b), dim=-1).to(dkv.dtype)
+            grad_ring.start(dkv)  # on to the next rank, with its K,V; it ends at their owner
             if step < cp - 1:
-                kv = kv_ring.wait()  # one transfer in flight at a time: both rings share the peers
-            dkv = grad_ring.exchange(dkv)  # the gradients travel with their K,V and end at their owner
+                kv = kv_ring.wait()
+        dkv = grad_ring.wait()
         dk, dv = dkv.split(d, dim=-1)
         return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
