@@ -783,6 +783,24 @@ MUTANTS = [
            (("        if split > 1:\n            rules.heads_split_by_all_to_all",
              "        if split > 99:\n            rules.heads_split_by_all_to_all"),),
            ("tests/test_rules.py",)),
+    # ---- the one model schema -------------------------------------------------------------------------------
+    Mutant("runtime_builds_a_gelu_spec_as_swiglu", "src/orangetron/model/config.py",
+           (('        ("mlp", spec.mlp == "swiglu",', '        ("mlp", True,'),),
+           ("tests/test_model_schema.py::test_the_runtime_refuses_each_field_it_cannot_build_in_one_line",)),
+    Mutant("train_config_skips_the_runtime_refusal", "src/orangetron/train/config.py",
+           (("        self._check_model()\n", ""),),
+           ("tests/test_model_schema.py::test_the_runtime_refuses_each_field_it_cannot_build_in_one_line",)),
+    Mutant("old_checkpoint_record_read_as_the_schema", "src/orangetron/model/config.py",
+           (('    if "hidden_size" in record:\n', "    if True:\n"),),
+           ("tests/test_model_schema.py::test_a_record_in_the_old_runtime_names_is_the_same_model",
+            "tests/test_checkpoint.py::test_a_checkpoint_recording_the_old_runtime_names_resumes")),
+    Mutant("moe_ffn_dim_defaults_to_half_the_dense_width", "src/orangetron/model/config.py",
+           (('        arguments["moe_ffn_dim"] = ffn_dim\n', '        arguments["moe_ffn_dim"] = ffn_dim // 2\n'),),
+           ("tests/test_model.py::test_config_defaults_and_presets",
+            "tests/test_model_schema.py::test_model_config_is_the_schema_with_the_runtime_defaults")),
+    Mutant("dense_model_config_keeps_routing_defaults", "src/orangetron/model/config.py",
+           (("    if not n_experts:\n        arguments.update(", "    if False:\n        arguments.update("),),
+           ("tests/test_model_schema.py::test_model_config_is_the_schema_with_the_runtime_defaults",)),
 ]
 
 
