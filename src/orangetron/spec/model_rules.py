@@ -28,7 +28,7 @@ class ConfigError(ValueError):
     """A model description breaks a rule; the message reads `field=value: rule`."""
 
 
-def require(ok: bool, field: str, value: object, rule: str) -> None:
+def _require(ok: bool, field: str, value: object, rule: str) -> None:
     """Raise `ConfigError("field=value: rule")` unless `ok` (strings shown quoted)."""
     if not ok:
         raise ConfigError(f"{field}={value!r}: {rule}")
@@ -37,10 +37,10 @@ def require(ok: bool, field: str, value: object, rule: str) -> None:
 def check_model(spec: ModelSpec) -> None:
     """Raise `ConfigError` for the first rule `spec` breaks."""
     _check_signs(spec)
-    require(spec.mlp in MLP_KINDS, "mlp", spec.mlp, f"must be one of {', '.join(MLP_KINDS)}")
-    require(spec.router_score in ROUTER_SCORES, "router_score", spec.router_score,
+    _require(spec.mlp in MLP_KINDS, "mlp", spec.mlp, f"must be one of {', '.join(MLP_KINDS)}")
+    _require(spec.router_score in ROUTER_SCORES, "router_score", spec.router_score,
             f"must be one of {', '.join(ROUTER_SCORES)}")
-    require(spec.dropout < 1, "dropout", spec.dropout, "must be below 1")
+    _require(spec.dropout < 1, "dropout", spec.dropout, "must be below 1")
     _check_heads(spec)
     _check_experts(spec)
     _check_groups(spec)
@@ -49,29 +49,29 @@ def check_model(spec: ModelSpec) -> None:
 
 def _check_signs(spec: ModelSpec) -> None:
     for name in _POSITIVE:
-        require(getattr(spec, name) > 0, name, getattr(spec, name), "must be positive")
+        _require(getattr(spec, name) > 0, name, getattr(spec, name), "must be positive")
     for name in _NON_NEGATIVE:
-        require(getattr(spec, name) >= 0, name, getattr(spec, name), "must be non-negative")
+        _require(getattr(spec, name) >= 0, name, getattr(spec, name), "must be non-negative")
 
 
 def _check_heads(spec: ModelSpec) -> None:
     if not spec.head_dim:  # derived from the width, which must then split evenly
-        require(spec.hidden_size % spec.num_heads == 0, "num_heads", spec.num_heads,
+        _require(spec.hidden_size % spec.num_heads == 0, "num_heads", spec.num_heads,
                 f"hidden_size {spec.hidden_size} is not divisible by num_heads")
     kv_heads = spec.num_kv_heads or spec.num_heads
-    require(spec.num_heads % kv_heads == 0, "num_kv_heads", kv_heads,
+    _require(spec.num_heads % kv_heads == 0, "num_kv_heads", kv_heads,
             f"num_heads {spec.num_heads} is not divisible by num_kv_heads")
 
 
 def _check_experts(spec: ModelSpec) -> None:
     if spec.num_experts:
-        require(0 < spec.top_k <= spec.num_experts, "top_k", spec.top_k,
+        _require(0 < spec.top_k <= spec.num_experts, "top_k", spec.top_k,
                 f"must be in 1..num_experts={spec.num_experts}")
-        require(spec.moe_ffn_hidden_size > 0, "moe_ffn_hidden_size", spec.moe_ffn_hidden_size,
+        _require(spec.moe_ffn_hidden_size > 0, "moe_ffn_hidden_size", spec.moe_ffn_hidden_size,
                 "must be positive for a MoE model")
     else:
         # Shared experts live inside MoE layers; with none they would be dropped without a word.
-        require(spec.num_shared_experts == 0, "num_shared_experts", spec.num_shared_experts,
+        _require(spec.num_shared_experts == 0, "num_shared_experts", spec.num_shared_experts,
                 "requires num_experts > 0")
 
 
@@ -81,18 +81,18 @@ def _check_groups(spec: ModelSpec) -> None:
     groups, per_token = spec.expert_groups, spec.groups_per_token
     if groups <= 1 and per_token <= 1:
         return
-    require(spec.num_experts > 0, "expert_groups", groups, "requires num_experts > 0")
+    _require(spec.num_experts > 0, "expert_groups", groups, "requires num_experts > 0")
     if groups:
-        require(spec.num_experts % groups == 0, "expert_groups", groups,
+        _require(spec.num_experts % groups == 0, "expert_groups", groups,
                 f"num_experts {spec.num_experts} is not divisible by expert_groups")
-    require(0 < per_token <= groups, "groups_per_token", per_token, f"must be in 1..expert_groups={groups}")
+    _require(0 < per_token <= groups, "groups_per_token", per_token, f"must be in 1..expert_groups={groups}")
     reachable = per_token * (spec.num_experts // groups)
-    require(spec.top_k <= reachable, "top_k", spec.top_k,
+    _require(spec.top_k <= reachable, "top_k", spec.top_k,
             f"must be at most groups_per_token * experts per group = {reachable}")
 
 
 def _check_dense_width(spec: ModelSpec) -> None:
     has_dense_layer = not all(spec.is_moe_layer(i) for i in range(spec.num_layers))
     if has_dense_layer:
-        require(spec.ffn_hidden_size > 0, "ffn_hidden_size", spec.ffn_hidden_size,
+        _require(spec.ffn_hidden_size > 0, "ffn_hidden_size", spec.ffn_hidden_size,
                 "must be positive when a layer is dense")
