@@ -317,7 +317,7 @@ def _resolve_derived(spec: ModelSpec) -> None:
         object.__setattr__(spec, name, value)
 
 
-# The runtime's argument names (ModelConfig, model/config.py; DESIGN's stable names) -> the schema's fields.
+# The runtime's argument names (ModelConfig, model/config.py; a stable contract) -> the schema's fields.
 # They read as properties of ModelSpec; `ModelConfig(...)` and old checkpoints map through this table too.
 RUNTIME_NAMES: dict[str, str] = {
     "dim": "hidden_size", "n_layers": "num_layers", "n_heads": "num_heads", "n_kv_heads": "num_kv_heads",
