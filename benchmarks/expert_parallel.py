@@ -21,7 +21,7 @@ import time
 import torch
 
 from orangetron.mesh import init_mesh
-from orangetron.model import ModelConfig
+from orangetron.model import ModelConfig, ModelSpec
 from orangetron.model.moe import MoE
 from orangetron.parallel.expert import Dispatcher, expert_parallel_moe
 from orangetron.spec.layout import Layout
@@ -40,7 +40,7 @@ OVERLAP_TOKENS = 1024
 CHUNKS = (1, 2, 4)
 
 
-def _layer(cfg: ModelConfig, mesh, mode: str, chunks: int = 1, **options) -> MoE:
+def _layer(cfg: ModelSpec, mesh, mode: str, chunks: int = 1, **options) -> MoE:
     torch.manual_seed(0)
     dispatcher = Dispatcher(mesh, cfg.n_experts, mode, overlap_chunks=chunks, **options)
     return expert_parallel_moe(MoE(cfg), dispatcher, [mesh["dp_cp"]], EP)
@@ -52,7 +52,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def overlap_times(cfg: ModelConfig) -> dict[str, float]:
+def overlap_times(cfg: ModelSpec) -> dict[str, float]:
     """Median seconds per pass: forward and forward+backward for each chunk count, and the comm-only forward."""
     mesh = init_mesh(Layout(dp=EP, ep=EP))
     layers = {c: _layer(cfg, mesh, "ragged", c) for c in CHUNKS}
@@ -90,7 +90,7 @@ def _line(name: str, config: dict, metric: str, value: float, unit: str, baselin
                        "baseline": round(baseline, 6), "ratio": round(ratio, 3)})
 
 
-def _overlap_lines(cfg: ModelConfig, times: dict[str, float]) -> None:
+def _overlap_lines(cfg: ModelSpec, times: dict[str, float]) -> None:
     config = {"dispatcher": "ragged", "ep": EP, "tokens_per_rank": OVERLAP_TOKENS, "dim": cfg.dim,
               "moe_ffn_dim": cfg.moe_ffn_dim, "experts": cfg.n_experts, "top_k": cfg.top_k}
     serial = times["forward/1"]

@@ -20,7 +20,7 @@ from torch import nn
 
 from orangetron import memory
 from orangetron.mesh import init_mesh
-from orangetron.model import ModelConfig, Transformer
+from orangetron.model import ModelConfig, ModelSpec, Transformer
 from orangetron.parallel import ParallelConfig, parallelize
 from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
@@ -66,7 +66,7 @@ def ours_activation_peak(tp: int) -> int:
 
 # ---- PyTorch's tensor parallelism on torch's own layers ------------------------------------------
 class TorchAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
@@ -84,7 +84,7 @@ class TorchAttention(nn.Module):
 
 
 class TorchMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
@@ -95,7 +95,7 @@ class TorchMLP(nn.Module):
 
 
 class TorchBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = TorchAttention(cfg)
@@ -111,7 +111,7 @@ class TorchDecoder(nn.Module):
     """The same sizes as CFG from torch's layers (no rotary embedding: torchtitan applies it to local heads,
     elementwise, so it does not change the communication)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from orangetron.model import ModelConfig, Transformer, model_preset
+from orangetron.model import ModelSpec, Transformer, model_preset
 
 
-def step_seconds(cfg: ModelConfig, batch: int, seq_len: int, *, warmup: int = 2, repeat: int = 5) -> float:
+def step_seconds(cfg: ModelSpec, batch: int, seq_len: int, *, warmup: int = 2, repeat: int = 5) -> float:
     """Median wall time of one training step of `cfg` on a [batch, seq_len] byte batch."""
     model = Transformer(cfg, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
@@ -35,9 +35,9 @@ def step_seconds(cfg: ModelConfig, batch: int, seq_len: int, *, warmup: int = 2,
     return statistics.median(times)
 
 
-def dense_twin(cfg: ModelConfig) -> ModelConfig:
+def dense_twin(cfg: ModelSpec) -> ModelSpec:
     """The same model with every MoE layer replaced by a dense SwiGLU of width ffn_dim."""
-    return dataclasses.replace(cfg, n_experts=0, n_shared_experts=0)
+    return dataclasses.replace(cfg, num_experts=0, num_shared_experts=0)
 
 
 def main() -> None:

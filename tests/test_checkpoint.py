@@ -184,10 +184,34 @@ def test_resume_needs_a_matching_checkpoint(tmp_path) -> None:
     with pytest.raises(TrainConfigError, match=r"no checkpoint under"):
         _run(steps=2, out=str(tmp_path), resume=True)
     _run(steps=2, out=str(tmp_path), save_every=2)
-    with pytest.raises(TrainConfigError, match=r"holds a model with dim=64, this run builds dim=128"):
-        _run(steps=4, out=str(tmp_path), resume=True, model=dataclasses.replace(NO_AUX, dim=128))
+    with pytest.raises(TrainConfigError, match=r"holds a model with hidden_size=64, this run builds hidden_size=128"):
+        _run(steps=4, out=str(tmp_path), resume=True, model=NO_AUX.with_changes(hidden_size=128))
     with pytest.raises(TrainConfigError, match=r"already at step 2; raise --steps and add --extend"):
         _run(steps=2, out=str(tmp_path), resume=True)
+
+
+# NO_AUX's record as a checkpoint held it before the one model schema: the runtime's ModelConfig fields.
+OLD_RUNTIME_RECORD = {
+    "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256, "ffn_dim": 192, "n_experts": 4,
+    "top_k": 2, "moe_ffn_dim": 64, "n_shared_experts": 1, "moe_layer_freq": 1, "router_score": "softmax",
+    "aux_loss_coef": 0.0, "router_z_loss_coef": 0.0, "n_expert_groups": 1, "topk_groups": 1,
+    "router_bias_rate": 0.0, "rope_theta": 10000.0, "norm_eps": 1e-05, "tied_embeddings": False,
+    "max_seq_len": 1024, "init_std": 0.02,
+}
+
+
+def test_a_checkpoint_recording_the_old_runtime_names_resumes(tmp_path) -> None:
+    straight = _run(steps=4, out=str(tmp_path / "straight"))
+    _run(steps=4, stop_after=2, out=str(tmp_path / "run"))
+    path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    state = json.loads((path / "state.json").read_text())
+    assert state["model"] == dataclasses.asdict(NO_AUX)  # written by the schema's field names
+    state["model"] = OLD_RUNTIME_RECORD
+    (path / "state.json").write_text(json.dumps(state))
+    _rewrite_manifest(path, "state.json")
+    with pytest.raises(TrainConfigError, match=r"holds a model with hidden_size=64, this run builds hidden_size=128"):
+        _run(steps=4, out=str(tmp_path / "run"), resume=True, model=NO_AUX.with_changes(hidden_size=128))
+    assert _run(steps=4, out=str(tmp_path / "run"), resume=True)["losses"] == straight["losses"]
 
 
 # ---- the run's schedule, stopping, and what a resumed run writes ----------------------------------------

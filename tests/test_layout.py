@@ -1,16 +1,15 @@
 """Layout validation (one test per rule) and rank <-> coordinate mapping against hand-written tables."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from orangetron.spec.layout import Layout, LayoutError
+from orangetron.spec.model import ModelSpec
 
 
 def model(**overrides):
-    fields = dict(n_heads=8, n_kv_heads=4, n_layers=4, n_experts=8, vocab_size=256)
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
+    fields = dict(name="m", hidden_size=64, num_heads=8, num_kv_heads=4, num_layers=4, vocab_size=256,
+                  ffn_hidden_size=64, num_experts=8, top_k=2, moe_ffn_hidden_size=32)
+    return ModelSpec(**{**fields, **overrides})
 
 
 @pytest.mark.parametrize(
@@ -32,13 +31,13 @@ def test_degree_rules(kwargs, pattern):
 @pytest.mark.parametrize(
     "layout, cfg, pattern",
     [
-        (Layout(tp=3), model(n_heads=8), r"tp=3: n_heads=8 is not divisible by tp"),
-        (Layout(tp=4), model(n_heads=8, n_kv_heads=2), None),  # kv heads replicated over tp
-        (Layout(tp=8, dp=1), model(n_heads=8, n_kv_heads=3), r"n_kv_heads=3 must divide tp"),
-        (Layout(pp=3), model(n_layers=4), r"pp=3: n_layers=4 is not divisible by pp"),
-        (Layout(dp=2, ep=2), model(n_experts=0), r"ep=2: the model has no experts"),
-        (Layout(dp=4, ep=4), model(n_experts=6), r"ep=4: n_experts=6 is not divisible by ep"),
-        (Layout(tp=2), model(vocab_size=255, n_heads=8), r"tp=2: vocab_size=255 is not divisible by tp"),
+        (Layout(tp=3), model(num_heads=8), r"tp=3: n_heads=8 is not divisible by tp"),
+        (Layout(tp=4), model(num_heads=8, num_kv_heads=2), None),  # kv heads replicated over tp
+        (Layout(tp=8, dp=1), model(hidden_size=192, num_heads=24, num_kv_heads=3), r"n_kv_heads=3 must divide tp"),
+        (Layout(pp=3), model(num_layers=4), r"pp=3: n_layers=4 is not divisible by pp"),
+        (Layout(dp=2, ep=2), model(num_experts=0), r"ep=2: the model has no experts"),
+        (Layout(dp=4, ep=4), model(num_experts=6), r"ep=4: n_experts=6 is not divisible by ep"),
+        (Layout(tp=2), model(vocab_size=255, num_heads=8), r"tp=2: vocab_size=255 is not divisible by tp"),
     ],
 )
 def test_model_rules(layout, cfg, pattern):

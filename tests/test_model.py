@@ -218,7 +218,7 @@ def _naive_moe(moe: MoE, x: torch.Tensor, score: str) -> torch.Tensor:
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_moe_matches_naive_per_token_loop_with_all_gradients(score):
     torch.manual_seed(0)
-    cfg = dataclasses.replace(TINY_MOE, dim=16, moe_ffn_dim=8, router_score=score)
+    cfg = TINY_MOE.with_changes(hidden_size=16, moe_ffn_hidden_size=8, router_score=score)
     moe = MoE(cfg).double()
     with torch.no_grad():
         for p in moe.parameters():
@@ -326,7 +326,7 @@ def test_init_depends_only_on_name_seed_and_config():
     for name, p in model.named_parameters():
         assert torch.equal(p, init_parameter(name, p.shape, TINY_MOE, 5).double()), name
     # A model with different modules still gives shared names the same values.
-    deeper = Transformer(dataclasses.replace(TINY_MOE, n_layers=3, moe_layer_freq=2), seed=5)
+    deeper = Transformer(dataclasses.replace(TINY_MOE, num_layers=3, moe_layer_freq=2), seed=5)
     assert torch.equal(deeper.tok_embeddings.weight, model.tok_embeddings.weight.float())
     assert torch.equal(deeper.layers[1].attention.wq.weight, model.layers[1].attention.wq.weight.float())
     # Residual output projections use init_std / sqrt(2 * n_layers).

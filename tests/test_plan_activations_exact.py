@@ -6,6 +6,8 @@ count. The memory-lean autograd Functions that make the model keep only those te
 each against plain PyTorch (or `gradcheck`) in float64.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,6 +61,12 @@ def _measured_and_predicted(cfg, dtype, b, s, labels=None):
 def test_planner_activation_bytes_equal_measured(name, dtype, b, s):
     cfg = ModelConfig(**{**BASE, **MODELS[name]})
     measured, predicted = _measured_and_predicted(cfg, dtype, b, s)
+    assert measured == predicted
+
+
+def test_leading_dense_layers_activation_bytes_equal_measured():
+    cfg = dataclasses.replace(ModelConfig(**{**BASE, **MODELS["moe-gqa"], "n_layers": 3}), first_dense_layers=1)
+    measured, predicted = _measured_and_predicted(cfg, "float32", 2, 16)
     assert measured == predicted
 
 

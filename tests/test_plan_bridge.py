@@ -14,7 +14,6 @@ from orangetron.plan.bridge import degrees_from_layout, job_from_parallel_config
 from orangetron.plan.traffic import data_parallel_records
 from orangetron.spec.collectives import OPS
 from orangetron.spec.layout import Layout
-from orangetron.spec.model import spec_from_model_config
 from orangetron.testing import run_distributed
 
 
@@ -33,7 +32,7 @@ def _config(**overrides):
 def test_param_count_equals_reference_model(overrides):
     cfg = _config(**overrides)
     measured = sum(p.numel() for p in model_mod.Transformer(cfg).parameters())
-    assert spec_from_model_config(cfg).total_params() == measured
+    assert cfg.total_params() == measured
 
 
 def test_predicted_step_from_runtime_objects():
@@ -98,7 +97,7 @@ def test_planner_equals_runtime_ledger_and_memory_for_data_parallel(world, param
         _, mem = predicted_step(cfg, Layout(dp=world), pc, seq_len=16, micro_batch=2)
         # The measured loop clips gradients with the sharded norm, so the prediction does too.
         job = replace(job_from_parallel_config(pc, 16, 2), clip_grad=True)
-        predicted = data_parallel_records(spec_from_model_config(cfg), degrees_from_layout(Layout(dp=world)), job)
+        predicted = data_parallel_records(cfg, degrees_from_layout(Layout(dp=world)), job)
         want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in predicted)
         assert want, "the prediction must not be empty"
         for rank, per_rank in enumerate(measured):
@@ -124,7 +123,7 @@ def test_train_json_memory_equals_the_cost_model(dtype, zero_stage):
 def test_runtime_prediction_uses_one_gradient_bucket_at_any_size():
     """The runtime reduces the whole flat buffer at once, so a 200M-parameter model gets one record too."""
     big = _config(dim=2048, n_layers=4, n_heads=16, n_kv_heads=16, vocab_size=32000, ffn_dim=8192)
-    assert spec_from_model_config(big).total_params() > 50_000_000
+    assert big.total_params() > 50_000_000
     for stage in ("zero1", "ddp"):
         records, _ = predicted_step(big, Layout(dp=3), ParallelConfig(**STAGES[stage]), seq_len=16, micro_batch=1)
         reductions = [r for r in records if r.op in ("reduce_scatter", "all_reduce")]

@@ -15,7 +15,7 @@ from orangetron.plan.network import DEFAULT_PARAMS, Placement
 from orangetron.plan.timing import step_time
 from orangetron.plan.traffic import expert_parallel_records, step_records
 from orangetron.spec.hardware import make_cluster
-from orangetron.spec.model import ModelSpec, load_model, spec_from_model_config
+from orangetron.spec.model import ModelSpec, load_model
 from orangetron.spec.options import Degrees, Job, validate
 
 P = DEFAULT_PARAMS
@@ -98,11 +98,13 @@ def test_balanced_routing_reaches_the_most_ranks_its_groups_allow():
     assert load_model("mixtral-8x7b").routed_ranks(8) == 2
     from orangetron.model.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=32, n_experts=8, top_k=2,
-                      n_expert_groups=4, topk_groups=1)
-    spec = spec_from_model_config(cfg)
+    def runtime_model(groups: int, per_token: int) -> ModelSpec:
+        return ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=32, n_experts=8,
+                           top_k=2, n_expert_groups=groups, topk_groups=per_token)
+
+    spec = runtime_model(4, 1)  # the runtime's names set the schema's group limit
     assert (spec.expert_groups, spec.groups_per_token, spec.routed_ranks(4)) == (4, 1, 1)
-    assert spec_from_model_config(replace(cfg, n_expert_groups=1, topk_groups=1)).expert_groups == 0
+    assert runtime_model(1, 1).routed_ranks(4) == 2  # one group: no limit
 
 
 def test_bytes_sent_by_hand():
@@ -321,14 +323,14 @@ def test_layouts_deepep_cannot_run_are_refused(capsys):
 
 
 def test_group_limits_are_checked():
-    with pytest.raises(ValueError, match="need experts"):
+    with pytest.raises(ValueError, match=r"expert_groups=4: requires num_experts > 0"):
         ModelSpec(name="dense", hidden_size=64, num_layers=2, num_heads=4, vocab_size=128, ffn_hidden_size=128,
                   expert_groups=4, groups_per_token=2)
-    with pytest.raises(ValueError, match="groups_per_token=0 needs .* set both"):
+    with pytest.raises(ValueError, match=r"groups_per_token=0: must be in 1..expert_groups=4"):
         _moe(expert_groups=4)
-    with pytest.raises(ValueError, match="groups_per_token=5 needs"):
+    with pytest.raises(ValueError, match=r"groups_per_token=5: must be in 1..expert_groups=4"):
         _moe(expert_groups=4, groups_per_token=5)
-    with pytest.raises(ValueError, match="groups_per_token=1 needs"):
+    with pytest.raises(ValueError, match=r"expert_groups=3: num_experts 8 is not divisible by expert_groups"):
         _moe(expert_groups=3, groups_per_token=1)  # 3 groups cannot split 8 experts
-    with pytest.raises(ValueError, match="top_k=4 exceeds the 2 experts"):
+    with pytest.raises(ValueError, match=r"top_k=4: must be at most groups_per_token \* experts per group = 2"):
         _moe(top_k=4, expert_groups=8, groups_per_token=2)

@@ -18,7 +18,8 @@ _LAZY = {
     "testing": ("orangetron.testing", None),
     "init_mesh": ("orangetron.mesh", "init_mesh"),
     "ParallelMesh": ("orangetron.mesh", "ParallelMesh"),
-    "ModelConfig": ("orangetron.model", "ModelConfig"),
+    "ModelConfig": ("orangetron.model", "ModelConfig"),  # builds a ModelSpec from the runtime's names
+    "ModelSpec": ("orangetron.spec.model", "ModelSpec"),  # the one model schema
     "Transformer": ("orangetron.model", "Transformer"),
     "ParallelConfig": ("orangetron.parallel", "ParallelConfig"),
     "DataParallel": ("orangetron.parallel", "DataParallel"),  # the earlier name of ParallelModel

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from orangetron.spec.hardware import gpu_names, load_gpu
-from orangetron.spec.model import DualEncoderSpec, load_model, preset_names, spec_from_model_config
+from orangetron.spec.model import DualEncoderSpec, load_model, preset_names
 
 
 def add_presets_command(sub: Any) -> None:
@@ -22,8 +22,8 @@ def presets() -> dict[str, list[dict[str, Any]]]:
     """Every preset with the numbers that tell them apart."""
     from orangetron.model.config import MODEL_PRESETS
 
-    train = [{"name": name, "params": spec_from_model_config(cfg).total_params(), "layers": cfg.n_layers,
-              "hidden": cfg.dim, "experts": cfg.n_experts} for name, cfg in MODEL_PRESETS.items()]
+    train = [{"name": name, "params": spec.total_params(), "layers": spec.num_layers, "hidden": spec.hidden_size,
+              "experts": spec.num_experts} for name, spec in MODEL_PRESETS.items()]
     planned = []
     for name in preset_names():
         spec = load_model(name)

@@ -1,7 +1,8 @@
 """The single-device reference model; parallelism is applied from outside (`orangetron.parallel`).
 
-The model's config and presets need no torch; the layers load on first use, so the CLI and the planner can
-read presets without importing torch.
+The model is described by the one schema, `ModelSpec` (spec/model.py); `ModelConfig` builds one from the
+runtime's argument names. Those and the presets need no torch; the layers load on first use, so the CLI and
+the planner can read presets without importing torch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from typing import Any
 from .config import MODEL_PRESETS as MODEL_PRESETS
 from .config import ConfigError as ConfigError
 from .config import ModelConfig as ModelConfig
+from .config import ModelSpec as ModelSpec
+from .config import check_runnable as check_runnable
+from .config import model_from_record as model_from_record
 from .config import model_preset as model_preset
 
 _LAZY = {
@@ -24,7 +28,8 @@ _LAZY = {
     "Transformer": ".transformer", "TransformerBlock": ".transformer", "init_parameter": ".transformer",
 }
 
-__all__ = ["MODEL_PRESETS", "ConfigError", "ModelConfig", "model_preset", *_LAZY]
+__all__ = ["MODEL_PRESETS", "ConfigError", "ModelConfig", "ModelSpec", "check_runnable", "model_from_record",
+           "model_preset", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,152 +1,106 @@
-"""Model configuration: one frozen dataclass, validated on construction, plus named presets."""
+"""The runtime's side of the one model schema (`ModelSpec`, spec/model.py): the `ModelConfig` builder with the
+runtime's argument names and defaults, what the reference model can build (`check_runnable`), the presets
+`train` builds, and the model a checkpoint records. No torch here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-ROUTER_SCORES = ("softmax", "sigmoid")
+from orangetron.spec.model import RUNTIME_NAMES, ModelSpec, in_runtime_names
+from orangetron.spec.model_rules import ConfigError
+
+__all__ = ["MODEL_PRESETS", "ConfigError", "ModelConfig", "ModelSpec", "check_runnable", "model_from_record",
+           "model_preset"]
 
 
-class ConfigError(ValueError):
-    """A model configuration breaks a rule; the message names the field, the value and the rule."""
+def ModelConfig(  # noqa: N802 (the stable name users call, from when it was a class)
+    dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int, ffn_dim: int,
+    n_experts: int = 0, top_k: int = 2, moe_ffn_dim: int | None = None, n_shared_experts: int = 0,
+    moe_layer_freq: int = 1, router_score: str = "softmax", aux_loss_coef: float = 0.01,
+    router_z_loss_coef: float = 0.0, n_expert_groups: int = 1, topk_groups: int = 1,
+    router_bias_rate: float = 0.0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
+    tied_embeddings: bool = False, max_seq_len: int = 4096, init_std: float = 0.02, name: str = "custom",
+) -> ModelSpec:
+    """A Llama-style decoder (RMSNorm, rotary GQA attention, SwiGLU, optional MoE layers) as a `ModelSpec`,
+    from the runtime's argument names (`RUNTIME_NAMES`); each argument means what its schema field does.
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """A Llama-style decoder with optional MoE feed-forward layers.
-
-    `moe_ffn_dim=None` is resolved to `ffn_dim` on construction, so after `__post_init__` it is always an
-    int (note: `dataclasses.replace(cfg, ffn_dim=...)` keeps the resolved `moe_ffn_dim`).
+    The runtime's defaults: `top_k=2`, `aux_loss_coef=0.01`, `moe_ffn_dim=None` meaning `ffn_dim`. A dense model
+    (`n_experts=0`) stores its routing-only arguments as the schema's zeros, so it equals the same model
+    written with schema names. Errors (`ConfigError`) name the arguments as given here; what the runtime
+    cannot build is refused too (`check_runnable`).
     """
-
-    dim: int
-    """Hidden size of the residual stream."""
-    n_layers: int
-    """Number of transformer blocks."""
-    n_heads: int
-    """Query heads per attention layer; `dim` must divide by it."""
-    n_kv_heads: int
-    """Key/value heads (grouped-query attention); `n_heads` must divide by it."""
-    vocab_size: int
-    """Number of token ids (embedding rows and logits columns)."""
-    ffn_dim: int
-    """Hidden size of the dense SwiGLU feed-forward."""
-    n_experts: int = 0
-    """Routed experts per MoE layer; 0 makes every layer dense."""
-    top_k: int = 2
-    """Experts each token is routed to (MoE only); at most `n_experts`."""
-    moe_ffn_dim: int | None = None
-    """Hidden size of one expert's SwiGLU; None means `ffn_dim`."""
-    n_shared_experts: int = 0
-    """Always-on experts per MoE layer, fused into one SwiGLU of hidden `n_shared_experts * moe_ffn_dim`."""
-    moe_layer_freq: int = 1
-    """Layer i is MoE when `n_experts > 0` and `(i + 1) % moe_layer_freq == 0`."""
-    router_score: str = "softmax"
-    """Router scoring function: "softmax" or "sigmoid" (sigmoid top-k weights are renormalized to sum 1)."""
-    aux_loss_coef: float = 0.01
-    """Weight of the load-balancing loss added to the language-model loss."""
-    router_z_loss_coef: float = 0.0
-    """Weight of the router z-loss (ST-MoE): the mean over non-padding tokens of logsumexp(router logits)^2,
-    added to the auxiliary loss; it keeps the router logits small."""
-    n_expert_groups: int = 1
-    """Group-limited routing (DeepSeek-V2/V3): the experts split into this many equal groups of consecutive
-    ids; 1 routes over all experts."""
-    topk_groups: int = 1
-    """Groups each token may use under group-limited routing: those with the highest group score (the
-    largest expert score in the group); at most `n_expert_groups`."""
-    router_bias_rate: float = 0.0
-    """Auxiliary-loss-free balancing (DeepSeek-V3): >0 gives every router a per-expert bias, added to the
-    scores only to choose the top-k, moved by this rate towards balance after each optimizer step."""
-    rope_theta: float = 10000.0
-    """Base of the rotary embedding frequencies."""
-    norm_eps: float = 1e-5
-    """Epsilon of RMSNorm."""
-    tied_embeddings: bool = False
-    """Use the token-embedding matrix as the output projection."""
-    max_seq_len: int = 4096
-    """Longest sequence a forward pass accepts."""
-    init_std: float = 0.02
-    """Standard deviation of the normal initialization of weight matrices."""
-
-    def __post_init__(self) -> None:
-        if self.moe_ffn_dim is None:
-            object.__setattr__(self, "moe_ffn_dim", self.ffn_dim)
-        self._check_positive()
-        self._check_heads()
-        self._check_moe()
-
-    def _check_positive(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "moe_ffn_dim",
-                     "moe_layer_freq", "max_seq_len", "rope_theta", "norm_eps", "init_std"):
-            _require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
-        for name in ("n_expert_groups", "topk_groups"):
-            _require(getattr(self, name) > 0, name, getattr(self, name), "must be positive")
-        for name in ("n_experts", "n_shared_experts", "aux_loss_coef", "router_z_loss_coef", "router_bias_rate"):
-            _require(getattr(self, name) >= 0, name, getattr(self, name), "must be non-negative")
-
-    def _check_heads(self) -> None:
-        _require(self.dim % self.n_heads == 0, "n_heads", self.n_heads,
-                 f"dim {self.dim} is not divisible by n_heads")
-        _require(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", self.n_kv_heads,
-                 f"n_heads {self.n_heads} is not divisible by n_kv_heads")
-        _require(self.head_dim % 2 == 0, "n_heads", self.n_heads,
-                 f"head_dim = dim {self.dim} / n_heads = {self.head_dim} must be even for rotary embeddings")
-
-    def _check_moe(self) -> None:
-        _require(self.router_score in ROUTER_SCORES, "router_score", repr(self.router_score),
-                 f"must be one of {', '.join(ROUTER_SCORES)}")
-        if self.n_experts > 0:
-            _require(0 < self.top_k <= self.n_experts, "top_k", self.top_k,
-                     f"must be in 1..n_experts={self.n_experts}")
-            self._check_groups()
-        else:
-            # Shared experts live inside MoE layers; with no MoE layer they would be silently dropped.
-            _require(self.n_shared_experts == 0, "n_shared_experts", self.n_shared_experts,
-                     "requires n_experts > 0")
-
-    def _check_groups(self) -> None:
-        groups = self.n_expert_groups
-        _require(self.n_experts % groups == 0, "n_expert_groups", groups,
-                 f"n_experts {self.n_experts} is not divisible by n_expert_groups")
-        _require(self.topk_groups <= groups, "topk_groups", self.topk_groups,
-                 f"must be in 1..n_expert_groups={groups}")
-        reachable = self.topk_groups * (self.n_experts // groups)
-        _require(self.top_k <= reachable, "top_k", self.top_k,
-                 f"must be at most topk_groups * experts per group = {reachable}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def shared_ffn_dim(self) -> int:
-        """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
-        return self.n_shared_experts * self.moe_ffn_dim
-
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        """Whether block `layer_idx` (0-based) uses an MoE feed-forward."""
-        return self.n_experts > 0 and (layer_idx + 1) % self.moe_layer_freq == 0
+    arguments = dict(locals())  # the arguments above, by name, before anything else is bound here
+    if moe_ffn_dim is None:
+        arguments["moe_ffn_dim"] = ffn_dim
+    if not n_experts:
+        arguments.update(top_k=0, moe_ffn_dim=0, aux_loss_coef=0.0, router_z_loss_coef=0.0, router_bias_rate=0.0)
+    try:
+        spec = ModelSpec(**{RUNTIME_NAMES.get(key, key): value for key, value in arguments.items()})
+        check_runnable(spec)
+    except ConfigError as err:
+        raise in_runtime_names(err) from None
+    return spec
 
 
-def _require(ok: bool, field: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field}={value}: {rule}")
+def check_runnable(spec: ModelSpec) -> None:
+    """Raise `ConfigError("field=value: reason")` for the first field the reference model cannot build yet;
+    the planner prices such specs all the same."""
+    for field, runnable, reason in _runtime_limits(spec):
+        if not runnable:
+            raise ConfigError(f"{field}={getattr(spec, field)!r}: {reason}")
 
 
-MODEL_PRESETS: dict[str, ModelConfig] = {
+def _runtime_limits(spec: ModelSpec) -> list[tuple[str, bool, str]]:
+    """(field, whether the runtime builds its value, why not) for each field the runtime does not cover."""
+    planner_only = "the planner prices it, the runtime does not build it yet"
+    width = spec.hidden_size // spec.num_heads
+    return [
+        ("mlp", spec.mlp == "swiglu", f"the runtime builds SwiGLU MLPs only; {planner_only}"),
+        ("bias", not spec.bias, f"the runtime builds bias-free layers with RMSNorm; {planner_only}"),
+        ("max_position_embeddings", spec.max_position_embeddings == 0,
+         f"learned positions: the runtime uses rotary embeddings; {planner_only}"),
+        ("q_lora_rank", spec.q_lora_rank == 0, f"multi-head latent attention: {planner_only}"),
+        ("kv_lora_rank", spec.kv_lora_rank == 0, f"multi-head latent attention: {planner_only}"),
+        ("qk_rope_head_dim", spec.qk_rope_head_dim == 0, f"multi-head latent attention: {planner_only}"),
+        ("v_head_dim", spec.v_head_dim == 0, f"multi-head latent attention: {planner_only}"),
+        ("mtp_layers", spec.mtp_layers == 0, f"multi-token prediction: {planner_only}"),
+        ("patch_size", spec.patch_size == 0, f"a vision tower's patch embedding: {planner_only}"),
+        ("causal", spec.causal, f"bidirectional attention: {planner_only}"),
+        ("dropout", spec.dropout == 0, f"the runtime has no dropout; {planner_only}"),
+        ("seq_len", spec.seq_len == 0, "a tower's tokens per sample; a run's sequence length is its own option"),
+        ("vocab_size", spec.vocab_size > 0, "the runtime's decoders need a token vocabulary"),
+        ("head_dim", spec.head_dim * spec.num_heads == spec.hidden_size,
+         f"the runtime needs head_dim * num_heads = hidden_size {spec.hidden_size}; {planner_only}"),
+        ("num_heads", width % 2 == 0,
+         f"head_dim = hidden_size {spec.hidden_size} / num_heads = {width} must be even for rotary embeddings"),
+    ]
+
+
+def model_from_record(record: Mapping[str, object]) -> ModelSpec:
+    """The model a checkpoint recorded (`dataclasses.asdict` of it): a `ModelSpec`'s fields, or the runtime's
+    argument names that checkpoints stored before the one schema (`dim`, `n_layers`, ...; no `name`)."""
+    if "hidden_size" in record:
+        return ModelSpec(**record)
+    return ModelConfig(**record)
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
     # ~0.13M parameters: unit tests and laptop smoke runs.
     "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192,
-                        max_seq_len=1024),
+                        max_seq_len=1024, name="tiny"),
     # ~0.2M parameters: every MoE feature (routed + shared experts) at test size.
     "tiny-moe": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192,
-                            n_experts=4, top_k=2, moe_ffn_dim=64, n_shared_experts=1, max_seq_len=1024),
+                            n_experts=4, top_k=2, moe_ffn_dim=64, n_shared_experts=1, max_seq_len=1024,
+                            name="tiny-moe"),
     # ~4.4M parameters: the byte-level trainer's default on local CPU ranks.
     "small-moe": ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=512,
-                             n_experts=8, top_k=2, moe_ffn_dim=128, n_shared_experts=1, max_seq_len=2048),
+                             n_experts=8, top_k=2, moe_ffn_dim=128, n_shared_experts=1, max_seq_len=2048,
+                             name="small-moe"),
 }
 
 
-def model_preset(name: str) -> ModelConfig:
+def model_preset(name: str) -> ModelSpec:
     """The preset called `name`; ConfigError listing the known names otherwise."""
     if name not in MODEL_PRESETS:
         raise ConfigError(f"model={name!r}: unknown preset; known: {', '.join(sorted(MODEL_PRESETS))}")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .autograd import FromExpertOrder, LoadBalancingLoss, RouterZLoss, ToExpertOrder, TopKWeights, swiglu_activation
-from .config import ModelConfig
+from .config import ModelSpec
 from .layers import SwiGLU
 
 
@@ -81,16 +81,16 @@ class Router(nn.Module):
     not evaluation) since the last bias update. The auxiliary losses come from the submodule `aux_losses`.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
-        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.n_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.score_func, self.aux_loss_coef = cfg.router_score, cfg.aux_loss_coef
         self.z_loss_coef, self.bias_rate = cfg.router_z_loss_coef, cfg.router_bias_rate
-        self.n_groups, self.topk_groups = cfg.n_expert_groups, cfg.topk_groups
-        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        bias = torch.zeros(cfg.n_experts) if cfg.router_bias_rate else None
+        self.n_groups, self.topk_groups = cfg.expert_groups, cfg.groups_per_token
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        bias = torch.zeros(cfg.num_experts) if cfg.router_bias else None
         self.register_buffer("expert_bias", bias)
-        self.expert_load = torch.zeros(cfg.n_experts, dtype=torch.int64)
+        self.expert_load = torch.zeros(cfg.num_experts, dtype=torch.int64)
         self.aux_losses = RouterLosses()
 
     def forward(
@@ -192,11 +192,11 @@ class MoE(nn.Module):
     tokens reach the experts through the submodule `dispatcher` (a `LocalDispatcher` on one device).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
         self.router = Router(cfg)
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, cfg.moe_ffn_dim)
-        self.shared_expert = SwiGLU(cfg.dim, cfg.shared_ffn_dim) if cfg.n_shared_experts > 0 else None
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size)
+        self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_ffn_hidden_size) if cfg.num_shared_experts else None
         self.dispatcher = LocalDispatcher()
         self.last_aux_loss: torch.Tensor | None = None
 

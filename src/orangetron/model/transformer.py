@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelSpec, check_runnable
 from .layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from .moe import MoE
 from .token_io import TokenIO
@@ -22,11 +22,11 @@ def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1  # fits the generator's signed 64-bit seed
 
 
-def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
+def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: ModelSpec, seed: int) -> torch.Tensor:
     """The initial value of parameter `name` (its qualified name in `Transformer`), float32 on CPU.
 
     A pure function of (name, shape, cfg, seed): a sharded copy regenerates the full tensor and slices it.
-    Norm weights are ones; other parameters are normal(0, init_std), divided by sqrt(2 * n_layers) for the
+    Norm weights are ones; other parameters are normal(0, init_std), divided by sqrt(2 * num_layers) for the
     residual output projections (`wo`, `w2`, including stacked expert `w2`).
     """
     parts = name.split(".")
@@ -34,7 +34,7 @@ def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: ModelCon
         return torch.ones(shape)
     std = cfg.init_std
     if any(p in _RESIDUAL_OUTPUTS for p in parts[-2:]):
-        std /= math.sqrt(2 * cfg.n_layers)
+        std /= math.sqrt(2 * cfg.num_layers)
     gen = torch.Generator().manual_seed(_param_seed(seed, name))
     return torch.normal(0.0, std, size=tuple(shape), generator=gen)
 
@@ -42,13 +42,13 @@ def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: ModelCon
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(.)); x: [B, S, dim]."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelSpec, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_mask: torch.Tensor | None = None
@@ -69,10 +69,11 @@ class Transformer(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+        self, cfg: ModelSpec, *, seed: int = 0, dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        check_runnable(cfg)  # a spec only the planner prices (latent attention, learned positions ...) stops here
         self.cfg, self.seed = cfg, seed
         device = torch.device(device if device is not None else "cpu")
         # nn's default init draws from the global RNG; fork it so building a model leaves callers' random
@@ -80,10 +81,10 @@ class Transformer(nn.Module):
         # torch._dynamo: seconds of start-up on a small machine.)
         rng_devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=rng_devices), device:
-            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-            self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
-            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-            self.output = None if cfg.tied_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.output = None if cfg.tied_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.io = TokenIO()
         self.to(dtype)
         self.reset_parameters()
@@ -162,5 +163,5 @@ class Transformer(nn.Module):
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters of the whole model (a tied matrix counts once), counted when it was
         built: the same after `parallelize` shards the parameters in place."""
-        embeddings = self.cfg.vocab_size * self.cfg.dim if exclude_embeddings else 0
+        embeddings = self.cfg.vocab_size * self.cfg.hidden_size if exclude_embeddings else 0
         return self._whole_numel - embeddings

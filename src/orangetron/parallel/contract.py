@@ -19,19 +19,20 @@ Every change goes through `orangetron/parallel/replace.py`'s `replace_module`, a
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from orangetron.model.moe import MoE
+from orangetron.spec.model import ModelSpec
 
 
 @runtime_checkable
 class ModelContract(Protocol):
     """The root module `parallelize` takes (an `nn.Module`)."""
 
-    cfg: Any  # an orangetron.model.config.ModelConfig
+    cfg: ModelSpec  # the model's description (orangetron/spec/model.py)
     tok_embeddings: nn.Module | None
     layers: nn.ModuleList  # on a pipeline stage, an nn.ModuleDict of its layers by global index
     norm: nn.Module | None

@@ -83,7 +83,7 @@ _ROW = ("wo", "w2")  # split input features
 
 def placements(model: Transformer, tp: int, sequence_parallel: bool) -> dict[str, Placement]:
     """The `Placement` of every parameter of the reference `model` (by qualified name) on tp ranks."""
-    kv_copies = max(1, tp // model.cfg.n_kv_heads)
+    kv_copies = max(1, tp // model.cfg.num_kv_heads)
     out = {}
     for name, _ in model.named_parameters():
         parts = name.split(".")

@@ -1,7 +1,7 @@
 """The runtime's objects seen by the cost model, so a test can compare a measured step with its prediction.
 
-Read by attribute (no torch import): `orangetron.ModelConfig` -> `ModelSpec`, `orangetron.Layout` ->
-`Degrees`, `orangetron.ParallelConfig` -> `Job`.
+The model is the one schema both sides read (`ModelSpec`); the rest is read by attribute (no torch import):
+`orangetron.Layout` -> `Degrees`, `orangetron.ParallelConfig` -> `Job`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import replace
 from orangetron.plan.memory import stage_memory
 from orangetron.plan.traffic import step_records
 from orangetron.spec.collectives import CommRecord
-from orangetron.spec.model import spec_from_model_config
+from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job
 
 
@@ -39,14 +39,13 @@ def job_from_parallel_config(pc: object, seq_len: int, micro_batch: int) -> Job:
 
 
 def predicted_step(
-    model_config: object, layout: object, parallel_config: object, seq_len: int, micro_batch: int, stage: int = 0,
+    model: ModelSpec, layout: object, parallel_config: object, seq_len: int, micro_batch: int, stage: int = 0,
     clip_grad: bool = False,
 ) -> tuple[list[CommRecord], dict[str, int]]:
     """(CommRecords of one step, bytes by memory category) predicted for one rank of pipeline `stage`.
 
     `clip_grad`: the step clips gradients by their global norm (its reductions join the records).
     """
-    model = spec_from_model_config(model_config)
     deg = degrees_from_layout(layout)
     job = replace(job_from_parallel_config(parallel_config, seq_len, micro_batch), clip_grad=clip_grad)
     return step_records(model, deg, job, stage), stage_memory(model, deg, job, stage)

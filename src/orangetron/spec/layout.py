@@ -16,10 +16,13 @@ Pure Python, so the planner can validate layouts without torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from orangetron.spec import rules
 from orangetron.spec.rules import LayoutError
+
+if TYPE_CHECKING:
+    from orangetron.spec.model import ModelSpec
 
 DIMS = ("tp", "cp", "pp", "dp", "ep")
 
@@ -129,32 +132,26 @@ class Layout:
 
     # ---- validation against a model and a sequence ---------------------------------------------
 
-    def validate(self, model: Any | None = None, seq_len: int | None = None, sequence_parallel: bool = False) -> None:
-        """Raise `LayoutError` if this layout cannot run `model` on sequences of `seq_len` tokens.
-
-        `model` needs the attributes of `ModelConfig` (n_heads, n_kv_heads, n_layers, n_experts,
-        vocab_size); any of them may be absent.
-        """
+    def validate(self, model: ModelSpec | None = None, seq_len: int | None = None,
+                 sequence_parallel: bool = False) -> None:
+        """Raise `LayoutError` if this layout cannot run `model` on sequences of `seq_len` tokens."""
         if model is not None:
             self._validate_model(model)
         if seq_len is not None:
             self._validate_seq(seq_len, sequence_parallel)
 
-    def _validate_model(self, model: Any) -> None:
-        heads = getattr(model, "n_heads", None)
-        if heads is not None:
-            rules.tp_splits_heads(self.tp, heads, getattr(model, "n_kv_heads", None) or heads)
-        layers = getattr(model, "n_layers", None)
-        if layers is not None and layers % self.pp:
-            raise LayoutError(f"pp={self.pp}: n_layers={layers} is not divisible by pp")
-        rules.ep_splits_experts(self.ep, getattr(model, "n_experts", 0) or 0)
-        for name in ("ffn_dim", "shared_ffn_dim"):
-            width = getattr(model, name, None) or 0
+    def _validate_model(self, model: ModelSpec) -> None:
+        # The messages keep the runtime's names (ModelConfig's arguments), as `orangetron train` users write them.
+        rules.tp_splits_heads(self.tp, model.num_heads, model.num_kv_heads)
+        if model.num_layers % self.pp:
+            raise LayoutError(f"pp={self.pp}: n_layers={model.num_layers} is not divisible by pp")
+        rules.ep_splits_experts(self.ep, model.num_experts)
+        for name, width in (("ffn_dim", model.ffn_hidden_size), ("shared_ffn_dim", model.shared_ffn_hidden_size)):
             if width % self.tp:
                 raise LayoutError(f"tp={self.tp}: {name}={width} is not divisible by tp (SwiGLU split on its width)")
-        vocab = getattr(model, "vocab_size", None)
-        if vocab is not None and vocab % self.tp:
-            raise LayoutError(f"tp={self.tp}: vocab_size={vocab} is not divisible by tp (vocab-parallel output)")
+        if model.vocab_size % self.tp:
+            raise LayoutError(f"tp={self.tp}: vocab_size={model.vocab_size} is not divisible by tp "
+                              "(vocab-parallel output)")
 
     def _validate_seq(self, seq_len: int, sequence_parallel: bool) -> None:
         if seq_len < 1:

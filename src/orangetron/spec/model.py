@@ -1,4 +1,5 @@
-"""Model descriptions for the planner: TOML files (and shipped presets) -> `ModelSpec`, parameter counts.
+"""The one model schema, `ModelSpec`, that the runtime builds, the planner prices and checkpoints record;
+TOML files (and the shipped presets) -> `ModelSpec`; parameter counts.
 
 A decoder is described by the keys docs/planner.md section 1 lists. Optional keys cover the variants the presets need:
 `head_dim` (when heads x head_dim != hidden, as GPT-OSS and Qwen3), `first_dense_layers` (DeepSeek-V3's
@@ -11,88 +12,167 @@ exactly while its activations and attention FLOPs are priced as multi-head atten
 A dual encoder (CLIP, CoCa, LiT) is a TOML file with `kind = "dual_encoder"` and one `[towers.NAME]`
 table per modality, each a small encoder description plus `seq_len` (tokens per sample) and `patch_size`
 for vision towers; see `DualEncoderSpec`.
+
+The runtime's fields (`rope_theta`, `norm_eps`, `max_seq_len`, `init_std`, the router's options) sit beside
+the planner's, and the runtime's argument names (`ModelConfig(dim=..., n_layers=...)`, model/config.py) map
+onto the schema's once, in `RUNTIME_NAMES`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from importlib import resources
+from operator import attrgetter
 from pathlib import Path
+from typing import Any
 
 from orangetron.spec.keys import hash_fields_once
+from orangetron.spec.model_rules import ConfigError, check_model
 
 _PRESET_DIR = "presets/models"
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder (or encoder tower) shape; every count below is derived from these fields."""
+    """One model description for the runtime, the planner and checkpoints: a decoder or an encoder tower.
+
+    The planner prices every spec; the runtime builds those `orangetron.model.config.check_runnable` accepts
+    and refuses the others naming the field. Rules are checked on construction (spec/model_rules.py,
+    `ConfigError`). Zeros that stand for a derived value are then resolved, so the fields always hold the
+    shape: `head_dim` 0 becomes hidden_size // num_heads, `num_kv_heads` 0 becomes num_heads, and
+    `expert_groups` / `groups_per_token` 0 become 1 (one group). `dataclasses.replace` keeps resolved values;
+    `with_changes` derives them again. The runtime's argument names (`dim`, `n_layers`, ...) read as
+    properties (`RUNTIME_NAMES`).
+    """
 
     name: str
+    """A label (preset name, TOML file stem) for reports; not part of the shape."""
     hidden_size: int
+    """Width of the residual stream."""
     num_layers: int
+    """Transformer blocks."""
     num_heads: int
+    """Query heads per attention layer."""
     vocab_size: int
+    """Token ids: embedding rows and logits columns (0 for a vision tower)."""
     ffn_hidden_size: int = 0
-    num_kv_heads: int = 0  # 0: same as num_heads (multi-head attention)
-    head_dim: int = 0  # 0: hidden_size // num_heads
-    mlp: str = "swiglu"  # "swiglu" | "gelu"
+    """Hidden width of a dense layer's MLP; positive when some layer is dense."""
+    num_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); num_heads divides by it. 0: num_heads (multi-head)."""
+    head_dim: int = 0
+    """Width of one head; 0: hidden_size // num_heads (GPT-OSS and Qwen3 set their own)."""
+    mlp: str = "swiglu"
+    """MLP kind: "swiglu" (gate, up and down matrices) or "gelu" (up and down)."""
     dropout: float = 0.0
+    """Dropout probability after attention and MLP; > 0 keeps the dropout masks."""
     num_experts: int = 0
+    """Routed experts per MoE layer; 0 makes every layer dense."""
     top_k: int = 0
+    """Experts each token is routed to: 1..num_experts for a MoE model."""
     moe_ffn_hidden_size: int = 0
+    """Hidden width of one expert (routed or shared); positive for a MoE model."""
     num_shared_experts: int = 0
+    """Always-on experts per MoE layer (the runtime fuses them into one MLP of width
+    num_shared_experts * moe_ffn_hidden_size)."""
     moe_layer_freq: int = 1
+    """After the leading dense layers, every moe_layer_freq-th layer is MoE (`is_moe_layer`)."""
     first_dense_layers: int = 0
+    """Leading layers that stay dense in a MoE model (DeepSeek-V3: 3)."""
     tied_embeddings: bool = False
+    """The token-embedding matrix is also the output projection."""
     bias: bool = False
-    max_position_embeddings: int = 0  # >0: learned absolute positions (GPT-3), else RoPE
+    """GPT style: linear layers carry biases and norms are LayerNorms; False: no biases, RMSNorm."""
+    max_position_embeddings: int = 0
+    """> 0: learned absolute positions (GPT-3) for this many positions; 0: rotary embeddings."""
     q_lora_rank: int = 0
-    kv_lora_rank: int = 0  # >0: multi-head latent attention (DeepSeek-V3)
+    """Multi-head latent attention (DeepSeek-V2/V3): rank of the query compression; 0: none."""
+    kv_lora_rank: int = 0
+    """> 0: multi-head latent attention with keys and values compressed to this rank."""
     qk_rope_head_dim: int = 0
+    """MLA: the rotary part of each query/key head, beside head_dim's position-free part."""
     v_head_dim: int = 0
+    """MLA: width of a value head; 0: head_dim."""
     causal: bool = True
-    patch_size: int = 0  # vision towers: a patch embedding replaces the token embedding
-    seq_len: int = 0  # towers: tokens per sample
-    aux_loss_coef: float = 0.0  # MoE balancing loss weight; >0 under EP adds its global all-reduce
-    router_z_loss_coef: float = 0.0  # router z-loss weight; >0 keeps the router logits, a global all-reduce
-    router_bias: bool = False  # auxiliary-loss-free balancing: one all-reduce of the expert loads per step
-    # Group-limited routing (the runtime's `n_expert_groups`, `topk_groups`; HF configs' `n_group`, `topk_group`):
-    # experts form `expert_groups` equal contiguous groups and a token's experts come from at most
-    # `groups_per_token` of them (DeepSeek-V3: 8 and 4, one group per node); 0: no limit
+    """Causal attention (decoders); False: bidirectional (encoder towers)."""
+    patch_size: int = 0
+    """Vision towers: a patch embedding of this patch size replaces the token embedding."""
+    seq_len: int = 0
+    """Towers: tokens per sample (a decoder's sequence length comes with the job, not the model)."""
+    aux_loss_coef: float = 0.0
+    """Weight of the MoE load-balancing loss; > 0 under EP adds its global all-reduce."""
+    router_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE): the mean over non-padding tokens of logsumexp(router logits)^2;
+    > 0 keeps the router logits, and adds a global all-reduce."""
+    router_score: str = "softmax"
+    """Router scoring function: "softmax" or "sigmoid" (sigmoid top-k weights are renormalized to sum 1)."""
+    router_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): > 0 gives each router a per-expert bias, added to the
+    scores only to choose the top-k and moved by this rate towards balance after each optimizer step (one
+    all-reduce of the expert loads per step)."""
     expert_groups: int = 0
+    """Group-limited routing (HF configs' n_group): the experts form this many equal groups of consecutive
+    ids; 0 or 1: no limit."""
     groups_per_token: int = 0
-    # Multi-token prediction (DeepSeek-V3's depth D, Megatron's --mtp-num-layers, HF configs'
-    # num_nextn_predict_layers): modules after the decoder on the last pipeline stage, each two norms on its
-    # inputs, a 2h -> h projection, one layer of the decoder's last layer's kind, a norm, and its own pass
-    # through the shared output head and the loss. Not in `total_params` (the published counts leave it out)
+    """Group-limited routing (HF configs' topk_group): a token's experts come from at most this many groups,
+    those with the highest group score (their largest expert score); DeepSeek-V3: 8 groups, 4 per token."""
     mtp_layers: int = 0
+    """Multi-token prediction (DeepSeek-V3's depth D, Megatron's --mtp-num-layers, HF configs'
+    num_nextn_predict_layers): modules after the decoder on the last pipeline stage, each two norms on its
+    inputs, a 2h -> h projection, one layer of the decoder's last layer's kind, a norm, and its own pass
+    through the shared output head and the loss. Not in `total_params` (the published counts leave it out)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms."""
+    max_seq_len: int = 4096
+    """Longest sequence the runtime's forward pass accepts."""
+    init_std: float = 0.02
+    """Standard deviation of the runtime's normal initialization of weight matrices."""
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
     def __post_init__(self) -> None:
-        _check_spec(self)
+        check_model(self)
+        _resolve_derived(self)
+
+    def with_changes(self, **changes: Any) -> ModelSpec:
+        """A copy with `changes` (field names); `head_dim` and `num_kv_heads` that hold their derived value
+        are derived again from the changed fields (`dataclasses.replace` would keep them)."""
+        derived = {"head_dim": self.hidden_size // self.num_heads, "num_kv_heads": self.num_heads}
+        again = {name: 0 for name, value in derived.items() if getattr(self, name) == value}
+        return replace(self, **{**again, **changes})
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
     def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
+        return self.num_kv_heads
 
     @property
     def qk_head_dim(self) -> int:
         """Per-head query/key width (MLA: nope + rope parts)."""
-        return (self.head_dim or self.hidden_size // self.num_heads) + self.qk_rope_head_dim
+        return self.head_dim + self.qk_rope_head_dim
 
     @property
     def v_dim(self) -> int:
-        return self.v_head_dim or self.head_dim or self.hidden_size // self.num_heads
+        return self.v_head_dim or self.head_dim
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def shared_ffn_hidden_size(self) -> int:
+        """Width of the fused shared-expert MLP (0 without shared experts)."""
+        return self.num_shared_experts * self.moe_ffn_hidden_size
+
+    @property
+    def router_bias(self) -> bool:
+        """Routers carry the auxiliary-loss-free balancing bias (`router_bias_rate` > 0 in a MoE model)."""
+        return self.is_moe and self.router_bias_rate > 0
 
     @property
     def group_limited(self) -> bool:
@@ -116,7 +196,7 @@ class ModelSpec:
         """Layer `index` (0-based) has routed experts."""
         if not self.is_moe or index < self.first_dense_layers:
             return False
-        # Same rule as the runtime's ModelConfig: with a frequency k, layers k-1, 2k-1, ... are MoE.
+        # With a frequency k, layers k-1, 2k-1, ... after the leading dense ones are MoE.
         return (index - self.first_dense_layers + 1) % self.moe_layer_freq == 0
 
     @property
@@ -228,42 +308,33 @@ def _all_layer_params(spec: ModelSpec) -> int:
     return sum(spec.layer_params(i) for i in range(spec.num_layers))
 
 
-def _check_spec(spec: ModelSpec) -> None:
-    positive = ("hidden_size", "num_layers", "num_heads")
-    for name in positive:
-        if getattr(spec, name) <= 0:
-            raise ValueError(f"model {spec.name}: {name}={getattr(spec, name)} must be positive")
-    if spec.mlp not in ("swiglu", "gelu"):
-        raise ValueError(f"model {spec.name}: mlp={spec.mlp!r} must be 'swiglu' or 'gelu'")
-    if spec.num_heads % spec.kv_heads:
-        raise ValueError(f"model {spec.name}: num_heads={spec.num_heads} is not divisible by "
-                         f"num_kv_heads={spec.kv_heads}")
-    if spec.is_moe and not (0 < spec.top_k <= spec.num_experts and spec.moe_ffn_hidden_size > 0):
-        raise ValueError(f"model {spec.name}: MoE needs 0 < top_k <= num_experts and moe_ffn_hidden_size > 0")
-    _check_groups(spec)
-    if spec.mtp_layers < 0:
-        raise ValueError(f"model {spec.name}: mtp_layers={spec.mtp_layers} must be >= 0")
-    if spec.moe_layer_freq < 1:
-        raise ValueError(f"model {spec.name}: moe_layer_freq={spec.moe_layer_freq} must be >= 1")
-    if not spec.is_moe and spec.ffn_hidden_size <= 0:
-        raise ValueError(f"model {spec.name}: ffn_hidden_size must be positive for a dense model")
+def _resolve_derived(spec: ModelSpec) -> None:
+    """Store the values the zeros stand for (the spec is frozen: set once, before anything hashes it)."""
+    resolved = {"head_dim": spec.head_dim or spec.hidden_size // spec.num_heads,
+                "num_kv_heads": spec.num_kv_heads or spec.num_heads,
+                "expert_groups": spec.expert_groups or 1, "groups_per_token": spec.groups_per_token or 1}
+    for name, value in resolved.items():
+        object.__setattr__(spec, name, value)
 
 
-def _check_groups(spec: ModelSpec) -> None:
-    """The runtime's rules (`ModelConfig._check_groups`): groups split the experts evenly, a token picks at
-    most all of them, and its top_k experts fit in the groups it picks."""
-    groups, per_token = spec.expert_groups, spec.groups_per_token
-    if not (groups or per_token):
-        return
-    if not spec.is_moe:
-        raise ValueError(f"model {spec.name}: expert_groups and groups_per_token need experts (num_experts > 0)")
-    if not (groups > 0 and spec.num_experts % groups == 0 and 0 < per_token <= groups):
-        raise ValueError(f"model {spec.name}: groups_per_token={per_token} needs 1 <= groups_per_token <= "
-                         f"expert_groups={groups}, which must divide num_experts={spec.num_experts}; set both")
-    reachable = per_token * (spec.num_experts // groups)
-    if spec.top_k > reachable:
-        raise ValueError(f"model {spec.name}: top_k={spec.top_k} exceeds the {reachable} experts of "
-                         f"groups_per_token={per_token} groups")
+# The runtime's argument names (ModelConfig, model/config.py; a stable contract) -> the schema's fields.
+# They read as properties of ModelSpec; `ModelConfig(...)` and old checkpoints map through this table too.
+RUNTIME_NAMES: dict[str, str] = {
+    "dim": "hidden_size", "n_layers": "num_layers", "n_heads": "num_heads", "n_kv_heads": "num_kv_heads",
+    "ffn_dim": "ffn_hidden_size", "n_experts": "num_experts", "moe_ffn_dim": "moe_ffn_hidden_size",
+    "n_shared_experts": "num_shared_experts", "n_expert_groups": "expert_groups",
+    "topk_groups": "groups_per_token", "shared_ffn_dim": "shared_ffn_hidden_size",
+}
+for _runtime_name, _schema_name in RUNTIME_NAMES.items():
+    setattr(ModelSpec, _runtime_name, property(attrgetter(_schema_name), doc=f"`{_schema_name}` (runtime name)"))
+
+_SCHEMA_WORDS = re.compile(r"\b(" + "|".join(RUNTIME_NAMES.values()) + r")\b")
+_RUNTIME_WORDS = {schema: runtime for runtime, schema in RUNTIME_NAMES.items()}
+
+
+def in_runtime_names(error: ConfigError) -> ConfigError:
+    """The same error worded with the runtime's argument names (for `ModelConfig(dim=...)` callers)."""
+    return ConfigError(_SCHEMA_WORDS.sub(lambda word: _RUNTIME_WORDS[word.group(0)], str(error)))
 
 
 @dataclass(frozen=True)
@@ -292,7 +363,10 @@ def _spec_from_table(name: str, table: dict) -> ModelSpec:
         raise ValueError(f"model {name}: missing key(s) {', '.join(missing)}")
     values.setdefault("vocab_size", 0)
     values["name"] = name
-    return ModelSpec(**values)
+    try:
+        return ModelSpec(**values)
+    except ConfigError as err:
+        raise ConfigError(f"model {name}: {err}") from None
 
 
 def parse_model(name: str, table: dict) -> ModelSpec | DualEncoderSpec:
@@ -333,29 +407,6 @@ def load_model(name_or_path: str) -> ModelSpec | DualEncoderSpec:
         return parse_model(name, table)
     except TypeError as err:  # a value of the wrong type reaching the dataclass
         raise ValueError(f"model {name}: {err}") from None
-
-
-def spec_from_model_config(cfg: object, name: str = "runtime") -> ModelSpec:
-    """The planner's view of a runtime `orangetron.ModelConfig` (read by attribute; no torch import)."""
-    return ModelSpec(
-        name=name, hidden_size=cfg.dim, num_layers=cfg.n_layers, num_heads=cfg.n_heads,
-        num_kv_heads=cfg.n_kv_heads, vocab_size=cfg.vocab_size, ffn_hidden_size=cfg.ffn_dim, mlp="swiglu",
-        num_experts=cfg.n_experts, top_k=cfg.top_k if cfg.n_experts else 0,
-        moe_ffn_hidden_size=(cfg.moe_ffn_dim or cfg.ffn_dim) if cfg.n_experts else 0,
-        num_shared_experts=cfg.n_shared_experts, moe_layer_freq=cfg.moe_layer_freq,
-        tied_embeddings=cfg.tied_embeddings, aux_loss_coef=cfg.aux_loss_coef if cfg.n_experts else 0.0,
-        router_z_loss_coef=getattr(cfg, "router_z_loss_coef", 0.0) if cfg.n_experts else 0.0,
-        router_bias=bool(getattr(cfg, "router_bias_rate", 0.0)) and cfg.n_experts > 0,
-        **_runtime_groups(cfg),
-    )
-
-
-def _runtime_groups(cfg: object) -> dict[str, int]:
-    """The runtime router's group limit (`n_expert_groups`, `topk_groups`; one group means none)."""
-    groups = getattr(cfg, "n_expert_groups", 1) if cfg.n_experts else 1
-    if groups <= 1:
-        return {}
-    return {"expert_groups": groups, "groups_per_token": cfg.topk_groups}
 
 
 def load_decoder(name_or_path: str) -> ModelSpec:

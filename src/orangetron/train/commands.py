@@ -31,7 +31,8 @@ def add_train_commands(sub: Any) -> None:
         name = flag[2:].replace("-", "_")
         p.add_argument(flag, default=fields[name].default, help=text + " (default: %(default)s)", **kwargs)
 
-    option("--model", "model preset: " + ", ".join(MODEL_PRESETS))
+    option("--model", "model: a train preset (" + ", ".join(MODEL_PRESETS) + "), a planner preset or a .toml model "
+           "file; fields the runtime cannot build yet are refused by name")
     option("--steps", "optimizer steps", type=int)
     option("--seq-len", "tokens per sample", type=int)
     option("--batch-size", "samples per step", type=int)
@@ -145,7 +146,7 @@ def _add_verify_command(sub: Any) -> None:
         "gradient differences; exit 1 past the tolerance. The MoE load-balancing loss stays on: every layout "
         "computes it over the whole batch, as one rank does.",
     )
-    p.add_argument("--model", default="tiny-moe", help="model preset (default: %(default)s)")
+    p.add_argument("--model", default="tiny-moe", help="model, as train --model takes it (default: %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (default: %(default)s)")

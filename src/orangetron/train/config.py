@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orangetron.model.config import MODEL_PRESETS, ModelConfig, model_preset
+from orangetron.model.config import MODEL_PRESETS, ConfigError, check_runnable, model_preset
 from orangetron.spec import rules
 from orangetron.spec.layout import Layout
+from orangetron.spec.model import ModelSpec, load_decoder, preset_names
 from orangetron.spec.variants import CONTEXT_MODES, SCHEDULES
 from orangetron.train.corpus import DEFAULT_CORPUS_BYTES
 from orangetron.train.faults import DEFAULT_TIMEOUT_S
@@ -43,7 +44,8 @@ class TrainConfig:
     (8 x 64 tokens) learned faster per second than fewer large ones when tuned on a 2-core machine.
     """
 
-    model: str | ModelConfig = "small-moe"  # preset name (see MODEL_PRESETS) or a ModelConfig
+    model: str | ModelSpec = "small-moe"  # a train preset (MODEL_PRESETS), a planner preset, a .toml model file,
+    # or a ModelSpec (ModelConfig(...) builds one); the runtime refuses what it cannot build (check_runnable)
     steps: int = 200  # optimizer steps
     seq_len: int = 64  # tokens per sample fed to the model (labels are shifted by one)
     batch_size: int = 8  # samples per step
@@ -114,8 +116,9 @@ class TrainConfig:
         if self.dtype not in PARAM_DTYPES:
             raise TrainConfigError(f"dtype={self.dtype!r} (--dtype): choose one of {', '.join(PARAM_DTYPES)}")
         self._check_checkpointing()
+        self._check_model()
         self.parallel_config()  # raises for an impossible ZeRO setting
-        self.layout.validate(self.model_config())  # and an unknown preset
+        self.layout.validate(self.model_config())
         self._check_context_mode()
         from orangetron.parallel.pipeline import check_pipeline  # torch: validation only, not the CLI's import
 
@@ -145,7 +148,7 @@ class TrainConfig:
             rules.ulysses_degree_divides_cp(self.ulysses_degree, self.cp)
         split, model = mode.head_split(self.cp, self.ulysses_degree), self.model_config()
         if split > 1:
-            rules.heads_split_by_all_to_all(split, model.n_heads // self.tp, max(1, model.n_kv_heads // self.tp))
+            rules.heads_split_by_all_to_all(split, model.num_heads // self.tp, max(1, model.num_kv_heads // self.tp))
 
     def parallel_config(self) -> ParallelConfig:
         """How the model is replicated and sharded over the data-parallel ranks."""
@@ -182,23 +185,34 @@ class TrainConfig:
             if not Path(path).is_file():
                 raise TrainConfigError(f"data={path!r} (--data): no such file")
 
-    def model_config(self) -> ModelConfig:
-        """The ModelConfig this run trains (a preset resolved by name, or the given config)."""
-        if isinstance(self.model, ModelConfig):
+    def model_config(self) -> ModelSpec:
+        """The model this run trains: the given spec, or the preset or model file `model` names."""
+        if isinstance(self.model, ModelSpec):
             return self.model
-        if self.model not in MODEL_PRESETS:
-            raise TrainConfigError(
-                f"model={self.model!r} (--model): unknown preset; choose one of {', '.join(MODEL_PRESETS)}"
-            )
-        return model_preset(self.model)
+        if self.model in MODEL_PRESETS:
+            return model_preset(self.model)
+        if self.model in preset_names() or self.model.endswith(".toml") or Path(self.model).exists():
+            try:
+                return load_decoder(self.model)
+            except ValueError as err:
+                raise TrainConfigError(f"model={self.model!r} (--model): {err}") from None
+        raise TrainConfigError(f"model={self.model!r} (--model): unknown preset; choose one of "
+                               f"{', '.join(MODEL_PRESETS)}, a planner preset (orangetron presets) or a .toml file")
+
+    def _check_model(self) -> None:
+        model = self.model_config()
+        try:
+            check_runnable(model)
+        except ConfigError as err:
+            raise TrainConfigError(f"model={model.name!r} (--model): {err}") from None
 
     def options(self) -> dict[str, object]:
         """The options that define this run, by flag name (as `--config` reads them back): everything but the
-        schedule span a resume derives, and the model when it is a ModelConfig rather than a preset name."""
+        schedule span a resume derives, and the model when it is a ModelSpec rather than a name."""
         out: dict[str, object] = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
-            if name == "schedule_steps" or isinstance(value, ModelConfig):
+            if name == "schedule_steps" or isinstance(value, ModelSpec):
                 continue
             out[name] = list(value) if isinstance(value, tuple) else value
         return out

@@ -14,7 +14,6 @@ import time
 import torch
 
 from orangetron.plan.timing import model_flops_per_step
-from orangetron.spec.model import spec_from_model_config
 from orangetron.spec.options import Job
 from orangetron.train.config import TrainConfig
 
@@ -25,7 +24,7 @@ _PEAK_REPEATS = 8
 def step_flops(cfg: TrainConfig) -> float:
     """Model FLOPs of one optimizer step over the whole batch (every rank together)."""
     job = Job(seq_len=cfg.seq_len, global_batch=cfg.batch_size, param_dtype=cfg.dtype)
-    return model_flops_per_step(spec_from_model_config(cfg.model_config()), job, cfg.batch_size)
+    return model_flops_per_step(cfg.model_config(), job, cfg.batch_size)
 
 
 def measured_peak_flops(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:

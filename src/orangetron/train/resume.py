@@ -4,7 +4,9 @@ What a run's checkpoint holds: the whole-tensor pieces of the main parameters an
 parameter name, under `params/`, `exp_avg/`, `exp_avg_sq/`), the router biases (`buffers/`), each rank's
 torch RNG state (`rng/rankNNNNN`), and as JSON the step, AdamW's step count, the data position (batches
 consumed), the loss history (the global-batch mean per step), the model config, the schedule and the
-layout it was written on.
+layout it was written on. The model is recorded by the schema's field names (`dataclasses.asdict` of its
+`ModelSpec`); a checkpoint written before the one schema recorded the runtime's argument names, and resumes
+all the same (`orangetron.model.config.model_from_record`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
+from orangetron.model.config import model_from_record
+from orangetron.spec.model import ModelSpec
 from orangetron.train.checkpoint import latest_checkpoint, load_into, open_checkpoint, save_checkpoint
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.runlog import Resumed
@@ -60,17 +64,23 @@ def resume(cfg: TrainConfig, setup: RunSetup) -> tuple[TrainConfig, Resumed]:
         return _resume(cfg, setup, comm.world_group())
 
 
+def check_same_model(record: dict[str, Any], model: ModelSpec, path: Path) -> None:
+    """Refuse to resume a checkpoint whose recorded model differs from `model` in a field of its shape (the
+    `name` is a label: a preset and the same model built by hand resume each other)."""
+    stored, built = dataclasses.asdict(model_from_record(record)), dataclasses.asdict(model)
+    for name, value in stored.items():
+        if name != "name" and built[name] != value:
+            raise TrainConfigError(f"resume=True (--resume): {path} holds a model with {name}={value!r}, "
+                                   f"this run builds {name}={built[name]!r}")
+
+
 def _resume(cfg: TrainConfig, setup: RunSetup, world: MeshGroup) -> tuple[TrainConfig, Resumed]:
     path = latest_checkpoint(_checkpoint_folder(cfg))
     if path is None:
         raise TrainConfigError(f"resume=True (--resume): no checkpoint under {_checkpoint_folder(cfg)}")
     checkpoint = open_checkpoint(path, world)  # every file checked against the manifest first
     state = checkpoint.plain
-    model = dataclasses.asdict(cfg.model_config())
-    for name, value in state["model"].items():
-        if model.get(name) != value:
-            raise TrainConfigError(f"resume=True (--resume): {path} holds a model with {name}={value!r}, "
-                                   f"this run builds {name}={model.get(name)!r}")
+    check_same_model(state["model"], cfg.model_config(), path)
     step = int(state["step"])
     if step >= cfg.steps:
         raise TrainConfigError(f"steps={cfg.steps} (--steps): {path} is already at step {step}; "

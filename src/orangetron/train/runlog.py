@@ -73,7 +73,7 @@ class RunLog:
         records = read_metrics(self.folder / METRICS_FILE)
         if exc_type is None and records:
             curve = self.folder / CURVE_FILE
-            plot_loss_curve(records, curve, f"{self.cfg.model if isinstance(self.cfg.model, str) else 'custom'}, "
+            plot_loss_curve(records, curve, f"{self.cfg.model_config().name}, "
                             f"layout {self.cfg.layout}, {self.cfg.batch_size} x {self.cfg.seq_len} tokens per step")
             self.bar.log(f"wrote {curve}")
 

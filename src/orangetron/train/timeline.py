@@ -12,7 +12,7 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import init_mesh
-from orangetron.model import ModelConfig, Transformer
+from orangetron.model import ModelConfig, ModelSpec, Transformer
 from orangetron.parallel import ParallelConfig, parallelize
 from orangetron.parallel.pipeline import MicroBatch, run_pipeline
 from orangetron.spec.layout import Layout
@@ -22,7 +22,7 @@ from orangetron.train.launch import launch_local
 SEQ, ROWS_PER_MICROBATCH = 64, 2
 
 
-def _model(pp: int, virtual_stages: int) -> ModelConfig:
+def _model(pp: int, virtual_stages: int) -> ModelSpec:
     return ModelConfig(dim=64, n_layers=2 * pp * virtual_stages, n_heads=4, n_kv_heads=4, vocab_size=256,
                        ffn_dim=128, aux_loss_coef=0.0)
 

@@ -261,13 +261,11 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
 
 def _model_parameters(cfg: TrainConfig) -> int:
     """Parameters of the whole model, whatever share of them this rank holds."""
-    from orangetron.spec.model import spec_from_model_config  # counts the reference model (tested equal)
-
-    return spec_from_model_config(cfg.model_config()).total_params()
+    return cfg.model_config().total_params()  # the schema's count equals the reference model's (tested)
 
 
 def _describe(cfg: TrainConfig, data: RunData) -> str:
-    name = cfg.model if isinstance(cfg.model, str) else "custom"
+    name = cfg.model_config().name
     source = f"{len(cfg.data)} file(s)" if cfg.data is not None else "stdlib corpus"
     return (
         f"model {name} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.dtype}), {source}, "

@@ -20,6 +20,7 @@ from orangetron.model.moe import MoE
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
 from orangetron.parallel.replace import replace_module
 from orangetron.spec.layout import LayoutError
+from orangetron.spec.model import ModelSpec
 from orangetron.spec.stages import chunk_layers
 
 
@@ -34,13 +35,13 @@ class Chunk:
     last: bool
 
 
-def check_pipeline(cfg: object, pp: int, config: ParallelConfig) -> None:
+def check_pipeline(cfg: ModelSpec, pp: int, config: ParallelConfig) -> None:
     """Refuse pipeline settings the runtime cannot run (LayoutError / ParallelConfigError)."""
     if pp == 1:
         return
     chunks = pp * config.virtual_stages
-    if cfg.n_layers < chunks:
-        raise LayoutError(f"pp={pp}: n_layers={cfg.n_layers} < pp*virtual_stages={chunks}; every chunk needs a layer")
+    if cfg.num_layers < chunks:
+        raise LayoutError(f"pp={pp}: n_layers={cfg.num_layers} < pp*virtual_stages={chunks}; every chunk needs a layer")
     if cfg.tied_embeddings:
         raise LayoutError(f"pp={pp}: tied_embeddings would put the embedding on the first and last stages; "
                           "untie them (tied_embeddings=False) to pipeline this model")
@@ -70,7 +71,7 @@ def split_stages(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int) -
 def hidden_shape(model: nn.Module, tokens: torch.Tensor) -> tuple[int, int, int]:
     """The activation passed between stages for tokens [B, S]: [B, S/tp, dim] under SP, else [B, S, dim]."""
     b, s = tokens.shape
-    return b, model.io.hidden_len(s), model.cfg.dim
+    return b, model.io.hidden_len(s), model.cfg.hidden_size
 
 
 def chunk_forward(model: nn.Module, chunk: Chunk, x: torch.Tensor, positions: torch.Tensor,
