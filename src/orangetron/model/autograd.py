@@ -162,6 +162,29 @@ class FromExpertOrder(torch.autograd.Function):
         return grad[expert_order(topk_idx) // topk_idx.shape[-1]], None
 
 
+class RouterLogits(torch.autograd.Function):
+    """x @ weight.T with the products summed in float32 (float64 for float64), returned in that dtype.
+
+    A 16-bit linear would round every logit to 8 significant bits, so experts within 2^-8 of each other in
+    logit would tie or swap; summed in float32, only true near-ties can (tests/test_low_precision.py).
+    Saves x and the weight, as an `nn.Linear` does.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        acc = accumulate_dtype(x.dtype)
+        return x.to(acc) @ weight.to(acc).t()  # [T, E]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        acc = grad.dtype
+        grad_x = grad @ weight.to(acc)  # [T, dim]
+        grad_weight = grad.t() @ x.to(acc)  # [E, dim]
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
 class TopKWeights(torch.autograd.Function):
     """scores.gather(-1, topk_idx), renormalized to sum 1 per token if `normalize`.
 
