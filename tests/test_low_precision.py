@@ -87,8 +87,8 @@ def test_rotary_tables_past_4096_are_the_float64_angles_rounded_once(dtype):
         ratio = worst_ratio(got, want, rope_tolerance(want, dtype))
         assert ratio <= 1, f"{dtype} {name}: error {ratio:.3g} x the tolerance"
     # The slip: angles formed in the table's dtype. bfloat16 holds integers exactly only up to 256 (float32
-    # up to 2^24), and an angle of 65537 rad carries an error of u * 65537 (~256 rad in bfloat16, ~0.004
-    # in float32), far past the tolerance.
+    # up to 2^24), and rounding an angle near 65537 rad may move it by up to u * 65537 (256 rad in bfloat16,
+    # 0.004 in float32), far past the tolerance.
     inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, ROPE_HEAD_DIM, 2, dtype=dtype) / ROPE_HEAD_DIM)
     slipped = (ROPE_POSITIONS.to(dtype)[:, None] * inv_freq).cos()
     assert worst_ratio(slipped, want_cos, rope_tolerance(want_cos, dtype)) > 1
