@@ -20,6 +20,7 @@ from orangetron.model.autograd import (
     FromExpertOrder,
     LoadBalancingLoss,
     RMSNormFunction,
+    RouterLogits,
     SwiGLUActivation,
     ToExpertOrder,
     TopKWeights,
@@ -171,6 +172,14 @@ def test_expert_order_gather_and_combine_match_plain_indexing_and_gradcheck():
                                   lambda y: y[inverse].view(t, k, dim).sum(1), (y_sorted,))
     assert torch.autograd.gradcheck(lambda x: ToExpertOrder.apply(x, idx, k), (x,))
     assert torch.autograd.gradcheck(lambda y: FromExpertOrder.apply(y, idx), (y_sorted,))
+
+
+def test_router_logits_match_plain_linear_and_gradcheck():
+    x, weight = _rand(5, 6), _rand(3, 6, seed=1)
+    _assert_same_output_and_grads(RouterLogits.apply, F.linear, (x, weight))
+    assert torch.autograd.gradcheck(RouterLogits.apply, (x, weight))
+    logits = RouterLogits.apply(x.detach().bfloat16(), weight.detach().bfloat16())
+    assert logits.dtype == torch.float32  # 16-bit inputs, float32 logits
 
 
 @pytest.mark.parametrize("normalize", [False, True])

@@ -162,6 +162,29 @@ class FromExpertOrder(torch.autograd.Function):
         return grad[expert_order(topk_idx) // topk_idx.shape[-1]], None
 
 
+class RouterLogits(torch.autograd.Function):
+    """x @ weight.T with the products summed in float32 (float64 for float64), returned in that dtype.
+
+    A 16-bit linear would round every logit to 8 significant bits, so experts within 2^-8 of each other in
+    logit would tie or swap; summed in float32, only true near-ties can (tests/test_low_precision.py).
+    Saves x and the weight, as an `nn.Linear` does.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        acc = accumulate_dtype(x.dtype)
+        return x.to(acc) @ weight.to(acc).t()  # [T, E]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        acc = grad.dtype
+        grad_x = grad @ weight.to(acc)  # [T, dim]
+        grad_weight = grad.t() @ x.to(acc)  # [E, dim]
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
 class TopKWeights(torch.autograd.Function):
     """scores.gather(-1, topk_idx), renormalized to sum 1 per token if `normalize`.
 
@@ -263,12 +286,19 @@ class CrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
         valid = labels != ignore_index  # [N]
         target = labels.masked_fill(~valid, 0).unsqueeze(-1)  # [N, 1]
-        lse = logits.logsumexp(-1, keepdim=True)  # [N, 1]
+        # Everything from logits shifted by their row maximum, as the vocabulary-parallel cross entropy
+        # (orangetron/parallel/tensor.py): exp cannot overflow, and the loss log(sum) - shifted target is
+        # formed from small numbers, so its rounding error scales with the loss, not with the logits (an
+        # lse of magnitude 1e4 rounded to float32 alone is off by 5e-4; tests/test_low_precision.py).
+        shifted = logits - logits.amax(-1, keepdim=True)  # [N, V], <= 0
+        target_logit = shifted.gather(-1, target)  # [N, 1]
+        probs = shifted.exp_()  # unnormalized, in place: nothing else reads the shifted logits
+        sums = probs.sum(-1, keepdim=True)  # [N, 1], in [1, V]
         n_valid = valid.sum().clamp(min=1)
-        loss = ((lse - logits.gather(-1, target)).squeeze(-1) * valid).sum() / n_valid
+        loss = ((sums.log() - target_logit).squeeze(-1) * valid).sum() / n_valid
         if not ctx.needs_input_grad[0]:  # evaluation: no gradient to prepare
             return loss
-        grad = cross_entropy_grad_((logits - lse).exp_(), target, valid, valid, n_valid)  # [N, V]
+        grad = cross_entropy_grad_(probs.div_(sums), target, valid, valid, n_valid)  # [N, V]
         ctx.save_for_backward(grad)
         return loss
 

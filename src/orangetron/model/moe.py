@@ -17,7 +17,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .autograd import FromExpertOrder, LoadBalancingLoss, RouterZLoss, ToExpertOrder, TopKWeights, swiglu_activation
+from .autograd import (
+    FromExpertOrder,
+    LoadBalancingLoss,
+    RouterLogits,
+    RouterZLoss,
+    ToExpertOrder,
+    TopKWeights,
+    swiglu_activation,
+)
 from .config import ModelSpec
 from .layers import SwiGLU
 
@@ -43,16 +51,30 @@ def choose_experts(scores: torch.Tensor, top_k: int, n_groups: int = 1, topk_gro
 
     With n_groups > 1 the experts form n_groups groups of consecutive ids; a group's score is its largest
     expert score (with the bias), and each token chooses only among the experts of its topk_groups best
-    groups (DeepSeek-V2 device-limited routing). No gradient: the weights come from the scores elsewhere.
+    groups (DeepSeek-V2 device-limited routing). Equal scores go to the lower expert (group) id. No gradient:
+    the weights come from the scores elsewhere.
     """
     choice = scores.detach() if bias is None else scores.detach() + bias.to(scores.dtype)  # [T, E]
     if n_groups > 1:
         tokens, experts = choice.shape
         group_score = choice.view(tokens, n_groups, experts // n_groups).amax(-1)  # [T, G]
-        kept = torch.topk(group_score, topk_groups, dim=-1).indices  # [T, topk_groups]
+        kept = top_indices(group_score, topk_groups)  # [T, topk_groups]
         in_kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
         choice = choice.masked_fill(~in_kept.repeat_interleave(experts // n_groups, dim=1), float("-inf"))
-    return torch.topk(choice, top_k, dim=-1).indices
+    return top_indices(choice, top_k)
+
+
+def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., k] int64: the positions of the k largest of `values` [..., n] along the last dimension, equal values
+    in increasing position.
+
+    `torch.topk` leaves the order of equal values to the kernel (on CPU, of eight equal values it returns
+    positions 6, 5, 4), so a tie, rare in float32 scores but possible (equal gate rows, an all-zero input),
+    would route by device; a stable sort makes it a rule every device and layout shares
+    (tests/test_low_precision.py).
+    """
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices  # [..., n]
+    return order[..., :k].contiguous()  # a copy: what keeps the ids for backward keeps k per token, not n
 
 
 class RouterLosses(nn.Module):
@@ -106,7 +128,7 @@ class Router(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (logits [T, E], scores [T, E], topk_idx [T, k], topk_weights [T, k]), without the
         auxiliary losses (a parallel wrapper computes them over the global batch instead)."""
-        logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))  # [T, E]
+        logits = RouterLogits.apply(x, self.gate.weight)  # [T, E], float32 (float64 for float64)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, self.expert_bias)
         if self.expert_bias is not None and torch.is_grad_enabled():  # training tokens only, not evaluation
