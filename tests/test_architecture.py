@@ -7,6 +7,7 @@ planner into the runtime or torch into the spec layer.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -69,3 +70,23 @@ def test_the_scan_sees_a_planted_import(tmp_path, monkeypatch, source, layer):
     planted.write_text(source)
     monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path / "orangetron")
     assert any("planted.py" in v for v in _violations())
+
+
+# A path in a comment or docstring: docs/x.md, tests/x.py, benchmarks/..., scripts/..., or a module under the package.
+_PATH_IN_TEXT = re.compile(r"(?<![\w/.])((?:docs|tests|benchmarks|scripts)/[\w./-]+\.(?:md|py|toml|jsonl)"
+                           r"|(?:spec|plan|parallel|model|train|cli)/[\w/]+\.py)")
+_OUTSIDE = re.compile(r"DESIGN\.md|STYLE\.md|\bseed/|\.\./shared")
+
+
+def test_comments_point_only_to_files_in_this_repository():
+    repo = Path(__file__).resolve().parents[1]
+    package = repo / "src" / "orangetron"
+    dangling, outside = [], []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(repo).as_posix()
+        outside += [f"{where}: {m.group(0)}" for m in _OUTSIDE.finditer(text)]
+        dangling += [f"{where}: {m.group(1)}" for m in _PATH_IN_TEXT.finditer(text)
+                     if not (repo / m.group(1)).exists() and not (package / m.group(1)).exists()]
+    assert outside == [], "comments cite documents outside the repository"
+    assert dangling == [], "comments name files that do not exist"
