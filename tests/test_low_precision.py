@@ -398,7 +398,9 @@ def on_every_rank() -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_distributed(on_every_rank, WORLD)
+    # Seconds of work on idle cores; the limit only catches a hang, and eight ranks starting on two busy
+    # cores have taken over the default 120 s.
+    return run_distributed(on_every_rank, WORLD, timeout=600)
 
 
 # ---- 5. MoE routing in bfloat16 --------------------------------------------------------------------------
