@@ -224,7 +224,7 @@ def test_deepseek_v3_sends_under_half_the_rows_over_infiniband():
 
 
 def test_traffic_records_need_the_placement_and_the_runtime_refuses_deepep():
-    from orangetron.parallel.config import ParallelConfig
+    from orangetron.parallel.config import ParallelConfig, check_runnable
     from orangetron.spec.rules import RuleError
 
     job = Job(seq_len=28, dispatcher="deepep")
@@ -233,7 +233,7 @@ def test_traffic_records_need_the_placement_and_the_runtime_refuses_deepep():
     records = expert_parallel_records(_moe(), Degrees(dp=8, ep=8), job, Placement(8, 2))
     assert [r.bytes_sent for r in records] == nd.bytes_sent(_moe(), Placement(8, 2), job, 28)
     with pytest.raises(RuleError, match="dispatcher='deepep': priced by the planner only; the runtime runs ragged"):
-        ParallelConfig(dispatcher="deepep")
+        check_runnable(ParallelConfig(dispatcher="deepep"))
 
 
 def test_estimate_reports_deepep_traffic(capsys):

@@ -114,7 +114,9 @@ class TrainConfig:
         if self.dtype not in PARAM_DTYPES:
             raise TrainConfigError(f"dtype={self.dtype!r} (--dtype): choose one of {', '.join(PARAM_DTYPES)}")
         self._check_checkpointing()
-        self.parallel_config()  # raises for an impossible ZeRO setting
+        from orangetron.parallel.config import check_runnable  # torch: validation only, not the CLI's import
+
+        check_runnable(self.parallel_config())  # an impossible ZeRO setting, a variant the runtime does not run
         self.layout.validate(self.model_config())  # and an unknown preset
         self._check_context_mode()
         from orangetron.parallel.pipeline import check_pipeline  # torch: validation only, not the CLI's import

@@ -25,6 +25,7 @@ from orangetron import comm
 from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
+from orangetron.parallel.config import DTYPES
 from orangetron.train import faults
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
@@ -204,7 +205,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         cfg, start = resume(cfg, setup)
         bar.log(f"resumed from {start.path} at step {start.step} of {cfg.steps}")
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    peak = measured_peak_flops(model.config.torch_param_dtype, model.device)
+    peak = measured_peak_flops(DTYPES[model.config.param_dtype], model.device)
     run = RunLog(cfg, bar, write=rank == 0, start=start, flops_per_step=step_flops(cfg) / cfg.layout.world_size,
                  peak_flops=peak)
     eval_loss: float | None = None
