@@ -112,7 +112,7 @@ def test_train_json_memory_equals_the_cost_model(dtype, zero_stage):
     """`orangetron train --json` reports what `estimate` predicts, category by category (one rank)."""
     from orangetron.train.trainer import TrainConfig, train
 
-    cfg = TrainConfig(model="tiny-moe", steps=1, seq_len=32, batch_size=4, corpus_bytes=200_000, dtype=dtype,
+    cfg = TrainConfig(model="tiny-moe", steps=1, seq_len=32, batch_size=4, corpus_bytes=200_000, param_dtype=dtype,
                       zero_stage=zero_stage)
     [measured] = train(cfg, progress=False)["memory"]
     _, predicted = predicted_step(cfg.model_config(), cfg.layout, cfg.parallel_config(), seq_len=32, micro_batch=4)

@@ -185,7 +185,7 @@ def setup_run(cfg: TrainConfig) -> RunSetup:
     mesh = init_mesh(cfg.layout)
     torch.manual_seed(cfg.seed)
     data = load_data(cfg)
-    model_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # bf16: cast by the flat buffers
+    model_dtype = torch.float64 if cfg.param_dtype == "float64" else torch.float32  # bf16: cast by the flat buffers
     reference = Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype)
     model = parallelize(reference, mesh, cfg.parallel_config())
     model.train()
@@ -271,7 +271,7 @@ def _describe(cfg: TrainConfig, data: RunData) -> str:
     name = cfg.model if isinstance(cfg.model, str) else "custom"
     source = f"{len(cfg.data)} file(s)" if cfg.data is not None else "stdlib corpus"
     return (
-        f"model {name} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.dtype}), {source}, "
+        f"model {name} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.param_dtype}), {source}, "
         f"{data.n_tokens:,} tokens, {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, "
         f"layout {cfg.layout}"
     )
