@@ -56,7 +56,7 @@ def dp2_runs(tmp_path_factory) -> dict:
     """float64 runs of 6 steps: straight on one rank and on dp=2 ZeRO-3, and runs stopped after step 3 on
     each, resumed on the same layout and on the other (one launch of two ranks per dp=2 run)."""
     root = tmp_path_factory.mktemp("resume")
-    one, two = dict(dtype="float64"), dict(dtype="float64", dp=2, zero_stage=3)
+    one, two = dict(param_dtype="float64"), dict(param_dtype="float64", dp=2, zero_stage=3)
     runs = {"one": _run(steps=6, out=str(root / "one"), **one), "two": _run(steps=6, out=str(root / "two"), **two)}
     runs["stopped two"] = _run(steps=6, stop_after=3, out=str(root / "two->two"), **two)
     shutil.copytree(root / "two->two", root / "two->one")
@@ -89,7 +89,7 @@ def test_stop_and_resume_is_bitwise_on_the_same_layout_and_1e12_on_another(dp2_r
 def test_resumed_on_another_layout_follows_plain_torch(dp2_runs) -> None:
     """Saved by two ZeRO-3 ranks (each writing its shard), resumed on one rank: the trajectory of plain
     one-device torch, step for step (gradient norms) and in the final parameters and moments."""
-    reference = reference_training(TrainConfig(**{**SMALL, "steps": 6, "dtype": "float64"}))
+    reference = reference_training(TrainConfig(**{**SMALL, "steps": 6, "param_dtype": "float64"}))
     assert_matches_reference(dp2_runs["two->one"], dp2_runs["root"] / "two->one", reference, rtol=1e-9)
     # Saving is not training traffic: the stopped run's ledger holds only 2 parameter gathers per step (a
     # stopped run does not evaluate) and one clipping scalar per step.
@@ -112,7 +112,7 @@ def test_export_is_the_trained_model_for_the_reference_transformer(dp2_runs, cap
     exported = torch.load(out, weights_only=True)
     model = Transformer(TrainConfig(**SMALL).model_config(), seed=123, dtype=torch.float64)
     model.load_state_dict(exported, strict=True)
-    reference = reference_training(TrainConfig(**{**SMALL, "steps": 6, "dtype": "float64"}))
+    reference = reference_training(TrainConfig(**{**SMALL, "steps": 6, "param_dtype": "float64"}))
     for name, value in model.named_parameters():
         torch.testing.assert_close(value.detach(), reference["params"][name], rtol=1e-9,
                                    atol=1e-9 * reference["params"][name].abs().max().item(), msg=name)
@@ -223,11 +223,11 @@ def _records(out) -> list[dict]:
 
 def test_stopped_and_resumed_run_is_the_straight_run(tmp_path) -> None:
     """k of 2k steps, stopped, then resumed: bitwise the losses of 2k straight steps, and every step's lr."""
-    straight = _run(steps=6, dtype="float64", out=str(tmp_path / "straight"))
-    stopped = _run(steps=6, stop_after=3, dtype="float64", out=str(tmp_path / "run"))
+    straight = _run(steps=6, param_dtype="float64", out=str(tmp_path / "straight"))
+    stopped = _run(steps=6, stop_after=3, param_dtype="float64", out=str(tmp_path / "run"))
     assert len(stopped["losses"]) == 3
     assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step-00000003"
-    resumed = _run(steps=6, dtype="float64", out=str(tmp_path / "run"), resume=True)
+    resumed = _run(steps=6, param_dtype="float64", out=str(tmp_path / "run"), resume=True)
     assert resumed["losses"] == straight["losses"]
     lrs = [r["lr"] for r in _records(tmp_path / "run")]
     assert lrs == [r["lr"] for r in _records(tmp_path / "straight")]

@@ -74,7 +74,7 @@ def test_padding_to_whole_chunks_never_changes_the_training(tmp_path):
 
     model = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0)
     base = dict(model=model, seq_len=30, batch_size=4, steps=3, warmup=1, eval_batches=2, corpus_bytes=200_000,
-                dtype="float64", save_every=3)
+                param_dtype="float64", save_every=3)
     runs = {}
     for name, layout in (("one", {}), ("cp2", {"cp": 2, "cp_mode": "ulysses"}),
                          ("tp2cp2", {"cp": 2, "tp": 2, "sequence_parallel": True})):

@@ -245,7 +245,7 @@ def test_warm_ranks_set_their_own_threads_and_train_as_a_fork_server_does() -> N
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)
-    cfg = TrainConfig(**{**TINY, "dp": 2, "dtype": "float64"})
+    cfg = TrainConfig(**{**TINY, "dp": 2, "param_dtype": "float64"})
     forked = launch_local(TRAIN_RANK, 2, args=(cfg, False))
     served = launch_local(TRAIN_RANK, 2, args=(cfg, False), start_method="forkserver")
     assert [r["losses"] for r in forked] == [r["losses"] for r in served]

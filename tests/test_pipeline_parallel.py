@@ -106,7 +106,7 @@ def test_checkpoints_move_between_pipelined_and_plain_layouts(tmp_path):
 
     model = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0)
     base = dict(model=model, seq_len=16, batch_size=4, warmup=1, eval_batches=1, corpus_bytes=200_000,
-                dtype="float64", microbatches=2)
+                param_dtype="float64", microbatches=2)
     one = train(TrainConfig(**base, steps=3, save_every=2, out=str(tmp_path / "one")), progress=False)
     piped = train(TrainConfig(**base, steps=2, save_every=2, pp=2, out=str(tmp_path / "pp")), progress=False)
     step2 = {name: load_checkpoint(tmp_path / name / "checkpoints" / "step-00000002")["params"]

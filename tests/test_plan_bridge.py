@@ -4,16 +4,16 @@ runtime runs today (DDP, ZeRO-1/2/3, distributed optimizer), the ledger's CommRe
 bytes by category. TP, CP, EP and PP join this table when the runtime has them.
 """
 
-from dataclasses import replace
-
 import pytest
 
 from orangetron import model as model_mod
 from orangetron.parallel import ParallelConfig
-from orangetron.plan.bridge import degrees_from_layout, job_from_parallel_config, predicted_step
+from orangetron.plan.bridge import degrees_from_layout, predicted_step
 from orangetron.plan.traffic import data_parallel_records
 from orangetron.spec.collectives import OPS
 from orangetron.spec.layout import Layout
+from orangetron.spec.options import Job
+from orangetron.spec.parallel_config import values_of
 from orangetron.testing import run_distributed
 
 
@@ -40,8 +40,8 @@ def test_predicted_step_from_runtime_objects():
     layout = Layout(tp=2, dp=2, ep=2)
     pc = ParallelConfig(zero_stage=1, param_dtype="float32", microbatches=2, sequence_parallel=True)
     assert degrees_from_layout(layout).world_size == layout.world_size
-    job = job_from_parallel_config(pc, seq_len=32, micro_batch=2)
-    assert job.microbatches(degrees_from_layout(layout)) == 2
+    job = Job(**values_of(ParallelConfig, pc), seq_len=32, micro_batch=2)  # the runtime's options, priced
+    assert job.replica_microbatches(degrees_from_layout(layout)) == 2
     records, memory = predicted_step(cfg, layout, pc, seq_len=32, micro_batch=2)
     assert {r.op for r in records} <= set(OPS)
     assert {"all_to_all/ep", "all_gather/tp", "reduce_scatter/dp_cp"} <= {r.key for r in records}
@@ -96,7 +96,7 @@ def test_planner_equals_runtime_ledger_and_memory_for_data_parallel(world, param
         pc = ParallelConfig(param_dtype=param_dtype, **opts)
         _, mem = predicted_step(cfg, Layout(dp=world), pc, seq_len=16, micro_batch=2)
         # The measured loop clips gradients with the sharded norm, so the prediction does too.
-        job = replace(job_from_parallel_config(pc, 16, 2), clip_grad=True)
+        job = Job(**values_of(ParallelConfig, pc), seq_len=16, micro_batch=2, clip_grad=True)
         predicted = data_parallel_records(cfg, degrees_from_layout(Layout(dp=world)), job)
         want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in predicted)
         assert want, "the prediction must not be empty"
@@ -111,7 +111,7 @@ def test_train_json_memory_equals_the_cost_model(dtype, zero_stage):
     """`orangetron train --json` reports what `estimate` predicts, category by category (one rank)."""
     from orangetron.train.trainer import TrainConfig, train
 
-    cfg = TrainConfig(model="tiny-moe", steps=1, seq_len=32, batch_size=4, corpus_bytes=200_000, dtype=dtype,
+    cfg = TrainConfig(model="tiny-moe", steps=1, seq_len=32, batch_size=4, corpus_bytes=200_000, param_dtype=dtype,
                       zero_stage=zero_stage)
     [measured] = train(cfg, progress=False)["memory"]
     _, predicted = predicted_step(cfg.model_config(), cfg.layout, cfg.parallel_config(), seq_len=32, micro_batch=4)

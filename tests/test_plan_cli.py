@@ -26,6 +26,34 @@ def test_estimate_json_contract(capsys):
     assert data["step_time_s"] > 0 and 0 < data["mfu"] < 1 and data["tflops_per_gpu"] > 0
 
 
+# The `job` object's keys, in order, as `estimate --json` has always printed them (a contract with its readers).
+JOB_KEYS = ["seq_len", "micro_batch", "global_batch", "num_microbatches", "bucket_numel", "clip_grad",
+            "sequence_parallel", "cp_mode", "ulysses_degree", "dispatcher", "capacity_factor", "ep_overlap_chunks",
+            "ep_comm_sms", "ep_comm_sms_reserved", "zero_stage", "distributed_optimizer", "zero3_prefetch",
+            "zero3_keep_params", "zero3_reduce_every_microbatch", "param_dtype", "grad_dtype", "reduce_dtype",
+            "pp_schedule", "virtual_stages", "pipeline_layout", "recompute", "recompute_layers", "attention_kernel",
+            "overlap_ep", "overlap_grad_reduce", "grad_accumulation_fusion", "fp8", "fp8_recipe"]
+
+
+def test_estimate_json_job_keeps_its_published_keys(capsys):
+    """The job's options carry the runtime's names (`microbatches`, `grad_bucket_numel`, `reduce_dtype` None);
+    the published object keeps its own keys, order and "" for the parameters' reduction dtype, and reads back."""
+    args = ["estimate", "--model", "llama3-8b", "--tp", "2", "--pp", "2", "--dp", "2", "--global-batch", "8",
+            "--grad-bucket-numel", "40000000", "--json"]
+    run(args)
+    job = last_json(capsys)["job"]
+    assert list(job) == JOB_KEYS
+    assert (job["num_microbatches"], job["bucket_numel"], job["reduce_dtype"], job["pipeline_layout"]) == \
+        (1, 40_000_000, "", [])
+    read_back = Job.from_json(job)  # and reads back as the job that was priced
+    assert (read_back.grad_bucket_numel, read_back.reduce_dtype, read_back.to_json()) == (40_000_000, None, job)
+    run([*args, "--reduce-dtype", "float32"])
+    assert last_json(capsys)["job"]["reduce_dtype"] == "float32"
+    assert Job(seq_len=8, microbatches=3).to_json()["num_microbatches"] == 3
+    with pytest.raises(ValueError, match="job keys microbatches: not keys of the published job object"):
+        Job.from_json({**job, "microbatches": 3})
+
+
 def test_estimate_grad_bucket_numel_frees_each_grad_on_arrival(capsys):
     """Llama 3 8B (8,030,261,248 parameters, bf16) on dp=8: unbucketed, every .grad waits for the reduction;
     with buckets each one is added into the main buffer as it arrives, the largest being the 128256 x 4096

@@ -191,9 +191,10 @@ def test_per_parameter_gradient_shortcut_equals_the_schedule_replay():
     for pp, vs in ((2, 2), (4, 2), (4, 4)):
         deg = Degrees(pp=pp, dp=2)
         for job in (Job(seq_len=1, zero_stage=3, virtual_stages=vs, pp_schedule="interleaved"),
-                    Job(seq_len=1, zero_stage=2, bucket_numel=10**8, virtual_stages=vs, pp_schedule="interleaved")):
+                    Job(seq_len=1, zero_stage=2, grad_bucket_numel=10**8, virtual_stages=vs,
+                        pp_schedule="interleaved")):
             for m in (pp, 2 * pp, 3 * pp):
                 for stage in range(pp):
                     replayed = _replayed_peak(model, deg, model_state_job(job), stage, m)
-                    assert param_grad_bytes(model, deg, replace(job, num_microbatches=m), stage) == 2 * replayed
+                    assert param_grad_bytes(model, deg, replace(job, microbatches=m), stage) == 2 * replayed
                     assert (replayed == _totals(model, deg, stage, vs)[0]) == (m > pp)

@@ -90,7 +90,7 @@ def test_traffic_of_a_module():
     backward) and its head the head's: one all-reduce of its input's gradient and the loss's two."""
     deg, job = Degrees(tp=2, pp=2), Job(seq_len=SEQ, global_batch=4)
     plain, mtp = (summarize(step_records(model, deg, job, 1))["all_reduce/tp"] for model in (PLAIN, MTP))
-    m = job.microbatches(deg)
+    m = job.replica_microbatches(deg)
     assert mtp["calls"] - plain["calls"] == m * (4 + 3)
     assert summarize(step_records(MTP, deg, job, 0)) == summarize(step_records(PLAIN, deg, job, 0))
 

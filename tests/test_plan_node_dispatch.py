@@ -226,7 +226,7 @@ def test_deepseek_v3_sends_under_half_the_rows_over_infiniband():
 
 
 def test_traffic_records_need_the_placement_and_the_runtime_refuses_deepep():
-    from orangetron.parallel.config import ParallelConfig
+    from orangetron.parallel.config import ParallelConfig, check_runnable
     from orangetron.spec.rules import RuleError
 
     job = Job(seq_len=28, dispatcher="deepep")
@@ -235,7 +235,7 @@ def test_traffic_records_need_the_placement_and_the_runtime_refuses_deepep():
     records = expert_parallel_records(_moe(), Degrees(dp=8, ep=8), job, Placement(8, 2))
     assert [r.bytes_sent for r in records] == nd.bytes_sent(_moe(), Placement(8, 2), job, 28)
     with pytest.raises(RuleError, match="dispatcher='deepep': priced by the planner only; the runtime runs ragged"):
-        ParallelConfig(dispatcher="deepep")
+        check_runnable(ParallelConfig(dispatcher="deepep"))
 
 
 def test_estimate_reports_deepep_traffic(capsys):
@@ -274,7 +274,7 @@ def test_plan_searches_with_the_chosen_dispatcher(capsys):
     deepep = best["deepep"]
     assert deepep["job"]["dispatcher"] == "deepep" and deepep["job"]["ep_comm_sms"] == 24
     assert deepep["step_time_s"] < best["ragged"]["step_time_s"]
-    layout, job = deepep["layout"], Job(**deepep["job"])
+    layout, job = deepep["layout"], Job.from_json(deepep["job"])
     tokens = job.seq_len // layout["cp"] * job.micro_batch // (layout["tp"] if job.sequence_parallel else 1)
     per_layer = nd.bytes_sent(load_model("deepseek-v3"), Placement(64, 8), job, tokens)
     microbatches = job.global_batch // (job.micro_batch * layout["dp"])
@@ -288,7 +288,7 @@ def test_plan_keeps_the_sms_set_aside(capsys):
     assert run(["plan", *args, "--pp", "16", "--ep", "64", "--top", "1"]) == 0
     best = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ranked"][0]
     assert best["job"]["ep_comm_sms_reserved"]
-    job = Job(**best["job"])
+    job = Job.from_json(best["job"])
     deg = Degrees(**{k: v for k, v in best["layout"].items() if k != "edp"})
     assert best["step_time_s"] == pytest.approx(step_time(load_model("deepseek-v3"), deg, job,
                                                           make_cluster("h800", 2048)).step_s)

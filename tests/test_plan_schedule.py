@@ -160,7 +160,7 @@ def test_a_schedule_without_formulas_is_priced_from_its_action_lists():
         for pp, v, m in ((2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 6)):
             for stage in range(pp):
                 deg = Degrees(pp=pp)
-                jobs = [Job(seq_len=64, num_microbatches=m, virtual_stages=v, pp_schedule=s)
+                jobs = [Job(seq_len=64, microbatches=m, virtual_stages=v, pp_schedule=s)
                         for s in ("interleaved", "interleaved-bare")]
                 assert in_flight(deg, jobs[1], stage) == in_flight(deg, jobs[0], stage), (pp, v, m, stage)
             assert head_in_flight(deg, jobs[1]) == head_in_flight(deg, jobs[0]) == 1

@@ -65,7 +65,7 @@ def test_search_reduces_zero3_every_micro_batch_where_whole_gradients_do_not_fit
     model, cluster = load_model("llama3-8b"), make_cluster("h100", 8)
     best = search(model, cluster, 8192, 64).ranked[0]
     assert best.job.zero_stage == 3 and best.job.zero3_reduce_every_microbatch
-    assert best.job.microbatches(best.degrees) > 1
+    assert best.job.replica_microbatches(best.degrees) > 1
     whole = replace(best.job, zero3_reduce_every_microbatch=False)
     total = with_overhead(memory_per_gpu(model, best.degrees, whole), best.degrees, DEFAULT_OVERHEAD)["total"]
     assert total > cluster.gpu.memory_bytes

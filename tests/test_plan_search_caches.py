@@ -39,11 +39,11 @@ ACTIVATION_ONLY = [dict(seq_len=2048), dict(micro_batch=2), dict(global_batch=48
                    dict(cp_mode="usp", ulysses_degree=2), dict(ep_overlap_chunks=2),
                    dict(recompute="full", recompute_layers=1),
                    dict(dispatcher="deepep", ep_comm_sms_reserved=True)]
-SHARDING = [dict(), dict(zero_stage=1), dict(distributed_optimizer=True, bucket_numel=3_000_001),
+SHARDING = [dict(), dict(zero_stage=1), dict(distributed_optimizer=True, grad_bucket_numel=3_000_001),
             dict(zero_stage=2, reduce_dtype="float32"), dict(zero_stage=3), dict(zero_stage=3, zero3_keep_params=True),
             dict(zero_stage=3, zero3_prefetch=False, clip_grad=True), dict(zero_stage=1, clip_grad=True),
-            dict(zero_stage=2, bucket_numel=2_000_003), dict(zero_stage=3, zero3_reduce_every_microbatch=True),
-            dict(grad_accumulation_fusion=True), dict(distributed_optimizer=True, bucket_numel=3_000_001,
+            dict(zero_stage=2, grad_bucket_numel=2_000_003), dict(zero_stage=3, zero3_reduce_every_microbatch=True),
+            dict(grad_accumulation_fusion=True), dict(distributed_optimizer=True, grad_bucket_numel=3_000_001,
                                                       grad_accumulation_fusion=True)]
 
 
@@ -114,13 +114,13 @@ def test_data_parallel_time_cached_by_model_states_equals_a_plain_sum_over_each_
         places = timing.group_places(deg, cluster)
         for sharding in SHARDING:
             warm = Job(seq_len=4096, global_batch=96, **sharding)
-            timing._dp_exposed(model, deg, warm, cluster, 1.0, warm.microbatches(deg), DEFAULT_PARAMS,
+            timing._dp_exposed(model, deg, warm, cluster, 1.0, warm.replica_microbatches(deg), DEFAULT_PARAMS,
                                timing.DEFAULT_EFFICIENCY)
             for change in ACTIVATION_ONLY:
                 job = replace(warm, **change)
                 if job.global_batch % (job.micro_batch * deg.dp) or "dispatcher" in change and not model.is_moe:
                     continue
-                key = timing._data_parallel_job(model, deg, job, job.microbatches(deg))
+                key = timing._data_parallel_job(model, deg, job, job.replica_microbatches(deg))
                 reduce, gather, _ = timing._dp_times(model, deg, key, cluster, DEFAULT_PARAMS)
                 # Bit for bit: the cache must not even change the order of the additions.
                 assert (reduce, gather) == _plain_sum(data_parallel_records(model, deg, job), places, cluster), \

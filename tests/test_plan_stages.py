@@ -53,7 +53,7 @@ def test_the_slowest_stage_sets_the_pace_even_in_the_middle():
     stages = [_stage_time(model, deg, job, cluster, s, NetworkParams(), DEFAULT_EFFICIENCY) for s in range(3)]
     slowest = max(range(3), key=lambda s: stages[s].total)
     assert slowest == 1
-    m = job.microbatches(deg)
+    m = job.replica_microbatches(deg)
     t = step_time(model, deg, job, cluster)
     assert t.compute_s == pytest.approx(m * stages[1].compute)
     assert t.bubble_s == pytest.approx(2 * stages[1].total)

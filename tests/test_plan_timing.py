@@ -393,13 +393,13 @@ def test_zero_bubble_h1_holds_pp_micro_batches_on_every_stage():
 
 
 def test_zero_bubble_h1_is_priced_not_run():
-    from orangetron.parallel.config import ParallelConfig
+    from orangetron.parallel.config import ParallelConfig, check_runnable
     from orangetron.spec.options import validate
     from orangetron.spec.rules import RuleError
 
     with pytest.raises(RuleError, match="pp_schedule='zb-h1': priced by the planner only; the runtime runs gpipe, "
                        "1f1b, interleaved"):
-        ParallelConfig(pp_schedule="zb-h1", microbatches=4)
+        check_runnable(ParallelConfig(pp_schedule="zb-h1", microbatches=4))
     with pytest.raises(ValueError, match="microbatches=2: the zb-h1 schedule needs at least pp=4"):
         validate(gpt(8, 1024, 8), Degrees(pp=4), Job(seq_len=2048, global_batch=2, pp_schedule="zb-h1"))
 

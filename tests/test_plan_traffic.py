@@ -84,7 +84,7 @@ def test_bucket_layout_by_hand(numel, bucket, shards, layout):
 def test_sharded_stages_reduce_scatter_and_gather_each_equal_bucket():
     deg = Degrees(dp=3)
     n = stage_params(DENSE, deg, 0).dense  # 2,885,888 bf16 parameters: 29 buckets
-    job = Job(seq_len=64, zero_stage=2, bucket_numel=100_000)
+    job = Job(seq_len=64, zero_stage=2, grad_bucket_numel=100_000)
     records = data_parallel_records(DENSE, deg, job)
     count = -(-n // 100_002)  # 100,000 rounded up to a multiple of 3
     size = -(-n // (3 * count)) * 3
@@ -93,10 +93,10 @@ def test_sharded_stages_reduce_scatter_and_gather_each_equal_bucket():
     mem = stage_memory(DENSE, deg, job, 0)
     assert mem["grads"] == 4 * count * size // 3  # fp32 main gradients: this rank's slice of every bucket
     assert mem["grad_buckets"] == 2 * (size + size // 3)  # one bf16 wire buffer and its slice
-    zero1 = stage_memory(DENSE, deg, Job(seq_len=64, zero_stage=1, bucket_numel=100_000), 0)
+    zero1 = stage_memory(DENSE, deg, Job(seq_len=64, zero_stage=1, grad_bucket_numel=100_000), 0)
     assert zero1["grads"] == 4 * count * size  # the full buffer, bucket padding included
     assert zero1["grad_buckets"] == 2 * (size + size // 3)  # bf16 wire copy of the fp32 bucket, and its slice
-    f32 = Job(seq_len=64, zero_stage=1, bucket_numel=100_000, param_dtype="float32")
+    f32 = Job(seq_len=64, zero_stage=1, grad_bucket_numel=100_000, param_dtype="float32")
     assert stage_memory(DENSE, deg, f32, 0)["grad_buckets"] == 4 * size // 3  # reduced where it lies
 
 
@@ -219,7 +219,7 @@ def test_step_records_compose():
     deg = Degrees(tp=2, cp=2, pp=2, dp=2, ep=2)
     job = Job(seq_len=64, global_batch=4, sequence_parallel=True, distributed_optimizer=True)
     got = keys(step_records(MOE, deg, job, stage=0))
-    m = job.microbatches(deg)  # 2
+    m = job.replica_microbatches(deg)  # 2
     # Stage 0 holds layers 0, 1 (layer 1 is MoE with moe_layer_freq=2).
     assert got["all_to_all/ep"] == 8 * m  # counts, rows, ids, weights, combine; and 3 backward
     assert got["send_recv/cp"] == 2 * (3 * 2 - 2) * m

@@ -110,7 +110,7 @@ _LLAMA2_7B = ModelSpec(name="llama2-7b", hidden_size=4096, num_layers=32, num_he
 def _nemo_long(k: int, tp: int, pp: int, dp: int, cp: int, tflops: float) -> Run:
     seq = k * 1024
     job = Job(seq_len=seq, global_batch=max(dp, 4 * 1024 * 1024 // seq), sequence_parallel=tp > 1, fp8=True,
-              distributed_optimizer=True, attention_kernel="flash2", bucket_numel=_mcore_buckets(dp * cp),
+              distributed_optimizer=True, attention_kernel="flash2", grad_bucket_numel=_mcore_buckets(dp * cp),
               grad_accumulation_fusion=True)
     return Run(f"NeMo LLAMA2-7B {k}K", "long" if cp > 1 else "size", _LLAMA2_7B, "h100",
                Degrees(tp=tp, pp=pp, dp=dp, cp=cp), job, "model_tflops", tflops, ("recompute",))
@@ -179,7 +179,7 @@ RUNS = [
         1e12 / (180e3 * 3600)),
     Run("Megatron-Core Mixtral 8x7B, 64 GPUs", "moe", load_model("mixtral-8x7b"), "h100", Degrees(pp=4, dp=16, ep=8),
         Job(seq_len=4096, global_batch=256, distributed_optimizer=True, virtual_stages=8, pp_schedule="interleaved",
-            bucket_numel=_mcore_buckets(16), overlap_ep=False, grad_accumulation_fusion=True), "model_tflops", 468,
+            grad_bucket_numel=_mcore_buckets(16), overlap_ep=False, grad_accumulation_fusion=True), "model_tflops", 468,
         ("recompute",)),
     # NeMo long-sequence table (tp, pp, dp, cp as published).
     _nemo_long(4, 1, 1, 4, 1, 768),
@@ -207,7 +207,7 @@ def _nemo_2407(name, model, gpus, batch, mb, seq, tp, pp, cp, vp, tokens) -> Run
     dp_cp = gpus // (tp * pp)
     job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, sequence_parallel=tp > 1, fp8=True,
               distributed_optimizer=True, virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b",
-              bucket_numel=_mcore_buckets(dp_cp), grad_accumulation_fusion=True)
+              grad_bucket_numel=_mcore_buckets(dp_cp), grad_accumulation_fusion=True)
     return Run(f"NeMo 24.07 {name}", "check", model, "h100", Degrees(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp)),
                job, "tokens", tokens, ("recompute",))
 
@@ -233,7 +233,7 @@ def _bridge(name, preset, gpu, gpus, fp8, batch, mb, seq, pp, vp, ep, tokens, pe
     layout = {16: _V3_PP16_LAYOUT, 32: _V3_PP8_VP4_LAYOUT}.get(pp * vp, ()) if preset == "deepseek-v3" else ()
     job = Job(seq_len=seq, global_batch=batch, micro_batch=mb, fp8=fp8, distributed_optimizer=True,
               virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b", pipeline_layout=layout,
-              bucket_numel=_mcore_buckets(gpus // pp), grad_accumulation_fusion=True)
+              grad_bucket_numel=_mcore_buckets(gpus // pp), grad_accumulation_fusion=True)
     return Run(f"Megatron-Bridge 25.11 {name}", "check", load_model(preset), gpu,
                Degrees(pp=pp, dp=gpus // pp, ep=ep), job, "tokens", tokens, ("recompute",), per_node)
 
@@ -263,7 +263,7 @@ def _zoo(name, tp, ep, pp, vp, mb, recompute, step_s, overlap_ep=False, zero3=Fa
     dp = 256 // (tp * pp)
     job = Job(seq_len=4096, global_batch=2048, micro_batch=mb, sequence_parallel=True, zero_stage=3 if zero3 else 0,
               distributed_optimizer=not zero3, virtual_stages=vp, pp_schedule="interleaved" if vp > 1 else "1f1b",
-              bucket_numel=_mcore_buckets(dp), recompute=recompute, overlap_ep=overlap_ep,
+              grad_bucket_numel=_mcore_buckets(dp), recompute=recompute, overlap_ep=overlap_ep,
               grad_accumulation_fusion=not zero3, dispatcher="deepep")
     return Run(f"MoE model zoo Qwen3-235B-A22B, {name}", "check", load_model("qwen3-235b-a22b"), "h100",
                Degrees(tp=tp, pp=pp, dp=dp, ep=ep, expert_fold=True), job, "tokens", 2048 * 4096 / step_s / 256)
@@ -285,7 +285,7 @@ MODELZOO_MOE = [
 # tokens/s per GPU = 899 TFLOP/s, docs/performance-summary.md, 25.11, DGX-GB200).
 def _gb200_guide(name: str, tflops: float) -> Run:
     job = Job(seq_len=4096, global_batch=2048, fp8=True, distributed_optimizer=True, virtual_stages=4,
-              pp_schedule="interleaved", pipeline_layout=_V3_PP8_VP4_LAYOUT, bucket_numel=_mcore_buckets(32),
+              pp_schedule="interleaved", pipeline_layout=_V3_PP8_VP4_LAYOUT, grad_bucket_numel=_mcore_buckets(32),
               grad_accumulation_fusion=True)
     return Run(f"DeepSeek-V3 on 256 GB200 (MCore guide), {name}", "check", load_model("deepseek-v3"), "gb200",
                Degrees(pp=8, dp=32, ep=32), job, "tokens", tflops * 3454 / 899, (), 64)
@@ -386,13 +386,18 @@ def _partial_recomputes(run: Run, job: Job) -> list[Job]:
     return [replace(job, recompute_layers=r) for r in range(1, longest)]
 
 
+def _turned(job: Job, knob: str, value: object) -> Job:
+    """`job` with one knob set; virtual stages come with the interleaved schedule (a job checks that when built)."""
+    schedule = {"pp_schedule": "interleaved"} if knob == "virtual_stages" and value > 1 else {}
+    return replace(job, **{knob: value}, **schedule)
+
+
 def _tuned(run: Run, cluster) -> list[Job]:
     choices = {"micro_batch": (1, 2, 4, 8), "virtual_stages": (1, 2, 4) if run.deg.pp > 1 else (1,),
                "recompute": ("none", "full")}
     jobs = [run.job]
     for knob in run.tune:
-        jobs = [replace(j, **{knob: value}) for j in jobs for value in choices[knob]]
-    jobs = [replace(j, pp_schedule="interleaved") if j.virtual_stages > 1 else j for j in jobs]
+        jobs = [_turned(j, knob, value) for j in jobs for value in choices[knob]]
     if "recompute" in run.tune:
         jobs += [partial for j in jobs if j.recompute == "full" for partial in _partial_recomputes(run, j)]
     fitting = [j for j in jobs if _fits(run.model, run.deg, j, cluster.gpu.memory_bytes)]

@@ -37,9 +37,10 @@ def _plan(deg: Degrees, **job) -> None:
 
 
 def _parallel(**options) -> None:
-    from orangetron.parallel import ParallelConfig
+    """The options as the runtime takes them: built (the shared rules), then checked runnable (its own)."""
+    from orangetron.parallel.config import ParallelConfig, check_runnable
 
-    ParallelConfig(**options)
+    check_runnable(ParallelConfig(**options))
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,8 @@ WALK = [
          ("--dp", "2", "--zero-stage", "3", "--grad-bucket-numel", "100"), None, None,
          lambda: _parallel(zero_stage=3, grad_bucket_numel=100), "reduce-scatters each unit (transformer block)"),
     Walk(rules.recompute_layers_need_full, "recompute_layers=1 needs recompute='full', not 'none'", None,
-         ("--dp", "1", "--recompute-layers", "1"), lambda: Job(seq_len=64, recompute_layers=1), None,
-         "needs recompute='full'"),
+         ("--dp", "1", "--recompute-layers", "1"), lambda: Job(seq_len=64, recompute_layers=1),
+         lambda: _parallel(recompute_layers=1), "needs recompute='full'"),
     Walk(rules.fp8_recipe_needs_fp8, "fp8_recipe='blockwise' needs fp8=True", None,
          ("--dp", "1", "--fp8-recipe", "blockwise"), lambda: Job(seq_len=64, fp8_recipe="blockwise"), None,
          "needs fp8=True"),

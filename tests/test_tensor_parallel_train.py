@@ -14,7 +14,8 @@ from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint
 from orangetron.train.trainer import TrainConfig, train
 
 NO_AUX = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0)  # per-rank balancing differs by layout
-SMALL = dict(model=NO_AUX, seq_len=32, batch_size=4, warmup=2, eval_batches=2, corpus_bytes=200_000, dtype="float64")
+SMALL = dict(model=NO_AUX, seq_len=32, batch_size=4, warmup=2, eval_batches=2, corpus_bytes=200_000,
+             param_dtype="float64")
 
 
 def _run(**overrides) -> dict:
@@ -51,7 +52,7 @@ def test_bfloat16_tensor_parallel_trains_close_to_float64():
     """bf16 parameters with fp32 main copies under tp=2 and SP: finite, falling, and within bf16 rounding
     (2e-2 relative: a bf16 mantissa of 8 bits is 4e-3 per rounding, a few roundings deep) of float64."""
     f64 = _run(steps=6, lr=1e-2)
-    bf16 = _run(steps=6, lr=1e-2, tp=2, sequence_parallel=True, dtype="bfloat16")
+    bf16 = _run(steps=6, lr=1e-2, tp=2, sequence_parallel=True, param_dtype="bfloat16")
     assert bf16["losses"][-1] < bf16["losses"][0]
     torch.testing.assert_close(bf16["losses"], f64["losses"], rtol=2e-2, atol=0)
     per_rank = bf16["memory"]

@@ -74,7 +74,7 @@ def test_train_learns_a_repetitive_text(tmp_path) -> None:
 
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
 def test_train_other_dtypes(dtype: str) -> None:
-    result = _run(model="tiny", steps=2, dtype=dtype)
+    result = _run(model="tiny", steps=2, param_dtype=dtype)
     assert all(math.isfinite(x) for x in result["losses"])
     mem = result["memory"][0]
     if dtype == "bfloat16":  # bf16 params and grads, fp32 main params and optimizer state
@@ -107,8 +107,12 @@ def test_lr_schedule() -> None:
         ({"seq_len": -1}, r"seq_len=-1 \(--seq-len\)"),
         ({"model": "huge"}, r"model='huge' \(--model\): unknown preset"),
         ({"data": ["/no/such/file.txt"]}, r"--data\): no such file"),
-        ({"dtype": "float16"}, r"--dtype"),
+        ({"param_dtype": "float16"}, r"param_dtype='float16' \(--param-dtype\)"),
         ({"lr": float("nan")}, r"lr=nan"),
+        # Fields of the layout and the options that the planner prices and the runtime does not run.
+        ({"tp": 2, "etp": 2}, r"etp=2 expert_fold=False: the runtime shards experts with etp=1 only"),
+        ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 2}, r"pp_schedule='zb-h1': priced by the planner only"),
+        ({"recompute": "selective"}, r"recompute='selective': the runtime keeps every activation"),
     ],
 )
 def test_config_rejects_bad_values(overrides: dict, match: str) -> None:
@@ -210,7 +214,7 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: s
 
 def test_one_rank_training_matches_plain_torch(tmp_path) -> None:
     """The trainer on one rank is the plain model with torch's AdamW, clipping and the lr schedule."""
-    cfg = TrainConfig(**{**TINY, "model": "tiny", "dtype": "float64", "steps": 3, "out": str(tmp_path),
+    cfg = TrainConfig(**{**TINY, "model": "tiny", "param_dtype": "float64", "steps": 3, "out": str(tmp_path),
                          "save_every": 3, "grad_clip": 0.05})  # low enough that clipping acts
     result = train(cfg, progress=False)
     reference = reference_training(cfg)
@@ -226,7 +230,7 @@ def test_two_rank_zero3_training_matches_plain_torch(tmp_path) -> None:
     micro-batch), and the mean of per-rank balance losses is not the balance loss of the whole batch.
     """
     model = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0)
-    cfg = TrainConfig(**{**TINY, "model": model, "dtype": "float64", "steps": 3, "dp": 2, "zero_stage": 3,
+    cfg = TrainConfig(**{**TINY, "model": model, "param_dtype": "float64", "steps": 3, "dp": 2, "zero_stage": 3,
                          "out": str(tmp_path), "save_every": 3})
     two = train(cfg, progress=False)
     assert_matches_reference(two, tmp_path, reference_training(cfg), rtol=1e-9)

@@ -48,6 +48,88 @@ def test_config_file_sets_options_and_the_command_line_overrides_it(monkeypatch,
     assert _cli_config(monkeypatch, ["--config", str(path), "--zero3-prefetch"]).zero3_prefetch is True
 
 
+# config.toml as a run folder held it before `dtype` became `param_dtype` (the flag `--dtype` still names it).
+OLD_RESOLVED_CONFIG = """# The resolved options of this run: `orangetron train --config` on this file repeats it.
+model = "tiny-moe"
+steps = 3
+seq_len = 32
+batch_size = 4
+lr = 0.002
+warmup = 20
+min_lr = 0.0002
+weight_decay = 0.1
+grad_clip = 1.0
+seed = 0
+eval_every = 0
+eval_batches = 16
+eval_fraction = 0.05
+dtype = "float64"
+corpus_bytes = 2000000
+out = "OUT"
+save_every = 0
+resume = false
+extend = false
+stop_after = 0
+threads = 1
+timeout_s = 45.0
+tp = 1
+cp = 1
+pp = 1
+pp_schedule = "1f1b"
+microbatches = 1
+virtual_stages = 1
+dp = 2
+ep = 1
+dispatcher = "ragged"
+capacity_factor = 1.0
+ep_overlap_chunks = 1
+zero_stage = 1
+distributed_optimizer = false
+grad_bucket_numel = 0
+zero3_prefetch = true
+zero3_keep_params = false
+zero3_reduce_every_microbatch = false
+sequence_parallel = false
+cp_mode = "ring"
+ulysses_degree = 1
+"""
+
+
+def test_an_old_run_folders_config_file_still_reads(monkeypatch, tmp_path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(OLD_RESOLVED_CONFIG.replace("OUT", str(tmp_path / "run")))
+    cfg = _cli_config(monkeypatch, ["--config", str(path)])
+    assert cfg == TrainConfig(model="tiny-moe", steps=3, seq_len=32, batch_size=4, warmup=20, min_lr=0.0002,
+                              out=str(tmp_path / "run"), dp=2, zero_stage=1, param_dtype="float64")
+    path.write_text('param-dtype = "bfloat16"\n')
+    assert _cli_config(monkeypatch, ["--config", str(path)]).param_dtype == "bfloat16"
+    assert _cli_config(monkeypatch, ["--dtype", "float64"]).param_dtype == "float64"  # the old flag
+
+
+def test_every_option_is_a_flag_but_the_few_train_leaves_at_their_defaults() -> None:
+    """config.toml holds `options()`; `--config` reads back only flags. The inherited fields without one are
+    written only when set (WITHOUT_FLAGS); nothing else may lack a flag."""
+    from dataclasses import fields
+
+    from orangetron.cli import build_parser
+    from orangetron.train.config import WITHOUT_FLAGS
+
+    dests = set(vars(build_parser().parse_args(["train"])))  # every flag's destination, at its default
+    lacking = {f.name for f in fields(TrainConfig)} - dests - {"schedule_steps"}
+    assert lacking == set(WITHOUT_FLAGS)
+    assert not set(WITHOUT_FLAGS) & set(TrainConfig().options())
+
+
+def test_options_train_takes_no_flag_for_still_reach_the_runtime(tmp_path) -> None:
+    """Set from Python, they go to the runtime and into config.toml (which `--config` then refuses by name)."""
+    from orangetron.parallel import ParallelConfig
+
+    cfg = TrainConfig(**TINY, dp=2, ep=2, dispatcher="capacity", drop_policy="position", reduce_dtype="float64")
+    assert cfg.parallel_config() == ParallelConfig(dispatcher="capacity", drop_policy="position",
+                                                   reduce_dtype="float64")
+    assert {"drop_policy": "position", "reduce_dtype": "float64"}.items() <= cfg.options().items()
+
+
 @pytest.mark.parametrize(("text", "needle"), [
     ("zero_stge = 2\n", "unknown key 'zero_stge'; did you mean 'zero_stage'?"),
     ("seq-lenght = 64\n", "did you mean 'seq_len'?"),
@@ -77,18 +159,18 @@ def test_verify_reads_config_files_too(tmp_path, capsys) -> None:
 
 def test_run_folder_keeps_config_metrics_and_loss_curve(monkeypatch, tmp_path, capfd) -> None:
     out = tmp_path / "run"
-    result = train(TrainConfig(**TINY, out=str(out), dp=2, zero_stage=1, dtype="float64"), progress=True)
+    result = train(TrainConfig(**TINY, out=str(out), dp=2, zero_stage=1, param_dtype="float64"), progress=True)
     err = capfd.readouterr().err  # rank 0 is a child process: its standard error is the file descriptor
     for name in ("config.toml", "metrics.jsonl", "loss.png"):
         assert f"wrote {out / name}" in err
     assert f"wrote checkpoint {out / 'checkpoints' / 'step-00000003'}" in err
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = tomllib.loads((out / "config.toml").read_text())
-    assert saved["dp"] == 2 and saved["zero_stage"] == 1 and saved["dtype"] == "float64"
+    assert saved["dp"] == 2 and saved["zero_stage"] == 1 and saved["param_dtype"] == "float64"
     # The resolved file is a valid --config: the command line rebuilds the same run from it.
     assert _cli_config(monkeypatch, ["--config", str(out / "config.toml")]) == TrainConfig(**TINY, out=str(out),
                                                                                           dp=2, zero_stage=1,
-                                                                                          dtype="float64")
+                                                                                          param_dtype="float64")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records] == result["losses"]
     assert all(r["mfu"] > 0 for r in records) and result["mfu"] > 0 and result["peak_flops"] > 0
@@ -96,8 +178,8 @@ def test_run_folder_keeps_config_metrics_and_loss_curve(monkeypatch, tmp_path, c
 
 def test_every_layout_shows_the_global_batch_loss(tmp_path) -> None:
     """The bar and metrics.jsonl show the whole batch's loss, not rank 0's share of it."""
-    one = train(TrainConfig(**TINY, dtype="float64", out=str(tmp_path / "one")), progress=False)
-    two = train(TrainConfig(**TINY, dtype="float64", dp=2, out=str(tmp_path / "two")), progress=False)
+    one = train(TrainConfig(**TINY, param_dtype="float64", out=str(tmp_path / "one")), progress=False)
+    two = train(TrainConfig(**TINY, param_dtype="float64", dp=2, out=str(tmp_path / "two")), progress=False)
     shown = [json.loads(line)["loss"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert shown == pytest.approx(one["losses"], rel=1e-12, abs=0)
     assert two["losses"] == shown

@@ -52,7 +52,7 @@ def reference_training(cfg: TrainConfig) -> dict[str, Any]:
     """losses and gradient norms (before clipping) per step, eval_loss, and the final params, exp_avg and
     exp_avg_sq by parameter name, for `cfg` trained on one device (float32 or float64)."""
     data = load_data(cfg)
-    model = Transformer(cfg.model_config(), seed=cfg.seed, dtype=DTYPES[cfg.dtype])
+    model = Transformer(cfg.model_config(), seed=cfg.seed, dtype=DTYPES[cfg.param_dtype])
     opt = _adamw(model, cfg)
     losses, grad_norms = [], []
     for step, rows in zip(range(cfg.steps), data.train, strict=False):

@@ -13,13 +13,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from orangetron.spec.layout import Coordinates, Layout
+from orangetron.spec.layout import Coordinates, Layout, LayoutError
 
 GROUP_NAMES = ("tp", "cp", "pp", "dp", "dp_cp", "tp_cp", "ep", "edp")
 
 
 class MeshError(RuntimeError):
     """The mesh cannot be built in this process (no process group, or the wrong world size)."""
+
+
+def check_runnable_layout(layout: Layout) -> None:
+    """Refuse (LayoutError, one line) the layout fields the planner prices but the runtime does not build: a
+    folded expert mesh, expert tensor parallelism. `TrainConfig` calls it before any rank starts."""
+    if layout.expert_fold or layout.etp != 1:
+        raise LayoutError(f"etp={layout.etp} expert_fold={layout.expert_fold}: the runtime shards experts with etp=1 "
+                          "only and does not fold experts over their own mesh (the planner prices both)")
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,7 @@ class ParallelMesh:
     def __init__(self, layout: Layout) -> None:
         if not dist.is_initialized():
             raise MeshError("torch.distributed is not initialized; call init_process_group first")
-        if layout.expert_fold:
-            raise MeshError(f"{layout}: the runtime does not fold experts over their own mesh yet (planner only)")
-        if layout.etp != 1:
-            raise MeshError(f"etp={layout.etp}: the runtime shards experts with etp=1 only")
+        check_runnable_layout(layout)
         if dist.get_world_size() != layout.world_size:
             raise MeshError(
                 f"world size {dist.get_world_size()} does not match layout {layout} "

@@ -18,14 +18,8 @@ from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_ove
 from orangetron.plan.search import SearchSpace, search
 from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
-from orangetron.spec.options import (
-    ATTENTION_KERNELS,
-    DTYPE_BYTES,
-    FP8_RECIPES,
-    RECOMPUTE,
-    Degrees,
-    Job,
-)
+from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, Degrees, Job
+from orangetron.spec.parallel_config import DTYPE_BYTES, RECOMPUTE
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
 
@@ -66,7 +60,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--ep-overlap-chunks", type=int, default=1, metavar="N",
                      help="ragged dispatch in N token chunks, each chunk's all-to-all overlapping the other "
                           "chunks' experts, as `train`")
-    est.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES), default="",
+    est.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES), default=None,
                      help="gradient reduction dtype (default: the param dtype, as docs/data_parallel.md's tables)")
     est.add_argument("--zero3-reduce-every-microbatch", action="store_true",
                      help="--zero-stage 3: reduce-scatter every micro-batch, as `train` (default: once per step)")
@@ -207,7 +201,7 @@ def run_estimate(args: argparse.Namespace) -> int:
               recompute=args.recompute, recompute_layers=args.recompute_layers,
               attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
               overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce, fp8=args.fp8,
-              fp8_recipe=args.fp8_recipe, bucket_numel=args.grad_bucket_numel,
+              fp8_recipe=args.fp8_recipe, grad_bucket_numel=args.grad_bucket_numel,
               zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
               grad_accumulation_fusion=args.grad_accumulation_fusion)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
@@ -227,7 +221,7 @@ def format_estimate(est: Estimate) -> str:
     lines = [f"{est.model.name} on {d.world_size} x {est.cluster.gpu.name} "
              f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {est.job.seq_len}, "
              f"micro-batch {est.job.micro_batch}, "
-             f"{est.job.microbatches(d)} micro-batch(es) per step",
+             f"{est.job.replica_microbatches(d)} micro-batch(es) per step",
              "memory per GPU (GiB):"]
     for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead",
                 "total"):

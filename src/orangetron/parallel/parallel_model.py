@@ -25,7 +25,7 @@ from torch import nn
 
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.parallel import state
-from orangetron.parallel.config import ParallelConfig, ParallelConfigError
+from orangetron.parallel.config import ParallelConfig, check_runnable
 from orangetron.parallel.data import DataParallelBuffers, ShardedAdamW, strategy_for, whole
 from orangetron.parallel.data.flat import FlatPart
 from orangetron.parallel.data.transient import TransientPeaks
@@ -45,10 +45,7 @@ class ParallelModel(nn.Module):
                  pipeline_chunks: list[Chunk] | None = None) -> None:
         super().__init__()
         self.config = config or ParallelConfig()
-        if self.config.recompute != "none":
-            raise ParallelConfigError(
-                f"recompute={self.config.recompute!r}: the runtime keeps every activation for backward (it does not "
-                "recompute yet); the planner prices recomputation (`orangetron estimate --recompute`)")
+        check_runnable(self.config)
         self.module = module
         self.mesh = mesh
         self.pipeline_chunks = pipeline_chunks

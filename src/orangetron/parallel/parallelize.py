@@ -23,7 +23,7 @@ from torch import nn
 
 from orangetron.mesh import ParallelMesh
 from orangetron.parallel import context, pipeline
-from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.config import ParallelConfig, check_runnable
 from orangetron.parallel.contract import check_model
 from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.expert.balance import balance_globally
@@ -46,10 +46,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     ZeRO stage of `config`. Returns the `ParallelModel`: call it like the model, and build the optimizer with
     `.optimizer(lr=...)`. Every rank must build `model` from the same seed. A model that lacks what the
     parallel code relies on raises `ModelContractError`; dimensions the runtime does not run yet raise
-    `LayoutError`.
+    `LayoutError`, and options it does not run (`parallel.config.check_runnable`) `ParallelConfigError` or
+    `RuleError`.
     """
     check_model(model)
     config = config or ParallelConfig()
+    check_runnable(config)
     layout = mesh.layout
     layout.validate(model.cfg, sequence_parallel=config.sequence_parallel)
     pipeline.check_pipeline(model.cfg, layout.pp, config)

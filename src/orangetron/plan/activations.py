@@ -185,7 +185,7 @@ def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> i
 def in_flight(deg: Degrees, job: Job, stage: int) -> float:
     """Layer-chunks' worth of micro-batches a stage holds at its peak, in units of the stage's layers: what the
     schedule's record says (spec/schedules.py), or what its action lists hold."""
-    p, m, v = deg.pp, job.microbatches(deg), job.virtual_stages
+    p, m, v = deg.pp, job.replica_microbatches(deg), job.virtual_stages
     if p == 1:
         return 1.0
     schedule = SCHEDULES[job.pp_schedule]
@@ -291,7 +291,7 @@ def head_in_flight(deg: Degrees, job: Job) -> int:
     zb-h1's last stage runs each W pp - 1 backwards late, and the head's W needs the logits' gradient."""
     if deg.pp == 1:
         return 1
-    p, m, v, schedule = deg.pp, job.microbatches(deg), job.virtual_stages, SCHEDULES[job.pp_schedule]
+    p, m, v, schedule = deg.pp, job.replica_microbatches(deg), job.virtual_stages, SCHEDULES[job.pp_schedule]
     if schedule.held_outputs is None:
         return int(peak_held([a for a in actions(p, m, job.pp_schedule, v)[p - 1] if a.chunk == v - 1], 1))
     return schedule.held_outputs(p, m)
@@ -356,7 +356,7 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     forward and its backward holds its layers and RoPE tables (and under SP its mask copy); a micro-batch's
     token ids stay while chunk 0 holds it, its padding mask while any chunk with MoE layers does, and the
     output layer's buffers while the last chunk does."""
-    p, v, mbs = deg.pp, job.virtual_stages, job.microbatches(deg)
+    p, v, mbs = deg.pp, job.virtual_stages, job.replica_microbatches(deg)
     sb, h = x.s * x.b, m.hidden_size
     weights, masked, mask = [], [], 0
     for c in range(v):
@@ -435,6 +435,6 @@ def _microbatches_in_flight(deg: Degrees, job: Job, stage: int) -> int:
     v = job.virtual_stages
     if deg.pp == 1 or v == 1 or not SCHEDULES[job.pp_schedule].chunks:
         return int(in_flight(deg, job, stage))
-    p, m = deg.pp, job.microbatches(deg)
+    p, m = deg.pp, job.replica_microbatches(deg)
     forwards = min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
     return min(m, forwards // (p * v) * p + min(forwards % (p * v), p))

@@ -38,7 +38,7 @@ class Estimate:
             "gpus": self.degrees.world_size,
             "gpus_per_node": self.cluster.gpus_per_node,
             "layout": {**asdict(self.degrees), "edp": self.degrees.edp},
-            "job": asdict(self.job),
+            "job": self.job.to_json(),
             "memory_bytes": self.memory,
             "memory_capacity_bytes": int(self.cluster.gpu.memory_bytes),
             "fits": self.fits,
@@ -54,7 +54,8 @@ class Estimate:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.job.microbatches(self.degrees) * self.job.micro_batch * self.degrees.dp * self.job.seq_len
+        job = self.job
+        return job.replica_microbatches(self.degrees) * job.micro_batch * self.degrees.dp * job.seq_len
 
 
 def check_cluster(deg: Degrees, cluster: Cluster) -> None:

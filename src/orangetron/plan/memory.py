@@ -15,7 +15,8 @@ from orangetron.plan.param_grads import param_grad_bytes
 from orangetron.plan.params import StageParams, shard_groups, stage_params, tp_grad_sum_numel, zero3_units
 from orangetron.spec.categories import CATEGORIES
 from orangetron.spec.model import ModelSpec
-from orangetron.spec.options import DTYPE_BYTES, Degrees, Job, model_state_job
+from orangetron.spec.options import Degrees, Job, model_state_job
+from orangetron.spec.parallel_config import DTYPE_BYTES
 from orangetron.spec.sharding import bucket_layout, padded_numel, shard_numel
 from orangetron.spec.stages import distinct_stages
 
@@ -38,11 +39,11 @@ def data_parallel_segments(model: ModelSpec, deg: Degrees, job: Job, stage: int 
     if job.zero_stage == 3:
         return _shards(zero3_units(model, deg, stage, job.virtual_stages, job.pipeline_layout), deg, {})
     groups = shard_groups(params, deg)
-    if job.bucket_numel <= 0 or not job.distributed_optimizer and job.zero_stage == 0:
+    if job.grad_bucket_numel <= 0 or not job.distributed_optimizer and job.zero_stage == 0:
         return groups
     out = []
     for dim, ranks, numel in groups:
-        count, size = bucket_layout(numel, job.bucket_numel, ranks) if ranks > 1 else (1, numel)
+        count, size = bucket_layout(numel, job.grad_bucket_numel, ranks) if ranks > 1 else (1, numel)
         out += [(dim, ranks, size)] * count
     return out
 
@@ -169,7 +170,7 @@ def _dp_reduction_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0
                     for _, ranks, numel in segments), default=0)
     copies = job.wire_dtype != job.main_grad_dtype  # a wire copy of the main gradients
     sharded = job.zero_stage >= 1 or job.distributed_optimizer
-    if job.bucket_numel <= 0:
+    if job.grad_bucket_numel <= 0:
         return max((_unbucketed(numel, ranks, job.zero_stage == 2 or copies, sharded) * job.reduce_bytes
                     for _, ranks, numel in segments), default=0)
     if not sharded:

@@ -127,7 +127,7 @@ def _held_to_step(model: ModelSpec, deg: Degrees, job: Job) -> bool:
     fewer than tp), keep every `.grad` until the step."""
     if job.grad_accumulation_fusion:  # Megatron-Core sums and reduces inside the main-gradient buffer
         return False
-    return tp_sums_first(model, deg, job) or (job.zero_stage != 3 and job.bucket_numel <= 0)
+    return tp_sums_first(model, deg, job) or (job.zero_stage != 3 and job.grad_bucket_numel <= 0)
 
 
 def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
@@ -137,7 +137,7 @@ def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
         return total * job.param_bytes
     if job.zero_stage < 2:  # added into the full main buffer as each arrives
         return largest * job.param_bytes
-    m = 1 if job.zero3_reduce_every_microbatch else job.microbatches(deg)  # each backward frees its units
+    m = 1 if job.zero3_reduce_every_microbatch else job.replica_microbatches(deg)  # each backward frees its units
     # Inside no_sync nothing is freed: with one chunk its first backward fills every .grad, and with more
     # micro-batches than stages every chunk's first backward comes before any chunk's last (the interleaved
     # schedule runs the chunks in groups of pp micro-batches). Only shorter steps need the replay.
@@ -194,7 +194,7 @@ def _release_groups(tensors: tuple[ParamTensor, ...], deg: Degrees, job: Job) ->
     sizes = {}
     for expert, ranks in ((False, deg.dp_cp), (True, deg.edp)):
         numel = sum(t.numel for t in tensors if t.expert == expert)
-        sizes[expert] = bucket_layout(numel, job.bucket_numel, ranks)[1] if ranks > 1 else max(numel, 1)
+        sizes[expert] = bucket_layout(numel, job.grad_bucket_numel, ranks)[1] if ranks > 1 else max(numel, 1)
     for t in tensors:
         at, size = offset[t.expert], sizes[t.expert]
         out.append(tuple((t.expert, k) for k in range(at // size, (at + t.numel - 1) // size + 1)))

@@ -16,7 +16,8 @@ from orangetron.plan.timing import check_ep_placement, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 from orangetron.spec.hardware import Cluster
 from orangetron.spec.model import ModelSpec
-from orangetron.spec.options import RECOMPUTE, Degrees, Job, validate, without_recompute
+from orangetron.spec.options import Degrees, Job, validate, without_recompute
+from orangetron.spec.parallel_config import RECOMPUTE
 from orangetron.spec.stages import longest_chunk
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
@@ -187,7 +188,8 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
     for job in group:
         cls = _pricing_class(job)
         key = (cls, job.recompute) if partial and job.recompute != "none" else cls
-        if cls in closed or key in closed or job.zero3_reduce_every_microbatch and job.microbatches(deg) == 1:
+        one_microbatch = job.replica_microbatches(deg) == 1
+        if cls in closed or key in closed or job.zero3_reduce_every_microbatch and one_microbatch:
             continue  # dominated, or (one micro-batch) the same step as "zero3"
         try:
             validate(model, deg, job)

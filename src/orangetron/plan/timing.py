@@ -628,7 +628,7 @@ def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
     `moe_shared_expert_overlap` too). With `overlap_ep` the schedule pairs two micro-batches so that one's
     tokens travel while the other's layer computes (DualPipe, DeepSeek-V3 arXiv:2412.19437 section 3.2.1;
     Megatron-Core's EP all-to-all overlap in 1F1B), which needs a second micro-batch in flight."""
-    if job.overlap_ep and job.microbatches(deg) > 1:
+    if job.overlap_ep and job.replica_microbatches(deg) > 1:
         return run
     shared_b = cost.shared_b - (cost.shared_w if SCHEDULES[job.pp_schedule].split_backward else 0.0)  # W apart
     return cost.shared_f + shared_b + (cost.shared_f if job.recompute == "full" else 0.0)
@@ -651,7 +651,7 @@ def _hardware_flops(model: ModelSpec, job: Job, sequences: int, replayed: float)
 def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: NetworkParams = DEFAULT_PARAMS,
               eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
     """Predicted seconds per training step and MFU for one configuration on `cluster`."""
-    m = job.microbatches(deg)
+    m = job.replica_microbatches(deg)
     kinds = distinct_stages(model, deg.pp, job.virtual_stages, job.pipeline_layout)
     stages = [_stage_time(model, deg, job, cluster, s, net, eff) for s in kinds]
     slow = max(stages, key=lambda st: st.total)
@@ -712,13 +712,13 @@ def _dp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, t_mb
 @lru_cache(maxsize=16384)
 def _data_parallel_job(model: ModelSpec, deg: Degrees, job: Job, microbatches: int) -> Job:
     """The key for one step's data-parallel traffic: the model-state options, and under ZeRO-3 (which gathers
-    every unit again per micro-batch) the micro-batch count, carried as `num_microbatches`, with
+    every unit again per micro-batch) the micro-batch count, carried as `microbatches`, with
     `zero3_reduce_every_microbatch` only where it takes effect (the key drops sequence parallelism)."""
     states = model_state_job(job)
     if job.zero_stage != 3:
         return states
-    every = reduce_rounds(model, deg, replace(job, num_microbatches=microbatches, global_batch=0)) > 1
-    return canonical_job(replace(states, num_microbatches=microbatches, zero3_reduce_every_microbatch=every))
+    every = reduce_rounds(model, deg, replace(job, microbatches=microbatches, global_batch=0)) > 1
+    return canonical_job(replace(states, microbatches=microbatches, zero3_reduce_every_microbatch=every))
 
 
 @lru_cache(maxsize=16384)

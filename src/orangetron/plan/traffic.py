@@ -68,10 +68,10 @@ def _buckets(numel: int, bucket_numel: int) -> list[int]:
 
 def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[CommRecord]:
     """Gradient reduction and parameter gathers of one step (docs/data_parallel.md's one-step table),
-    one record per bucket: DDP's fixed slices of `job.bucket_numel` elements, the sharded stages' equal
+    one record per bucket: DDP's fixed slices of `job.grad_bucket_numel` elements, the sharded stages' equal
     buckets (`plan.sharding.bucket_layout`), ZeRO-3's units."""
     params = stage_params(model, deg, stage, job.virtual_stages, job.pipeline_layout)
-    m = job.microbatches(deg)
+    m = job.replica_microbatches(deg)
     sharding = job.zero_stage >= 1 or job.distributed_optimizer
     rounds = reduce_rounds(model, deg, job)
     out: list[CommRecord] = []
@@ -81,10 +81,10 @@ def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int =
         if job.zero_stage == 3:  # one bucket per unit: gathered and reduce-scattered unit by unit
             buckets = [size for d, _, size in data_parallel_segments(model, deg, job, stage) if d == dim]
         elif sharding:  # equal buckets, each a multiple of n, each sharded on its own
-            count, size = bucket_layout(numel, job.bucket_numel, n)
+            count, size = bucket_layout(numel, job.grad_bucket_numel, n)
             buckets = [size] * count
         else:
-            buckets = _buckets(numel, job.bucket_numel)
+            buckets = _buckets(numel, job.grad_bucket_numel)
         for bucket in buckets:
             out += _bucket_records(dim, n, padded_numel(bucket, n if sharding else 1), job, m, rounds)
         if sharding and job.clip_grad:
@@ -99,7 +99,7 @@ def reduce_rounds(model: ModelSpec, deg: Degrees, job: Job) -> int:
     """Gradient reductions per step: one, or one per micro-batch under ZeRO-3 with
     `zero3_reduce_every_microbatch` (unless partial gradients are first summed over tp: then all at the step)."""
     if job.zero_stage == 3 and job.zero3_reduce_every_microbatch and not tp_sums_first(model, deg, job):
-        return job.microbatches(deg)
+        return job.replica_microbatches(deg)
     return 1
 
 
@@ -287,7 +287,7 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
     (`ep_where`: the EP group's placement, which the "deepep" dispatcher's traffic depends on)."""
     layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
     moe = sum(model.is_moe_layer(i) for i in layers)
-    m = job.microbatches(deg)
+    m = job.replica_microbatches(deg)
     per_mb: list[CommRecord] = []
     for layer_job, mine in _replay_groups(model, deg, job, stage, layers):
         n_moe = sum(model.is_moe_layer(i) for i in mine)

@@ -4,7 +4,8 @@
 |---|---|
 | `layout` | `Layout`: degrees, rank <-> coordinates |
 | `model` | `ModelSpec`, the model schema, and the shipped model presets |
-| `options` | `Job`: the options of one configuration that change memory, traffic or time |
+| `parallel_config` | `ParallelConfig`: the parallel options runtime and planner share (`ot.ParallelConfig`) |
+| `options` | `Job`: a `ParallelConfig` plus what only the planner prices (what changes memory, traffic, time) |
 | `hardware` | GPU presets and the cluster they form |
 | `collectives` | the bytes each collective moves (`CommRecord`), for the ledger and the cost model alike |
 | `sharding` | how a flat buffer, a bucket or a token range splits over ranks |

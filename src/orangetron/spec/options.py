@@ -1,18 +1,23 @@
-"""What the cost model is asked about: parallel degrees and the training options of one configuration."""
+"""What the cost model is asked about: parallel degrees and the training options of one configuration.
+
+`Job` is the runtime's `ParallelConfig` (spec/parallel_config.py) with the fields only the planner prices: the
+sequence and batch, the kernels, FP8, overlaps the runtime does not choose. A `ParallelConfig` the runtime runs
+prices as `Job(**values_of(ParallelConfig, config), seq_len=..., micro_batch=...)`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 from orangetron.spec import rules
 from orangetron.spec.keys import hash_fields_once
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec
+from orangetron.spec.parallel_config import DTYPE_BYTES, ParallelConfig, check_choice
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-RECOMPUTE = ("none", "selective", "full")
 ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "eager")
 # "delayed": Transformer Engine's per-tensor scales from an amax history; "blockwise": DeepSeek-V3's fine-grained
 # scales, one per 1 x 128 activation tile and per 128 x 128 weight block (arXiv:2412.19437 section 3.3.2)
@@ -23,44 +28,25 @@ FP8_RECIPES = ("delayed", "blockwise")
 Degrees = Layout
 
 
-@dataclass(frozen=True)
-class Job:
-    """Training options that change memory, traffic or time. Field names match `ot.ParallelConfig`."""
+@dataclass(frozen=True, kw_only=True)
+class Job(ParallelConfig):
+    """Training options that change memory, traffic or time: the shared `ParallelConfig` fields, and the
+    planner's own below (keyword-only)."""
 
     seq_len: int
     micro_batch: int = 1
-    global_batch: int = 0  # sequences per step; 0: `num_microbatches` micro-batches per replica
-    num_microbatches: int = 1  # used when global_batch is 0 (the runtime's ParallelConfig.microbatches)
-    bucket_numel: int = 0  # gradient-reduction bucket size in elements; 0: one bucket per group
+    global_batch: int = 0  # sequences per step; 0: `microbatches` micro-batches per replica
+    param_dtype: str = "bfloat16"  # the planner's default: bf16 weights with fp32 main copies, as clusters train
     clip_grad: bool = False  # sharded gradient clipping all-reduces one sum of squares per group
-    sequence_parallel: bool = False
-    cp_mode: str = "ring"
-    ulysses_degree: int = 1  # for cp_mode "usp"
-    dispatcher: str = "ragged"
-    capacity_factor: float = 1.0
-    ep_overlap_chunks: int = 1  # ragged dispatch in token chunks (one count exchange, then per-chunk rows)
     # SMs the "deepep" dispatcher's kernels occupy (Megatron-Core's moe_deepep_num_sms default; DeepSeek-V3's 20)
     ep_comm_sms: int = 20
     # Those SMs set aside from compute for the whole step (DeepSeek-V3 "allocate[s] 20 out of the 132 SMs" to
     # communication, arXiv:2412.19437 section 3.5.1); off: taken only while a transfer runs (Megatron-Core)
     ep_comm_sms_reserved: bool = False
-    zero_stage: int = 0
-    distributed_optimizer: bool = False
-    zero3_prefetch: bool = True  # ZeRO-3 gathers the next unit while one computes (two units at the peak)
-    zero3_keep_params: bool = False  # ZeRO-3 keeps forward's units until backward (one gather, whole model)
-    zero3_reduce_every_microbatch: bool = False  # ZeRO-3 reduce-scatters every micro-batch (else once, after no_sync)
-    param_dtype: str = "bfloat16"
     grad_dtype: str = "float32"  # main-gradient buffer (docs/data_parallel.md: fp32, 4 B)
-    reduce_dtype: str = ""  # gradient reduction dtype; "" = param_dtype (docs/data_parallel.md's default)
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
     # Decoder layers of each virtual stage, in order (chunk g on pipeline rank g % pp), as Megatron's
     # --pipeline-model-parallel-layout lists them; empty: the even split. Planner only
     pipeline_layout: tuple[int, ...] = ()
-    recompute: str = "none"
-    # Under full recompute, how many layers of each pipeline chunk replay their forward, counted from the chunk's
-    # first (Megatron's block method, --recompute-num-layers); 0: every layer. Planner only
-    recompute_layers: int = 0
     # "flash": the GPU's best fused kernel (FlashAttention-3 / cuDNN on Hopper), keeps no [s, s] scores;
     # "flash2": FlashAttention-2 (the same memory, its own speed); "flash-triton": FlashAttention in Triton (the
     # same memory, slower than FlashAttention-2 by the gaps `compute.TRITON_FLASH_GAP`); "eager" stores the scores
@@ -81,11 +67,24 @@ class Job:
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
     def __post_init__(self) -> None:
-        _check_choice("recompute", self.recompute, RECOMPUTE)
-        CONTEXT_MODES[self.cp_mode], DISPATCHERS[self.dispatcher], SCHEDULES[self.pp_schedule]  # known names
-        _check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
-        _check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
-        rules.zero3_reduce_every_microbatch_needs_zero3(self.zero3_reduce_every_microbatch, self.zero_stage)
+        super().__post_init__()
+        check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
+        check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        check_choice("grad_dtype", self.grad_dtype, tuple(DTYPE_BYTES))
+        self._check_grad_accumulation_fusion()
+        object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))  # a list from JSON or TOML
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
+            raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
+        rules.fp8_recipe_needs_fp8(self.fp8_recipe, self.fp8)
+        dispatcher = DISPATCHERS[self.dispatcher]
+        rules.reserved_sms_need_node_dispatch(self.ep_comm_sms_reserved, self.dispatcher, dispatcher.node_aware)
+        if self.ep_comm_sms < 2 or self.ep_comm_sms % 2:
+            raise ValueError(f"ep_comm_sms={self.ep_comm_sms}: DeepEP takes an even number of SMs, at least 2")
+        for name in ("seq_len", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+    def _check_grad_accumulation_fusion(self) -> None:
         if self.grad_accumulation_fusion and self.zero_stage >= 2:
             raise ValueError(f"grad_accumulation_fusion with zero_stage={self.zero_stage}: Megatron-Core's "
                              "main-gradient buffer is whole on every rank (DDP, ZeRO-1 or the distributed optimizer)")
@@ -93,31 +92,6 @@ class Job:
             raise ValueError(f"grad_accumulation_fusion with reduce_dtype={self.reduce_dtype!r}: the main-gradient "
                              f"buffer is reduced where it lies, in its own dtype ({self.main_grad_dtype}); set "
                              "grad_dtype instead")
-        object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))  # a list from JSON or TOML
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
-            raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
-        if self.recompute_layers < 0:
-            raise ValueError(f"recompute_layers={self.recompute_layers}: must be >= 0 (0: every layer)")
-        rules.recompute_layers_need_full(self.recompute_layers, self.recompute)
-        rules.fp8_recipe_needs_fp8(self.fp8_recipe, self.fp8)
-        for name in ("param_dtype", "grad_dtype"):
-            _check_choice(name, getattr(self, name), tuple(DTYPE_BYTES))
-        if self.reduce_dtype:
-            _check_choice("reduce_dtype", self.reduce_dtype, tuple(DTYPE_BYTES))
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage={self.zero_stage}: must be 0 (DDP), 1, 2 or 3")
-        rules.distributed_optimizer_zero_stage(self.distributed_optimizer, self.zero_stage)
-        dispatcher = DISPATCHERS[self.dispatcher]
-        rules.reserved_sms_need_node_dispatch(self.ep_comm_sms_reserved, self.dispatcher, dispatcher.node_aware)
-        if self.ep_comm_sms < 2 or self.ep_comm_sms % 2:
-            raise ValueError(f"ep_comm_sms={self.ep_comm_sms}: DeepEP takes an even number of SMs, at least 2")
-        for name in ("seq_len", "micro_batch", "virtual_stages", "num_microbatches", "ep_overlap_chunks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-
-    @property
-    def param_bytes(self) -> int:
-        return DTYPE_BYTES[self.param_dtype]
 
     @property
     def main_grad_dtype(self) -> str:
@@ -135,11 +109,6 @@ class Job:
         return DTYPE_BYTES[self.wire_dtype]
 
     @property
-    def mixed_precision(self) -> bool:
-        """fp32 main params exist only when the model params are in a lower precision."""
-        return DTYPE_BYTES[self.param_dtype] < 4
-
-    @property
     def partial_recompute(self) -> bool:
         """Full recompute of only the first `recompute_layers` layers of each chunk."""
         return self.recompute == "full" and self.recompute_layers > 0
@@ -149,11 +118,47 @@ class Job:
         others' none, so per-layer costs need only the two uniform cases; otherwise `self`."""
         return _layer_job(self, replayed) if self.partial_recompute else self
 
-    def microbatches(self, degrees: Degrees) -> int:
-        """Micro-batches per step on each data-parallel replica."""
+    def replica_microbatches(self, degrees: Degrees) -> int:
+        """Micro-batches per step on each data-parallel replica: `microbatches`, or those `global_batch` makes."""
         if not self.global_batch:
-            return self.num_microbatches
+            return self.microbatches
         return self.global_batch // (self.micro_batch * degrees.dp)
+
+    def to_json(self) -> dict[str, Any]:
+        """The `job` object of `estimate --json` and of each `plan --json` row (`PUBLISHED_FIELDS`)."""
+        return {PUBLISHED_AS.get(name, name): _published(name, getattr(self, name)) for name in PUBLISHED_FIELDS}
+
+    @classmethod
+    def from_json(cls, published: dict[str, Any]) -> Job:
+        """The job a `to_json` object describes (a `job` read back from `estimate --json` or `plan --json`)."""
+        names = {PUBLISHED_AS.get(name, name): name for name in PUBLISHED_FIELDS}
+        unknown = sorted(set(published) - set(names))
+        if unknown:
+            raise ValueError(f"job keys {', '.join(unknown)}: not keys of the published job object")
+        values = {names[key]: value for key, value in published.items()}
+        if values.get("reduce_dtype") == "":
+            values["reduce_dtype"] = None
+        return cls(**values)
+
+
+# The `job` object's fields in the order `estimate --json` has printed them (a contract with the scripts that read
+# it), and the keys of the two printed under the names they had before the runtime's options became the job's.
+# `reduce_dtype` None prints as "" (the parameters' dtype), as it always has; `drop_policy` is not priced and not
+# printed.
+PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "grad_bucket_numel", "clip_grad",
+                    "sequence_parallel", "cp_mode", "ulysses_degree", "dispatcher", "capacity_factor",
+                    "ep_overlap_chunks", "ep_comm_sms", "ep_comm_sms_reserved", "zero_stage", "distributed_optimizer",
+                    "zero3_prefetch", "zero3_keep_params", "zero3_reduce_every_microbatch", "param_dtype",
+                    "grad_dtype", "reduce_dtype", "pp_schedule", "virtual_stages", "pipeline_layout", "recompute",
+                    "recompute_layers", "attention_kernel", "overlap_ep", "overlap_grad_reduce",
+                    "grad_accumulation_fusion", "fp8", "fp8_recipe")
+PUBLISHED_AS = {"microbatches": "num_microbatches", "grad_bucket_numel": "bucket_numel"}
+
+
+def _published(name: str, value: object) -> object:
+    if name == "reduce_dtype" and value is None:
+        return ""
+    return list(value) if isinstance(value, tuple) else value
 
 
 @lru_cache(maxsize=65536)
@@ -185,11 +190,11 @@ def model_state_job(job: Job) -> Job:
     """`job` with every option reset that only sets activations, compute or the micro-batch count (sequence,
     micro-batch, global batch, recompute, cp, dispatcher, kernel): the key for the model states, their padding
     and gradient buckets. FP8 stays: a search never varies it, and its recipe is checked against it."""
-    return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, num_microbatches=1,
+    return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, microbatches=1,
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
-                                 capacity_factor=1.0, ep_overlap_chunks=1, ep_comm_sms=20, ep_comm_sms_reserved=False,
-                                 recompute="none", recompute_layers=0, attention_kernel="flash", overlap_ep=True,
-                                 overlap_grad_reduce=True))
+                                 capacity_factor=1.0, drop_policy="probs", ep_overlap_chunks=1, ep_comm_sms=20,
+                                 ep_comm_sms_reserved=False, recompute="none", recompute_layers=0,
+                                 attention_kernel="flash", overlap_ep=True, overlap_grad_reduce=True))
 
 
 def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:
@@ -203,11 +208,6 @@ def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:
                          "its own tokens")
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: must be one of {', '.join(choices)}")
-
-
 def _validate_layout(model: ModelSpec, chunks: int, layout: tuple[int, ...]) -> None:
     if len(layout) != chunks:
         raise ValueError(f"pipeline_layout has {len(layout)} virtual stages; pp*virtual_stages is {chunks}")
@@ -216,17 +216,15 @@ def _validate_layout(model: ModelSpec, chunks: int, layout: tuple[int, ...]) -> 
 
 
 def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
-    """Raise ValueError (naming the field, value and rule) for a layout the runtime could not run."""
+    """Raise ValueError (naming the field, value and rule) for a layout the runtime could not run. The rules among
+    the options alone ran when `job` was built (`ParallelConfig`)."""
     t, c, p = degrees.tp, degrees.cp, degrees.pp
     rules.tp_splits_heads(t, model.num_heads, model.kv_heads)
     if job.pipeline_layout:
         _validate_layout(model, p * job.virtual_stages, job.pipeline_layout)
     elif model.num_layers < p * job.virtual_stages:
         raise ValueError(f"pp={p}: num_layers={model.num_layers} < pp*virtual_stages={p * job.virtual_stages}")
-    schedule, dispatcher, mode = SCHEDULES[job.pp_schedule], DISPATCHERS[job.dispatcher], CONTEXT_MODES[job.cp_mode]
-    rules.virtual_stages_need_chunked_schedule(job.virtual_stages, job.pp_schedule, schedule.chunks)
-    rules.ulysses_degree_only_for_its_modes(job.ulysses_degree, job.cp_mode, mode.takes_ulysses_degree)
-    rules.overlap_chunks_need_chunked_dispatcher(job.ep_overlap_chunks, job.dispatcher, dispatcher.chunked)
+    schedule, dispatcher = SCHEDULES[job.pp_schedule], DISPATCHERS[job.dispatcher]
     rules.cp_splits_sequence(c, job.seq_len)
     if job.sequence_parallel:
         rules.sp_splits_shard(t, c, job.seq_len)
@@ -239,7 +237,7 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     if job.global_batch and job.global_batch % (job.micro_batch * degrees.dp):
         raise ValueError(f"global_batch={job.global_batch} is not divisible by micro_batch*dp="
                          f"{job.micro_batch * degrees.dp}")
-    schedule.check(p, job.microbatches(degrees))
+    schedule.check(p, job.replica_microbatches(degrees))
 
 
 def _validate_context_mode(model: ModelSpec, degrees: Degrees, job: Job) -> None:

@@ -40,7 +40,7 @@ def add_train_commands(sub: Any) -> None:
     option("--warmup", "linear warmup steps", type=int)
     option("--seed", "seed for init and batch order; the same seed gives identical losses", type=int)
     option("--eval-every", "also evaluate held-out loss every N steps; 0: only at the end", type=int)
-    p.add_argument("--param-dtype", "--dtype", dest="dtype", default=fields["dtype"].default,
+    p.add_argument("--param-dtype", "--dtype", dest="param_dtype", default=fields["param_dtype"].default,
                    choices=list(PARAM_DTYPES),
                    help="parameter dtype; bfloat16 keeps float32 main params (default: %(default)s)")
     option("--threads", "CPU threads for torch ops; 1 stays fast when other processes share the cores",
@@ -151,7 +151,7 @@ def _add_verify_command(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
-    p.add_argument("--param-dtype", "--dtype", dest="dtype", default="float64", choices=list(PARAM_DTYPES),
+    p.add_argument("--param-dtype", "--dtype", dest="param_dtype", default="float64", choices=list(PARAM_DTYPES),
                    help="parameter dtype (default: %(default)s)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference accepted (default by dtype: "
@@ -170,7 +170,7 @@ def run_verify(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**_config_options(args), warmup=0, corpus_bytes=200_000)
     result = verify(cfg, args.tolerance)
     verdict = "ok" if result["ok"] else "FAILED"
-    print(f"orangetron verify: {cfg.layout}, {cfg.steps} steps in {cfg.dtype}: max loss difference "
+    print(f"orangetron verify: {cfg.layout}, {cfg.steps} steps in {cfg.param_dtype}: max loss difference "
           f"{result['max_loss_rel_diff']:.2e}, max gradient difference {result['max_grad_rel_diff']:.2e} "
           f"(tolerance {result['tolerance']:g}): {verdict}", file=sys.stderr)
     if args.json:

@@ -1,30 +1,33 @@
 """`TrainConfig`: every option of a training run, validated on construction.
 
-Importing this module does not import torch (the CLI builds its flags from these defaults and answers
-`--help` at once); validation that needs the model, the layout or the parallel options imports them on use.
+A `TrainConfig` is a `Layout` and a `ParallelConfig` (spec/): it inherits their fields, so `TrainConfig(tp=2,
+cp_mode="usp")` and the flags of the same names set them, and `layout` and `parallel_config()` hand the runtime
+those parts on their own. Importing this module does not import torch (the CLI builds its flags from these
+defaults and answers `--help` at once); validation that needs the model or the runtime imports them on use.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from orangetron.model.config import MODEL_PRESETS, ConfigError, check_runnable, model_preset
 from orangetron.spec import rules
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, load_decoder, preset_names
+from orangetron.spec.parallel_config import ParallelConfig, values_of
 from orangetron.spec.variants import CONTEXT_MODES, SCHEDULES
 from orangetron.train.corpus import DEFAULT_CORPUS_BYTES
 from orangetron.train.faults import DEFAULT_TIMEOUT_S
 
-if TYPE_CHECKING:
-    from orangetron.parallel.config import ParallelConfig
-
 DEFAULT_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 2e-2}  # `verify`: the promise per dtype
 PARAM_DTYPES = ("float32", "float64", "bfloat16")  # parallel.config.DTYPES's names (a test keeps them equal)
+# Inherited fields `train` takes no flag for: the planner's expert folding, and options the runtime refuses
+# (recompute) or the trainer leaves at their defaults. `options()` writes them only when set, so a run folder's
+# config.toml stays a file that `--config` reads (a test keeps every other field a flag).
+WITHOUT_FLAGS = ("etp", "expert_fold", "drop_policy", "reduce_dtype", "recompute", "recompute_layers")
 
 
 class TrainConfigError(ValueError):
@@ -35,9 +38,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-@dataclass
-class TrainConfig:
-    """Everything one training run needs. Validated on construction (TrainConfigError).
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(Layout, ParallelConfig):
+    """Everything one training run needs: its layout and parallel options (the fields of `Layout` and
+    `ParallelConfig`, inherited; `param_dtype` is the parameters' dtype, flag `--param-dtype` or `--dtype`) and
+    the run's own below. Validated on construction (TrainConfigError, or the rule's own error).
 
     The defaults are what `orangetron train` runs with no flags: small-moe learns visibly (byte-level
     loss from ~5.6 to ~2.1) in about a minute on one CPU thread. Many small, frequent updates
@@ -58,7 +63,6 @@ class TrainConfig:
     eval_every: int = 0  # evaluate held-out loss every N steps (0: only at the end)
     eval_batches: int = 16  # batches of held-out data per evaluation
     eval_fraction: float = 0.05  # share of the token stream, from its end, held out for evaluation
-    dtype: str = "float32"  # parameter dtype: float32, float64 or bfloat16 (with float32 main params)
     data: Sequence[str] | None = None  # text files to train on; None: the embedded stdlib corpus
     corpus_bytes: int = DEFAULT_CORPUS_BYTES  # bytes of the stdlib corpus to use when `data` is None
     out: str | None = None  # run folder for metrics.jsonl and checkpoints (always one after the last step)
@@ -71,30 +75,27 @@ class TrainConfig:
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
     timeout_s: float = DEFAULT_TIMEOUT_S  # seconds a collective waits for a peer; then the run stops, naming
     # the rank that stopped responding
-    tp: int = 1  # tensor-parallel degree: local ranks that split every weight matrix
-    cp: int = 1  # context-parallel degree: local ranks that split every sequence head-tail
-    pp: int = 1  # pipeline-parallel degree: local ranks that each run a contiguous share of the layers
-    pp_schedule: str = "1f1b"  # pipeline schedule with pp > 1: gpipe, 1f1b, interleaved
-    microbatches: int = 1  # micro-batches per step (gradients accumulate over them; the pipeline's unit)
-    virtual_stages: int = 1  # model chunks per pipeline rank (the interleaved schedule)
-    dp: int = 1  # data-parallel degree: local ranks that split each batch
-    ep: int = 1  # expert-parallel degree: the dp ranks' experts split into ep blocks (ep divides dp)
-    dispatcher: str = "ragged"  # expert dispatch with ep > 1: ragged (dropless), capacity, allgather
-    capacity_factor: float = 1.0  # dispatcher="capacity": slots per expert = factor * fair share
-    ep_overlap_chunks: int = 1  # ragged dispatch in token chunks, all-to-all overlapping expert compute
-    zero_stage: int = 0  # 0 = DDP, 1-3 = ZeRO stage (sharding over the dp ranks)
-    distributed_optimizer: bool = False  # ZeRO-1 sharding with the parameter all-gather right after the step
-    grad_bucket_numel: int = 0  # reduce gradient buckets of about this many elements during backward (not ZeRO-3)
-    zero3_prefetch: bool = True  # zero_stage 3: gather the next unit while the current one computes
-    zero3_keep_params: bool = False  # zero_stage 3: keep forward's gathered units until their backward
-    zero3_reduce_every_microbatch: bool = False  # zero_stage 3: reduce-scatter every micro-batch's gradients
-    sequence_parallel: bool = False  # with tp > 1: norms on sequence shards, reduce-scatter + all-gather
-    cp_mode: str = "ring"  # context-parallel attention with cp > 1: ring, allgather, ulysses, rsa, usp
-    ulysses_degree: int = 1  # cp_mode usp: the all-to-all factor of cp (the rest is a ring)
+
+    __str__ = object.__str__  # the dataclass repr: a run is more than the layout `Layout.__str__` prints
 
     def __post_init__(self) -> None:
-        self._check_layout()
-        for name in ("steps", "seq_len", "batch_size", "eval_batches", "corpus_bytes"):
+        self._check_numbers()
+        self._check_checkpointing()
+        self._check_parallel()
+        self._check_model()
+        model = self.model_config()
+        self.layout.validate(model)
+        self._check_context_mode(model)
+        from orangetron.parallel.pipeline import check_pipeline  # torch: validation only, not the CLI's import
+
+        check_pipeline(model, self.pp, self.parallel_config())
+        if self.tp > 1 and self.sequence_parallel and self.cp == 1:  # cp > 1 pads to whole chunks instead
+            self.layout.validate(seq_len=self.seq_len, sequence_parallel=True)
+        self._check_data()
+
+    def _check_numbers(self) -> None:
+        for name in ("tp", "cp", "pp", "dp", "ep", "microbatches", "virtual_stages", "steps", "seq_len", "batch_size",
+                     "eval_batches", "corpus_bytes"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup", "eval_every", "seed", "stop_after"):
             _check_int(name, getattr(self, name), minimum=0)
@@ -113,56 +114,43 @@ class TrainConfig:
             raise TrainConfigError(f"lr={self.lr} (--lr): must be > 0 and >= min_lr={self.min_lr}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise TrainConfigError(f"eval_fraction={self.eval_fraction}: must be in [0, 1)")
-        if self.dtype not in PARAM_DTYPES:
-            raise TrainConfigError(f"dtype={self.dtype!r} (--dtype): choose one of {', '.join(PARAM_DTYPES)}")
-        self._check_checkpointing()
-        self._check_model()
-        self.parallel_config()  # raises for an impossible ZeRO setting
-        self.layout.validate(self.model_config())
-        self._check_context_mode()
-        from orangetron.parallel.pipeline import check_pipeline  # torch: validation only, not the CLI's import
+        if self.param_dtype not in PARAM_DTYPES:
+            raise TrainConfigError(f"param_dtype={self.param_dtype!r} (--param-dtype): choose one of "
+                                   f"{', '.join(PARAM_DTYPES)}")
 
-        check_pipeline(self.model_config(), self.pp, self.parallel_config())
-        if self.tp > 1 and self.sequence_parallel and self.cp == 1:  # cp > 1 pads to whole chunks instead
-            self.layout.validate(seq_len=self.seq_len, sequence_parallel=True)
-        self._check_data()
+    def _check_parallel(self) -> None:
+        """The layout's and the options' rules (each checks its own on construction), then what the runtime does
+        not run, then the schedule's micro-batches and the batch's split over them, before any rank starts."""
+        from orangetron.mesh import check_runnable_layout  # torch: validation only, not the CLI's import
+        from orangetron.parallel.config import check_runnable
 
-    def _check_layout(self) -> None:
-        for name in ("tp", "cp", "pp", "dp", "ep", "microbatches", "virtual_stages"):
-            _check_int(name, getattr(self, name), minimum=1)
-        schedule = SCHEDULES.runtime_record(self.pp_schedule)
-        rules.virtual_stages_need_chunked_schedule(self.virtual_stages, self.pp_schedule, schedule.chunks)
-        schedule.check(self.pp, self.microbatches)
-        self.layout  # noqa: B018 (the layout's own rules: ep divides dp*cp)
+        check_runnable_layout(self.layout)
+        check_runnable(self.parallel_config())
+        SCHEDULES[self.pp_schedule].check(self.pp, self.microbatches)
         if self.batch_size % (self.dp * self.microbatches):
             raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp*microbatches="
                                    f"{self.dp * self.microbatches}, each data-parallel rank takes an equal share of "
                                    "every micro-batch")
 
-    def _check_context_mode(self) -> None:
+    def _check_context_mode(self, model: ModelSpec) -> None:
         """The cp mode's rules, before any rank starts: its Ulysses degree and the heads it splits."""
-        mode = CONTEXT_MODES.runtime_record(self.cp_mode)
+        mode = CONTEXT_MODES[self.cp_mode]
         if self.cp == 1:
             return
         if mode.takes_ulysses_degree:
             rules.ulysses_degree_divides_cp(self.ulysses_degree, self.cp)
-        split, model = mode.head_split(self.cp, self.ulysses_degree), self.model_config()
+        split = mode.head_split(self.cp, self.ulysses_degree)
         if split > 1:
             rules.heads_split_by_all_to_all(split, model.num_heads // self.tp, max(1, model.num_kv_heads // self.tp))
 
     def parallel_config(self) -> ParallelConfig:
-        """How the model is replicated and sharded over the data-parallel ranks."""
-        from orangetron.parallel.config import ParallelConfig
+        """The parallel options on their own, as the runtime takes them (`parallelize`)."""
+        return ParallelConfig(**values_of(ParallelConfig, self))
 
-        return ParallelConfig(zero_stage=self.zero_stage, distributed_optimizer=self.distributed_optimizer,
-                              param_dtype=self.dtype, grad_bucket_numel=self.grad_bucket_numel,
-                              zero3_prefetch=self.zero3_prefetch, zero3_keep_params=self.zero3_keep_params,
-                              zero3_reduce_every_microbatch=self.zero3_reduce_every_microbatch,
-                              sequence_parallel=self.sequence_parallel, cp_mode=self.cp_mode,
-                              ulysses_degree=self.ulysses_degree,
-                              dispatcher=self.dispatcher, capacity_factor=self.capacity_factor,
-                              ep_overlap_chunks=self.ep_overlap_chunks, pp_schedule=self.pp_schedule,
-                              microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+    @property
+    def layout(self) -> Layout:
+        """The layout on its own, as the runtime takes it (`init_mesh`)."""
+        return Layout(**values_of(Layout, self))
 
     def _check_checkpointing(self) -> None:
         _check_int("save_every", self.save_every, minimum=0)
@@ -178,7 +166,7 @@ class TrainConfig:
     def _check_data(self) -> None:
         if self.data is None:
             return
-        self.data = tuple(str(p) for p in self.data)
+        object.__setattr__(self, "data", tuple(str(p) for p in self.data))  # frozen: normalized once, here
         if not self.data:
             raise TrainConfigError("data=() (--data): give at least one file, or None for the stdlib corpus")
         for path in self.data:
@@ -208,18 +196,20 @@ class TrainConfig:
 
     def options(self) -> dict[str, object]:
         """The options that define this run, by flag name (as `--config` reads them back): everything but the
-        schedule span a resume derives, and the model when it is a ModelSpec rather than a name."""
+        schedule span a resume derives, the model when it is a ModelSpec rather than a name, and the
+        fields without a flag (`WITHOUT_FLAGS`) left at their defaults."""
+        layout, parallel = {f.name for f in fields(Layout)}, {f.name for f in fields(ParallelConfig)}
         out: dict[str, object] = {}
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if name == "schedule_steps" or isinstance(value, ModelSpec):
+        # The run's own options first, then its layout, then its parallel options (the inherited fields come
+        # first in `fields`).
+        for field in sorted(fields(self), key=lambda f: (f.name in parallel, f.name in layout)):
+            value = getattr(self, field.name)
+            if field.name == "schedule_steps" or isinstance(value, ModelSpec):
                 continue
-            out[name] = list(value) if isinstance(value, tuple) else value
+            if field.name in WITHOUT_FLAGS and value == field.default:
+                continue
+            out[field.name] = list(value) if isinstance(value, tuple) else value
         return out
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep)
 
 
 def _check_out_folder(out: str) -> None:

@@ -23,7 +23,7 @@ _PEAK_REPEATS = 8
 
 def step_flops(cfg: TrainConfig) -> float:
     """Model FLOPs of one optimizer step over the whole batch (every rank together)."""
-    job = Job(seq_len=cfg.seq_len, global_batch=cfg.batch_size, param_dtype=cfg.dtype)
+    job = Job(seq_len=cfg.seq_len, global_batch=cfg.batch_size, param_dtype=cfg.param_dtype)
     return model_flops_per_step(cfg.model_config(), job, cfg.batch_size)
 
 

@@ -14,6 +14,7 @@ from orangetron import comm
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, ModelSpec, Transformer
 from orangetron.parallel import ParallelConfig, parallelize
+from orangetron.parallel.config import check_runnable
 from orangetron.parallel.pipeline import MicroBatch, run_pipeline
 from orangetron.spec.layout import Layout
 from orangetron.spec.schedule import Action, Slot
@@ -27,12 +28,15 @@ def _model(pp: int, virtual_stages: int) -> ModelSpec:
                        ffn_dim=128, aux_loss_coef=0.0)
 
 
+def _options(schedule: str, microbatches: int, virtual_stages: int) -> ParallelConfig:
+    return ParallelConfig(pp_schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
+
+
 def _rank_timeline(pp: int, microbatches: int, schedule: str, virtual_stages: int) -> list[tuple]:
     torch.set_num_threads(1)
     mesh = init_mesh(Layout(pp=pp))
-    pc = ParallelConfig(pp_schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
     cfg = _model(pp, virtual_stages)
-    model = parallelize(Transformer(cfg, seed=0), mesh, pc)
+    model = parallelize(Transformer(cfg, seed=0), mesh, _options(schedule, microbatches, virtual_stages))
     timeline: list[tuple] = []
     for step in range(2):
         rows = torch.randint(0, cfg.vocab_size, (ROWS_PER_MICROBATCH * microbatches, SEQ + 1),
@@ -48,6 +52,7 @@ def _rank_timeline(pp: int, microbatches: int, schedule: str, virtual_stages: in
 
 def measured_slots(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> list[Slot]:
     """Every rank's actions of one real step on pp local ranks, as `Slot`s (see the module docstring)."""
+    check_runnable(_options(schedule, microbatches, virtual_stages))  # a planner-only schedule: before any rank
     per_rank = launch_local(_rank_timeline, pp, args=(pp, microbatches, schedule, virtual_stages))
     origin = min(t[3] for rank in per_rank for t in rank)
     forwards = [t[4] - t[3] for rank in per_rank for t in rank if t[0] == "F"]

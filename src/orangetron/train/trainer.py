@@ -25,6 +25,7 @@ from orangetron import comm
 from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
+from orangetron.parallel.config import DTYPES
 from orangetron.train import faults
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
@@ -184,7 +185,7 @@ def setup_run(cfg: TrainConfig) -> RunSetup:
     mesh = init_mesh(cfg.layout)
     torch.manual_seed(cfg.seed)
     data = load_data(cfg)
-    model_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # bf16: cast by the flat buffers
+    model_dtype = torch.float64 if cfg.param_dtype == "float64" else torch.float32  # bf16: cast by the flat buffers
     reference = Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype)
     model = parallelize(reference, mesh, cfg.parallel_config())
     model.train()
@@ -204,7 +205,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         cfg, start = resume(cfg, setup)
         bar.log(f"resumed from {start.path} at step {start.step} of {cfg.steps}")
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    peak = measured_peak_flops(model.config.torch_param_dtype, model.device)
+    peak = measured_peak_flops(DTYPES[model.config.param_dtype], model.device)
     run = RunLog(cfg, bar, write=rank == 0, start=start, flops_per_step=step_flops(cfg) / cfg.layout.world_size,
                  peak_flops=peak)
     eval_loss: float | None = None
@@ -268,7 +269,7 @@ def _describe(cfg: TrainConfig, data: RunData) -> str:
     name = cfg.model_config().name
     source = f"{len(cfg.data)} file(s)" if cfg.data is not None else "stdlib corpus"
     return (
-        f"model {name} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.dtype}), {source}, "
+        f"model {name} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.param_dtype}), {source}, "
         f"{data.n_tokens:,} tokens, {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, "
         f"layout {cfg.layout}"
     )

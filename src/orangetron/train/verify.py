@@ -10,11 +10,13 @@ whole batch, as one device does.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import fields
 from typing import Any
 
 import torch
 
-from orangetron.parallel import ParallelModel
+from orangetron.parallel import ParallelConfig, ParallelModel
+from orangetron.spec.layout import Layout
 from orangetron.train.config import DEFAULT_TOLERANCE, TrainConfig
 from orangetron.train.launch import launch_local, process_group
 from orangetron.train.schedule import lr_at
@@ -48,25 +50,27 @@ def _gradient_gap(grads: dict[str, torch.Tensor], reference: dict[str, torch.Ten
     return max((grads[name] - ref).abs().max().item() for name, ref in reference.items()) / scale
 
 
+def _one_rank(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` on one rank: every layout and parallel option at its default but the parameters' dtype and the
+    micro-batches (gradient accumulation: the balancing loss sees the same tokens)."""
+    reset = [f for f in (*fields(Layout), *fields(ParallelConfig)) if f.name not in ("param_dtype", "microbatches")]
+    return dataclasses.replace(cfg, **{f.name: f.default for f in reset})
+
+
 def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     """Run `cfg` on one rank and on its layout; return the `verify --json` object."""
     if tolerance is not None and not 0 <= tolerance < float("inf"):
         raise ValueError(f"tolerance={tolerance} (--tolerance): must be a finite number >= 0")
-    layout_cfg = cfg
-    # The same micro-batches on one rank (gradient accumulation): the balancing loss sees the same tokens.
-    one_cfg = dataclasses.replace(layout_cfg, tp=1, cp=1, pp=1, dp=1, ep=1, zero_stage=0, distributed_optimizer=False,
-                                  sequence_parallel=False, grad_bucket_numel=0, cp_mode="ring", ulysses_degree=1,
-                                  dispatcher="ragged", ep_overlap_chunks=1, pp_schedule="1f1b", virtual_stages=1)
     with process_group():
-        reference = _trace(one_cfg)
-    traces = launch_local(_trace, cfg.layout.world_size, args=(layout_cfg,))
+        reference = _trace(_one_rank(cfg))
+    traces = launch_local(_trace, cfg.layout.world_size, args=(cfg,))
     loss_gaps, grad_gaps = [], []
     for step, ref_loss in enumerate(reference["losses"]):
         loss = sum(t["losses"][step] for t in traces) / len(traces)  # equal shares (tp ranks repeat one)
         loss_gaps.append(abs(loss - ref_loss) / abs(ref_loss))
         grad_gaps.append(_gradient_gap(traces[0]["grads"][step], reference["grads"][step]))
-    tolerance = DEFAULT_TOLERANCE[cfg.dtype] if tolerance is None else tolerance
-    result = {"layout": cfg.layout.degrees(), "steps": cfg.steps, "dtype": cfg.dtype,
+    tolerance = DEFAULT_TOLERANCE[cfg.param_dtype] if tolerance is None else tolerance
+    result = {"layout": cfg.layout.degrees(), "steps": cfg.steps, "dtype": cfg.param_dtype,
               "max_loss_rel_diff": max(loss_gaps), "max_grad_rel_diff": max(grad_gaps), "tolerance": tolerance}
     result["ok"] = result["max_loss_rel_diff"] <= tolerance and result["max_grad_rel_diff"] <= tolerance
     return result

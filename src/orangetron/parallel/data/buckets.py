@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from orangetron import comm
+from orangetron.parallel.config import DTYPES
 
 if TYPE_CHECKING:
     from orangetron.parallel.data.buffers import DataParallelBuffers
@@ -106,7 +107,7 @@ class GradBuckets(_Arrivals):
     def _launch(self, k: int) -> None:
         part, start, end = self.bounds[k]
         region = part.main_grads[start:end]
-        wire = region.to(self.buffers.config.torch_reduce_dtype)  # the region itself when the dtypes agree
+        wire = region.to(DTYPES[self.buffers.config.wire_dtype])  # the region itself when the dtypes agree
         # all_reduce_start sums in place: only a wire copy is extra, held until `finish` waits for it.
         nbytes = 0 if wire.data_ptr() == region.data_ptr() else wire.numel() * wire.element_size()
         self.buffers.transient.add("grad_buckets", nbytes)
@@ -189,7 +190,7 @@ class ShardedGradBuckets(_Arrivals):
         part, seg = self.buckets[k]
         self.launched.add(k)
         self.events.append(k)
-        dtype = self.buffers.config.torch_reduce_dtype
+        dtype = DTYPES[self.buffers.config.wire_dtype]
         if self.in_place:
             region = part.main_grads[seg.start:seg.start + seg.padded]
             wire = region.to(dtype)  # the region itself when the dtypes agree

@@ -23,7 +23,7 @@ from torch import nn
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
-from orangetron.parallel.config import ParallelConfig
+from orangetron.parallel.config import DTYPES, ParallelConfig
 from orangetron.spec.sharding import bucket_layout, padded_numel, shard_numel
 
 if TYPE_CHECKING:
@@ -106,9 +106,9 @@ class FlatPart:
         with torch.no_grad():
             if self.zero3:  # one buffer per unit, freed between uses
                 for seg in self.segments:
-                    seg.flat = torch.zeros(seg.padded, dtype=cfg.torch_param_dtype, device=self.device)
+                    seg.flat = torch.zeros(seg.padded, dtype=DTYPES[cfg.param_dtype], device=self.device)
             else:  # one buffer; segments (buckets) are views of it
-                self.flat_params = torch.zeros(self.padded_numel, dtype=cfg.torch_param_dtype, device=self.device)
+                self.flat_params = torch.zeros(self.padded_numel, dtype=DTYPES[cfg.param_dtype], device=self.device)
                 for seg in self.segments:
                     seg.flat = self.flat_params[seg.start:seg.start + seg.padded]
             by_unit = {s.unit: s for s in self.segments}  # ZeRO-3's units; else every parameter is in unit 0
@@ -125,7 +125,7 @@ class FlatPart:
             self.param_shard = torch.cat([s.flat[r * s.shard_numel:(r + 1) * s.shard_numel] for s in self.segments])
         else:
             self.param_shard = self.owned_view(self.flat_params)
-        main_dtype = torch.float32 if cfg.mixed_precision else cfg.torch_param_dtype
+        main_dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.param_dtype]
         self.main_params = self.param_shard.to(main_dtype, copy=True) if cfg.mixed_precision else self.param_shard
         grads = self.shard_numel if cfg.zero_stage >= 2 else self.padded_numel
         self.main_grads = torch.zeros(grads, dtype=main_dtype, device=self.device)
@@ -166,7 +166,7 @@ class FlatPart:
         cfg = self.config
         # DDP and ZeRO-1 collect into the persistent full buffer; ZeRO-2/3 only into a temporary one.
         if cfg.zero_stage >= 2:
-            full = torch.zeros(self.padded_numel, dtype=cfg.torch_reduce_dtype, device=self.device)
+            full = torch.zeros(self.padded_numel, dtype=DTYPES[cfg.wire_dtype], device=self.device)
         else:
             full = self.main_grads
         for name, p in self.named:
@@ -176,7 +176,7 @@ class FlatPart:
             else:
                 full[at:at + p.numel()].zero_()
             free(p)
-        wire = full.to(cfg.torch_reduce_dtype)  # no copy when the dtypes already agree
+        wire = full.to(DTYPES[cfg.wire_dtype])  # no copy when the dtypes already agree
         # The temporary full buffer (ZeRO-2) or the wire copy, then the collective's result: all_reduce is out
         # of place (a full buffer), reduce_scatter returns the slice; over a group of one neither allocates.
         held = wire.numel() if wire.data_ptr() != self.main_grads.data_ptr() else 0

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from orangetron import comm
+from orangetron.parallel.config import DTYPES
 from orangetron.parallel.data.flat import FlatPart, Segment
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ class Zero3Schedule:
     def reduce(self, u: int) -> None:
         """Reduce-scatter unit `u`'s gradients into this rank's main gradients; frees their `.grad`."""
         self.events.append(("reduce", u))
-        wire_dtype = self.buffers.config.torch_reduce_dtype
+        wire_dtype = DTYPES[self.buffers.config.wire_dtype]
         for part, seg in self.segments[u]:
             self.retire()  # one wire buffer at a time
             wire = torch.zeros(seg.padded, dtype=wire_dtype, device=part.device)  # padded to a multiple of n
