@@ -79,6 +79,9 @@ def add_train_commands(sub: Any) -> None:
 
 
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+    from orangetron.spec.parallel_config import ParallelConfig  # torch-free: `--help` stays fast
+
+    defaults = ParallelConfig.__dataclass_fields__  # the variants' defaults live once, in the options type
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel degree: local CPU ranks that split each batch (started for you)")
     p.add_argument("--tp", type=int, default=1,
@@ -87,13 +90,13 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="with --tp: norms on sequence shards, TP's all-reduces become reduce-scatter + all-gather")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel degree: local ranks that split every sequence head-tail (started for you)")
-    p.add_argument("--cp-mode", default="ring", choices=CONTEXT_MODES.names(runtime=True),
+    p.add_argument("--cp-mode", default=defaults["cp_mode"].default, choices=CONTEXT_MODES.names(runtime=True),
                    help="context-parallel attention (default: %(default)s): " + _summaries(CONTEXT_MODES))
     p.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
                    help="--cp-mode usp: all-to-all over N ranks, ring over cp/N (default: %(default)s)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel degree: local ranks that each run a contiguous share of the layers")
-    p.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES.names(runtime=True),
+    p.add_argument("--pp-schedule", default=defaults["pp_schedule"].default, choices=SCHEDULES.names(runtime=True),
                    help="pipeline schedule with --pp, as `orangetron schedule` draws it (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=1,
                    help="micro-batches per step; gradients accumulate over them (default: %(default)s)")
@@ -101,7 +104,7 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="model chunks per pipeline rank, with --pp-schedule interleaved (default: %(default)s)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel degree: the dp ranks split the routed experts into ep blocks")
-    p.add_argument("--dispatcher", default="ragged", choices=DISPATCHERS.names(runtime=True),
+    p.add_argument("--dispatcher", default=defaults["dispatcher"].default, choices=DISPATCHERS.names(runtime=True),
                    help="expert dispatch with --ep (default: %(default)s): " + _summaries(DISPATCHERS))
     p.add_argument("--capacity-factor", type=float, default=1.0,
                    help="--dispatcher capacity: slots per expert as a multiple of the fair share (default: 1.0)")
