@@ -184,6 +184,9 @@ def test_resume_needs_a_matching_checkpoint(tmp_path) -> None:
     with pytest.raises(TrainConfigError, match=r"no checkpoint under"):
         _run(steps=2, out=str(tmp_path), resume=True)
     _run(steps=2, out=str(tmp_path), save_every=2)
+    with pytest.raises(TrainConfigError, match=r"recorded with model hidden_size=64, this one has 128"):
+        _run(steps=4, out=str(tmp_path), resume=True, model=NO_AUX.with_changes(hidden_size=128))
+    (tmp_path / "config.toml").unlink()  # a folder without its record: the checkpoint's own record refuses
     with pytest.raises(TrainConfigError, match=r"holds a model with hidden_size=64, this run builds hidden_size=128"):
         _run(steps=4, out=str(tmp_path), resume=True, model=NO_AUX.with_changes(hidden_size=128))
     with pytest.raises(TrainConfigError, match=r"already at step 2; raise --steps and add --extend"):
@@ -209,6 +212,7 @@ def test_a_checkpoint_recording_the_old_runtime_names_resumes(tmp_path) -> None:
     state["model"] = OLD_RUNTIME_RECORD
     (path / "state.json").write_text(json.dumps(state))
     _rewrite_manifest(path, "state.json")
+    (tmp_path / "run" / "config.toml").unlink()  # as a folder of that time: no [model] in its record
     with pytest.raises(TrainConfigError, match=r"holds a model with hidden_size=64, this run builds hidden_size=128"):
         _run(steps=4, out=str(tmp_path / "run"), resume=True, model=NO_AUX.with_changes(hidden_size=128))
     assert _run(steps=4, out=str(tmp_path / "run"), resume=True)["losses"] == straight["losses"]
@@ -237,8 +241,13 @@ def test_stopped_and_resumed_run_is_the_straight_run(tmp_path) -> None:
 def test_resume_keeps_the_schedule_and_extends_only_when_asked(tmp_path) -> None:
     out = str(tmp_path / "run")
     _run(steps=4, stop_after=2, out=out)
+    with pytest.raises(TrainConfigError, match=r"lr=0.001 \(--lr\): .* recorded with lr=0.002, and a resumed run"):
+        _run(steps=4, lr=1e-3, min_lr=1e-4, out=out, resume=True)
+    record = (tmp_path / "run" / "config.toml").read_text()
+    (tmp_path / "run" / "config.toml").unlink()  # without the record, the checkpoint's schedule refuses it
     with pytest.raises(TrainConfigError, match=r"lr=0.001 \(--lr\): .* with lr=0.002; a resumed run keeps its"):
         _run(steps=4, lr=1e-3, min_lr=1e-4, out=out, resume=True)
+    (tmp_path / "run" / "config.toml").write_text(record)
     with pytest.raises(TrainConfigError, match=r"steps=6 \(--steps\): .* run of 4 steps; add --extend"):
         _run(steps=6, out=out, resume=True)
     with pytest.raises(TrainConfigError, match=r"steps=3 \(--steps\): .* give --steps 4, with --stop-after"):

@@ -150,3 +150,25 @@ def test_a_record_in_the_old_runtime_names_is_the_same_model():
     assert model_from_record(dataclasses.asdict(TINY_MOE)) == TINY_MOE
     with pytest.raises(ConfigError, match=r"^n_heads=3: dim 64 is not divisible by n_heads$"):
         model_from_record({**OLD_TINY_RECORD, "n_heads": 3})
+
+
+def test_train_presets_are_model_files_holding_the_models_they_always_were() -> None:
+    """The presets moved from Python into spec/presets/models/*.toml; each file must still build the model the
+    runtime's arguments used to (written out here), and the planner must price the same file."""
+    from orangetron.model.config import ModelConfig
+    from orangetron.spec.model import load_model, preset_names
+
+    moe = dict(n_experts=4, top_k=2, moe_ffn_dim=64, n_shared_experts=1)
+    before = {
+        "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192, max_seq_len=1024,
+                            name="tiny"),
+        "tiny-moe": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192,
+                                max_seq_len=1024, name="tiny-moe", **moe),
+        "small-moe": ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=512,
+                                 n_experts=8, top_k=2, moe_ffn_dim=128, n_shared_experts=1, max_seq_len=2048,
+                                 name="small-moe"),
+    }
+    assert before == MODEL_PRESETS
+    assert set(before) <= set(preset_names())
+    assert all(load_model(name) == spec for name, spec in before.items())
+    assert before["small-moe"].total_params() == 4_466_944

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from orangetron import cli
+from orangetron.model.config import model_preset
 from orangetron.train.config import TrainConfig
 from orangetron.train.trainer import train
 
@@ -167,13 +168,14 @@ def test_run_folder_keeps_config_metrics_and_loss_curve(monkeypatch, tmp_path, c
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = tomllib.loads((out / "config.toml").read_text())
     assert saved["dp"] == 2 and saved["zero_stage"] == 1 and saved["param_dtype"] == "float64"
-    # The resolved file is a valid --config: the command line rebuilds the same run from it.
-    assert _cli_config(monkeypatch, ["--config", str(out / "config.toml")]) == TrainConfig(**TINY, out=str(out),
-                                                                                          dp=2, zero_stage=1,
-                                                                                          param_dtype="float64")
+    # The resolved file is a valid --config: the command line rebuilds the same run from it, the model from
+    # its [model] table.
+    again = _cli_config(monkeypatch, ["--config", str(out / "config.toml")])
+    assert again == TrainConfig(**{**TINY, "model": model_preset("tiny-moe")}, out=str(out), dp=2, zero_stage=1,
+                                param_dtype="float64")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records] == result["losses"]
-    assert all(r["mfu"] > 0 for r in records) and result["mfu"] > 0 and result["peak_flops"] > 0
+    assert all(r["step_mfu"] > 0 for r in records) and result["mfu"] > 0 and result["peak_flops"] > 0
 
 
 def test_every_layout_shows_the_global_batch_loss(tmp_path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "config", None):
+        args.data_given = getattr(args, "data", None) is not None  # on the command line, before any file
+        if getattr(args, "config", None) or getattr(args, "resume", False):
             args = _with_config_file(parser, args, argv)
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as err:
@@ -42,11 +44,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
                       argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse again with the file's options as defaults, so that flags on the command line override them."""
+    """Parse again with the files' options as defaults, so that flags on the command line override them: a
+    resumed run's record first (all but its directives, `run_folder.DIRECTIVES`), then `--config`."""
     from orangetron.train.config_file import read_config_file
+    from orangetron.train.run_folder import CONFIG_FILE, DIRECTIVES
 
-    args.command_parser.set_defaults(**read_config_file(args.config, args.command_parser))
-    return parser.parse_args(argv)
+    defaults = {}
+    out = getattr(args, "out", None)
+    if getattr(args, "resume", False) and out is not None and Path(out, CONFIG_FILE).is_file():
+        record = Path(out, CONFIG_FILE)
+        defaults = read_config_file(str(record), args.command_parser)
+        defaults = {k: v for k, v in defaults.items() if k not in DIRECTIVES}
+    if args.config:
+        defaults |= read_config_file(args.config, args.command_parser)
+    args.command_parser.set_defaults(**defaults)
+    data_given = args.data_given
+    args = parser.parse_args(argv)
+    args.data_given = data_given
+    return args
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from orangetron.spec.model import RUNTIME_NAMES, ModelSpec, in_runtime_names
+from orangetron.spec.model import RUNTIME_NAMES, ModelSpec, in_runtime_names, load_decoder
 from orangetron.spec.model_rules import ConfigError
 
 __all__ = ["MODEL_PRESETS", "ConfigError", "ModelConfig", "ModelSpec", "check_runnable", "model_from_record",
@@ -85,19 +85,10 @@ def model_from_record(record: Mapping[str, object]) -> ModelSpec:
     return ModelConfig(**record)
 
 
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    # ~0.13M parameters: unit tests and laptop smoke runs.
-    "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192,
-                        max_seq_len=1024, name="tiny"),
-    # ~0.2M parameters: every MoE feature (routed + shared experts) at test size.
-    "tiny-moe": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192,
-                            n_experts=4, top_k=2, moe_ffn_dim=64, n_shared_experts=1, max_seq_len=1024,
-                            name="tiny-moe"),
-    # ~4.4M parameters: the byte-level trainer's default on local CPU ranks.
-    "small-moe": ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=512,
-                             n_experts=8, top_k=2, moe_ffn_dim=128, n_shared_experts=1, max_seq_len=2048,
-                             name="small-moe"),
-}
+# The models `train` builds by name: files in the one schema, shipped beside the planner's presets
+# (spec/presets/models/), so `estimate --model tiny-moe` prices the very model `train --model tiny-moe` runs.
+TRAIN_PRESETS = ("tiny", "tiny-moe", "small-moe")
+MODEL_PRESETS: dict[str, ModelSpec] = {name: load_decoder(name) for name in TRAIN_PRESETS}
 
 
 def model_preset(name: str) -> ModelSpec:

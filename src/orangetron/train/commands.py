@@ -54,8 +54,16 @@ def add_train_commands(sub: Any) -> None:
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="also write a checkpoint every N steps (default: only after the last step)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --out, on whatever layout this run has; the run "
-                   "keeps its schedule, so --steps, --lr and --warmup must be the checkpointed run's")
+                   help="continue from the latest checkpoint in --out, on whatever layout this run has; every "
+                   "option not given comes from the run's config.toml, and one given that differs is refused "
+                   "unless it may change (--steps with --extend, --save-every, --timeout-s, --threads, layout "
+                   "and parallel flags)")
+    p.add_argument("--new-data", action="store_true",
+                   help="with --resume and --data: continue on data whose text differs from the run's record; "
+                   "the change is logged in the run folder's changes.jsonl")
+    p.add_argument("--overwrite", action="store_true",
+                   help="a new run into an --out folder that holds another run moves that run aside to "
+                   "OUT.previous-N (never deleted) instead of refusing")
     p.add_argument("--extend", action="store_true",
                    help="with --resume: allow --steps past the checkpointed run's total; the cosine keeps its "
                    "span and the learning rate then holds its final value (lr/10)")
@@ -188,6 +196,8 @@ def run_train(args: argparse.Namespace) -> int:
     from orangetron.train.trainer import train
 
     options = _config_options(args)
+    if args.new_data and not args.data_given:
+        raise ValueError("new_data=True (--new-data): give the new data with --data on the command line")
     if options.get("min_lr") is None:
         options["min_lr"] = options["lr"] / 10  # the cosine floor scales with the peak, as the defaults do
     cfg = TrainConfig(**options)

@@ -71,6 +71,8 @@ class TrainConfig(Layout, ParallelConfig):
     extend: bool = False  # with resume: allow `steps` past the checkpoint's total; the cosine keeps its old
     # total and the rate holds min_lr after it
     stop_after: int = 0  # end after this step, checkpointed, with the schedule of `steps` (0: run to `steps`)
+    overwrite: bool = False  # a new run into an `out` that holds another run moves that run aside (never deletes)
+    new_data: bool = False  # with resume: continue on `data` whose content differs from the run's record
     schedule_steps: int | None = None  # steps the warmup + cosine spans; None: `steps` (resume sets it)
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
     timeout_s: float = DEFAULT_TIMEOUT_S  # seconds a collective waits for a peer; then the run stops, naming
@@ -143,6 +145,30 @@ class TrainConfig(Layout, ParallelConfig):
         if split > 1:
             rules.heads_split_by_all_to_all(split, model.num_heads // self.tp, max(1, model.num_kv_heads // self.tp))
 
+    def ineffective_options(self) -> list[str]:
+        """One line for each option set away from its default that does nothing on this run: a flag for a
+        dimension of size 1, or for a variant the run does not use. The trainer shows them as warnings."""
+        default = {f.name: f.default for f in fields(self)}
+        changed = {name for name in default if getattr(self, name) != default[name]}
+        unused = {
+            "sequence_parallel": (self.tp == 1, "needs --tp > 1"),
+            "cp_mode": (self.cp == 1, "needs --cp > 1"),
+            "pp_schedule": (self.pp == 1, "needs --pp > 1"),
+            "dispatcher": (self.ep == 1, "needs --ep > 1"),
+            "capacity_factor": (self.dispatcher != "capacity" or self.ep == 1, "needs --dispatcher capacity with --ep"),
+            "ep_overlap_chunks": (self.dispatcher != "ragged" or self.ep == 1, "needs --dispatcher ragged with --ep"),
+            "zero3_prefetch": (self.zero_stage != 3, "needs --zero-stage 3"),
+            "zero3_keep_params": (self.zero_stage != 3, "needs --zero-stage 3"),
+            "distributed_optimizer": (self.dp * self.cp == 1, "needs --dp or --cp > 1: nothing to shard"),
+            "grad_bucket_numel": (self.dp * self.cp == 1, "needs --dp or --cp > 1: no gradient reduction"),
+            "eval_every": (self.eval_every >= self.steps, f"is not before --steps={self.steps}: only the final "
+                           "evaluation runs"),
+            "save_every": (self.save_every >= self.steps, f"is not before --steps={self.steps}: only the final "
+                           "checkpoint is written"),
+        }
+        return [f"{name}={getattr(self, name)!r} ({_flag(name)}) has no effect: {why}"
+                for name, (idle, why) in unused.items() if name in changed and idle]
+
     def parallel_config(self) -> ParallelConfig:
         """The parallel options on their own, as the runtime takes them (`parallelize`)."""
         return ParallelConfig(**values_of(ParallelConfig, self))
@@ -160,6 +186,15 @@ class TrainConfig(Layout, ParallelConfig):
                                        "where checkpoints live")
         if self.extend and not self.resume:
             raise TrainConfigError("extend=True (--extend): needs --resume; it extends a checkpointed run")
+        if self.new_data and not (self.resume and self.data is not None):
+            raise TrainConfigError("new_data=True (--new-data): needs --resume and the new --data; it accepts "
+                                   "data that differs from the run's record")
+        if self.overwrite and (self.out is None or self.resume):
+            raise TrainConfigError("overwrite=True (--overwrite): for a new run into an --out folder that holds "
+                                   "another run (not with --resume)")
+        if self.stop_after >= self.steps:
+            raise TrainConfigError(f"stop_after={self.stop_after} (--stop-after): the run ends at --steps="
+                                   f"{self.steps} anyway; give a step before it")
         if self.out is not None:
             _check_out_folder(self.out)
 
@@ -170,6 +205,9 @@ class TrainConfig(Layout, ParallelConfig):
         if not self.data:
             raise TrainConfigError("data=() (--data): give at least one file, or None for the stdlib corpus")
         for path in self.data:
+            if Path(path).is_dir():
+                raise TrainConfigError(f"data={path!r} (--data): a folder, not a text file; give its files "
+                                       f"({path}/*.txt, say)")
             if not Path(path).is_file():
                 raise TrainConfigError(f"data={path!r} (--data): no such file")
 

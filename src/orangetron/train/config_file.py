@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 _NOT_IN_A_FILE = ("help", "config")
+RECORD_TABLES = ("data_record",)  # what a run folder's config.toml records beside the options; not options
 
 
 def _keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -45,6 +46,11 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
     defaults = {}
     for raw_key, value in table.items():
         key = raw_key.replace("-", "_")
+        if key in RECORD_TABLES:
+            continue
+        if key == "model" and isinstance(value, dict):  # every field of the model, as a model file has them
+            defaults["model"] = _model_table(path, value)
+            continue
         if key not in keys and isinstance(value, dict):
             raise ValueError(f"--config {path}: unknown table [{raw_key}]; options go at the top of the file")
         if key not in keys:
@@ -54,6 +60,18 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
         action = keys[key]
         defaults[action.dest] = _checked(path, raw_key, value, action)
     return defaults
+
+
+def _model_table(path: str, table: dict[str, Any]) -> Any:
+    from orangetron.spec.model import ModelSpec, parse_model
+
+    try:
+        spec = parse_model(str(table.get("name", Path(path).stem)), table)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--config {path}: [model]: {err}") from None
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"--config {path}: [model] describes a dual encoder; the trainer runs decoders")
+    return spec
 
 
 def _checked(path: str, key: str, value: Any, action: argparse.Action) -> Any:
@@ -80,12 +98,15 @@ def _checked(path: str, key: str, value: Any, action: argparse.Action) -> Any:
     return float(value) if action.type is float else value
 
 
-def write_resolved_config(path: Path, options: dict[str, Any]) -> None:
-    """Write `options` (scalars, strings, lists of strings; None omitted) as TOML that `--config` reads back."""
+def write_resolved_config(path: Path, options: dict[str, Any], tables: dict[str, dict[str, Any]] | None = None,
+                          ) -> None:
+    """Write `options` (scalars, strings, lists; None omitted), then each of `tables` as a `[name]` table, as
+    TOML that `--config` reads back."""
     lines = ["# The resolved options of this run: `orangetron train --config` on this file repeats it.\n"]
-    for key, value in options.items():
-        if value is not None:
-            lines.append(f"{key} = {_toml_value(value)}\n")
+    lines += [f"{key} = {_toml_value(value)}\n" for key, value in options.items() if value is not None]
+    for name, table in (tables or {}).items():
+        lines.append(f"\n[{name}]\n")
+        lines += [f"{key} = {_toml_value(value)}\n" for key, value in table.items() if value is not None]
     path.write_text("".join(lines), encoding="utf-8")
 
 
@@ -98,4 +119,6 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None) + "}"
     raise TypeError(f"{value!r}: not a TOML scalar or list")

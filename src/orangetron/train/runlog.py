@@ -1,4 +1,4 @@
-"""What a run shows and keeps: losses, tokens/s and MFU per step, the progress bar, and the run folder's
+"""What a run shows and keeps: losses, tokens/s and MFU per step and running, the progress bar, and the run folder's
 config.toml, metrics.jsonl and loss.png."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from orangetron.train.config import TrainConfig
-from orangetron.train.config_file import write_resolved_config
 from orangetron.train.loss_curve import plot_loss_curve, read_metrics
 from orangetron.train.progress import ProgressBar
+from orangetron.train.run_folder import describe_data, write_record
 
-CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "loss.png"
 
@@ -56,8 +55,8 @@ class RunLog:
     def __enter__(self) -> RunLog:
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            write_resolved_config(self.folder / CONFIG_FILE, self.cfg.options())
-            self.bar.log(f"wrote {self.folder / CONFIG_FILE}")
+            written = write_record(self.cfg, describe_data(self.cfg), self.first_step - 1)
+            self.bar.log(f"wrote {written}")
             mode = "a" if self.first_step > 1 else "w"  # a resumed run continues the same file
             if self.first_step > 1:
                 _keep_records_before(self.folder / METRICS_FILE, self.first_step)
@@ -93,8 +92,13 @@ class RunLog:
             self.timed_s += seconds
             self.timed_tokens += self.tokens_per_step
         record["tokens"] = step * self.tokens_per_step
+        # Running figures (every timed step so far) and this step's alone, side by side; the first step
+        # measures memory, so the running ones start at the second (None before).
         record["tokens_per_s"] = self.tokens_per_s()
-        record["mfu"] = self.flops_per_step / seconds / self.peak_flops if self.peak_flops and seconds > 0 else None
+        record["mfu"] = self.mfu()
+        record["step_tokens_per_s"] = self.tokens_per_step / seconds if seconds > 0 else None
+        record["step_mfu"] = self.flops_per_step / seconds / self.peak_flops if self.peak_flops and seconds > 0 \
+            else None
         # Single-batch losses are noisy; the bar shows the mean of the last 10 so the trend reads.
         recent = self.losses[-10:]
         self.bar.update(step, sum(recent) / len(recent), record["tokens_per_s"])

@@ -127,8 +127,8 @@ def train_step(
 
     Raises TrainingDiverged ("loss is nan", "gradient norm is inf") before the update when the loss on any
     rank or the global gradient norm is not finite, on every rank alike. The memory dict is empty unless
-    `measure`; then it holds the model state after the update (params, grads, main_params, optimizer) and
-    the peak of activations saved for backward.
+    `measure`; then it holds the model state after the update (params, grads, main_params, optimizer), the
+    peak of activations saved for backward, and the transient peaks (`memory.model_state_bytes`).
     The loss is the whole batch's (see `_global_loss_unless_diverged`).
     `on_grads(model)` sees the averaged gradients before clipping (`orangetron verify` reads them there).
     """
@@ -147,8 +147,11 @@ def train_step(
     mem: dict[str, int] = {}
     if measure:
         state = memory.model_state_bytes(model, optimizer)
+        # The transient peaks (ZeRO-3's gathered units, gradient buckets, per-parameter .grad) come after the
+        # model state: what exists only during a step, at its peak, as the planner prices it.
+        transient = {k: v for k, v in state.items() if k not in ("params", "grads", "main_params", "optimizer")}
         mem = {**{k: state[k] for k in ("params", "grads", "main_params", "optimizer")},
-               "activations_peak": meter.peak_bytes}
+               "activations_peak": meter.peak_bytes, **transient}
     optimizer.zero_grad()
     return loss, float(grad_norm), mem
 

@@ -26,7 +26,7 @@ from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
 from orangetron.parallel.config import DTYPES
-from orangetron.train import faults
+from orangetron.train import faults, run_folder
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
 from orangetron.train.launch import LaunchError, launch_local, process_group
@@ -37,6 +37,7 @@ from orangetron.train.runlog import Resumed, RunLog, final_losses
 from orangetron.train.schedule import lr_at
 from orangetron.train.step import TrainingDiverged, evaluate, train_step
 from orangetron.train.tokenizer import ByteTokenizer
+from orangetron.train.traffic import StepTraffic
 
 
 @dataclass
@@ -81,6 +82,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     there, and checkpoints under checkpoints/. torch's thread count is set to cfg.threads for the run and
     restored afterwards.
     """
+    run_folder.claim(cfg)  # before any rank starts: a refusal is one line, and nothing is written yet
     world_size = cfg.layout.world_size
     torchrun_world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
     if not torch.distributed.is_initialized():
@@ -152,6 +154,7 @@ def _merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
         merged["eval_loss"] = sum(r["eval_loss"] for r in results) / len(results)
     merged["memory"] = [entry for r in results for entry in r["memory"]]
     merged["comm"] = [entry for r in results for entry in r["comm"]]
+    merged["comm_per_step"] = [entry for r in results for entry in r["comm_per_step"]]
     return merged
 
 
@@ -199,6 +202,8 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     data, model, optimizer, rank = setup.data, setup.model, setup.optimizer, setup.rank
     bar = ProgressBar(cfg.steps, enabled=progress)
     bar.log(f"orangetron train: {_describe(cfg, data)}")
+    for warning in cfg.ineffective_options():
+        bar.log(f"warning: {warning}")
     start = Resumed(0, [])
     if cfg.resume:
         faults.enter("resuming")
@@ -210,6 +215,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
                  peak_flops=peak)
     eval_loss: float | None = None
     mem: dict[str, int] = {}
+    traffic = StepTraffic()
     with comm.measure() as records, run:
         batches: Iterator[torch.Tensor] = iter(data.train)
         for _ in range(start.step):  # the batches the checkpointed steps consumed
@@ -221,8 +227,9 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             rows = setup.rows(next(batches))
             # The first step also measures memory; its hooks cost time, so run.step leaves it out of tokens/s.
             try:
-                loss, grad_norm, step_mem = train_step(model, optimizer, rows, lr, cfg.grad_clip,
-                                                        measure=step == start.step)
+                with traffic.step(records):
+                    loss, grad_norm, step_mem = train_step(model, optimizer, rows, lr, cfg.grad_clip,
+                                                            measure=step == start.step)
             except TrainingDiverged as err:  # nothing of this step was applied or written
                 kept = "; the run folder keeps the checkpoints of earlier steps" if cfg.out is not None else ""
                 raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{kept}") from None
@@ -231,7 +238,8 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
             if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
                 faults.enter("evaluation")
-                eval_loss = evaluate(model, data.eval_samples, cfg.batch_size, cfg.eval_batches)
+                with traffic.evaluation(records):
+                    eval_loss = evaluate(model, data.eval_samples, cfg.batch_size, cfg.eval_batches)
                 record["eval_loss"] = eval_loss
             run.step(record, seconds)
             if cfg.out is not None and (step + 1 == last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
@@ -255,6 +263,8 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "peak_flops": peak,
         "memory": [{"rank": rank, **mem}],
         "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
+        "comm_per_step": [{"rank": rank, **traffic.summary()}],
+        "warnings": cfg.ineffective_options(),
         "time_s": time.perf_counter() - run.started,
     }
 

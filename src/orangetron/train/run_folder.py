@@ -1,0 +1,188 @@
+"""A run folder belongs to one run: its record, what `--resume` restores and refuses, and a new run's claim.
+
+The record is the folder's `config.toml`: the run's options by flag name, the model as a `[model]` table
+with every field of the schema (`spec/model.py`), and the data as a `[data_record]` table: where it came
+from, its size and the SHA-256 of the text the tokenizer read, with each file's path, size and hash. The
+command line restores every option a resumed run does not give from the record (`cli/__init__.py`); this
+module then refuses what a resume may not change:
+- an option outside `CHANGEABLE_ON_RESUME` that differs from the record, named in one line;
+- data whose text differs from the record, unless `new_data` (`--new-data` with `--data`); the change is
+  then appended to `changes.jsonl` with the step it took effect at, as every changed option is.
+
+A new run (no `resume`) into a folder that holds another run's record, metrics or checkpoints is refused,
+unless `overwrite`: the old run then moves aside to the first free `RUN.previous-N`, never deleted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from orangetron.spec.layout import Layout
+from orangetron.spec.model import ModelSpec, parse_model
+from orangetron.spec.parallel_config import ParallelConfig
+from orangetron.train.config import TrainConfig, TrainConfigError, _flag
+from orangetron.train.config_file import write_resolved_config
+from orangetron.train.corpus import read_text_files, stdlib_corpus
+
+CONFIG_FILE = "config.toml"
+CHANGES_FILE = "changes.jsonl"
+RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "checkpoints")  # any of them: the folder holds a run
+# What one invocation says about itself, never restored by the next: write-once directives.
+DIRECTIVES = ("out", "resume", "extend", "stop_after", "overwrite", "new_data")
+# Options a resumed run may change: how long (steps, checked with --extend against the checkpoint), how
+# it saves, waits and threads, and where it runs (resuming onto another layout is exact).
+CHANGEABLE_ON_RESUME = ("steps", "save_every", "timeout_s", "threads",
+                        *(f.name for f in dataclasses.fields(Layout)),
+                        *(f.name for f in dataclasses.fields(ParallelConfig) if f.name != "param_dtype"))
+# Compared through the data record (content, not path) and the model's fields, not as option values.
+_COMPARED_APART = ("model", "data", "corpus_bytes")
+TOKENIZER = "byte"  # the one tokenizer the trainer has (train/tokenizer.py)
+
+
+def describe_data(cfg: TrainConfig) -> dict[str, Any]:
+    """The run's data as the record keeps it: source, tokenizer, size and hash of the text, and its files."""
+    text = read_text_files(cfg.data) if cfg.data is not None else stdlib_corpus(cfg.corpus_bytes)
+    encoded = text.encode("utf-8")
+    record: dict[str, Any] = {"source": "files" if cfg.data is not None else "stdlib", "tokenizer": TOKENIZER,
+                              "bytes": len(encoded), "sha256": hashlib.sha256(encoded).hexdigest()}
+    if cfg.data is not None:
+        record["files"] = [_file_record(path) for path in cfg.data]
+    return record
+
+
+def _file_record(path: str) -> dict[str, Any]:
+    content = Path(path).read_bytes()
+    return {"path": str(Path(path).absolute()), "bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+
+
+def read_record(out: str | Path) -> dict[str, Any] | None:
+    """The parsed config.toml of run folder `out`, or None when it has none."""
+    path = Path(out) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise TrainConfigError(f"resume=True (--resume): {path} is not a TOML file ({err})") from None
+
+
+def recorded_model(record: dict[str, Any]) -> ModelSpec | str | None:
+    """The record's model: a spec from its `[model]` table, a name from an older record, or None."""
+    model = record.get("model")
+    if isinstance(model, dict):
+        spec = parse_model(str(model.get("name", "model")), model)
+        if not isinstance(spec, ModelSpec):
+            raise TrainConfigError("the [model] table describes a dual encoder, which the trainer does not run")
+        return spec
+    return model
+
+
+def claim(cfg: TrainConfig) -> None:
+    """Before any rank starts: refuse what the run folder forbids, and move an old run aside on `overwrite`."""
+    if cfg.out is None:
+        return
+    if cfg.resume:
+        record = read_record(cfg.out)
+        if record is not None:
+            check_resume(cfg, record)
+        return
+    occupant = _occupant(Path(cfg.out))
+    if occupant is None:
+        return
+    if not cfg.overwrite:
+        raise TrainConfigError(f"out={cfg.out!r} (--out): the folder holds another run ({occupant}); continue it "
+                               "with --resume, choose another folder, or add --overwrite to move it aside")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun one process moves it
+        _move_aside(Path(cfg.out))
+
+
+def _occupant(folder: Path) -> str | None:
+    found = [name for name in RUN_FILES if (folder / name).exists()]
+    return ", ".join(found) if found else None
+
+
+def _move_aside(folder: Path) -> Path:
+    n = 1
+    while (aside := folder.with_name(f"{folder.name}.previous-{n}")).exists():
+        n += 1
+    folder.rename(aside)
+    return aside
+
+
+def check_resume(cfg: TrainConfig, record: dict[str, Any]) -> None:
+    """Refuse a resume that changes what the run is: an option outside CHANGEABLE_ON_RESUME, the model, or
+    (without `new_data`) the data's text."""
+    recorded = _recorded_options(record)
+    given = cfg.options()
+    for name, value in recorded.items():
+        if name in given and name not in (*CHANGEABLE_ON_RESUME, *DIRECTIVES, *_COMPARED_APART) \
+                and given[name] != value:
+            raise TrainConfigError(f"{name}={given[name]!r} ({_flag(name)}): the run in {cfg.out} was recorded with "
+                                   f"{name}={value!r}, and a resumed run keeps it (changeable: "
+                                   "--steps with --extend, --save-every, --timeout-s, --threads, layout and "
+                                   "parallel flags)")
+    _check_same_model(cfg, record)
+    if "data_record" in record and not cfg.new_data:
+        _check_same_data(cfg, record["data_record"])
+
+
+def _recorded_options(record: dict[str, Any]) -> dict[str, Any]:
+    options = {k: v for k, v in record.items() if not isinstance(v, dict)}
+    if "dtype" in options:  # the field's name before `param_dtype`
+        options["param_dtype"] = options.pop("dtype")
+    return options
+
+
+def _check_same_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
+    model = recorded_model(record)
+    if model is None:
+        return
+    stored = model if isinstance(model, ModelSpec) else TrainConfig(model=model).model_config()
+    built = cfg.model_config()
+    for field in dataclasses.fields(ModelSpec):
+        if field.name != "name" and getattr(built, field.name) != getattr(stored, field.name):
+            raise TrainConfigError(f"model={built.name!r} (--model): the run in {cfg.out} was recorded with model "
+                                   f"{field.name}={getattr(stored, field.name)!r}, this one has "
+                                   f"{getattr(built, field.name)!r}")
+
+
+def _check_same_data(cfg: TrainConfig, recorded: dict[str, Any]) -> None:
+    given = describe_data(cfg)
+    if (given["sha256"], given["tokenizer"]) == (recorded.get("sha256"), recorded.get("tokenizer")):
+        return
+    raise TrainConfigError(f"data (--data): differs from the run's record in {Path(cfg.out) / CONFIG_FILE} "
+                           f"(recorded {_data_summary(recorded)}; now {_data_summary(given)}); to continue on "
+                           "other data give it with --data and add --new-data")
+
+
+def _data_summary(record: dict[str, Any]) -> str:
+    files = record.get("files")
+    where = f"{len(files)} file(s)" if files else str(record.get("source"))
+    return f"{where}, {record.get('bytes', 0):,} bytes, sha256 {str(record.get('sha256'))[:12]}"
+
+
+def write_record(cfg: TrainConfig, data: dict[str, Any], first_step: int) -> Path:
+    """Write config.toml for `cfg` (rank 0). A resumed run first appends what it changed to changes.jsonl."""
+    folder = Path(cfg.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    tables = {"model": dataclasses.asdict(cfg.model_config()), "data_record": data}
+    options = {k: v for k, v in cfg.options().items() if k not in DIRECTIVES[1:] and k != "model"}
+    if cfg.resume:
+        previous = read_record(folder)
+        if previous is not None:
+            _log_changes(folder, first_step, previous, {**options, **tables})
+    write_resolved_config(folder / CONFIG_FILE, options, tables)
+    return folder / CONFIG_FILE
+
+
+def _log_changes(folder: Path, step: int, previous: dict[str, Any], now: dict[str, Any]) -> None:
+    changed = {k: [previous.get(k), v] for k, v in now.items() if previous.get(k) != v}
+    if changed:
+        with open(folder / CHANGES_FILE, "a", encoding="utf-8") as log:
+            log.write(json.dumps({"from_step": step + 1, "changed": changed}) + "\n")

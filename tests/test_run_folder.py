@@ -1,0 +1,203 @@
+"""A run folder belongs to one run: the record, resume restoring it, refusals, --overwrite, --config repeats.
+
+Workflow tests, as a user meets them: through `orangetron train` (cli.main, in this process) on tiny runs.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from orangetron import cli
+from orangetron.train.config import TrainConfig
+from orangetron.train.trainer import train
+
+torch.set_num_threads(1)
+
+TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n" * 60
+SMALL = ["--seq-len", "16", "--batch-size", "4", "--warmup", "1", "--eval-batches", "1", "--quiet", "--json"]
+CUSTOM_MODEL = """# a model no preset has: one expert per token out of three, no shared expert
+hidden_size = 32
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+vocab_size = 256
+ffn_hidden_size = 48
+num_experts = 3
+top_k = 1
+moe_ffn_hidden_size = 24
+aux_loss_coef = 0.02
+max_seq_len = 64
+"""
+
+
+def _train(capsys, *argv: str) -> tuple[int, dict | None, str]:
+    """Exit code, the --json object (None on failure) and standard error of `orangetron train argv`."""
+    code = cli.main(["train", *argv])
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    return code, json.loads(lines[-1]) if code == 0 and lines else None, captured.err
+
+
+def _losses(folder: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture()
+def data(tmp_path) -> Path:
+    path = tmp_path / "mine.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def test_resume_restores_the_record_and_refuses_what_may_not_change(tmp_path, data, capsys) -> None:
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    options = ["--model", "tiny", "--data", str(data), "--steps", "6", "--lr", "0.003", "--save-every", "2", *SMALL]
+    code, uninterrupted, _ = _train(capsys, *options, "--out", str(whole))
+    assert code == 0
+    assert _train(capsys, *options, "--out", str(run), "--stop-after", "3")[0] == 0
+    recorded = (run / "config.toml").read_text()
+
+    # Every option the resume does not give comes back from the record: the data, --lr, --save-every.
+    code, resumed, _ = _train(capsys, "--out", str(run), "--resume", "--quiet", "--json")
+    assert code == 0 and resumed["losses"] == uninterrupted["losses"]
+    assert (run / "checkpoints" / "step-00000004").is_dir()  # --save-every 2 was restored
+    assert (run / "config.toml").read_text() == recorded  # nothing changed, nothing rewritten differently
+    assert not (run / "changes.jsonl").exists()
+
+    # A flag that would change the run is refused by name; a changeable one is taken and logged.
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--lr", "0.01", "--steps", "8", "--extend")
+    assert code == 2 and "lr=0.01 (--lr): the run in" in err and "recorded with lr=0.003" in err
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--seed", "3", "--steps", "8", "--extend")
+    assert code == 2 and "seed=3 (--seed)" in err
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--model", "tiny-moe", "--steps", "8", "--extend")
+    assert code == 2 and "model num_experts=0" in err
+    code, _, _ = _train(capsys, "--out", str(run), "--resume", "--steps", "8", "--extend", "--dp", "2",
+                        "--quiet", "--json")
+    assert code == 0
+    change = json.loads((run / "changes.jsonl").read_text().splitlines()[-1])
+    assert change == {"from_step": 7, "changed": {"steps": [6, 8], "dp": [1, 2]}}
+    saved = tomllib.loads((run / "config.toml").read_text())
+    assert (saved["steps"], saved["dp"], saved["lr"], saved["save_every"]) == (8, 2, 0.003, 2)
+
+
+def test_resume_on_changed_data_is_refused_unless_new_data_is_given(tmp_path, data, capsys) -> None:
+    run = tmp_path / "run"
+    assert _train(capsys, "--model", "tiny", "--data", str(data), "--steps", "4", "--stop-after", "2", *SMALL,
+                  "--out", str(run))[0] == 0
+    data.write_text(TEXT.replace("fox", "cat"))  # same path, other text
+    code, _, err = _train(capsys, "--out", str(run), "--resume")
+    assert code == 2 and "data (--data): differs from the run's record" in err and "--new-data" in err
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT.upper())
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--data", str(other))
+    assert code == 2 and "differs from the run's record" in err
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--new-data")  # the data must be named
+    assert code == 2 and "new_data=True (--new-data): give the new data with --data" in err
+    assert _train(capsys, "--out", str(run), "--resume", "--data", str(other), "--new-data", "--quiet")[0] == 0
+    change = json.loads((run / "changes.jsonl").read_text())
+    assert change["from_step"] == 3 and change["changed"]["data"] == [[str(data)], [str(other)]]
+    old, new = change["changed"]["data_record"]
+    assert new["files"][0]["path"] == str(other) and old["sha256"] != new["sha256"]
+    import hashlib
+    assert new["sha256"] == hashlib.sha256(TEXT.upper().encode()).hexdigest()  # the text the model read
+
+
+def test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    base = ["--model", "tiny", "--steps", "2", "--corpus-bytes", "50000", *SMALL, "--out", str(run)]
+    assert _train(capsys, *base)[0] == 0
+    first = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, _, err = _train(capsys, *base, "--seed", "1")
+    assert code == 2 and "the folder holds another run" in err and "--overwrite" in err
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == first  # untouched
+    assert _train(capsys, *base, "--seed", "1", "--overwrite")[0] == 0
+    aside = tmp_path / "run.previous-1"
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == first
+    assert tomllib.loads((run / "config.toml").read_text())["seed"] == 1
+    assert _train(capsys, *base, "--overwrite")[0] == 0
+    assert (tmp_path / "run.previous-2").is_dir() and aside.is_dir()  # never deleted, never reused
+    with pytest.raises(ValueError, match=r"overwrite=True \(--overwrite\): for a new run"):
+        TrainConfig(out=str(run), resume=True, overwrite=True)
+
+
+def test_config_of_a_run_repeats_a_custom_model_run_bitwise(tmp_path, data, capsys) -> None:
+    model = tmp_path / "custom.toml"
+    model.write_text(CUSTOM_MODEL)
+    code, first, _ = _train(capsys, "--model", str(model), "--data", str(data), "--steps", "4", *SMALL,
+                            "--out", str(tmp_path / "a"))
+    assert code == 0
+    model.unlink()  # the record alone must hold the model
+    code, again, _ = _train(capsys, "--config", str(tmp_path / "a" / "config.toml"), "--out", str(tmp_path / "b"),
+                            "--quiet", "--json")
+    assert code == 0 and again["losses"] == first["losses"]
+    a, b = (tomllib.loads((tmp_path / x / "config.toml").read_text()) for x in "ab")
+    assert a["model"] == b["model"] and a["model"]["num_experts"] == 3 and a["model"]["aux_loss_coef"] == 0.02
+    assert a["data_record"] == b["data_record"] and a["data_record"]["files"][0]["bytes"] == len(TEXT)
+    assert {k: v for k, v in a.items() if k != "out"} == {k: v for k, v in b.items() if k != "out"}
+
+
+def test_a_model_table_in_a_config_file_is_checked_like_a_model_file(tmp_path, capsys) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("steps = 2\n[model]\n" + CUSTOM_MODEL.replace("num_heads = 4", "num_heads = 4\nwidth = 3"))
+    code, _, err = _train(capsys, "--config", str(path))
+    assert code == 2 and "unknown key(s) width" in err and len(err.strip().splitlines()) == 1
+    path.write_text("[model]\n" + CUSTOM_MODEL.replace("num_kv_heads = 2", "num_kv_heads = 3"))
+    code, _, err = _train(capsys, "--config", str(path))
+    assert code == 2 and "num_kv_heads" in err and len(err.strip().splitlines()) == 1
+
+
+def test_comm_per_step_splits_training_from_evaluation(tmp_path) -> None:
+    cfg = TrainConfig(model="tiny-moe", steps=3, seq_len=16, batch_size=4, warmup=1, eval_batches=1, eval_every=1,
+                      corpus_bytes=60_000, dp=2, zero_stage=3)
+    result = train(cfg, progress=False)
+    for total, split in zip(result["comm"], result["comm_per_step"], strict=True):
+        assert split["train_steps"] == 3 and split["evaluations"] == 3 and not split["steps_differ"]
+        assert split["eval"] and set(split["eval"]) <= set(split["train"])  # evaluation gathers, never reduces
+        assert "reduce_scatter/dp_cp" not in split["eval"]
+        keys = set(total) - {"rank"}
+        assert {k: 3 * split["train"].get(k, 0) + 3 * split["eval"].get(k, 0) for k in keys} == \
+            {k: total[k] for k in keys}
+    memory = result["memory"][0]
+    assert memory["gathered_params"] > 0 and memory["grad_buckets"] > 0  # ZeRO-3's transients are reported
+
+
+def test_metrics_keep_running_and_per_step_throughput_apart(tmp_path) -> None:
+    out = tmp_path / "run"
+    train(TrainConfig(model="tiny", steps=4, seq_len=16, batch_size=4, warmup=1, corpus_bytes=60_000,
+                      out=str(out)), progress=False)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tokens = 4 * 16
+    assert records[0]["tokens_per_s"] is None and records[0]["mfu"] is None  # step 1 measures memory
+    seconds = 0.0
+    for r in records[1:]:
+        seconds += tokens / r["step_tokens_per_s"]
+        assert r["tokens_per_s"] == pytest.approx(tokens * (r["step"] - 1) / seconds, rel=1e-9)
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] / r["step_tokens_per_s"] * r["step_mfu"], rel=1e-9)
+
+
+@pytest.mark.parametrize(("flags", "warning"), [
+    (dict(sequence_parallel=True), "sequence_parallel=True (--sequence-parallel) has no effect: needs --tp > 1"),
+    (dict(cp_mode="allgather"), "cp_mode='allgather' (--cp-mode) has no effect: needs --cp > 1"),
+    (dict(capacity_factor=2.0, dp=2, ep=2), "capacity_factor=2.0 (--capacity-factor) has no effect"),
+    (dict(zero3_keep_params=True), "zero3_keep_params=True (--zero3-keep-params) has no effect: needs --zero-stage 3"),
+    (dict(eval_every=9), "eval_every=9 (--eval-every) has no effect"),
+])
+def test_options_that_do_nothing_are_named(flags: dict, warning: str) -> None:
+    cfg = TrainConfig(model="tiny-moe", steps=4, seq_len=16, batch_size=4, corpus_bytes=60_000, **flags)
+    assert [w for w in cfg.ineffective_options() if w.startswith(warning)]
+    assert TrainConfig(model="tiny", steps=4, tp=2, sequence_parallel=True).ineffective_options() == []
+
+
+def test_inputs_that_used_to_pass_silently_are_refused(tmp_path, capsys) -> None:
+    code, _, err = _train(capsys, "--steps", "3", "--stop-after", "3", "--out", str(tmp_path / "r"))
+    assert code == 2 and "stop_after=3 (--stop-after): the run ends at --steps=3 anyway" in err
+    code, _, err = _train(capsys, "--data", str(tmp_path))
+    assert code == 2 and "a folder, not a text file" in err
+    code, _, err = _train(capsys, "--model", "tiny", "--steps", "2", "--corpus-bytes", "50000", "--seq-len", "16",
+                          "--batch-size", "4", "--sequence-parallel")
+    assert code == 0 and "warning: sequence_parallel=True (--sequence-parallel) has no effect" in err
