@@ -894,6 +894,18 @@ MUTANTS = [
              "    return order[..., :k].contiguous()",
              "    return torch.topk(values, k, dim=-1).indices"),),
            ("tests/test_low_precision.py::test_equal_scores_go_to_the_lower_expert_id",)),
+    # ---- sampling (tests/test_sample.py) ------------------------------------------------------------------
+    Mutant("decode_steps_rotated_one_position_too_far", "src/orangetron/model/decode.py",
+           (("    positions = torch.arange(start, start + s, device=tokens.device)",
+             "    positions = torch.arange(start, start + s, device=tokens.device) + (start > 0)"),),
+           ("tests/test_sample.py",)),
+    Mutant("top_k_keeps_one_token_too_many", "src/orangetron/model/sampling.py",
+           (("        kept = top_indices(scaled, sampling.top_k)",
+             "        kept = top_indices(scaled, sampling.top_k + 1)"),),
+           ("tests/test_sample.py",)),
+    Mutant("sampling_ignores_the_temperature", "src/orangetron/model/sampling.py",
+           (("torch.float32)) / sampling.temperature  # [B, V]", "torch.float32))  # [B, V]"),),
+           ("tests/test_sample.py",)),
 ]
 
 

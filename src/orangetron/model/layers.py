@@ -117,9 +117,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
+        out = self.core_attention(q, k, v)  # [B, S, Hq, D]
+        return self.wo(out.reshape(b, s, -1))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, S, dim] -> q [B, S, Hq, D], k, v [B, S, Hk, D], q and k rotated by (cos, sin) of their positions.
+
+        `forward` and cached decoding (model/decode.py), which attends over earlier positions' k and v, share it.
+        """
+        b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, Hq, D]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hk, D]
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core_attention(q, k, v)  # [B, S, Hq, D]
-        return self.wo(out.reshape(b, s, -1))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

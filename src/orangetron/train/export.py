@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,20 +58,37 @@ def find_checkpoint(run: str | Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class SavedModel:
+    """A checkpoint's model, read whole into this process."""
+
+    checkpoint: Path  # the checkpoint folder it came from
+    state_dict: dict[str, Any]  # the reference `Transformer`'s state dict: name -> whole tensor
+    record: dict[str, Any]  # the checkpoint's JSON values: `model` (its ModelSpec's fields), step, losses ...
+
+
+def read_model(run: str | Path) -> SavedModel:
+    """The model of `run`'s latest checkpoint (or of the checkpoint `run`), whatever layout wrote it:
+    parameters and router-bias buffers by the reference `Transformer`'s names, without the optimizer state."""
+    from orangetron.train.checkpoint import load_checkpoint
+
+    path = find_checkpoint(run)
+    state = load_checkpoint(path, only=("params", "buffers"))
+    model = {**state.pop("params"), **state.pop("buffers", {})}
+    return SavedModel(path, model, state)
+
+
 def export_model(run: str | Path, output: str | Path) -> dict[str, Any]:
     """Write the model state dict of `run`'s latest checkpoint to `output` (atomically); returns what was
     written: checkpoint, output, tensors (count), bytes (file size)."""
     import torch
 
-    from orangetron.train.checkpoint import load_checkpoint
-
     output = Path(output)
     if output.is_dir():
         raise ValueError(f"-o {str(output)!r}: is a folder; give a file name")
-    path = find_checkpoint(run)
-    state = load_checkpoint(path, only=("params", "buffers"))
-    model = {**state["params"], **state.get("buffers", {})}
+    saved = read_model(run)
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
-    torch.save(model, staging)
+    torch.save(saved.state_dict, staging)
     os.replace(staging, output)
-    return {"checkpoint": str(path), "output": str(output), "tensors": len(model), "bytes": output.stat().st_size}
+    return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": len(saved.state_dict),
+            "bytes": output.stat().st_size}

@@ -1,8 +1,25 @@
-"""Byte-level tokenizer: one token per UTF-8 byte, so any text round-trips and vocab is fixed at 256."""
+"""Byte-level tokenizer: one token per UTF-8 byte, so any text round-trips and vocab is fixed at 256.
+
+`Tokenizer` is what the rest of the code asks of a tokenizer, and `TOKENIZERS` names the ones there are, so a
+run can record which it used and `orangetron sample` can pick it by that name (the byte tokenizer, the only
+one yet, is the default for runs that record none).
+"""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class Tokenizer(Protocol):
+    """Text <-> token ids in [0, vocab_size)."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -36,3 +53,13 @@ class ByteTokenizer:
         except ValueError as err:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}): {err}") from None
         return raw.decode("utf-8", errors="replace")
+
+
+TOKENIZERS: dict[str, type[Tokenizer]] = {"byte": ByteTokenizer}
+
+
+def tokenizer_named(name: str) -> Tokenizer:
+    """A new tokenizer of the kind `name` names in `TOKENIZERS`; ValueError listing the known names otherwise."""
+    if name not in TOKENIZERS:
+        raise ValueError(f"tokenizer={name!r}: unknown; known: {', '.join(sorted(TOKENIZERS))}")
+    return TOKENIZERS[name]()

@@ -1,0 +1,103 @@
+"""`orangetron sample`: text from a run's latest checkpoint, generated on one rank in this process.
+
+The checkpoint (written on any layout) is read whole, as `orangetron export` reads it (`export.read_model`),
+into the reference `Transformer` its record describes, in the dtype of its main parameters; tokens are then
+chosen greedily or drawn at a temperature from the top k (`orangetron.model.sampling`), with a key/value
+cache (`orangetron.model.decode`) unless `--no-cache`. The tokenizer is the one the run records by name
+(`tokenizer.TOKENIZERS`); runs record none yet, and all of them use bytes. torch is imported only when the
+command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orangetron.model import Transformer
+    from orangetron.train.export import SavedModel
+    from orangetron.train.tokenizer import Tokenizer
+
+
+def add_sample_command(sub: Any) -> None:
+    """Register the `sample` subcommand on an argparse subparsers object."""
+    p = sub.add_parser(
+        "sample",
+        help="generate text from a run's latest checkpoint",
+        description="Continue a prompt with the model of a run's latest checkpoint (written on any layout), "
+        "on one rank: greedy by default, or drawn at --temperature from the --top-k most likely tokens. "
+        "Prints the prompt and its continuation.",
+    )
+    p.add_argument("run_dir", metavar="RUN", help="a run folder (its latest checkpoint) or a checkpoint folder")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 (the default): greedy; > 0: draw from softmax(logits / T)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="draw only among the K most likely tokens (default 0: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole sequence at every step instead of caching keys and values (a check)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: prompt, text, tokens, checkpoint")
+    p.set_defaults(run=_run_command)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    import json
+
+    result = sample_run(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
+    print(f"orangetron sample: {len(result['tokens'])} tokens from {result['checkpoint']}", file=sys.stderr)
+    print(json.dumps(result) if args.json else result["prompt"] + result["text"])
+    return 0
+
+
+def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
+               top_k: int = 0, seed: int = 0, use_cache: bool = True,
+               tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """Continue `prompt` with the model of `run`'s latest checkpoint (or the checkpoint `run`).
+
+    Returns prompt, text (the continuation alone), tokens (its token ids) and checkpoint (the folder read).
+    `tokenizer` None: the one the run records. ValueError for a bad rule or length, FileNotFoundError for a
+    missing folder or checkpoint, each in one line, before any token is generated.
+    """
+    import torch
+
+    from orangetron.model.generate import check_length, generate
+    from orangetron.model.sampling import Sampling
+
+    sampling = Sampling(temperature=temperature, top_k=top_k)  # a bad rule stops before the checkpoint is read
+    model, saved = load_model(run)
+    tokenizer = tokenizer if tokenizer is not None else run_tokenizer(saved.record)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"tokenizer: {tokenizer.vocab_size} token ids, more than the model's vocab_size="
+                         f"{model.cfg.vocab_size}")
+    prompt_ids = tokenizer.encode(prompt)
+    check_length(model, len(prompt_ids), max_new_tokens)
+    out = generate(model, torch.tensor(prompt_ids, dtype=torch.long), max_new_tokens, sampling, seed=seed,
+                   use_cache=use_cache)
+    tokens = out.tokens.tolist()
+    return {"prompt": prompt, "text": tokenizer.decode(tokens), "tokens": tokens,
+            "checkpoint": str(saved.checkpoint)}
+
+
+def load_model(run: str | Path) -> tuple[Transformer, SavedModel]:
+    """The reference `Transformer` of `run`'s latest checkpoint (the model its record describes), holding the
+    saved parameters and router biases in the dtype they were saved in (the run's main parameters)."""
+    from orangetron.model import Transformer, model_from_record
+    from orangetron.train.export import read_model
+
+    saved = read_model(run)
+    model = Transformer(model_from_record(saved.record["model"]),
+                        dtype=saved.state_dict["tok_embeddings.weight"].dtype)
+    model.load_state_dict(saved.state_dict, strict=True)
+    return model, saved
+
+
+def run_tokenizer(record: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a checkpoint's record names under `tokenizer`; "byte" when it names none."""
+    from orangetron.train.tokenizer import tokenizer_named
+
+    return tokenizer_named(str(record.get("tokenizer", "byte")))

@@ -1,0 +1,251 @@
+"""Sampling: the key/value cache against the plain forward, the decoding rules against plain torch, a trained
+run's checkpoint continuing its training text, and `orangetron sample` end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from orangetron.cli import main
+from orangetron.model import ModelConfig, Transformer, model_from_record, model_preset
+from orangetron.model.decode import KVCache, forward_cached
+from orangetron.model.generate import generate
+from orangetron.model.sampling import Sampling, next_token, token_probs
+from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint
+from orangetron.train.config import TrainConfig
+from orangetron.train.sample import load_model
+from orangetron.train.trainer import train
+
+torch.set_num_threads(1)
+
+# Larger weights than the presets' init_std, so that logits spread and a wrong position or key shows.
+MODELS = {
+    "tiny (GQA)": model_preset("tiny"),
+    "tiny-moe (GQA, shared expert)": model_preset("tiny-moe"),
+    "dense MHA, tied": ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=64, ffn_dim=64,
+                                   tied_embeddings=True, init_std=0.2),
+    "moe sigmoid, router bias": ModelConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=1, vocab_size=64, ffn_dim=64,
+                                            n_experts=4, top_k=2, moe_ffn_dim=32, moe_layer_freq=2,
+                                            router_score="sigmoid", router_bias_rate=1e-3, init_std=0.2),
+}
+PROMPT = torch.tensor([3, 17, 42, 5, 9, 33, 1])
+
+
+def _model(name: str) -> Transformer:
+    model = Transformer(MODELS[name], seed=7, dtype=torch.float64)
+    for layer in model.layers:  # nonzero router biases, so that choosing experts reads them
+        router = getattr(layer.feed_forward, "router", None)
+        if router is not None and router.expert_bias is not None:
+            router.expert_bias.copy_(torch.linspace(-0.05, 0.05, router.n_experts))
+    return model
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cached_and_uncached_generation_agree(name: str) -> None:
+    """Greedy and seeded sampling: the same tokens with and without the cache, every step's logits within
+    1e-12 in float64."""
+    model = _model(name)
+    for sampling in (Sampling(), Sampling(temperature=1.5, top_k=8)):
+        cached = generate(model, PROMPT, 24, sampling, seed=5)
+        full = generate(model, PROMPT, 24, sampling, seed=5, use_cache=False)
+        assert cached.tokens.tolist() == full.tokens.tolist(), sampling
+        torch.testing.assert_close(cached.logits, full.logits, rtol=0, atol=1e-12)
+        assert cached.tokens.shape == (24,) and cached.logits.shape == (24, model.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cached_logits_are_the_plain_forwards(name: str) -> None:
+    """A batch of two sequences fed to the cache as a prompt, then a token at a time: the logits of every
+    position are those of one plain `Transformer.forward` over the whole sequences; and each logits row of
+    `generate` is the plain forward's prediction after the tokens before it."""
+    model = _model(name)
+    seqs = torch.randint(0, model.cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
+    cache = KVCache.for_model(model, batch=2, capacity=19)
+    parts = [forward_cached(model, seqs[:, :6], cache)]
+    parts += [forward_cached(model, seqs[:, i:i + 1], cache) for i in range(6, 19)]
+    with torch.no_grad():
+        reference = model(seqs)  # [2, 19, V]
+    torch.testing.assert_close(torch.cat(parts, dim=1), reference, rtol=0, atol=1e-12)
+    assert cache.length == 19
+
+    out = generate(model, PROMPT, 12, Sampling(temperature=0.8), seed=2)
+    whole = torch.cat([PROMPT, out.tokens])
+    with torch.no_grad():
+        reference = model(whole[None])[0, len(PROMPT) - 1:-1]  # [12, V]: the prediction of each new token
+    torch.testing.assert_close(out.logits, reference, rtol=0, atol=1e-12)
+
+
+def test_generation_leaves_the_model_as_it_was() -> None:
+    """No router counts load, no bias or parameter moves, and gradients stay on for the caller."""
+    model = _model("moe sigmoid, router bias")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    generate(model, PROMPT, 10, Sampling(temperature=1.0), seed=0)
+    generate(model, PROMPT, 10, use_cache=False)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    routers = [layer.feed_forward.router for layer in model.layers if hasattr(layer.feed_forward, "router")]
+    assert routers and all(int(r.expert_load.sum()) == 0 for r in routers)
+    assert torch.is_grad_enabled()
+
+
+def test_top_k_one_is_greedy_at_any_temperature() -> None:
+    model = _model("tiny-moe (GQA, shared expert)")
+    greedy = generate(model, PROMPT, 16).tokens.tolist()
+    for temperature in (0.3, 1.0, 20.0):
+        assert generate(model, PROMPT, 16, Sampling(temperature, top_k=1), seed=9).tokens.tolist() == greedy
+
+
+def test_seeded_sampling_is_reproducible_and_the_seed_matters() -> None:
+    model = _model("dense MHA, tied")
+    rule = Sampling(temperature=2.0)
+    first = generate(model, PROMPT, 30, rule, seed=11).tokens.tolist()
+    assert generate(model, PROMPT, 30, rule, seed=11).tokens.tolist() == first
+    assert generate(model, PROMPT, 30, rule, seed=12).tokens.tolist() != first
+
+
+def test_top_k_draws_only_among_the_k_most_likely() -> None:
+    model = _model("tiny (GQA)")
+    out = generate(model, PROMPT, 60, Sampling(temperature=50.0, top_k=3), seed=4)
+    for token, logits in zip(out.tokens.tolist(), out.logits, strict=True):
+        assert token in torch.topk(logits, 3).indices.tolist()
+    assert len(set(out.tokens.tolist())) > 3  # the hot temperature does draw below the top choice
+
+
+def test_token_probs_are_softmax_of_logits_over_temperature_within_the_top_k() -> None:
+    logits = torch.randn(3, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    for temperature, k in ((0.5, 0), (2.0, 0), (0.7, 5), (1.0, 39)):
+        probs = token_probs(logits, Sampling(temperature, k))
+        expected = torch.exp(logits / temperature)
+        if k:
+            kth = logits.sort(dim=-1, descending=True).values[:, k - 1:k]
+            expected = torch.where(logits >= kth, expected, 0.0)
+        expected = expected / expected.sum(-1, keepdim=True)
+        torch.testing.assert_close(probs, expected, rtol=1e-12, atol=1e-15)
+        assert ((probs > 0).sum(-1) == (k or 40)).all()
+
+
+def test_draws_follow_the_distribution() -> None:
+    """4000 draws from logits (0, log 3): the second token about 3/4 of the time (4 sigma: 0.0274)."""
+    logits = torch.tensor([[0.0, math.log(3.0)]]).expand(4000, 2)
+    drawn = next_token(logits, Sampling(temperature=1.0), torch.Generator().manual_seed(0))
+    assert abs(drawn.double().mean().item() - 0.75) < 0.0274
+    hot = next_token(logits, Sampling(temperature=1e6), torch.Generator().manual_seed(0))
+    assert abs(hot.double().mean().item() - 0.5) < 0.0317  # nearly uniform at a huge temperature
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(temperature=-0.5), "temperature=-0.5"),
+                                             (dict(temperature=float("nan")), "temperature=nan"),
+                                             (dict(top_k=-1), "top_k=-1")])
+def test_bad_rules_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Sampling(**kwargs)
+
+
+def test_lengths_past_the_model_are_refused() -> None:
+    model = Transformer(ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=32,
+                                    max_seq_len=10))
+    assert generate(model, PROMPT, 3).tokens.shape == (3,)  # 7 + 3 = 10 fits
+    with pytest.raises(ValueError, match="max_seq_len=10"):
+        generate(model, PROMPT, 4)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        generate(model, PROMPT[:0], 4)
+    cache = KVCache.for_model(model, batch=1, capacity=8)
+    forward_cached(model, PROMPT[None], cache)
+    with pytest.raises(ValueError, match="feed the prompt whole"):
+        forward_cached(model, PROMPT[None, :2], cache)
+
+
+# ---- a trained run -----------------------------------------------------------------------------------
+
+SENTENCES = ("the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
+             "orangetron trains models on many ranks. ")
+TRAINED = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128, n_experts=4,
+                      top_k=2, moe_ffn_dim=64, router_bias_rate=1e-3, max_seq_len=256, name="sample-test")
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> dict:
+    """A MoE model with router biases, trained for 60 steps on one rank on a text of three sentences."""
+    root = tmp_path_factory.mktemp("sample")
+    data = root / "data.txt"
+    data.write_text(SENTENCES * 40)
+    cfg = TrainConfig(model=TRAINED, data=[str(data)], seq_len=64, batch_size=8, steps=60, warmup=5, lr=1e-2,
+                      eval_batches=1, out=str(root / "run"))
+    train(cfg, progress=False)
+    return {"run": root / "run", "data": data}
+
+
+def _reference_model(run: Path) -> Transformer:
+    """The checkpoint loaded by hand: its recorded model, its parameters and router biases."""
+    state = load_checkpoint(latest_checkpoint(run / "checkpoints"), only=("params", "buffers"))
+    model = Transformer(model_from_record(state["model"]))
+    model.load_state_dict({**state["params"], **state["buffers"]}, strict=True)
+    return model
+
+
+def test_the_trained_model_beats_unigram_bytes_on_its_text(trained_run) -> None:
+    """log p(continuation | prefix) of a training sentence: the loaded model's (from the cached forward) is far
+    above that of the training file's byte frequencies."""
+    model, _ = load_model(trained_run["run"])
+    assert torch.equal(model.layers[0].feed_forward.router.expert_bias,
+                       _reference_model(trained_run["run"]).layers[0].feed_forward.router.expert_bias)
+    prefix, continuation = list(b"the lazy dog. a stitch in"), list(b" time saves nine.")
+    tokens = torch.tensor(prefix + continuation)
+    cache = KVCache.for_model(model, batch=1, capacity=len(tokens))
+    logits = forward_cached(model, tokens[None, :-1], cache)[0, len(prefix) - 1:]  # predicts the continuation
+    model_logp = logits.log_softmax(-1).gather(-1, torch.tensor(continuation)[:, None]).sum().item()
+    counts = Counter(trained_run["data"].read_bytes())
+    total = sum(counts.values())
+    unigram_logp = sum(math.log(counts[b] / total) for b in continuation)
+    assert model_logp > unigram_logp + 20, (model_logp, unigram_logp)
+
+
+def _greedy_by_hand(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    seq = torch.tensor(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(seq[None])[0, -1].argmax().view(1)])
+    return seq[len(prompt):].tolist()
+
+
+def test_sample_command_continues_the_training_text(trained_run, capsys) -> None:
+    run = str(trained_run["run"])
+    assert main(["sample", run, "--prompt", "a stitch in", "--max-new-tokens", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert out["tokens"] == _greedy_by_hand(_reference_model(trained_run["run"]), list(b"a stitch in"), 20)
+    assert out["text"] == bytes(out["tokens"]).decode() and out["prompt"] == "a stitch in"
+    assert out["text"].startswith(" time saves nine.")  # learned
+    assert out["checkpoint"].endswith("step-00000060")
+
+    assert main(["sample", run, "--prompt", "a stitch in", "--max-new-tokens", "20", "--no-cache"]) == 0
+    assert capsys.readouterr().out == "a stitch in" + out["text"] + "\n"
+    hot = ["sample", run, "--prompt", "the", "--max-new-tokens", "30", "--temperature", "3", "--top-k", "4"]
+    assert main([*hot, "--seed", "1", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert main([*hot, "--seed", "1", "--json", "--no-cache"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == first
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "-1"], "temperature=-1.0"),
+    (["--top-k", "-2"], "top_k=-2"),
+    (["--max-new-tokens", "250"], "max_seq_len=256"),
+    (["--prompt", ""], "prompt is empty"),
+])
+def test_sample_command_refuses_bad_input_in_one_line(trained_run, capsys, argv: list[str], message: str) -> None:
+    assert main(["sample", str(trained_run["run"]), "--prompt", "a stitch in", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_sample_command_refuses_missing_runs_in_one_line(tmp_path, capsys) -> None:
+    assert main(["sample", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert main(["sample", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no checkpoint under" in err and len(err.splitlines()) == 1
