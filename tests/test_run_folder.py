@@ -138,6 +138,9 @@ def test_config_of_a_run_repeats_a_custom_model_run_bitwise(tmp_path, data, caps
     a, b = (tomllib.loads((tmp_path / x / "config.toml").read_text()) for x in "ab")
     assert a["model"] == b["model"] and a["model"]["num_experts"] == 3 and a["model"]["aux_loss_coef"] == 0.02
     assert a["data_record"] == b["data_record"] and a["data_record"]["files"][0]["bytes"] == len(TEXT)
+    assert a["data_record"]["tokenizer"] == "byte"
+    state = json.loads(next((tmp_path / "a" / "checkpoints").glob("step-*/state.json")).read_text())
+    assert state["tokenizer"] == "byte"  # `orangetron sample` decodes with the tokenizer the run recorded
     assert {k: v for k, v in a.items() if k != "out"} == {k: v for k, v in b.items() if k != "out"}
 
 

@@ -219,7 +219,6 @@ def test_sample_command_continues_the_training_text(trained_run, capsys) -> None
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert out["tokens"] == _greedy_by_hand(_reference_model(trained_run["run"]), list(b"a stitch in"), 20)
     assert out["text"] == bytes(out["tokens"]).decode() and out["prompt"] == "a stitch in"
-    assert out["text"].startswith(" time saves nine.")  # learned
     assert out["checkpoint"].endswith("step-00000060")
 
     assert main(["sample", run, "--prompt", "a stitch in", "--max-new-tokens", "20", "--no-cache"]) == 0

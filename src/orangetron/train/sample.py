@@ -4,7 +4,7 @@ The checkpoint (written on any layout) is read whole, as `orangetron export` rea
 into the reference `Transformer` its record describes, in the dtype of its main parameters; tokens are then
 chosen greedily or drawn at a temperature from the top k (`orangetron.model.sampling`), with a key/value
 cache (`orangetron.model.decode`) unless `--no-cache`. The tokenizer is the one the run records by name
-(`tokenizer.TOKENIZERS`); runs record none yet, and all of them use bytes. torch is imported only when the
+(`tokenizer.TOKENIZERS`); checkpoints written before they recorded one used bytes. torch is imported only when the
 command runs.
 """
 
