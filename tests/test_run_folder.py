@@ -5,6 +5,7 @@ Workflow tests, as a user meets them: through `orangetron train` (cli.main, in t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
 from pathlib import Path
@@ -204,3 +205,36 @@ def test_inputs_that_used_to_pass_silently_are_refused(tmp_path, capsys) -> None
     code, _, err = _train(capsys, "--model", "tiny", "--steps", "2", "--corpus-bytes", "50000", "--seq-len", "16",
                           "--batch-size", "4", "--sequence-parallel")
     assert code == 0 and "warning: sequence_parallel=True (--sequence-parallel) has no effect" in err
+
+
+def test_a_model_too_large_for_memory_is_refused_before_anything_is_allocated(tmp_path, capsys) -> None:
+    from orangetron.train import admission
+
+    cfg = TrainConfig(model="small-moe", seq_len=16, batch_size=4, dp=2, corpus_bytes=60_000)
+    per_rank = admission.rank_peak_bytes(cfg)
+    # One rank holds at least the reference copy, its params, grads and AdamW's two moments: 5 x 4 bytes each.
+    assert per_rank > 5 * 4 * cfg.model_config().total_params()
+    admission.check_fits(cfg, available=2 * per_rank)  # two local ranks fit exactly
+    with pytest.raises(ValueError, match=r"model='small-moe' \(--model\): needs about .* on each of 2 local rank"):
+        admission.check_fits(cfg, available=2 * per_rank - 1)
+    huge = tmp_path / "huge.toml"
+    huge.write_text("hidden_size = 65536\nnum_layers = 96\nnum_heads = 128\nvocab_size = 256\nffn_hidden_size = "
+                    "262144\n")  # about 5e12 parameters: no machine this test runs on holds 100 TB
+    code, _, err = _train(capsys, "--model", str(huge), "--out", str(tmp_path / "run"))
+    assert code == 2 and "more than the" in err and "GiB this machine has available" in err
+    assert not (tmp_path / "run").exists()  # refused before the run folder, let alone a tensor
+
+
+def test_verify_measures_a_dropping_dispatcher_at_a_capacity_that_drops_nothing(capsys) -> None:
+    from orangetron.train.verify import without_drops
+
+    cfg = TrainConfig(model="tiny-moe", steps=2, seq_len=32, batch_size=8, warmup=0, dp=2, ep=2,
+                      dispatcher="capacity", capacity_factor=0.5, param_dtype="float64", corpus_bytes=60_000)
+    assert without_drops(cfg).capacity_factor == 4 / 2  # experts / top_k: every token fits
+    assert without_drops(dataclasses.replace(cfg, capacity_factor=3.0)).capacity_factor == 3.0
+    code = cli.main(["verify", "--dp", "2", "--ep", "2", "--dispatcher", "capacity", "--capacity-factor", "0.5",
+                     "--steps", "2", "--json"])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.splitlines()[-1])
+    assert code == 0 and result["ok"] and result["capacity_factor"] == 2.0
+    assert "which drops no token (dropped tokens differ from one rank by design)" in captured.err

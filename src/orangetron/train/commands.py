@@ -179,7 +179,13 @@ def run_verify(args: argparse.Namespace) -> int:
     from orangetron.train.verify import verify
 
     cfg = TrainConfig(**_config_options(args), warmup=0, corpus_bytes=200_000)
+    for warning in cfg.ineffective_options():
+        print(f"orangetron verify: warning: {warning}", file=sys.stderr)
     result = verify(cfg, args.tolerance)
+    if result["capacity_factor"] is not None and result["capacity_factor"] != cfg.capacity_factor:
+        print(f"orangetron verify: --dispatcher capacity measured with --capacity-factor "
+              f"{result['capacity_factor']:g}, which drops no token (dropped tokens differ from one rank by "
+              "design)", file=sys.stderr)
     verdict = "ok" if result["ok"] else "FAILED"
     print(f"orangetron verify: {cfg.layout}, {cfg.steps} steps in {cfg.param_dtype}: max loss difference "
           f"{result['max_loss_rel_diff']:.2e}, max gradient difference {result['max_grad_rel_diff']:.2e} "
@@ -236,6 +242,17 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
            if result.get("mfu") is not None else "") + f"{result['time_s']:.1f} s",
         "memory (MiB): " + ", ".join(f"{k} {mem[k] / 2**20:.1f}" for k in mem if k != "rank"),
     ]
-    comm_bytes = {k: v for k, v in result["comm"][0].items() if k != "rank"}
-    lines.append("comm: " + (", ".join(f"{k} {v:,} B" for k, v in comm_bytes.items()) or "none"))
+    per_step = result["comm_per_step"][0]
+    lines += [
+        "comm per training step (bytes rank 0 sends, by op/mesh dim): " + _bytes_text(per_step["train"]),
+        f"comm per evaluation ({per_step['evaluations']} run): " + _bytes_text(per_step["eval"]),
+        "comm of the whole run (training and evaluation; --json `comm`): "
+        + _bytes_text({k: v for k, v in result["comm"][0].items() if k != "rank"}),
+    ]
+    for warning in result.get("warnings", []):
+        lines.append(f"warning: {warning}")
     stream.write("\n".join(lines) + "\n")
+
+
+def _bytes_text(by_key: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v:,} B" for k, v in by_key.items()) or "none"

@@ -26,7 +26,7 @@ from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
 from orangetron.parallel.config import DTYPES
-from orangetron.train import faults, run_folder
+from orangetron.train import admission, faults, run_folder
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
 from orangetron.train.launch import LaunchError, launch_local, process_group
@@ -82,7 +82,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     there, and checkpoints under checkpoints/. torch's thread count is set to cfg.threads for the run and
     restored afterwards.
     """
-    run_folder.claim(cfg)  # before any rank starts: a refusal is one line, and nothing is written yet
+    admission.check_fits(cfg)  # before any rank starts or anything is written: a refusal is one line
+    run_folder.claim(cfg)
     world_size = cfg.layout.world_size
     torchrun_world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
     if not torch.distributed.is_initialized():

@@ -4,7 +4,8 @@ Both runs start from the same seed, see the same batches and take the same AdamW
 after they are averaged over the data-parallel ranks and before clipping, on every step, gathered into whole
 tensors, and compared with the one-rank gradients as max|g - g_ref| / max|g_ref|, both maxima over every
 element of every parameter. The MoE load-balancing loss stays on: every layout computes it over the
-whole batch, as one device does.
+whole batch, as one device does. A dispatcher that drops tokens past a capacity is measured with a capacity
+that drops none: drops differ from one device by design, and the capacity path is what is checked.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from orangetron.parallel import ParallelConfig, ParallelModel
 from orangetron.spec.layout import Layout
+from orangetron.train.admission import check_fits
 from orangetron.train.config import DEFAULT_TOLERANCE, TrainConfig
 from orangetron.train.launch import launch_local, process_group
 from orangetron.train.schedule import lr_at
@@ -57,10 +59,23 @@ def _one_rank(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, **{f.name: f.default for f in reset})
 
 
+def without_drops(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with a capacity that drops no token: one device drops none, so a dropping layout could not match
+    it. A rank's T tokens give an expert at most T assignments (a token picks distinct experts), and
+    capacity_factor E/k makes the slots ceil(T * k / E * E / k) = T."""
+    model = cfg.model_config()
+    if cfg.dispatcher != "capacity" or cfg.ep == 1:
+        return cfg
+    return dataclasses.replace(cfg, capacity_factor=max(cfg.capacity_factor, model.num_experts / model.top_k))
+
+
 def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
-    """Run `cfg` on one rank and on its layout; return the `verify --json` object."""
+    """Run `cfg` on one rank and on its layout; return the `verify --json` object. A dropping dispatcher runs
+    with a capacity that drops nothing (`without_drops`); the result's capacity_factor says which."""
     if tolerance is not None and not 0 <= tolerance < float("inf"):
         raise ValueError(f"tolerance={tolerance} (--tolerance): must be a finite number >= 0")
+    cfg = without_drops(cfg)
+    check_fits(cfg)
     with process_group():
         reference = _trace(_one_rank(cfg))
     traces = launch_local(_trace, cfg.layout.world_size, args=(cfg,))
@@ -71,6 +86,7 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
         grad_gaps.append(_gradient_gap(traces[0]["grads"][step], reference["grads"][step]))
     tolerance = DEFAULT_TOLERANCE[cfg.param_dtype] if tolerance is None else tolerance
     result = {"layout": cfg.layout.degrees(), "steps": cfg.steps, "dtype": cfg.param_dtype,
-              "max_loss_rel_diff": max(loss_gaps), "max_grad_rel_diff": max(grad_gaps), "tolerance": tolerance}
+              "max_loss_rel_diff": max(loss_gaps), "max_grad_rel_diff": max(grad_gaps), "tolerance": tolerance,
+              "capacity_factor": cfg.capacity_factor if cfg.dispatcher == "capacity" else None}
     result["ok"] = result["max_loss_rel_diff"] <= tolerance and result["max_grad_rel_diff"] <= tolerance
     return result
