@@ -32,7 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.data_given = getattr(args, "data", None) is not None  # on the command line, before any file
-        if getattr(args, "config", None) or getattr(args, "resume", False):
+        takes_files = hasattr(args, "command_parser")  # train and verify; estimate reads its --config itself
+        if takes_files and (getattr(args, "config", None) or getattr(args, "resume", False)):
             args = _with_config_file(parser, args, argv)
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as err:

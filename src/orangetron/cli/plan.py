@@ -30,7 +30,11 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est = sub.add_parser("estimate", help="memory, communication, step time and MFU of one configuration",
                          description="Price one configuration: memory per GPU by category, bytes per collective "
                                      "per step, step time and MFU.")
-    _common(est)
+    _common(est, model_required=False)
+    est.add_argument("--config", metavar="FILE.toml",
+                     help="price the configuration of a run's config file (`plan --emit-config`'s, or a run folder's "
+                          "config.toml): its model, layout, parallel options, seq_len and batch; the cluster flags "
+                          "(--gpu, --gpus-per-node, ...) still apply, the layout flags are not read")
     for dim in ("tp", "cp", "pp", "dp", "ep"):
         est.add_argument(f"--{dim}", type=int, default=None if dim == "dp" else 1,
                          help=f"{dim} degree" + (" (default: gpus / (tp*cp*pp))" if dim == "dp" else ""))
@@ -91,6 +95,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--memory-fraction", type=float, default=1.0,
                       help="share of GPU memory a configuration may use, overhead term included")
     plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations")
+    plan.add_argument("--emit-config", metavar="FILE.toml",
+                      help="write the fastest configuration the trainer runs as a run's config file, which "
+                           "`train --config` starts and `estimate --config` prices")
     plan.add_argument("--pp-schedule", choices=SCHEDULES.names(), action="append", default=None,
                       help="pipeline schedules to search (repeatable; default: 1f1b, and interleaved with virtual "
                            "stages)")
@@ -103,8 +110,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     plan.set_defaults(run=run_plan)
 
 
-def _common(p: argparse.ArgumentParser, gpus_required: bool = False) -> None:
-    p.add_argument("--model", required=True,
+def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required,
                    help="preset name (see `orangetron presets`, e.g. llama3-8b) or a model .toml file")
     p.add_argument("--gpu", default="h100", help=f"GPU preset ({', '.join(gpu_names())}) or .toml file")
     p.add_argument("--gpus", type=int, required=gpus_required, default=None, help="GPUs in the cluster"
@@ -187,10 +194,30 @@ def _decoder(name: str) -> ModelSpec:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    model = _decoder(args.model)
-    deg = _degrees(args)
+    if args.config:
+        from orangetron.cli.run_config import estimate_job
+
+        model, deg, job = estimate_job(args.config)
+        model = model if isinstance(model, ModelSpec) else _decoder(model)
+        job = replace(job, attention_kernel=args.attention_kernel, fp8=args.fp8, fp8_recipe=args.fp8_recipe)
+    elif args.model is None:
+        raise ValueError("--model is required (or --config FILE)")
+    else:
+        model, deg, job = _decoder(args.model), _degrees(args), _job(args)
+    est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
+    warning = fit_warning(est)
+    if warning:
+        print(f"orangetron estimate: warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(est.to_json()))
+    else:
+        print(format_estimate(est))
+    return 0
+
+
+def _job(args: argparse.Namespace) -> Job:
     schedule = args.pp_schedule or ("interleaved" if args.virtual_stages > 1 else "1f1b")
-    job = Job(seq_len=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
+    return Job(seq_len=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
               sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
               dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
               ep_overlap_chunks=args.ep_overlap_chunks, ep_comm_sms=args.ep_comm_sms,
@@ -204,15 +231,6 @@ def run_estimate(args: argparse.Namespace) -> int:
               fp8_recipe=args.fp8_recipe, grad_bucket_numel=args.grad_bucket_numel,
               zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
               grad_accumulation_fusion=args.grad_accumulation_fusion)
-    est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
-    warning = fit_warning(est)
-    if warning:
-        print(f"orangetron estimate: warning: {warning}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(est.to_json()))
-    else:
-        print(format_estimate(est))
-    return 0
 
 
 def format_estimate(est: Estimate) -> str:
@@ -280,6 +298,12 @@ def run_plan(args: argparse.Namespace) -> int:
                          f"{cluster.gpu.memory_gib:.0f} GiB; add GPUs or shorten the sequence")
     print(f"priced {result.evaluated} fitting of {result.considered} configurations in {elapsed:.2f} s",
           file=sys.stderr)
+    if args.emit_config:
+        from orangetron.cli.run_config import emit_config
+
+        rank, passed_over = emit_config(result.ranked, args.emit_config)
+        skipped = f"; the trainer does not run {'; '.join(passed_over)}" if passed_over else ""
+        print(f"wrote {args.emit_config}: configuration #{rank}{skipped}", file=sys.stderr)
     if args.chart:
         from orangetron.plan.chart import breakdown_chart
 

@@ -68,7 +68,8 @@ def candidate_degrees(model: ModelSpec, cluster: Cluster, space: SearchSpace, se
     world = cluster.num_gpus
     tps = space.tp or tuple(t for t in _powers_of_two(cluster.gpus_per_node) if model.num_heads % t == 0)
     # A CP rank below 512 tokens (256 per head-tail chunk) only adds latency-bound steps.
-    cps = space.cp or tuple(c for c in _powers_of_two(world) if not seq_len or seq_len // c >= 512)
+    # cp = 1 always stays: a sequence shorter than 512 tokens still runs without context parallelism.
+    cps = space.cp or tuple(c for c in _powers_of_two(world) if c == 1 or not seq_len or seq_len // c >= 512)
     pps = space.pp or tuple(p for p in _divisors(world) if p <= model.num_layers)
     for tp, cp, pp in itertools.product(tps, cps, pps):
         if world % (tp * cp * pp):

@@ -249,6 +249,12 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         "comm of the whole run (training and evaluation; --json `comm`): "
         + _bytes_text({k: v for k, v in result["comm"][0].items() if k != "rank"}),
     ]
+    if result.get("predicted"):
+        from orangetron.train.accounting import format_table, side_by_side
+
+        rows = side_by_side(result["predicted"][0], mem, per_step["train"])
+        lines.append("the planner's prediction beside the measurement (bytes; memory from the first step):")
+        lines.append(format_table(rows))
     for warning in result.get("warnings", []):
         lines.append(f"warning: {warning}")
     stream.write("\n".join(lines) + "\n")

@@ -27,6 +27,7 @@ from orangetron.model import Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
 from orangetron.parallel.config import DTYPES
 from orangetron.train import admission, faults, run_folder
+from orangetron.train.accounting import predicted_for_rank
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
 from orangetron.train.launch import LaunchError, launch_local, process_group
@@ -156,6 +157,7 @@ def _merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     merged["memory"] = [entry for r in results for entry in r["memory"]]
     merged["comm"] = [entry for r in results for entry in r["comm"]]
     merged["comm_per_step"] = [entry for r in results for entry in r["comm_per_step"]]
+    merged["predicted"] = [entry for r in results for entry in r["predicted"]]
     return merged
 
 
@@ -265,6 +267,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "memory": [{"rank": rank, **mem}],
         "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
         "comm_per_step": [{"rank": rank, **traffic.summary()}],
+        "predicted": [{"rank": rank, **predicted_for_rank(cfg, model.mesh["pp"].rank)}],
         "warnings": cfg.ineffective_options(),
         "time_s": time.perf_counter() - run.started,
     }

@@ -1,0 +1,132 @@
+"""A plan's configuration as a run's config file, and a run's config file as `estimate`'s options.
+
+`plan --emit-config FILE` writes the fastest ranked configuration the trainer runs as TOML in the run
+folder's `config.toml` schema (`train/run_folder.py`): options by flag name and the model as a `[model]`
+table, so `train --config FILE` starts that run and `estimate --config FILE` prices it again. Only what the
+runtime runs goes in: a row the trainer refuses (FP8, a planner-only dispatcher, schedule or kernel, folded
+experts) is passed over, and the file names the rank of the row it holds.
+
+The trainer computes the global gradient norm every step (it reports it, clips by it, and stops on a
+non-finite one), which `plan` leaves out of its ranking: `estimate --config` prices it, so its figures are
+the trainer's to the byte, and the plan's row differs only by the norm's all-reduces (4 or 8 bytes per group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from orangetron.plan.estimate import Estimate
+from orangetron.spec.layout import Layout
+from orangetron.spec.model import ModelSpec, parse_model
+from orangetron.spec.options import Degrees, Job
+from orangetron.spec.parallel_config import ParallelConfig, values_of
+
+# Job fields the runtime has no option for: the runtime runs only these values.
+_RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_fusion": False, "pipeline_layout": ()}
+# Options of a run's config file that say nothing about the step `estimate` prices.
+_RUN_ONLY = ("steps", "lr", "warmup", "min_lr", "weight_decay", "grad_clip", "seed", "eval_every",
+             "eval_batches", "eval_fraction", "data", "corpus_bytes", "out", "save_every", "resume", "extend",
+             "stop_after", "overwrite", "new_data", "threads", "timeout_s", "data_record", "dtype")
+
+
+def train_options(row: Estimate) -> dict[str, Any]:
+    """The `train` options (by field name) of a ranked configuration: its layout, parallel options, sequence
+    length, global batch and micro-batches."""
+    deg, job = row.degrees, row.job
+    options = {"seq_len": job.seq_len, "batch_size": job.micro_batch * deg.dp * job.replica_microbatches(deg),
+               "tp": deg.tp, "cp": deg.cp, "pp": deg.pp, "dp": deg.dp, "ep": deg.ep,
+               "etp": deg.etp, "expert_fold": deg.expert_fold, **values_of(ParallelConfig, job)}
+    options["microbatches"] = job.replica_microbatches(deg)
+    return options
+
+
+def _refusal(row: Estimate) -> str | None:
+    """Why the trainer would not run `row`, in one line, or None."""
+    from orangetron.train.config import TrainConfig
+
+    for name, runs in _RUNTIME_RUNS.items():
+        if getattr(row.job, name) != runs:
+            return f"{name}={getattr(row.job, name)!r}: the trainer runs {runs!r} only"
+    try:
+        TrainConfig(model=row.model, **train_options(row))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def emit_config(ranked: list[Estimate], path: str) -> tuple[int, list[str]]:
+    """Write the first row of `ranked` the trainer runs to `path`; (its 1-based rank, why earlier rows were
+    passed over). ValueError when no row runs."""
+    passed_over = []
+    for rank, row in enumerate(ranked, start=1):
+        reason = _refusal(row)
+        if reason is None:
+            _write(row, rank, Path(path))
+            return rank, passed_over
+        passed_over.append(f"#{rank}: {reason}")
+    raise ValueError(f"--emit-config {path}: the trainer runs none of the {len(ranked)} ranked configurations ("
+                     + "; ".join(passed_over) + ")")
+
+
+def _write(row: Estimate, rank: int, path: Path) -> None:
+    from orangetron.train.config import TrainConfig
+    from orangetron.train.config_file import write_resolved_config
+    from orangetron.train.run_folder import DIRECTIVES
+
+    cfg = TrainConfig(model=row.model, **train_options(row))  # options(): the flags' keys, as a record has them
+    options = {k: v for k, v in cfg.options().items() if k not in DIRECTIVES and k != "model"}
+    write_resolved_config(path, options, {"model": dataclasses.asdict(row.model)})
+    header = (f"# `orangetron plan`'s configuration #{rank} ({row.degrees}) for {row.model.name}, as a run's "
+              "config file:\n# `orangetron train --config` runs it, `orangetron estimate --config` prices it.\n")
+    path.write_text(header + path.read_text(encoding="utf-8").split("\n", 1)[1], encoding="utf-8")
+
+
+def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
+    """(model, degrees, job) `estimate` prices for a run's config file (`plan --emit-config`'s, or a run
+    folder's config.toml): its layout, parallel options, sequence length, batch and model. The run's own
+    options (steps, learning rate, data, ...) say nothing about a step's cost and are skipped; any other key
+    is refused by name."""
+    table = _read(path)
+    layout_names = {f.name for f in dataclasses.fields(Layout)}
+    parallel_names = {f.name for f in dataclasses.fields(ParallelConfig)}
+    layout, parallel = {}, {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name in layout_names:
+            layout[name] = value
+        elif name in parallel_names:
+            parallel[name] = value
+        elif name not in (*_RUN_ONLY, "model", "seq_len", "batch_size"):
+            raise ValueError(f"--config {path}: unknown key {key!r}")
+    for name in ("model", "seq_len"):
+        if name not in table:
+            raise ValueError(f"--config {path}: no {name!r}; a run's config file names its model and seq_len")
+    deg = Degrees(**layout)
+    microbatches = parallel.get("microbatches", 1)
+    batch = table.get("batch_size", deg.dp * microbatches)
+    job = Job(**parallel, seq_len=table["seq_len"], micro_batch=max(1, batch // (deg.dp * microbatches)),
+              global_batch=batch, clip_grad=True)  # the trainer's global gradient norm, every step
+    return _model(path, table["model"]), deg, job
+
+
+def _read(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    try:
+        return tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"--config {path}: not a TOML file ({err})") from None
+
+
+def _model(path: str, value: Any) -> ModelSpec | str:
+    """A `[model]` table as its spec; a name or file path as given (`estimate --model` takes those)."""
+    if not isinstance(value, dict):
+        return value
+    spec = parse_model(str(value.get("name", Path(path).stem)), value)
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"--config {path}: [model] describes a dual encoder; `plan --model` prices those")
+    return spec

@@ -1,0 +1,72 @@
+"""plan -> train in one step: `plan --emit-config` writes a run's config file, `train --config` runs it on CPU
+ranks, and what the ranks measure equals what the planner predicted, category by category."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from orangetron import cli
+
+torch.set_num_threads(1)
+
+PLAN = ["plan", "--model", "tiny", "--gpus", "4", "--seq", "16", "--global-batch", "8", "--param-dtype", "float32",
+        "--tp", "2"]
+
+
+def _json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_plans_config_trains_and_measures_what_was_predicted(tmp_path, capsys) -> None:
+    path = tmp_path / "plan.toml"
+    assert cli.main([*PLAN, "--emit-config", str(path), "--json"]) == 0
+    row = _json(capsys)["ranked"][0]  # the fastest configuration; the trainer runs it (tp2 x dp2)
+    assert (row["layout"]["tp"], row["layout"]["dp"]) == (2, 2)
+    assert cli.main(["estimate", "--config", str(path), "--json"]) == 0
+    priced = _json(capsys)
+    assert cli.main(["train", "--config", str(path), "--steps", "2", "--corpus-bytes", "60000", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["layout"] == {k: row["layout"][k] for k in ("tp", "cp", "pp", "dp", "ep")}
+
+    for memory, traffic, predicted in zip(result["memory"], result["comm_per_step"], result["predicted"],
+                                          strict=True):
+        assert predicted["memory"] == {k: v for k, v in memory.items() if k != "rank"}
+        assert predicted["comm_per_step"] == traffic["train"]
+    measured = {k: v for k, v in result["memory"][0].items() if k != "rank"}
+    measured["activations"] = measured.pop("activations_peak")
+    for plan_memory in (row["memory_bytes"], priced["memory_bytes"]):
+        assert {k: plan_memory[k] for k in measured} == measured
+    sent = result["comm_per_step"][0]["train"]
+    assert priced["comm_bytes"] == sent  # `estimate --config` prices the trainer's step to the byte
+    # The plan's ranking leaves out the gradient norm the trainer computes every step: 4 bytes per group.
+    gaps = {k: sent[k] - row["comm_bytes"].get(k, 0) for k in sent if sent[k] != row["comm_bytes"].get(k, 0)}
+    assert gaps and all(k.startswith("all_reduce/") and v == 4 for k, v in gaps.items())
+    # The summary's table shows every category equal: no row carries a difference.
+    table = captured.err[captured.err.index("the planner's prediction beside"):]
+    assert "memory activations_peak" in table and "sent all_gather/tp" in table and "(+" not in table \
+        and "(-" not in table
+
+
+def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys) -> None:
+    path = tmp_path / "plan.toml"
+    code = cli.main([*PLAN, "--emit-config", str(path), "--attention-kernel", "eager"])
+    assert code == 2 and "the trainer runs none of the" in capsys.readouterr().err
+    assert not path.exists()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "tiny"\nseq_len = 16\nwidth = 3\n')
+    assert cli.main(["estimate", "--config", str(bad)]) == 2
+    assert "unknown key 'width'" in capsys.readouterr().err
+
+
+def test_estimate_prices_a_run_folders_record(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", "tiny", "--steps", "1", "--seq-len", "16", "--batch-size", "4",
+                     "--corpus-bytes", "60000", "--out", str(out), "--json", "--quiet"]) == 0
+    measured = _json(capsys)["memory"][0]
+    assert cli.main(["estimate", "--config", str(out / "config.toml"), "--gpu", "h100", "--json"]) == 0
+    priced = _json(capsys)
+    assert priced["memory_bytes"]["params"] == measured["params"] and priced["layout"]["dp"] == 1
+    assert priced["memory_bytes"]["activations"] == measured["activations_peak"]
