@@ -955,6 +955,20 @@ MUTANTS = [
            (('            "sequence_parallel": (self.tp == 1, "needs --tp > 1"),',
              '            "sequence_parallel": (self.tp > 1, "needs --tp > 1"),'),),
            ("tests/test_run_folder.py::test_options_that_do_nothing_are_named",)),
+    # ---- plan -> train (tests/test_plan_to_train.py) ------------------------------------------------------
+    Mutant("estimate_config_prices_no_gradient_norm", "src/orangetron/cli/run_config.py",
+           (("              global_batch=batch, clip_grad=True)",
+             "              global_batch=batch, clip_grad=False)"),),
+           ("tests/test_plan_to_train.py::test_a_plans_config_trains_and_measures_what_was_predicted",)),
+    Mutant("emit_config_writes_a_row_the_trainer_refuses", "src/orangetron/cli/run_config.py",
+           (("        reason = _refusal(row)", "        reason = None"),),
+           ("tests/test_plan_to_train.py::test_rows_the_trainer_does_not_run_are_passed_over_by_name",)),
+    Mutant("prediction_of_stage_zero_for_every_rank", "src/orangetron/train/trainer.py",
+           (('predicted_for_rank(cfg, model.mesh["pp"].rank)', "predicted_for_rank(cfg, 0)"),),
+           ("tests/test_plan_to_train.py::test_every_rank_is_predicted_on_its_own_stage_and_padded_sequence",)),
+    Mutant("prediction_on_the_unpadded_sequence", "src/orangetron/train/accounting.py",
+           (("    seq_len = -(-cfg.seq_len // multiple) * multiple", "    seq_len = cfg.seq_len"),),
+           ("tests/test_plan_to_train.py::test_every_rank_is_predicted_on_its_own_stage_and_padded_sequence",)),
 ]
 
 

@@ -70,3 +70,19 @@ def test_estimate_prices_a_run_folders_record(tmp_path, capsys) -> None:
     priced = _json(capsys)
     assert priced["memory_bytes"]["params"] == measured["params"] and priced["layout"]["dp"] == 1
     assert priced["memory_bytes"]["activations"] == measured["activations_peak"]
+
+
+def test_every_rank_is_predicted_on_its_own_stage_and_padded_sequence() -> None:
+    """pp 2 x cp 2: each rank's prediction is its own pipeline stage's, on the sequence padded to 2*cp."""
+    from orangetron.train.config import TrainConfig
+    from orangetron.train.trainer import train
+
+    result = train(TrainConfig(model="tiny", steps=1, seq_len=18, batch_size=4, microbatches=2, pp=2, cp=2,
+                               corpus_bytes=60_000, eval_batches=1), progress=False)
+    stages = set()
+    for memory, traffic, predicted in zip(result["memory"], result["comm_per_step"], result["predicted"],
+                                          strict=True):
+        assert predicted["memory"] == {k: v for k, v in memory.items() if k != "rank"}
+        assert predicted["comm_per_step"] == traffic["train"]
+        stages.add(memory["params"])
+    assert len(stages) == 2  # the two stages hold different shares of the model
