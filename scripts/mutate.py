@@ -969,6 +969,13 @@ MUTANTS = [
     Mutant("prediction_on_the_unpadded_sequence", "src/orangetron/train/accounting.py",
            (("    seq_len = -(-cfg.seq_len // multiple) * multiple", "    seq_len = cfg.seq_len"),),
            ("tests/test_plan_to_train.py::test_every_rank_is_predicted_on_its_own_stage_and_padded_sequence",)),
+    Mutant("fit_advice_keeps_changes_that_do_not_fit", "src/orangetron/plan/fit_advice.py",
+           (("        if priced.fits:\n", "        if True:\n"),),
+           ("tests/test_plan_fit_advice.py",)),
+    Mutant("fit_advice_slowest_first", "src/orangetron/plan/fit_advice.py",
+           (("key=lambda f: (f.estimate.time.step_s, f.change.count",
+             "key=lambda f: (-f.estimate.time.step_s, f.change.count"),),
+           ("tests/test_plan_fit_advice.py",)),
 ]
 
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 
 from orangetron.cli.presets import add_presets_command
-from orangetron.plan.estimate import Estimate, estimate, fit_warning
+from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
 from orangetron.plan.search import SearchSpace, search
 from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
@@ -205,9 +205,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
-    warning = fit_warning(est)
-    if warning:
-        print(f"orangetron estimate: warning: {warning}", file=sys.stderr)
+    if not est.fits:
+        from orangetron.plan.fit_advice import explain
+
+        print(f"orangetron estimate: warning: {explain(est, _overhead(args))}", file=sys.stderr)
     if args.json:
         print(json.dumps(est.to_json()))
     else:

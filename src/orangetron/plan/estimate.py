@@ -9,7 +9,7 @@ from orangetron.plan.network import DEFAULT_PARAMS, NetworkParams
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
-from orangetron.spec.hardware import GIB, Cluster
+from orangetron.spec.hardware import Cluster
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job, validate
 
@@ -75,15 +75,3 @@ def estimate(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: Ne
     memory = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
     comm = summarize(step_records(model, deg, job, stage=0, ep_where=group_places(deg, cluster)["ep"]))
     return Estimate(model, deg, job, cluster, memory, comm, step_time(model, deg, job, cluster, net, eff))
-
-
-def fit_warning(est: Estimate) -> str:
-    """One line with the breakdown when the busiest GPU needs more memory than it has; "" when it fits."""
-    if est.fits:
-        return ""
-    mem = est.memory
-    parts = ", ".join(f"{k} {mem[k] / GIB:.1f}" for k in ("params", "grads", "main_params", "optimizer",
-                                                           "activations", "buffers", "fp8", "overhead") if mem.get(k))
-    return (f"{est.model.name} does not fit: {mem['total'] / GIB:.1f} GiB per GPU ({parts}) > "
-            f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; try more GPUs, larger "
-            "tp/pp, a ZeRO stage, --recompute full or a smaller --micro-batch")

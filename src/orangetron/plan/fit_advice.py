@@ -1,0 +1,94 @@
+"""Why a configuration does not fit, and the cheapest changes that would make it fit, each priced.
+
+The changes tried are the ones a user reaches for, on the same GPUs and global batch: more recompute
+(selective where scores are stored, full), a higher ZeRO stage, a larger tp (within a node) or pp (the
+data-parallel degree shrinks by as much), and a smaller micro-batch (more micro-batches). Up to three of
+them are combined; each combination is priced by `estimate` in full, and those that fit are ranked by step
+time, fewer changes first among equals.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from orangetron.plan.estimate import Estimate, estimate
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead
+from orangetron.spec.hardware import GIB
+from orangetron.spec.options import Degrees, Job
+
+_CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead")
+
+
+@dataclass(frozen=True)
+class Fix:
+    change: str  # the flags that make the difference, e.g. "--zero-stage 3"
+    estimate: Estimate
+
+
+def largest_categories(est: Estimate, n: int = 3) -> list[tuple[str, int]]:
+    """The `n` memory categories that hold the most bytes, largest first."""
+    held = [(k, est.memory[k]) for k in _CATEGORIES if est.memory.get(k)]
+    return sorted(held, key=lambda kv: -kv[1])[:n]
+
+
+def fixes(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, most_changes: int = 3) -> list[Fix]:
+    """Changes to `est`'s configuration that fit, fastest first (none when it fits already)."""
+    if est.fits:
+        return []
+    found = []
+    for moves in itertools.product(*_moves(est.degrees, est.job, est.cluster.gpus_per_node)):
+        made = [m for m in moves if m[0]]
+        if not made or len(made) > most_changes:
+            continue
+        deg, job = est.degrees, est.job
+        try:
+            for _, change in made:
+                deg, job = change(deg, job)
+            priced = estimate(est.model, deg, job, est.cluster, overhead=overhead)
+        except ValueError:  # a change this model or layout does not allow (heads, layers, dp left)
+            continue
+        if priced.fits:
+            found.append(Fix(" ".join(flag for flag, _ in made), priced))
+    return sorted(found, key=lambda f: (f.estimate.time.step_s, f.change.count("--")))
+
+
+Move = tuple[str, Callable[[Degrees, Job], tuple[Degrees, Job]]]
+
+
+def _moves(deg: Degrees, job: Job, gpus_per_node: int) -> list[list[Move]]:
+    """One list per kind of change, each starting with "no change" ("")."""
+    keep: Move = ("", lambda d, j: (d, j))
+    recompute = [keep]
+    if job.recompute == "none" and job.attention_kernel == "eager":
+        recompute.append(("--recompute selective", lambda d, j: (d, replace(j, recompute="selective"))))
+    if job.recompute != "full" or job.recompute_layers:
+        recompute.append(("--recompute full", lambda d, j: (d, replace(j, recompute="full", recompute_layers=0))))
+    zero = [keep] + [(f"--zero-stage {z}", lambda d, j, z=z: (d, replace(j, zero_stage=z)))
+                     for z in range(job.zero_stage + 1, 4) if deg.dp * deg.cp > 1]
+    tp = [keep] + [(f"--tp {deg.tp * f}", lambda d, j, f=f: (replace(d, tp=d.tp * f, dp=d.dp // f), j))
+                   for f in (2, 4, 8) if deg.dp % f == 0 and deg.tp * f <= gpus_per_node]
+    pp = [keep] + [(f"--pp {deg.pp * f}", lambda d, j, f=f: (replace(d, pp=d.pp * f, dp=d.dp // f), j))
+                   for f in (2, 4, 8) if deg.dp % f == 0]
+    micro = [keep] + [(f"--micro-batch {job.micro_batch // f}",
+                       lambda d, j, f=f: (d, replace(j, micro_batch=j.micro_batch // f)))
+                      for f in (2, 4) if job.micro_batch % f == 0]
+    return [recompute, zero, tp, pp, micro]
+
+
+def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int = 3) -> str:
+    """One paragraph: the largest categories and up to `n` changes that fit, with their memory and step time."""
+    largest = ", ".join(f"{k} {v / GIB:.1f}" for k, v in largest_categories(est))
+    lines = [f"{est.model.name} does not fit: {est.memory['total'] / GIB:.1f} GiB per GPU > "
+             f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; largest: {largest} GiB"]
+    found = fixes(est, overhead)[:n]
+    if not found:
+        lines.append("  no change of up to three of recompute, ZeRO stage, tp, pp and micro-batch fits; add GPUs")
+    else:
+        lines.append("changes that fit, fastest first (each priced in full):")
+    for fix in found:
+        e = fix.estimate
+        lines.append(f"  {fix.change}: {e.memory['total'] / GIB:.1f} GiB, step {e.time.step_s:.3f} s, "
+                     f"MFU {100 * e.time.mfu:.1f}%")
+    return "\n".join(lines)
