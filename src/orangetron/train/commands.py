@@ -200,7 +200,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"orangetron train: error: {err}", file=sys.stderr)
         return 1
     # A run that a signal stopped after a step exits as the signal would have ended it (130, 143).
-    code = stopping.exit_code(result["stopped"]["signal"]) if result["stopped"] else 0
+    stopped = result.get("stopped")
+    code = stopping.exit_code(stopped["signal"]) if stopped else 0
     if os.environ.get("RANK", "0") != "0":  # under torchrun every process holds the merged result
         return code
     if not args.quiet:
