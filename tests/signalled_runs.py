@@ -4,9 +4,12 @@ tests/test_faults.py): start it, wait for its first step, find its ranks."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,11 +24,25 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
-def start(args: list[str], cwd: Path, module: tuple[str, ...] = ("-m", "orangetron")) -> subprocess.Popen:
+@contextmanager
+def started(args: list[str], cwd: Path, module: tuple[str, ...] = ("-m", "orangetron")) -> Iterator[subprocess.Popen]:
     """`python -m orangetron ARGS` (or another module) in a session of its own, so that a signal sent to its
-    process group, as a terminal's Ctrl-C is, reaches nothing else."""
-    return subprocess.Popen([sys.executable, *module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    process group, as a terminal's Ctrl-C is, reaches nothing else; killed with its children if a test leaves
+    it running."""
+    proc = subprocess.Popen([sys.executable, *module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env(), cwd=cwd, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> str:
+    for pid in [*children(proc.pid), proc.pid]:  # the ranks first: they leave the launcher's process group
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return proc.communicate()[1]
 
 
 def wait_for_step(metrics: Path, proc: subprocess.Popen, limit_s: float = 300.0) -> int:
@@ -33,8 +50,8 @@ def wait_for_step(metrics: Path, proc: subprocess.Popen, limit_s: float = 300.0)
     deadline = time.monotonic() + limit_s
     while not (metrics.exists() and (lines := metrics.read_text().count("\n"))):
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"the run ended or stalled before its first step: {proc.communicate()[1][-3000:]}")
+            err = _kill(proc) if proc.poll() is None else proc.communicate()[1]
+            raise AssertionError(f"the run ended or stalled before its first step: {err[-3000:]}")
         time.sleep(0.02)
     return lines
 
@@ -44,10 +61,7 @@ def finish(proc: subprocess.Popen, limit_s: float = 300.0) -> tuple[int, str, st
     try:
         out, err = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        for pid in [*children(proc.pid), proc.pid]:  # the ranks first: they leave the launcher's process group
-            os.kill(pid, 9)
-        out, err = proc.communicate()
-        raise AssertionError(f"still running after {limit_s:g} s: {err[-3000:]}") from None
+        raise AssertionError(f"still running after {limit_s:g} s: {_kill(proc)[-3000:]}") from None
     return proc.returncode, out, err
 
 

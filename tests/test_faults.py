@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from signalled_runs import LONG, TINY_MOE, children, finish, start, wait_for_step
+from signalled_runs import LONG, TINY_MOE, children, finish, started, wait_for_step
 
 from orangetron import comm
 from orangetron.mesh import GROUP_NAMES, init_mesh
@@ -129,15 +129,16 @@ def test_a_stopped_rank_is_named_within_the_timeout_and_5_s(tmp_path, record_pro
     here) that waits with torch's 30-minute default instead of --timeout-s. benchmarks/hang_detection.py
     measures the same delay."""
     timeout_s, out = 10, tmp_path / "run"
-    proc = start(["train", *TINY_MOE, *LONG, "--dp", "2", "--tp", "2", "--timeout-s", str(timeout_s), "--quiet",
-                  "--out", str(out)], tmp_path)
-    wait_for_step(out / "metrics.jsonl", proc)
-    ranks = children(proc.pid)
-    assert len(ranks) == 4
-    os.kill(ranks[1], signal.SIGSTOP)
-    stopped = time.monotonic()
-    code, _, err = finish(proc, limit_s=timeout_s + 120)
-    delay = time.monotonic() - stopped
+    command = ["train", *TINY_MOE, *LONG, "--dp", "2", "--tp", "2", "--timeout-s", str(timeout_s), "--quiet",
+               "--out", str(out)]
+    with started(command, tmp_path) as proc:
+        wait_for_step(out / "metrics.jsonl", proc)
+        ranks = children(proc.pid)
+        assert len(ranks) == 4
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        code, _, err = finish(proc, limit_s=timeout_s + 120)
+        delay = time.monotonic() - stopped
     record_property("hang_named_after_s", round(delay, 2))
     print(f"hang_named_after_s {delay:.2f} (--timeout-s {timeout_s})")
     assert code == 1 and re.search(r"error: rank 1 stopped responding during step \d+ .* gave up waiting", err), \
