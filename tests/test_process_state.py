@@ -2,8 +2,9 @@
 
 The scan reads every module of src/orangetron and finds state that lives in the process and changes at run
 time: names a `global` statement rebinds, `globals()[...]` writes, module-level containers (dict, list, set,
-deque, ...) that some code of the module changes, and `functools.lru_cache` memo tables, whose arguments must be
-immutable descriptions so that a cached answer can never go stale. The set found must equal the table in
+deque, ...) that some code of the module changes, `functools.lru_cache` memo tables, whose arguments must be
+immutable descriptions so that a cached answer can never go stale, and signal handlers (`signal.signal` calls),
+which hold for the whole process until they are put back. The set found must equal the table in
 docs/runtime.md's "Process-wide state" section, so a new piece fails here until it is documented (or removed).
 """
 
@@ -88,10 +89,15 @@ def _mutable_arguments(node: ast.FunctionDef, immutable: set[str]) -> list[str]:
             if not _annotation_names(a.annotation) <= immutable]
 
 
+def _installs_signal_handler(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and ast.unparse(node.func) == "signal.signal"
+
+
 def scan(src: Path) -> tuple[set[tuple[str, str]], list[str]]:
     """(file, name) of every piece of process-wide state under `src`, and the lru_caches with mutable arguments.
 
-    A memo table is reported as (`<top folder>/*.py`, `@lru_cache`): they are documented by folder."""
+    A memo table is reported as (`<top folder>/*.py`, `@lru_cache`): they are documented by folder; a module
+    that installs signal handlers as (file, `signal.signal`)."""
     found, mutable = set(), []
     trees = {path.relative_to(src).as_posix(): ast.parse(path.read_text(), str(path))
              for path in sorted(src.rglob("*.py"))}
@@ -104,6 +110,8 @@ def scan(src: Path) -> tuple[set[tuple[str, str]], list[str]]:
             elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \
                     and ast.unparse(node.value) == "globals()":
                 found.add((rel, "globals()"))
+            elif _installs_signal_handler(node):
+                found.add((rel, "signal.signal"))
             elif _lru_cached(node):
                 found.add((f"{rel.split('/')[0]}/*.py" if "/" in rel else rel, "@lru_cache"))
                 mutable += [f"{rel}: {m}" for m in _mutable_arguments(node, immutable)]
@@ -142,6 +150,8 @@ def test_memo_tables_take_only_immutable_arguments():
     ("TABLE = {'a': 1}\n\ndef read(k):\n    return TABLE[k]\n", set()),
     ("from functools import lru_cache\n\n@lru_cache\ndef f(n: int) -> int:\n    return n\n",
      {("planted.py", "@lru_cache")}),
+    ("import signal\n\ndef quiet():\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n",
+     {("planted.py", "signal.signal")}),
 ])
 def test_the_scan_sees_planted_state(tmp_path, source, expected):
     (tmp_path / "planted.py").write_text(source)

@@ -7,10 +7,12 @@ optimizer state, tp_cp), and the expert groups unflatten dp_cp into (edp, ep), e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from orangetron.spec.layout import Coordinates, Layout, LayoutError
@@ -58,6 +60,25 @@ def _mesh_group(mesh: DeviceMesh, name: str) -> MeshGroup:
     return MeshGroup(name=name, group=group, ranks=ranks, rank=ranks.index(dist.get_rank()))
 
 
+def _world_timeout(size: int) -> C10dBackend.Options | None:
+    """device_mesh options that give a new group of `size` ranks the world group's timeout (`--timeout-s`).
+
+    device_mesh builds new groups with torch's default timeout (30 minutes on gloo), so without them a rank
+    hung in a tp or dp subgroup's collective kept its peers waiting half an hour. None where nothing is needed:
+    a group of one rank never waits, and one over the whole world is the world group itself (naming it would
+    make device_mesh build a copy). Gloo only: NCCL groups would take NCCL's own options type.
+    """
+    if dist.get_backend() != "gloo" or not 1 < size < dist.get_world_size():
+        return None
+    world = dist.distributed_c10d._get_default_group()
+    return C10dBackend.Options("gloo", world._get_backend(torch.device("cpu")).options._timeout)
+
+
+def _world_timeouts(names: Sequence[str], sizes: Sequence[int]) -> dict[str, C10dBackend.Options]:
+    """`_world_timeout` for each named mesh dimension that needs it, as device_mesh's `backend_override`."""
+    return {name: opts for name, size in zip(names, sizes, strict=True) if (opts := _world_timeout(size))}
+
+
 class ParallelMesh:
     """Process groups for every dimension of `layout`; build it inside an initialized process group."""
 
@@ -74,11 +95,14 @@ class ParallelMesh:
         self.world = dist.group.WORLD  # the process group this mesh was built in
         self.rank = dist.get_rank()
         self.coords: Coordinates = layout.coordinates(self.rank)
-        dense = init_device_mesh(_device_type(), layout.mesh_shape(), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        dims = ("pp", "dp", "cp", "tp")
+        dense = init_device_mesh(_device_type(), layout.mesh_shape(), mesh_dim_names=dims,
+                                 backend_override=_world_timeouts(dims, layout.mesh_shape()))
         # Flatten/unflatten are private in torch.distributed today; torchtitan builds its meshes the same way.
-        dp_cp = dense["dp", "cp"]._flatten("dp_cp")
-        tp_cp = dense["cp", "tp"]._flatten("tp_cp")
-        expert = dp_cp._unflatten(0, (layout.edp, layout.ep), ("edp", "ep"))
+        dp_cp = dense["dp", "cp"]._flatten("dp_cp", _world_timeout(layout.dp * layout.cp))
+        tp_cp = dense["cp", "tp"]._flatten("tp_cp", _world_timeout(layout.cp * layout.tp))
+        expert_sizes = (layout.edp, layout.ep)
+        expert = dp_cp._unflatten(0, expert_sizes, ("edp", "ep"), _world_timeouts(("edp", "ep"), expert_sizes))
         sources = {"tp": dense, "cp": dense, "pp": dense, "dp": dense, "dp_cp": dp_cp, "tp_cp": tp_cp,
                    "ep": expert, "edp": expert}
         self.groups = {name: _mesh_group(source, name) for name, source in sources.items()}
@@ -114,7 +138,8 @@ class ParallelMesh:
         names = ("cp_ring", "cp_ulysses")
         key = f"{names[1]}/{ulysses}"
         if key not in self.groups:
-            split = self._dense["cp"]._unflatten(0, (cp // ulysses, ulysses), names)
+            sizes = (cp // ulysses, ulysses)
+            split = self._dense["cp"]._unflatten(0, sizes, names, _world_timeouts(names, sizes))
             self.groups[f"{names[0]}/{ulysses}"] = _mesh_group(split, names[0])
             self.groups[key] = _mesh_group(split, names[1])
         return self.groups[f"{names[0]}/{ulysses}"], self.groups[key]

@@ -23,7 +23,8 @@ def add_train_commands(sub: Any) -> None:
         "train",
         help="train a model on one or more local CPU ranks",
         description="Train a byte-level transformer and report losses, memory and communication. "
-        + DEFAULTS_NOTE,
+        + DEFAULTS_NOTE + " Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is taking, checkpointed "
+        "with --out, and exits 130 or 143; a second Ctrl-C aborts at once.",
     )
 
     def option(flag: str, text: str, **kwargs: Any) -> None:
@@ -196,7 +197,9 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Run `orangetron train`; configuration errors propagate as ValueError (cli prints one line)."""
+    """Run `orangetron train`; configuration errors propagate as ValueError (cli prints one line). Returns 0,
+    1 when a rank failed, or 128 + the signal's number when SIGINT or SIGTERM stopped the run after a step."""
+    from orangetron.train import stopping
     from orangetron.train.config import TrainConfig
     from orangetron.train.launch import LaunchError
     from orangetron.train.trainer import train
@@ -212,13 +215,16 @@ def run_train(args: argparse.Namespace) -> int:
     except LaunchError as err:  # a rank failed, died or hung: its message, not the launcher's traceback
         print(f"orangetron train: error: {err}", file=sys.stderr)
         return 1
+    # A run that a signal stopped after a step exits as the signal would have ended it (130, 143).
+    stopped = result.get("stopped")
+    code = stopping.exit_code(stopped["signal"]) if stopped else 0
     if os.environ.get("RANK", "0") != "0":  # under torchrun every process holds the merged result
-        return 0
+        return code
     if not args.quiet:
         _summary(result, sys.stderr)
     if args.json:
         print(json.dumps(result), flush=True)
-    return 0
+    return code
 
 
 def _config_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,20 +14,29 @@ code and what it was doing (`rank 2 died (signal 9) during step 5 (backward)`); 
 peers' collectives time out after `timeout_s`, and is named as the one still running
 (`rank 1 stopped responding during step 3 (backward)`); anything else is a `LaunchError` with the rank's
 traceback.
+
+Signals: the ranks run in process groups of their own, as torchrun's workers do, so a terminal's Ctrl-C reaches
+this process alone, and a rank whose parent dies gets SIGTERM (Linux). With `relay_signals` (the trainer), each
+SIGINT or SIGTERM this process receives while the ranks run is passed on to every rank once
+(`stopping.relay_to`), where it only asks for a stop, and the ranks stop after the step they agree on; they are
+not killed for it: this process keeps waiting, and a rank that fails meanwhile still ends every rank. A second
+SIGINT aborts at once (KeyboardInterrupt here, every rank killed). Without it a signal ends every rank at once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -38,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from orangetron.mesh import forget_meshes
-from orangetron.train import faults
+from orangetron.train import faults, stopping
 from orangetron.train.faults import DEFAULT_TIMEOUT_S
 
 _PRELOAD = ["torch", "torch.distributed", "orangetron.train.trainer"]
@@ -79,8 +88,28 @@ def _forkable(ctx: mp.context.BaseContext) -> Iterator[None]:
         gc.unfreeze()
 
 
+def _own_process_group() -> None:
+    """Leave the launcher's process group, so that signals reach this rank through the launcher only (once),
+    and ask for SIGTERM when the parent (the launcher, or its fork server) dies: a terminal's hangup, which
+    ends the launcher, no longer reaches this rank itself."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        parent = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the request took hold
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _run_rank(rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: Sequence[Any],
-              timeout_s: float, cells: Any) -> None:
+              timeout_s: float, cells: Any, relay_signals: bool) -> None:
+    # The handlers first, so that no signal the launcher passes on comes before them.
+    with stopping.stop_on_signals() if relay_signals else nullcontext():
+        _own_process_group()
+        _run_rank_in_group(rank, world_size, folder, fn, args, timeout_s, cells)
+
+
+def _run_rank_in_group(rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: Sequence[Any],
+                       timeout_s: float, cells: Any) -> None:
     torch.set_num_threads(1)  # N ranks share this machine's cores
     _pin_gloo_to_loopback()
     faults.attach(faults.SharedBoard(cells, rank))
@@ -141,25 +170,30 @@ def _kill(procs: list[Any]) -> None:
 
 
 def launch_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str | None = None) -> list[Any]:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str | None = None,
+                 relay_signals: bool = False) -> list[Any]:
     """Run `fn(*args)` on `world_size` local processes inside one gloo process group; results by rank.
 
     `fn` must be importable by name, and its arguments and results picklable. `timeout_s` bounds every
     collective (and the rendezvous): a rank that stops responding is named after about that long.
     `start_method` overrides how ranks start ("fork", "forkserver" or "spawn"; default: the fastest safe one).
     Raises ValueError (a rank's bad input) or LaunchError (a rank that failed, died or hung); either way no
-    rank outlives the call.
+    rank outlives the call. `relay_signals`: pass SIGINT and SIGTERM on to every rank, where they only ask for a
+    stop (`train.stopping`), and keep waiting, for an `fn` that stops by itself as the trainer does after a
+    step; a second SIGINT then raises KeyboardInterrupt here. Otherwise a signal ends every rank at once.
     """
     ctx = _start_context(start_method)
     cells = ctx.RawArray("q", 2 * world_size)  # (step, phase) per rank, see faults.SharedBoard
     with tempfile.TemporaryDirectory(prefix="orangetron-launch-") as folder:  # private: mode 0700
-        procs = [ctx.Process(target=_run_rank, args=(rank, world_size, folder, fn, tuple(args), timeout_s, cells),
-                             daemon=True, name=f"orangetron-rank{rank}") for rank in range(world_size)]
+        procs = [ctx.Process(target=_run_rank, daemon=True, name=f"orangetron-rank{rank}",
+                             args=(rank, world_size, folder, fn, tuple(args), timeout_s, cells, relay_signals))
+                 for rank in range(world_size)]
         try:
             with _forkable(ctx):
                 for p in procs:
                     p.start()
-            ending = _watch(procs, cells)
+            with stopping.relay_to([p.pid for p in procs]) if relay_signals else nullcontext():
+                ending = _watch(procs, cells)
         finally:
             _kill(procs)
         outcomes = []

@@ -6,7 +6,8 @@ the same rows with their shard of every weight. With one rank it is the single-d
 layouts are checked against (the wrapper over a one-rank group only adds flat buffers).
 
 The pieces live beside it: `config` (options), `schedule` (learning rate), `step` (one step on one rank),
-`runlog` (what is shown and kept per step), `resume` (checkpoints of a run), `launch` (local ranks).
+`runlog` (what is shown and kept per step), `resume` (checkpoints of a run), `launch` (local ranks),
+`stopping` (SIGINT and SIGTERM: stop after a step), `faults` (naming a rank that died or hung).
 """
 
 
@@ -26,7 +27,7 @@ from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
 from orangetron.parallel.config import DTYPES
-from orangetron.train import admission, faults, run_folder
+from orangetron.train import admission, faults, run_folder, stopping
 from orangetron.train.accounting import predicted_for_rank
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
@@ -74,14 +75,16 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
 
     Keys: layout (degrees), steps, losses (language-model loss of the whole batch per step, the same on every
     layout), final_loss (the last step's), final_loss_mean10 (the mean of the last 10 steps), eval_loss
-    (held-out loss after the last step, or None without held-out data or when stopped by cfg.stop_after),
-    params, tokens_per_s, mfu (model FLOPs utilization against peak_flops, the FLOP/s a large matmul reaches
-    on rank 0; see `train.mfu`), memory (one entry per rank, bytes), comm (one entry per rank, bytes sent per
-    "op/dim"), time_s. With more than one rank the ranks are local processes started by `launch_local`,
+    (held-out loss after the last step, or None without held-out data or when stopped early), stopped
+    ({"signal": "SIGINT" or "SIGTERM", "step": the last step taken} when a signal ended the run early, else
+    None), params, tokens_per_s, mfu (model FLOPs utilization against peak_flops, the FLOP/s a large matmul
+    reaches on rank 0; see `train.mfu`), memory (one entry per rank, bytes), comm (one entry per rank, bytes sent
+    per "op/dim"), time_s. With more than one rank the ranks are local processes started by `launch_local`,
     unless this process already belongs to a process group of that size (torchrun). Deterministic: the same
     cfg gives bitwise-identical losses. With cfg.out, rank 0 writes config.toml, metrics.jsonl and loss.png
-    there, and checkpoints under checkpoints/. torch's thread count is set to cfg.threads for the run and
-    restored afterwards.
+    there, and checkpoints under checkpoints/. SIGINT or SIGTERM during the run stops every rank after the same
+    step, which is checkpointed with cfg.out (`train.stopping`). torch's thread count is set to cfg.threads for
+    the run and restored afterwards.
     """
     admission.check_fits(cfg)  # before any rank starts or anything is written: a refusal is one line
     run_folder.claim(cfg)
@@ -92,7 +95,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
             return _train_under_torchrun(cfg, progress)
         if world_size > 1:
             return _merge_ranks(launch_local(_train_rank, world_size, args=(cfg, progress),
-                                             timeout_s=cfg.timeout_s))
+                                             timeout_s=cfg.timeout_s, relay_signals=True))
     # One thread by default: these models run many small ops, and on a shared 2-core machine a second
     # OpenMP thread that waits for a busy core at every op made steps 10x slower, not faster.
     previous_threads = torch.get_num_threads()
@@ -201,6 +204,12 @@ def setup_run(cfg: TrainConfig) -> RunSetup:
 
 
 def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
+    # From here on SIGINT and SIGTERM ask every rank to stop after the step it is taking (train/stopping.py).
+    with stopping.stop_on_signals():
+        return _run(cfg, progress)
+
+
+def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     setup = setup_run(cfg)
     data, model, optimizer, rank = setup.data, setup.model, setup.optimizer, setup.rank
     bar = ProgressBar(cfg.steps, enabled=progress)
@@ -217,6 +226,7 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     run = RunLog(cfg, bar, write=rank == 0, start=start, flops_per_step=step_flops(cfg) / cfg.layout.world_size,
                  peak_flops=peak)
     eval_loss: float | None = None
+    stopped: dict[str, Any] | None = None
     mem: dict[str, int] = {}
     traffic = StepTraffic()
     with comm.measure() as records, run:
@@ -244,22 +254,27 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
                 with traffic.evaluation(records):
                     eval_loss = evaluate(model, data.eval_samples, cfg.batch_size, cfg.eval_batches)
                 record["eval_loss"] = eval_loss
+            # Every rank asks after every step but the last, so all of them stop after the same one.
+            signum = stopping.agreed(comm.world_group()) if step + 1 < last else 0
+            if signum:
+                stopped = {"signal": stopping.name(signum), "step": step + 1}
+                record["stopped_by"] = stopped["signal"]
             run.step(record, seconds)
-            if cfg.out is not None and (step + 1 == last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+            if cfg.out is not None and (stopped or _checkpoint_due(cfg, step + 1, last)):
                 faults.enter("checkpoint")
                 written = save(cfg, setup, step + 1, run.losses)
                 if written is not None:
                     bar.log(f"wrote checkpoint {written}")
-    if last < cfg.steps:
-        bar.log(f"stopped after step {last} of {cfg.steps}; continue with --resume")
-    elif eval_loss is None:
-        bar.log("no held-out loss: the eval split is shorter than one sample (raise eval_fraction)")
+            if stopped:
+                break
+    _log_ending(bar, cfg, last, stopped, eval_loss)
     return {
         "layout": cfg.layout.degrees(),
         "steps": cfg.steps,
         "losses": run.losses,
         **final_losses(run.losses),
         "eval_loss": eval_loss,
+        "stopped": stopped,
         "params": _model_parameters(cfg),
         "tokens_per_s": run.tokens_per_s() or 0.0,
         "mfu": run.mfu(),
@@ -272,6 +287,21 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "time_s": time.perf_counter() - run.started,
     }
 
+
+def _checkpoint_due(cfg: TrainConfig, step: int, last: int) -> bool:
+    """After the run's last step, and every cfg.save_every steps."""
+    return step == last or bool(cfg.save_every and step % cfg.save_every == 0)
+
+
+def _log_ending(bar: ProgressBar, cfg: TrainConfig, last: int, stopped: dict[str, Any] | None,
+                eval_loss: float | None) -> None:
+    if stopped is not None:
+        then = "continue with --resume" if cfg.out is not None else "nothing was saved (no --out)"
+        bar.log(f"stopped by {stopped['signal']} after step {stopped['step']}; {then}")
+    elif last < cfg.steps:
+        bar.log(f"stopped after step {last} of {cfg.steps}; continue with --resume")
+    elif eval_loss is None:
+        bar.log("no held-out loss: the eval split is shorter than one sample (raise eval_fraction)")
 
 
 def _model_parameters(cfg: TrainConfig) -> int:
