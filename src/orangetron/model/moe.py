@@ -100,7 +100,9 @@ class Router(nn.Module):
     over the top-k. aux_loss is `aux_loss_coef * load_balancing_loss + router_z_loss_coef * z-loss`.
     With `router_bias_rate > 0` the buffer `expert_bias` [E] shifts the scores for choosing the top-k only,
     and `expert_load` [E] int64 counts the non-padding assignments of forwards with gradients (training,
-    not evaluation) since the last bias update. The auxiliary losses come from the submodule `aux_losses`.
+    not evaluation) since the last bias update. A block under activation recompute routes each micro-batch
+    twice, without gradients in forward and with them in backward's replay (`orangetron/parallel/recompute.py`),
+    so it is counted once. The auxiliary losses come from the submodule `aux_losses`.
     """
 
     def __init__(self, cfg: ModelSpec) -> None:
