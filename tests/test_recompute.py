@@ -111,7 +111,7 @@ def test_recompute_matches_one_device_and_the_planner(world):
     for i, (model_name, layout, options) in enumerate(CASES[world]):
         cfg, pc = MODELS[model_name], _config(options)
         check_layout([r[i] for r in results], cfg, layout, pc, f"{model_name} {layout} {options}", rows=ROWS,
-                     balanced_routing=layout.ep > 1, activation_gap=_gap(cfg, layout, pc))
+                     balanced_routing=layout.ep > 1, ep_activations=True, activation_gap=_gap(cfg, layout, pc))
 
 
 # ---- one device: the replay itself -------------------------------------------------------------------------------
