@@ -1,8 +1,9 @@
 """Activation recompute (`ParallelConfig.recompute`, `recompute_layers`) against one device and the planner.
 
 Every mode trains float64 steps through `ot.parallelize` on tp2 x cp2 x pp2 (every schedule, four cp modes, SP,
-ZeRO-1/2/3 and the distributed optimizer) and with experts over data parallelism (dp2 x ep2, dp4 x ep2 and
-tp2 x dp2 x ep2; every dispatcher, overlap chunks, ZeRO-1/2/3, gradient buckets): losses, every gradient, the
+ZeRO-1/2/3 and the distributed optimizer), with experts over data parallelism (dp2 x ep2, dp4 x ep2 and
+tp2 x dp2 x ep2; every dispatcher, overlap chunks, ZeRO-1/2/3, gradient buckets), on cp4 with USP and on an
+interleaved pp2 x dp2 that keeps a layer of each chunk: losses, every gradient, the
 final parameters and the routers' biases must equal the plain single-device model to 1e-9 (`layout_check`), and
 every rank's ledger (the replayed forward's collectives included) and model states must equal
 `plan.bridge.predicted_step`. The activation peak equals the planner's to the byte for selective recompute and
@@ -34,6 +35,7 @@ from orangetron.testing import run_distributed
 BASE = dict(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, aux_loss_coef=0.0)
 MODELS = {
     "dense": ModelConfig(**BASE),
+    "dense-8": ModelConfig(**{**BASE, "n_layers": 8}),  # two layers in each of pp2 x 2 chunks: one kept
     # The bias update on: the replay must not count the loads twice. (The pipeline reports the cross entropy
     # alone, and the balancing loss of micro-batches is not the whole batch's: under pp both losses stay off, as
     # in tests/test_pipeline_parallel.py.)
@@ -64,7 +66,10 @@ CASES = {
         ("moe-ep", Layout(tp=2, dp=2, ep=2), {"recompute": "full", "dispatcher": "allgather", "sequence_parallel": True,
                                               "grad_bucket_numel": 300}),
         ("moe-ep", Layout(tp=2, dp=2, ep=2), {"recompute": "none", "dispatcher": "allgather", "sequence_parallel": True,
-                                              "grad_bucket_numel": 300})],
+                                              "grad_bucket_numel": 300}),
+        ("dense", Layout(cp=4), {"recompute": "full", "cp_mode": "usp", "ulysses_degree": 2, "zero_stage": 1}),
+        ("dense-8", Layout(pp=2, dp=2), {"recompute": "full", "recompute_layers": 1, "pp_schedule": "interleaved",
+                                         "virtual_stages": 2, "microbatches": 2, "zero_stage": 2})],
 }
 
 
