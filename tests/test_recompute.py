@@ -170,6 +170,21 @@ def test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice(name):
     assert none["peak"] == planner
 
 
+def test_a_frozen_embedding_still_trains_the_replayed_blocks():
+    """The first block's input needs no gradient when the embedding is frozen: its parameters still get theirs."""
+    cfg = ONE_DEVICE["dense"]
+    tokens = batch(0, ROWS, cfg.vocab_size)
+    grads = []
+    for recompute in ("none", "full"):
+        model = Transformer(cfg, seed=0, dtype=torch.float64)
+        model.tok_embeddings.weight.requires_grad_(False)
+        apply_recompute(model, 1, 1, recompute, 0)
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[1].keys() == grads[0].keys() and all(g is not None for g in grads[1].values())
+    assert all(torch.equal(g, grads[0][n]) for n, g in grads[1].items())
+
+
 def test_the_replayed_blocks_are_the_first_of_each_chunk():
     """10 layers over pp 2 x 2 virtual stages: chunks (0-2), (3-5), (6-7), (8-9); two per chunk replay the first
     two of each, as the planner's `replayed_layers` says; 0 replays every layer; none and selective none."""

@@ -43,7 +43,10 @@ class Recompute(nn.Module):
                 token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not torch.is_grad_enabled():
             return body(x, cos, sin, token_mask)
-        outputs = _Replay.apply(body, x, cos, sin, token_mask)
+        # Backward must reach the replay (and the block's parameters) even when the input needs no gradient (a
+        # frozen embedding before the first block): then an empty leaf that needs one stands in.
+        anchor = None if x.requires_grad else x.new_empty(0, requires_grad=True)
+        outputs = _Replay.apply(body, anchor, x, cos, sin, token_mask)
         return (outputs, None) if torch.is_tensor(outputs) else outputs
 
 
@@ -52,7 +55,7 @@ class _Replay(torch.autograd.Function):
     backward through the replay."""
 
     @staticmethod
-    def forward(ctx, body: Body, *inputs: torch.Tensor | None):
+    def forward(ctx, body: Body, anchor: torch.Tensor | None, *inputs: torch.Tensor | None):
         ctx.body = body
         ctx.save_for_backward(*inputs)
         out, aux_loss = body(*inputs)  # autograd runs a Function's forward without gradients
@@ -69,7 +72,7 @@ class _Replay(torch.autograd.Function):
             outputs.append(aux_loss)
             grads.append(grad_aux)
         torch.autograd.backward(outputs, grads)  # parameter gradients accumulate as in any backward
-        return None, *(t.grad if t is not None and t.requires_grad else None for t in inputs)
+        return None, None, *(t.grad if t is not None and t.requires_grad else None for t in inputs)
 
 
 def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
