@@ -87,9 +87,10 @@ def full_replay_gap(cfg: ModelConfig, layout: Layout, pc: ParallelConfig, stage:
     stage keeps. The runtime never holds two of those at once:
     - the replayed layer's input: the planner counts it both as kept and among the replay's activations (its
       first norm's input); the replay runs on the kept tensor itself, as Megatron's does;
-    - on the last stage, the output layer's buffers (final-norm and projection inputs, the logits' gradient):
-      the loss's backward frees them before the last layer replays. (Were the head larger than a layer's
-      activations less its input, the peak would be the end of forward instead; not so for these models.)
+    - on the last stage, the output layer's buffers of the micro-batch whose backward runs (final-norm and
+      projection inputs, the logits' gradient): the loss's backward frees them before the last layer replays.
+      (Were they larger than a layer's activations less its input, the peak would be the end of forward
+      instead, and the gap another; not so for these models.)
     """
     deg = degrees_from_layout(layout)
     job = Job(**values_of(ParallelConfig, pc), seq_len=SEQ, micro_batch=ROWS // pc.microbatches)
@@ -100,7 +101,7 @@ def full_replay_gap(cfg: ModelConfig, layout: Layout, pc: ParallelConfig, stage:
     rep = layout.tp if pc.sequence_parallel else 1
     head = 2 * 8 * s * b * h // rep + 8 * s * b * cfg.vocab_size // layout.tp  # float64 inputs and logits' gradient
     whole = layer_activation_bytes(cfg, deg, replace(job, recompute="none"), cfg.n_experts > 0)
-    assert whole - kept_input >= head, "the peak is the end of forward here: the gap is the replay's, not this"
+    assert whole - kept_input >= head, "the end of forward would be the peak here, and the gap another"
     return kept_input + head
 
 
