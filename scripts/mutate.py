@@ -453,9 +453,6 @@ MUTANTS = [
            (("        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb * rounds, eff)",
              "        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)"),),
            ("tests/test_plan_timing.py",)),
-    Mutant("runtime_silently_ignores_recompute", "src/orangetron/parallel/config.py",
-           (("    if config.recompute != \"none\":", "    if False:"),),
-           ("tests/test_data_parallel.py::test_the_runtime_refuses_recomputation_it_does_not_do",)),
     Mutant("planner_usp_ring_placed_as_ulysses", "src/orangetron/plan/timing.py",
            (("sum(c.cp % stride == 0 and c.cp < size * stride for c in same)", "sum(c.cp < size for c in same)"),),
            ("tests/test_plan_timing.py::test_usp_groups_follow_the_runtime_split_of_cp",)),
@@ -1016,8 +1013,54 @@ MUTANTS = [
            (("key=lambda f: (f.estimate.time.step_s, f.change.count",
              "key=lambda f: (-f.estimate.time.step_s, f.change.count"),),
            ("tests/test_plan_fit_advice.py",)),
+    # ---- activation recompute in the runtime -----------------------------------------------------------------
+    Mutant("replayed_collectives_left_out_of_the_ledger", "src/orangetron/parallel/recompute.py",
+           (("from orangetron.parallel.replace import replace_module",
+             "from orangetron import comm\nfrom orangetron.parallel.replace import replace_module"),
+            ("        with torch.enable_grad():\n            out, aux_loss = ctx.body(*inputs)",
+             "        with torch.enable_grad(), comm.unmeasured():\n            out, aux_loss = ctx.body(*inputs)")),
+           ("tests/test_recompute.py::test_recompute_matches_one_device_and_the_planner",)),
+    Mutant("planner_forgets_the_replayed_balancing_loss", "src/orangetron/plan/traffic.py",
+           (("    passes = 2 if job.recompute == \"full\" else 1\n    return [_gather(\"all_reduce\"",
+             "    passes = 1\n    return [_gather(\"all_reduce\""),),
+           ("tests/test_recompute.py::test_recompute_matches_one_device_and_the_planner",)),
+    Mutant("replayed_moe_layer_counts_its_loads_twice", "src/orangetron/parallel/recompute.py",
+           (("        out, aux_loss = body(*inputs)  # autograd runs a Function's forward without gradients",
+             "        with torch.enable_grad():  # as training runs it\n"
+             "            out, aux_loss = body(*inputs)\n"
+             "        out, aux_loss = out.detach(), None if aux_loss is None else aux_loss.detach()"),),
+           ("tests/test_recompute.py::test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice",)),
+    Mutant("router_counts_forwards_without_gradients", "src/orangetron/model/moe.py",
+           (("        if self.expert_bias is not None and torch.is_grad_enabled():",
+             "        if self.expert_bias is not None:"),),
+           ("tests/test_recompute.py::test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice",)),
+    Mutant("replay_overwrites_the_steps_aux_loss", "src/orangetron/model/transformer.py",
+           (("            y, aux_loss = self.feed_forward.with_aux_loss(self.ffn_norm(h), token_mask)\n"
+             "            return h + y, aux_loss",
+             "            y = self.feed_forward(self.ffn_norm(h), token_mask)\n"
+             "            return h + y, self.feed_forward.last_aux_loss"),),
+           ("tests/test_recompute.py::test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice",)),
+    Mutant("replay_drops_the_aux_loss_gradient", "src/orangetron/parallel/recompute.py",
+           (("        if ctx.has_aux and grad_aux is not None and aux_loss.requires_grad:", "        if False:"),),
+           ("tests/test_recompute.py::test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice",)),
+    Mutant("replay_keeps_its_inputs_on_ctx", "src/orangetron/parallel/recompute.py",
+           (("        ctx.save_for_backward(*inputs)", "        ctx.inputs = inputs"),
+            ("        inputs = [_leaf(t) for t in ctx.saved_tensors]",
+             "        inputs = [_leaf(t) for t in ctx.inputs]")),
+           ("tests/test_recompute.py::test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice",)),
+    Mutant("recompute_layers_counted_over_the_whole_model", "src/orangetron/parallel/recompute.py",
+           (("replayed_layers(layers, pp, virtual_stages, s, recompute_layers) for s in range(pp)",
+             "replayed_layers(layers, 1, 1, 0, recompute_layers) for s in range(pp)"),),
+           ("tests/test_recompute.py::test_the_replayed_blocks_are_the_first_of_each_chunk",)),
+    Mutant("recompute_layers_from_the_chunk_end", "src/orangetron/parallel/recompute.py",
+           (("    replayed = set().union(*(replayed_layers(layers, pp, virtual_stages, s, recompute_layers) "
+             "for s in range(pp)))",
+             "    from orangetron.spec.stages import chunk_layers\n"
+             "    replayed = {i for chunk in chunk_layers(layers, pp * virtual_stages)\n"
+             "                for i in chunk[len(chunk) - (recompute_layers or len(chunk)):]}"),),
+           ("tests/test_recompute.py::test_the_replayed_blocks_are_the_first_of_each_chunk",
+            "tests/test_recompute.py::test_recompute_matches_one_device_and_the_planner")),
 ]
-
 
 def check(mutants: list[Mutant]) -> list[str]:
     """Problems with the list itself: a snippet that is missing or occurs more than once, a missing test file."""

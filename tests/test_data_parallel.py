@@ -386,21 +386,6 @@ def test_parallel_config_rules():
 
 
 
-def test_the_runtime_refuses_recomputation_it_does_not_do(tmp_path):
-    """`recompute` is a planner option the runtime does not carry out yet: asking the runtime for it is an
-    error, not a run that silently keeps every activation."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        mesh = init_mesh(Layout())
-        for mode in ("selective", "full"):
-            with pytest.raises(ParallelConfigError, match=f"recompute='{mode}': the runtime keeps every activation"):
-                DataParallel(Transformer(CFG, seed=0, dtype=torch.float64), mesh, ParallelConfig(recompute=mode))
-        DataParallel(Transformer(CFG, seed=0, dtype=torch.float64), mesh, ParallelConfig())
-    finally:
-        dist.destroy_process_group()
-
 # ---- awkward uses: several outputs, a tied weight used last, accumulation, eval and unused forwards ------
 
 

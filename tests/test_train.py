@@ -113,7 +113,7 @@ def test_lr_schedule() -> None:
         # Fields of the layout and the options that the planner prices and the runtime does not run.
         ({"tp": 2, "etp": 2}, r"etp=2 expert_fold=False: the runtime shards experts with etp=1 only"),
         ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 2}, r"pp_schedule='zb-h1': priced by the planner only"),
-        ({"recompute": "selective"}, r"recompute='selective': the runtime keeps every activation"),
+        ({"recompute": "selective", "recompute_layers": 1}, r"recompute_layers=1 needs recompute='full'"),
     ],
 )
 def test_config_rejects_bad_values(overrides: dict, match: str) -> None:

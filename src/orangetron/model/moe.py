@@ -100,7 +100,9 @@ class Router(nn.Module):
     over the top-k. aux_loss is `aux_loss_coef * load_balancing_loss + router_z_loss_coef * z-loss`.
     With `router_bias_rate > 0` the buffer `expert_bias` [E] shifts the scores for choosing the top-k only,
     and `expert_load` [E] int64 counts the non-padding assignments of forwards with gradients (training,
-    not evaluation) since the last bias update. The auxiliary losses come from the submodule `aux_losses`.
+    not evaluation) since the last bias update. A block under activation recompute routes each micro-batch
+    twice, without gradients in forward and with them in backward's replay (`orangetron/parallel/recompute.py`),
+    so it is counted once. The auxiliary losses come from the submodule `aux_losses`.
     """
 
     def __init__(self, cfg: ModelSpec) -> None:
@@ -225,10 +227,18 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, S, dim]; token_mask: [B, S] bool, False where the token is padding (kept out of the
         load-balancing loss so that padding never changes the loss)."""
+        y, self.last_aux_loss = self.with_aux_loss(x, token_mask)
+        return y
+
+    def with_aux_loss(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+        """`forward` handing back (y [B, S, dim], the router's scaled auxiliary loss) instead of setting
+        `last_aux_loss`: a block that replays its forward in backward (activation recompute) calls this, so that
+        the replay leaves the loss the step already holds alone."""
         x_flat = x.reshape(-1, x.shape[-1])  # [T, dim]
         mask = None if token_mask is None else token_mask.reshape(-1)
-        topk_idx, topk_weights, self.last_aux_loss = self.router(x_flat, mask)
+        topk_idx, topk_weights, aux_loss = self.router(x_flat, mask)
         y = self.dispatcher(x_flat, topk_idx, topk_weights, self.experts)  # [T, dim]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x_flat)
-        return y.view_as(x)
+        return y.view_as(x), aux_loss

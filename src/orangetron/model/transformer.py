@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,8 +40,26 @@ def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: ModelSpe
     return torch.normal(0.0, std, size=tuple(shape), generator=gen)
 
 
+class KeepActivations(nn.Module):
+    """How a block runs its body on one device: straight through, autograd keeping what the body saves.
+
+    forward(body, x, cos, sin, token_mask) -> body(x, cos, sin, token_mask). `TransformerBlock.recompute` holds
+    this module: the seam where activation recompute puts a version that keeps only the body's inputs and
+    replays it in backward (`orangetron/parallel/recompute.py`), with the same signature.
+    """
+
+    def forward(self, body: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor,
+                token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return body(x, cos, sin, token_mask)
+
+
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(.)); x: [B, S, dim]."""
+    """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(.)); x: [B, S, dim].
+
+    The body runs through the seam `recompute` (`KeepActivations` here). An MoE block's `feed_forward.last_aux_loss`
+    is set from what the body hands back, so a body replayed in backward changes no state of the block.
+    """
 
     def __init__(self, cfg: ModelSpec, layer_idx: int) -> None:
         super().__init__()
@@ -49,14 +68,27 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.recompute = KeepActivations()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        moe = isinstance(self.feed_forward, MoE)
+        # A dense block never reads the mask: it is not handed over, so nothing keeps it for this block.
+        h, aux_loss = self.recompute(self.body, x, cos, sin, token_mask if moe else None)
+        if moe:
+            self.feed_forward.last_aux_loss = aux_loss
+        return h
+
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's computation: (output [B, S, dim], the MoE's auxiliary loss or None); no state changes,
+        except the routers' load counts of a forward with gradients (`Router`)."""
         h = x + self.attention(self.attention_norm(x), cos, sin)
         if isinstance(self.feed_forward, MoE):
-            return h + self.feed_forward(self.ffn_norm(h), token_mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+            y, aux_loss = self.feed_forward.with_aux_loss(self.ffn_norm(h), token_mask)
+            return h + y, aux_loss
+        return h + self.feed_forward(self.ffn_norm(h)), None
 
 
 class Transformer(nn.Module):

@@ -21,8 +21,8 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 
 def check_runnable(config: ParallelConfig) -> None:
     """Raise (RuleError or ParallelConfigError, one line) for an option `config` holds that the runtime does not
-    run: a variant priced by the planner only, a dtype without a torch dtype here, gradient buckets under ZeRO-3,
-    or recomputation (not implemented yet)."""
+    run: a variant priced by the planner only, a dtype without a torch dtype here, or gradient buckets under
+    ZeRO-3."""
     CONTEXT_MODES.runtime_record(config.cp_mode)
     DISPATCHERS.runtime_record(config.dispatcher)
     SCHEDULES.runtime_record(config.pp_schedule)
@@ -30,7 +30,3 @@ def check_runnable(config: ParallelConfig) -> None:
     if config.reduce_dtype is not None:
         check_choice("reduce_dtype", config.reduce_dtype, tuple(DTYPES))
     rules.grad_buckets_not_with_zero3(config.grad_bucket_numel, config.zero_stage)
-    if config.recompute != "none":
-        raise ParallelConfigError(
-            f"recompute={config.recompute!r}: the runtime keeps every activation for backward (it does not "
-            "recompute yet); the planner prices recomputation (`orangetron estimate --recompute`)")

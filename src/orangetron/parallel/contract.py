@@ -9,8 +9,9 @@ Each member is listed because some dimension reads or replaces it:
   and the methods a pipeline stage and the training step call on parts of the model: `embed`,
   `routing_mask`, `head`, `cross_entropy`, `loss_from_logits`, `aux_loss`;
 - each block of `layers`: called as `block(h, cos, sin, token_mask)`, with `attention` (tensor parallelism
-  takes over `wq`, `wk`, `wv`, `wo`, `head_dim`; context parallelism fills the seam `core_attention`) and
-  `feed_forward` (a dense MLP that tensor parallelism replaces, or an `orangetron.model.moe.MoE`);
+  takes over `wq`, `wk`, `wv`, `wo`, `head_dim`; context parallelism fills the seam `core_attention`),
+  `feed_forward` (a dense MLP that tensor parallelism replaces, or an `orangetron.model.moe.MoE`) and the seam
+  `recompute`, through which the block runs its body (activation recompute fills it);
 - each MoE: `router` (with `n_experts`, the loss coefficients and the seam `aux_losses`), `experts` (whose
   `w1`, `w3`, `w2` expert parallelism slices), `shared_expert`, the seam `dispatcher`, and `last_aux_loss`.
 
@@ -72,6 +73,7 @@ class ParallelBlock(Protocol):
 
     attention: nn.Module
     feed_forward: nn.Module
+    recompute: nn.Module  # runs the block's body: (body, h, cos, sin, token_mask) -> (out, aux loss or None)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  token_mask: torch.Tensor | None) -> torch.Tensor: ...

@@ -12,6 +12,7 @@ on entry):
 - context parallelism: each block's `attention.core_attention`, the attention core seam (q, k, v) -> out;
 - expert parallelism: each MoE's `dispatcher` and `router.aux_losses`, the routed experts' parameters sliced;
 - the balancing loss without ep: each MoE's `router.aux_losses` (the losses over the global batch);
+- activation recompute: each replayed block's `recompute` (keeps the block's inputs, replays it in backward);
 - pipeline parallelism: `layers` (this rank's only, by global index), and `tok_embeddings`, `norm`, `output`
   emptied on the stages that do not run them;
 - data parallelism: nothing; `DataParallel` wraps the model.
@@ -28,6 +29,7 @@ from orangetron.parallel.contract import check_model
 from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.expert.balance import balance_globally
 from orangetron.parallel.parallel_model import ParallelModel
+from orangetron.parallel.recompute import apply_recompute
 from orangetron.parallel.replace import replace_module
 from orangetron.parallel.tensor import tensor_parallel
 from orangetron.spec import rules
@@ -41,7 +43,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     parallelism (every attention core attends across the cp ranks in `config.cp_mode`; the caller feeds
     each rank its head-tail shard of the tokens with their global positions, `context.shard` and
     `context.position_ids`), then expert parallelism over ep (routed experts in blocks per ep rank,
-    `config.dispatcher`), then pipeline parallelism over pp (this rank keeps its stage's chunks; run a
+    `config.dispatcher`), then activation recompute (`config.recompute`, `config.recompute_layers`: the blocks
+    that replay their forward in backward), then pipeline parallelism over pp (this rank keeps its stage's chunks; run a
     step with `pipeline.run_pipeline`), then data parallelism over dp x cp (experts over edp) with the
     ZeRO stage of `config`. Returns the `ParallelModel`: call it like the model, and build the optimizer with
     `.optimizer(lr=...)`. Every rank must build `model` from the same seed. A model that lacks what the
@@ -63,6 +66,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
         model = expert_parallel(model, mesh, config)
     else:  # the balancing loss over every token of the batch, as one device computes it
         balance_globally(model, mesh, config.sequence_parallel)
+    apply_recompute(model, layout.pp, config.virtual_stages, config.recompute, config.recompute_layers)
     chunks = None
     if layout.pp > 1:  # last: the other dimensions walk every layer of the whole model
         chunks = pipeline.split_stages(model, layout.pp, mesh["pp"].rank, config.virtual_stages)

@@ -3,8 +3,8 @@
 The runtime takes it as `ot.ParallelConfig` (re-exported by `orangetron.parallel`); the planner's `Job`
 (spec/options.py) and the trainer's `TrainConfig` (train/config.py) are subclasses that add only what they alone
 need. It is validated on construction by the rules both sides hold (spec/rules.py). What only the runtime refuses
-(variants the planner prices but the runtime does not run, dtypes it has no torch dtype for, recomputation) is
-`orangetron.parallel.config.check_runnable`, which the runtime calls before it builds anything.
+(variants the planner prices but the runtime does not run, dtypes it has no torch dtype for, gradient buckets
+under ZeRO-3) is `orangetron.parallel.config.check_runnable`, which the runtime calls before it builds anything.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class ParallelConfigError(ValueError):
 class ParallelConfig:
     """Options of every parallel dimension; `train` and `estimate` take them as flags of the same name with dashes.
 
-    `recompute` and `recompute_layers` are priced by the planner only; the runtime refuses recomputation
-    (`orangetron.parallel.config.check_runnable`).
+    `recompute` and `recompute_layers` are run by the runtime (`orangetron/parallel/recompute.py`) as the planner
+    prices them; selective recompute keeps what none keeps there (docs/runtime.md, Activation recompute).
     """
 
     sequence_parallel: bool = False  # TP's all-reduce becomes reduce-scatter + all-gather; norms on shards

@@ -88,7 +88,7 @@ def add_train_commands(sub: Any) -> None:
 
 
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
-    from orangetron.spec.parallel_config import ParallelConfig  # torch-free: `--help` stays fast
+    from orangetron.spec.parallel_config import RECOMPUTE, ParallelConfig  # torch-free: `--help` stays fast
 
     defaults = ParallelConfig.__dataclass_fields__  # the variants' defaults live once, in the options type
     p.add_argument("--dp", type=int, default=1,
@@ -135,6 +135,14 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero3-reduce-every-microbatch", action="store_true",
                    help="--zero-stage 3: reduce-scatter every micro-batch's gradients into the sharded main buffer "
                    "(one unit's .grad at a time, m times the reduce-scatters; default: accumulate whole in .grad)")
+    p.add_argument("--recompute", default=defaults["recompute"].default, choices=RECOMPUTE,
+                   help="activation recompute (default: %(default)s): full keeps each replayed layer's input only "
+                   "and replays its forward (and its collectives) in backward; selective (the attention core) "
+                   "keeps what none keeps here, since every attention kernel the runtime runs already recomputes "
+                   "its scores in backward")
+    p.add_argument("--recompute-layers", type=int, default=defaults["recompute_layers"].default, metavar="N",
+                   help="--recompute full: replay only the first N layers of each pipeline chunk, keep the others' "
+                   "activations (Megatron's block method; default: %(default)s, every layer)")
 
 
 def _summaries(registry: Registry) -> str:

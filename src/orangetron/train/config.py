@@ -24,10 +24,10 @@ from orangetron.train.faults import DEFAULT_TIMEOUT_S
 
 DEFAULT_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 2e-2}  # `verify`: the promise per dtype
 PARAM_DTYPES = ("float32", "float64", "bfloat16")  # parallel.config.DTYPES's names (a test keeps them equal)
-# Inherited fields `train` takes no flag for: the planner's expert folding, and options the runtime refuses
-# (recompute) or the trainer leaves at their defaults. `options()` writes them only when set, so a run folder's
-# config.toml stays a file that `--config` reads (a test keeps every other field a flag).
-WITHOUT_FLAGS = ("etp", "expert_fold", "drop_policy", "reduce_dtype", "recompute", "recompute_layers")
+# Inherited fields `train` takes no flag for: the planner's expert folding, and options the trainer leaves at
+# their defaults. `options()` writes them only when set, so a run folder's config.toml stays a file that
+# `--config` reads (a test keeps every other field a flag).
+WITHOUT_FLAGS = ("etp", "expert_fold", "drop_policy", "reduce_dtype")
 
 
 class TrainConfigError(ValueError):
@@ -161,6 +161,9 @@ class TrainConfig(Layout, ParallelConfig):
             "zero3_keep_params": (self.zero_stage != 3, "needs --zero-stage 3"),
             "distributed_optimizer": (self.dp * self.cp == 1, "needs --dp or --cp > 1: nothing to shard"),
             "grad_bucket_numel": (self.dp * self.cp == 1, "needs --dp or --cp > 1: no gradient reduction"),
+            "recompute": (self.recompute == "selective", "every attention kernel the runtime runs already "
+                          "recomputes its scores in backward, which is what selective recompute saves "
+                          "(docs/runtime.md, Activation recompute)"),
             "eval_every": (self.eval_every >= self.steps, f"is not before --steps={self.steps}: only the final "
                            "evaluation runs"),
             "save_every": (self.save_every >= self.steps, f"is not before --steps={self.steps}: only the final "

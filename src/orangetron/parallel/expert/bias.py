@@ -25,8 +25,9 @@ def biased_routers(model: nn.Module) -> list[Router]:
 def update_router_bias(model: nn.Module, mesh: ParallelMesh | None = None, sequence_parallel: bool = False) -> None:
     """Move every router bias of `model` by its rate towards the balanced load, then restart the counts.
 
-    Call once after each optimizer step, on every rank. `mesh` None: one device. The sign is unchanged when
-    every count is scaled (full recomputation routes each micro-batch twice), so the update is too.
+    Call once after each optimizer step, on every rank. `mesh` None: one device. Each micro-batch's routing is
+    counted once, also under activation recompute (`Router`): the update reads the counts, and the tests read them
+    too (tests/test_recompute.py), since doubling every count would not change the update's signs.
     """
     routers = biased_routers(model)
     if not routers:
