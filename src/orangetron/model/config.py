@@ -34,7 +34,8 @@ def ModelConfig(  # noqa: N802 (the stable name users call, from when it was a c
     if moe_ffn_dim is None:
         arguments["moe_ffn_dim"] = ffn_dim
     if not n_experts:
-        arguments.update(top_k=0, moe_ffn_dim=0, norm_topk_prob=False, aux_loss_coef=0.0, router_z_loss_coef=0.0, router_bias_rate=0.0)
+        arguments.update(top_k=0, moe_ffn_dim=0, norm_topk_prob=False, aux_loss_coef=0.0, router_z_loss_coef=0.0,
+                         router_bias_rate=0.0)
     try:
         spec = ModelSpec(**{RUNTIME_NAMES.get(key, key): value for key, value in arguments.items()})
         check_runnable(spec)
