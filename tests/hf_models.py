@@ -21,9 +21,26 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 96
+VOCAB = 320  # a byte-level BPE's 256 bytes, its special token and some merges fit
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def corpus_file(folder: Path, nbytes: int = 60_000) -> Path:
+    """Some of the stdlib corpus as a text file (the tokenizers and the training runs read it)."""
+    from orangetron.train.corpus import stdlib_corpus
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "corpus.txt"
+    path.write_text(stdlib_corpus(nbytes), encoding="utf-8")
+    return path
+
+
+def add_tokenizer(folder: Path, vocab: int = 300) -> Path:
+    """A byte-level BPE (`orangetron tokenizer train`) trained on the corpus, saved into the model folder."""
+    from orangetron.train.prepare import train_tokenizer
+
+    return train_tokenizer([str(corpus_file(folder.parent / f"{folder.name}-text"))], folder, vocab)
 
 
 def _spread(model: torch.nn.Module, seed: int) -> None:

@@ -16,7 +16,7 @@ from orangetron.spec.model import ModelSpec
 
 __all__ = ["HFConfigError", "config", "describe_folder", "load", "read_into", "save"]
 
-_LAZY = {"load": ".io", "save": ".io", "read_into": ".io", "describe_folder": ".io"}
+_LAZY = {"load": ".io", "save": ".io", "read_into": ".io", "describe_folder": ".folder"}
 
 
 def config(path: str | Path) -> ModelSpec:

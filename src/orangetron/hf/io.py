@@ -8,7 +8,6 @@ embedding as HF does) and the tokenizer's files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -85,21 +84,3 @@ def copy_tokenizer(tokenizer: str | Path, folder: Path) -> None:
     for file in files:
         shutil.copyfile(file, folder / file.name)
 
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def describe_folder(path: str | Path) -> dict[str, Any]:
-    """What a run records of the Hugging Face folder it imported: its absolute path, the SHA-256 of its
-    config.json and of its safetensors index (when sharded), each safetensors file's size, and its dtype."""
-    path = Path(path).resolve()
-    folder = SafetensorsFolder.open(path)
-    record: dict[str, Any] = {"path": str(path), "config_sha256": _sha256(path / CONFIG_FILE),
-                              "files": {name: (path / name).stat().st_size for name in folder.files()}}
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        record["index_sha256"] = _sha256(index)
-    config = read_config(path)
-    record["dtype"] = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    return record

@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
+from orangetron.hf.folder import INDEX_FILE, SINGLE_FILE
 from orangetron.spec.hf_config import hf_family
 from orangetron.spec.model import ModelSpec
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that hold no weights (recomputed rotary tables).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
