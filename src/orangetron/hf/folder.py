@@ -32,8 +32,8 @@ def describe_folder(path: str | Path) -> dict[str, Any]:
     """A Hugging Face folder as a run records it: its absolute path, the SHA-256 of its config.json and of its
     safetensors index (when sharded), each safetensors file's size, and its dtype."""
     path = Path(path).resolve()
-    record: dict[str, Any] = {"path": str(path), "config_sha256": _sha256(path / CONFIG_FILE),
-                              "files": [{"name": name, "bytes": (path / name).stat().st_size} for name in weight_files(path)]}
+    files = [{"name": name, "bytes": (path / name).stat().st_size} for name in weight_files(path)]
+    record: dict[str, Any] = {"path": str(path), "config_sha256": _sha256(path / CONFIG_FILE), "files": files}
     if (path / INDEX_FILE).is_file():
         record["index_sha256"] = _sha256(path / INDEX_FILE)
     config = read_config(path)

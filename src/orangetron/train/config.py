@@ -15,12 +15,12 @@ from pathlib import Path
 
 from orangetron.model.config import MODEL_PRESETS, ConfigError, check_runnable, model_preset
 from orangetron.spec import rules
+from orangetron.spec.hf_config import is_hf_folder, spec_from_hf
+from orangetron.spec.hf_config import read_config as read_hf_config
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, load_decoder, preset_names
 from orangetron.spec.parallel_config import ParallelConfig, values_of
 from orangetron.spec.variants import CONTEXT_MODES, SCHEDULES
-from orangetron.spec.hf_config import is_hf_folder, spec_from_hf
-from orangetron.spec.hf_config import read_config as read_hf_config
 from orangetron.train.corpus import DEFAULT_CORPUS_BYTES
 from orangetron.train.datasets import is_prepared_dataset, read_meta
 from orangetron.train.faults import DEFAULT_TIMEOUT_S

@@ -30,6 +30,7 @@ from orangetron.train import admission, faults, run_folder
 from orangetron.train.accounting import predicted_for_rank
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
+from orangetron.train.datasets import PreparedDataset
 from orangetron.train.launch import LaunchError, launch_local, process_group
 from orangetron.train.mfu import measured_peak_flops, step_flops
 from orangetron.train.progress import ProgressBar
@@ -37,7 +38,6 @@ from orangetron.train.resume import resume, save
 from orangetron.train.runlog import Resumed, RunLog, final_losses
 from orangetron.train.schedule import lr_at
 from orangetron.train.step import TrainingDiverged, evaluate, train_step
-from orangetron.train.datasets import PreparedDataset
 from orangetron.train.tokenizer import tokenizer_named
 from orangetron.train.traffic import StepTraffic
 
