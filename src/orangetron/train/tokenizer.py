@@ -67,19 +67,18 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer (tokenizer.json) that encodes as `transformers.AutoTokenizer` does,
-    BOS/EOS included.
+    """A Hugging Face `tokenizers` tokenizer (tokenizer.json) that encodes as transformers 5's
+    `AutoTokenizer` does, BOS/EOS included.
 
     `path`: a folder holding tokenizer.json (and perhaps tokenizer_config.json) or a tokenizer.json file. The
-    BOS and EOS tokens come from tokenizer_config.json (`bos_token`, `eos_token`, as strings or added-token
-    objects). As transformers does, explicit `add_bos_token` / `add_eos_token` there (or a tokenizer.json
-    without a post-processor) make the special tokens exactly those the flags ask for; otherwise
-    tokenizer.json's own post-processor adds what it adds.
+    special tokens encoding adds are those of tokenizer.json's post-processor (transformers 5 drops
+    tokenizer_config.json's `add_bos_token` / `add_eos_token` when a tokenizer.json exists, and so does this
+    class). Which tokens are BOS and EOS comes from tokenizer_config.json (`bos_token`, `eos_token`, as strings or
+    added-token objects): prepared datasets put EOS between documents.
     """
 
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as Backend
-        from tokenizers import processors
 
         self.path = Path(path).resolve()
         self.file = self.path / TOKENIZER_JSON if self.path.is_dir() else self.path
@@ -92,14 +91,6 @@ class HFTokenizer:
         config = _tokenizer_config(self.file.parent)
         self.bos_token, self.eos_token = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
         self.bos_id, self.eos_id = self._id(self.bos_token), self._id(self.eos_token)
-        explicit = "add_bos_token" in config or "add_eos_token" in config
-        if explicit or self.backend.post_processor is None:
-            bos = self.bos_token if config.get("add_bos_token") and self.bos_id is not None else None
-            eos = self.eos_token if config.get("add_eos_token") and self.eos_id is not None else None
-            single, second = _template("A", 0, bos, eos), _template("B", 1, bos, eos)
-            special = [(t, self._id(t)) for t in (bos, eos) if t is not None]
-            self.backend.post_processor = processors.TemplateProcessing(
-                single=" ".join(single), pair=" ".join(single + second), special_tokens=special)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
 
     def _id(self, token: str | None) -> int | None:
@@ -144,11 +135,6 @@ def _tokenizer_config(folder: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{file}: not a JSON file ({err})") from None
     return config if isinstance(config, dict) else {}
-
-
-def _template(part: str, index: int, bos: str | None, eos: str | None) -> list[str]:
-    """One sequence of transformers' BOS/EOS template: [bos] $part [eos], each tagged with the sequence index."""
-    return [f"{t}:{index}" for t in (bos,) if t] + [f"${part}:{index}"] + [f"{t}:{index}" for t in (eos,) if t]
 
 
 def _token_text(token: Any) -> str | None:
