@@ -126,3 +126,18 @@ def test_a_moe_no_family_holds_is_refused_on_export(tmp_path):
 
     with pytest.raises(HFConfigError, match=r"norm_topk_prob=False: no Hugging Face family here holds this MoE"):
         hf.save(Transformer(model_preset("tiny-moe")), tmp_path / "out")
+
+
+def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
+    from orangetron.cli import main
+
+    for folder in (hf_models.llama(tmp_path / "l", tied=True), hf_models.mixtral(tmp_path / "m")):
+        spec = hf.config(folder)
+        assert spec.total_params() == sum(p.numel() for p in hf_models.reference(folder).parameters())
+        assert main(["estimate", "--model", str(folder), "--gpu", "h100", "--seq", "64", "--json"]) == 0
+        priced = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert priced["model"] == folder.name and priced["memory_bytes"]["params"] == 2 * spec.total_params()
+        assert main(["plan", "--model", str(folder), "--gpu", "h100", "--gpus", "4", "--seq", "64", "--json"]) == 0
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    assert main(["estimate", "--model", str(not_a_model), "--gpu", "h100"]) == 2

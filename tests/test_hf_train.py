@@ -26,11 +26,11 @@ from trainer_reference import assert_matches_reference, reference_training  # no
 from orangetron.hf.weights import hf_tensors  # noqa: E402
 from orangetron.model import model_from_record  # noqa: E402
 from orangetron.train.config import TrainConfig  # noqa: E402
-from orangetron.train.export import export_hf, read_model  # noqa: E402
+from orangetron.cli import main  # noqa: E402
+from orangetron.train.export import read_model  # noqa: E402
 from orangetron.train.tokenizer import HFTokenizer  # noqa: E402
 from orangetron.train.trainer import train  # noqa: E402
 
-pytestmark = pytest.mark.slow
 
 
 def _run_and_compare(tmp_path, folder, **layout):
@@ -64,7 +64,7 @@ def _check_reads(result, folder, ep=1):
 
 def _check_export(tmp_path, cfg):
     out = tmp_path / "export"
-    export_hf(tmp_path / "run", out)
+    assert main(["export", str(tmp_path / "run"), "--hf", "-o", str(out)]) == 0
     saved = read_model(tmp_path / "run")
     spec = model_from_record(saved.record["model"])
     expected = hf_tensors(spec, saved.state_dict)

@@ -176,6 +176,8 @@ def _add_verify_command(sub: Any) -> None:
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference accepted (default by dtype: "
                    + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + ")")
+    p.add_argument("--hf-model", metavar="DIR", default=None,
+                   help="both runs start from this Hugging Face folder's weights (its config is the model)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
     _add_layout_flags(p)
     _add_config_flag(p)
