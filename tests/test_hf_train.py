@@ -23,14 +23,13 @@ transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402
 from trainer_reference import assert_matches_reference, reference_training  # noqa: E402
 
+from orangetron.cli import main  # noqa: E402
 from orangetron.hf.weights import hf_tensors  # noqa: E402
 from orangetron.model import model_from_record  # noqa: E402
 from orangetron.train.config import TrainConfig  # noqa: E402
-from orangetron.cli import main  # noqa: E402
 from orangetron.train.export import read_model  # noqa: E402
 from orangetron.train.tokenizer import HFTokenizer  # noqa: E402
 from orangetron.train.trainer import train  # noqa: E402
-
 
 
 def _run_and_compare(tmp_path, folder, **layout):
