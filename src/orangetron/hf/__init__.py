@@ -30,6 +30,4 @@ def config(path: str | Path) -> ModelSpec:
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)  # the module caches itself
