@@ -141,3 +141,20 @@ def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
     assert main(["estimate", "--model", str(not_a_model), "--gpu", "h100"]) == 2
+
+
+def test_a_model_trained_from_scratch_exports_as_llama(tmp_path):
+    """No source config: every key comes from the spec, and transformers computes the same logits."""
+    from orangetron.model import Transformer, model_preset
+
+    model = Transformer(model_preset("tiny"), seed=4, dtype=torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    out = hf.save(model, tmp_path / "out")
+    assert read_config(out)["architectures"] == ["LlamaForCausalLM"]
+    theirs = hf_models.reference(out)
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), hf_models.float64_islands(theirs):
+        expected = theirs(tokens).logits
+        assert ((model(tokens) - expected).abs().max() / expected.abs().max()).item() < 1e-10
