@@ -299,9 +299,9 @@ MUTANTS = [
            (("experts // n_groups).amax(-1)", "experts // n_groups).amin(-1)"),),
            ("tests/test_router_options.py::test_group_limited_routing_keeps_the_groups_with_the_largest_expert_score",)),
     Mutant("router_bias_in_the_weights_too", "src/orangetron/model/moe.py",
-           (("TopKWeights.apply(scores, topk_idx, self.score_func",
+           (("TopKWeights.apply(scores, topk_idx, self.renormalize",
              "TopKWeights.apply(scores if self.expert_bias is None else scores + self.expert_bias, topk_idx, "
-             "self.score_func"),),
+             "self.renormalize"),),
            ("tests/test_router_options.py::test_the_bias_chooses_the_experts_but_the_weights_stay_unbiased",)),
     Mutant("router_bias_local_load", "src/orangetron/parallel/expert/bias.py",
            (("        loads = comm.all_reduce(loads, group)", "        pass"),),
@@ -1060,6 +1060,60 @@ MUTANTS = [
              "                for i in chunk[len(chunk) - (recompute_layers or len(chunk)):]}"),),
            ("tests/test_recompute.py::test_the_replayed_blocks_are_the_first_of_each_chunk",
             "tests/test_recompute.py::test_recompute_matches_one_device_and_the_planner")),
+    # ---- Hugging Face conversion (issue 25's negative controls): each must fail the parity with transformers ----
+    Mutant("hf_rope_rows_interleaved", "src/orangetron/hf/weights.py",
+           (("\nSource = Same | Experts\n",
+             "\n@dataclass(frozen=True)\nclass Interleaved(Same):\n    head_dim: int = 0\n\n"
+             "    def read(self, folder, offsets, sizes):\n"
+             "        whole = folder.read(self.name, tuple(slice(0, n) for n in folder.shape(self.name)))\n"
+             "        d = self.head_dim\n"
+             "        whole = whole.view(-1, d // 2, 2, whole.shape[-1]).transpose(1, 2).reshape(whole.shape)\n"
+             "        return whole[_box(offsets, sizes)]\n\n\nSource = Same | Experts | Interleaved\n"),
+            ("            out[f\"{ours}.attention.{mine}.weight\"] = Same(f\"{theirs}.self_attn.{hf}.weight\")",
+             "            out[f\"{ours}.attention.{mine}.weight\"] = (Interleaved(f\"{theirs}.self_attn.{hf}.weight\", "
+             "spec.head_dim) if mine in ('wq', 'wk') else Same(f\"{theirs}.self_attn.{hf}.weight\"))")),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_kv_heads_reversed", "src/orangetron/hf/weights.py",
+           (("\nSource = Same | Experts\n",
+             "\n@dataclass(frozen=True)\nclass KVReversed(Same):\n    head_dim: int = 0\n\n"
+             "    def read(self, folder, offsets, sizes):\n"
+             "        whole = folder.read(self.name, tuple(slice(0, n) for n in folder.shape(self.name)))\n"
+             "        whole = whole.view(-1, self.head_dim, whole.shape[-1]).flip(0).reshape(whole.shape)\n"
+             "        return whole[_box(offsets, sizes)]\n\n\nSource = Same | Experts | KVReversed\n"),
+            ("            out[f\"{ours}.attention.{mine}.weight\"] = Same(f\"{theirs}.self_attn.{hf}.weight\")",
+             "            out[f\"{ours}.attention.{mine}.weight\"] = (KVReversed(f\"{theirs}.self_attn.{hf}.weight\", "
+             "spec.head_dim) if mine in ('wk', 'wv') else Same(f\"{theirs}.self_attn.{hf}.weight\"))")),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_gate_and_up_swapped", "src/orangetron/hf/weights.py",
+           (('(("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))',
+             '(("w1", "up_proj"), ("w3", "gate_proj"), ("w2", "down_proj"))'),
+            ('tuple(f"{moe}.experts.{e}.{w}.weight" for e in range(spec.num_experts)))',
+             'tuple(f"{moe}.experts.{e}.{ {\'w1\': \'w3\', \'w3\': \'w1\'}.get(w, w)}.weight" '
+             'for e in range(spec.num_experts)))')),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_norm_eps_from_the_family_default", "src/orangetron/spec/hf_config.py",
+           (('"norm_eps": float(given["rms_norm_eps"])', '"norm_eps": float(_DEFAULTS[family]["rms_norm_eps"])'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_every_rank_reads_whole_tensors", "src/orangetron/hf/weights.py",
+           (("        return folder.read(self.name, _box(offsets, sizes))",
+             "        return folder.read(self.name, tuple(slice(0, n) for n in folder.shape(self.name)))"
+             "[_box(offsets, sizes)]"),),
+           ("tests/test_hf_train.py::test_llama_trains_on_tp2_dp2_as_on_one_device_and_exports",)),
+    Mutant("hf_weights_imported_on_one_rank_only", "src/orangetron/train/trainer.py",
+           (("    if cfg.hf_model is not None and not cfg.resume:",
+             "    if cfg.hf_model is not None and not cfg.resume and cfg.layout.world_size == 1:"),),
+           ("tests/test_hf_train.py::test_llama_trains_on_tp2_dp2_as_on_one_device_and_exports",)),
+    Mutant("data_cursor_ignored_on_resume", "src/orangetron/train/trainer.py",
+           (("data.train.from_sample(start.samples)", "data.train.from_sample(0)"),),
+           ("tests/test_prepare_data.py::test_a_resumed_run_sees_the_token_stream_of_an_uninterrupted_one",)),
+    Mutant("prepare_data_without_eos", "src/orangetron/train/prepare.py",
+           (("    end = separator if separator is not None else [tok.eos_id]",
+             "    end = separator if separator is not None else []"),),
+           ("tests/test_prepare_data.py::test_prepare_data_writes_each_document_then_eos",)),
+    Mutant("router_norm_topk_prob_ignored", "src/orangetron/model/moe.py",
+           (('self.renormalize = cfg.router_score == "sigmoid" or cfg.norm_topk_prob',
+             'self.renormalize = cfg.router_score == "sigmoid"'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
 ]
 
 def check(mutants: list[Mutant]) -> list[str]:

@@ -27,7 +27,7 @@ def _probe(argv: list[str]) -> tuple[bool, int]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["verify", "--help"], ["plan", "--help"],
                                   ["estimate", "--help"], ["schedule", "--help"], ["export", "--help"],
-                                  ["sample", "--help"],
+                                  ["sample", "--help"], ["prepare-data", "--help"], ["tokenizer", "train", "--help"],
                                   ["presets", "--help"]])
 def test_help_does_not_import_torch(argv: list[str]) -> None:
     assert _probe(argv) == (False, 0)

@@ -53,6 +53,10 @@ def reference_training(cfg: TrainConfig) -> dict[str, Any]:
     exp_avg_sq by parameter name, for `cfg` trained on one device (float32 or float64)."""
     data = load_data(cfg)
     model = Transformer(cfg.model_config(), seed=cfg.seed, dtype=DTYPES[cfg.param_dtype])
+    if cfg.hf_model is not None:  # the run starts from a Hugging Face folder's weights (tests/test_hf.py checks them)
+        from orangetron.hf import load
+
+        model = load(cfg.hf_model, dtype=DTYPES[cfg.param_dtype])
     opt = _adamw(model, cfg)
     losses, grad_norms = [], []
     for step, rows in zip(range(cfg.steps), data.train, strict=False):

@@ -12,6 +12,7 @@ def build_parser() -> argparse.ArgumentParser:
     from orangetron.cli.plan import add_plan_commands
     from orangetron.train.commands import add_train_commands
     from orangetron.train.export import add_export_command
+    from orangetron.train.prepare import add_data_commands
     from orangetron.train.sample import add_sample_command
 
     parser = argparse.ArgumentParser(
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_commands(sub)
     add_export_command(sub)
     add_sample_command(sub)
+    add_data_commands(sub)
     add_plan_commands(sub)
     return parser
 

@@ -21,7 +21,8 @@ from .config import model_preset as model_preset
 _LAZY = {
     "attention_kernel": ".attention",
     "Attention": ".layers", "CausalAttention": ".layers", "RMSNorm": ".layers", "SwiGLU": ".layers",
-    "apply_rope": ".layers", "rope_cos_sin": ".layers",
+    "apply_rope": ".layers", "rope_cos_sin": ".layers", "rope_inv_freq": ".layers",
+    "rope_tables": ".layers",
     "GroupedExperts": ".moe", "LocalDispatcher": ".moe", "MoE": ".moe", "Router": ".moe", "RouterLosses": ".moe",
     "load_balancing_loss": ".moe",
     "TokenIO": ".token_io",

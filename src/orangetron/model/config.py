@@ -17,7 +17,7 @@ __all__ = ["MODEL_PRESETS", "ConfigError", "ModelConfig", "ModelSpec", "check_ru
 def ModelConfig(  # noqa: N802 (the stable name users call, from when it was a class)
     dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int, ffn_dim: int,
     n_experts: int = 0, top_k: int = 2, moe_ffn_dim: int | None = None, n_shared_experts: int = 0,
-    moe_layer_freq: int = 1, router_score: str = "softmax", aux_loss_coef: float = 0.01,
+    moe_layer_freq: int = 1, router_score: str = "softmax", norm_topk_prob: bool = False, aux_loss_coef: float = 0.01,
     router_z_loss_coef: float = 0.0, n_expert_groups: int = 1, topk_groups: int = 1,
     router_bias_rate: float = 0.0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
     tied_embeddings: bool = False, max_seq_len: int = 4096, init_std: float = 0.02, name: str = "custom",
@@ -34,7 +34,8 @@ def ModelConfig(  # noqa: N802 (the stable name users call, from when it was a c
     if moe_ffn_dim is None:
         arguments["moe_ffn_dim"] = ffn_dim
     if not n_experts:
-        arguments.update(top_k=0, moe_ffn_dim=0, aux_loss_coef=0.0, router_z_loss_coef=0.0, router_bias_rate=0.0)
+        arguments.update(top_k=0, moe_ffn_dim=0, norm_topk_prob=False, aux_loss_coef=0.0, router_z_loss_coef=0.0,
+                         router_bias_rate=0.0)
     try:
         spec = ModelSpec(**{RUNTIME_NAMES.get(key, key): value for key, value in arguments.items()})
         check_runnable(spec)

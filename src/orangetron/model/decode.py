@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .attention import attention_kernel
-from .layers import Attention, rope_cos_sin
+from .layers import Attention, rope_tables
 from .transformer import Transformer, TransformerBlock
 
 
@@ -66,7 +66,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
         raise ValueError(f"position {start + s - 1} is past the cache's capacity of {cache.capacity} tokens")
     h = model.embed(tokens)  # [B, S, dim]
     positions = torch.arange(start, start + s, device=tokens.device)  # absolute: rotary angles follow them
-    cos, sin = rope_cos_sin(positions, model.cfg.head_dim, model.cfg.rope_theta, h.dtype)
+    cos, sin = rope_tables(positions, model.cfg, h.dtype)
     for i, block in enumerate(model.layers):
         h = _block(block, h, cos, sin, cache, i)
     cache.advance(s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -25,21 +27,45 @@ class RMSNorm(nn.Module):
         return RMSNormFunction.apply(x, self.weight, self.eps)
 
 
+def rope_inv_freq(head_dim: int, theta: float, cfg: ModelSpec | None = None,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """The rotary frequencies [head_dim // 2] in float64: theta^(-2i/head_dim), scaled as `cfg.rope_scaling`
+    says ("llama3": Llama 3.1's rule, the formula of Hugging Face's `_compute_llama3_parameters`)."""
+    if head_dim % 2 != 0:
+        raise ValueError(f"head_dim={head_dim}: must be even for rotary embeddings")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # [D/2]
+    if cfg is None or cfg.rope_scaling == "none":
+        return inv_freq
+    factor, old_len = cfg.rope_scaling_factor, cfg.rope_original_max_positions
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)  # long wavelengths: / factor
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(between, smoothed, scaled)
+
+
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32,
+    cfg: ModelSpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables for explicit positions.
 
     position_ids: [B, S] or [S] integer positions (any order, not necessarily 0..S-1, so a context-parallel
     rank can pass the global positions of its chunks). Returns cos, sin: [..., S, head_dim // 2] in `dtype`.
-    Angles are computed in float64, so a position's table is the same whatever else is in the batch.
+    Angles are computed in float64, so a position's table is the same whatever else is in the batch. `cfg`
+    gives the frequency scaling (`rope_inv_freq`); None: none.
     """
-    if head_dim % 2 != 0:
-        raise ValueError(f"head_dim={head_dim}: must be even for rotary embeddings")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device) / head_dim
-    inv_freq = 1.0 / (theta**exponents)  # [D/2]
+    inv_freq = rope_inv_freq(head_dim, theta, cfg, position_ids.device)  # [D/2]
     angles = position_ids.to(torch.float64).unsqueeze(-1) * inv_freq  # [..., S, D/2]
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_tables(position_ids: torch.Tensor, cfg: ModelSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_cos_sin` for the model `cfg` describes (its head width, base and scaling)."""
+    return rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, dtype, cfg)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -96,8 +96,9 @@ class Router(nn.Module):
     """Top-k router: x [T, dim] -> (topk_idx [T, k] int64, topk_weights [T, k], aux_loss 0-d).
 
     Scores are computed in float32 (float64 for float64 inputs) and the weights and aux loss come back in
-    that dtype. Softmax weights are the raw top-k probabilities; sigmoid weights are renormalized to sum 1
-    over the top-k. aux_loss is `aux_loss_coef * load_balancing_loss + router_z_loss_coef * z-loss`.
+    that dtype. Softmax weights are the raw top-k probabilities, renormalized to sum 1 over the top-k with
+    `norm_topk_prob` (Mixtral); sigmoid weights are always renormalized. aux_loss is
+    `aux_loss_coef * load_balancing_loss + router_z_loss_coef * z-loss`.
     With `router_bias_rate > 0` the buffer `expert_bias` [E] shifts the scores for choosing the top-k only,
     and `expert_load` [E] int64 counts the non-padding assignments of forwards with gradients (training,
     not evaluation) since the last bias update. A block under activation recompute routes each micro-batch
@@ -109,6 +110,7 @@ class Router(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.score_func, self.aux_loss_coef = cfg.router_score, cfg.aux_loss_coef
+        self.renormalize = cfg.router_score == "sigmoid" or cfg.norm_topk_prob  # top-k weights summing to 1
         self.z_loss_coef, self.bias_rate = cfg.router_z_loss_coef, cfg.router_bias_rate
         self.n_groups, self.topk_groups = cfg.expert_groups, cfg.groups_per_token
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
@@ -135,7 +137,7 @@ class Router(nn.Module):
         topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, self.expert_bias)
         if self.expert_bias is not None and torch.is_grad_enabled():  # training tokens only, not evaluation
             self._count_load(topk_idx, token_mask)
-        return logits, scores, topk_idx, TopKWeights.apply(scores, topk_idx, self.score_func == "sigmoid")
+        return logits, scores, topk_idx, TopKWeights.apply(scores, topk_idx, self.renormalize)
 
     def _count_load(self, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> None:
         valid = topk_idx if token_mask is None else topk_idx[token_mask]

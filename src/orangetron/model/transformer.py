@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .config import ModelSpec, check_runnable
-from .layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
+from .layers import Attention, RMSNorm, SwiGLU, rope_tables
 from .moe import MoE
 from .token_io import TokenIO
 
@@ -143,7 +143,7 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=tokens.device)
         h = self.embed(tokens)  # [B, S, dim]
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = rope_tables(position_ids, self.cfg, h.dtype)
         token_mask = self.routing_mask(token_mask)
         for layer in self.layers:
             h = layer(h, cos, sin, token_mask)

@@ -109,6 +109,9 @@ class ModelSpec:
     > 0 keeps the router logits, and adds a global all-reduce."""
     router_score: str = "softmax"
     """Router scoring function: "softmax" or "sigmoid" (sigmoid top-k weights are renormalized to sum 1)."""
+    norm_topk_prob: bool = False
+    """Softmax routers: divide each token's top-k probabilities by their sum (Mixtral; HF configs'
+    `norm_topk_prob`); False keeps the raw probabilities. Sigmoid weights are always renormalized."""
     router_bias_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): > 0 gives each router a per-expert bias, added to the
     scores only to choose the top-k and moved by this rate towards balance after each optimizer step (one
@@ -126,6 +129,19 @@ class ModelSpec:
     through the shared output head and the loss. Not in `total_params` (the published counts leave it out)."""
     rope_theta: float = 10000.0
     """Base of the rotary embedding frequencies."""
+    rope_scaling: str = "none"
+    """Rotary frequency scaling: "none", or "llama3" (Llama 3.1: frequencies whose wavelength exceeds
+    rope_original_max_positions / rope_low_freq_factor are divided by rope_scaling_factor, those below
+    rope_original_max_positions / rope_high_freq_factor kept, the band between interpolated smoothly;
+    model/layers.py `rope_inv_freq`)."""
+    rope_scaling_factor: float = 1.0
+    """llama3 scaling: the factor low frequencies are divided by (Llama 3.1: 8)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above rope_original_max_positions / this are scaled (Llama 3.1: 1)."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below rope_original_max_positions / this are kept (Llama 3.1: 4)."""
+    rope_original_max_positions: int = 8192
+    """llama3 scaling: the context length the model was pretrained at (Llama 3.1: 8192)."""
     norm_eps: float = 1e-5
     """Epsilon of the norms."""
     max_seq_len: int = 4096
@@ -386,8 +402,13 @@ def preset_names() -> list[str]:
 
 
 def load_model(name_or_path: str) -> ModelSpec | DualEncoderSpec:
-    """A preset name (`llama3-8b`) or a path to a TOML file; ValueError names the choices when unknown."""
+    """A preset name (`llama3-8b`), a path to a TOML file, or a Hugging Face model folder (its config.json,
+    spec/hf_config.py); ValueError names the choices when unknown."""
     path = Path(name_or_path)
+    if path.is_dir():
+        from orangetron.spec.hf_config import read_config, spec_from_hf
+
+        return spec_from_hf(read_config(path), path.resolve().name)
     if name_or_path.endswith(".toml") or path.exists():
         if not path.is_file():
             raise ValueError(f"model file {name_or_path} does not exist")

@@ -14,9 +14,11 @@ if TYPE_CHECKING:
 
 MLP_KINDS = ("swiglu", "gelu")
 ROUTER_SCORES = ("softmax", "sigmoid")
+ROPE_SCALINGS = ("none", "llama3")
 
 _POSITIVE = ("hidden_size", "num_layers", "num_heads", "moe_layer_freq", "max_seq_len", "rope_theta", "norm_eps",
-             "init_std")
+             "init_std", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+             "rope_original_max_positions")
 _NON_NEGATIVE = ("vocab_size", "ffn_hidden_size", "num_kv_heads", "head_dim", "num_experts", "top_k",
                  "moe_ffn_hidden_size", "num_shared_experts", "first_dense_layers", "max_position_embeddings",
                  "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "patch_size", "seq_len",
@@ -41,6 +43,7 @@ def check_model(spec: ModelSpec) -> None:
     _require(spec.router_score in ROUTER_SCORES, "router_score", spec.router_score,
             f"must be one of {', '.join(ROUTER_SCORES)}")
     _require(spec.dropout < 1, "dropout", spec.dropout, "must be below 1")
+    _check_rope_scaling(spec)
     _check_heads(spec)
     _check_experts(spec)
     _check_groups(spec)
@@ -52,6 +55,14 @@ def _check_signs(spec: ModelSpec) -> None:
         _require(getattr(spec, name) > 0, name, getattr(spec, name), "must be positive")
     for name in _NON_NEGATIVE:
         _require(getattr(spec, name) >= 0, name, getattr(spec, name), "must be non-negative")
+
+
+def _check_rope_scaling(spec: ModelSpec) -> None:
+    _require(spec.rope_scaling in ROPE_SCALINGS, "rope_scaling", spec.rope_scaling,
+             f"must be one of {', '.join(ROPE_SCALINGS)}")
+    if spec.rope_scaling == "llama3":
+        _require(spec.rope_high_freq_factor > spec.rope_low_freq_factor, "rope_high_freq_factor",
+                 spec.rope_high_freq_factor, f"must exceed rope_low_freq_factor={spec.rope_low_freq_factor}")
 
 
 def _check_heads(spec: ModelSpec) -> None:

@@ -22,9 +22,9 @@ def add_train_commands(sub: Any) -> None:
     p = sub.add_parser(
         "train",
         help="train a model on one or more local CPU ranks",
-        description="Train a byte-level transformer and report losses, memory and communication. "
-        + DEFAULTS_NOTE + " Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is taking, checkpointed "
-        "with --out, and exits 130 or 143; a second Ctrl-C aborts at once.",
+        description="Train a transformer (from scratch or from a Hugging Face folder) and report losses, memory and "
+        "communication. " + DEFAULTS_NOTE + " Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is "
+        "taking, checkpointed with --out, and exits 130 or 143; a second Ctrl-C aborts at once.",
     )
 
     def option(flag: str, text: str, **kwargs: Any) -> None:
@@ -49,7 +49,15 @@ def add_train_commands(sub: Any) -> None:
     option("--timeout-s", "seconds a rank waits for the others in a collective; then every rank stops and the "
            "one that stopped responding is named", type=float)
     p.add_argument("--data", nargs="+", metavar="FILE", default=None,
-                   help="UTF-8 text files to train on (default: the Python standard library's sources)")
+                   help="UTF-8 text files to train on, or one folder `orangetron prepare-data` wrote (read through a "
+                   "memory map, never whole) (default: the Python standard library's sources)")
+    p.add_argument("--hf-model", metavar="DIR", default=None,
+                   help="start from a Hugging Face model folder (config.json and safetensors): its config is the "
+                   "model and its weights the start, on any layout, each rank reading only its own share; its "
+                   "tokenizer is the run's unless --tokenizer says otherwise")
+    p.add_argument("--tokenizer", metavar="DIR|FILE", default=None,
+                   help="byte, or a tokenizer folder or tokenizer.json (Hugging Face tokenizers; BOS/EOS from "
+                   "tokenizer_config.json) (default: a prepared dataset's, else the --hf-model folder's, else byte)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="run folder: metrics.jsonl, and checkpoints/ with one after the last step")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -176,6 +184,8 @@ def _add_verify_command(sub: Any) -> None:
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference accepted (default by dtype: "
                    + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + ")")
+    p.add_argument("--hf-model", metavar="DIR", default=None,
+                   help="both runs start from this Hugging Face folder's weights (its config is the model)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
     _add_layout_flags(p)
     _add_config_flag(p)

@@ -15,11 +15,14 @@ from pathlib import Path
 
 from orangetron.model.config import MODEL_PRESETS, ConfigError, check_runnable, model_preset
 from orangetron.spec import rules
+from orangetron.spec.hf_config import is_hf_folder, spec_from_hf
+from orangetron.spec.hf_config import read_config as read_hf_config
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, load_decoder, preset_names
 from orangetron.spec.parallel_config import ParallelConfig, values_of
 from orangetron.spec.variants import CONTEXT_MODES, SCHEDULES
 from orangetron.train.corpus import DEFAULT_CORPUS_BYTES
+from orangetron.train.datasets import is_prepared_dataset, read_meta
 from orangetron.train.faults import DEFAULT_TIMEOUT_S
 
 DEFAULT_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 2e-2}  # `verify`: the promise per dtype
@@ -63,7 +66,12 @@ class TrainConfig(Layout, ParallelConfig):
     eval_every: int = 0  # evaluate held-out loss every N steps (0: only at the end)
     eval_batches: int = 16  # batches of held-out data per evaluation
     eval_fraction: float = 0.05  # share of the token stream, from its end, held out for evaluation
-    data: Sequence[str] | None = None  # text files to train on; None: the embedded stdlib corpus
+    hf_model: str | None = None  # a Hugging Face folder: its config.json is the model (instead of `model`) and
+    # its safetensors the initial weights, each rank reading its own share (orangetron.hf)
+    tokenizer: str | None = None  # "byte", or a tokenizer folder or tokenizer.json (train/tokenizer.py); None:
+    # a prepared dataset's tokenizer, else the hf_model folder's when it has one, else "byte"
+    data: Sequence[str] | None = None  # text files, or one prepared dataset folder (`orangetron prepare-data`), to
+    # train on; None: the embedded stdlib corpus
     corpus_bytes: int = DEFAULT_CORPUS_BYTES  # bytes of the stdlib corpus to use when `data` is None
     out: str | None = None  # run folder for metrics.jsonl and checkpoints (always one after the last step)
     save_every: int = 0  # also write a checkpoint every N steps (0: only after the last one); needs `out`
@@ -84,6 +92,7 @@ class TrainConfig(Layout, ParallelConfig):
         self._check_numbers()
         self._check_checkpointing()
         self._check_parallel()
+        self._resolve_hf_model()
         self._check_model()
         model = self.model_config()
         self.layout.validate(model)
@@ -94,6 +103,7 @@ class TrainConfig(Layout, ParallelConfig):
         if self.tp > 1 and self.sequence_parallel and self.cp == 1:  # cp > 1 pads to whole chunks instead
             self.layout.validate(seq_len=self.seq_len, sequence_parallel=True)
         self._check_data()
+        self._resolve_tokenizer(model)
 
     def _check_numbers(self) -> None:
         for name in ("tp", "cp", "pp", "dp", "ep", "microbatches", "virtual_stages", "steps", "seq_len", "batch_size",
@@ -207,12 +217,80 @@ class TrainConfig(Layout, ParallelConfig):
         object.__setattr__(self, "data", tuple(str(p) for p in self.data))  # frozen: normalized once, here
         if not self.data:
             raise TrainConfigError("data=() (--data): give at least one file, or None for the stdlib corpus")
+        if any(is_prepared_dataset(path) for path in self.data):
+            if len(self.data) > 1:
+                raise TrainConfigError(f"data={list(self.data)!r} (--data): a prepared dataset folder comes alone")
+            try:
+                read_meta(self.data[0])
+            except ValueError as err:
+                raise TrainConfigError(f"data={self.data[0]!r} (--data): {err}") from None
+            return
         for path in self.data:
             if Path(path).is_dir():
                 raise TrainConfigError(f"data={path!r} (--data): a folder, not a text file; give its files "
                                        f"({path}/*.txt, say)")
             if not Path(path).is_file():
                 raise TrainConfigError(f"data={path!r} (--data): no such file")
+
+    @property
+    def prepared_data(self) -> str | None:
+        """The prepared dataset folder `data` names, or None (text files, or the stdlib corpus)."""
+        if self.data is not None and len(self.data) == 1 and is_prepared_dataset(self.data[0]):
+            return self.data[0]
+        return None
+
+    def _resolve_hf_model(self) -> None:
+        """With `hf_model`, its config is the model: `model` becomes that spec (a resumed run's recorded spec stands
+        when the folder is gone; a differing one is refused when the run resumes)."""
+        if self.hf_model is None:
+            return
+        folder = Path(self.hf_model)
+        if isinstance(self.model, ModelSpec) and self.resume and not folder.exists():
+            return
+        if not is_hf_folder(folder):
+            raise TrainConfigError(f"hf_model={self.hf_model!r} (--hf-model): not a Hugging Face model folder "
+                                   "(no config.json)")
+        try:
+            spec = spec_from_hf(read_hf_config(folder), folder.resolve().name)
+        except ValueError as err:
+            raise TrainConfigError(f"hf_model={self.hf_model!r} (--hf-model): {err}") from None
+        if isinstance(self.model, str) and self.model != _field_default("model"):
+            raise TrainConfigError(f"model={self.model!r} (--model): --hf-model {self.hf_model} is the model; give "
+                                   "one of them")
+        object.__setattr__(self, "hf_model", str(folder.resolve()))  # frozen: normalized once, here
+        if not isinstance(self.model, ModelSpec):
+            object.__setattr__(self, "model", spec)
+
+    def _resolve_tokenizer(self, model: ModelSpec) -> None:
+        """Settle `tokenizer` (None: the prepared dataset's, else the hf_model folder's, else "byte") and check
+        that its ids fit the model's vocabulary."""
+        from orangetron.train.tokenizer import TOKENIZERS, has_tokenizer, tokenizer_named  # torch, as validation is
+
+        prepared = read_meta(self.prepared_data) if self.prepared_data else None
+        name = self.tokenizer
+        if name is None:
+            if prepared is not None:
+                name = prepared["tokenizer"]
+            elif self.hf_model is not None and has_tokenizer(self.hf_model):
+                name = self.hf_model
+            else:
+                name = "byte"
+        if name not in TOKENIZERS:
+            if not Path(name).exists():
+                raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): neither byte nor a tokenizer folder or "
+                                       "tokenizer.json")
+            name = str(Path(name).resolve())
+        if prepared is not None and name != prepared["tokenizer"]:
+            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): the prepared dataset {self.prepared_data} "
+                                   f"was tokenized with {prepared['tokenizer']!r}")
+        try:
+            vocab = prepared["vocab_size"] if prepared is not None else tokenizer_named(name).vocab_size
+        except ValueError as err:
+            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {err}") from None
+        if vocab > model.vocab_size:
+            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {vocab} token ids, more than the model's "
+                                   f"vocab_size={model.vocab_size}")
+        object.__setattr__(self, "tokenizer", name)
 
     def model_config(self) -> ModelSpec:
         """The model this run trains: the given spec, or the preset or model file `model` names."""
@@ -251,6 +329,10 @@ class TrainConfig(Layout, ParallelConfig):
                 continue
             out[field.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+
+def _field_default(name: str) -> object:
+    return TrainConfig.__dataclass_fields__[name].default
 
 
 def _check_out_folder(out: str) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 _NOT_IN_A_FILE = ("help", "config")
-RECORD_TABLES = ("data_record",)  # what a run folder's config.toml records beside the options; not options
+# What a run folder's config.toml records beside the options; not options.
+RECORD_TABLES = ("data_record", "model_source")
 
 
 def _keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

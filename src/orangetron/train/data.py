@@ -46,7 +46,8 @@ def split_train_eval(tokens: torch.Tensor, eval_fraction: float) -> tuple[torch.
 
 
 class BatchIterator:
-    """Deterministic shuffled batches over samples [n, L].
+    """Deterministic shuffled batches over samples [n, L] (a tensor, or windows read on demand such as a prepared
+    dataset's `datasets.TokenWindows`).
 
     Epoch e visits every sample exactly once in an order drawn from a torch.Generator seeded by
     (seed, e), so the same seed gives the same batches on any machine and an epoch can be replayed
@@ -81,10 +82,22 @@ class BatchIterator:
             yield self.samples[perm[b * self.batch_size : (b + 1) * self.batch_size]]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        e = 0
+        return self.from_sample(0)
+
+    def from_sample(self, cursor: int) -> Iterator[torch.Tensor]:
+        """The batches after the first `cursor` samples of the stream (a global sample cursor: what a checkpoint
+        records), epoch after epoch, computed from the cursor without drawing the batches before it.
+        ValueError unless the cursor falls on a batch boundary."""
+        per_epoch = len(self) * self.batch_size if self.drop_last else self.samples.shape[0]
+        epoch, within = divmod(cursor, per_epoch)
+        if cursor < 0 or within % self.batch_size:
+            raise ValueError(f"sample cursor {cursor}: not at the start of a batch of {self.batch_size}")
+        first = within // self.batch_size
         while True:
-            yield from self.epoch(e)
-            e += 1
+            perm = self.order(epoch)
+            for b in range(first, len(self)):
+                yield self.samples[perm[b * self.batch_size : (b + 1) * self.batch_size]]
+            epoch, first = epoch + 1, 0
 
 
 def pad_to_multiple(

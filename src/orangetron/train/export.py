@@ -1,10 +1,15 @@
-"""`orangetron export`: a run's latest checkpoint as one plain state dict, for sharing a model.
+"""`orangetron export`: a run's latest checkpoint as one plain state dict, or as a Hugging Face folder.
 
 The checkpoint's shards (written on whatever layout the run had) are read whole in this process and saved
 with `torch.save` as `{name: tensor}`, the names and shapes of the reference `Transformer`'s `state_dict()`
 (parameters and router-bias buffers), so `Transformer(cfg).load_state_dict(torch.load(path,
 weights_only=True))` takes it. Parameters come in the dtype the run kept its main parameters in (float32
 for a bfloat16 run). The optimizer moments stay behind. torch is imported only when the command runs.
+
+With `--hf`, `-o DIR` becomes a folder `transformers.AutoModelForCausalLM` loads (`orangetron.hf.save`):
+config.json with `architectures` (a run started from a Hugging Face folder keeps its source config's other
+keys), model.safetensors by HF names in the source's dtype (else the saved one; `--dtype` chooses), and the
+run's tokenizer files when it used one.
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ def add_export_command(sub: Any) -> None:
         "state dict, loadable with torch.load(weights_only=True) by the reference Transformer.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its latest checkpoint) or a checkpoint folder")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the state dict (.pt)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE|DIR",
+                   help="where to write the state dict (.pt), or with --hf the Hugging Face folder")
+    p.add_argument("--hf", action="store_true",
+                   help="write a Hugging Face folder (config.json, model.safetensors, the tokenizer's files) that "
+                   "transformers.AutoModelForCausalLM loads")
+    p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"), default=None,
+                   help="--hf: the tensors' dtype (default: the imported source's, else the checkpoint's)")
     p.add_argument("--json", action="store_true", help="print one JSON object: checkpoint, output, tensors, bytes")
     p.set_defaults(run=_run_command)
 
@@ -35,7 +46,12 @@ def add_export_command(sub: Any) -> None:
 def _run_command(args: argparse.Namespace) -> int:
     import json
 
-    result = export_model(args.run_dir, args.output)
+    if args.hf:
+        result = export_hf(args.run_dir, args.output, args.dtype)
+    elif args.dtype is not None:
+        raise ValueError("--dtype: only with --hf; a state dict keeps the checkpoint's dtype")
+    else:
+        result = export_model(args.run_dir, args.output)
     print(f"orangetron export: wrote {result['output']} ({result['tensors']} tensors, {result['bytes']:,} bytes) "
           f"from {result['checkpoint']}", file=sys.stderr)
     if args.json:
@@ -92,3 +108,33 @@ def export_model(run: str | Path, output: str | Path) -> dict[str, Any]:
     os.replace(staging, output)
     return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": len(saved.state_dict),
             "bytes": output.stat().st_size}
+
+
+def export_hf(run: str | Path, output: str | Path, dtype: str | None = None) -> dict[str, Any]:
+    """Write the model of `run`'s latest checkpoint as a Hugging Face folder `output`; returns what was written:
+    checkpoint, output, tensors (count), bytes (the safetensors file's size)."""
+    import torch
+
+    from orangetron.hf import save
+    from orangetron.model import model_from_record
+
+    output = Path(output)
+    if output.is_file():
+        raise ValueError(f"-o {str(output)!r}: is a file; --hf writes a folder")
+    saved = read_model(run)
+    spec = model_from_record(saved.record["model"])
+    source = saved.record.get("model_source")
+    dtype = dtype or (source["dtype"] if source else None)
+    tokenizer = saved.record.get("tokenizer", "byte")
+    tokenizer_path = None if tokenizer == "byte" else Path(tokenizer)
+    if tokenizer_path is not None and not tokenizer_path.exists():
+        raise FileNotFoundError(f"the run's tokenizer {tokenizer} is gone; its files cannot be copied")
+    save(saved.state_dict, output, spec=spec, dtype=getattr(torch, dtype) if dtype else None,
+         base_config=source["config"] if source else None, tokenizer=tokenizer_path)
+    from safetensors import safe_open
+
+    weights = output / "model.safetensors"
+    with safe_open(weights, framework="pt") as f:
+        count = len(f.keys())
+    return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": count,
+            "bytes": weights.stat().st_size}

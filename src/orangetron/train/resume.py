@@ -3,8 +3,10 @@
 What a run's checkpoint holds: the whole-tensor pieces of the main parameters and both AdamW moments (by
 parameter name, under `params/`, `exp_avg/`, `exp_avg_sq/`), the router biases (`buffers/`), each rank's
 torch RNG state (`rng/rankNNNNN`), and as JSON the step, AdamW's step count, the data position (batches
-consumed), the loss history (the global-batch mean per step), the model config, the schedule, the layout
-it was written on and the tokenizer's name (`train/tokenizer.py`'s TOKENIZERS). The model is recorded by
+consumed, and the global sample cursor the data continues from), the loss history (the global-batch mean per
+step), the model config, the schedule, the layout it was written on, the tokenizer (a name of
+`train/tokenizer.py`'s TOKENIZERS or a tokenizer's path) and, for a run started from a Hugging Face folder,
+that folder's record and config (`model_source`). The model is recorded by
 the schema's field names (`dataclasses.asdict` of its `ModelSpec`); a checkpoint written before the one
 schema recorded the runtime's argument names, and resumes all the same
 (`orangetron.model.config.model_from_record`).
@@ -24,7 +26,7 @@ from orangetron.model.config import model_from_record
 from orangetron.spec.model import ModelSpec
 from orangetron.train.checkpoint import latest_checkpoint, load_into, open_checkpoint, save_checkpoint
 from orangetron.train.config import TrainConfig, TrainConfigError
-from orangetron.train.run_folder import TOKENIZER
+from orangetron.train.run_folder import model_source
 from orangetron.train.runlog import Resumed
 from orangetron.train.schedule import continue_schedule, schedule_of
 
@@ -54,8 +56,10 @@ def save(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> P
 def _write_checkpoint(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> Path | None:
     plain = {"step": step, "losses": list(losses), "model": dataclasses.asdict(cfg.model_config()),
              "schedule": schedule_of(cfg), "optimizer_steps": setup.optimizer.steps,
-             "data": {"batches": step}, "layout": cfg.layout.degrees(),
-             "tokenizer": TOKENIZER}  # losses: the global batch's, on every rank
+             "data": {"batches": step, "samples": step * cfg.batch_size}, "layout": cfg.layout.degrees(),
+             "tokenizer": cfg.tokenizer or "byte"}  # losses: the global batch's, on every rank
+    if cfg.hf_model is not None:  # export --hf writes the model back in its source's config and dtype
+        plain["model_source"] = model_source(cfg)
     path = save_checkpoint(_checkpoint_folder(cfg), step, {**_tensors(setup), **plain}, comm.world_group())
     return path if setup.rank == 0 else None
 
@@ -103,4 +107,5 @@ def _resume(cfg: TrainConfig, setup: RunSetup, world: MeshGroup) -> tuple[TrainC
     setup.model.state_loaded(setup.optimizer, int(state["optimizer_steps"]))
     if same_layout:
         torch.set_rng_state(tensors["rng"][_rng_name(setup.rank)])
-    return cfg, Resumed(step, [float(x) for x in state["losses"]], path)
+    samples = int(state["data"].get("samples", step * cfg.batch_size))  # the global sample cursor
+    return cfg, Resumed(step, [float(x) for x in state["losses"]], path, samples)

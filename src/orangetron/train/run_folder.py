@@ -1,8 +1,11 @@
 """A run folder belongs to one run: its record, what `--resume` restores and refuses, and a new run's claim.
 
 The record is the folder's `config.toml`: the run's options by flag name, the model as a `[model]` table
-with every field of the schema (`spec/model.py`), and the data as a `[data_record]` table: where it came
-from, its size and the SHA-256 of the text the tokenizer read, with each file's path, size and hash. The
+with every field of the schema (`spec/model.py`), the data as a `[data_record]` table: where it came from,
+its tokenizer, its size and the SHA-256 of the text the tokenizer read, with each file's path, size and hash
+(for a prepared dataset: its folder, token count and the SHA-256 of its dataset.json); and for a run started
+from a Hugging Face folder (`--hf-model`) a `[model_source]` table: the folder, the SHA-256 of its
+config.json and safetensors index, its files' sizes and its dtype. The
 command line restores every option a resumed run does not give from the record (`cli/__init__.py`); this
 module then refuses what a resume may not change:
 - an option outside `CHANGEABLE_ON_RESUME` that differs from the record, named in one line;
@@ -29,6 +32,7 @@ from orangetron.spec.parallel_config import ParallelConfig
 from orangetron.train.config import TrainConfig, TrainConfigError, _flag
 from orangetron.train.config_file import write_resolved_config
 from orangetron.train.corpus import read_text_files, stdlib_corpus
+from orangetron.train.datasets import TOKENS_FILE, meta_sha256, read_meta
 
 CONFIG_FILE = "config.toml"
 CHANGES_FILE = "changes.jsonl"
@@ -42,14 +46,22 @@ CHANGEABLE_ON_RESUME = ("steps", "save_every", "timeout_s", "threads",
                         *(f.name for f in dataclasses.fields(ParallelConfig) if f.name != "param_dtype"))
 # Compared through the data record (content, not path) and the model's fields, not as option values.
 _COMPARED_APART = ("model", "data", "corpus_bytes")
-TOKENIZER = "byte"  # the one tokenizer the trainer has (train/tokenizer.py)
 
 
 def describe_data(cfg: TrainConfig) -> dict[str, Any]:
-    """The run's data as the record keeps it: source, tokenizer, size and hash of the text, and its files."""
+    """The run's data as the record keeps it: source, tokenizer, size and hash of the text, and its files; for a
+    prepared dataset its folder, token count, size of its token file and the hash of its dataset.json (which
+    holds the hashes of the rest)."""
+    tokenizer = cfg.tokenizer or "byte"
+    if cfg.prepared_data is not None:
+        meta = read_meta(cfg.prepared_data)
+        folder = Path(cfg.prepared_data)
+        return {"source": "prepared", "path": str(folder.absolute()), "tokenizer": tokenizer,
+                "tokens": meta["tokens"], "bytes": (folder / TOKENS_FILE).stat().st_size,
+                "sha256": meta_sha256(folder)}
     text = read_text_files(cfg.data) if cfg.data is not None else stdlib_corpus(cfg.corpus_bytes)
     encoded = text.encode("utf-8")
-    record: dict[str, Any] = {"source": "files" if cfg.data is not None else "stdlib", "tokenizer": TOKENIZER,
+    record: dict[str, Any] = {"source": "files" if cfg.data is not None else "stdlib", "tokenizer": tokenizer,
                               "bytes": len(encoded), "sha256": hashlib.sha256(encoded).hexdigest()}
     if cfg.data is not None:
         record["files"] = [_file_record(path) for path in cfg.data]
@@ -172,6 +184,8 @@ def write_record(cfg: TrainConfig, data: dict[str, Any], first_step: int) -> Pat
     folder = Path(cfg.out)
     folder.mkdir(parents=True, exist_ok=True)
     tables = {"model": dataclasses.asdict(cfg.model_config()), "data_record": data}
+    if cfg.hf_model is not None:
+        tables["model_source"] = {k: v for k, v in model_source(cfg).items() if k != "config"}
     options = {k: v for k, v in cfg.options().items() if k not in DIRECTIVES[1:] and k != "model"}
     if cfg.resume:
         previous = read_record(folder)
@@ -179,6 +193,15 @@ def write_record(cfg: TrainConfig, data: dict[str, Any], first_step: int) -> Pat
             _log_changes(folder, first_step, previous, {**options, **tables})
     write_resolved_config(folder / CONFIG_FILE, options, tables)
     return folder / CONFIG_FILE
+
+
+def model_source(cfg: TrainConfig) -> dict[str, Any]:
+    """The Hugging Face folder a run started from (`orangetron.hf.describe_folder`: path, hashes of config.json and
+    of the index, file sizes, dtype) with its parsed config; the weights themselves come from checkpoints after."""
+    from orangetron.hf.folder import describe_folder
+    from orangetron.spec.hf_config import read_config
+
+    return {**describe_folder(cfg.hf_model), "config": read_config(cfg.hf_model)}
 
 
 def _log_changes(folder: Path, step: int, previous: dict[str, Any], now: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ class Resumed:
     step: int  # steps already taken
     losses: list[float]  # their losses
     path: Path | None = None  # the checkpoint they come from
+    samples: int = 0  # the global sample cursor: samples the steps consumed (the data continues after them)
 
 
 def final_losses(losses: list[float]) -> dict[str, float]:

@@ -1,13 +1,17 @@
-"""Byte-level tokenizer: one token per UTF-8 byte, so any text round-trips and vocab is fixed at 256.
+"""Tokenizers: bytes (the default: one token per UTF-8 byte, vocab 256) or a Hugging Face `tokenizers` file.
 
-`Tokenizer` is what the rest of the code asks of a tokenizer, and `TOKENIZERS` names the ones there are, so a
-run can record which it used and `orangetron sample` can pick it by that name (the byte tokenizer, the only
-one yet, is the default for runs that record none).
+`Tokenizer` is what the rest of the code asks of a tokenizer. A run names its tokenizer by a string it records:
+a name in `TOKENIZERS` ("byte"), or the path of a tokenizer folder (its tokenizer.json, with BOS/EOS from its
+tokenizer_config.json) or of a tokenizer.json file; `tokenizer_named` builds either, so `orangetron sample`
+decodes with the tokenizer a run trained on (runs that record none used bytes).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -16,6 +20,8 @@ class Tokenizer(Protocol):
     """Text <-> token ids in [0, vocab_size)."""
 
     vocab_size: int
+    bos_id: int | None  # the token that opens a document, where the tokenizer adds one
+    eos_id: int | None  # the token that ends a document (prepared datasets put it between documents)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -29,10 +35,15 @@ class ByteTokenizer:
     """
 
     vocab_size: int = 256
+    bos_id: int | None = None
+    eos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         """Return the UTF-8 bytes of `text` as a list of ints in [0, 256)."""
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
 
     def encode_tensor(self, text: str) -> torch.Tensor:
         """Return the UTF-8 bytes of `text` as an int64 tensor of shape [len(bytes)]."""
@@ -55,11 +66,95 @@ class ByteTokenizer:
         return raw.decode("utf-8", errors="replace")
 
 
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer (tokenizer.json) that encodes as transformers 5's
+    `AutoTokenizer` does, BOS/EOS included.
+
+    `path`: a folder holding tokenizer.json (and perhaps tokenizer_config.json) or a tokenizer.json file. The
+    special tokens encoding adds are those of tokenizer.json's post-processor (transformers 5 drops
+    tokenizer_config.json's `add_bos_token` / `add_eos_token` when a tokenizer.json exists, and so does this
+    class). Which tokens are BOS and EOS comes from tokenizer_config.json (`bos_token`, `eos_token`, as strings or
+    added-token objects): prepared datasets put EOS between documents.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        self.path = Path(path).resolve()
+        self.file = self.path / TOKENIZER_JSON if self.path.is_dir() else self.path
+        if not self.file.is_file():
+            raise ValueError(f"tokenizer={str(path)!r}: no {TOKENIZER_JSON} (give a tokenizer folder or file)")
+        try:
+            self.backend = Backend.from_file(str(self.file))
+        except Exception as err:  # the Rust library's own exception type
+            raise ValueError(f"tokenizer={str(path)!r}: {self.file} is not a tokenizers file ({err})") from None
+        config = _tokenizer_config(self.file.parent)
+        self.bos_token, self.eos_token = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        self.bos_id, self.eos_id = self._id(self.bos_token), self._id(self.eos_token)
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the special tokens the tokenizer adds (as AutoTokenizer(text).input_ids)."""
+        return self.backend.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, the library's threads sharing the work."""
+        return [e.ids for e in self.backend.encode_batch(texts)]
+
+    def encode_tensor(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.encode(text), dtype=torch.long)
+
+    def decode(self, ids: list[int] | torch.Tensor) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.reshape(-1).tolist()
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def sha256(self) -> str:
+        """Of tokenizer.json and tokenizer_config.json (when there is one), which decide every id."""
+        digest = hashlib.sha256(self.file.read_bytes())
+        config = self.file.parent / TOKENIZER_CONFIG
+        if config.is_file():
+            digest.update(config.read_bytes())
+        return digest.hexdigest()
+
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZERS: dict[str, type[Tokenizer]] = {"byte": ByteTokenizer}
 
 
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    file = folder / TOKENIZER_CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file}: not a JSON file ({err})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an added-token object."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether `folder` holds a tokenizer.json (a Hugging Face model folder usually does)."""
+    return (Path(folder) / TOKENIZER_JSON).is_file()
+
+
 def tokenizer_named(name: str) -> Tokenizer:
-    """A new tokenizer of the kind `name` names in `TOKENIZERS`; ValueError listing the known names otherwise."""
-    if name not in TOKENIZERS:
-        raise ValueError(f"tokenizer={name!r}: unknown; known: {', '.join(sorted(TOKENIZERS))}")
-    return TOKENIZERS[name]()
+    """The tokenizer `name` names: a key of `TOKENIZERS` ("byte"), or a tokenizer folder or tokenizer.json path;
+    ValueError naming the choices otherwise."""
+    if name in TOKENIZERS:
+        return TOKENIZERS[name]()
+    if Path(name).exists():
+        return HFTokenizer(name)
+    raise ValueError(f"tokenizer={name!r}: neither a known name ({', '.join(sorted(TOKENIZERS))}) nor a tokenizer "
+                     "folder or tokenizer.json")

@@ -24,13 +24,14 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import forget_meshes, init_mesh
-from orangetron.model import Transformer
+from orangetron.model import ModelSpec, Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
 from orangetron.parallel.config import DTYPES
 from orangetron.train import admission, faults, run_folder, stopping
 from orangetron.train.accounting import predicted_for_rank
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
+from orangetron.train.datasets import PreparedDataset
 from orangetron.train.launch import LaunchError, launch_local, process_group
 from orangetron.train.mfu import measured_peak_flops, step_flops
 from orangetron.train.progress import ProgressBar
@@ -38,7 +39,7 @@ from orangetron.train.resume import resume, save
 from orangetron.train.runlog import Resumed, RunLog, final_losses
 from orangetron.train.schedule import lr_at
 from orangetron.train.step import TrainingDiverged, evaluate, train_step
-from orangetron.train.tokenizer import ByteTokenizer
+from orangetron.train.tokenizer import tokenizer_named
 from orangetron.train.traffic import StepTraffic
 
 
@@ -50,8 +51,12 @@ class RunData:
 
 
 def load_data(cfg: TrainConfig) -> RunData:
+    """The run's batches and held-out samples: from a prepared dataset (memory-mapped, read a batch at a time),
+    or from text files or the stdlib corpus, tokenized by the run's tokenizer."""
+    if cfg.prepared_data is not None:
+        return _prepared_data(cfg)
     text = read_text_files(cfg.data) if cfg.data is not None else stdlib_corpus(cfg.corpus_bytes)
-    tokens = ByteTokenizer().encode_tensor(text)  # [N]
+    tokens = tokenizer_named(cfg.tokenizer or "byte").encode_tensor(text)  # [N]
     train_tokens, eval_tokens = split_train_eval(tokens, cfg.eval_fraction)
     n_windows = max(train_tokens.numel() - 1, 0) // cfg.seq_len
     if n_windows < cfg.batch_size:
@@ -67,6 +72,22 @@ def load_data(cfg: TrainConfig) -> RunData:
         eval_samples = torch.empty(0, cfg.seq_len + 1, dtype=torch.long)
     train = BatchIterator(train_samples, cfg.batch_size, seed=cfg.seed, drop_last=True)
     return RunData(train=train, eval_samples=eval_samples, n_tokens=tokens.numel())
+
+
+def _prepared_data(cfg: TrainConfig) -> RunData:
+    """A prepared dataset's windows, split as a text's token stream is (held out from its end); only the held-out
+    samples evaluation reads are materialized."""
+    dataset = PreparedDataset.open(cfg.prepared_data)
+    n_eval = int(len(dataset) * cfg.eval_fraction)
+    n_train = len(dataset) - n_eval
+    windows = dataset.windows(0, n_train, cfg.seq_len)
+    if len(windows) < cfg.batch_size:
+        raise TrainConfigError(f"batch_size={cfg.batch_size} (--batch-size): the prepared dataset's training split "
+                               f"has {n_train} tokens, only {len(windows)} samples of seq_len={cfg.seq_len}")
+    held_out = dataset.windows(n_train, len(dataset), cfg.seq_len)
+    eval_samples = held_out[: min(len(held_out), cfg.batch_size * cfg.eval_batches)]
+    train = BatchIterator(windows, cfg.batch_size, seed=cfg.seed, drop_last=True)
+    return RunData(train=train, eval_samples=eval_samples, n_tokens=len(dataset))
 
 
 
@@ -161,6 +182,7 @@ def _merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     merged["comm"] = [entry for r in results for entry in r["comm"]]
     merged["comm_per_step"] = [entry for r in results for entry in r["comm_per_step"]]
     merged["predicted"] = [entry for r in results for entry in r["predicted"]]
+    merged["imported"] = [entry for r in results for entry in r["imported"]]
     return merged
 
 
@@ -175,6 +197,7 @@ class RunSetup:
     dp_rank: int
     share: int  # rows of each micro-batch this rank trains on
     microbatches: int
+    imported_bytes: int | None = None  # bytes this rank read from the --hf-model safetensors (None: no import)
 
     def rows(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """This rank's rows of each micro-batch: the batch splits into micro-batches first, each over the dp
@@ -199,8 +222,22 @@ def setup_run(cfg: TrainConfig) -> RunSetup:
     model = parallelize(reference, mesh, cfg.parallel_config())
     model.train()
     optimizer = model.optimizer(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    imported = None
+    if cfg.hf_model is not None and not cfg.resume:  # a resumed run's weights come from its checkpoint
+        imported = import_weights(cfg.hf_model, cfg.model_config(), model, optimizer)
     share = cfg.batch_size // (mesh["dp"].size * cfg.microbatches)
-    return RunSetup(data, model, optimizer, mesh.rank, mesh["dp"].rank, share, cfg.microbatches)
+    return RunSetup(data, model, optimizer, mesh.rank, mesh["dp"].rank, share, cfg.microbatches, imported)
+
+
+def import_weights(folder: str, spec: ModelSpec, model: ParallelModel, optimizer: ShardedAdamW) -> int:
+    """Replace the seeded initial values with the Hugging Face folder's: each rank reads the boxes of the main
+    parameters it holds (`sharded_state`, as a checkpoint loads) and the model's copies follow
+    (`state_loaded`). Returns the bytes this rank read."""
+    from orangetron.hf import read_into
+
+    read = read_into(folder, spec, model.sharded_state(optimizer)["params"])
+    model.state_loaded(optimizer, 0)
+    return sum(read.bytes_read.values())
 
 
 def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
@@ -230,9 +267,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     mem: dict[str, int] = {}
     traffic = StepTraffic()
     with comm.measure() as records, run:
-        batches: Iterator[torch.Tensor] = iter(data.train)
-        for _ in range(start.step):  # the batches the checkpointed steps consumed
-            next(batches)
+        batches: Iterator[torch.Tensor] = data.train.from_sample(start.samples)  # after the checkpointed steps
         for step in range(start.step, last):
             t0 = time.perf_counter()
             faults.enter("data", step + 1)
@@ -284,6 +319,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "comm_per_step": [{"rank": rank, **traffic.summary()}],
         "predicted": [{"rank": rank, **predicted_for_rank(cfg, model.mesh["pp"].rank)}],
         "warnings": cfg.ineffective_options(),
+        "imported": [] if setup.imported_bytes is None else [{"rank": rank, "bytes_read": setup.imported_bytes}],
         "time_s": time.perf_counter() - run.started,
     }
 
@@ -312,8 +348,12 @@ def _model_parameters(cfg: TrainConfig) -> int:
 def _describe(cfg: TrainConfig, data: RunData) -> str:
     name = cfg.model_config().name
     source = f"{len(cfg.data)} file(s)" if cfg.data is not None else "stdlib corpus"
+    if cfg.prepared_data is not None:
+        source = f"prepared dataset {cfg.prepared_data}"
+    start = f" from {cfg.hf_model}" if cfg.hf_model is not None else ""
+    tokenizer = "" if cfg.tokenizer in (None, "byte") else f", tokenizer {cfg.tokenizer}"
     return (
-        f"model {name} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.param_dtype}), {source}, "
+        f"model {name}{start} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.param_dtype}), {source}{tokenizer}, "
         f"{data.n_tokens:,} tokens, {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, "
         f"layout {cfg.layout}"
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from orangetron.model.layers import rope_cos_sin
+from orangetron.model.layers import rope_tables
 from orangetron.model.moe import MoE
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
 from orangetron.parallel.replace import replace_module
@@ -82,7 +82,7 @@ def chunk_forward(model: nn.Module, chunk: Chunk, x: torch.Tensor, positions: to
     for the next chunk, or logits on the last; the chunk's load-balancing loss, or None without MoE).
     """
     h = model.embed(x) if chunk.first else x
-    cos, sin = rope_cos_sin(positions, model.cfg.head_dim, model.cfg.rope_theta, h.dtype)
+    cos, sin = rope_tables(positions, model.cfg, h.dtype)
     mask = model.routing_mask(token_mask)
     aux = None
     for i in chunk.layers:

@@ -1,0 +1,230 @@
+"""A Hugging Face `config.json` <-> the one model schema, `ModelSpec`: no torch, no second mapping type.
+
+`spec_from_hf` reads a config of a family orangetron builds (Llama, Mixtral) into a `ModelSpec`, accepting
+transformers 5's spellings and the older ones (`rope_parameters` or `rope_scaling` + `rope_theta`,
+`num_local_experts` or `num_experts`); a key the file leaves out means what the family's HF class defaults
+it to. Every key is accounted for: mapped onto a field, checked to hold the one value orangetron honours, or
+known to leave the model alone (metadata, generation defaults, token ids). Anything else is refused in one
+line naming it (`HFConfigError`), never approximated: an active sliding window, qkv biases, QK-norm, latent
+attention, another rope scaling, another family. `hf_config_of` writes a spec back as a config transformers
+loads (`architectures` included). docs/models.md lists what maps where.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.model_rules import ConfigError
+
+CONFIG_FILE = "config.json"
+
+
+class HFConfigError(ConfigError):
+    """A Hugging Face config orangetron cannot honour; the message names the key."""
+
+
+# What each family's HF config class defaults a missing key to (transformers' LlamaConfig, MixtralConfig).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+              "initializer_range": 0.02},
+    "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 4096 * 32,
+                "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "initializer_range": 0.02,
+                "num_local_experts": 8, "num_experts_per_tok": 2},
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+_LATER = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3", "deepseek_v2", "mistral", "gemma")
+
+# Keys that say nothing about the network's function: where it came from, token ids, inference and
+# generation defaults, and the generic fields older transformers wrote into every config.
+_NEUTRAL = frozenset({
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "name_or_path",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "use_cache",
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "use_bfloat16", "tf_legacy_loss",
+    "pruned_heads", "is_decoder", "is_encoder_decoder", "add_cross_attention", "tie_encoder_decoder",
+    "cross_attention_hidden_size", "chunk_size_feed_forward", "id2label", "label2id", "problem_type", "prefix",
+    "task_specific_params", "finetuning_task", "tokenizer_class", "max_length", "min_length", "do_sample",
+    "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p",
+    "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "pretraining_tp", "initializer_range",
+})
+# Keys that must hold the one value orangetron builds; the reason names what another value would be.
+_REQUIRED: dict[str, tuple[Any, str]] = {
+    "hidden_act": ("silu", "the runtime's MLPs are SwiGLU (silu gate)"),
+    "attention_bias": (False, "qkv and output biases are not built yet"),
+    "mlp_bias": (False, "MLP biases are not built"),
+    "attention_dropout": (0.0, "the runtime has no attention dropout"),
+    "router_jitter_noise": (0.0, "the runtime's router has no jitter noise"),
+    "output_router_logits": (False, "HF's balancing loss averages the expert loads over all layers before "
+                                    "the product; the runtime's is a sum of per-layer losses"),
+    "use_qk_norm": (False, "QK-norm is not built yet"),
+    "qk_layernorm": (False, "QK-norm is not built yet"),
+    "partial_rotary_factor": (1.0, "the runtime rotates whole heads"),
+    "use_sliding_window": (False, "an active sliding window is not built"),
+}
+# Multi-head latent attention and other structure no family here has.
+_REFUSED = {"q_lora_rank": "multi-head latent attention (MLA)", "kv_lora_rank": "multi-head latent attention (MLA)",
+            "qkv_bias": "qkv biases are not built yet", "quantization_config": "quantized weights are not read",
+            "auto_map": "custom modelling code is not run", "layer_types": "per-layer attention kinds"}
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a Hugging Face folder (or the file itself); ValueError naming the path."""
+    path = Path(path)
+    file = path / CONFIG_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no {CONFIG_FILE}; not a Hugging Face model folder")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file}: not a JSON file ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: holds a {type(config).__name__}, not a config object")
+    return config
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / CONFIG_FILE).is_file()
+
+
+def family_of(config: dict[str, Any]) -> str:
+    """The config's family ("llama", "mixtral"); HFConfigError naming `model_type` for any other."""
+    family = config.get("model_type")
+    if family not in _DEFAULTS:
+        later = " (planned: other families are being added)" if family in _LATER else ""
+        raise HFConfigError(f"model_type={family!r}: orangetron reads {', '.join(_DEFAULTS)} configs{later}")
+    expected = ARCHITECTURES[family]
+    architectures = config.get("architectures") or [expected]
+    if architectures != [expected]:
+        raise HFConfigError(f"architectures={architectures!r}: a {family} config reads as [{expected!r}] only")
+    return family
+
+
+def spec_from_hf(config: dict[str, Any], name: str = "hf") -> ModelSpec:
+    """The `ModelSpec` of a Hugging Face config (a parsed config.json); HFConfigError names the first key it
+    cannot honour. The spec's `aux_loss_coef` is 0 (HF trains these families without the balancing loss
+    unless `output_router_logits`, which is refused)."""
+    family = family_of(config)
+    _check_keys(config, family)
+    given = {**_DEFAULTS[family], **{k: v for k, v in config.items() if v is not None}}
+    heads = given["num_attention_heads"]
+    fields: dict[str, Any] = {
+        "name": name, "hidden_size": given["hidden_size"], "num_layers": given["num_hidden_layers"],
+        "num_heads": heads, "num_kv_heads": given["num_key_value_heads"] or heads,
+        "vocab_size": given["vocab_size"], "head_dim": given.get("head_dim") or 0,
+        "norm_eps": float(given["rms_norm_eps"]), "max_seq_len": given["max_position_embeddings"],
+        "tied_embeddings": bool(given["tie_word_embeddings"]), "init_std": float(given["initializer_range"]),
+        **_rope_fields(config, family),
+    }
+    if family == "mixtral":  # transformers 5 reads `num_experts` as `num_local_experts`
+        experts = config.get("num_local_experts") or config.get("num_experts") or given["num_local_experts"]
+        fields |= {"num_experts": experts, "top_k": given["num_experts_per_tok"],
+                   "moe_ffn_hidden_size": given["intermediate_size"], "router_score": "softmax",
+                   "norm_topk_prob": True}
+    else:
+        fields["ffn_hidden_size"] = given["intermediate_size"]
+    try:
+        return ModelSpec(**fields)
+    except ConfigError as err:
+        raise HFConfigError(f"{name}: {err}") from None
+
+
+def _check_keys(config: dict[str, Any], family: str) -> None:
+    mapped = set(_DEFAULTS[family]) | {"head_dim", "num_experts", "rope_parameters", "rope_scaling", "rope_theta",
+                                       "router_aux_loss_coef", "sliding_window"}
+    for key, given in config.items():
+        if key in _REFUSED:
+            if given not in (None, 0, False, {}, []):
+                raise HFConfigError(f"{key}={given!r}: {_REFUSED[key]}; orangetron does not build it")
+        elif key in _REQUIRED:
+            wanted, why = _REQUIRED[key]
+            if given is not None and given != wanted:
+                raise HFConfigError(f"{key}={given!r}: {why}; orangetron builds {key}={wanted!r} only")
+        elif key not in mapped and key not in _NEUTRAL:
+            raise HFConfigError(f"{key}={given!r}: a {family} config key orangetron does not know; refused rather "
+                                "than building a model that may differ")
+    window = config.get("sliding_window")
+    if window is not None and config.get("use_sliding_window", True):
+        raise HFConfigError(f"sliding_window={window!r}: an active sliding window is not built (accepted with "
+                            "use_sliding_window: false, or null)")
+
+
+def _rope_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """rope_theta and the scaling fields, from transformers 5's `rope_parameters` or the older `rope_scaling`
+    beside a top-level `rope_theta`."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        raise HFConfigError(f"rope_parameters={rope!r}: per-layer rope parameters are not built")
+    theta = rope.get("rope_theta", config.get("rope_theta", _DEFAULTS[family]["rope_theta"]))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFConfigError(f"partial_rotary_factor={rope['partial_rotary_factor']!r}: the runtime rotates whole "
+                            "heads")
+    if kind == "default":
+        return {"rope_theta": float(theta)}
+    if kind != "llama3":
+        raise HFConfigError(f"rope_type={kind!r}: orangetron builds default and llama3 rotary embeddings only")
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if key not in rope:
+            raise HFConfigError(f"rope_parameters: llama3 scaling without {key!r}")
+    original = rope.get("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return {"rope_theta": float(theta), "rope_scaling": "llama3", "rope_scaling_factor": float(rope["factor"]),
+            "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_original_max_positions": int(original)}
+
+
+def hf_family(spec: ModelSpec) -> str:
+    """The family a spec exports as ("llama" dense, "mixtral" MoE); HFConfigError naming the field otherwise."""
+    if not spec.is_moe:
+        return "llama"
+    unlike_mixtral = [
+        ("norm_topk_prob", spec.norm_topk_prob, "Mixtral renormalizes the top-k probabilities"),
+        ("router_score", spec.router_score == "softmax", "Mixtral's router is a softmax"),
+        ("num_shared_experts", spec.num_shared_experts == 0, "Mixtral has no shared expert"),
+        ("first_dense_layers", spec.first_dense_layers == 0, "every Mixtral layer is MoE"),
+        ("moe_layer_freq", spec.moe_layer_freq == 1, "every Mixtral layer is MoE"),
+        ("expert_groups", spec.expert_groups == 1, "Mixtral routes without groups"),
+        ("router_bias_rate", spec.router_bias_rate == 0, "Mixtral has no balancing bias"),
+    ]
+    for field, ok, why in unlike_mixtral:
+        if not ok:
+            raise HFConfigError(f"{field}={getattr(spec, field)!r}: no Hugging Face family here holds this MoE "
+                                f"({why}); export --hf writes Llama and Mixtral models")
+    return "mixtral"
+
+
+def hf_config_of(spec: ModelSpec, dtype: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A config.json for `spec` with tensors in `dtype` ("float32", ...): `base` (the source config of an
+    imported model, whose other keys such as token ids are kept) updated with every key the spec decides."""
+    family = hf_family(spec)
+    if base is not None and base.get("model_type") not in (None, family):
+        base = None  # the spec changed family: start afresh
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.rope_scaling == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": spec.rope_theta, "factor": spec.rope_scaling_factor,
+                "low_freq_factor": spec.rope_low_freq_factor, "high_freq_factor": spec.rope_high_freq_factor,
+                "original_max_position_embeddings": spec.rope_original_max_positions}
+    config = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "torch_dtype", "num_experts")}
+    config |= {
+        "architectures": [ARCHITECTURES[family]], "model_type": family, "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.norm_eps, "max_position_embeddings": spec.max_seq_len,
+        "tie_word_embeddings": spec.tied_embeddings, "initializer_range": spec.init_std, "hidden_act": "silu",
+        "attention_dropout": 0.0, "rope_parameters": rope, "rope_theta": spec.rope_theta, "dtype": dtype,
+    }
+    if family == "mixtral":
+        config |= {"intermediate_size": spec.moe_ffn_hidden_size, "num_local_experts": spec.num_experts,
+                   "num_experts_per_tok": spec.top_k, "sliding_window": None, "output_router_logits": False,
+                   "router_jitter_noise": 0.0}
+    else:
+        config |= {"intermediate_size": spec.ffn_hidden_size, "attention_bias": False, "mlp_bias": False}
+    return dict(sorted(config.items()))

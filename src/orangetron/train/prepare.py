@@ -1,0 +1,249 @@
+"""`orangetron prepare-data` and `orangetron tokenizer train`: a corpus tokenized once into a prepared dataset
+(`train/datasets.py`), and a byte-level BPE tokenizer trained offline.
+
+Inputs are documents: a text file is one document; a JSONL file (`.jsonl`, `.json`) is one document per line,
+its `"text"` field. `prepare-data` writes each document's ids followed by the tokenizer's EOS (the byte
+tokenizer has none and puts "\\n\\n\\n" between documents, as text files are joined) into tokens.bin, streaming,
+with a progress bar on standard error by bytes read. torch is imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from orangetron.train.corpus import FILE_SEPARATOR
+from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, FORMAT, TOKENS_FILE, VERSION
+
+BATCH_DOCUMENTS = 256  # documents tokenized together (the tokenizers library spreads a batch over threads)
+SPECIAL_TOKENS = ("<|endoftext|>",)  # `tokenizer train`'s only special token: EOS (and BOS) of its documents
+
+
+def add_data_commands(sub: Any) -> None:
+    """Register `prepare-data` and `tokenizer` on an argparse subparsers object."""
+    p = sub.add_parser(
+        "prepare-data", help="tokenize a corpus into a memory-mapped dataset folder for train --data DIR",
+        description="Tokenize text files (one document each) and JSONL files (one document per line, its \"text\" "
+        "field) into DIR: tokens.bin (uint16 or uint32 ids, EOS after each document), documents.npy (document "
+        "offsets) and dataset.json. `orangetron train --data DIR` reads it through a memory map.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="text or JSONL files")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the dataset folder to write (new or empty)")
+    p.add_argument("--tokenizer", default="byte", metavar="T",
+                   help="byte, or a tokenizer folder or tokenizer.json (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print dataset.json's summary as one JSON object")
+    p.set_defaults(run=_run_prepare)
+    t = sub.add_parser("tokenizer", help="tokenizer tools: `tokenizer train`",
+                       description="Tokenizer tools. `orangetron tokenizer train FILES -o DIR --vocab N` trains a "
+                       "byte-level BPE tokenizer offline.")
+    tsub = t.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND")
+    tr = tsub.add_parser("train", help="train a byte-level BPE tokenizer on text or JSONL files",
+                         description="Train a byte-level BPE tokenizer (Hugging Face tokenizers) on the documents of "
+                         "FILES and write DIR/tokenizer.json and tokenizer_config.json, which --tokenizer DIR and "
+                         "transformers.AutoTokenizer read. Its one special token, <|endoftext|>, is EOS and BOS; "
+                         "encoding adds neither.")
+    tr.add_argument("files", nargs="+", metavar="FILE", help="text or JSONL files")
+    tr.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
+    tr.add_argument("--vocab", type=int, required=True, metavar="N",
+                    help=f"vocabulary size, at least 256 + {len(SPECIAL_TOKENS)} (the bytes and the special token)")
+    tr.add_argument("--json", action="store_true", help="print one JSON object: output, vocab_size")
+    tr.set_defaults(run=_run_tokenizer_train)
+
+
+# ---- documents --------------------------------------------------------------------------------------------
+
+def documents(files: list[str]) -> Iterator[tuple[str, int]]:
+    """(text, bytes of input it took) for every document of `files` in order; ValueError naming a bad file or line."""
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"{name}: no such file")
+        if path.suffix in (".jsonl", ".json"):
+            with open(path, encoding="utf-8") as lines:
+                for number, line in enumerate(lines, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)["text"]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise ValueError(f"{name}:{number}: not a JSON object with a \"text\" field") from None
+                    yield str(text), len(line.encode("utf-8"))
+        else:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{name}: not UTF-8 text ({err})") from None
+            yield text, path.stat().st_size
+
+
+class ByteProgress:
+    """`prepare-data`'s bar: bytes read of the total, redrawn in place on a terminal, else a line per 10%."""
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
+        self.total, self.enabled, self.done = max(total, 1), enabled, 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.next_tenth, self.started = 1, time.perf_counter()
+
+    def advance(self, nbytes: int, tokens: int) -> None:
+        self.done += nbytes
+        if not self.enabled:
+            return
+        fraction = min(self.done / self.total, 1.0)
+        seconds = time.perf_counter() - self.started
+        text = (f"[{'#' * int(24 * fraction):-<24}] {100 * fraction:5.1f}% {self.done / 2**20:,.1f} MiB, "
+                f"{tokens:,} tokens, {self.done / 2**20 / max(seconds, 1e-9):,.1f} MiB/s")
+        if self.tty:
+            self.stream.write("\r" + text + "\x1b[K")
+        elif fraction * 10 >= self.next_tenth:
+            self.stream.write(text + "\n")
+            while self.next_tenth <= fraction * 10:
+                self.next_tenth += 1
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+# ---- prepare-data -----------------------------------------------------------------------------------------
+
+def prepare_data(files: list[str], output: str | Path, tokenizer: str = "byte", progress: bool = True,
+                 stream: TextIO | None = None) -> dict[str, Any]:
+    """Tokenize the documents of `files` into the dataset folder `output` (new, or empty); returns dataset.json.
+
+    Written in a staging folder beside `output` and renamed into place, so a failed run leaves nothing half
+    written. The tokenizer must have an EOS (the byte tokenizer separates documents by "\\n\\n\\n")."""
+    import numpy as np
+
+    from orangetron.train.tokenizer import TOKENIZERS, tokenizer_named
+
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ValueError(f"-o {str(output)!r}: exists and is not an empty folder")
+    name = tokenizer if tokenizer in TOKENIZERS else str(Path(tokenizer).resolve())
+    tok = tokenizer_named(name)
+    separator = tok.encode(FILE_SEPARATOR) if tok.eos_id is None and name == "byte" else None
+    if tok.eos_id is None and separator is None:
+        raise ValueError(f"--tokenizer {tokenizer}: has no eos_token (tokenizer_config.json); prepare-data puts EOS "
+                         "between documents")
+    end = separator if separator is not None else [tok.eos_id]
+    dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<u4")
+    sources = [_source_record(f) for f in files]
+    staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(parents=True)
+    try:
+        offsets = _write_tokens(files, tok, end, dtype, staging / TOKENS_FILE,
+                                ByteProgress(sum(s["bytes"] for s in sources), progress, stream))
+        np.save(staging / DOCUMENTS_FILE, np.asarray(offsets, dtype=np.int64))
+        meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokens": offsets[-1],
+                "documents": len(offsets) - 1, "tokenizer": name, "tokenizer_sha256": _tokenizer_hash(tok),
+                "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
+                "separator": separator, "sources": sources,
+                "sha256": {n: _sha256(staging / n) for n in (TOKENS_FILE, DOCUMENTS_FILE)}}
+        (staging / DATASET_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        if output.exists():
+            output.rmdir()  # empty, checked above
+        os.replace(staging, output)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return meta
+
+
+def _write_tokens(files: list[str], tok: Any, end: list[int], dtype: Any, path: Path,
+                  bar: ByteProgress) -> list[int]:
+    """Stream every document's ids and `end` into `path`; the documents' start offsets and the total."""
+    import numpy as np
+
+    offsets, total = [0], 0
+    with open(path, "wb") as out:
+        batch: list[tuple[str, int]] = []
+        for document in (*documents(files), None):
+            if document is not None:
+                batch.append(document)
+            if batch and (document is None or len(batch) == BATCH_DOCUMENTS):
+                for ids, (_, nbytes) in zip(tok.encode_batch([text for text, _ in batch]), batch, strict=True):
+                    np.asarray(ids + end, dtype=dtype).tofile(out)
+                    total += len(ids) + len(end)
+                    offsets.append(total)
+                    bar.advance(nbytes, total)
+                batch = []
+    bar.close()
+    return offsets
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_record(name: str) -> dict[str, Any]:
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"{name}: no such file")
+    return {"path": str(path.absolute()), "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _tokenizer_hash(tok: Any) -> str | None:
+    return tok.sha256() if hasattr(tok, "sha256") else None
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    meta = prepare_data(args.files, args.output, args.tokenizer, progress=not args.quiet)
+    print(f"orangetron prepare-data: wrote {args.output}: {meta['documents']:,} documents, {meta['tokens']:,} "
+          f"tokens ({meta['dtype']}); train with --data {args.output}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({k: meta[k] for k in ("documents", "tokens", "dtype", "tokenizer", "vocab_size")}
+                         | {"output": str(args.output)}))
+    return 0
+
+
+# ---- tokenizer train --------------------------------------------------------------------------------------
+
+def train_tokenizer(files: list[str], output: str | Path, vocab: int) -> Path:
+    """Train a byte-level BPE on the documents of `files`; write tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    smallest = 256 + len(SPECIAL_TOKENS)
+    if vocab < smallest:
+        raise ValueError(f"--vocab {vocab}: a byte-level BPE needs at least {smallest} ids (every byte and "
+                         f"{', '.join(SPECIAL_TOKENS)})")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((text for text, _ in documents(files)), trainer=trainer)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    tok.save(str(output / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0],
+              "eos_token": SPECIAL_TOKENS[0], "unk_token": None, "model_max_length": 1_000_000_000}
+    (output / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    return output
+
+
+def _run_tokenizer_train(args: argparse.Namespace) -> int:
+    from orangetron.train.tokenizer import HFTokenizer
+
+    output = train_tokenizer(args.files, args.output, args.vocab)
+    size = HFTokenizer(output).vocab_size
+    print(f"orangetron tokenizer train: wrote {output}/tokenizer.json ({size:,} ids)", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"output": str(output), "vocab_size": size}))
+    return 0

@@ -1,0 +1,160 @@
+"""Hugging Face folders in and out, checked against transformers itself.
+
+The tiny models of tests/hf_models.py are built offline with `save_pretrained`; transformers' float32 islands
+are patched to float64 (`float64_islands`), so our logits must equal transformers' to 1e-10. Negative
+controls live in scripts/mutate.py (an interleaved-RoPE permutation, swapped key/value heads, gate and up
+swapped, the wrong norm epsilon, norm_topk_prob ignored); each fails a parity test here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+
+import orangetron.hf as hf  # noqa: E402
+from orangetron.spec.hf_config import HFConfigError, hf_config_of, read_config, spec_from_hf  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def _tokens(seed: int = 0, batch: int = 2, seq: int = 40) -> torch.Tensor:
+    return torch.randint(0, hf_models.VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits_gap(folder) -> float:
+    ours = hf.load(folder, dtype=torch.float64)
+    theirs = hf_models.reference(folder)
+    tokens = _tokens()
+    with torch.no_grad(), hf_models.float64_islands(theirs):
+        expected = theirs(tokens).logits
+        got = ours(tokens)
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("build", ["llama", "llama_tied", "mixtral"])
+def test_logits_equal_transformers_in_float64(tmp_path, build):
+    folder = {"llama": lambda: hf_models.llama(tmp_path),
+              "llama_tied": lambda: hf_models.llama(tmp_path, tied=True, seed=3),
+              "mixtral": lambda: hf_models.mixtral(tmp_path)}[build]()
+    assert _logits_gap(folder) < 1e-10
+
+
+def test_sharded_safetensors_read_the_same_model(tmp_path):
+    whole = hf_models.llama(tmp_path / "whole")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(whole, dtype=torch.float64)
+    theirs.save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a, b = hf.load(whole, dtype=torch.float64), hf.load(tmp_path / "sharded", dtype=torch.float64)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def test_config_maps_both_spellings_and_refuses_by_name(tmp_path):
+    spec = hf.config(hf_models.llama(tmp_path / "l"))
+    assert (spec.rope_scaling, spec.rope_scaling_factor, spec.rope_original_max_positions) == ("llama3", 8.0, 64)
+    assert (spec.num_kv_heads, spec.norm_eps, spec.tied_embeddings) == (2, 1e-3, False)
+    config = read_config(tmp_path / "l")
+    older = {k: v for k, v in config.items() if k != "rope_parameters"}  # transformers 4's spelling
+    scaling = {k: v for k, v in hf_models.LLAMA3_ROPE.items() if k != "rope_theta"}
+    older |= {"rope_theta": 100.0, "rope_scaling": scaling}
+    assert spec_from_hf(older, spec.name) == spec
+    mixtral = read_config(hf_models.mixtral(tmp_path / "m"))
+    moe = spec_from_hf(mixtral)
+    assert (moe.num_experts, moe.top_k, moe.norm_topk_prob, moe.rope_theta) == (4, 2, True, 1000.0)
+    renamed = {("num_experts" if k == "num_local_experts" else k): v for k, v in mixtral.items()}
+    assert spec_from_hf(renamed) == moe
+    refusals = {
+        "sliding_window": {**mixtral, "sliding_window": 4096},
+        "attention_bias": {**config, "attention_bias": True},
+        "rope_type='yarn'": {**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+        "kv_lora_rank": {**config, "kv_lora_rank": 512},
+        "use_qk_norm": {**config, "use_qk_norm": True},
+        "model_type='qwen2'": {**config, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+        "some_new_key": {**config, "some_new_key": 1},
+        "output_router_logits": {**mixtral, "output_router_logits": True},
+    }
+    for field, bad in refusals.items():
+        with pytest.raises(HFConfigError, match=field.replace("[", r"\[")):
+            spec_from_hf(bad)
+    spec_from_hf({**mixtral, "sliding_window": 4096, "use_sliding_window": False})  # inactive: accepted
+    assert spec_from_hf(hf_config_of(moe, "float64")) == moe  # a written config reads back the same
+
+
+def test_refused_tensor_is_named(tmp_path):
+    folder = hf_models.llama(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16, dtype=torch.float64)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_norm.weight' has no place in the model"):
+        hf.load(folder)
+
+
+def test_untouched_import_exports_bit_equal_and_loads_in_transformers(tmp_path):
+    for name, build in (("llama", hf_models.llama), ("mixtral", hf_models.mixtral)):
+        source = build(tmp_path / name)
+        model = hf.load(source, dtype=torch.float64)
+        out = hf.save(model, tmp_path / f"{name}-out", base_config=read_config(source))
+        from safetensors.torch import load_file
+
+        before, after = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+        assert json.loads((out / "config.json").read_text())["architectures"] == read_config(source)["architectures"]
+        assert _logits_gap(out) < 1e-10  # transformers loads the export unchanged
+
+
+def test_tied_head_is_written_the_hf_way(tmp_path):
+    model = hf.load(hf_models.llama(tmp_path / "src", tied=True, seed=3), dtype=torch.float64)
+    out = hf.save(model, tmp_path / "out")
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    assert theirs.lm_head.weight.data_ptr() == theirs.model.embed_tokens.weight.data_ptr()
+
+
+def test_a_moe_no_family_holds_is_refused_on_export(tmp_path):
+    from orangetron.model import Transformer, model_preset
+
+    with pytest.raises(HFConfigError, match=r"norm_topk_prob=False: no Hugging Face family here holds this MoE"):
+        hf.save(Transformer(model_preset("tiny-moe")), tmp_path / "out")
+
+
+def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
+    from orangetron.cli import main
+
+    for folder in (hf_models.llama(tmp_path / "l", tied=True), hf_models.mixtral(tmp_path / "m")):
+        spec = hf.config(folder)
+        assert spec.total_params() == sum(p.numel() for p in hf_models.reference(folder).parameters())
+        assert main(["estimate", "--model", str(folder), "--gpu", "h100", "--seq", "64", "--json"]) == 0
+        priced = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert priced["model"] == folder.name and priced["memory_bytes"]["params"] == 2 * spec.total_params()
+        assert main(["plan", "--model", str(folder), "--gpu", "h100", "--gpus", "4", "--seq", "64", "--json"]) == 0
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    assert main(["estimate", "--model", str(not_a_model), "--gpu", "h100"]) == 2
+
+
+def test_a_model_trained_from_scratch_exports_as_llama(tmp_path):
+    """No source config: every key comes from the spec, and transformers computes the same logits."""
+    from orangetron.model import Transformer, model_preset
+
+    model = Transformer(model_preset("tiny"), seed=4, dtype=torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    out = hf.save(model, tmp_path / "out")
+    assert read_config(out)["architectures"] == ["LlamaForCausalLM"]
+    theirs = hf_models.reference(out)
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), hf_models.float64_islands(theirs):
+        expected = theirs(tokens).logits
+        assert ((model(tokens) - expected).abs().max() / expected.abs().max()).item() < 1e-10

@@ -1,0 +1,112 @@
+"""`train --hf-model` on a layout, against plain torch on one device; export back; tokenizers as transformers has them.
+
+One launch per family: Llama on tp2 x dp2 and Mixtral on tp2 x dp2 x ep2, both with ZeRO-1 (so each rank
+holds a quarter of the dense main parameters and reads only that from the safetensors), two AdamW steps in
+float64 from the Hugging Face folder's weights. The run must match tests/trainer_reference.py (the unwrapped
+model holding the same weights, torch.optim.AdamW and torch's clipping) to 1e-9: losses, every step's gradient
+norm, the final parameters and both AdamW moments (the first moment after two steps is a sum of the two
+steps' gradients). Then every tensor `export --hf` writes equals the checkpoint's, and transformers loads the
+export and gives our trained model's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from trainer_reference import assert_matches_reference, reference_training  # noqa: E402
+
+from orangetron.cli import main  # noqa: E402
+from orangetron.hf.weights import hf_tensors  # noqa: E402
+from orangetron.model import model_from_record  # noqa: E402
+from orangetron.train.config import TrainConfig  # noqa: E402
+from orangetron.train.export import read_model  # noqa: E402
+from orangetron.train.tokenizer import HFTokenizer  # noqa: E402
+from orangetron.train.trainer import train  # noqa: E402
+
+
+def _run_and_compare(tmp_path, folder, **layout):
+    hf_models.add_tokenizer(folder)
+    text = hf_models.corpus_file(tmp_path / "text")
+    cfg = TrainConfig(hf_model=str(folder), data=[str(text)], steps=2, seq_len=16, batch_size=4,
+                      param_dtype="float64", warmup=0, lr=3e-3, min_lr=3e-4, eval_batches=2, zero_stage=1,
+                      out=str(tmp_path / "run"), **layout)
+    result = train(cfg, progress=False)
+    one_device = dataclasses.replace(cfg, tp=1, dp=1, ep=1, zero_stage=0, out=None)
+    assert_matches_reference(result, tmp_path / "run", reference_training(one_device), rtol=1e-9)
+    return cfg, result
+
+
+def _check_reads(result, folder, ep=1):
+    """Each of the 4 ranks read about its share of the checkpoint, not all of it: a quarter of the dense weights
+    (halves over tp, ZeRO-1 halves over dp) and 1/ep of the routed experts (whole on each tp rank, one expert
+    data-parallel rank)."""
+    from safetensors import safe_open
+
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 (not a dict)
+    nbytes = {k: 8 * torch.Size(shape).numel() for k, shape in sizes.items()}
+    experts = sum(n for k, n in nbytes.items() if ".experts." in k)
+    share = experts / ep + (sum(nbytes.values()) - experts) / 4
+    reads = [entry["bytes_read"] for entry in result["imported"]]
+    assert len(reads) == 4
+    assert all(0.9 * share < r < 1.1 * share for r in reads), (reads, share)
+    assert max(reads) < 0.6 * sum(nbytes.values())
+
+
+def _check_export(tmp_path, cfg):
+    out = tmp_path / "export"
+    assert main(["export", str(tmp_path / "run"), "--hf", "-o", str(out)]) == 0
+    saved = read_model(tmp_path / "run")
+    spec = model_from_record(saved.record["model"])
+    expected = hf_tensors(spec, saved.state_dict)
+    from safetensors.torch import load_file
+
+    written = load_file(out / "model.safetensors")
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[k], expected[k]) and written[k].dtype == torch.float64 for k in expected)
+    # transformers loads the export unchanged and computes our trained model's logits; the tokenizer came along
+    from orangetron.train.sample import load_model
+
+    ours, _ = load_model(tmp_path / "run")
+    theirs = hf_models.reference(out)
+    tokens = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), hf_models.float64_islands(theirs):
+        gap = (ours(tokens) - theirs(tokens).logits).abs().max() / theirs(tokens).logits.abs().max()
+    assert gap < 1e-10
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    assert auto("def f(x):\n    return x")["input_ids"] == HFTokenizer(cfg.tokenizer).encode("def f(x):\n    return x")
+
+
+def _check_record(tmp_path, folder):
+    record = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert record["hf_model"] == str(folder.resolve())
+    assert record["tokenizer"] == str(folder.resolve())  # --hf-model picked up the folder's tokenizer
+    assert record["data_record"]["tokenizer"] == str(folder.resolve())
+    source = record["model_source"]
+    assert source["path"] == str(folder.resolve()) and len(source["config_sha256"]) == 64
+    assert source["files"] == [{"name": "model.safetensors", "bytes": (folder / "model.safetensors").stat().st_size}]
+    state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step-*/state.json")).read_text())
+    assert state["tokenizer"] == str(folder.resolve()) and state["model_source"]["config"]["model_type"]
+
+
+def test_llama_trains_on_tp2_dp2_as_on_one_device_and_exports(tmp_path):
+    folder = hf_models.llama(tmp_path / "llama")
+    cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2)
+    _check_reads(result, folder)
+    _check_record(tmp_path, folder)
+    _check_export(tmp_path, cfg)
+
+
+def test_mixtral_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
+    folder = hf_models.mixtral(tmp_path / "mixtral")
+    cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2, ep=2)
+    _check_reads(result, folder, ep=2)
+    _check_export(tmp_path, cfg)

@@ -1,0 +1,175 @@
+"""Tokenizers (ids as transformers' AutoTokenizer gives them) and prepared datasets (`prepare-data`, then
+`train --data DIR`, resumed on the same token stream)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tomllib
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+
+from orangetron.cli import main
+from orangetron.train.config import TrainConfig, TrainConfigError
+from orangetron.train.corpus import stdlib_corpus
+from orangetron.train.datasets import PreparedDataset, TokenWindows
+from orangetron.train.prepare import prepare_data, train_tokenizer
+from orangetron.train.tokenizer import ByteTokenizer, HFTokenizer
+from orangetron.train.trainer import load_data, train
+
+TEXTS = ["def f(x):\n    return x + 1\n", "Ünïcödé — ✓ 你好", "a <|endoftext|> b", "", "   spaces  "]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    (root / "corpus.txt").write_text(stdlib_corpus(40_000), encoding="utf-8")
+    return train_tokenizer([str(root / "corpus.txt")], root / "bpe", vocab=300)
+
+
+def _variant(src, dst, post_processor=None, **config):
+    """A copy of the tokenizer at `src` with tokenizer_config.json entries and perhaps another post-processor."""
+    from tokenizers import Tokenizer
+
+    dst.mkdir()
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    if post_processor is not None:
+        tok.post_processor = post_processor
+    tok.save(str(dst / "tokenizer.json"))
+    base = json.loads((src / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**base, **config}))
+    return dst
+
+
+def test_ids_equal_autotokenizer_bos_and_eos_included(tokenizer_dir, tmp_path):
+    """The special tokens come from tokenizer.json's post-processor (a Llama 3 style template adding BOS, or
+    none), as transformers 5 has it; tokenizer_config.json's add_bos_token is dropped by both."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import processors
+
+    eos = HFTokenizer(tokenizer_dir).eos_id
+    template = processors.TemplateProcessing(single="<|endoftext|> $A <|endoftext|>", pair="$A $B",
+                                             special_tokens=[("<|endoftext|>", eos)])
+    variants = {"trained": tokenizer_dir,
+                "template": _variant(tokenizer_dir, tmp_path / "template", template),
+                "flags": _variant(tokenizer_dir, tmp_path / "flags", add_bos_token=True, add_eos_token=True)}
+    for name, folder in variants.items():
+        ours, theirs = HFTokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
+        for text in TEXTS:
+            assert ours.encode(text) == theirs(text)["input_ids"], (name, text)
+            assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text)["input_ids"])
+        assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    with_template = HFTokenizer(variants["template"]).encode("x")
+    assert with_template[0] == eos and with_template[-1] == eos and len(with_template) == 3
+    assert eos not in HFTokenizer(tokenizer_dir).encode("x")  # the trained tokenizer adds neither
+    assert HFTokenizer(tokenizer_dir / "tokenizer.json").encode(TEXTS[0]) == HFTokenizer(tokenizer_dir).encode(TEXTS[0])
+
+
+def _corpus(tmp_path):
+    docs = [stdlib_corpus(3000)[i * 500:(i + 1) * 500] for i in range(4)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[:3])))
+    text = tmp_path / "last.txt"
+    text.write_text(docs[3], encoding="utf-8")
+    return docs, [str(jsonl), str(text)]
+
+
+def test_prepare_data_writes_each_document_then_eos(tokenizer_dir, tmp_path):
+    docs, files = _corpus(tmp_path)
+    bar = io.StringIO()
+    meta = prepare_data(files, tmp_path / "data", str(tokenizer_dir), stream=bar)
+    tok = HFTokenizer(tokenizer_dir)
+    expected = [i for d in docs for i in tok.encode(d) + [tok.eos_id]]
+    tokens = np.fromfile(tmp_path / "data" / "tokens.bin", dtype="<u2")
+    assert tokens.tolist() == expected and meta["tokens"] == len(expected) and meta["dtype"] == "uint16"
+    offsets = np.load(tmp_path / "data" / "documents.npy").tolist()
+    assert offsets[0] == 0 and offsets[-1] == len(expected) and len(offsets) == 5
+    assert all(tokens[end - 1] == tok.eos_id for end in offsets[1:])
+    assert "100.0%" in bar.getvalue()  # the progress bar reached the end (a line per tenth off a terminal)
+    with pytest.raises(ValueError, match=r"exists and is not an empty folder"):
+        prepare_data(files, tmp_path / "data", str(tokenizer_dir))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object with a \"text\" field"):
+        prepare_data([str(bad)], tmp_path / "other", str(tokenizer_dir))
+    assert not (tmp_path / "other").exists()  # nothing half written
+
+
+def test_byte_tokenizer_separates_documents_as_text_files_are_joined(tmp_path):
+    docs, files = _corpus(tmp_path)
+    prepare_data(files, tmp_path / "data", "byte", progress=False)
+    tokens = np.fromfile(tmp_path / "data" / "tokens.bin", dtype="<u2")
+    assert bytes(tokens.tolist()).decode() == "".join(d + "\n\n\n" for d in docs)
+    assert ByteTokenizer().eos_id is None
+
+
+def _cfg(data, **options):
+    return TrainConfig(model="tiny", data=[str(data)], seq_len=16, batch_size=4, steps=4, warmup=0,
+                       eval_batches=2, **options)
+
+
+def test_train_reads_a_prepared_dataset_through_a_memory_map(tmp_path):
+    _, files = _corpus(tmp_path)
+    prepare_data(files, tmp_path / "data", "byte", progress=False)
+    cfg = _cfg(tmp_path / "data")
+    assert cfg.prepared_data == str(tmp_path / "data") and cfg.tokenizer == "byte"
+    data = load_data(cfg)
+    assert isinstance(data.train.samples, TokenWindows) and isinstance(data.train.samples.tokens, np.memmap)
+    stream = torch.from_numpy(np.fromfile(tmp_path / "data" / "tokens.bin", dtype="<u2").astype(np.int64))
+    first = next(iter(data.train))
+    for row in first:  # every sample is a window of the stream at a multiple of seq_len
+        starts = [s for s in range(0, stream.numel() - 16, 16) if torch.equal(stream[s:s + 17], row)]
+        assert starts
+    with pytest.raises(TrainConfigError, match=r"a folder, not a text file"):
+        _cfg(tmp_path)  # a folder that is not a prepared dataset keeps today's message
+    with pytest.raises(TrainConfigError, match=r"was tokenized with 'byte'"):
+        _cfg(tmp_path / "data", tokenizer=str(tmp_path))
+
+
+def test_a_cursor_continues_the_stream_without_drawing_the_batches_before_it(tmp_path):
+    _, files = _corpus(tmp_path)
+    prepare_data(files, tmp_path / "data", "byte", progress=False)
+    windows = PreparedDataset.open(tmp_path / "data").windows(0, 2000, 16)
+    from orangetron.train.data import BatchIterator
+
+    batches = BatchIterator(windows, 4, seed=3, drop_last=True)
+    straight = list(islice(iter(batches), 3 * len(batches)))
+    for k in (1, len(batches) - 1, len(batches) + 2):
+        resumed = list(islice(batches.from_sample(4 * k), 3))
+        assert all(torch.equal(a, b) for a, b in zip(resumed, straight[k:k + 3], strict=True))
+
+
+def test_a_resumed_run_sees_the_token_stream_of_an_uninterrupted_one(tmp_path):
+    _, files = _corpus(tmp_path)
+    prepare_data(files, tmp_path / "data", "byte", progress=False)
+    straight = train(_cfg(tmp_path / "data", out=str(tmp_path / "straight")), progress=False)
+    train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), stop_after=2), progress=False)
+    resumed = train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), resume=True), progress=False)
+    assert resumed["losses"] == straight["losses"]  # bitwise: the same batches, in the same order
+    state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step-00000002/state.json")).read_text())
+    assert state["data"] == {"batches": 2, "samples": 8}
+    record = tomllib.loads((tmp_path / "run" / "config.toml").read_text())["data_record"]
+    assert record["source"] == "prepared" and record["path"] == str((tmp_path / "data").absolute())
+    assert record["tokenizer"] == "byte" and len(record["sha256"]) == 64 and record["tokens"] > 0
+
+
+def test_readme_path_tokenizer_prepare_data_train_sample(tmp_path, capsys, tokenizer_dir):
+    """`tokenizer train` -> `prepare-data` -> `train --data DIR` -> `sample` decodes with the run's tokenizer."""
+    _, files = _corpus(tmp_path)
+    model = tmp_path / "model.toml"
+    model.write_text('hidden_size = 32\nnum_layers = 1\nnum_heads = 2\nvocab_size = 320\nffn_hidden_size = 64\n'
+                     'max_seq_len = 64\n')
+    assert main(["tokenizer", "train", *files, "-o", str(tmp_path / "tok"), "--vocab", "290"]) == 0
+    assert main(["prepare-data", "--tokenizer", str(tmp_path / "tok"), "-o", str(tmp_path / "data"), *files,
+                 "--quiet"]) == 0
+    assert main(["train", "--model", str(model), "--data", str(tmp_path / "data"), "--steps", "2", "--seq-len", "16",
+                 "--batch-size", "4", "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tok = HFTokenizer(tmp_path / "tok")
+    assert result["text"] == tok.decode(result["tokens"]) and len(result["tokens"]) == 5
+    assert main(["train", "--model", str(model), "--data", str(tmp_path / "data"), "--tokenizer", "byte"]) == 2
