@@ -133,3 +133,15 @@ def test_folded_expert_degrees_and_errors():
         Layout(tp=4, dp=2, expert_fold=True)
     with pytest.raises(LayoutError, match="a folded expert mesh, planner only, lifts this"):
         Layout(tp=4, dp=2, ep=8)
+
+
+def test_node_placement_says_which_groups_stay_inside_a_node() -> None:
+    """Nodes hold consecutive ranks; tp is fastest, so it stays inside a node when the node size divides by tp."""
+    assert Layout(tp=2, dp=2).node_placement(2) == "2 node(s) of 2 ranks: tp inside a node; dp across nodes"
+    assert Layout(tp=4).node_placement(2) == "2 node(s) of 2 ranks: tp across nodes"
+    assert Layout(tp=2, cp=2, pp=2).node_placement(4) == "2 node(s) of 4 ranks: tp, cp inside a node; pp across nodes"
+    assert Layout(tp=2, dp=4, ep=2).node_placement(4) == \
+        "2 node(s) of 4 ranks: tp, ep inside a node; dp across nodes"  # ep groups: consecutive dp ranks
+    assert Layout(dp=4).node_placement(4) == "1 node(s) of 4 ranks: dp inside a node"
+    with pytest.raises(LayoutError, match="ranks_per_node=3: must divide world_size=4"):
+        Layout(dp=4).node_placement(3)

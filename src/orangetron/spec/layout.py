@@ -115,6 +115,31 @@ class Layout:
         return Coordinates(tp=tp, cp=cp, dp=dp, pp=pp, dp_cp=dp_cp, ep=dp_cp % self.ep, edp=dp_cp // self.ep,
                            etp=tp if self.etp > 1 else 0)
 
+    def node_placement(self, ranks_per_node: int) -> str:
+        """Which groups lie inside one node when each node holds `ranks_per_node` consecutive ranks (as torchrun
+        and Slurm number them), e.g. "2 nodes of 2 ranks: tp inside a node; dp across nodes". tp is fastest in
+        the rank order, so its groups stay inside a node whenever the node size divides by tp."""
+        if ranks_per_node < 1 or self.world_size % ranks_per_node:
+            raise LayoutError(f"ranks_per_node={ranks_per_node}: must divide world_size={self.world_size}")
+        inside, across = [], []
+        for dim in ("tp", "cp", "ep", "dp", "pp"):
+            if getattr(self, dim) > 1:
+                (inside if self.inside_nodes(dim, ranks_per_node) else across).append(dim)
+        nodes = self.world_size // ranks_per_node
+        parts = [f"{', '.join(inside)} inside a node" if inside else "", f"{', '.join(across)} across nodes"
+                 if across else ""]
+        return f"{nodes} node(s) of {ranks_per_node} ranks: " + ("; ".join(p for p in parts if p) or "one rank")
+
+    def inside_nodes(self, dim: str, ranks_per_node: int) -> bool:
+        """Whether every `dim` group's ranks sit on one node."""
+        others = {"tp": ("cp", "dp", "pp"), "cp": ("tp", "dp", "pp"), "dp": ("tp", "cp", "pp"),
+                  "pp": ("tp", "cp", "dp"), "ep": ("tp", "pp", "edp", "etp")}[dim]
+        nodes: dict[tuple[int, ...], set[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            nodes.setdefault(tuple(getattr(c, o) for o in others), set()).add(rank // ranks_per_node)
+        return all(len(found) == 1 for found in nodes.values())
+
     def rank(self, *, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Global rank at the given coordinates (the inverse of `coordinates`)."""
         for name, value in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)):

@@ -251,6 +251,8 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     data, model, optimizer, rank = setup.data, setup.model, setup.optimizer, setup.rank
     bar = ProgressBar(cfg.steps, enabled=progress)
     bar.log(f"orangetron train: {_describe(cfg, data)}")
+    if cfg.layout.world_size > 1:
+        _log_placement(cfg, bar)
     for warning in cfg.ineffective_options():
         bar.log(f"warning: {warning}")
     start = Resumed(0, [])
@@ -338,6 +340,17 @@ def _log_ending(bar: ProgressBar, cfg: TrainConfig, last: int, stopped: dict[str
         bar.log(f"stopped after step {last} of {cfg.steps}; continue with --resume")
     elif eval_loss is None:
         bar.log("no held-out loss: the eval split is shorter than one sample (raise eval_fraction)")
+
+
+def _log_placement(cfg: TrainConfig, bar: ProgressBar) -> None:
+    """Which groups stay inside a node: torchrun numbers each node's LOCAL_WORLD_SIZE ranks consecutively."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.layout.world_size))
+    if cfg.layout.world_size % per_node:  # uneven nodes: say nothing rather than guess
+        return
+    bar.log(f"placement: {cfg.layout.node_placement(per_node)}")
+    if cfg.tp > 1 and not cfg.layout.inside_nodes("tp", per_node):
+        bar.log(f"warning: tp={cfg.tp} groups cross nodes of {per_node} ranks: every layer's tensor-parallel "
+                "collectives go over the network; use a tp that divides the ranks per node")
 
 
 def _model_parameters(cfg: TrainConfig) -> int:
