@@ -1114,7 +1114,13 @@ MUTANTS = [
            (('self.renormalize = cfg.router_score == "sigmoid" or cfg.norm_topk_prob',
              'self.renormalize = cfg.router_score == "sigmoid"'),),
            ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    # ---- multi-node placement (tests/test_layout.py) -------------------------------------------------------
+    Mutant("placement_sees_every_group_inside_a_node", "src/orangetron/spec/layout.py",
+           (("        return all(len(found) == 1 for found in nodes.values())",
+             "        return all(len(found) >= 1 for found in nodes.values())"),),
+           ("tests/test_layout.py::test_node_placement_says_which_groups_stay_inside_a_node",)),
 ]
+
 
 def check(mutants: list[Mutant]) -> list[str]:
     """Problems with the list itself: a snippet that is missing or occurs more than once, a missing test file."""
