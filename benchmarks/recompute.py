@@ -6,8 +6,7 @@ selective, full, and full with `recompute_layers` = RECOMPUTE_LAYERS) it prints,
 1. `activation_peak_bytes`: the peak bytes saved for backward during one forward and backward
    (`memory.track_activations`), in BYTES, against none's (ratio: the share that mode keeps);
 2. `activation_peak_bytes_vs_planner`: the same bytes against `plan.bridge.predicted_step`'s activations (ratio
-   1.0 where the planner is exact; under full recompute of every layer the planner counts the replayed layer's
-   input twice and adds the output layer's buffers, which the runtime frees before any replay: tests/test_recompute.py);
+   1.0: the planner is exact in every mode, tests/test_recompute.py);
 3. `step_seconds`: the median time of a forward and backward, against none's: TIME, the one figure here that is
    not bytes. It shows the replay's extra forward on this CPU only: on a shared 2-core machine nothing runs
    beside anything else, so no overlap can show, and other processes make it noisy.

@@ -1119,6 +1119,17 @@ MUTANTS = [
            (("        return all(len(found) == 1 for found in nodes.values())",
              "        return all(len(found) >= 1 for found in nodes.values())"),),
            ("tests/test_layout.py::test_node_placement_says_which_groups_stay_inside_a_node",)),
+    # ---- full recompute priced as the runtime holds it (tests/test_plan_recompute.py, tests/test_recompute.py) --
+    Mutant("planner_replay_counts_the_kept_input_again", "src/orangetron/plan/activations.py",
+           (("    largest = max(layer_activation_bytes(m, deg, whole, moe) - layer_activation_bytes(m, deg, "
+             "job.layer_job(True), moe)",
+             "    largest = max(layer_activation_bytes(m, deg, whole, moe) - 0 * layer_activation_bytes(m, deg, "
+             "job.layer_job(True), moe)"),),
+           ("tests/test_plan_recompute.py::test_activations_by_hand",)),
+    Mutant("planner_keeps_the_head_through_the_replay", "src/orangetron/plan/activations.py",
+           (("    head_freed_first = transient > 0 and not schedule.split_backward and not m.mtp_layers",
+             "    head_freed_first = False"),),
+           ("tests/test_plan_recompute.py::test_activations_by_hand",)),
 ]
 
 

@@ -35,25 +35,35 @@ def test_replayed_layers_are_the_first_of_each_chunk():
     assert replayed_share(model(10), deg, Job(seq_len=64)) == 0.0
 
 
+def head_bytes(m: ModelSpec, tokens: int) -> int:
+    """The last stage's output-layer buffers for one micro-batch, by hand: the final norm's and the projection's
+    bf16 inputs, and the fp32 logits' gradient."""
+    return 2 * 2 * tokens * m.hidden_size + 4 * tokens * m.vocab_size
+
+
 def test_activations_by_hand():
     """pp = 1, one micro-batch in flight: two of six layers keep only their input. Backward replays them after
-    the four kept layers' backward freed their activations, so the replay adds nothing to the peak; under full
-    recompute (nothing freed first) one layer's activations exist on top, as before."""
+    the four kept layers' backward freed their activations, so the replay adds nothing to the peak. Under full
+    recompute (nothing freed first) the replayed layer's activations but its input (the kept tensor itself) exist
+    on top; the loss's backward has freed the output layer's buffers by then, so the peak is the larger of the
+    end of forward and the replay."""
     m, deg = model(), Degrees()
     none, full = Job(seq_len=512), Job(seq_len=512, recompute="full")
     whole, kept_input = layer_activation_bytes(m, deg, none, False), layer_activation_bytes(m, deg, full, False)
     partial = Job(seq_len=512, recompute="full", recompute_layers=2)
     assert stage_activation_bytes(m, deg, partial, 0) == \
         stage_activation_bytes(m, deg, none, 0) - 2 * (whole - kept_input)
+    head = head_bytes(m, 512)
+    assert whole - kept_input > head  # here the replay, not the end of forward, is the peak
     assert stage_activation_bytes(m, deg, full, 0) == \
-        stage_activation_bytes(m, deg, none, 0) - 6 * (whole - kept_input) + whole
+        stage_activation_bytes(m, deg, none, 0) - 6 * (whole - kept_input) - head + (whole - kept_input)
     assert stage_activation_bytes(m, deg, Job(seq_len=512, recompute="full", recompute_layers=6), 0) == \
         stage_activation_bytes(m, deg, full, 0)
 
 
 def test_full_recompute_replays_the_largest_layer_on_top():
-    """A dense first layer before five MoE layers, all replayed: the transient is a MoE layer's activations,
-    the largest of the stage, not the first layer's."""
+    """A dense first layer before five MoE layers, all replayed: the transient is a MoE layer's activations
+    (less its kept input), the largest of the stage, not the first layer's."""
     moe = ModelSpec(name="moe", hidden_size=256, num_layers=6, num_heads=4, vocab_size=1000, ffn_hidden_size=256,
                     num_experts=4, top_k=2, moe_ffn_hidden_size=1024, first_dense_layers=1)
     deg, none, full = Degrees(ep=2, dp=2), Job(seq_len=512), Job(seq_len=512, recompute="full")
@@ -61,21 +71,26 @@ def test_full_recompute_replays_the_largest_layer_on_top():
     moe_whole = layer_activation_bytes(moe, deg, none, True)
     assert moe_whole > layer_activation_bytes(moe, deg, none, False)
     buffers = stage_activation_bytes(moe, deg, none, 0) - 5 * moe_whole - layer_activation_bytes(moe, deg, none, False)
-    assert stage_activation_bytes(moe, deg, full, 0) == buffers + dense_in + 5 * moe_in + moe_whole
+    head = head_bytes(moe, 512)
+    assert moe_whole - moe_in > head
+    assert stage_activation_bytes(moe, deg, full, 0) == buffers - head + dense_in + 5 * moe_in + moe_whole - moe_in
 
 
 def test_interleaved_activations_replay_the_first_layer_of_every_chunk():
     """pp 2 x 2 chunks of 3 layers, one replayed per chunk: each (chunk, micro-batch) the schedule holds keeps
     one input and two whole layers, where none keeps three whole layers and full three inputs; so a stage's
-    peak is none's less (none - full) / 3 of its layer bytes (the replay comes after two layers' backward)."""
+    peak is none's less (none - full) / 3 of its layer bytes (the replay comes after two layers' backward).
+    Full recompute's transient is a layer less its input; on the last stage the head is freed before it."""
     m, deg = model(12), Degrees(pp=2)
     kw = dict(seq_len=512, global_batch=8, virtual_stages=2, pp_schedule="interleaved")
     none, full = Job(**kw), Job(**kw, recompute="full")
     partial = Job(**kw, recompute="full", recompute_layers=1)
-    whole = layer_activation_bytes(m, deg, none, False)
+    replay = layer_activation_bytes(m, deg, none, False) - layer_activation_bytes(m, deg, full, False)
+    head = head_bytes(m, 512)
     for stage in (0, 1):
         a_none, a_full = stage_activation_bytes(m, deg, none, stage), stage_activation_bytes(m, deg, full, stage)
-        layer_share = (a_none - (a_full - whole)) // 3  # (none - full without its transient) over 3 per layer
+        held = a_full - replay if stage == 0 else a_full + head - max(head, replay)  # full without its transient
+        layer_share = (a_none - held) // 3
         assert stage_activation_bytes(m, deg, partial, stage) == a_none - layer_share
 
 

@@ -6,14 +6,12 @@ tp2 x dp2 x ep2; every dispatcher, overlap chunks, ZeRO-1/2/3, gradient buckets)
 interleaved pp2 x dp2 that keeps a layer of each chunk: losses, every gradient, the
 final parameters and the routers' biases must equal the plain single-device model to 1e-9 (`layout_check`), and
 every rank's ledger (the replayed forward's collectives included) and model states must equal
-`plan.bridge.predicted_step`. The activation peak equals the planner's to the byte for selective recompute and
-for full recompute of the first layer of each chunk; under full recompute of every layer the planner counts
-what the runtime never holds at once (`full_replay_gap` says what, and the tests pin it).
+`plan.bridge.predicted_step`, and so must the activation peak, to the byte, in every mode: under full recompute
+the replay runs on the kept layer input itself, and on the last stage the loss's backward frees the output
+layer's buffers before any layer replays (the planner counts both so).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 import torch
@@ -24,11 +22,10 @@ from orangetron.model import ModelConfig, Transformer, moe
 from orangetron.model.transformer import KeepActivations
 from orangetron.parallel import ParallelConfig
 from orangetron.parallel.recompute import Recompute, apply_recompute
-from orangetron.plan.activations import layer_activation_bytes, stage_activation_bytes
-from orangetron.plan.bridge import degrees_from_layout, predicted_step
+from orangetron.plan.activations import stage_activation_bytes
+from orangetron.plan.bridge import predicted_step
 from orangetron.spec.layout import Layout
 from orangetron.spec.options import Job
-from orangetron.spec.parallel_config import values_of
 from orangetron.spec.stages import replayed_layers
 from orangetron.testing import run_distributed
 
@@ -81,43 +78,13 @@ def run_cases(world: int) -> list[dict]:
     return [layout_run(MODELS[m], layout, _config(opts), per_rank=ROWS) for m, layout, opts in CASES[world]]
 
 
-def full_replay_gap(cfg: ModelConfig, layout: Layout, pc: ParallelConfig, stage: int) -> int:
-    """Bytes the planner's activations count, under full recompute of every layer, above the runtime's measured
-    peak on `stage`. The planner adds the largest layer's activations, replayed in backward, to everything the
-    stage keeps. The runtime never holds two of those at once:
-    - the replayed layer's input: the planner counts it both as kept and among the replay's activations (its
-      first norm's input); the replay runs on the kept tensor itself, as Megatron's does;
-    - on the last stage, the output layer's buffers of the micro-batch whose backward runs (final-norm and
-      projection inputs, the logits' gradient): the loss's backward frees them before the last layer replays.
-      (Were they larger than a layer's activations less its input, the peak would be the end of forward
-      instead, and the gap another; not so for these models.)
-    """
-    deg = degrees_from_layout(layout)
-    job = Job(**values_of(ParallelConfig, pc), seq_len=SEQ, micro_batch=ROWS // pc.microbatches)
-    kept_input = layer_activation_bytes(cfg, deg, job, False)
-    if stage != layout.pp - 1:
-        return kept_input
-    s, b, h = SEQ // layout.cp, ROWS // pc.microbatches, cfg.dim
-    rep = layout.tp if pc.sequence_parallel else 1
-    head = 2 * 8 * s * b * h // rep + 8 * s * b * cfg.vocab_size // layout.tp  # float64 inputs and logits' gradient
-    whole = layer_activation_bytes(cfg, deg, replace(job, recompute="none"), cfg.n_experts > 0)
-    assert whole - kept_input >= head, "the end of forward would be the peak here, and the gap another"
-    return kept_input + head
-
-
-def _gap(cfg: ModelConfig, layout: Layout, pc: ParallelConfig) -> dict[int, int] | None:
-    if pc.recompute != "full" or pc.recompute_layers:
-        return None
-    return {stage: full_replay_gap(cfg, layout, pc, stage) for stage in range(layout.pp)}
-
-
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_recompute_matches_one_device_and_the_planner(world):
     results = run_distributed(run_cases, world, args=(world,), timeout=900)
     for i, (model_name, layout, options) in enumerate(CASES[world]):
         cfg, pc = MODELS[model_name], _config(options)
         check_layout([r[i] for r in results], cfg, layout, pc, f"{model_name} {layout} {options}", rows=ROWS,
-                     balanced_routing=layout.ep > 1, ep_activations=True, activation_gap=_gap(cfg, layout, pc))
+                     balanced_routing=layout.ep > 1, ep_activations=True)
 
 
 # ---- one device: the replay itself -------------------------------------------------------------------------------
@@ -150,8 +117,7 @@ def test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice(name):
     """Full recompute of every layer, of the first and of the first three, against keeping everything: the same
     loss and gradients bit for bit; each router's load counts equal (the replay counts, the forward without a
     graph does not); the auxiliary losses the step holds are still the forward's after backward; nothing kept
-    on a ctx. The peak equals the planner's for the partial replays, and the planner's less `full_replay_gap`
-    for all of them."""
+    on a ctx. The peak equals the planner's to the byte for each."""
     cfg = ONE_DEVICE[name]
     none = _one_device_step(cfg, "none", 0)
     assert sum(int(load.sum()) for load in none["loads"]) == (4 * ROWS * SEQ * cfg.top_k if cfg.n_experts else 0)
@@ -165,8 +131,7 @@ def test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice(name):
         assert got["kept"] == []
         pc = ParallelConfig(param_dtype="float64", recompute="full", recompute_layers=layers)
         want = predicted_step(cfg, Layout(), pc, seq_len=SEQ, micro_batch=ROWS, clip_grad=True)[1]["activations"]
-        gap = full_replay_gap(cfg, Layout(), pc, 0) if not layers else 0
-        assert got["peak"] + gap == want, f"recompute_layers={layers}"
+        assert got["peak"] == want, f"recompute_layers={layers}"
     planner = stage_activation_bytes(cfg, Layout(), Job(seq_len=SEQ, micro_batch=ROWS, param_dtype="float64"), 0)
     assert none["peak"] == planner
 

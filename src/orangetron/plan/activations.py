@@ -211,7 +211,12 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     total = int(_saved_bytes(m, deg, job, stage, layers) * in_flight(deg, job, stage))
     if schedule.split_backward and deg.pp > 1:
         total = _zero_bubble_layers_bytes(m, deg, job, stage, layers)
-    total += _stage_replay_transient(m, deg, job, stage, layers)
+    transient = _stage_replay_transient(m, deg, job, stage, layers)
+    # The loss's backward frees the output layer's buffers of its micro-batch before any layer replays (not
+    # under zb-h1, whose head W keeps the logits' gradient, nor with an MTP module, which replays first).
+    head_freed_first = transient > 0 and not schedule.split_backward and not m.mtp_layers
+    if not (stage == deg.pp - 1 and head_freed_first):
+        total += transient
     sb, h = x.s * x.b, m.hidden_size
     if stage == 0 and m.dropout:
         total += int(sb * h // x.rep * in_flight(deg, job, 0))  # embedding-dropout mask
@@ -224,7 +229,10 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
         # Final-norm input, output-projection input, fp32 (fp64) logits' gradient for the loss (vocab-parallel),
         # per micro-batch whose loss waits for its backward (`head_in_flight`).
         head = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
-        total += head * head_in_flight(deg, job)
+        if head_freed_first:  # the larger of the end of forward and the replay
+            total += head * (head_in_flight(deg, job) - 1) + max(head, transient)
+        else:
+            total += head * head_in_flight(deg, job)
         if m.mtp_layers:
             layer, inputs = _mtp_layer_bytes(m, deg, job)
             if schedule.split_backward:  # as a decoder layer: one waits for its B, pp - 1 for their W
@@ -320,7 +328,9 @@ def _replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: 
     split = dict(replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers,
                               job.pipeline_layout))
     whole, kept = without_recompute(job), split.get(False, ())
-    largest = max(layer_activation_bytes(m, deg, whole, moe) for moe in {m.is_moe_layer(i) for i in split[True]})
+    # The replay runs on the kept input itself, which the stage counts already: the rest of the layer is new.
+    largest = max(layer_activation_bytes(m, deg, whole, moe) - layer_activation_bytes(m, deg, job.layer_job(True), moe)
+                  for moe in {m.is_moe_layer(i) for i in split[True]})
     freed = _layer_bytes(m, deg, whole, len(kept), sum(m.is_moe_layer(i) for i in kept))
     return max(0, largest - freed)
 
@@ -376,7 +386,10 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     peak = max(sum(w * n for w, n in zip(weights, held, strict=True))
                for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
     chunks = (stage_layers(m.num_layers, p * v, 1, stage + c * p, job.pipeline_layout) for c in range(v))
-    return peak + max(_stage_replay_transient(m, deg, job, stage, layers) for layers in chunks)
+    transient = max(_stage_replay_transient(m, deg, job, stage, layers) for layers in chunks)
+    if stage == p - 1 and transient > 0 and not m.mtp_layers:  # the loss's backward frees the head first
+        return peak - head + max(head, transient)
+    return peak + transient
 
 
 def _interleaved_holdings(p: int, microbatches: int, v: int, stage: int,
