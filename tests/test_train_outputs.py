@@ -121,14 +121,20 @@ def test_every_option_is_a_flag_but_the_few_train_leaves_at_their_defaults() -> 
     assert not set(WITHOUT_FLAGS) & set(TrainConfig().options())
 
 
-def test_options_train_takes_no_flag_for_still_reach_the_runtime(tmp_path) -> None:
-    """Set from Python, they go to the runtime and into config.toml (which `--config` then refuses by name)."""
+def test_drop_policy_and_reduce_dtype_are_flags_that_reach_the_runtime_and_its_record(monkeypatch, tmp_path) -> None:
+    """Both go to the runtime and into config.toml, which `--config` (and so `--resume`) reads back."""
     from orangetron.parallel import ParallelConfig
+    from orangetron.train.config_file import write_resolved_config
 
-    cfg = TrainConfig(**TINY, dp=2, ep=2, dispatcher="capacity", drop_policy="position", reduce_dtype="float64")
+    cfg = _cli_config(monkeypatch, ["--dp", "2", "--ep", "2", "--model", "tiny-moe", "--dispatcher", "capacity",
+                                    "--drop-policy", "position", "--reduce-dtype", "float64"])
     assert cfg.parallel_config() == ParallelConfig(dispatcher="capacity", drop_policy="position",
                                                    reduce_dtype="float64")
     assert {"drop_policy": "position", "reduce_dtype": "float64"}.items() <= cfg.options().items()
+    path = tmp_path / "config.toml"
+    write_resolved_config(path, {k: v for k, v in cfg.options().items() if k != "model"})
+    again = _cli_config(monkeypatch, ["--config", str(path), "--model", "tiny-moe"])
+    assert (again.drop_policy, again.reduce_dtype) == ("position", "float64")
 
 
 @pytest.mark.parametrize(("text", "needle"), [

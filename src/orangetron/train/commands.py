@@ -96,7 +96,7 @@ def add_train_commands(sub: Any) -> None:
 
 
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
-    from orangetron.spec.parallel_config import RECOMPUTE, ParallelConfig  # torch-free: `--help` stays fast
+    from orangetron.spec.parallel_config import DROP_POLICIES, RECOMPUTE, ParallelConfig  # torch-free: fast --help
 
     defaults = ParallelConfig.__dataclass_fields__  # the variants' defaults live once, in the options type
     p.add_argument("--dp", type=int, default=1,
@@ -125,6 +125,11 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="expert dispatch with --ep (default: %(default)s): " + _summaries(DISPATCHERS))
     p.add_argument("--capacity-factor", type=float, default=1.0,
                    help="--dispatcher capacity: slots per expert as a multiple of the fair share (default: 1.0)")
+    p.add_argument("--drop-policy", default=defaults["drop_policy"].default, choices=DROP_POLICIES,
+                   help="--dispatcher capacity: which tokens past an expert's capacity are dropped: the lowest "
+                   "routing probabilities or the latest positions (default: %(default)s)")
+    p.add_argument("--reduce-dtype", default=None, choices=("float32", "float64", "bfloat16"),
+                   help="dtype gradients are reduced in over data-parallel ranks (default: the parameters')")
     p.add_argument("--ep-overlap-chunks", type=int, default=1,
                    help="--dispatcher ragged: dispatch in this many token chunks, one chunk's all-to-all "
                    "overlapping another's expert compute (default: 1, no overlap)")

@@ -27,10 +27,10 @@ from orangetron.train.faults import DEFAULT_TIMEOUT_S
 
 DEFAULT_TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 2e-2}  # `verify`: the promise per dtype
 PARAM_DTYPES = ("float32", "float64", "bfloat16")  # parallel.config.DTYPES's names (a test keeps them equal)
-# Inherited fields `train` takes no flag for: the planner's expert folding, and options the trainer leaves at
-# their defaults. `options()` writes them only when set, so a run folder's config.toml stays a file that
-# `--config` reads (a test keeps every other field a flag).
-WITHOUT_FLAGS = ("etp", "expert_fold", "drop_policy", "reduce_dtype")
+# Inherited fields `train` takes no flag for: the planner's expert folding, which the runtime refuses.
+# `options()` writes them only when set, so a run folder's config.toml stays a file that `--config` reads (a
+# test keeps every other field a flag).
+WITHOUT_FLAGS = ("etp", "expert_fold")
 
 
 class TrainConfigError(ValueError):
@@ -166,6 +166,8 @@ class TrainConfig(Layout, ParallelConfig):
             "pp_schedule": (self.pp == 1, "needs --pp > 1"),
             "dispatcher": (self.ep == 1, "needs --ep > 1"),
             "capacity_factor": (self.dispatcher != "capacity" or self.ep == 1, "needs --dispatcher capacity with --ep"),
+            "drop_policy": (self.dispatcher != "capacity" or self.ep == 1, "needs --dispatcher capacity with --ep"),
+            "reduce_dtype": (self.dp * self.cp == 1, "needs --dp or --cp > 1: no gradient reduction"),
             "ep_overlap_chunks": (self.dispatcher != "ragged" or self.ep == 1, "needs --dispatcher ragged with --ep"),
             "zero3_prefetch": (self.zero_stage != 3, "needs --zero-stage 3"),
             "zero3_keep_params": (self.zero_stage != 3, "needs --zero-stage 3"),
