@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+from orangetron.spec.digest import file_sha256
 from orangetron.spec.hf_config import CONFIG_FILE, read_config
 
 SINGLE_FILE = "model.safetensors"
@@ -24,18 +24,14 @@ def weight_files(path: str | Path) -> list[str]:
     raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def describe_folder(path: str | Path) -> dict[str, Any]:
     """A Hugging Face folder as a run records it: its absolute path, the SHA-256 of its config.json and of its
     safetensors index (when sharded), each safetensors file's size, and its dtype."""
     path = Path(path).resolve()
     files = [{"name": name, "bytes": (path / name).stat().st_size} for name in weight_files(path)]
-    record: dict[str, Any] = {"path": str(path), "config_sha256": _sha256(path / CONFIG_FILE), "files": files}
+    record: dict[str, Any] = {"path": str(path), "config_sha256": file_sha256(path / CONFIG_FILE), "files": files}
     if (path / INDEX_FILE).is_file():
-        record["index_sha256"] = _sha256(path / INDEX_FILE)
+        record["index_sha256"] = file_sha256(path / INDEX_FILE)
     config = read_config(path)
     record["dtype"] = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     return record

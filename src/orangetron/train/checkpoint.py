@@ -22,7 +22,6 @@ Checkpoints of format 1 (one `state.pt` gathered on rank 0) are refused with a m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.parallel.state import Shards
+from orangetron.spec.digest import file_sha256
 from orangetron.train.sharded import (
     METADATA_FILE,
     CheckpointError,
@@ -54,16 +54,8 @@ STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _entry(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def checkpoint_dir(folder: str | Path, step: int) -> Path:
@@ -239,7 +231,7 @@ def _problem(path: Path, name: str, expected: dict[str, Any]) -> str | None:
     file = path / name
     if not file.is_file():
         return f"{file}: missing"
-    if file.stat().st_size != expected.get("bytes") or _sha256(file) != expected.get("sha256"):
+    if file.stat().st_size != expected.get("bytes") or file_sha256(file) != expected.get("sha256"):
         return f"{file}: size or checksum differs from the manifest; the checkpoint is corrupt"
     return None
 

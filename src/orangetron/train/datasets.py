@@ -14,11 +14,12 @@ run records the dataset by the SHA-256 of dataset.json, which vouches for the re
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from orangetron.spec.digest import file_sha256
 
 if TYPE_CHECKING:  # both load on first use: `train --help` reads this module's names without them
     import numpy as np
@@ -48,7 +49,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def meta_sha256(path: str | Path) -> str:
-    return hashlib.sha256((Path(path) / DATASET_FILE).read_bytes()).hexdigest()
+    return file_sha256(Path(path) / DATASET_FILE)
 
 
 @dataclass

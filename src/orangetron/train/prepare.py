@@ -10,7 +10,6 @@ with a progress bar on standard error by bytes read. torch is imported only when
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from orangetron.spec.digest import file_record, file_sha256
 from orangetron.train.corpus import FILE_SEPARATOR
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, FORMAT, TOKENS_FILE, VERSION
 
@@ -150,7 +150,7 @@ def prepare_data(files: list[str], output: str | Path, tokenizer: str = "byte", 
                 "documents": len(offsets) - 1, "tokenizer": name, "tokenizer_sha256": _tokenizer_hash(tok),
                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
                 "separator": separator, "sources": sources,
-                "sha256": {n: _sha256(staging / n) for n in (TOKENS_FILE, DOCUMENTS_FILE)}}
+                "sha256": {n: file_sha256(staging / n) for n in (TOKENS_FILE, DOCUMENTS_FILE)}}
         (staging / DATASET_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         if output.exists():
             output.rmdir()  # empty, checked above
@@ -183,19 +183,11 @@ def _write_tokens(files: list[str], tok: Any, end: list[int], dtype: Any, path: 
     return offsets
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _source_record(name: str) -> dict[str, Any]:
     path = Path(name)
     if not path.is_file():
         raise FileNotFoundError(f"{name}: no such file")
-    return {"path": str(path.absolute()), "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return file_record(path)
 
 
 def _tokenizer_hash(tok: Any) -> str | None:

@@ -26,6 +26,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from orangetron.spec.digest import file_record
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, parse_model
 from orangetron.spec.parallel_config import ParallelConfig
@@ -64,13 +65,8 @@ def describe_data(cfg: TrainConfig) -> dict[str, Any]:
     record: dict[str, Any] = {"source": "files" if cfg.data is not None else "stdlib", "tokenizer": tokenizer,
                               "bytes": len(encoded), "sha256": hashlib.sha256(encoded).hexdigest()}
     if cfg.data is not None:
-        record["files"] = [_file_record(path) for path in cfg.data]
+        record["files"] = [file_record(path) for path in cfg.data]
     return record
-
-
-def _file_record(path: str) -> dict[str, Any]:
-    content = Path(path).read_bytes()
-    return {"path": str(Path(path).absolute()), "bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
 
 
 def read_record(out: str | Path) -> dict[str, Any] | None:
