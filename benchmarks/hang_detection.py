@@ -20,29 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
+# The same helpers the fault tests start, wait on and find a run's ranks with.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from signalled_runs import children, wait_for_step  # noqa: E402
+
 MODEL = ["--model", "tiny-moe", "--seq-len", "32", "--batch-size", "4", "--steps", "100000"]
 LAYOUTS = {"dp2": ["--dp", "2"], "dp2_tp2": ["--dp", "2", "--tp", "2"]}
 STOPPED_RANK = 1
 PROMISE_S = 5.0  # what naming the rank may take beyond the timeout
-
-
-def children(pid: int) -> list[int]:
-    """The processes `pid` started (the launcher's ranks), in start order: rank order."""
-    return sorted(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == pid)
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _wait_for_step(metrics: Path, proc: subprocess.Popen) -> None:
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the run ended before its first step: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.02)
 
 
 def measure(layout: list[str], timeout_s: float, folder: Path) -> tuple[float, bool]:
@@ -52,7 +37,7 @@ def measure(layout: list[str], timeout_s: float, folder: Path) -> tuple[float, b
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
     ranks: list[int] = []
     try:
-        _wait_for_step(folder / "metrics.jsonl", proc)
+        wait_for_step(folder / "metrics.jsonl", proc)
         ranks = children(proc.pid)
         os.kill(ranks[STOPPED_RANK], signal.SIGSTOP)
         stopped = time.monotonic()
