@@ -14,7 +14,6 @@ the trainer's to the byte, and the plan's row differs only by the norm's all-red
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +89,9 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     folder's config.toml): its layout, parallel options, sequence length, batch and model. The run's own
     options (steps, learning rate, data, ...) say nothing about a step's cost and are skipped; any other key
     is refused by name."""
-    table = _read(path)
+    from orangetron.train.config_file import read_toml
+
+    table = read_toml(path)
     layout_names = {f.name for f in dataclasses.fields(Layout)}
     parallel_names = {f.name for f in dataclasses.fields(ParallelConfig)}
     layout, parallel = {}, {}
@@ -111,16 +112,6 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     job = Job(**parallel, seq_len=table["seq_len"], micro_batch=max(1, batch // (deg.dp * microbatches)),
               global_batch=batch, clip_grad=True)  # the trainer's global gradient norm, every step
     return _model(path, table["model"]), deg, job
-
-
-def _read(path: str) -> dict[str, Any]:
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"--config {path}: no such file")
-    try:
-        return tomllib.loads(file.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"--config {path}: not a TOML file ({err})") from None
 
 
 def _model(path: str, value: Any) -> ModelSpec | str:

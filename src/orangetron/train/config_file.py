@@ -34,15 +34,20 @@ def _keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return keys
 
 
-def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The file's options as `parser` defaults (by destination); ValueError naming the file and the key."""
+def read_toml(path: str) -> dict[str, Any]:
+    """The TOML file given to --config, parsed; FileNotFoundError or ValueError naming it in one line."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"--config {path}: no such file")
     try:
-        table = tomllib.loads(file.read_text(encoding="utf-8"))
+        return tomllib.loads(file.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"--config {path}: not a TOML file ({err})") from None
+
+
+def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The file's options as `parser` defaults (by destination); ValueError naming the file and the key."""
+    table = read_toml(path)
     keys = _keys(parser)
     defaults = {}
     for raw_key, value in table.items():
