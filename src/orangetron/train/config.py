@@ -20,7 +20,7 @@ from orangetron.spec.hf_config import read_config as read_hf_config
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, load_decoder, preset_names
 from orangetron.spec.parallel_config import ParallelConfig, values_of
-from orangetron.spec.variants import CONTEXT_MODES, SCHEDULES
+from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 from orangetron.train.corpus import DEFAULT_CORPUS_BYTES
 from orangetron.train.datasets import is_prepared_dataset, read_meta
 from orangetron.train.faults import DEFAULT_TIMEOUT_S
@@ -159,16 +159,17 @@ class TrainConfig(Layout, ParallelConfig):
         """One line for each option set away from its default that does nothing on this run: a flag for a
         dimension of size 1, or for a variant the run does not use. The trainer shows them as warnings."""
         default = {f.name: f.default for f in fields(self)}
+        dispatcher = DISPATCHERS[self.dispatcher]  # its record says what it takes, not its name
         changed = {name for name in default if getattr(self, name) != default[name]}
         unused = {
             "sequence_parallel": (self.tp == 1, "needs --tp > 1"),
             "cp_mode": (self.cp == 1, "needs --cp > 1"),
             "pp_schedule": (self.pp == 1, "needs --pp > 1"),
             "dispatcher": (self.ep == 1, "needs --ep > 1"),
-            "capacity_factor": (self.dispatcher != "capacity" or self.ep == 1, "needs --dispatcher capacity with --ep"),
-            "drop_policy": (self.dispatcher != "capacity" or self.ep == 1, "needs --dispatcher capacity with --ep"),
+            "capacity_factor": (not dispatcher.pads or self.ep == 1, "needs --dispatcher capacity with --ep"),
+            "drop_policy": (not dispatcher.pads or self.ep == 1, "needs --dispatcher capacity with --ep"),
             "reduce_dtype": (self.dp * self.cp == 1, "needs --dp or --cp > 1: no gradient reduction"),
-            "ep_overlap_chunks": (self.dispatcher != "ragged" or self.ep == 1, "needs --dispatcher ragged with --ep"),
+            "ep_overlap_chunks": (not dispatcher.chunked or self.ep == 1, "needs --dispatcher ragged with --ep"),
             "zero3_prefetch": (self.zero_stage != 3, "needs --zero-stage 3"),
             "zero3_keep_params": (self.zero_stage != 3, "needs --zero-stage 3"),
             "distributed_optimizer": (self.dp * self.cp == 1, "needs --dp or --cp > 1: nothing to shard"),

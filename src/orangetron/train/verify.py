@@ -18,6 +18,7 @@ import torch
 
 from orangetron.parallel import ParallelConfig, ParallelModel
 from orangetron.spec.layout import Layout
+from orangetron.spec.variants import DISPATCHERS
 from orangetron.train.admission import check_fits
 from orangetron.train.config import DEFAULT_TOLERANCE, TrainConfig
 from orangetron.train.launch import launch_local, process_group
@@ -64,7 +65,7 @@ def without_drops(cfg: TrainConfig) -> TrainConfig:
     it. A rank's T tokens give an expert at most T assignments (a token picks distinct experts), and
     capacity_factor E/k makes the slots ceil(T * k / E * E / k) = T."""
     model = cfg.model_config()
-    if cfg.dispatcher != "capacity" or cfg.ep == 1:
+    if not DISPATCHERS[cfg.dispatcher].pads or cfg.ep == 1:  # only a capacity dispatcher pads, and drops
         return cfg
     return dataclasses.replace(cfg, capacity_factor=max(cfg.capacity_factor, model.num_experts / model.top_k))
 
@@ -87,6 +88,6 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     tolerance = DEFAULT_TOLERANCE[cfg.param_dtype] if tolerance is None else tolerance
     result = {"layout": cfg.layout.degrees(), "steps": cfg.steps, "dtype": cfg.param_dtype,
               "max_loss_rel_diff": max(loss_gaps), "max_grad_rel_diff": max(grad_gaps), "tolerance": tolerance,
-              "capacity_factor": cfg.capacity_factor if cfg.dispatcher == "capacity" else None}
+              "capacity_factor": cfg.capacity_factor if DISPATCHERS[cfg.dispatcher].pads else None}
     result["ok"] = result["max_loss_rel_diff"] <= tolerance and result["max_grad_rel_diff"] <= tolerance
     return result
