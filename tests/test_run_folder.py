@@ -245,3 +245,12 @@ def test_verify_measures_a_dropping_dispatcher_at_a_capacity_that_drops_nothing(
     result = json.loads(captured.out.splitlines()[-1])
     assert code == 0 and result["ok"] and result["capacity_factor"] == 2.0
     assert "which drops no token (dropped tokens differ from one rank by design)" in captured.err
+
+
+def test_the_embedded_corpus_changed_on_resume_is_refused_with_a_hint_that_applies(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    assert _train(capsys, "--model", "tiny", "--steps", "4", "--stop-after", "2", "--corpus-bytes", "50000", *SMALL,
+                  "--out", str(run))[0] == 0
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--corpus-bytes", "60000")
+    assert code == 2 and "differs from the run's record" in err and "give the recorded --corpus-bytes" in err
+    assert "--new-data" not in err  # no --data names the embedded corpus

@@ -164,9 +164,11 @@ def _check_same_data(cfg: TrainConfig, recorded: dict[str, Any]) -> None:
     given = describe_data(cfg)
     if (given["sha256"], given["tokenizer"]) == (recorded.get("sha256"), recorded.get("tokenizer")):
         return
+    # The embedded corpus changes only with --corpus-bytes (or the interpreter's library): no --data names it.
+    hint = ("give the recorded --corpus-bytes" if recorded.get("source") == given["source"] == "stdlib"
+            else "to continue on other data give it with --data and add --new-data")
     raise TrainConfigError(f"data (--data): differs from the run's record in {Path(cfg.out) / CONFIG_FILE} "
-                           f"(recorded {_data_summary(recorded)}; now {_data_summary(given)}); to continue on "
-                           "other data give it with --data and add --new-data")
+                           f"(recorded {_data_summary(recorded)}; now {_data_summary(given)}); {hint}")
 
 
 def _data_summary(record: dict[str, Any]) -> str:
