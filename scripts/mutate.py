@@ -1032,7 +1032,12 @@ MUTANTS = [
     Mutant("router_counts_forwards_without_gradients", "src/orangetron/model/moe.py",
            (("        if self.expert_bias is not None and torch.is_grad_enabled():",
              "        if self.expert_bias is not None:"),),
-           ("tests/test_recompute.py::test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice",)),
+           ("tests/test_recompute.py::test_replaying_a_block_gives_the_same_step_and_counts_nothing_twice",
+            "tests/test_router_options.py::test_the_bias_moves_only_with_training_tokens_on_tp_with_sequence_parallelism")),
+    Mutant("router_bias_loads_not_summed_over_sequence_parallel_tp", "src/orangetron/parallel/expert/bias.py",
+           (("    for group in balancing_groups(mesh, sequence_parallel) if mesh is not None else []:",
+             "    for group in balancing_groups(mesh, False) if mesh is not None else []:"),),
+           ("tests/test_router_options.py::test_the_bias_moves_only_with_training_tokens_on_tp_with_sequence_parallelism",)),
     Mutant("replay_overwrites_the_steps_aux_loss", "src/orangetron/model/transformer.py",
            (("            y, aux_loss = self.feed_forward.with_aux_loss(self.ffn_norm(h), token_mask)\n"
              "            return h + y, aux_loss",

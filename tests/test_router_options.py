@@ -142,3 +142,27 @@ def test_the_trainer_moves_the_bias_and_a_resumed_run_restores_it(tmp_path):
     resumed = train(TrainConfig(**base, steps=4, out=str(tmp_path / "split"), resume=True, save_every=4),
                     progress=False)
     assert resumed["losses"] == straight["losses"]
+
+
+def test_the_bias_moves_only_with_training_tokens_on_tp_with_sequence_parallelism(tmp_path):
+    """Trainer level, evaluation after every step: tp2 x dp2 with sequence parallelism and ep2 (the routed
+    tokens of a tp rank are its sequence shard, so the loads must be summed over tp as well as dp) against the
+    one-device reference, whose hook counts training forwards only (tests/trainer_reference.py). An evaluation
+    batch counted into the loads, or a load not summed over a dimension, moves some bias the other way."""
+    import dataclasses
+
+    from trainer_reference import assert_matches_reference, reference_training
+
+    from orangetron.model import model_preset
+    from orangetron.train.trainer import TrainConfig, train
+
+    model = dataclasses.replace(model_preset("tiny-moe"), aux_loss_coef=0.0, router_bias_rate=0.05)
+    cfg = TrainConfig(model=model, seq_len=16, batch_size=4, steps=3, warmup=0, eval_every=1, eval_batches=2,
+                      corpus_bytes=60_000, param_dtype="float64", tp=2, dp=2, ep=2, sequence_parallel=True,
+                      out=str(tmp_path / "run"), save_every=3)
+    result = train(cfg, progress=False)
+    reference = reference_training(dataclasses.replace(cfg, tp=1, dp=1, ep=1, sequence_parallel=False, out=None,
+                                                         save_every=0))
+    biases = [b for n, b in reference["buffers"].items() if n.endswith("expert_bias")]
+    assert biases and all(b.abs().max() > 0 for b in biases)  # the rate moved every router's bias
+    assert_matches_reference(result, tmp_path / "run", reference, rtol=1e-9)

@@ -2,9 +2,11 @@
 
 The unwrapped `Transformer`, `torch.optim.AdamW` (betas (0.9, 0.95), eps 1e-8, weight decay on matrices
 only), `torch.nn.utils.clip_grad_norm_` and the trainer's schedule `lr_at`, on the batches the trainer's
-data pipeline yields. Nothing from `orangetron.parallel` takes part, so a bug there cannot hide in both.
-A run's own numbers come from what it writes with `out=` and `save_every=`: the per-step gradient norm in
-metrics.jsonl and the final parameters and AdamW moments in its last checkpoint.
+data pipeline yields. Routers' balancing biases move by DeepSeek-V3's rule, written out here, from the loads of
+the training forwards only (evaluation routes without counting). Nothing from `orangetron.parallel` takes part,
+so a bug there cannot hide in both. A run's own numbers come from what it writes with `out=` and `save_every=`:
+the per-step gradient norm in metrics.jsonl and the final parameters, AdamW moments and buffers in its last
+checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from orangetron.model import Transformer
+from orangetron.model.moe import Router
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint
 from orangetron.train.config import TrainConfig
 from orangetron.train.schedule import lr_at
@@ -58,6 +61,7 @@ def reference_training(cfg: TrainConfig) -> dict[str, Any]:
 
         model = load(cfg.hf_model, dtype=DTYPES[cfg.param_dtype])
     opt = _adamw(model, cfg)
+    loads = _training_loads(model)
     losses, grad_norms = [], []
     for step, rows in zip(range(cfg.steps), data.train, strict=False):
         for group in opt.param_groups:
@@ -68,13 +72,38 @@ def reference_training(cfg: TrainConfig) -> dict[str, Any]:
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=False).item())
         opt.step()
+        _move_biases(loads)
         opt.zero_grad()
         losses.append(lm_loss.item())
     named = dict(model.named_parameters())
     return {"losses": losses, "grad_norms": grad_norms, "eval_loss": _eval_loss(model, data.eval_samples, cfg),
             "params": {n: p.detach().clone() for n, p in named.items()},
+            "buffers": {n: b.clone() for n, b in model.named_buffers()},
             "exp_avg": {n: opt.state[p]["exp_avg"] for n, p in named.items()},
             "exp_avg_sq": {n: opt.state[p]["exp_avg_sq"] for n, p in named.items()}}
+
+
+def _training_loads(model: Transformer) -> dict[Router, torch.Tensor]:
+    """Per biased router, the expert assignments of non-padding tokens in forwards with gradients, counted from
+    the top-k ids the router returns (a forward hook), not from its own counter."""
+    loads = {}
+    for router in (m for m in model.modules() if isinstance(m, Router) and m.expert_bias is not None):
+        loads[router] = torch.zeros(router.n_experts, dtype=torch.float64)
+
+        def count(module, inputs, outputs):
+            if torch.is_grad_enabled():
+                ids = outputs[0] if len(inputs) < 2 or inputs[1] is None else outputs[0][inputs[1]]
+                loads[module] += torch.bincount(ids.flatten(), minlength=module.n_experts)
+        router.register_forward_hook(count)
+    return loads
+
+
+@torch.no_grad()
+def _move_biases(loads: dict[Router, torch.Tensor]) -> None:
+    """Each bias up by the router's rate where its expert's load is below the mean, down where above."""
+    for router, load in loads.items():
+        router.expert_bias += router.bias_rate * torch.sign(load.mean() - load).to(router.expert_bias.dtype)
+        load.zero_()
 
 
 def written_run(out: str | Path) -> dict[str, Any]:
@@ -82,17 +111,22 @@ def written_run(out: str | Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     state = load_checkpoint(latest_checkpoint(Path(out) / "checkpoints"))
     return {"grad_norms": [r["grad_norm"] for r in records],
-            **{key: state[key] for key in ("params", "exp_avg", "exp_avg_sq")}}
+            **{key: state[key] for key in ("params", "exp_avg", "exp_avg_sq")}, "buffers": state.get("buffers", {})}
 
 
 def assert_matches_reference(result: dict[str, Any], out: str | Path, reference: dict[str, Any], rtol: float) -> None:
-    """Losses, eval loss, every step's gradient norm, and the final parameters and moments of each tensor."""
+    """Losses, eval loss, every step's gradient norm, the final parameters and moments of each tensor, and the
+    routers' balancing biases."""
     written = written_run(out)
     torch.testing.assert_close(result["losses"], reference["losses"], rtol=rtol, atol=0, msg="losses")
     torch.testing.assert_close(result["eval_loss"], reference["eval_loss"], rtol=rtol, atol=0, msg="eval loss")
     torch.testing.assert_close(written["grad_norms"], reference["grad_norms"], rtol=rtol, atol=0, msg="grad norms")
+    biases = {n: b for n, b in reference["buffers"].items() if n.endswith("expert_bias")}
+    assert written["buffers"].keys() == biases.keys(), "buffers"
     for key in ("params", "exp_avg", "exp_avg_sq"):
         assert written[key].keys() == reference[key].keys(), key
         for name, value in reference[key].items():
             scale = value.abs().max().item()
             torch.testing.assert_close(written[key][name], value, rtol=rtol, atol=rtol * scale, msg=f"{key} {name}")
+    for name, bias in biases.items():  # multiples of the rate: equal, not close
+        torch.testing.assert_close(written["buffers"][name], bias, rtol=0, atol=1e-12, msg=f"buffer {name}")
