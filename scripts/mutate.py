@@ -1134,6 +1134,30 @@ MUTANTS = [
            (("    head_freed_first = transient > 0 and not schedule.split_backward and not m.mtp_layers",
              "    head_freed_first = False"),),
            ("tests/test_plan_recompute.py::test_activations_by_hand",)),
+    # ---- pipeline transfers replayed offline at every pp (tests/test_pipeline_p2p.py) -----------------------
+    Mutant("p2p_order_ticks_at_the_consumers_end", "src/orangetron/spec/transfers.py",
+           (("Transfer(slot.start, g - 1,", "Transfer(slot.end, g - 1,"),),
+           ("tests/test_pipeline_p2p.py::test_the_executor_posts_transfers_that_cannot_stall_at_every_pp",)),
+    Mutant("p2p_order_puts_every_forward_first", "src/orangetron/spec/transfers.py",
+           (("    for t in sorted(transfers):", "    for t in sorted(transfers, key=lambda t: (t.backward, t)):"),),
+           ("tests/test_pipeline_p2p.py::test_the_executor_posts_transfers_that_cannot_stall_at_every_pp",)),
+    Mutant("p2p_executor_sends_gradients_as_soon_as_produced", "src/orangetron/parallel/pipeline/executor.py",
+           (("        self.produced[(from_stage, to_stage, microbatch)] = x.detach()\n",
+             "        if to_stage < from_stage:\n"
+             "            tag = 2 * (to_stage * self.m + microbatch) + 1\n"
+             "            self.pending.append(comm.post_p2p([(x.detach(), self._rank_of(to_stage), tag)], [],"
+             " self.group))\n"
+             "        else:\n"
+             "            self.produced[(from_stage, to_stage, microbatch)] = x.detach()\n"),
+            ("            if op == \"send\" and key in self.produced:",
+             "            if op == \"send\" and transfer.backward:\n                pass\n"
+             "            elif op == \"send\" and key in self.produced:")),
+           ("tests/test_pipeline_p2p.py::test_the_executor_posts_transfers_that_cannot_stall_at_every_pp",)),
+    Mutant("p2p_replay_lets_a_lone_send_go_on", "src/orangetron/spec/rendezvous.py",
+           (("    peer_batch = where[(peer, id(match))][1]\n",
+             "    peer_batch = where[(peer, id(match))][1]\n"
+             "    if call.op == \"send\" and len(ranks[rank][current[rank]]) == 1:\n        return True\n"),),
+           ("tests/test_pipeline_p2p.py::test_the_obvious_order_stalls_where_the_executor_does_not",)),
 ]
 
 
