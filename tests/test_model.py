@@ -129,7 +129,7 @@ BASE = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_di
         (dict(n_heads=6), "n_heads=6: dim 128 is not divisible by n_heads"),
         (dict(n_kv_heads=3), "n_kv_heads=3"),
         (dict(n_experts=4, top_k=5), "top_k=5"),
-        (dict(dim=12, n_heads=4, n_kv_heads=4), "n_heads=4: head_dim"),
+        (dict(dim=12, n_heads=4, n_kv_heads=4), "head_dim=3: must be even"),
         (dict(router_score="relu"), "router_score='relu'"),
         (dict(n_shared_experts=1), "n_shared_experts=1"),
     ],

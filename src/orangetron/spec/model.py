@@ -86,6 +86,11 @@ class ModelSpec:
     """The token-embedding matrix is also the output projection."""
     bias: bool = False
     """GPT style: linear layers carry biases and norms are LayerNorms; False: no biases, RMSNorm."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only, none on the output projection (Qwen2)."""
+    qk_norm: bool = False
+    """An RMSNorm with a learned weight over head_dim (epsilon norm_eps) on each query and key head, before the
+    rotary embedding (Qwen3, Qwen3-MoE, Dots1)."""
     max_position_embeddings: int = 0
     """> 0: learned absolute positions (GPT-3) for this many positions; 0: rotary embeddings."""
     q_lora_rank: int = 0
@@ -233,8 +238,8 @@ class ModelSpec:
         q_width = self.num_heads * self.qk_head_dim
         kv_width = self.kv_heads * self.qk_head_dim
         weights = h * (q_width + 2 * kv_width) + q_width * h
-        biases = (q_width + 2 * kv_width + h) if self.bias else 0
-        return weights + biases
+        qkv_biases = (q_width + 2 * kv_width) if self.has_qkv_bias else 0
+        return weights + qkv_biases + (h if self.bias else 0)
 
     def mlp_params(self, ffn: int) -> int:
         """One dense MLP (or one expert) of width `ffn`."""
@@ -243,9 +248,19 @@ class ModelSpec:
             return 3 * h * ffn + ((2 * ffn + h) if self.bias else 0)
         return 2 * h * ffn + ((ffn + h) if self.bias else 0)
 
+    @property
+    def has_qkv_bias(self) -> bool:
+        """The query, key and value projections carry biases (`qkv_bias`, or every linear layer's `bias`)."""
+        return self.bias or self.qkv_bias
+
+    def qk_norm_params(self) -> int:
+        """The QK-norm weights of one layer (query and key, one head width each); 0 without QK-norm."""
+        return 2 * self.qk_head_dim if self.qk_norm else 0
+
     def norm_params(self) -> int:
+        """The norms of one layer, all replicated over tp: the two block norms and the QK-norm weights."""
         # RMSNorm carries a weight, LayerNorm (with biases, GPT style) a weight and a bias.
-        return 2 * self.hidden_size * (2 if self.bias else 1)
+        return 2 * self.hidden_size * (2 if self.bias else 1) + self.qk_norm_params()
 
     def expert_params_per_layer(self) -> int:
         """Routed-expert weights of one MoE layer (all experts)."""
