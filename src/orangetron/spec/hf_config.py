@@ -188,6 +188,7 @@ def hf_family(spec: ModelSpec) -> str:
     unlike_mixtral = [
         ("norm_topk_prob", spec.norm_topk_prob, "Mixtral renormalizes the top-k probabilities"),
         ("router_score", spec.router_score == "softmax", "Mixtral's router is a softmax"),
+        ("routed_scaling_factor", spec.routed_scaling_factor == 1.0, "Mixtral does not scale its routing weights"),
         ("num_shared_experts", spec.num_shared_experts == 0, "Mixtral has no shared expert"),
         ("first_dense_layers", spec.first_dense_layers == 0, "every Mixtral layer is MoE"),
         ("moe_layer_freq", spec.moe_layer_freq == 1, "every Mixtral layer is MoE"),
