@@ -17,7 +17,9 @@ like a dense MLP.
 
 Some gradients are partial sums over tp and are summed once per step (`sync_grads`, one all-reduce, which
 `DataParallel` calls): with SP, every replicated parameter (norm weights, router, routed experts) sees only
-this rank's tokens; and a replicated key/value head sees only this rank's query heads.
+this rank's tokens; a replicated key/value head sees only this rank's query heads; and the QK-norm weights
+(replicated, with or without SP) see only this rank's heads. Query, key and value biases split with their
+weights' output features.
 
 `tensor_parallel` shards the parameters in place and puts the modules below into the reference model with
 `replace_module` (`orangetron/parallel/replace.py`): `tok_embeddings`, `io`, each block's `attention` and
@@ -36,7 +38,7 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.model.autograd import accumulate_dtype, cross_entropy_grad_, swiglu_activation
-from orangetron.model.layers import apply_rope
+from orangetron.model.layers import attention_heads
 from orangetron.model.moe import MoE
 from orangetron.model.token_io import TokenIO
 from orangetron.model.transformer import Transformer
@@ -79,6 +81,7 @@ class Placement:
 
 _COLUMN = ("wq", "w1", "w3")  # split output features
 _ROW = ("wo", "w2")  # split input features
+_HEAD_NORMS = ("q_norm", "k_norm")  # QK-norm: one weight over head_dim, shared by every head
 
 
 def placements(model: Transformer, tp: int, sequence_parallel: bool) -> dict[str, Placement]:
@@ -90,6 +93,8 @@ def placements(model: Transformer, tp: int, sequence_parallel: bool) -> dict[str
         owner = parts[-2]
         if name in ("tok_embeddings.weight", "output.weight"):
             out[name] = Placement(dim=0)
+        elif owner in _HEAD_NORMS:  # each rank normalizes its own heads: its gradient is partial even without SP
+            out[name] = Placement(partial_grad=tp > 1)
         elif ".experts." in name or ".router." in name or owner.endswith("norm"):
             out[name] = Placement(partial_grad=sequence_parallel and tp > 1)
         elif owner in ("wk", "wv"):
@@ -220,7 +225,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 # ---- modules -------------------------------------------------------------------------------------
 class ParallelAttention(nn.Module):
-    """Grouped-query attention on this rank's heads: column-parallel wq/wk/wv, row-parallel wo.
+    """Grouped-query attention on this rank's heads: column-parallel wq/wk/wv (and their biases, split with
+    them), row-parallel wo; the QK-norms, replicated, normalize this rank's heads.
 
     x: [B, S/tp, dim] with SP, [B, S, dim] without; returns the same shape. The linear modules keep
     their names, so parameter names equal the reference model's; the attention core (`core_attention`, the
@@ -230,15 +236,17 @@ class ParallelAttention(nn.Module):
     def __init__(self, dense: nn.Module, group: MeshGroup, sp: bool) -> None:
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = dense.wq, dense.wk, dense.wv, dense.wo
+        self.q_norm, self.k_norm = dense.q_norm, dense.k_norm
         self.head_dim, self.core_attention = dense.head_dim, dense.core_attention
         self.group, self.sp = group, sp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = column_inputs(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.group, self.sp)
-        b, s, _ = q.shape
-        q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin)  # [B, S, Hq/tp, D]
-        k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin)  # [B, S, Hk/tp or 1, D]
-        v = v.view(b, s, -1, self.head_dim)
+        projections = (self.wq, self.wk, self.wv)
+        outputs = column_inputs(x, [w.weight for w in projections], self.group, self.sp)  # each [B, S, heads/tp*D]
+        # A bias is added after the gather: each rank's slice then sees the whole sequence, so its gradient is whole.
+        q, k, v = (y if w.bias is None else y + w.bias for y, w in zip(outputs, projections, strict=True))
+        q, k, v = attention_heads(q, k, v, self.head_dim, cos, sin, self.q_norm, self.k_norm)  # [B, S, H/tp, D]
+        b, s = q.shape[:2]
         out = self.core_attention(q, k, v)  # [B, S, Hq/tp, D]
         return row_output(F.linear(out.reshape(b, s, -1), self.wo.weight), self.group, self.sp)
 
