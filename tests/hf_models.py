@@ -120,9 +120,20 @@ def _save(cls, config, folder: Path, seed: int, **save_options) -> Path:
 
 
 def reference(folder: Path):
-    """transformers' own model of `folder` in float64: SDPA attention, eager experts, evaluation mode."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
+    """transformers' own model of `folder` in float64: SDPA attention, eager experts, evaluation mode. Tensors
+    a family keeps in float32 whatever the dtype (Dots1's router weight and correction bias) are set back to
+    the checkpoint's float64 values, so that its float32 rounding does not stand in the way of 1e-10."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float64, attn_implementation="sdpa", experts_implementation="eager").eval()
+    kept = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype != torch.float64]
+    if kept:
+        from safetensors.torch import load_file
+
+        saved = load_file(Path(folder) / "model.safetensors")
+        for name in (n for n in kept if n in saved):  # not the rotary tables, which are computed
+            owner, _, attr = name.rpartition(".")
+            getattr(model.get_submodule(owner), attr).data = saved[name]
+    return model
 
 
 def _rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -149,7 +160,7 @@ def _softmax_router(self, hidden_states: torch.Tensor):
 def _dots1_router(self, hidden_states: torch.Tensor):
     """Dots1's router in the model's dtype: the same steps as transformers' Dots1TopkRouter."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)  # float64 after `reference`
     scores = router_logits.sigmoid()
     choice = scores + self.e_score_correction_bias
     groups = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
