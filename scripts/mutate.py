@@ -1073,9 +1073,9 @@ MUTANTS = [
              "        d = self.head_dim\n"
              "        whole = whole.view(-1, d // 2, 2, whole.shape[-1]).transpose(1, 2).reshape(whole.shape)\n"
              "        return whole[_box(offsets, sizes)]\n\n\nSource = Same | Experts | Interleaved\n"),
-            ("            out[f\"{ours}.attention.{mine}.weight\"] = Same(f\"{theirs}.self_attn.{hf}.weight\")",
-             "            out[f\"{ours}.attention.{mine}.weight\"] = (Interleaved(f\"{theirs}.self_attn.{hf}.weight\", "
-             "spec.head_dim) if mine in ('wq', 'wk') else Same(f\"{theirs}.self_attn.{hf}.weight\"))")),
+            ("        out[f\"{ours}.{mine}.weight\"] = Same(f\"{theirs}.{hf}.weight\")",
+             "        out[f\"{ours}.{mine}.weight\"] = (Interleaved(f\"{theirs}.{hf}.weight\", "
+             "spec.head_dim) if mine in ('wq', 'wk') else Same(f\"{theirs}.{hf}.weight\"))")),
            ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
     Mutant("hf_kv_heads_reversed", "src/orangetron/hf/weights.py",
            (("\nSource = Same | Experts\n",
@@ -1084,13 +1084,17 @@ MUTANTS = [
              "        whole = folder.read(self.name, tuple(slice(0, n) for n in folder.shape(self.name)))\n"
              "        whole = whole.view(-1, self.head_dim, whole.shape[-1]).flip(0).reshape(whole.shape)\n"
              "        return whole[_box(offsets, sizes)]\n\n\nSource = Same | Experts | KVReversed\n"),
-            ("            out[f\"{ours}.attention.{mine}.weight\"] = Same(f\"{theirs}.self_attn.{hf}.weight\")",
-             "            out[f\"{ours}.attention.{mine}.weight\"] = (KVReversed(f\"{theirs}.self_attn.{hf}.weight\", "
-             "spec.head_dim) if mine in ('wk', 'wv') else Same(f\"{theirs}.self_attn.{hf}.weight\"))")),
+            ("        out[f\"{ours}.{mine}.weight\"] = Same(f\"{theirs}.{hf}.weight\")",
+             "        out[f\"{ours}.{mine}.weight\"] = (KVReversed(f\"{theirs}.{hf}.weight\", "
+             "spec.head_dim) if mine in ('wk', 'wv') else Same(f\"{theirs}.{hf}.weight\"))")),
            ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
     Mutant("hf_gate_and_up_swapped", "src/orangetron/hf/weights.py",
-           (('(("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))',
-             '(("w1", "up_proj"), ("w3", "gate_proj"), ("w2", "down_proj"))'),
+           (('"""A SwiGLU: w1 is `gate_proj`, w3 `up_proj`, w2 `down_proj`."""\n'
+             '    return {f"{ours}.{mine}.weight": Same(f"{theirs}.{hf}.weight")\n'
+             '            for mine, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}',
+             '"""A SwiGLU: w1 is `gate_proj`, w3 `up_proj`, w2 `down_proj`."""\n'
+             '    return {f"{ours}.{mine}.weight": Same(f"{theirs}.{hf}.weight")\n'
+             '            for mine, hf in (("w1", "up_proj"), ("w3", "gate_proj"), ("w2", "down_proj"))}'),
             ('tuple(f"{moe}.experts.{e}.{w}.weight" for e in range(spec.num_experts)))',
              'tuple(f"{moe}.experts.{e}.{ {\'w1\': \'w3\', \'w3\': \'w1\'}.get(w, w)}.weight" '
              'for e in range(spec.num_experts)))')),
@@ -1134,6 +1138,25 @@ MUTANTS = [
            (("    head_freed_first = transient > 0 and not schedule.split_backward and not m.mtp_layers",
              "    head_freed_first = False"),),
            ("tests/test_plan_recompute.py::test_activations_by_hand",)),
+    # ---- Hugging Face MoE families (tests/test_hf.py, tests/test_hf_train.py) ------------------------------
+    Mutant("hf_dots1_correction_bias_ignored", "src/orangetron/model/moe.py",
+           (("        topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, self.expert_bias,",
+             "        topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, None,"),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_dots1_group_score_as_max", "src/orangetron/spec/hf_config.py",
+           (('"group_score": "top2_sum"', '"group_score": "max"'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_dots1_scaling_factor_dropped", "src/orangetron/spec/hf_config.py",
+           (('"routed_scaling_factor": float(given["routed_scaling_factor"])', '"routed_scaling_factor": 1.0'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_qwen_moe_num_experts_from_the_class_default", "src/orangetron/spec/hf_config.py",
+           (('    experts = config.get("num_experts") or config.get("num_local_experts") or given["num_experts"]',
+             '    experts = config.get("num_experts") or given["num_experts"]'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_dots1_bias_not_read_on_a_layout", "src/orangetron/train/trainer.py",
+           (('    read = read_into(folder, spec, state["params"] | biases)',
+             '    read = read_into(folder, spec, state["params"])'),),
+           ("tests/test_hf_train.py::test_dots1_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports",)),
 ]
 
 
