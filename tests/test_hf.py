@@ -173,7 +173,9 @@ def test_a_moe_no_family_holds_is_refused_on_export(tmp_path):
 def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
     from orangetron.cli import main
 
-    for folder in (hf_models.llama(tmp_path / "l", tied=True), hf_models.mixtral(tmp_path / "m")):
+    folders = (hf_models.llama(tmp_path / "l", tied=True), hf_models.mixtral(tmp_path / "m"),
+               hf_models.qwen2_moe(tmp_path / "q2"), hf_models.qwen3_moe(tmp_path / "q3"), hf_models.dots1(tmp_path / "d"))
+    for folder in folders:
         spec = hf.config(folder)
         assert spec.total_params() == sum(p.numel() for p in hf_models.reference(folder).parameters())
         assert main(["estimate", "--model", str(folder), "--gpu", "h100", "--seq", "64", "--json"]) == 0
