@@ -174,7 +174,8 @@ def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
     from orangetron.cli import main
 
     folders = (hf_models.llama(tmp_path / "l", tied=True), hf_models.mixtral(tmp_path / "m"),
-               hf_models.qwen2_moe(tmp_path / "q2"), hf_models.qwen3_moe(tmp_path / "q3"), hf_models.dots1(tmp_path / "d"))
+               hf_models.qwen2_moe(tmp_path / "q2"), hf_models.qwen3_moe(tmp_path / "q3"),
+               hf_models.dots1(tmp_path / "d"))
     for folder in folders:
         spec = hf.config(folder)
         assert spec.total_params() == sum(p.numel() for p in hf_models.reference(folder).parameters())

@@ -1,4 +1,5 @@
-"""Router options: z-loss, group-limited top-k and the auxiliary-loss-free bias.
+"""Router options: z-loss, group-limited top-k (max or top-2-sum group scores), the auxiliary-loss-free bias,
+the routed scaling factor, sigmoid weights with and without renormalization, and the shared-expert gate.
 
 Hand-worked values for each formula, then every option under layouts that split the tokens (dp, tp with
 SP, cp, ep) against the plain single-device model with the same options and against the planner.
@@ -28,6 +29,11 @@ MODELS = {
     "bias": ModelConfig(**BASE, n_experts=4, top_k=2, aux_loss_coef=0.0, router_bias_rate=0.05),
     "everything": ModelConfig(**BASE, n_experts=8, top_k=2, aux_loss_coef=0.05, router_z_loss_coef=0.1,
                               n_expert_groups=2, topk_groups=1, router_bias_rate=0.02, n_shared_experts=1),
+    # Dots1's router (sigmoid, top-2-sum groups, correction bias, scaling, no renormalization) with Qwen2-MoE's
+    # gated shared expert.
+    "dots1-gated": ModelConfig(**BASE, n_experts=8, top_k=2, aux_loss_coef=0.0, router_score="sigmoid",
+                               n_expert_groups=4, topk_groups=2, group_score="top2_sum", router_bias_rate=0.02,
+                               routed_scaling_factor=2.5, n_shared_experts=1, shared_expert_gate=True),
 }
 CASES = {
     2: [("z-loss", Layout(dp=2), {"zero_stage": 1}),
@@ -37,9 +43,12 @@ CASES = {
         ("z-only-groups", Layout(cp=2), {"cp_mode": "ulysses"}),
         ("bias", Layout(dp=2), {"zero_stage": 1}),
         ("bias", Layout(tp=2), {"sequence_parallel": True}),
-        ("bias", Layout(dp=2, ep=2), {"dispatcher": "allgather"})],
+        ("bias", Layout(dp=2, ep=2), {"dispatcher": "allgather"}),
+        ("dots1-gated", Layout(dp=2, ep=2), {"dispatcher": "ragged"}),
+        ("dots1-gated", Layout(tp=2), {"sequence_parallel": True})],
     4: [("everything", Layout(dp=2, ep=2, cp=2), {"dispatcher": "ragged", "cp_mode": "ring", "zero_stage": 1}),
-        ("everything", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True})],
+        ("everything", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True}),
+        ("dots1-gated", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True})],
 }
 
 
