@@ -110,3 +110,33 @@ def test_mixtral_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
     cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2, ep=2)
     _check_reads(result, folder, ep=2)
     _check_export(tmp_path, cfg)
+
+
+def test_qwen2_moe_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
+    """q/k/v biases split with their weights over tp, the shared expert's sigmoid gate replicated."""
+    folder = hf_models.qwen2_moe(tmp_path / "qwen2_moe")
+    cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2, ep=2, sequence_parallel=True)
+    _check_reads(result, folder, ep=2)
+    _check_export(tmp_path, cfg)
+
+
+def test_qwen3_moe_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
+    """QK-norm over heads wider than hidden / heads, the weights replicated over tp."""
+    folder = hf_models.qwen3_moe(tmp_path / "qwen3_moe")
+    cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2, ep=2)
+    _check_reads(result, folder, ep=2)
+    _check_export(tmp_path, cfg)
+
+
+def test_dots1_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
+    """Group-limited sigmoid routing scored by top-2 sums, with the checkpoint's correction bias, which moves
+    with the training loads, and is written back as `e_score_correction_bias`."""
+    folder = hf_models.dots1(tmp_path / "dots1")
+    cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2, ep=2, sequence_parallel=True)
+    _check_reads(result, folder, ep=2)
+    _check_export(tmp_path, cfg)
+    from safetensors.torch import load_file
+
+    source, written = load_file(folder / "model.safetensors"), load_file(tmp_path / "export" / "model.safetensors")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert source[bias].abs().min() > 0 and not torch.equal(source[bias], written[bias])  # read, then moved

@@ -91,8 +91,7 @@ UNBUILDABLE = {
     "dropout": dict(dropout=0.1),
     "seq_len": dict(seq_len=77),
     "vocab_size": dict(vocab_size=0),
-    "head_dim": dict(head_dim=16),
-    "num_heads": dict(hidden_size=12, num_heads=4, num_kv_heads=4, head_dim=0),  # head_dim 3: rotary needs even
+    "head_dim": dict(hidden_size=12, num_heads=4, num_kv_heads=4, head_dim=0),  # head_dim 3: rotary needs even
 }
 
 
@@ -172,3 +171,22 @@ def test_train_presets_are_model_files_holding_the_models_they_always_were() -> 
     assert set(before) <= set(preset_names())
     assert all(load_model(name) == spec for name, spec in before.items())
     assert before["small-moe"].total_params() == 4_466_944
+
+
+def test_qkv_bias_qk_norm_and_a_free_head_dim_are_built_counted_and_read_from_toml(tmp_path):
+    """Qwen2's q/k/v biases (none on wo) and Qwen3's per-head QK-norm with head_dim 32 != 64 / 4."""
+    spec = RUNNABLE.with_changes(hidden_size=64, head_dim=32, qkv_bias=True, qk_norm=True)
+    model = Transformer(spec)
+    attention = model.layers[0].attention
+    assert attention.wq.bias.shape == (4 * 32,) and attention.wk.bias.shape == (2 * 32,) and attention.wo.bias is None
+    assert attention.q_norm.weight.shape == attention.k_norm.weight.shape == (32,)
+    assert attention.q_norm.eps == spec.norm_eps
+    assert sum(p.numel() for p in model.parameters()) == spec.total_params()
+    # 2 layers x (biases 4*32 + 2*2*32, QK-norm weights 2*32) over the same model without them
+    plain = spec.with_changes(qkv_bias=False, qk_norm=False)
+    assert spec.total_params() - plain.total_params() == 2 * (128 + 128 + 64)
+    path = tmp_path / "qwen.toml"
+    path.write_text("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nhead_dim = 32\n"
+                    "vocab_size = 64\nffn_hidden_size = 48\nqkv_bias = true\nqk_norm = true\n")
+    assert load_decoder(str(path)) == dataclasses.replace(spec, name="qwen")
+    assert model_from_record(dataclasses.asdict(spec)) == spec  # a run folder's record reads back

@@ -19,7 +19,8 @@ def ModelConfig(  # noqa: N802 (the stable name users call, from when it was a c
     n_experts: int = 0, top_k: int = 2, moe_ffn_dim: int | None = None, n_shared_experts: int = 0,
     moe_layer_freq: int = 1, router_score: str = "softmax", norm_topk_prob: bool = False, aux_loss_coef: float = 0.01,
     router_z_loss_coef: float = 0.0, n_expert_groups: int = 1, topk_groups: int = 1,
-    router_bias_rate: float = 0.0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
+    router_bias_rate: float = 0.0, routed_scaling_factor: float = 1.0, group_score: str = "max",
+    shared_expert_gate: bool = False, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
     tied_embeddings: bool = False, max_seq_len: int = 4096, init_std: float = 0.02, name: str = "custom",
 ) -> ModelSpec:
     """A Llama-style decoder (RMSNorm, rotary GQA attention, SwiGLU, optional MoE layers) as a `ModelSpec`,
@@ -35,7 +36,7 @@ def ModelConfig(  # noqa: N802 (the stable name users call, from when it was a c
         arguments["moe_ffn_dim"] = ffn_dim
     if not n_experts:
         arguments.update(top_k=0, moe_ffn_dim=0, norm_topk_prob=False, aux_loss_coef=0.0, router_z_loss_coef=0.0,
-                         router_bias_rate=0.0)
+                         router_bias_rate=0.0, routed_scaling_factor=1.0, group_score="max")
     try:
         spec = ModelSpec(**{RUNTIME_NAMES.get(key, key): value for key, value in arguments.items()})
         check_runnable(spec)
@@ -55,7 +56,6 @@ def check_runnable(spec: ModelSpec) -> None:
 def _runtime_limits(spec: ModelSpec) -> list[tuple[str, bool, str]]:
     """(field, whether the runtime builds its value, why not) for each field the runtime does not cover."""
     planner_only = "the planner prices it, the runtime does not build it yet"
-    width = spec.hidden_size // spec.num_heads
     return [
         ("mlp", spec.mlp == "swiglu", f"the runtime builds SwiGLU MLPs only; {planner_only}"),
         ("bias", not spec.bias, f"the runtime builds bias-free layers with RMSNorm; {planner_only}"),
@@ -71,16 +71,18 @@ def _runtime_limits(spec: ModelSpec) -> list[tuple[str, bool, str]]:
         ("dropout", spec.dropout == 0, f"the runtime has no dropout; {planner_only}"),
         ("seq_len", spec.seq_len == 0, "a tower's tokens per sample; a run's sequence length is its own option"),
         ("vocab_size", spec.vocab_size > 0, "the runtime's decoders need a token vocabulary"),
-        ("head_dim", spec.head_dim * spec.num_heads == spec.hidden_size,
-         f"the runtime needs head_dim * num_heads = hidden_size {spec.hidden_size}; {planner_only}"),
-        ("num_heads", width % 2 == 0,
-         f"head_dim = hidden_size {spec.hidden_size} / num_heads = {width} must be even for rotary embeddings"),
+        ("head_dim", spec.head_dim % 2 == 0, "must be even for rotary embeddings"),
     ]
 
 
 def model_from_record(record: Mapping[str, object]) -> ModelSpec:
     """The model a checkpoint recorded (`dataclasses.asdict` of it): a `ModelSpec`'s fields, or the runtime's
-    argument names that checkpoints stored before the one schema (`dim`, `n_layers`, ...; no `name`)."""
+    argument names that checkpoints stored before the one schema (`dim`, `n_layers`, ...; no `name`).
+
+    Records from before `routed_scaling_factor` existed come from when sigmoid routers always renormalized
+    their top-k weights whatever `norm_topk_prob` said, so such a sigmoid record reads with it true."""
+    if "routed_scaling_factor" not in record and record.get("router_score") == "sigmoid":
+        record = {**record, "norm_topk_prob": True}
     if "hidden_size" in record:
         return ModelSpec(**record)
     return ModelConfig(**record)

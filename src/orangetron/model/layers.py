@@ -115,21 +115,40 @@ class CausalAttention(nn.Module):
         return out
 
 
+def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, cos: torch.Tensor,
+                    sin: torch.Tensor, q_norm: nn.Module | None = None,
+                    k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projections q [B, S, Hq*D], k, v [B, S, Hk*D] -> heads q [B, S, Hq, D], k, v [B, S, Hk, D]: q and k
+    normalized per head by `q_norm`, `k_norm` when given (QK-norm, as Qwen3: before the rotation), then rotated by
+    (cos, sin). The reference and the tensor-parallel attention (any number of local heads) share it."""
+    b, s, _ = q.shape
+    q = q.view(b, s, -1, head_dim)  # [B, S, Hq, D]
+    k = k.view(b, s, -1, head_dim)  # [B, S, Hk, D]
+    if q_norm is not None and k_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(b, s, -1, head_dim)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary embedding; x: [B, S, dim] -> [B, S, dim].
 
     Head counts are read from the projection sizes at run time, so a tensor-parallel copy with sliced
-    wq/wk/wv/wo works unchanged. The attention itself runs in the submodule `core_attention` (a
-    `CausalAttention`, whose kernel `kernel_impl` selects); context parallelism replaces that submodule.
+    wq/wk/wv/wo works unchanged. `cfg.qkv_bias` gives wq, wk and wv biases (wo has none); `cfg.qk_norm` adds
+    `q_norm` and `k_norm`, RMSNorms over one head (None without). The attention itself runs in the submodule
+    `core_attention` (a `CausalAttention`, whose kernel `kernel_impl` selects); context parallelism replaces
+    that submodule.
     """
 
     def __init__(self, cfg: ModelSpec) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.has_qkv_bias
+        self.wq = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core_attention = CausalAttention()
 
     @property
@@ -152,8 +171,4 @@ class Attention(nn.Module):
 
         `forward` and cached decoding (model/decode.py), which attends over earlier positions' k and v, share it.
         """
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # [B, S, Hq, D]
-        k = self.wk(x).view(b, s, -1, self.head_dim)  # [B, S, Hk, D]
-        v = self.wv(x).view(b, s, -1, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return attention_heads(self.wq(x), self.wk(x), self.wv(x), self.head_dim, cos, sin, self.q_norm, self.k_norm)

@@ -9,7 +9,8 @@ Each member is listed because some dimension reads or replaces it:
   and the methods a pipeline stage and the training step call on parts of the model: `embed`,
   `routing_mask`, `head`, `cross_entropy`, `loss_from_logits`, `aux_loss`;
 - each block of `layers`: called as `block(h, cos, sin, token_mask)`, with `attention` (tensor parallelism
-  takes over `wq`, `wk`, `wv`, `wo`, `head_dim`; context parallelism fills the seam `core_attention`),
+  takes over `wq`, `wk`, `wv`, `wo`, `q_norm`, `k_norm`,
+  `head_dim`; context parallelism fills the seam `core_attention`),
   `feed_forward` (a dense MLP that tensor parallelism replaces, or an `orangetron.model.moe.MoE`) and the seam
   `recompute`, through which the block runs its body (activation recompute fills it);
 - each MoE: `router` (with `n_experts`, the loss coefficients and the seam `aux_losses`), `experts` (whose
@@ -87,6 +88,8 @@ class ParallelAttentionParts(Protocol):
     wk: nn.Linear
     wv: nn.Linear
     wo: nn.Linear
+    q_norm: nn.Module | None  # QK-norm over one head, or None
+    k_norm: nn.Module | None
     head_dim: int
     core_attention: nn.Module
 

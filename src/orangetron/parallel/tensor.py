@@ -4,20 +4,22 @@ TP splits every weight matrix over the tp ranks (Megatron-LM, Shoeybi et al. 201
 projections (QKV, SwiGLU's gate and up, the vocabulary) split their output features, row-parallel ones
 (attention output, SwiGLU's down) their input features, so one block needs one reduction forward and one
 backward. Without sequence parallelism (SP) those are all-reduces and everything between blocks (norms,
-residual adds, the router and the routed experts) is replicated. With SP (Korthikanti et al. 2022) the
-all-reduce becomes a reduce-scatter over the sequence after a block and an all-gather before the next, so
-the norms run on a sequence shard and no rank keeps a duplicate activation; the gathered input is not
-kept for backward: the shard is, and backward gathers it again.
+residual adds, the router, the shared-expert gate and the routed experts) is replicated. With SP (Korthikanti
+et al. 2022) the all-reduce becomes a reduce-scatter over the sequence after a block and an all-gather before
+the next, so the norms run on a sequence shard and no rank keeps a duplicate activation; the gathered input
+is not kept for backward: the shard is, and backward gathers it again.
 
 Attention heads split over tp; key/value heads split too when tp divides them, and are replicated (one
 per rank) when tp is a multiple of them. The embedding and the output projection split the vocabulary,
 and the cross entropy runs on vocabulary shards, so no rank ever holds full-vocabulary logits. MoE routed
 experts and the router stay whole on every tp rank (expert tensor parallelism 1); a shared expert splits
-like a dense MLP.
+like a dense MLP, and its gate (Qwen2-MoE) stays whole, applied to the shared expert's reduced output.
 
 Some gradients are partial sums over tp and are summed once per step (`sync_grads`, one all-reduce, which
-`DataParallel` calls): with SP, every replicated parameter (norm weights, router, routed experts) sees only
-this rank's tokens; and a replicated key/value head sees only this rank's query heads.
+`DataParallel` calls): with SP, every replicated parameter (norm weights, router, shared-expert gate, routed
+experts) sees only this rank's tokens; a replicated key/value head sees only this rank's query heads; and the
+QK-norm weights (replicated, with or without SP) see only this rank's heads. Query, key and value biases split
+with their weights' output features.
 
 `tensor_parallel` shards the parameters in place and puts the modules below into the reference model with
 `replace_module` (`orangetron/parallel/replace.py`): `tok_embeddings`, `io`, each block's `attention` and
@@ -36,7 +38,7 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.model.autograd import accumulate_dtype, cross_entropy_grad_, swiglu_activation
-from orangetron.model.layers import apply_rope
+from orangetron.model.layers import attention_heads
 from orangetron.model.moe import MoE
 from orangetron.model.token_io import TokenIO
 from orangetron.model.transformer import Transformer
@@ -79,6 +81,8 @@ class Placement:
 
 _COLUMN = ("wq", "w1", "w3")  # split output features
 _ROW = ("wo", "w2")  # split input features
+_HEAD_NORMS = ("q_norm", "k_norm")  # QK-norm: one weight over head_dim, shared by every head
+_REPLICATED = ("shared_expert_gate",)  # whole on every tp rank (a dim -> 1 projection), like the router
 
 
 def placements(model: Transformer, tp: int, sequence_parallel: bool) -> dict[str, Placement]:
@@ -90,7 +94,9 @@ def placements(model: Transformer, tp: int, sequence_parallel: bool) -> dict[str
         owner = parts[-2]
         if name in ("tok_embeddings.weight", "output.weight"):
             out[name] = Placement(dim=0)
-        elif ".experts." in name or ".router." in name or owner.endswith("norm"):
+        elif owner in _HEAD_NORMS:  # each rank normalizes its own heads: its gradient is partial even without SP
+            out[name] = Placement(partial_grad=tp > 1)
+        elif ".experts." in name or ".router." in name or owner in _REPLICATED or owner.endswith("norm"):
             out[name] = Placement(partial_grad=sequence_parallel and tp > 1)
         elif owner in ("wk", "wv"):
             out[name] = Placement(dim=0, copies=kv_copies)
@@ -220,7 +226,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 # ---- modules -------------------------------------------------------------------------------------
 class ParallelAttention(nn.Module):
-    """Grouped-query attention on this rank's heads: column-parallel wq/wk/wv, row-parallel wo.
+    """Grouped-query attention on this rank's heads: column-parallel wq/wk/wv (and their biases, split with
+    them), row-parallel wo; the QK-norms, replicated, normalize this rank's heads.
 
     x: [B, S/tp, dim] with SP, [B, S, dim] without; returns the same shape. The linear modules keep
     their names, so parameter names equal the reference model's; the attention core (`core_attention`, the
@@ -230,15 +237,17 @@ class ParallelAttention(nn.Module):
     def __init__(self, dense: nn.Module, group: MeshGroup, sp: bool) -> None:
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = dense.wq, dense.wk, dense.wv, dense.wo
+        self.q_norm, self.k_norm = dense.q_norm, dense.k_norm
         self.head_dim, self.core_attention = dense.head_dim, dense.core_attention
         self.group, self.sp = group, sp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = column_inputs(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.group, self.sp)
-        b, s, _ = q.shape
-        q = apply_rope(q.view(b, s, -1, self.head_dim), cos, sin)  # [B, S, Hq/tp, D]
-        k = apply_rope(k.view(b, s, -1, self.head_dim), cos, sin)  # [B, S, Hk/tp or 1, D]
-        v = v.view(b, s, -1, self.head_dim)
+        projections = (self.wq, self.wk, self.wv)
+        outputs = column_inputs(x, [w.weight for w in projections], self.group, self.sp)  # each [B, S, heads/tp*D]
+        # A bias is added after the gather: each rank's slice then sees the whole sequence, so its gradient is whole.
+        q, k, v = (y if w.bias is None else y + w.bias for y, w in zip(outputs, projections, strict=True))
+        q, k, v = attention_heads(q, k, v, self.head_dim, cos, sin, self.q_norm, self.k_norm)  # [B, S, H/tp, D]
+        b, s = q.shape[:2]
         out = self.core_attention(q, k, v)  # [B, S, Hq/tp, D]
         return row_output(F.linear(out.reshape(b, s, -1), self.wo.weight), self.group, self.sp)
 
