@@ -1134,6 +1134,22 @@ MUTANTS = [
            (("    head_freed_first = transient > 0 and not schedule.split_backward and not m.mtp_layers",
              "    head_freed_first = False"),),
            ("tests/test_plan_recompute.py::test_activations_by_hand",)),
+    # ---- fused AdamW groups and grouped-GEMM experts (tests/test_flat_adamw.py, tests/test_grouped_experts.py) --
+    Mutant("adamw_fallback_decays_after_the_update", "src/orangetron/parallel/data/optim.py",
+           (("        p.mul_(1 - lr * weight_decay)\n", ""),
+            ("        p.addcdiv_(m, denom, value=-lr / (1 - beta1**n))\n",
+             "        p.addcdiv_(m, denom, value=-lr / (1 - beta1**n))\n        p.mul_(1 - lr * weight_decay)\n")),
+           ("tests/test_flat_adamw.py::test_flat_adamw_follows_an_lr_schedule_in_float64_for_both_groups",)),
+    Mutant("grouped_mm_counts_as_offsets", "src/orangetron/model/grouped_mm.py",
+           (("    ends = tuple(itertools.accumulate(counts))", "    ends = tuple(counts)"),),
+           ("tests/test_grouped_experts.py",)),
+    Mutant("grouped_mm_offsets_shifted_by_one_expert", "src/orangetron/model/grouped_mm.py",
+           (("    ends = tuple(itertools.accumulate(counts))",
+             "    ends = (0, *itertools.accumulate(counts))[:-1]"),),
+           ("tests/test_grouped_experts.py",)),
+    Mutant("grouped_mm_weight_grad_grouped_by_the_wrong_rows", "src/orangetron/model/grouped_mm.py",
+           (("_grouped_mm(rows.t(), grad, ctx.ends)", "_grouped_mm(rows.flip(0).t(), grad, ctx.ends)"),),
+           ("tests/test_grouped_experts.py",)),
 ]
 
 
