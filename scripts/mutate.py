@@ -1148,7 +1148,7 @@ MUTANTS = [
              "    ends = (0, *itertools.accumulate(counts))[:-1]"),),
            ("tests/test_grouped_experts.py",)),
     Mutant("grouped_mm_weight_grad_grouped_by_the_wrong_rows", "src/orangetron/model/grouped_mm.py",
-           (("_grouped_mm(rows.t(), grad, ctx.ends)", "_grouped_mm(rows.flip(0).t(), grad, ctx.ends)"),),
+           (("torch._grouped_mm(rows.t(), grad, offs=offs)", "torch._grouped_mm(rows.flip(0).t(), grad, offs=offs)"),),
            ("tests/test_grouped_experts.py",)),
 ]
 

@@ -27,27 +27,34 @@ from .autograd import swiglu_activation
 GROUPED_DTYPES = (torch.float32, torch.bfloat16)  # float64 keeps the loop: the kernel has no float64
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: tuple[int, ...]) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs=torch.tensor(ends, dtype=torch.int32, device=a.device))
+def offsets(ends: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The int32 offsets tensor on `device`. On CUDA the copy goes from pinned memory, asynchronously: a copy
+    from pageable memory would wait for the stream, a host sync per matmul."""
+    offs = torch.tensor(ends, dtype=torch.int32)
+    if device.type == "cuda":
+        return offs.pin_memory().to(device, non_blocking=True)
+    return offs.to(device)
 
 
 class GroupedMM(torch.autograd.Function):
-    """rows [N, k] @ weight[e] [k, n] for each expert e over its rows (`ends`: cumulative counts) -> [N, n];
-    grouped forward, grouped backward (rows' and weight's gradients)."""
+    """rows [N, k] @ weight[e] [k, n] for each expert e over its rows (`ends`: cumulative counts, `offs` the same
+    as an int32 tensor on the rows' device) -> [N, n]; grouped forward, grouped backward (rows' and weight's
+    gradients)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, ends: tuple[int, ...]) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, ends: tuple[int, ...],
+                offs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
-        ctx.ends = ends
-        return _grouped_mm(rows, weight, ends)
+        ctx.ends = ends  # ints, rebuilt in backward: a saved tensor would add to the counted bytes
+        return torch._grouped_mm(rows, weight, offs=offs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows, weight = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_rows = _grouped_mm(grad, weight.transpose(-2, -1), ctx.ends) if ctx.needs_input_grad[0] else None
-        grad_weight = _grouped_mm(rows.t(), grad, ctx.ends) if ctx.needs_input_grad[1] else None
-        return grad_rows, grad_weight, None
+        grad, offs = grad.contiguous(), offsets(ctx.ends, rows.device)
+        grad_rows = torch._grouped_mm(grad, weight.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
+        grad_weight = torch._grouped_mm(rows.t(), grad, offs=offs) if ctx.needs_input_grad[1] else None
+        return grad_rows, grad_weight, None, None
 
 
 def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], weights_sorted: torch.Tensor | None,
@@ -56,9 +63,10 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: list[int], weights_sorted: to
     for expert e, summing to N), w1, w3 [E, dim, hidden], w2 [E, hidden, dim] -> [N, dim], each row scaled by
     its routing weight. Call only where `grouped_mm_accepts` holds."""
     ends = tuple(itertools.accumulate(counts))
-    gate = GroupedMM.apply(x_sorted, w1, ends)  # [N, hidden]
-    up = GroupedMM.apply(x_sorted, w3, ends)  # [N, hidden]
-    return GroupedMM.apply(swiglu_activation(gate, up, weights_sorted), w2, ends)  # [N, dim]
+    offs = offsets(ends, x_sorted.device)
+    gate = GroupedMM.apply(x_sorted, w1, ends, offs)  # [N, hidden]
+    up = GroupedMM.apply(x_sorted, w3, ends, offs)  # [N, hidden]
+    return GroupedMM.apply(swiglu_activation(gate, up, weights_sorted), w2, ends, offs)  # [N, dim]
 
 
 def grouped_mm_accepts(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -86,9 +94,10 @@ def _runs_on(device: torch.device, dtype: torch.dtype) -> bool:
         rows = torch.ones(3, 16, dtype=dtype, device=device)
         weight = torch.ones(2, 16, 8, dtype=dtype, device=device)
         try:
-            out = _grouped_mm(rows, weight, (0, 3))  # [3, 8]
-            _grouped_mm(out, weight.transpose(-2, -1), (0, 3))
-            _grouped_mm(rows.t(), out, (0, 3))
-        except (RuntimeError, NotImplementedError):
+            offs = offsets((0, 3), device)
+            out = torch._grouped_mm(rows, weight, offs=offs)  # [3, 8]
+            torch._grouped_mm(out, weight.transpose(-2, -1), offs=offs)
+            torch._grouped_mm(rows.t(), out, offs=offs)
+        except (RuntimeError, NotImplementedError, TypeError):
             return False
     return True
