@@ -98,3 +98,22 @@ def test_flat_adamw_follows_an_lr_schedule_in_float64_for_both_groups(kernel, mo
             assert (got - expected).abs().max().item() <= 1e-12 * expected.abs().max().item(), (lr, decays)
     # the schedule moved the parameters well beyond the tolerance, decayed ones by their decay too
     assert (flat - torch.cat(params)).abs().min().item() > 1e-6
+
+
+def test_flat_adamw_resumes_from_moments_and_a_step_count_written_elsewhere():
+    """A checkpoint holds the two flat moments and the step count (the layout from before the fused kernel too):
+    state taken from two steps of torch.optim.AdamW and loaded into a fresh FlatAdamW continues as torch does."""
+    g = torch.Generator().manual_seed(2)
+    params = [torch.randn(n, generator=g, dtype=torch.float64) for n, _ in SIZES]
+    grads = [[torch.randn(n, generator=g, dtype=torch.float64) for n, _ in SIZES] for _ in range(5)]
+    want, ref = _reference(params, grads[:2])
+    mask = torch.cat([torch.full((n,), d) for n, d in SIZES])
+    flat = torch.cat([p.detach() for p in want])
+    opt = FlatAdamW(flat, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, decay_mask=mask)
+    for mine, key in zip(opt.state_tensors(), ("exp_avg", "exp_avg_sq"), strict=True):
+        mine.copy_(torch.cat([ref.state[p][key] for p in want]))
+    opt.steps = 2
+    for step_grads in grads[2:]:
+        opt.step(torch.cat(step_grads))
+    expected = torch.cat([p.detach() for p in _reference(params, grads)[0]])
+    assert (flat - expected).abs().max().item() <= 1e-12 * expected.abs().max().item()
