@@ -9,14 +9,21 @@ its bucket) against ZeRO-2 reducing once after backward, on a 27M-parameter dens
 processes: the most heap a step adds to what the rank held before it (glibc's bytes in use, read after every
 torch op of the step, so the gradients, wire buffers and activations all count), and the whole heap at that
 peak. Ratio: with buckets over without (below 1: smaller).
+
+`--one-rank` prints only one line, in this process: the AdamW step over one flat float32 shard in runs with and
+without decay, through torch's fused kernel against the unfused update (torch.optim.AdamW's, used where a
+torch lacks the kernel) on the same views; ratio unfused time over fused (above 1: the kernel is faster).
+On two loaded CPU cores this says nothing about a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import statistics
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,7 @@ from orangetron import memory
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer, model_preset
 from orangetron.parallel import DataParallel, ParallelConfig
+from orangetron.parallel.data.optim import FlatAdamW
 from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
 
@@ -141,7 +149,44 @@ def _peak_line(metric: str, value: int, baseline: int, categories: dict) -> str:
                        "baseline": baseline, "ratio": round(value / baseline, 3)})
 
 
+# ---- one rank: torch's fused AdamW kernel against the unfused update -----------------------------------
+ADAMW_NUMEL, ADAMW_RUN, ADAMW_STEPS = 4_000_000, 50_000, 20  # runs of 50k elements, decaying every other one
+
+
+def adamw_step_s(fused: bool) -> float:
+    """Median seconds of one FlatAdamW step on a float32 shard of ADAMW_NUMEL elements."""
+    g = torch.Generator().manual_seed(0)
+    flat, grad = torch.randn(ADAMW_NUMEL, generator=g), torch.randn(ADAMW_NUMEL, generator=g)
+    mask = (torch.arange(ADAMW_NUMEL) // ADAMW_RUN) % 2 == 0
+    opt = FlatAdamW(flat, lr=1e-3, weight_decay=0.1, decay_mask=mask)
+    times = []
+    with mock.patch.object(torch, "_fused_adamw_", torch._fused_adamw_ if fused else None):
+        for _ in range(ADAMW_STEPS):
+            times.append(_timed_s(lambda: opt.step(grad)))
+    return statistics.median(times[2:])
+
+
+def _timed_s(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def adamw_line() -> str:
+    fused, unfused = adamw_step_s(True), adamw_step_s(False)
+    config = {"numel": ADAMW_NUMEL, "run": ADAMW_RUN, "dtype": "float32", "ranks": 1,
+              "threads": torch.get_num_threads(), "baseline": "unfused update on the same views"}
+    return json.dumps({"name": "flat_adamw_step", "config": config, "metric": "step_s", "value": round(fused, 5),
+                       "unit": "s", "baseline": round(unfused, 5), "ratio": round(unfused / fused, 3)})
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one-rank", action="store_true", help="only the fused-AdamW line, in this process")
+    if parser.parse_args().one_rank:
+        print(adamw_line())
+        return
+    print(adamw_line(), flush=True)
     baseline = max(run_distributed(torch_ddp, 2))
     measured = {}
     for stage in STAGES:

@@ -10,19 +10,26 @@ ratio is overlapped / serial time (below 1: the overlap hides communication).
 
 Dispatchers: the layer forward and backward with each dispatcher; tokens per second over both ranks, each
 ratio against ragged. Every line is one JSON object.
+
+`--one-rank` prints only one line, in this process: `GroupedExperts` forward and backward in float32 through
+`torch._grouped_mm` against the loop over experts; ratio loop time over grouped (above 1: grouped is faster).
+On two loaded CPU cores this says nothing about a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import statistics
 import time
+from unittest import mock
 
 import torch
 
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, ModelSpec
-from orangetron.model.moe import MoE
+from orangetron.model.moe import GroupedExperts, MoE
 from orangetron.parallel.expert import Dispatcher, expert_parallel_moe
 from orangetron.spec.layout import Layout
 from orangetron.testing import run_distributed, shutdown_workers
@@ -103,7 +110,38 @@ def _overlap_lines(cfg: ModelSpec, times: dict[str, float]) -> None:
                         base, value / base))
 
 
+# ---- one rank: the experts through torch._grouped_mm against the loop ---------------------------------
+GROUPED_EXPERTS, GROUPED_DIM, GROUPED_HIDDEN, GROUPED_ROWS = 8, 256, 512, 4096
+
+
+def experts_step_s(grouped: bool) -> float:
+    """Median seconds of GroupedExperts forward and backward over GROUPED_ROWS float32 copies, uneven counts."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(GROUPED_EXPERTS, GROUPED_DIM, GROUPED_HIDDEN)
+    counts = torch.distributions.Multinomial(GROUPED_ROWS, torch.ones(GROUPED_EXPERTS)).sample().long()
+    x = torch.randn(GROUPED_ROWS, GROUPED_DIM, requires_grad=True)
+    weights = torch.rand(GROUPED_ROWS)
+    loop_only = mock.patch("orangetron.model.grouped_mm._runs_on", return_value=False)
+    with contextlib.nullcontext() if grouped else loop_only:
+        times = [_timed(lambda: experts(x, counts, weights).square().mean().backward())
+                 for _ in range(WARMUP + REPEATS)]
+    return statistics.median(times[WARMUP:])
+
+
+def grouped_line() -> str:
+    grouped, loop = experts_step_s(True), experts_step_s(False)
+    config = {"experts": GROUPED_EXPERTS, "dim": GROUPED_DIM, "hidden": GROUPED_HIDDEN, "rows": GROUPED_ROWS,
+              "dtype": "float32", "ranks": 1, "threads": torch.get_num_threads(), "baseline": "loop over experts"}
+    return _line("grouped_experts_step", config, "step_time", grouped, "s", loop, loop / grouped)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one-rank", action="store_true", help="only the grouped-GEMM line, in this process")
+    if parser.parse_args().one_rank:
+        print(grouped_line())
+        return
+    print(grouped_line(), flush=True)
     for cfg in OVERLAP_CFGS:
         _overlap_lines(cfg, run_distributed(overlap_times, EP, args=(cfg,), timeout=1200)[0])
     results = {mode: run_distributed(layer_tokens_per_s, EP, args=(mode,), timeout=600)[0] for mode in MODES}

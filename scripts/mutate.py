@@ -1216,6 +1216,22 @@ MUTANTS = [
     Mutant("planner_leaves_out_the_shared_expert_gate_activations", "src/orangetron/plan/activations.py",
            (("        total += x.a * sb * (m.hidden_size + 1) // x.rep", "        total += 0"),),
            ("tests/test_router_options.py::test_router_options_match_one_device_and_the_planner[2]",)),
+    # ---- fused AdamW groups and grouped-GEMM experts (tests/test_flat_adamw.py, tests/test_grouped_experts.py) --
+    Mutant("adamw_fallback_decays_after_the_update", "src/orangetron/parallel/data/optim.py",
+           (("        p.mul_(1 - lr * weight_decay)\n", ""),
+            ("        p.addcdiv_(m, denom, value=-lr / (1 - beta1**n))\n",
+             "        p.addcdiv_(m, denom, value=-lr / (1 - beta1**n))\n        p.mul_(1 - lr * weight_decay)\n")),
+           ("tests/test_flat_adamw.py::test_flat_adamw_follows_an_lr_schedule_in_float64_for_both_groups",)),
+    Mutant("grouped_mm_counts_as_offsets", "src/orangetron/model/grouped_mm.py",
+           (("    ends = tuple(itertools.accumulate(counts))", "    ends = tuple(counts)"),),
+           ("tests/test_grouped_experts.py",)),
+    Mutant("grouped_mm_offsets_shifted_by_one_expert", "src/orangetron/model/grouped_mm.py",
+           (("    ends = tuple(itertools.accumulate(counts))",
+             "    ends = (0, *itertools.accumulate(counts))[:-1]"),),
+           ("tests/test_grouped_experts.py",)),
+    Mutant("grouped_mm_weight_grad_grouped_by_the_wrong_rows", "src/orangetron/model/grouped_mm.py",
+           (("torch._grouped_mm(rows.t(), grad, offs=offs)", "torch._grouped_mm(rows.flip(0).t(), grad, offs=offs)"),),
+           ("tests/test_grouped_experts.py",)),
 ]
 
 

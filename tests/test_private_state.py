@@ -19,8 +19,9 @@ ALLOWED = {
     # torch has no public way to run a callback once the current backward pass ends (FSDP2 uses the same).
     "data/units.py": {"torch.autograd.Variable._execution_engine"},
     # torch's fused AdamW kernel over a list of tensors (what torch.optim.AdamW(fused=True) calls): the optimizer
-    # class itself cannot update views of one flat shard in place with per-run weight decay.
-    "data/optim.py": {"torch._fused_adamw_"},
+    # class itself cannot update views of one flat shard in place with per-run weight decay. Read with getattr so
+    # that a torch without it takes the unfused update instead.
+    "data/optim.py": {"getattr(torch, '_fused_adamw_', None)"},
 }
 ATTRIBUTE_FUNCTIONS = ("getattr", "setattr", "hasattr", "delattr")
 

@@ -27,6 +27,7 @@ from .autograd import (
     swiglu_activation,
 )
 from .config import ModelSpec
+from .grouped_mm import grouped_mm_accepts, grouped_swiglu
 from .layers import SwiGLU
 
 
@@ -164,7 +165,9 @@ class GroupedExperts(nn.Module):
 
     forward(x_sorted [N, dim], tokens_per_expert, weights_sorted [N] or None) -> [N, dim]: rows are grouped
     by expert, expert e owning the next tokens_per_expert[e] rows; a row's output is scaled by its weight.
-    An expert-parallel shard is the same module over its local experts.
+    An expert-parallel shard is the same module over its local experts. In float32 and bfloat16 the three
+    projections are grouped matmuls over all experts where the device takes them; otherwise (float64
+    always) a loop over experts.
     """
 
     def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
@@ -187,6 +190,8 @@ class GroupedExperts(nn.Module):
         if len(counts) != self.w1.shape[0] or sum(counts) != x_sorted.shape[0]:
             raise ValueError(f"tokens_per_expert {counts} must have {self.w1.shape[0]} entries summing to "
                              f"the {x_sorted.shape[0]} rows of x_sorted")
+        if grouped_mm_accepts(x_sorted, self.w1, self.w3, self.w2):  # float32, bf16 (`model/grouped_mm.py`)
+            return grouped_swiglu(x_sorted, counts, weights_sorted, self.w1, self.w3, self.w2)
         weights = [None] * len(counts) if weights_sorted is None else torch.split(weights_sorted, counts)
         outs = []
         for e, (x_e, w_e) in enumerate(zip(torch.split(x_sorted, counts), weights, strict=True)):

@@ -5,7 +5,8 @@ and biases skip weight decay inside that one slice. The slice is cut once into r
 step hands the runs to `torch._fused_adamw_` in two groups (with and without decay), as views: the moments
 stay two flat tensors, the layout checkpoints store. The kernel runs on CPU (float64 included) and CUDA, and
 its update is torch.optim.AdamW's (foreach=False) up to one rounding per step, as it fuses the second moment's
-multiply-add (`tests/test_flat_adamw.py`).
+multiply-add (`tests/test_flat_adamw.py`). Where a torch build lacks the kernel, the same two groups go
+through torch.optim.AdamW's unfused update written out here, on the same views.
 """
 
 from __future__ import annotations
@@ -61,11 +62,25 @@ class FlatAdamW:
             runs = [(i, a, b) for i, a, b, d in self.runs if d == decays]
             if not runs:
                 continue
-            torch._fused_adamw_(
-                [param[i][a:b] for i, a, b in runs], [grad[i][a:b] for i, a, b in runs],
-                [exp_avg[i][a:b] for i, a, b in runs], [exp_avg_sq[i][a:b] for i, a, b in runs], [],
-                [self._step] * len(runs), lr=self.lr, beta1=beta1, beta2=beta2,
-                weight_decay=self.weight_decay if decays else 0.0, eps=self.eps, amsgrad=False, maximize=False)
+            views = [[t[i][a:b] for i, a, b in runs] for t in (param, grad, exp_avg, exp_avg_sq)]
+            adamw_update = getattr(torch, "_fused_adamw_", None) or _unfused_adamw_
+            adamw_update(*views, [], [self._step] * len(runs), lr=self.lr, beta1=beta1, beta2=beta2,
+                         weight_decay=self.weight_decay if decays else 0.0, eps=self.eps, amsgrad=False,
+                         maximize=False)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.exp_avg, self.exp_avg_sq]
+
+
+def _unfused_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                    exp_avg_sqs: list[torch.Tensor], _max_exp_avg_sqs: list, steps: list[torch.Tensor], *,
+                    lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, **_) -> None:
+    """`torch._fused_adamw_`'s contract (steps already counted, no amsgrad) by torch.optim.AdamW's
+    single-tensor update, for torch builds without the kernel."""
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+        n = step.item()
+        p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / (1 - beta2**n) ** 0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / (1 - beta1**n))
