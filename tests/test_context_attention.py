@@ -3,10 +3,14 @@
 Each rank takes its head-tail shard of the same q, k, v (and of a fixed output weighting), runs one mode
 forward and backward, and hands back its shard of the output and of dq, dk, dv; reassembled, they must
 equal plain PyTorch attention on one device to 1e-9 relative. One launch per cp size runs every mode,
-causal and not, multi-head and grouped-query.
+causal and not, multi-head and grouped-query, with the fused block kernel while the matmul path refuses
+to run, and again with the matmul path ("reference"). Every fused kernel call is recorded with the global
+positions of its queries and keys, and its mask is checked here against the causal mask by position.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -62,16 +66,79 @@ def variants(cp: int) -> list[tuple[str, int | None]]:
 
 
 def all_modes(cp: int) -> dict:
+    """Per (kind, causal, mode, impl): out, dq, dk, dv of this rank; and under "calls" the fused kernel calls
+    as (causal attention, kernel causal, query positions, key positions)."""
     mesh = init_mesh(Layout(cp=cp))
-    results = {}
+    results, kernel_calls = {}, []
+    with fused_only(kernel_calls):
+        run_modes(mesh, cp, "fused", results, kernel_calls)
+    run_modes(mesh, cp, "reference", results, [])
+    results["calls"] = kernel_calls
+    return results
+
+
+def run_modes(mesh, cp: int, impl: str, results: dict, kernel_calls: list) -> None:
     for kind in heads(cp):
         for causal in (True, False):
             for mode, degree in variants(cp):
                 q, k, v, weight = (context.shard(t, mesh).requires_grad_() for t in inputs(cp, kind))
-                out = context.attention(q, k, v, mesh, mode=mode, causal=causal, ulysses_degree=degree)
+                kernel_calls.append(causal)  # the calls that follow attend with this mask
+                out = context.attention(q, k, v, mesh, mode=mode, causal=causal, ulysses_degree=degree, impl=impl)
                 (out * weight.detach()).sum().backward()
-                results[kind, causal, f"{mode}{degree or ''}"] = (out.detach(), q.grad, k.grad, v.grad)
-    return results
+                results[kind, causal, f"{mode}{degree or ''}", impl] = (out.detach(), q.grad, k.grad, v.grad)
+
+
+@contextlib.contextmanager
+def fused_only(kernel_calls: list):
+    """The matmul block path and the seam's matmul fallback raise; every fused kernel call is recorded."""
+    from orangetron.model import attention as seam
+    from orangetron.parallel.context import blocks
+
+    saved = {name: getattr(blocks, name) for name in ("block_forward", "block_backward", "attention_kernel",
+                                                      "attention_kernel_backward")}
+    saved_seam = seam._reference, seam._reference_backward
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the matmul path ran under impl='fused'")
+
+    def recorded(kernel):
+        def call(*args, causal, positions, **kwargs):
+            q, k = args[-5:-3] if kernel is saved["attention_kernel_backward"] else args[:2]
+            kernel_calls.append((causal, positions, q.shape[1], k.shape[1]))
+            return kernel(*args, causal=causal, positions=positions, **kwargs)
+        return call
+
+    blocks.block_forward = blocks.block_backward = seam._reference = seam._reference_backward = refuse
+    blocks.attention_kernel = recorded(saved["attention_kernel"])
+    blocks.attention_kernel_backward = recorded(saved["attention_kernel_backward"])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(blocks, name, value)
+        seam._reference, seam._reference_backward = saved_seam
+
+
+def check_kernel_calls(kernel_calls: list, cp: int) -> None:
+    """Every fused call of a causal attention carries its positions, and its mask (none, or causal over equal
+    rows and columns) is exactly "key position <= query position"; a call of a plain attention has no mask."""
+    assert len(kernel_calls) > 2 * len(variants(cp)) * len(heads(cp)), "no fused kernel calls were recorded"
+    causal_attention = None
+    for entry in kernel_calls:
+        if isinstance(entry, bool):
+            causal_attention = entry
+            continue
+        kernel_causal, positions, sq, sk = entry
+        if not causal_attention:
+            assert positions is None and not kernel_causal, entry
+            continue
+        q_pos, k_pos = (torch.cat([torch.arange(a, b) for a, b in runs]) for runs in positions)
+        assert (q_pos.numel(), k_pos.numel()) == (sq, sk), entry
+        wanted = k_pos[None, :] <= q_pos[:, None]  # [Sq, Sk]
+        given = torch.ones(sq, sk, dtype=torch.bool)
+        if kernel_causal:
+            given = given.tril()
+        assert torch.equal(wanted, given), f"cp={cp}: a kernel call's mask is not the position mask: {entry}"
 
 
 def _whole(shards: list[torch.Tensor], cp: int) -> torch.Tensor:
@@ -85,13 +152,15 @@ def _whole(shards: list[torch.Tensor], cp: int) -> torch.Tensor:
 @pytest.mark.parametrize("cp", CP_SIZES)
 def test_every_mode_equals_one_device(cp):
     per_rank = run_distributed(all_modes, cp, args=(cp,))
+    for rank in per_rank:
+        check_kernel_calls(rank.pop("calls"), cp)
     for key in per_rank[0]:
-        kind, causal, mode = key
+        kind, causal, mode, impl = key
         want = reference(cp, kind, causal)
         for name, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
             got = _whole([r[key][i] for r in per_rank], cp)
             gap = ((got - want[i]).abs().max() / want[i].abs().max()).item()
-            assert gap < 1e-9, f"cp={cp} {mode} {kind} causal={causal}: {name} off by {gap:.2e}"
+            assert gap < 1e-9, f"cp={cp} {mode} {impl} {kind} causal={causal}: {name} off by {gap:.2e}"
 
 
 def test_ulysses_names_heads_it_cannot_split():
@@ -113,7 +182,7 @@ def ring_events(cp: int) -> list[str]:
     from orangetron.parallel.context import ring
 
     events: list[str] = []
-    start, wait, backward = comm.RingExchange.start, comm.RingExchange.wait, ring.block_backward
+    start, wait, backward = comm.RingExchange.start, comm.RingExchange.wait, ring.attend_backward
 
     def logged_start(self, x):
         events.append(f"start {id(self)}")
@@ -127,7 +196,7 @@ def ring_events(cp: int) -> list[str]:
         events.append("block")
         return backward(*args)
 
-    comm.RingExchange.start, comm.RingExchange.wait, ring.block_backward = logged_start, logged_wait, logged_backward
+    comm.RingExchange.start, comm.RingExchange.wait, ring.attend_backward = logged_start, logged_wait, logged_backward
     try:
         mesh = init_mesh(Layout(cp=cp))
         q, k, v, weight = (context.shard(t, mesh).requires_grad_() for t in inputs(cp, "mha"))
@@ -135,7 +204,7 @@ def ring_events(cp: int) -> list[str]:
         events.append("backward")
         (out * weight.detach()).sum().backward()
     finally:
-        comm.RingExchange.start, comm.RingExchange.wait, ring.block_backward = start, wait, backward
+        comm.RingExchange.start, comm.RingExchange.wait, ring.attend_backward = start, wait, backward
     return events[events.index("backward"):]
 
 

@@ -236,7 +236,7 @@ def float32_softmax_error(ref: dict[str, torch.Tensor]) -> torch.Tensor:
     return u * (per_row + ref["lse"].abs() + SEQ + 4 + 4 * CP)[..., None]
 
 
-def attention_tolerances(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def attention_tolerances(ref: dict[str, torch.Tensor], impl: str = "reference") -> dict[str, torch.Tensor]:
     """Bounds for out and lse (forward), dq, dk, dv (backward) of attention in float32 on bfloat16 inputs.
 
     out: the float32 result (each probability off by eps relatively, the weighted sum of S values by S u32)
@@ -247,6 +247,11 @@ def attention_tolerances(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     S + cp for the sums over keys and over the cp blocks. dq accumulates in float32 and is rounded once
     (ub |dq|). dk and dv accumulate in bfloat16 on their way around the ring, one term per cp rank's queries
     (docs/context_parallel.md, Limits): gamma_cp(bf16) * sum over cp ranks of |that rank's share|.
+
+    impl "fused": each kernel call hands back its output and gradients in bfloat16, rounded once before they
+    are merged or summed. A block's output is a weighted mean of its values, and the merge weights of the
+    blocks add up to the whole row's probabilities, so the roundings add at most ub p|v| to out; likewise
+    ub scale |ds||k| to dq; dk and dv gain one rounding per share (gamma_cp+1).
     """
     ub, u = unit_roundoff(torch.bfloat16), unit_roundoff(torch.float32)
     p, q, k, v, do = ref["probs"], ref["q"], ref["k"], ref["v"], ref["do"]
@@ -260,6 +265,11 @@ def attention_tolerances(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     dk = gamma(CP, torch.bfloat16) * ref["dk_shares"] + (1 + ub) * SCALE * (
         p.transpose(-1, -2) @ (ub * delta_abs * q.abs()) + ((eps + sums) * ds_abs).transpose(-1, -2) @ q.abs())
     dv = gamma(CP, torch.bfloat16) * ref["dv_shares"] + (1 + ub) * ((eps + sums) * p).transpose(-1, -2) @ do.abs()
+    if impl == "fused":
+        out = out + (1 + ub) ** 2 * ub * (p @ v.abs())
+        dq = dq + (1 + ub) ** 2 * ub * SCALE * ds_abs @ k.abs()
+        dk = dk + (gamma(CP + 1, torch.bfloat16) - gamma(CP, torch.bfloat16)) * ref["dk_shares"]
+        dv = dv + (gamma(CP + 1, torch.bfloat16) - gamma(CP, torch.bfloat16)) * ref["dv_shares"]
     return {"out": out, "lse": eps[..., 0], "dq": dq, "dk": dk, "dv": dv}
 
 
@@ -291,16 +301,18 @@ def test_merging_cp_blocks_needs_a_float32_running_output_and_lse():
 def cp_attention_on_rank() -> dict:
     mesh = init_mesh(Layout(cp=CP))
     results = {}
-    for mode, degree in (("ring", None), ("usp", 2)):
+    for mode, degree, impl in (("ring", None, "reference"), ("usp", 2, "reference"), ("ring", None, "fused"),
+                               ("usp", 2, "fused")):
         q, k, v, do = (context.shard(t, mesh) for t in attention_inputs())
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = context.attention(q, k, v, mesh, mode=mode, causal=True, ulysses_degree=degree)
+        out = context.attention(q, k, v, mesh, mode=mode, causal=True, ulysses_degree=degree, impl=impl)
         out.backward(do)
-        results[mode] = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-        assert all(t.dtype == torch.bfloat16 for t in results[mode].values())
-    q, k, v, _ = (context.shard(t, mesh) for t in attention_inputs())
-    _, results["ring"]["lse"] = ring.attention(q, k, v, mesh["cp"], True, SCALE)
-    return {mode: {name: t.detach().double() for name, t in parts.items()} for mode, parts in results.items()}
+        results[mode, impl] = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        assert all(t.dtype == torch.bfloat16 for t in results[mode, impl].values())
+        if mode == "ring":
+            q, k, v, _ = (context.shard(t, mesh) for t in attention_inputs())
+            _, results[mode, impl]["lse"] = ring.attention(q, k, v, mesh["cp"], True, SCALE, impl)
+    return {key: {name: t.detach().double() for name, t in parts.items()} for key, parts in results.items()}
 
 
 def whole(shards: list[torch.Tensor], seq_dim: int) -> torch.Tensor:
@@ -311,17 +323,19 @@ def whole(shards: list[torch.Tensor], seq_dim: int) -> torch.Tensor:
     return full
 
 
+@pytest.mark.parametrize("impl", ["reference", "fused"])
 @pytest.mark.parametrize("mode", ["ring", "usp"])
-def test_context_parallel_attention_in_bfloat16_within_the_float32_merge_bound(ranks, mode):
-    """cp = 8 (USP: Ulysses 2 x ring 4); out, dq, dk, dv (and ring's float32 lse) against float64."""
+def test_context_parallel_attention_in_bfloat16_within_the_float32_merge_bound(ranks, mode, impl):
+    """cp = 8 (USP: Ulysses 2 x ring 4); out, dq, dk, dv (and ring's float32 lse) against float64, with the
+    matmul blocks and with the fused kernel's blocks (each rounded to bfloat16 before its merge)."""
     ref = attention_reference()
-    tol = attention_tolerances(ref)
+    tol = attention_tolerances(ref, impl)
     names = ["out", "dq", "dk", "dv"] + (["lse"] if mode == "ring" else [])
     ratios = {}
     for name in names:
-        got = whole([r["cp"][mode][name] for r in ranks], seq_dim=2 if name == "lse" else 1)
+        got = whole([r["cp"][mode, impl][name] for r in ranks], seq_dim=2 if name == "lse" else 1)
         ratios[name] = worst_ratio(got if name == "lse" else got.transpose(1, 2), ref[name], tol[name])
-    assert max(ratios.values()) <= 1, f"{mode}: error / tolerance {ratios}"
+    assert max(ratios.values()) <= 1, f"{mode} {impl}: error / tolerance {ratios}"
 
 
 # ---- 4. gradient reduction over dp 8 with bfloat16 parameters ---------------------------------------------

@@ -28,14 +28,15 @@ def _split_records(model, deg, job, passes):
         [gather_record("reduce_scatter", "cp", k, c), gather_record("reduce_scatter", "cp", v, c)]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool, scale: float,
+              impl: str = "fused") -> torch.Tensor:
     """K and V gathered apart, then one block over the whole sequence, kept for backward."""
     from orangetron.parallel.context.blocks import PositionalAttention
 
     seq_len = q.shape[1] * group.size
     k_all, v_all = comm.all_gather(k, group, dim=1), comm.all_gather(v, group, dim=1)  # [B, S, Hk, D]
     return PositionalAttention.apply(q, k_all, v_all, (seq_len, group.size, group.rank),
-                                     (seq_len, group.size, None), causal, scale)
+                                     (seq_len, group.size, None), causal, scale, impl)
 
 
 CONTEXT_MODES.register(ContextMode(

@@ -11,6 +11,11 @@ import torch
 from .autograd import CPUFlashAttention, expand_kv
 
 KERNEL_IMPLS = ("fused", "reference")
+Runs = tuple[tuple[int, int], ...]  # global positions as [start, stop) ranges, in tensor order
+
+
+class MaskNotExpressible(ValueError):
+    """A call whose position mask the fused kernels cannot express (neither no mask nor plain causal)."""
 
 
 def attention_kernel(
@@ -21,6 +26,7 @@ def attention_kernel(
     causal: bool,
     scale: float | None = None,
     impl: str = "fused",
+    positions: tuple[Runs, Runs] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention returning the output and the log-sum-exp of the scores.
 
@@ -36,8 +42,15 @@ def attention_kernel(
     q, the unexpanded k and v, out and lse, and nothing else (`CPUFlashAttention`). impl "reference" is plain
     PyTorch accumulating in float32 (float64 for float64) and its lse is differentiable. Both are
     differentiable in q, k, v through `out`.
+
+    `positions` (query runs, key runs) states that the intended mask is "key j visible to query i iff its
+    global position is at most i's" (context parallelism); the call is refused (`MaskNotExpressible`) unless
+    `causal` expresses that mask exactly, as the fused kernels would: no mask when every key is at or
+    before every query, causal when queries and keys hold the same contiguous increasing range.
     """
     _check_inputs(q, k, v, causal)
+    if positions is not None:
+        check_expressible(positions, causal, q.shape[1], k.shape[1])
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if impl == "fused":
@@ -127,3 +140,86 @@ def _cuda_flash(q, k, v, causal: bool, scale: float):
 def _cuda_efficient(q, k, v, causal: bool, scale: float):
     res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
     return res[0], res[1]
+
+
+def attention_kernel_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    impl: str = "fused",
+    positions: tuple[Runs, Runs] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of attention of q over k, v, given the output and log-sum-exp of the queries' rows.
+
+    `out` [B, Sq, Hq, D] (q's dtype) and `lse` [B, Hq, Sq] may be those of a larger attention over more keys
+    than k holds (the flash-attention backward): the result is then this block's share of the gradients.
+    dk, dv come summed over each kv head's group of query heads. impl "fused" on CPU runs PyTorch's CPU flash
+    backward op and returns q's dtype; elsewhere, and for impl "reference", plain PyTorch in the accumulate
+    dtype. `positions` is checked as in `attention_kernel`.
+    """
+    _check_inputs(q, k, v, causal)
+    if positions is not None:
+        check_expressible(positions, causal, q.shape[1], k.shape[1])
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")
+    if impl == "fused" and q.device.type == "cpu":
+        return _cpu_flash_backward(grad_out, q, k, v, out, lse, causal, scale)
+    return _reference_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+def _cpu_flash_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    (b, sk, hk, d), hq = k.shape, q.shape[2]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.transpose(1, 2), q.transpose(1, 2), expand_kv(k, hq).transpose(1, 2),
+        expand_kv(v, hq).transpose(1, 2), out.transpose(1, 2), lse.to(_lse_dtype(q.dtype)), 0.0, causal, scale=scale)
+    dk = dk.transpose(1, 2).reshape(b, sk, hk, hq // hk, d).sum(3)  # [B, Sk, Hk, D]
+    dv = dv.transpose(1, 2).reshape(b, sk, hk, hq // hk, d).sum(3)
+    return dq.transpose(1, 2), dk, dv
+
+
+def _reference_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    acc, hq, (b, sk, hk, d) = _lse_dtype(q.dtype), q.shape[2], k.shape
+    qh, do, oh = (t.transpose(1, 2).to(acc) for t in (q, grad_out, out))  # [B, Hq, Sq, D]
+    kh, vh = (expand_kv(t, hq).transpose(1, 2).to(acc) for t in (k, v))  # [B, Hq, Sk, D]
+    scores = qh @ kh.transpose(-1, -2) * scale  # [B, Hq, Sq, Sk]
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.exp(scores - lse.to(acc).unsqueeze(-1))
+    delta = (do * oh).sum(-1, keepdim=True)  # [B, Hq, Sq, 1]
+    dscores = probs * (do @ vh.transpose(-1, -2) - delta) * scale
+    dk = (dscores.transpose(-1, -2) @ qh).transpose(1, 2).reshape(b, sk, hk, hq // hk, d).sum(3)
+    dv = (probs.transpose(-1, -2) @ do).transpose(1, 2).reshape(b, sk, hk, hq // hk, d).sum(3)
+    return (dscores @ kh).transpose(1, 2), dk, dv
+
+
+def check_expressible(positions: tuple[Runs, Runs], causal: bool, sq: int, sk: int) -> None:
+    """Raise `MaskNotExpressible` unless `causal` is exactly the position mask of these query and key runs."""
+    q_runs, k_runs = (_coalesce(runs) for runs in positions)
+    held = (sum(stop - start for start, stop in q_runs), sum(stop - start for start, stop in k_runs))
+    if held != (sq, sk):
+        raise MaskNotExpressible(f"positions cover {held[0]} queries and {held[1]} keys; the call has {sq} and {sk}")
+    if causal:
+        honest = len(q_runs) == 1 and q_runs == k_runs
+    else:
+        honest = max(stop for _, stop in k_runs) - 1 <= min(start for start, _ in q_runs)
+    if not honest:
+        kind = "causal" if causal else "unmasked"
+        raise MaskNotExpressible(f"a {kind} kernel call cannot express the position mask of queries {q_runs} "
+                                 f"over keys {k_runs}")
+
+
+def _coalesce(runs: Runs) -> Runs:
+    joined: list[tuple[int, int]] = []
+    for start, stop in runs:
+        if joined and joined[-1][1] == start:
+            joined[-1] = (joined[-1][0], stop)
+        elif stop > start:
+            joined.append((start, stop))
+    return tuple(joined)

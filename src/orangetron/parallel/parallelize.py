@@ -92,5 +92,6 @@ def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str, ulysses_de
             heads = attention.wq.weight.shape[0] // attention.head_dim
             kv_heads = attention.wk.weight.shape[0] // attention.head_dim
             rules.heads_split_by_all_to_all(degree, heads, kv_heads)
-        core = context.ContextParallelAttention(mesh, mode, ulysses_degree if record.takes_ulysses_degree else None)
+        core = context.ContextParallelAttention(mesh, mode, ulysses_degree if record.takes_ulysses_degree else None,
+                                                impl=attention.core_attention.impl)
         replace_module(model, f"layers.{i}.attention.core_attention", core)

@@ -3,7 +3,7 @@
 Every mode takes this rank's head-tail shard (`context.shard`) of q [B, L, Hq, D] and k, v [B, L, Hk, D] and
 returns this rank's output [B, L, Hq, D], forward and backward. The modes, their traffic and their costs are
 records in spec/context_modes.py (`CONTEXT_MODES`); each names its runtime module here, which has
-`attention(q, k, v, group, causal, scale)` and, when it talks over other groups than `mesh["cp"]`,
+`attention(q, k, v, group, causal, scale, impl)` and, when it talks over other groups than `mesh["cp"]`,
 `cp_group(mesh, ulysses_degree)`:
 
 | mode | what travels over cp | module |
@@ -13,6 +13,9 @@ records in spec/context_modes.py (`CONTEXT_MODES`); each names its runtime modul
 | ulysses | Q, K+V and the output by all-to-all between sequence and head shards | `ulysses` |
 | rsa | K then V around the ring, [L, S] probabilities kept (ColossalAI) | `rsa` |
 | usp | Ulysses over `ulysses_degree` consecutive ranks, ring over the rest | `usp` |
+
+`impl` picks the block kernel: "fused" (the fused kernel seam of `orangetron/model/attention.py`, fed only
+calls whose mask it can express; `blocks.attend`) or "reference" (plain matmuls masked by position).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from orangetron.spec.variants import CONTEXT_MODES
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, mode: str = "ring",
-              causal: bool = True, scale: float | None = None, ulysses_degree: int | None = None) -> torch.Tensor:
+              causal: bool = True, scale: float | None = None, ulysses_degree: int | None = None,
+              impl: str = "fused") -> torch.Tensor:
     """Attention of this cp rank's head-tail shard over the whole sequence -> [B, L, Hq, D].
 
     `causal` masks by global position (the head-tail layout is known from the mesh). `scale` defaults to
     head_dim ** -0.5. `ulysses_degree` (mode "usp" only; it must divide cp) is the all-to-all factor. A cp
-    group of one rank attends locally with the fused kernel.
+    group of one rank attends locally with the kernel `impl` ("fused" or "reference", as `attention_kernel`).
     """
     record = CONTEXT_MODES.runtime_record(mode)
     rules.ulysses_degree_only_for_its_modes(ulysses_degree or 1, mode, record.takes_ulysses_degree)
@@ -38,8 +42,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelM
     if mesh["cp"].size == 1:
         from orangetron.model.attention import attention_kernel
 
-        return attention_kernel(q, k, v, causal=causal, scale=scale)[0]
+        return attention_kernel(q, k, v, causal=causal, scale=scale, impl=impl)[0]
     runtime = record.load()
     group = runtime.cp_group(mesh, ulysses_degree or 1) if hasattr(runtime, "cp_group") else mesh["cp"]
-    out = runtime.attention(q, k, v, group, causal, scale)
+    out = runtime.attention(q, k, v, group, causal, scale, impl)
     return out[0] if isinstance(out, tuple) else out

@@ -2,9 +2,13 @@
 
 Every context-parallel mode computes a query shard's attention as a sum over key blocks that arrive from
 other ranks. A block's partial output and log-sum-exp merge exactly (`merge`), and a block's gradients
-need only the final output and log-sum-exp (`block_backward`, the flash-attention backward), so no mode
-keeps a score matrix for backward. Which keys a query may see is decided by global positions, so any
-sharding (head-tail, gathered in rank order, a ring step's half block) masks correctly.
+need only the final output and log-sum-exp (the flash-attention backward), so no mode keeps a score matrix
+for backward. Which keys a query may see is decided by global positions, given as runs (`calls.py`), so
+any sharding (head-tail, gathered in rank order, a ring step's block) masks correctly.
+
+`attend` and `attend_backward` take an `impl`: "fused" cuts the block into honest calls of the fused
+kernel seam (`orangetron/model/attention.py`, `calls.plan`); "reference" is plain matmuls masked by
+position over the whole block (`block_forward`, `block_backward`), for tests and as a fallback.
 
 Shapes: q [B, Sq, Hq, D], k and v [B, Sk, Hk, D] (Hq % Hk == 0), positions [Sq] and [Sk]; out like q;
 lse [B, Hq, Sq]. Arithmetic in float32 (float64 for float64 inputs).
@@ -14,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from orangetron.model.attention import KERNEL_IMPLS, Runs, attention_kernel, attention_kernel_backward
 from orangetron.model.autograd import accumulate_dtype, expand_kv
+from orangetron.parallel.context import calls
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
@@ -85,28 +91,101 @@ def pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat((k, v), dim=-1)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Runs, k_runs: Runs, causal: bool,
+           scale: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q over this block of keys in the accumulate dtype; rows that see no key get 0 and -inf."""
+    if impl == "reference":
+        return block_forward(q, k, v, runs_positions(q_runs, q.device), runs_positions(k_runs, q.device), causal,
+                             scale)
+    _check_impl(impl)
+    (q_sorted, q_index), (k_sorted, k_index) = _sorted(q_runs, q.device), _sorted(k_runs, q.device)
+    qs, ks, vs = _take(q, q_index, 1), _take(k, k_index, 1), _take(v, k_index, 1)
+    out = torch.zeros(q.shape, dtype=accumulate_dtype(q.dtype), device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=out.dtype, device=q.device)
+    for call in calls.plan(q_sorted, k_sorted, causal):
+        where = _where(call, q_sorted, k_sorted, causal)
+        block_out, block_lse = attention_kernel(qs[:, call.rows], ks[:, call.cols], vs[:, call.cols],
+                                                causal=call.causal, scale=scale, positions=where)
+        merge(out[:, call.rows], lse[:, :, call.rows], block_out, block_lse)
+    return _put(out, q_index, 1), _put(lse, q_index, 2)
+
+
+def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    grad_out: torch.Tensor, q_runs: Runs, k_runs: Runs, causal: bool, scale: float,
+                    impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) this block contributes, from the queries' final out and lse; accumulate dtype, dk and dv
+    summed over each kv head's group of query heads."""
+    if impl == "reference":
+        return block_backward(q, k, v, out, lse, grad_out, runs_positions(q_runs, q.device),
+                              runs_positions(k_runs, q.device), causal, scale)
+    _check_impl(impl)
+    (q_sorted, q_index), (k_sorted, k_index) = _sorted(q_runs, q.device), _sorted(k_runs, q.device)
+    qs, outs, dos = (_take(t, q_index, 1) for t in (q, out, grad_out))
+    ks, vs, lses = _take(k, k_index, 1), _take(v, k_index, 1), _take(lse, q_index, 2)
+    acc = accumulate_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (qs, ks, vs))
+    for call in calls.plan(q_sorted, k_sorted, causal):
+        rows, cols = call.rows, call.cols
+        grads = attention_kernel_backward(dos[:, rows], qs[:, rows], ks[:, cols], vs[:, cols], outs[:, rows],
+                                          lses[:, :, rows], causal=call.causal, scale=scale,
+                                          positions=_where(call, q_sorted, k_sorted, causal))
+        dq[:, rows] += grads[0]
+        dk[:, cols] += grads[1]
+        dv[:, cols] += grads[2]
+    return _put(dq, q_index, 1), _put(dk, k_index, 1), _put(dv, k_index, 1)
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")
+
+
+def _sorted(runs: Runs, device: torch.device) -> tuple[Runs, torch.Tensor | None]:
+    ordered, segments = calls.sort_runs(runs)
+    return ordered, calls.take_rows(segments, device)
+
+
+def _where(call: calls.Call, q_runs: Runs, k_runs: Runs, causal: bool) -> tuple[Runs, Runs] | None:
+    """The call's query and key positions, for the kernel to check its mask against (None: nothing masked)."""
+    return (calls.slice_runs(q_runs, call.rows), calls.slice_runs(k_runs, call.cols)) if causal else None
+
+
+def _take(x: torch.Tensor, index: torch.Tensor | None, dim: int) -> torch.Tensor:
+    return x if index is None else x.index_select(dim, index)
+
+
+def _put(x: torch.Tensor, index: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """Inverse of `_take`: row i of x goes back to row index[i]."""
+    return x if index is None else torch.empty_like(x).index_copy_(dim, index, x)
+
+
+def runs_positions(runs: Runs, device: torch.device) -> torch.Tensor:
+    """The global positions the runs hold, in tensor order ([sum of lengths], int64)."""
+    return torch.cat([torch.arange(start, stop, device=device) for start, stop in runs])
+
+
 class PositionalAttention(torch.autograd.Function):
     """Attention of q over k, v masked by global positions, as one block; saves q, k, v, out and lse.
 
-    The positions come from `positions_of(spec)` with a spec of plain numbers, recomputed in backward
-    rather than kept, so every byte kept is one the activation meter sees and the planner counts.
+    The positions come from `calls.spec_runs(spec)` with a spec of plain numbers, recomputed in backward
+    rather than kept, so every byte kept is one the activation meter sees and the planner counts. `impl`
+    is `attend`'s.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_spec: tuple, k_spec: tuple, causal: bool, scale: float):
-        out, lse = block_forward(q, k, v, positions_of(q_spec, q.device), positions_of(k_spec, q.device), causal,
-                                 scale)
+    def forward(ctx, q, k, v, q_spec: tuple, k_spec: tuple, causal: bool, scale: float, impl: str = "fused"):
+        out, lse = attend(q, k, v, calls.spec_runs(q_spec), calls.spec_runs(k_spec), causal, scale, impl)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.specs, ctx.causal, ctx.scale = (q_spec, k_spec), causal, scale
+        ctx.specs, ctx.causal, ctx.scale, ctx.impl = (q_spec, k_spec), causal, scale, impl
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        q_pos, k_pos = (positions_of(spec, q.device) for spec in ctx.specs)
-        dq, dk, dv = block_backward(q, k, v, out, lse, grad_out, q_pos, k_pos, ctx.causal, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        q_runs, k_runs = (calls.spec_runs(spec) for spec in ctx.specs)
+        dq, dk, dv = attend_backward(q, k, v, out, lse, grad_out, q_runs, k_runs, ctx.causal, ctx.scale, ctx.impl)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def positions_of(spec: tuple[int, int, int | None], device: torch.device) -> torch.Tensor:

@@ -16,11 +16,15 @@ from orangetron.parallel.context.attention import attention
 
 
 class ContextParallelAttention(nn.Module):
-    """Causal attention over the cp ranks of `mesh` in `mode` (`context.attention`, `ulysses_degree` for usp)."""
+    """Causal attention over the cp ranks of `mesh` in `mode` (`context.attention`, `ulysses_degree` for usp).
 
-    def __init__(self, mesh: ParallelMesh, mode: str, ulysses_degree: int | None = None) -> None:
+    `impl` is the block kernel ("fused" or "reference"), read and set like the reference core's.
+    """
+
+    def __init__(self, mesh: ParallelMesh, mode: str, ulysses_degree: int | None = None, impl: str = "fused") -> None:
         super().__init__()
-        self.mesh, self.mode, self.ulysses_degree = mesh, mode, ulysses_degree
+        self.mesh, self.mode, self.ulysses_degree, self.impl = mesh, mode, ulysses_degree, impl
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, self.mesh, mode=self.mode, causal=True, ulysses_degree=self.ulysses_degree)
+        return attention(q, k, v, self.mesh, mode=self.mode, causal=True, ulysses_degree=self.ulysses_degree,
+                         impl=self.impl)

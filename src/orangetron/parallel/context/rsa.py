@@ -4,6 +4,8 @@ A K ring fills this rank's [S/N, S] score rows block by block; after the softmax
 the output. Backward runs a V ring (with the dV accumulators travelling home behind it) for the
 probabilities' gradient, then a K ring (with dK) for the queries and keys. Unlike ring attention it keeps
 the [S/N, S] probabilities for backward, as Li et al. describe (arXiv:2105.13120), and sends K and V separately.
+Those kept probabilities are the method, so it has only the matmul form: `impl` is accepted, as every
+mode's is, and does not change what it computes.
 """
 
 from __future__ import annotations
@@ -98,6 +100,6 @@ class _RingSelfAttention(torch.autograd.Function):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
-              scale: float) -> torch.Tensor:
-    """Ring self-attention of this rank's head-tail shard -> out [B, L, Hq, D]."""
+              scale: float, impl: str = "fused") -> torch.Tensor:
+    """Ring self-attention of this rank's head-tail shard -> out [B, L, Hq, D] (matmuls whatever `impl`)."""
     return _RingSelfAttention.apply(q, k, v, group, causal, scale)

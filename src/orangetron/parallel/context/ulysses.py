@@ -3,7 +3,8 @@
 Q, K+V and the output each cross one all-to-all per direction ([B, S/P, H, D] <-> [B, S, H/P, D]), so the
 bytes per rank stay constant as the sequence and P grow together. Query heads must divide by P; kv heads
 either divide by P or divide P (then each rank gets the one kv head its query heads use, sent once to
-each rank that needs it).
+each rank that needs it). The whole sequence arrives in rank order; `blocks.attend` puts it in order of
+position, so causal attention is one causal kernel call.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def to_sequence(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
-              scale: float) -> torch.Tensor:
-    """Ulysses attention of this rank's head-tail shard -> out [B, L, Hq, D]."""
+              scale: float, impl: str = "fused") -> torch.Tensor:
+    """Ulysses attention of this rank's head-tail shard -> out [B, L, Hq, D]; `impl` as `blocks.attend`."""
     n = group.size
     rules.heads_split_by_all_to_all(n, q.shape[2], k.shape[2])
     kv = pack(k, v)
@@ -46,5 +47,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGrou
     q_h, kv_h = to_heads(q, group), to_heads(kv, group)  # [B, S, Hq/n, D], [B, S, max(Hk/n, 1), 2D]
     k_h, v_h = kv_h.split(k.shape[-1], dim=-1)
     spec = (q_h.shape[1], n, None)  # every rank's tokens, in rank order
-    out = PositionalAttention.apply(q_h, k_h, v_h, spec, spec, causal, scale)
+    out = PositionalAttention.apply(q_h, k_h, v_h, spec, spec, causal, scale, impl)
     return to_sequence(out, group)

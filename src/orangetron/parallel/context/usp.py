@@ -3,8 +3,9 @@
 The cp group is split into ring x Ulysses, Ulysses fastest, so consecutive cp ranks (one node's fast
 links) exchange heads by all-to-all, and the Ulysses groups pass K,V around a ring between them. After the
 all-to-all each rank holds its Ulysses group's tokens for its share of the heads; the ring then runs over
-those gathered blocks with masks by global position. Any factorization of cp works, including the two
-ends (ulysses_degree 1: a ring; cp: Ulysses).
+those gathered blocks with masks by global position: a member's tokens are not in increasing order, and
+`blocks.attend` reorders each block before cutting it into kernel calls. Any factorization of cp works,
+including the two ends (ulysses_degree 1: a ring; cp: Ulysses).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ def cp_group(mesh: ParallelMesh, ulysses_degree: int) -> tuple[MeshGroup, MeshGr
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[MeshGroup, MeshGroup],
-              causal: bool, scale: float) -> torch.Tensor:
-    """USP attention of this rank's head-tail shard over (ring group, Ulysses group) -> [B, L, Hq, D]."""
+              causal: bool, scale: float, impl: str = "fused") -> torch.Tensor:
+    """USP attention of this rank's head-tail shard over (ring group, Ulysses group) -> [B, L, Hq, D].
+
+    `impl` is the block kernel (`blocks.attend`)."""
     ring_group, ulysses_group = groups
     u, cp = ulysses_group.size, ring_group.size * ulysses_group.size
     rules.heads_split_by_all_to_all(u, q.shape[2], k.shape[2])
@@ -36,5 +39,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[M
     q_h, kv_h = to_heads(q, ulysses_group), to_heads(kv, ulysses_group)  # [B, u*L, Hq/u, D], [B, u*L, ., 2D]
     k_h, v_h = kv_h.split(k.shape[-1], dim=-1)
     layout = ("usp", q.shape[1] * cp, cp, u)
-    out, _ = ring.attention(q_h, k_h, v_h, ring_group, causal, scale, layout=layout)
+    out, _ = ring.attention(q_h, k_h, v_h, ring_group, causal, scale, impl, layout=layout)
     return to_sequence(out, ulysses_group)

@@ -1,0 +1,115 @@
+"""Which fused-kernel calls a block of queries against a block of keys needs, from their global positions.
+
+The fused kernels (`orangetron/model/attention.py`) know two masks: none, and causal over queries and keys
+that hold the same contiguous increasing range. A cp block rarely looks like that: a head-tail shard holds
+two distant chunks, tokens gathered in rank order (all-gather, Ulysses, USP's ring members) are not even
+increasing. So a block's tokens are described as runs, [start, stop) ranges of global positions in tensor
+order; both sides are put in increasing order (a permutation of whole runs) and the block is cut into calls
+that are each honest: for every run of queries, the keys before it (no mask) and the keys of the same
+range (causal); keys after it are never called. Adjacent unmasked calls over the same keys are joined, so
+a head-tail ring step is one call and a whole sequence in order is one causal call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from orangetron.model.attention import Runs
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: query rows and key columns of the sorted block, and whether it is causal."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+
+
+def head_tail_runs(seq_len: int, cp: int, rank: int) -> Runs:
+    """Runs of cp rank `rank`'s head-tail shard (`sharding.head_tail_indices`): chunk r, then 2*cp-1-r."""
+    from orangetron.parallel.context.sharding import head_tail_indices
+
+    found = head_tail_indices(seq_len, cp, rank)
+    if cp == 1:
+        return ((0, seq_len),)
+    chunk = found.numel() // 2
+    head, tail = int(found[0]), int(found[chunk])
+    return ((head, head + chunk), (tail, tail + chunk))
+
+
+def spec_runs(spec: tuple[int, int, int | None]) -> Runs:
+    """Runs of (seq_len, cp, rank): that rank's head-tail shard, or every rank's in rank order (None)."""
+    seq_len, cp, rank = spec
+    ranks = range(cp) if rank is None else (rank,)
+    return tuple(run for j in ranks for run in head_tail_runs(seq_len, cp, j))
+
+
+def total(runs: Runs) -> int:
+    return sum(stop - start for start, stop in runs)
+
+
+def sort_runs(runs: Runs) -> tuple[Runs, tuple[tuple[int, int], ...] | None]:
+    """(the runs in increasing order, the tensor rows [start, stop) to take in that order, or None if already)."""
+    offsets = [0]
+    for start, stop in runs:
+        offsets.append(offsets[-1] + stop - start)
+    order = sorted(range(len(runs)), key=lambda i: runs[i][0])
+    if order == list(range(len(runs))):
+        return runs, None
+    return tuple(runs[i] for i in order), tuple((offsets[i], offsets[i + 1]) for i in order)
+
+
+def take_rows(segments: tuple[tuple[int, int], ...] | None, device: torch.device) -> torch.Tensor | None:
+    """The index of `sort_runs`'s row segments as one tensor on `device` (None stays None)."""
+    if segments is None:
+        return None
+    return torch.cat([torch.arange(start, stop, device=device) for start, stop in segments])
+
+
+def slice_runs(runs: Runs, rows: slice) -> Runs:
+    """Runs of the tensor rows [rows.start, rows.stop) of a tensor laid out as `runs`."""
+    found, offset = [], 0
+    for start, stop in runs:
+        lo, hi = max(rows.start - offset, 0), min(rows.stop - offset, stop - start)
+        if lo < hi:
+            found.append((start + lo, start + hi))
+        offset += stop - start
+    return tuple(found)
+
+
+def plan(q_runs: Runs, k_runs: Runs, causal: bool) -> list[Call]:
+    """Honest kernel calls covering every visible (query, key) pair once; both runs increasing."""
+    everything = Call(slice(0, total(q_runs)), slice(0, total(k_runs)), False)
+    if not causal:
+        return [everything]
+    calls, row = [], 0
+    for start, stop in q_runs:
+        rows = slice(row, row + stop - start)
+        row = rows.stop
+        before = _keys_below(k_runs, start)  # sorted keys: those before the run are a prefix
+        if before:
+            calls.append(Call(rows, slice(0, before), False))
+        inside = _keys_below(k_runs, stop) - before
+        if inside == stop - start:  # distinct positions: exactly this run's range
+            calls.append(Call(rows, slice(before, stop - start + before), True))
+        elif inside:
+            raise ValueError(f"keys {k_runs} hold part of the query run [{start}, {stop}): no kernel call fits")
+    return _join(calls)
+
+
+def _keys_below(runs: Runs, position: int) -> int:
+    return sum(max(0, min(stop, position) - start) for start, stop in runs)
+
+
+def _join(calls: list[Call]) -> list[Call]:
+    joined: list[Call] = []
+    for call in calls:
+        last = joined[-1] if joined else None
+        if last and not (last.causal or call.causal) and last.cols == call.cols and last.rows.stop == call.rows.start:
+            joined[-1] = Call(slice(last.rows.start, call.rows.stop), call.cols, False)
+        else:
+            joined.append(call)
+    return joined
