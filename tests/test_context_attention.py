@@ -228,3 +228,47 @@ def test_ring_backward_waits_for_each_gradient_one_block_later():
     for events in run_distributed(ring_events, cp, args=(cp,)):
         assert events.count("block") == cp
         assert _exposed(events) == 1, events
+
+
+def test_the_kernel_refuses_a_mask_it_cannot_express():
+    """The fused seam, told the global positions of its queries and keys, runs a call only when its own mask
+    (none, or causal) is exactly "key position <= query position"."""
+    from orangetron.model.attention import MaskNotExpressible, attention_kernel, attention_kernel_backward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 2, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(3))
+    honest = [(((8, 12),), ((8, 10), (10, 12)), True),  # the same range, cut in two
+              (((8, 10), (20, 22)), ((0, 4),), False),  # every key before every query
+              (((8, 12),), ((8, 12),), True)]
+    for q_runs, k_runs, causal in honest:
+        out, lse = attention_kernel(q, k, v, causal=causal, positions=(q_runs, k_runs))
+        attention_kernel_backward(q, q, k, v, out, lse, causal=causal, scale=HEAD_DIM**-0.5,
+                                  positions=(q_runs, k_runs))
+    dishonest = [(((8, 12),), ((9, 13),), True),  # offset: query 8 would see key 9
+                 (((8, 10), (2, 4)), ((8, 10), (2, 4)), True),  # equal but not increasing
+                 (((8, 12),), ((6, 10),), False),  # keys 9 and 10 come after query 8
+                 (((8, 12),), ((12, 16),), False),  # nothing visible
+                 (((8, 12),), ((0, 3),), False)]  # positions for 3 keys, the call has 4
+    for q_runs, k_runs, causal in dishonest:
+        with pytest.raises(MaskNotExpressible):
+            attention_kernel(q, k, v, causal=causal, positions=(q_runs, k_runs))
+        with pytest.raises(MaskNotExpressible):
+            attention_kernel_backward(q, q, k, v, q, lse, causal=causal, scale=1.0, positions=(q_runs, k_runs))
+
+
+def test_each_layout_needs_few_kernel_calls():
+    """Rank-order keys are sorted before the block is cut: Ulysses' whole sequence is one causal call, a
+    head-tail rank over all keys four calls, a ring step after the first one call."""
+    from orangetron.parallel.context.calls import Call, plan, sort_runs, spec_runs
+
+    seq, cp = 16, 4
+    everything = sort_runs(spec_runs((seq, cp, None)))[0]
+    assert plan(everything, everything, True) == [Call(slice(0, 16), slice(0, 16), True)]
+    rank1 = spec_runs((seq, cp, 1))  # chunks 1 and 6 of 2 tokens
+    assert plan(rank1, everything, True) == [Call(slice(0, 2), slice(0, 2), False),
+                                             Call(slice(0, 2), slice(2, 4), True),
+                                             Call(slice(2, 4), slice(0, 12), False),
+                                             Call(slice(2, 4), slice(12, 14), True)]
+    assert plan(rank1, spec_runs((seq, cp, 0)), True) == [Call(slice(0, 4), slice(0, 2), False)]
+    assert plan(rank1, spec_runs((seq, cp, 3)), True) == [Call(slice(2, 4), slice(0, 4), False)]
+    assert plan(rank1, spec_runs((seq, cp, 3)), False) == [Call(slice(0, 4), slice(0, 4), False)]

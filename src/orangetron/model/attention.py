@@ -201,7 +201,7 @@ def _reference_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float)
 
 def check_expressible(positions: tuple[Runs, Runs], causal: bool, sq: int, sk: int) -> None:
     """Raise `MaskNotExpressible` unless `causal` is exactly the position mask of these query and key runs."""
-    q_runs, k_runs = (_coalesce(runs) for runs in positions)
+    q_runs, k_runs = (coalesce_runs(runs) for runs in positions)
     held = (sum(stop - start for start, stop in q_runs), sum(stop - start for start, stop in k_runs))
     if held != (sq, sk):
         raise MaskNotExpressible(f"positions cover {held[0]} queries and {held[1]} keys; the call has {sq} and {sk}")
@@ -215,7 +215,8 @@ def check_expressible(positions: tuple[Runs, Runs], causal: bool, sq: int, sk: i
                                  f"over keys {k_runs}")
 
 
-def _coalesce(runs: Runs) -> Runs:
+def coalesce_runs(runs: Runs) -> Runs:
+    """The same positions with touching runs joined ((0, 2), (2, 4) -> (0, 4)) and empty ones dropped."""
     joined: list[tuple[int, int]] = []
     for start, stop in runs:
         if joined and joined[-1][1] == start:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orangetron.model.attention import Runs
+from orangetron.model.attention import Runs, coalesce_runs
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,15 @@ def total(runs: Runs) -> int:
 
 
 def sort_runs(runs: Runs) -> tuple[Runs, tuple[tuple[int, int], ...] | None]:
-    """(the runs in increasing order, the tensor rows [start, stop) to take in that order, or None if already)."""
+    """(the runs in increasing order, touching ones joined; the tensor rows [start, stop) to take in that order,
+    or None when they are in order already)."""
     offsets = [0]
     for start, stop in runs:
         offsets.append(offsets[-1] + stop - start)
     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
     if order == list(range(len(runs))):
-        return runs, None
-    return tuple(runs[i] for i in order), tuple((offsets[i], offsets[i + 1]) for i in order)
+        return coalesce_runs(runs), None
+    return coalesce_runs(tuple(runs[i] for i in order)), tuple((offsets[i], offsets[i + 1]) for i in order)
 
 
 def take_rows(segments: tuple[tuple[int, int], ...] | None, device: torch.device) -> torch.Tensor | None:
