@@ -2,14 +2,15 @@
 
 1. Balance: query-key pairs each cp rank's causal attention must compute (keys at or before the query),
    for the head-tail split and for a contiguous split, as max/min over ranks; and the pairs our ring
-   attention actually computed per rank (counted by wrapping the block kernel), max/min.
+   attention actually handed the fused kernel per rank (counted by wrapping the kernel seam), max/min.
 2. Scale: the longest sequence whose saved activations per rank (measured by the activation meter over a
    forward and backward of a small model, ring mode) fit a fixed budget, for cp = 1, 2, 4; ratio to cp=1.
 3. Bytes: what each mode sends per rank for one attention layer, forward and backward (the ledger), for
    cp = 2, 4, 8 with the sequence grown with cp: Ulysses stays constant, the rings grow (the published
    comparison, docs/context_parallel.md). The baseline is the same mode at cp=2.
 4. Time: ring attention (transfers overlapped with the block at hand) against the same ring waiting for
-   each transfer (serial) and against all-gather, forward and backward of one attention layer.
+   each transfer (serial) and against all-gather, forward and backward of one attention layer; and each
+   mode's fused block kernel against its matmul blocks ("reference").
    PyTorch's own `context_parallel` has no CPU kernel strategy (aten._scaled_dot_product_flash_attention_
    for_cpu has no sharding rule), so it is not compared here.
 """
@@ -49,20 +50,20 @@ def causal_pairs(positions: torch.Tensor, seq_len: int) -> int:
 
 
 def ring_pairs(seq_len: int) -> int:
-    """Query-key pairs this rank's ring attention computed: every block `ring` hands the block kernel."""
+    """Query-key pairs this rank's ring attention computed: every call `blocks.attend` hands the kernel."""
     mesh = init_mesh(Layout(cp=mesh_size()))
     q = torch.randn(1, seq_len // mesh["cp"].size, 1, 4)
-    pairs = []
+    pairs, kernel = [], blocks.attention_kernel
 
-    def counted(q_block: torch.Tensor, k_block: torch.Tensor, *args):
+    def counted(q_block: torch.Tensor, k_block: torch.Tensor, *args, **kwargs):
         pairs.append(q_block.shape[1] * k_block.shape[1])
-        return blocks.block_forward(q_block, k_block, *args)
+        return kernel(q_block, k_block, *args, **kwargs)
 
-    ring.block_forward = counted  # this worker's copy of the module, restored below
+    blocks.attention_kernel = counted  # this worker's copy of the module, restored below
     try:
         ring.attention(q, q, q, mesh["cp"], causal=True, scale=0.5)
     finally:
-        ring.block_forward = blocks.block_forward
+        blocks.attention_kernel = kernel
     return sum(pairs)
 
 
@@ -113,7 +114,8 @@ def longest_sequence(cp: int) -> int:
 
 
 # ---- 3. bytes and 4. time ---------------------------------------------------------------------------
-def attention_layer(mode: str, seq_len: int, repeats: int = 1, overlap: bool = True) -> tuple[int, float]:
+def attention_layer(mode: str, seq_len: int, repeats: int = 1, overlap: bool = True,
+                    impl: str = "fused") -> tuple[int, float]:
     """Bytes this rank sent for one attention forward and backward, and the median seconds of `repeats`."""
     mesh = init_mesh(Layout(cp=mesh_size()))
     g = torch.Generator().manual_seed(0)
@@ -124,9 +126,9 @@ def attention_layer(mode: str, seq_len: int, repeats: int = 1, overlap: bool = T
         start = time.perf_counter()
         with comm.measure() as records:
             if mode == "ring":
-                out = ring.attention(q, k, v, mesh["cp"], True, HEAD_DIM**-0.5, overlap=overlap)[0]
+                out = ring.attention(q, k, v, mesh["cp"], True, HEAD_DIM**-0.5, impl, overlap=overlap)[0]
             else:
-                out = context.attention(q, k, v, mesh, mode=mode)
+                out = context.attention(q, k, v, mesh, mode=mode, impl=impl)
             out.sum().backward()
         times.append(time.perf_counter() - start)
         sent = sum(r.bytes_sent for r in records)
@@ -155,7 +157,20 @@ def main() -> None:
     for against in ("serial_ring", "allgather"):
         config = {"cp": 2, "seq_len": seq, "heads": HEADS, "head_dim": HEAD_DIM, "baseline": against}
         print(_line("cp_ring_attention_step", config, "step_s", timed["ring"], "s", timed[against]), flush=True)
+    fused_against_reference(seq)
     shutdown_workers()
+
+
+def fused_against_reference(seq: int) -> None:
+    """Each mode at cp=2 with the fused block kernel (torch's CPU flash op here) against its matmul blocks."""
+    for mode in CONTEXT_MODES.names(runtime=True):
+        if mode == "rsa":
+            continue  # matmuls whatever the kernel: its kept probabilities are the method
+        timed = {impl: max(t for _, t in run_distributed(attention_layer, 2, args=(mode, seq, 5, True, impl)))
+                 for impl in ("fused", "reference")}
+        config = {"mode": mode, "cp": 2, "seq_len": seq, "heads": HEADS, "head_dim": HEAD_DIM,
+                  "baseline": "reference (matmul) blocks"}
+        print(_line("cp_fused_block_kernel", config, "step_s", timed["fused"], "s", timed["reference"]), flush=True)
 
 
 if __name__ == "__main__":
