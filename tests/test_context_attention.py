@@ -272,3 +272,25 @@ def test_each_layout_needs_few_kernel_calls():
     assert plan(rank1, spec_runs((seq, cp, 0)), True) == [Call(slice(0, 4), slice(0, 2), False)]
     assert plan(rank1, spec_runs((seq, cp, 3)), True) == [Call(slice(2, 4), slice(0, 4), False)]
     assert plan(rank1, spec_runs((seq, cp, 3)), False) == [Call(slice(0, 4), slice(0, 4), False)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_seams_backward_equals_autograd_of_plain_attention(causal):
+    """`attention_kernel_backward`, both impls, against autograd through plain attention in float64 (GQA)."""
+    from orangetron.model.attention import attention_kernel_backward
+
+    g = torch.Generator().manual_seed(1)
+    q, do = (torch.randn(2, 5, 4, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 5, 2, HEAD_DIM, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    q.requires_grad_()
+    scores = q.transpose(1, 2) @ k.repeat_interleave(2, dim=2).transpose(1, 2).transpose(-1, -2) * 0.7
+    if causal:
+        scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)  # [B, H, S]
+    out = (scores.softmax(-1) @ v.repeat_interleave(2, dim=2).transpose(1, 2)).transpose(1, 2)
+    want = torch.autograd.grad(out, (q, k, v), do)
+    for impl in ("fused", "reference"):
+        got = attention_kernel_backward(do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                                        causal=causal, scale=0.7, impl=impl)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"{impl} {name}")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from orangetron.model.attention import Runs, coalesce_runs
+from orangetron.spec import rules
+from orangetron.spec.layout import LayoutError
 
 
 @dataclass(frozen=True)
@@ -30,13 +32,13 @@ class Call:
 
 def head_tail_runs(seq_len: int, cp: int, rank: int) -> Runs:
     """Runs of cp rank `rank`'s head-tail shard (`sharding.head_tail_indices`): chunk r, then 2*cp-1-r."""
-    from orangetron.parallel.context.sharding import head_tail_indices
-
-    found = head_tail_indices(seq_len, cp, rank)
+    if not 0 <= rank < cp:
+        raise LayoutError(f"cp_rank={rank}: must lie in [0, cp={cp})")
     if cp == 1:
         return ((0, seq_len),)
-    chunk = found.numel() // 2
-    head, tail = int(found[0]), int(found[chunk])
+    rules.cp_splits_sequence(cp, seq_len)
+    chunk = seq_len // (2 * cp)
+    head, tail = rank * chunk, (2 * cp - 1 - rank) * chunk
     return ((head, head + chunk), (tail, tail + chunk))
 
 
