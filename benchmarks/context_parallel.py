@@ -56,7 +56,8 @@ def ring_pairs(seq_len: int) -> int:
     pairs, kernel = [], blocks.attention_kernel
 
     def counted(q_block: torch.Tensor, k_block: torch.Tensor, *args, **kwargs):
-        pairs.append(q_block.shape[1] * k_block.shape[1])
+        n = q_block.shape[1]  # a causal call computes the pairs on and below its diagonal
+        pairs.append(n * (n + 1) // 2 if kwargs["causal"] else n * k_block.shape[1])
         return kernel(q_block, k_block, *args, **kwargs)
 
     blocks.attention_kernel = counted  # this worker's copy of the module, restored below

@@ -15,6 +15,7 @@ import contextlib
 import pytest
 import torch
 
+from orangetron import comm
 from orangetron.mesh import init_mesh
 from orangetron.parallel import context
 from orangetron.parallel.context.sharding import head_tail_indices
@@ -66,10 +67,11 @@ def variants(cp: int) -> list[tuple[str, int | None]]:
 
 
 def all_modes(cp: int) -> dict:
-    """Per (kind, causal, mode, impl): out, dq, dk, dv of this rank; and under "calls" the fused kernel calls
-    as (causal attention, kernel causal, query positions, key positions)."""
+    """Per (kind, causal, mode, impl): out, dq, dk, dv of this rank; under "bytes" the same keys' ledger
+    records (op, bytes sent); under "calls" the fused kernel calls as (kernel causal, query positions, key
+    positions, Sq, Sk), each run of them after the causal flag of the attention that made them."""
     mesh = init_mesh(Layout(cp=cp))
-    results, kernel_calls = {}, []
+    results, kernel_calls = {"bytes": {}}, []
     with fused_only(kernel_calls):
         run_modes(mesh, cp, "fused", results, kernel_calls)
     run_modes(mesh, cp, "reference", results, [])
@@ -83,9 +85,13 @@ def run_modes(mesh, cp: int, impl: str, results: dict, kernel_calls: list) -> No
             for mode, degree in variants(cp):
                 q, k, v, weight = (context.shard(t, mesh).requires_grad_() for t in inputs(cp, kind))
                 kernel_calls.append(causal)  # the calls that follow attend with this mask
-                out = context.attention(q, k, v, mesh, mode=mode, causal=causal, ulysses_degree=degree, impl=impl)
-                (out * weight.detach()).sum().backward()
-                results[kind, causal, f"{mode}{degree or ''}", impl] = (out.detach(), q.grad, k.grad, v.grad)
+                with comm.measure() as records:
+                    out = context.attention(q, k, v, mesh, mode=mode, causal=causal, ulysses_degree=degree,
+                                            impl=impl)
+                    (out * weight.detach()).sum().backward()
+                name = f"{mode}{degree or ''}"
+                results[kind, causal, name, impl] = (out.detach(), q.grad, k.grad, v.grad)
+                results["bytes"][kind, causal, name, impl] = [(r.op, r.bytes_sent) for r in records]
 
 
 @contextlib.contextmanager
@@ -154,6 +160,10 @@ def test_every_mode_equals_one_device(cp):
     per_rank = run_distributed(all_modes, cp, args=(cp,))
     for rank in per_rank:
         check_kernel_calls(rank.pop("calls"), cp)
+        ledger = rank.pop("bytes")
+        for (kind, causal, mode, impl), records in ledger.items():
+            if impl == "fused":  # the kernel changes what is computed, never what travels
+                assert records and records == ledger[kind, causal, mode, "reference"], (mode, kind, causal)
     for key in per_rank[0]:
         kind, causal, mode, impl = key
         want = reference(cp, kind, causal)

@@ -98,7 +98,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Runs, k_ru
         return block_forward(q, k, v, runs_positions(q_runs, q.device), runs_positions(k_runs, q.device), causal,
                              scale)
     _check_impl(impl)
-    (q_sorted, q_index), (k_sorted, k_index) = _sorted(q_runs, q.device), _sorted(k_runs, q.device)
+    (q_sorted, q_index), (k_sorted, k_index) = _sorted(q_runs, causal, q.device), _sorted(k_runs, causal, q.device)
     qs, ks, vs = _take(q, q_index, 1), _take(k, k_index, 1), _take(v, k_index, 1)
     out = torch.zeros(q.shape, dtype=accumulate_dtype(q.dtype), device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=out.dtype, device=q.device)
@@ -119,7 +119,7 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         return block_backward(q, k, v, out, lse, grad_out, runs_positions(q_runs, q.device),
                               runs_positions(k_runs, q.device), causal, scale)
     _check_impl(impl)
-    (q_sorted, q_index), (k_sorted, k_index) = _sorted(q_runs, q.device), _sorted(k_runs, q.device)
+    (q_sorted, q_index), (k_sorted, k_index) = _sorted(q_runs, causal, q.device), _sorted(k_runs, causal, q.device)
     qs, outs, dos = (_take(t, q_index, 1) for t in (q, out, grad_out))
     ks, vs, lses = _take(k, k_index, 1), _take(v, k_index, 1), _take(lse, q_index, 2)
     acc = accumulate_dtype(q.dtype)
@@ -140,7 +140,9 @@ def _check_impl(impl: str) -> None:
         raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")
 
 
-def _sorted(runs: Runs, device: torch.device) -> tuple[Runs, torch.Tensor | None]:
+def _sorted(runs: Runs, causal: bool, device: torch.device) -> tuple[Runs, torch.Tensor | None]:
+    if not causal:
+        return runs, None  # one unmasked call: the order of the tokens does not matter
     ordered, segments = calls.sort_runs(runs)
     return ordered, calls.take_rows(segments, device)
 
