@@ -187,7 +187,8 @@ class PositionalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         q_runs, k_runs = (calls.spec_runs(spec) for spec in ctx.specs)
         dq, dk, dv = attend_backward(q, k, v, out, lse, grad_out, q_runs, k_runs, ctx.causal, ctx.scale, ctx.impl)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None)
+        return grads[:len(ctx.needs_input_grad)]  # `impl` may have been left to its default
 
 
 def positions_of(spec: tuple[int, int, int | None], device: torch.device) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
+from orangetron.model.attention import KERNEL_IMPLS
 from orangetron.model.autograd import accumulate_dtype, expand_kv
 from orangetron.parallel.context.blocks import positions_of
 
@@ -102,4 +103,6 @@ class _RingSelfAttention(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
               scale: float, impl: str = "fused") -> torch.Tensor:
     """Ring self-attention of this rank's head-tail shard -> out [B, L, Hq, D] (matmuls whatever `impl`)."""
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")
     return _RingSelfAttention.apply(q, k, v, group, causal, scale)
