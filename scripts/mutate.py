@@ -1265,6 +1265,25 @@ MUTANTS = [
     Mutant("cp_kernel_calls_not_joined", "src/orangetron/parallel/context/calls.py",
            (("    return _join(calls)", "    return calls"),),
            ("tests/test_context_attention.py::test_each_layout_needs_few_kernel_calls",)),
+    # ---- packed documents -----------------------------------------------------------------------------
+    Mutant("packed_positions_never_restart", "src/orangetron/model/documents.py",
+           (("        return torch.arange(self.seq_len, device=self.ids.device) - starts",
+             "        return torch.arange(self.seq_len, device=self.ids.device) + 0 * starts"),),
+           ("tests/test_packed_documents.py",)),
+    Mutant("packed_every_row_takes_the_first_rows_spans", "src/orangetron/model/attention.py",
+           (("    if len(groups) == 1:\n        return _documents_of_rows",
+             "    if groups:\n        return _documents_of_rows"),),
+           ("tests/test_packed_documents.py",)),
+    Mutant("packed_attention_layer_drops_the_documents", "src/orangetron/model/layers.py",
+           (("self.core_attention(q, k, v) if documents is None else self.core_attention(q, k, v, documents)",
+             "self.core_attention(q, k, v)"),),
+           ("tests/test_packed_documents.py",)),
+    Mutant("packed_replay_forgets_the_documents", "src/orangetron/parallel/recompute.py",
+           (("partial(body, documents=documents)", "partial(body, documents=None)"),),
+           ("tests/test_packed_documents.py",)),
+    Mutant("packed_document_runs_merge_across_a_boundary", "src/orangetron/model/documents.py",
+           (("        if i == len(row) or row[i] != row[i - 1]:", "        if i == len(row) or row[i] < row[i - 1]:"),),
+           ("tests/test_packed_documents.py",)),
 ]
 
 

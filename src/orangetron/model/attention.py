@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .autograd import CPUFlashAttention, expand_kv
+from .documents import Documents
 
 KERNEL_IMPLS = ("fused", "reference")
 Runs = tuple[tuple[int, int], ...]  # global positions as [start, stop) ranges, in tensor order
@@ -58,6 +59,36 @@ def attention_kernel(
     if impl == "reference":
         return _reference(q, k, v, causal, scale)
     raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")
+
+
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, *, scale: float | None = None,
+    impl: str = "fused",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-diagonal causal attention over packed documents: `attention_kernel`'s (out, lse) where query i
+    sees key j iff j <= i and both lie in the same document of `documents` (whose rows match q's).
+
+    Each document is one causal call over its own contiguous range (rows with the same spans share calls), so
+    the fused kernels compute no masked-out pair, and a one-token document sees itself alone.
+    """
+    if tuple(documents.ids.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"documents {tuple(documents.ids.shape)} do not match q {tuple(q.shape)}: expected [B, S]")
+    groups = documents.row_groups()
+    if len(groups) == 1:
+        return _documents_of_rows(q, k, v, groups[0][1], scale, impl)
+    outs, lses = [None] * q.shape[0], [None] * q.shape[0]
+    for rows, spans in groups:
+        index = torch.tensor(rows, device=q.device)
+        out, lse = _documents_of_rows(q[index], k[index], v[index], spans, scale, impl)
+        for j, r in enumerate(rows):
+            outs[r], lses[r] = out[j : j + 1], lse[j : j + 1]
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _documents_of_rows(q, k, v, spans, scale, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    calls = [attention_kernel(q[:, a:b], k[:, a:b], v[:, a:b], causal=True, scale=scale, impl=impl)
+             for a, b in spans]
+    return torch.cat([out for out, _ in calls], dim=1), torch.cat([lse for _, lse in calls], dim=2)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:

@@ -7,9 +7,10 @@ import math
 import torch
 from torch import nn
 
-from .attention import attention_kernel
+from .attention import attention_kernel, document_attention
 from .autograd import RMSNormFunction, swiglu_activation
 from .config import ModelSpec
+from .documents import Documents
 
 
 class RMSNorm(nn.Module):
@@ -101,7 +102,8 @@ class SwiGLU(nn.Module):
 class CausalAttention(nn.Module):
     """The attention core of `Attention`: causal attention over the local sequence by `attention_kernel`.
 
-    q: [B, S, Hq, D], k, v: [B, S, Hk, D] -> out [B, S, Hq, D]. `impl` selects the kernel implementation.
+    q: [B, S, Hq, D], k, v: [B, S, Hk, D] -> out [B, S, Hq, D]. `impl` selects the kernel implementation. With
+    `documents` (packed rows) attention is block-diagonal causal over them (`document_attention`).
     `Attention.core_attention` holds this module: the one seam where context parallelism puts its own core
     (`orangetron/parallel/context/core.py`), with the same signature.
     """
@@ -110,7 +112,10 @@ class CausalAttention(nn.Module):
         super().__init__()
         self.impl = impl
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        if documents is not None:
+            return document_attention(q, k, v, documents, impl=self.impl)[0]
         out, _ = attention_kernel(q, k, v, causal=True, impl=self.impl)
         return out
 
@@ -160,10 +165,12 @@ class Attention(nn.Module):
     def kernel_impl(self, impl: str) -> None:
         self.core_attention.impl = impl
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        out = self.core_attention(q, k, v)  # [B, S, Hq, D]
+        # Unpacked rows call the core as (q, k, v) alone, which every core takes.
+        out = self.core_attention(q, k, v) if documents is None else self.core_attention(q, k, v, documents)
         return self.wo(out.reshape(b, s, -1))
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .config import ModelSpec, check_runnable
+from .documents import Documents
 from .layers import Attention, RMSNorm, SwiGLU, rope_tables
 from .moe import MoE
 from .token_io import TokenIO
@@ -43,15 +44,16 @@ def init_parameter(name: str, shape: tuple[int, ...] | torch.Size, cfg: ModelSpe
 class KeepActivations(nn.Module):
     """How a block runs its body on one device: straight through, autograd keeping what the body saves.
 
-    forward(body, x, cos, sin, token_mask) -> body(x, cos, sin, token_mask). `TransformerBlock.recompute` holds
+    forward(body, x, cos, sin, token_mask, documents) -> body(x, cos, sin, token_mask, documents).
+    `TransformerBlock.recompute` holds
     this module: the seam where activation recompute puts a version that keeps only the body's inputs and
     replays it in backward (`orangetron/parallel/recompute.py`), with the same signature.
     """
 
     def forward(self, body: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor,
-                token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return body(x, cos, sin, token_mask)
+                cos: torch.Tensor, sin: torch.Tensor, token_mask: torch.Tensor | None,
+                documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return body(x, cos, sin, token_mask, documents)
 
 
 class TransformerBlock(nn.Module):
@@ -71,20 +73,21 @@ class TransformerBlock(nn.Module):
         self.recompute = KeepActivations()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_mask: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         moe = isinstance(self.feed_forward, MoE)
         # A dense block never reads the mask: it is not handed over, so nothing keeps it for this block.
-        h, aux_loss = self.recompute(self.body, x, cos, sin, token_mask if moe else None)
+        h, aux_loss = self.recompute(self.body, x, cos, sin, token_mask if moe else None, documents)
         if moe:
             self.feed_forward.last_aux_loss = aux_loss
         return h
 
-    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, token_mask: torch.Tensor | None,
+             documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's computation: (output [B, S, dim], the MoE's auxiliary loss or None); no state changes,
         except the routers' load counts of a forward with gradients (`Router`)."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents)
         if isinstance(self.feed_forward, MoE):
             y, aux_loss = self.feed_forward.with_aux_loss(self.ffn_norm(h), token_mask)
             return h + y, aux_loss
@@ -129,11 +132,13 @@ class Transformer(nn.Module):
             p.copy_(init_parameter(name, p.shape, self.cfg, self.seed))
 
     def forward(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """tokens: [B, S] int64; position_ids: [B, S] or [S] (default 0..S-1) -> logits [B, S, vocab].
 
-        token_mask: [B, S] bool, False at padding; only the MoE load-balancing loss reads it.
+        token_mask: [B, S] bool, False at padding; only the MoE load-balancing loss reads it. `documents`
+        (packed rows): attention stays inside each document and positions default to `documents.positions()`.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S]; got shape {tuple(tokens.shape)}")
@@ -141,12 +146,12 @@ class Transformer(nn.Module):
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"seq_len={seq_len}: exceeds max_seq_len={self.cfg.max_seq_len}")
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=tokens.device)
+            position_ids = torch.arange(seq_len, device=tokens.device) if documents is None else documents.positions()
         h = self.embed(tokens)  # [B, S, dim]
         cos, sin = rope_tables(position_ids, self.cfg, h.dtype)
         token_mask = self.routing_mask(token_mask)
         for layer in self.layers:
-            h = layer(h, cos, sin, token_mask)
+            h = layer(h, cos, sin, token_mask, documents)
         return self.head(h)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

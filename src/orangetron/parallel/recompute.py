@@ -24,10 +24,12 @@ recompute).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
+from orangetron.model.documents import Documents
 from orangetron.parallel.replace import replace_module
 from orangetron.spec.stages import replayed_layers
 
@@ -35,18 +37,20 @@ Body = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class Recompute(nn.Module):
-    """The recompute seam of a replayed block: forward(body, x, cos, sin, token_mask) -> (out, aux loss or None),
+    """The recompute seam of a replayed block: forward(body, x, cos, sin, token_mask, documents) -> (out, aux loss
+    or None),
     as `model.transformer.KeepActivations`, keeping only the inputs for backward. Without gradients (evaluation)
     the body just runs."""
 
     def forward(self, body: Body, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                token_mask: torch.Tensor | None,
+                documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not torch.is_grad_enabled():
-            return body(x, cos, sin, token_mask)
+            return body(x, cos, sin, token_mask, documents)
         # Backward must reach the replay (and the block's parameters) even when the input needs no gradient (a
         # frozen embedding before the first block): then an empty leaf that needs one stands in.
         anchor = None if x.requires_grad else x.new_empty(0, requires_grad=True)
-        outputs = _Replay.apply(body, anchor, x, cos, sin, token_mask)
+        outputs = _Replay.apply(partial(body, documents=documents), anchor, x, cos, sin, token_mask)
         return (outputs, None) if torch.is_tensor(outputs) else outputs
 
 

@@ -1,0 +1,70 @@
+"""Packed documents: the boundaries of the documents a batch row holds, given as data beside the tokens.
+
+A packed row attends block-diagonally and causally (a token sees the earlier tokens of its own document only),
+its rotary positions restart at 0 in each document, and the label after a document's last token is ignored
+(`orangetron/train/data.py`, `packed_inputs`). The mask comes from the document ids, never from positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Spans = tuple[tuple[int, int], ...]  # [start, stop) of each document of a row, in order
+
+
+class DocumentIdsError(ValueError):
+    """Document ids that do not describe contiguous documents."""
+
+
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """The documents of a packed batch: `ids` [B, S] int64 (equal ids: one document) and `spans`, per row the
+    [start, stop) of each document. Build it with `Documents.from_ids`, once per batch: the spans are read to
+    the host there, and every attention layer reuses them."""
+
+    ids: torch.Tensor
+    spans: tuple[Spans, ...]
+
+    @staticmethod
+    def from_ids(ids: torch.Tensor) -> Documents:
+        """Documents of ids [B, S] (or [S], one row); DocumentIdsError unless each id is one contiguous run of
+        its row (a document split in two would need a mask the per-document kernel calls cannot give)."""
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype.is_floating_point:
+            raise DocumentIdsError(f"document ids must be integers [B, S] with S >= 1; got {ids.dtype} "
+                                   f"{tuple(ids.shape)}")
+        return Documents(ids, tuple(_row_spans(row) for row in ids.tolist()))
+
+    @property
+    def seq_len(self) -> int:
+        return self.ids.shape[1]
+
+    def positions(self) -> torch.Tensor:
+        """Rotary positions [B, S]: each token's offset from the start of its document."""
+        starts = torch.zeros_like(self.ids)
+        for r, spans in enumerate(self.spans):
+            for start, stop in spans:
+                starts[r, start:stop] = start
+        return torch.arange(self.seq_len, device=self.ids.device) - starts
+
+    def row_groups(self) -> list[tuple[list[int], Spans]]:
+        """Rows sharing the same spans, as (row indices in order, their spans), in order of first row."""
+        groups: dict[Spans, list[int]] = {}
+        for r, spans in enumerate(self.spans):
+            groups.setdefault(spans, []).append(r)
+        return [(rows, spans) for spans, rows in groups.items()]
+
+
+def _row_spans(row: list[int]) -> Spans:
+    spans, start = [], 0
+    for i in range(1, len(row) + 1):
+        if i == len(row) or row[i] != row[i - 1]:
+            spans.append((start, i))
+            start = i
+    seen = [row[a] for a, _ in spans]
+    if len(set(seen)) != len(seen):
+        raise DocumentIdsError(f"document ids {seen} in row order: a document is split into more than one run")
+    return tuple(spans)
