@@ -1284,6 +1284,21 @@ MUTANTS = [
     Mutant("packed_document_runs_merge_across_a_boundary", "src/orangetron/model/documents.py",
            (("        if i == len(row) or row[i] != row[i - 1]:", "        if i == len(row) or row[i] < row[i - 1]:"),),
            ("tests/test_packed_documents.py",)),
+    Mutant("packed_label_across_documents_kept", "src/orangetron/train/data.py",
+           (("    labels = tokens[:, 1:].masked_fill(ids[:, 1:] != ids[:, :-1], ignore_index)",
+             "    labels = tokens[:, 1:]"),),
+           ("tests/test_packed_documents.py",)),
+    Mutant("packed_window_documents_off_by_one", "src/orangetron/train/datasets.py",
+           (("torch.searchsorted(torch.from_numpy(self.offsets), at, right=True) - 1",
+             "torch.searchsorted(torch.from_numpy(self.offsets), at) - 1"),),
+           ("tests/test_packed_documents.py",)),
+    Mutant("packed_on_by_default_for_text", "src/orangetron/train/config.py",
+           (("pack = self.prepared_data is not None if self.pack_documents is None",
+             "pack = True if self.pack_documents is None"),),
+           ("tests/test_packed_documents.py",)),
+    Mutant("packed_text_files_never_packed", "src/orangetron/train/trainer.py",
+           (("    if cfg.pack_documents:  # the byte tokenizer", "    if False:  # the byte tokenizer"),),
+           ("tests/test_packed_documents.py",)),
 ]
 
 

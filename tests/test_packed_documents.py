@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainer_reference import assert_matches_reference, reference_training
 
 from orangetron.model import ModelConfig, Transformer
 from orangetron.model.attention import document_attention
 from orangetron.model.documents import DocumentIdsError, Documents
 from orangetron.parallel.recompute import apply_recompute
+from orangetron.train.config import TrainConfig, TrainConfigError
+from orangetron.train.data import document_ids, pack_documents, packed_inputs
+from orangetron.train.datasets import PreparedDataset
+from orangetron.train.prepare import prepare_data
+from orangetron.train.trainer import train
 
 HEAD_DIM = 4
 # Two rows of 16 tokens with different boundaries: one-token documents, short ones and a long one.
@@ -108,3 +114,69 @@ def test_model_on_a_packed_row_equals_each_document_alone(impl, recompute):
     torch.testing.assert_close(logits, torch.cat(pieces, dim=1), rtol=1e-9, atol=1e-12)
     for (name, p), q in zip(packed.named_parameters(), alone.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+# ---- data and the trainer ------------------------------------------------------------------------------
+
+
+def test_packed_samples_ignore_the_label_after_each_documents_last_token():
+    tokens = torch.arange(100, 112)
+    ids = document_ids([1, 4, 7])  # 0 | 1 1 1 1 | 2 2 2 2 2 2 2
+    samples = pack_documents(tokens, ids, 5)  # two windows of 6
+    assert samples.shape == (2, 6, 2)
+    inputs, labels, documents = packed_inputs(samples)
+    assert inputs.tolist() == [[100, 101, 102, 103, 104], [105, 106, 107, 108, 109]]
+    assert labels.tolist() == [[-100, 102, 103, 104, -100], [106, 107, 108, 109, 110]]
+    # A document continued from the previous window starts at position 0 in this one.
+    assert documents.positions().tolist() == [[0, 0, 1, 2, 3], [0, 1, 2, 3, 4]]
+    assert documents.spans == (((0, 1), (1, 5)), ((0, 5),))
+
+
+def test_prepared_windows_carry_the_document_of_every_token(tmp_path):
+    files = []
+    for i, text in enumerate(["a", "bcdef", "ghijklmnopqrstu", "vw"]):
+        files.append(tmp_path / f"{i}.txt")
+        files[-1].write_text(text)
+    prepare_data([str(f) for f in files], tmp_path / "ds", "byte", progress=False)
+    dataset = PreparedDataset.open(tmp_path / "ds")
+    offsets = dataset.document_offsets().tolist()
+    windows = dataset.windows(0, len(dataset), 6, documents=True)
+    got = windows[torch.arange(len(windows))]
+    for w in range(len(windows)):
+        for j in range(7):
+            at = w * 6 + j
+            want = max(d for d in range(len(offsets) - 1) if offsets[d] <= at)  # the document holding token `at`
+            assert got[w, j].tolist() == [int(dataset.tokens[at]), want]
+
+
+def uneven_files(tmp_path, count: int = 40) -> list[str]:
+    g = torch.Generator().manual_seed(5)
+    paths = []
+    for i in range(count):
+        n = int(torch.randint(1, 40, (), generator=g))
+        (tmp_path / f"doc{i}.txt").write_text("".join(chr(97 + (i + j) % 26) for j in range(n)))
+        paths.append(str(tmp_path / f"doc{i}.txt"))
+    return paths
+
+
+def test_one_rank_packed_training_matches_plain_torch_with_dense_masks(tmp_path):
+    """Files of 1 to 39 bytes, windows of 16: most windows cross documents. The trainer's float64 run equals the
+    plain-torch reference with explicit masks, and differs from the same run unpacked (the masks act)."""
+    options = dict(model="tiny", data=uneven_files(tmp_path), seq_len=16, batch_size=4, steps=3, warmup=1,
+                   eval_batches=2, param_dtype="float64")
+    cfg = TrainConfig(**options, out=str(tmp_path / "run"), save_every=3, pack_documents=True)
+    result = train(cfg, progress=False)
+    assert_matches_reference(result, tmp_path / "run", reference_training(cfg), rtol=1e-9)
+    assert "pack_documents = true" in (tmp_path / "run" / "config.toml").read_text()
+    plain = train(TrainConfig(**options, pack_documents=False), progress=False)
+    assert abs(plain["losses"][0] - result["losses"][0]) > 1e-3
+
+
+def test_packing_is_on_by_default_for_prepared_data_only(tmp_path):
+    (tmp_path / "a.txt").write_text("x" * 4000)
+    prepare_data([str(tmp_path / "a.txt")], tmp_path / "ds", "byte", progress=False)
+    assert TrainConfig(model="tiny", data=[str(tmp_path / "ds")]).pack_documents is True
+    assert TrainConfig(model="tiny", data=[str(tmp_path / "ds")], pack_documents=False).pack_documents is False
+    assert TrainConfig(model="tiny").pack_documents is False
+    with pytest.raises(TrainConfigError, match="--pack-documents"):
+        TrainConfig(model="tiny", cp=2, pack_documents=True)

@@ -120,7 +120,8 @@ def test_train_reads_a_prepared_dataset_through_a_memory_map(tmp_path):
     assert isinstance(data.train.samples, TokenWindows) and isinstance(data.train.samples.tokens, np.memmap)
     stream = torch.from_numpy(np.fromfile(tmp_path / "data" / "tokens.bin", dtype="<u2").astype(np.int64))
     first = next(iter(data.train))
-    for row in first:  # every sample is a window of the stream at a multiple of seq_len
+    assert cfg.pack_documents and first.shape == (4, 17, 2)  # packed by default: (token, document) pairs
+    for row in first[..., 0]:  # every sample is a window of the stream at a multiple of seq_len
         starts = [s for s in range(0, stream.numel() - 16, 16) if torch.equal(stream[s:s + 17], row)]
         assert starts
     with pytest.raises(TrainConfigError, match=r"a folder, not a text file"):

@@ -2,11 +2,13 @@
 
 The unwrapped `Transformer`, `torch.optim.AdamW` (betas (0.9, 0.95), eps 1e-8, weight decay on matrices
 only), `torch.nn.utils.clip_grad_norm_` and the trainer's schedule `lr_at`, on the batches the trainer's
-data pipeline yields. Routers' balancing biases move by DeepSeek-V3's rule, written out here, from the loads of
-the training forwards only (evaluation routes without counting). Nothing from `orangetron.parallel` takes part,
-so a bug there cannot hide in both. A run's own numbers come from what it writes with `out=` and `save_every=`:
-the per-step gradient norm in metrics.jsonl and the final parameters, AdamW moments and buffers in its last
-checkpoint.
+data pipeline yields. Packed samples ([B, S + 1, 2] token and document id pairs) are masked here in plain torch:
+labels across a boundary ignored, positions restarting per document, and every layer's attention core replaced
+by one that applies the explicit dense block-diagonal causal mask. Routers' balancing biases move by DeepSeek-V3's
+rule, written out here, from the loads of the training forwards only (evaluation routes without counting). Nothing
+from `orangetron.parallel` takes part, so a bug there cannot hide in both. A run's own numbers come from what it
+writes with `out=` and `save_every=`: the per-step gradient norm in metrics.jsonl and the final parameters, AdamW
+moments and buffers in its last checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from orangetron.model import Transformer
+from orangetron.model.documents import Documents
 from orangetron.model.moe import Router
 from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint
 from orangetron.train.config import TrainConfig
@@ -41,13 +44,43 @@ def _adamw(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
 
 
+class DenseDocumentAttention(torch.nn.Module):
+    """Attention of q [B, S, Hq, D] over k, v [B, S, Hk, D] under the explicit mask "key j visible to query i iff
+    j <= i and both carry the same document id", built from the ids alone; plain causal without documents."""
+
+    def forward(self, q, k, v, documents=None):
+        s, group = q.shape[1], q.shape[2] // k.shape[2]
+        visible = torch.ones(s, s, dtype=torch.bool).tril().expand(q.shape[0], s, s)
+        if documents is not None:
+            visible = visible & (documents.ids.unsqueeze(2) == documents.ids.unsqueeze(1))  # [B, S, S]
+        kh, vh = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in (k, v))
+        scores = q.transpose(1, 2) @ kh.transpose(-1, -2) * q.shape[-1] ** -0.5  # [B, H, S, S]
+        scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+        return (scores.softmax(-1) @ vh).transpose(1, 2)
+
+
+def _model_inputs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """(inputs, labels, the model's keyword arguments) of rows [B, S + 1], or packed [B, S + 1, 2]."""
+    if rows.dim() == 2:
+        return rows[:, :-1], rows[:, 1:], {}
+    tokens, ids = rows[..., 0], rows[..., 1]
+    labels = torch.where(ids[:, 1:] == ids[:, :-1], tokens[:, 1:], IGNORE_INDEX)
+    ids = ids[:, :-1]
+    index = torch.arange(ids.shape[1]).expand_as(ids)
+    starts = torch.where(torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool), ids[:, 1:] != ids[:, :-1]], 1),
+                         index, 0).cummax(dim=1).values  # each token's document start
+    return tokens[:, :-1], labels, {"position_ids": index - starts, "documents": Documents.from_ids(ids)}
+
+
 @torch.no_grad()
 def _eval_loss(model: Transformer, samples: torch.Tensor, cfg: TrainConfig) -> float | None:
     n = min(samples.shape[0], cfg.batch_size * cfg.eval_batches)
     if n == 0:
         return None
-    total = sum(_cross_entropy(model(rows[:, :-1]), rows[:, 1:]).item() * rows.shape[0]
-                for rows in samples[:n].split(cfg.batch_size))
+    total = 0.0
+    for rows in samples[:n].split(cfg.batch_size):
+        inputs, labels, kwargs = _model_inputs(rows)
+        total += _cross_entropy(model(inputs, **kwargs), labels).item() * rows.shape[0]
     return total / n
 
 
@@ -60,14 +93,17 @@ def reference_training(cfg: TrainConfig) -> dict[str, Any]:
         from orangetron.hf import load
 
         model = load(cfg.hf_model, dtype=DTYPES[cfg.param_dtype])
+    if cfg.pack_documents:
+        for layer in model.layers:
+            layer.attention.core_attention = DenseDocumentAttention()
     opt = _adamw(model, cfg)
     loads = _training_loads(model)
     losses, grad_norms = [], []
     for step, rows in zip(range(cfg.steps), data.train, strict=False):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        inputs, labels = rows[:, :-1], rows[:, 1:]
-        lm_loss = _cross_entropy(model(inputs, token_mask=labels != IGNORE_INDEX), labels)
+        inputs, labels, kwargs = _model_inputs(rows)
+        lm_loss = _cross_entropy(model(inputs, token_mask=labels != IGNORE_INDEX, **kwargs), labels)
         (lm_loss + model.aux_loss()).backward()
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=False).item())

@@ -60,6 +60,8 @@ def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
         record = Path(out, CONFIG_FILE)
         defaults = read_config_file(str(record), args.command_parser)
         defaults = {k: v for k, v in defaults.items() if k not in DIRECTIVES}
+        if hasattr(args, "pack_documents"):  # a run recorded before packing existed trained unpacked
+            defaults.setdefault("pack_documents", False)
     if args.config:
         defaults |= read_config_file(args.config, args.command_parser)
     args.command_parser.set_defaults(**defaults)

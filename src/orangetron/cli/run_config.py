@@ -25,11 +25,12 @@ from orangetron.spec.parallel_config import ParallelConfig, values_of
 
 # Job fields the runtime has no option for: the runtime runs only these values.
 _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_fusion": False, "pipeline_layout": ()}
-# Options of a run's config file that say nothing about the step `estimate` prices.
+# Options of a run's config file that say nothing about the step `estimate` prices. (`pack_documents` makes
+# attention cheaper than the causal sequence the planner prices; it prices no document lengths yet.)
 _RUN_ONLY = ("steps", "lr", "warmup", "min_lr", "weight_decay", "grad_clip", "seed", "eval_every",
              "eval_batches", "eval_fraction", "data", "corpus_bytes", "out", "save_every", "resume", "extend",
              "stop_after", "overwrite", "new_data", "threads", "timeout_s", "data_record", "dtype", "hf_model",
-             "tokenizer", "model_source")
+             "tokenizer", "model_source", "pack_documents")
 
 
 def train_options(row: Estimate) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Each member is listed because some dimension reads or replaces it:
   offers `routing_mask`, `hidden_len`, `logits` and `cross_entropy`),
   and the methods a pipeline stage and the training step call on parts of the model: `embed`,
   `routing_mask`, `head`, `cross_entropy`, `loss_from_logits`, `aux_loss`;
-- each block of `layers`: called as `block(h, cos, sin, token_mask)`, with `attention` (tensor parallelism
+- each block of `layers`: called as `block(h, cos, sin, token_mask, documents)` (documents: None, or those of
+  packed rows, which its attention core takes as a fourth argument), with `attention` (tensor parallelism
   takes over `wq`, `wk`, `wv`, `wo`, `q_norm`, `k_norm`,
   `head_dim`; context parallelism fills the seam `core_attention`),
   `feed_forward` (a dense MLP that tensor parallelism replaces, or an `orangetron.model.moe.MoE`) and the seam
@@ -26,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from orangetron.model.documents import Documents
 from orangetron.model.moe import MoE
 from orangetron.spec.model import ModelSpec
 
@@ -74,10 +76,10 @@ class ParallelBlock(Protocol):
 
     attention: nn.Module
     feed_forward: nn.Module
-    recompute: nn.Module  # runs the block's body: (body, h, cos, sin, token_mask) -> (out, aux loss or None)
+    recompute: nn.Module  # runs the block's body: (body, h, cos, sin, token_mask, documents) -> (out, aux or None)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 token_mask: torch.Tensor | None) -> torch.Tensor: ...
+                 token_mask: torch.Tensor | None, documents: Documents | None = None) -> torch.Tensor: ...
 
 
 @runtime_checkable

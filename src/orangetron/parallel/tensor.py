@@ -38,6 +38,7 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.model.autograd import accumulate_dtype, cross_entropy_grad_, swiglu_activation
+from orangetron.model.documents import Documents
 from orangetron.model.layers import attention_heads
 from orangetron.model.moe import MoE
 from orangetron.model.token_io import TokenIO
@@ -241,14 +242,16 @@ class ParallelAttention(nn.Module):
         self.head_dim, self.core_attention = dense.head_dim, dense.core_attention
         self.group, self.sp = group, sp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         projections = (self.wq, self.wk, self.wv)
         outputs = column_inputs(x, [w.weight for w in projections], self.group, self.sp)  # each [B, S, heads/tp*D]
         # A bias is added after the gather: each rank's slice then sees the whole sequence, so its gradient is whole.
         q, k, v = (y if w.bias is None else y + w.bias for y, w in zip(outputs, projections, strict=True))
         q, k, v = attention_heads(q, k, v, self.head_dim, cos, sin, self.q_norm, self.k_norm)  # [B, S, H/tp, D]
         b, s = q.shape[:2]
-        out = self.core_attention(q, k, v)  # [B, S, Hq/tp, D]
+        # [B, S, Hq/tp, D]; packed rows attend within their documents (every rank holds the whole sequence)
+        out = self.core_attention(q, k, v) if documents is None else self.core_attention(q, k, v, documents)
         return row_output(F.linear(out.reshape(b, s, -1), self.wo.weight), self.group, self.sp)
 
 

@@ -89,10 +89,18 @@ def add_train_commands(sub: Any) -> None:
     option("--eval-batches", "batches of held-out data per evaluation", type=int)
     option("--eval-fraction", "share of the token stream, from its end, held out for evaluation", type=float)
     option("--corpus-bytes", "bytes of the stdlib corpus to train on when --data is not given", type=int)
+    _add_packing_flag(p, "(default: on for a prepared dataset, which keeps a document index; off for text)")
     _add_layout_flags(p)
     _add_config_flag(p)
     p.set_defaults(run=run_train)
     _add_verify_command(sub)
+
+
+def _add_packing_flag(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--pack-documents", action=argparse.BooleanOptionalAction, default=None,
+                   help="attend within each document only (one file of text or of the stdlib corpus, or a "
+                   "prepared dataset's document), RoPE positions restarting at 0 in each, and no loss on the "
+                   f"label after a document's last token {default}")
 
 
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
@@ -192,6 +200,7 @@ def _add_verify_command(sub: Any) -> None:
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="both runs start from this Hugging Face folder's weights (its config is the model)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
+    _add_packing_flag(p, "(default: off; both runs train on the stdlib corpus, one file a document)")
     _add_layout_flags(p)
     _add_config_flag(p)
     p.set_defaults(run=run_verify)

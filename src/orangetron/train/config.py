@@ -73,6 +73,8 @@ class TrainConfig(Layout, ParallelConfig):
     data: Sequence[str] | None = None  # text files, or one prepared dataset folder (`orangetron prepare-data`), to
     # train on; None: the embedded stdlib corpus
     corpus_bytes: int = DEFAULT_CORPUS_BYTES  # bytes of the stdlib corpus to use when `data` is None
+    pack_documents: bool | None = None  # attend within documents only, positions restarting in each, no label
+    # across a boundary (docs/training.md, Packed documents); None: on for a prepared dataset, off for text
     out: str | None = None  # run folder for metrics.jsonl and checkpoints (always one after the last step)
     save_every: int = 0  # also write a checkpoint every N steps (0: only after the last one); needs `out`
     resume: bool = False  # continue from the latest checkpoint in `out`, on whatever layout this run has
@@ -104,6 +106,7 @@ class TrainConfig(Layout, ParallelConfig):
             self.layout.validate(seq_len=self.seq_len, sequence_parallel=True)
         self._check_data()
         self._resolve_tokenizer(model)
+        self._resolve_packing()
 
     def _check_numbers(self) -> None:
         for name in ("tp", "cp", "pp", "dp", "ep", "microbatches", "virtual_stages", "steps", "seq_len", "batch_size",
@@ -241,6 +244,20 @@ class TrainConfig(Layout, ParallelConfig):
         if self.data is not None and len(self.data) == 1 and is_prepared_dataset(self.data[0]):
             return self.data[0]
         return None
+
+    def _resolve_packing(self) -> None:
+        """Settle `pack_documents` (None: on for a prepared dataset, which keeps a document index) and check it."""
+        pack = self.prepared_data is not None if self.pack_documents is None else bool(self.pack_documents)
+        object.__setattr__(self, "pack_documents", pack)
+        if not pack:
+            return
+        if self.prepared_data is None and self.tokenizer != "byte":
+            raise TrainConfigError(f"pack_documents=True (--pack-documents): text files are cut into documents by "
+                                   f"bytes, and tokenizer={self.tokenizer!r} is not the byte tokenizer; prepare the "
+                                   "data with `orangetron prepare-data`, which keeps a document index")
+        if self.cp > 1:
+            raise TrainConfigError(f"pack_documents=True (--pack-documents): cp={self.cp} (--cp): context "
+                                   "parallelism does not mask documents; use --no-pack-documents or --cp 1")
 
     def _resolve_hf_model(self) -> None:
         """With `hf_model`, its config is the model: `model` becomes that spec (a resumed run's recorded spec stands

@@ -22,6 +22,12 @@ def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, root: str | os.PathLike
     directory named in SKIPPED_DIRS, joined by FILE_SEPARATOR and cut to at most `max_bytes` UTF-8
     bytes. `root` overrides the stdlib directory (for tests). Raises FileNotFoundError if no file is found.
     """
+    return "".join(stdlib_documents(max_bytes, root))
+
+
+def stdlib_documents(max_bytes: int = DEFAULT_CORPUS_BYTES, root: str | os.PathLike[str] | None = None) -> list[str]:
+    """`stdlib_corpus` as its documents: each file's text with the FILE_SEPARATOR after it, the last one cut so
+    that the whole is the corpus (packed documents take one file as one document)."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes={max_bytes}: must be positive")
     base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
@@ -35,9 +41,10 @@ def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, root: str | os.PathLike
             break
     if not pieces:
         raise FileNotFoundError(f"no standard-library .py files found under {base}")
-    corpus = "".join(pieces).encode("utf-8")[:max_bytes]
+    budget = max_bytes - sum(len(p.encode("utf-8")) for p in pieces[:-1])
     # The cut may split a multi-byte character; drop the partial tail rather than emit U+FFFD.
-    return corpus.decode("utf-8", errors="ignore")
+    pieces[-1] = pieces[-1].encode("utf-8")[:budget].decode("utf-8", errors="ignore")
+    return pieces
 
 
 def _stdlib_files(base: Path) -> list[Path]:
@@ -50,7 +57,12 @@ def _stdlib_files(base: Path) -> list[Path]:
 
 
 def read_text_files(paths: Sequence[str | os.PathLike[str]]) -> str:
-    """Read UTF-8 text files and join them with FILE_SEPARATOR.
+    """Read UTF-8 text files and join them with FILE_SEPARATOR (`read_text_documents`, joined)."""
+    return "".join(read_text_documents(paths))
+
+
+def read_text_documents(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """The UTF-8 text of each file, all but the last followed by FILE_SEPARATOR (one file: one document).
 
     Raises FileNotFoundError naming the first path that is missing or not a file, ValueError naming the
     first file that is not UTF-8 text, and ValueError if `paths` is empty or all files are empty.
@@ -65,7 +77,7 @@ def read_text_files(paths: Sequence[str | os.PathLike[str]]) -> str:
         texts.append(_read_utf8(path))
     if not any(texts):
         raise ValueError(f"data files {[str(p) for p in paths]} are all empty")
-    return FILE_SEPARATOR.join(texts)
+    return [text + FILE_SEPARATOR for text in texts[:-1]] + texts[-1:]
 
 
 def _read_utf8(path: Path) -> str:

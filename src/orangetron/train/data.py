@@ -6,11 +6,14 @@ from collections.abc import Iterator
 
 import torch
 
+from orangetron.model.documents import Documents
 from orangetron.train.corpus import (  # noqa: F401 (re-exported: the data API in one place)
     DEFAULT_CORPUS_BYTES,
     FILE_SEPARATOR,
+    read_text_documents,
     read_text_files,
     stdlib_corpus,
+    stdlib_documents,
 )
 
 
@@ -32,16 +35,43 @@ def pack_sequences(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return tokens[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len).contiguous()  # [n, seq_len+1]
 
 
+def pack_documents(tokens: torch.Tensor, document_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """`pack_sequences` for packed documents: windows [n, seq_len + 1, 2] of (token, document id) pairs, cut
+    from the stream tokens [N] and its document id per token [N] alike. Every tensor of samples is indexed,
+    split and shuffled along its first dimension, so packed samples travel wherever plain ones do."""
+    if tokens.shape != document_ids.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and document ids {tuple(document_ids.shape)} differ in shape")
+    return torch.stack((pack_sequences(tokens, seq_len), pack_sequences(document_ids, seq_len)), dim=-1)
+
+
+def document_ids(lengths: list[int]) -> torch.Tensor:
+    """The document id of every token [sum(lengths)]: 0 for the first lengths[0] tokens, then 1, ..."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+
+
+def packed_inputs(samples: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor,
+                                                                            Documents | None]:
+    """(inputs [B, S], labels [B, S], documents) of samples: [B, S + 1] tokens (documents None) or packed
+    [B, S + 1, 2] (token, document id) pairs. A label from another document than its input's, the one after a
+    document's last token, is `ignore_index`: no loss spans two documents."""
+    if samples.dim() == 2:
+        return samples[:, :-1], samples[:, 1:], None
+    tokens, ids = samples[..., 0], samples[..., 1]  # [B, S + 1] each
+    labels = tokens[:, 1:].masked_fill(ids[:, 1:] != ids[:, :-1], ignore_index)
+    return tokens[:, :-1], labels, Documents.from_ids(ids[:, :-1])
+
+
 def split_train_eval(tokens: torch.Tensor, eval_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a token stream [N] into (train, eval), eval being the last int(N * eval_fraction) tokens.
+    """Split a token stream [N] (or a packed one, [N, 2]) into (train, eval), eval being the last
+    int(N * eval_fraction) tokens.
 
     Holding out the end of the stream (before packing) means no window mixes train and eval text.
     Raises ValueError unless 0 <= eval_fraction < 1.
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction={eval_fraction}: must be in [0, 1)")
-    n_eval = int(tokens.numel() * eval_fraction)
-    n_train = tokens.numel() - n_eval
+    n_eval = int(tokens.shape[0] * eval_fraction)
+    n_train = tokens.shape[0] - n_eval
     return tokens[:n_train], tokens[n_train:]
 
 

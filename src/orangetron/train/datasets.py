@@ -76,22 +76,36 @@ class PreparedDataset:
     def __len__(self) -> int:
         return int(self.meta["tokens"])
 
-    def windows(self, start: int, stop: int, seq_len: int) -> TokenWindows:
-        return TokenWindows(self.tokens, start, stop, seq_len)
+    def windows(self, start: int, stop: int, seq_len: int, *, documents: bool = False) -> TokenWindows:
+        """The windows of tokens[start:stop]; with `documents`, packed: each token with its document's index."""
+        return TokenWindows(self.tokens, start, stop, seq_len, self.document_offsets() if documents else None)
+
+    def document_offsets(self) -> np.ndarray:
+        """documents.npy: each document's first token, and the token count last (int64 [documents + 1])."""
+        import numpy as np
+
+        file = self.path / DOCUMENTS_FILE
+        offsets = np.load(file) if file.is_file() else None
+        if offsets is None or offsets.shape != (self.meta["documents"] + 1,) or offsets[-1] != len(self):
+            raise ValueError(f"{file}: missing or not the {self.meta['documents'] + 1} offsets {DATASET_FILE} says")
+        return offsets
 
 
 class TokenWindows:
     """The windows [seq_len + 1] of tokens[start:stop] with stride seq_len (as `data.pack_sequences` cuts a
     stream), read from the memory map when indexed: `windows[idx]` (an int64 tensor of window numbers, a slice
-    or an int) -> int64 [len(idx), seq_len + 1]. `shape` is that of the whole stack, as for a tensor."""
+    or an int) -> int64 [len(idx), seq_len + 1]. `shape` is that of the whole stack, as for a tensor. Given the
+    document `offsets`, windows are packed (`data.pack_documents`): [len(idx), seq_len + 1, 2], each token
+    beside the index of its document."""
 
-    def __init__(self, tokens: np.ndarray, start: int, stop: int, seq_len: int) -> None:
-        self.tokens, self.start, self.seq_len = tokens, start, seq_len
+    def __init__(self, tokens: np.ndarray, start: int, stop: int, seq_len: int,
+                 offsets: np.ndarray | None = None) -> None:
+        self.tokens, self.start, self.seq_len, self.offsets = tokens, start, seq_len, offsets
         self.count = max(stop - start - 1, 0) // seq_len
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (self.count, self.seq_len + 1)
+    def shape(self) -> tuple[int, ...]:
+        return (self.count, self.seq_len + 1) + (() if self.offsets is None else (2,))
 
     def __len__(self) -> int:
         return self.count
@@ -110,4 +124,8 @@ class TokenWindows:
             at = self.start + w * self.seq_len
             out[i] = self.tokens[at:at + self.seq_len + 1]
         stacked = torch.from_numpy(out)
+        if self.offsets is not None:
+            at = self.start + rows.unsqueeze(1) * self.seq_len + torch.arange(self.seq_len + 1)  # [n, seq_len + 1]
+            ids = torch.searchsorted(torch.from_numpy(self.offsets), at, right=True) - 1
+            stacked = torch.stack((stacked, ids), dim=-1)
         return stacked[0] if isinstance(index, int) else stacked

@@ -144,6 +144,7 @@ def _recorded_options(record: dict[str, Any]) -> dict[str, Any]:
     options = {k: v for k, v in record.items() if not isinstance(v, dict)}
     if "dtype" in options:  # the field's name before `param_dtype`
         options["param_dtype"] = options.pop("dtype")
+    options.setdefault("pack_documents", False)  # recorded before packing existed: the run trained unpacked
     return options
 
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 
 from orangetron import comm, memory
 from orangetron.model import Transformer
+from orangetron.model.documents import Documents
 from orangetron.parallel import ParallelModel, ShardedAdamW, context, pipeline
 from orangetron.parallel.expert import update_router_bias
 from orangetron.train import faults
+from orangetron.train.data import packed_inputs
 
 IGNORE_INDEX = -100
 
@@ -22,11 +25,11 @@ class TrainingDiverged(ValueError):
     """A step's loss or gradient norm is not finite; the run stopped before updating with it."""
 
 
-def _rank_share(model: ParallelModel, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                                  float]:
-    """(inputs, labels, positions, share) of samples [B, S+1] as this rank sees them: under cp its head-tail
-    share of the (padded) sequence with global positions, and the weight of its mean loss (see below)."""
-    inputs, labels = samples[:, :-1], samples[:, 1:]  # [B, S] each
+def _rank_share(model: ParallelModel, samples: torch.Tensor) -> RankShare:
+    """(inputs, labels, positions, share, documents) of samples [B, S+1] (packed: [B, S+1, 2]) as this rank sees
+    them: under cp its head-tail share of the (padded) sequence with global positions, and the weight of its mean
+    loss (see below); the documents of packed samples (`data.packed_inputs`), else None."""
+    inputs, labels, documents = packed_inputs(samples, IGNORE_INDEX)  # [B, S] each
     positions, share = None, 1.0
     cp = model.mesh["cp"].size
     if cp > 1:  # this rank's head-tail share of the (padded) sequence, with its global positions
@@ -38,7 +41,15 @@ def _rank_share(model: ParallelModel, samples: torch.Tensor) -> tuple[torch.Tens
         # Padding leaves the cp ranks unequal token counts: weight this rank's mean by its share of the
         # real tokens (times cp, as gradients are averaged over the ranks), so the mean is over all of them.
         share = int((labels != IGNORE_INDEX).sum()) * cp / max(valid, 1)
-    return inputs, labels, positions, share
+    return RankShare(inputs, labels, positions, share, documents)
+
+
+class RankShare(NamedTuple):
+    inputs: torch.Tensor  # [B, S/cp]
+    labels: torch.Tensor  # [B, S/cp]
+    positions: torch.Tensor | None  # global positions under cp, else None
+    share: float  # the weight of this rank's mean loss
+    documents: Documents | None  # of packed samples
 
 
 def _lm_loss(model: ParallelModel, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,9 +59,9 @@ def _lm_loss(model: ParallelModel, samples: torch.Tensor) -> tuple[torch.Tensor,
     every layout optimizes the same definition; the language-model loss drops the aux term for reporting.
     """
     module: Transformer = model.module  # or its tensor-parallel shard, which speaks the same interface
-    inputs, labels, positions, share = _rank_share(model, samples)
+    inputs, labels, positions, share, documents = _rank_share(model, samples)
     # Through the parallel model: ZeRO gathers parameters.
-    logits = model(inputs, position_ids=positions, token_mask=labels != IGNORE_INDEX)
+    logits = model(inputs, position_ids=positions, token_mask=labels != IGNORE_INDEX, documents=documents)
     objective = module.loss_from_logits(logits, labels, ignore_index=IGNORE_INDEX)
     aux = module.aux_loss()
     if share != 1.0:
@@ -63,11 +74,11 @@ def _pipeline_step(model: ParallelModel, microbatches: list[torch.Tensor], train
     which the last stage computes and sends to the other stages as a report (not training traffic)."""
     m, mbs = len(microbatches), []
     for samples in microbatches:
-        inputs, labels, positions, share = _rank_share(model, samples)
+        inputs, labels, positions, share, documents = _rank_share(model, samples)
         if positions is None:
-            positions = torch.arange(inputs.shape[1])
+            positions = torch.arange(inputs.shape[1]) if documents is None else documents.positions()
         mbs.append(pipeline.MicroBatch(inputs, labels, positions, labels != IGNORE_INDEX, share / m, 1 / m,
-                                       IGNORE_INDEX))
+                                       IGNORE_INDEX, documents))
     cfg = model.config
     loss = pipeline.run_pipeline(model, mbs, cfg.pp_schedule, cfg.virtual_stages, train=train)
     group = model.mesh["pp"]

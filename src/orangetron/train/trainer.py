@@ -30,7 +30,15 @@ from orangetron.parallel.config import DTYPES
 from orangetron.train import admission, faults, run_folder, stopping
 from orangetron.train.accounting import predicted_for_rank
 from orangetron.train.config import TrainConfig, TrainConfigError
-from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
+from orangetron.train.data import (
+    BatchIterator,
+    document_ids,
+    pack_documents,
+    pack_sequences,
+    read_text_documents,
+    split_train_eval,
+    stdlib_documents,
+)
 from orangetron.train.datasets import PreparedDataset
 from orangetron.train.launch import LaunchError, launch_local, process_group
 from orangetron.train.mfu import measured_peak_flops, step_flops
@@ -46,32 +54,43 @@ from orangetron.train.traffic import StepTraffic
 @dataclass
 class RunData:
     train: BatchIterator
-    eval_samples: torch.Tensor  # [n_eval, seq_len + 1]; may have 0 rows
+    eval_samples: torch.Tensor  # [n_eval, seq_len + 1] (packed: [n_eval, seq_len + 1, 2]); may have 0 rows
     n_tokens: int
 
 
 def load_data(cfg: TrainConfig) -> RunData:
     """The run's batches and held-out samples: from a prepared dataset (memory-mapped, read a batch at a time),
-    or from text files or the stdlib corpus, tokenized by the run's tokenizer."""
+    or from text files or the stdlib corpus, tokenized by the run's tokenizer. With `pack_documents` each sample
+    is packed, [seq_len + 1, 2] (token, document id) pairs (`data.pack_documents`)."""
     if cfg.prepared_data is not None:
         return _prepared_data(cfg)
-    text = read_text_files(cfg.data) if cfg.data is not None else stdlib_corpus(cfg.corpus_bytes)
-    tokens = tokenizer_named(cfg.tokenizer or "byte").encode_tensor(text)  # [N]
-    train_tokens, eval_tokens = split_train_eval(tokens, cfg.eval_fraction)
-    n_windows = max(train_tokens.numel() - 1, 0) // cfg.seq_len
+    pieces = read_text_documents(cfg.data) if cfg.data is not None else stdlib_documents(cfg.corpus_bytes)
+    tokens = tokenizer_named(cfg.tokenizer or "byte").encode_tensor("".join(pieces))  # [N]
+    stream = tokens
+    if cfg.pack_documents:  # the byte tokenizer (TrainConfig checks): a file's byte count is its token count
+        stream = torch.stack((tokens, document_ids([len(p.encode("utf-8")) for p in pieces])), dim=-1)  # [N, 2]
+    train_stream, eval_stream = split_train_eval(stream, cfg.eval_fraction)
+    n_windows = max(train_stream.shape[0] - 1, 0) // cfg.seq_len
     if n_windows < cfg.batch_size:
         raise TrainConfigError(
-            f"batch_size={cfg.batch_size} (--batch-size): the training split has {train_tokens.numel()} "
+            f"batch_size={cfg.batch_size} (--batch-size): the training split has {train_stream.shape[0]} "
             f"tokens, only {n_windows} samples of seq_len={cfg.seq_len}; give more text (--data) "
             "or lower --batch-size / --seq-len"
         )
-    train_samples = pack_sequences(train_tokens, cfg.seq_len)
-    if eval_tokens.numel() > cfg.seq_len:
-        eval_samples = pack_sequences(eval_tokens, cfg.seq_len)
+    train_samples = _windows(train_stream, cfg.seq_len)
+    if eval_stream.shape[0] > cfg.seq_len:
+        eval_samples = _windows(eval_stream, cfg.seq_len)
     else:
-        eval_samples = torch.empty(0, cfg.seq_len + 1, dtype=torch.long)
+        eval_samples = torch.empty(0, cfg.seq_len + 1, *stream.shape[1:], dtype=torch.long)
     train = BatchIterator(train_samples, cfg.batch_size, seed=cfg.seed, drop_last=True)
     return RunData(train=train, eval_samples=eval_samples, n_tokens=tokens.numel())
+
+
+def _windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Samples of a token stream [N], or of a packed one [N, 2] (token, document id)."""
+    if stream.dim() == 1:
+        return pack_sequences(stream, seq_len)
+    return pack_documents(stream[:, 0], stream[:, 1], seq_len)
 
 
 def _prepared_data(cfg: TrainConfig) -> RunData:
@@ -80,11 +99,11 @@ def _prepared_data(cfg: TrainConfig) -> RunData:
     dataset = PreparedDataset.open(cfg.prepared_data)
     n_eval = int(len(dataset) * cfg.eval_fraction)
     n_train = len(dataset) - n_eval
-    windows = dataset.windows(0, n_train, cfg.seq_len)
+    windows = dataset.windows(0, n_train, cfg.seq_len, documents=cfg.pack_documents)
     if len(windows) < cfg.batch_size:
         raise TrainConfigError(f"batch_size={cfg.batch_size} (--batch-size): the prepared dataset's training split "
                                f"has {n_train} tokens, only {len(windows)} samples of seq_len={cfg.seq_len}")
-    held_out = dataset.windows(n_train, len(dataset), cfg.seq_len)
+    held_out = dataset.windows(n_train, len(dataset), cfg.seq_len, documents=cfg.pack_documents)
     eval_samples = held_out[: min(len(held_out), cfg.batch_size * cfg.eval_batches)]
     train = BatchIterator(windows, cfg.batch_size, seed=cfg.seed, drop_last=True)
     return RunData(train=train, eval_samples=eval_samples, n_tokens=len(dataset))

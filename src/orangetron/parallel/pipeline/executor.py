@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from orangetron import comm
+from orangetron.model.documents import Documents
 from orangetron.parallel.pipeline.stage import Chunk, chunk_forward, hidden_shape
 from orangetron.spec.schedule import Action, actions
 from orangetron.spec.transfers import Transfer, transfer_order
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 class MicroBatch:
     """One micro-batch as this rank sees it: tokens [B, S], labels [B, S] and positions ([S] or [B, S]) of
     its share of the sequence, the MoE padding mask, and the weights of its cross entropy and
-    load-balancing loss in the step's objective (1/m each, times the rank's token share under CP)."""
+    load-balancing loss in the step's objective (1/m each, times the rank's token share under CP), and the
+    documents of packed rows (every stage attends within them), else None."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
@@ -42,6 +44,7 @@ class MicroBatch:
     loss_scale: float
     aux_scale: float
     ignore_index: int = -100
+    documents: Documents | None = None
 
 
 class _Transfers:
@@ -167,7 +170,8 @@ class _Runner:
             x = self.transfers.recv(hidden_shape(module, mb.inputs), chunk.stage - 1, chunk.stage, i)
             x.requires_grad_(torch.is_grad_enabled())
         start = time.perf_counter()
-        out, aux = self.model.run(chunk_forward, module, chunk, x, mb.positions, mb.token_mask)
+        out, aux = self.model.run(chunk_forward, module, chunk, x, mb.positions, mb.token_mask,
+                                  mb.documents)
         if chunk.last:
             ce = module.cross_entropy(out, mb.labels, mb.ignore_index) * mb.loss_scale
             self.loss += float(ce.detach())

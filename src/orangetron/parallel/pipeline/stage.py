@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from orangetron.model.documents import Documents
 from orangetron.model.layers import rope_tables
 from orangetron.model.moe import MoE
 from orangetron.parallel.config import ParallelConfig, ParallelConfigError
@@ -75,10 +76,12 @@ def hidden_shape(model: nn.Module, tokens: torch.Tensor) -> tuple[int, int, int]
 
 
 def chunk_forward(model: nn.Module, chunk: Chunk, x: torch.Tensor, positions: torch.Tensor,
-                  token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  token_mask: torch.Tensor | None,
+                  documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run `chunk` on x (tokens [B, S] on the first chunk, else the previous chunk's activation).
 
-    `positions`: the global positions of the micro-batch's tokens ([S] or [B, S]). Returns (the activation
+    `positions`: the global positions of the micro-batch's tokens ([S] or [B, S]; packed rows: within their
+    `documents`, which every block attends within). Returns (the activation
     for the next chunk, or logits on the last; the chunk's load-balancing loss, or None without MoE).
     """
     h = model.embed(x) if chunk.first else x
@@ -87,7 +90,7 @@ def chunk_forward(model: nn.Module, chunk: Chunk, x: torch.Tensor, positions: to
     aux = None
     for i in chunk.layers:
         layer = model.layers[str(i)]
-        h = layer(h, cos, sin, mask)
+        h = layer(h, cos, sin, mask, documents)
         ff = layer.feed_forward
         if isinstance(ff, MoE) and ff.last_aux_loss is not None:  # read now: the next forward overwrites it
             aux = ff.last_aux_loss if aux is None else aux + ff.last_aux_loss
