@@ -1299,6 +1299,17 @@ MUTANTS = [
     Mutant("packed_text_files_never_packed", "src/orangetron/train/trainer.py",
            (("    if cfg.pack_documents:  # the byte tokenizer", "    if False:  # the byte tokenizer"),),
            ("tests/test_packed_documents.py",)),
+    Mutant("packed_micro_batches_weighted_alike", "src/orangetron/train/step.py",
+           (("    if labels is None:\n        return [1.0] * len(microbatches)",
+             "    if True:\n        return [1.0] * len(microbatches)"),),
+           ("tests/test_packed_documents.py::test_parallel_packed_training_matches_plain_torch_with_dense_masks",)),
+    Mutant("packed_pipeline_drops_the_documents", "src/orangetron/parallel/pipeline/executor.py",
+           (("mb.token_mask,\n                                  mb.documents)", "mb.token_mask, None)"),),
+           ("tests/test_packed_documents.py::test_parallel_packed_training_matches_plain_torch_with_dense_masks",)),
+    Mutant("packed_tensor_parallel_attention_drops_the_documents", "src/orangetron/parallel/tensor.py",
+           (("self.core_attention(q, k, v) if documents is None else self.core_attention(q, k, v, documents)",
+             "self.core_attention(q, k, v)"),),
+           ("tests/test_packed_documents.py::test_parallel_packed_training_matches_plain_torch_with_dense_masks",)),
 ]
 
 

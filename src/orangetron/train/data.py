@@ -61,6 +61,15 @@ def packed_inputs(samples: torch.Tensor, ignore_index: int = -100) -> tuple[torc
     return tokens[:, :-1], labels, Documents.from_ids(ids[:, :-1])
 
 
+def label_count(samples: torch.Tensor) -> int:
+    """The labels of samples [B, S + 1] (or packed, [B, S + 1, 2]) that count in the loss: all B * S of plain
+    samples, and of packed ones those whose input lies in the same document (`packed_inputs`)."""
+    if samples.dim() == 2:
+        return samples.shape[0] * (samples.shape[1] - 1)
+    ids = samples[..., 1]
+    return int((ids[:, 1:] == ids[:, :-1]).sum())
+
+
 def split_train_eval(tokens: torch.Tensor, eval_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a token stream [N] (or a packed one, [N, 2]) into (train, eval), eval being the last
     int(N * eval_fraction) tokens.

@@ -16,7 +16,7 @@ from orangetron.model.documents import Documents
 from orangetron.parallel import ParallelModel, ShardedAdamW, context, pipeline
 from orangetron.parallel.expert import update_router_bias
 from orangetron.train import faults
-from orangetron.train.data import packed_inputs
+from orangetron.train.data import label_count, packed_inputs
 
 IGNORE_INDEX = -100
 
@@ -52,14 +52,16 @@ class RankShare(NamedTuple):
     documents: Documents | None  # of packed samples
 
 
-def _lm_loss(model: ParallelModel, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(objective, language-model loss) of samples [B, S+1].
+def _lm_loss(model: ParallelModel, samples: torch.Tensor, weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(objective, language-model loss) of samples [B, S+1], the cross entropy weighted by `weight`
+    (`_label_weights`).
 
     The objective is the model's own loss (mean next-token cross entropy plus the MoE aux loss), so
     every layout optimizes the same definition; the language-model loss drops the aux term for reporting.
     """
     module: Transformer = model.module  # or its tensor-parallel shard, which speaks the same interface
     inputs, labels, positions, share, documents = _rank_share(model, samples)
+    share *= weight
     # Through the parallel model: ZeRO gathers parameters.
     logits = model(inputs, position_ids=positions, token_mask=labels != IGNORE_INDEX, documents=documents)
     objective = module.loss_from_logits(logits, labels, ignore_index=IGNORE_INDEX)
@@ -69,12 +71,15 @@ def _lm_loss(model: ParallelModel, samples: torch.Tensor) -> tuple[torch.Tensor,
     return objective, objective.detach() - aux.detach()
 
 
-def _pipeline_step(model: ParallelModel, microbatches: list[torch.Tensor], train: bool = True) -> float:
-    """Forwards (and backwards) of every micro-batch [b, S+1] through the pipeline; the language-model loss,
-    which the last stage computes and sends to the other stages as a report (not training traffic)."""
+def _pipeline_step(model: ParallelModel, microbatches: list[torch.Tensor], weights: list[float],
+                   train: bool = True) -> float:
+    """Forwards (and backwards) of every micro-batch [b, S+1] through the pipeline, cross entropies weighted by
+    `weights`; the language-model loss, which the last stage computes and sends to the other stages as a report
+    (not training traffic)."""
     m, mbs = len(microbatches), []
-    for samples in microbatches:
+    for samples, weight in zip(microbatches, weights, strict=True):
         inputs, labels, positions, share, documents = _rank_share(model, samples)
+        share *= weight
         if positions is None:
             positions = torch.arange(inputs.shape[1]) if documents is None else documents.positions()
         mbs.append(pipeline.MicroBatch(inputs, labels, positions, labels != IGNORE_INDEX, share / m, 1 / m,
@@ -87,19 +92,31 @@ def _pipeline_step(model: ParallelModel, microbatches: list[torch.Tensor], train
         return float(comm.broadcast(report, group, src=group.size - 1)[0])
 
 
-def _forward_backward(model: ParallelModel, microbatches: list[torch.Tensor]) -> float:
+def _label_weights(model: ParallelModel, microbatches: list[torch.Tensor], labels: int | None) -> list[float]:
+    """Each micro-batch's weight on its mean cross entropy, so that the step's loss is the mean over the whole
+    batch's `labels` counted labels: its share of them, times the micro-batches and dp ranks that average it.
+    Plain rows hold equal shares (every weight exactly 1); packed rows ignore a label per document boundary."""
+    if labels is None:
+        return [1.0] * len(microbatches)
+    replicas = len(microbatches) * model.mesh["dp"].size
+    return [label_count(samples) * replicas / max(labels, 1) for samples in microbatches]
+
+
+def _forward_backward(model: ParallelModel, microbatches: list[torch.Tensor], labels: int | None) -> float:
     """Every micro-batch's forward and backward, gradients accumulated; the step's language-model loss.
 
-    Each micro-batch's objective is divided by their number, so the sum is the mean over the step's rows.
+    Each micro-batch's objective is divided by their number, so the sum is the mean over the step's rows
+    (weighted by `_label_weights` when the batch counts `labels` labels).
     """
+    weights = _label_weights(model, microbatches, labels)
     if model.mesh["pp"].size > 1:
         faults.enter("forward and backward (pipeline)")
-        return _pipeline_step(model, microbatches)
+        return _pipeline_step(model, microbatches, weights)
     m, total = len(microbatches), 0.0
     for j, samples in enumerate(microbatches):
         with model.no_sync() if j < m - 1 else nullcontext():  # reduce once, after the last backward
             faults.enter("forward")
-            objective, lm_loss = _lm_loss(model, samples)
+            objective, lm_loss = _lm_loss(model, samples, weights[j])
             faults.enter("backward")
             (objective / m if m > 1 else objective).backward()
         total += float(lm_loss) / m
@@ -108,7 +125,7 @@ def _forward_backward(model: ParallelModel, microbatches: list[torch.Tensor]) ->
 
 def _eval_loss(model: ParallelModel, batch: torch.Tensor) -> float:
     if model.mesh["pp"].size > 1:
-        return _pipeline_step(model, [batch], train=False)
+        return _pipeline_step(model, [batch], [1.0], train=False)
     return float(_lm_loss(model, batch)[1])
 
 
@@ -131,10 +148,12 @@ def evaluate(model: ParallelModel, samples: torch.Tensor, batch_size: int, max_b
 
 def train_step(
     model: ParallelModel, optimizer: ShardedAdamW, batch: list[torch.Tensor], lr: float, grad_clip: float, *,
-    measure: bool, on_grads: Callable[[ParallelModel], None] | None = None,
+    measure: bool, on_grads: Callable[[ParallelModel], None] | None = None, labels: int | None = None,
 ) -> tuple[float, float, dict[str, int]]:
     """Forward and backward of every micro-batch [b, S+1] in `batch`, then one update -> (loss, grad norm,
-    memory by category).
+    memory by category). `labels`: the counted labels of the whole step's batch over every dp rank
+    (`data.label_count`), which makes the loss their mean when micro-batches count unequal shares (packed rows);
+    None: every micro-batch counts as many.
 
     Raises TrainingDiverged ("loss is nan", "gradient norm is inf") before the update when the loss on any
     rank or the global gradient norm is not finite, on every rank alike. The memory dict is empty unless
@@ -144,7 +163,7 @@ def train_step(
     `on_grads(model)` sees the averaged gradients before clipping (`orangetron verify` reads them there).
     """
     with memory.track_activations(model.module) if measure else nullcontext() as meter:
-        lm_loss = _forward_backward(model, batch)
+        lm_loss = _forward_backward(model, batch, labels)
     if on_grads is not None:
         model.reduce_gradients()
         on_grads(model)

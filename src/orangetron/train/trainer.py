@@ -33,6 +33,7 @@ from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import (
     BatchIterator,
     document_ids,
+    label_count,
     pack_documents,
     pack_sequences,
     read_text_documents,
@@ -295,12 +296,13 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             t0 = time.perf_counter()
             faults.enter("data", step + 1)
             lr = lr_at(step, cfg)
-            rows = setup.rows(next(batches))
+            batch = next(batches)
+            rows = setup.rows(batch)
             # The first step also measures memory; its hooks cost time, so run.step leaves it out of tokens/s.
             try:
                 with traffic.step(records):
                     loss, grad_norm, step_mem = train_step(model, optimizer, rows, lr, cfg.grad_clip,
-                                                            measure=step == start.step)
+                                                            measure=step == start.step, labels=label_count(batch))
             except TrainingDiverged as err:  # nothing of this step was applied or written
                 kept = "; the run folder keeps the checkpoints of earlier steps" if cfg.out is not None else ""
                 raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{kept}") from None

@@ -21,6 +21,7 @@ from orangetron.spec.layout import Layout
 from orangetron.spec.variants import DISPATCHERS
 from orangetron.train.admission import check_fits
 from orangetron.train.config import DEFAULT_TOLERANCE, TrainConfig
+from orangetron.train.data import label_count
 from orangetron.train.launch import launch_local, process_group
 from orangetron.train.schedule import lr_at
 from orangetron.train.step import train_step
@@ -39,9 +40,9 @@ def _trace(cfg: TrainConfig) -> dict[str, Any]:
 
     losses, batches = [], iter(setup.data.train)
     for step in range(cfg.steps):
-        rows = setup.rows(next(batches))
-        loss, _, _ = train_step(setup.model, setup.optimizer, rows, lr_at(step, cfg), cfg.grad_clip,
-                                 measure=False, on_grads=keep)
+        batch = next(batches)
+        loss, _, _ = train_step(setup.model, setup.optimizer, setup.rows(batch), lr_at(step, cfg), cfg.grad_clip,
+                                 measure=False, on_grads=keep, labels=label_count(batch))
         setup.optimizer.zero_grad()
         losses.append(loss)
     return {"losses": losses, "grads": grads}
