@@ -17,7 +17,7 @@ from orangetron.parallel.recompute import apply_recompute
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import document_ids, pack_documents, packed_inputs
 from orangetron.train.datasets import PreparedDataset
-from orangetron.train.prepare import prepare_data
+from orangetron.train.prepare import prepare_data, train_tokenizer
 from orangetron.train.trainer import train
 
 HEAD_DIM = 4
@@ -180,12 +180,16 @@ def test_packing_is_on_by_default_for_prepared_data_only(tmp_path):
     assert TrainConfig(model="tiny", data=[str(tmp_path / "ds")]).pack_documents is True
     assert TrainConfig(model="tiny", data=[str(tmp_path / "ds")], pack_documents=False).pack_documents is False
     assert TrainConfig(model="tiny").pack_documents is False
-    with pytest.raises(TrainConfigError, match="--pack-documents"):
-        TrainConfig(model="tiny", cp=2, pack_documents=True)
+    bpe = train_tokenizer([str(tmp_path / "a.txt")], tmp_path / "bpe", vocab=260)
+    with pytest.raises(TrainConfigError, match="--pack-documents.*not the byte tokenizer"):  # BPE: bytes are not tokens
+        TrainConfig(model=ModelConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=24),
+                    data=[str(tmp_path / "a.txt")], tokenizer=str(bpe), pack_documents=True)
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, sequence_parallel=True), dict(dp=2, ep=2)],
-                         ids=["tp2-pp2-sp", "dp2-ep2"])
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, sequence_parallel=True), dict(dp=2, ep=2),
+                                    dict(cp=2, tp=2, sequence_parallel=True, cp_mode="ring"),
+                                    dict(cp=3, cp_mode="allgather")],
+                         ids=["tp2-pp2-sp", "dp2-ep2", "tp2-cp2-sp-ring", "cp3-allgather"])
 def test_parallel_packed_training_matches_plain_torch_with_dense_masks(tmp_path, layout):
     """The documents travel with every micro-batch through tensor parallelism (sequence-parallel included), both
     pipeline stages, data and expert parallelism: float64 losses, gradient norms, parameters and moments equal

@@ -255,9 +255,6 @@ class TrainConfig(Layout, ParallelConfig):
             raise TrainConfigError(f"pack_documents=True (--pack-documents): text files are cut into documents by "
                                    f"bytes, and tokenizer={self.tokenizer!r} is not the byte tokenizer; prepare the "
                                    "data with `orangetron prepare-data`, which keeps a document index")
-        if self.cp > 1:
-            raise TrainConfigError(f"pack_documents=True (--pack-documents): cp={self.cp} (--cp): context "
-                                   "parallelism does not mask documents; use --no-pack-documents or --cp 1")
 
     def _resolve_hf_model(self) -> None:
         """With `hf_model`, its config is the model: `model` becomes that spec (a resumed run's recorded spec stands

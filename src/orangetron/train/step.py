@@ -36,12 +36,24 @@ def _rank_share(model: ParallelModel, samples: torch.Tensor) -> RankShare:
         multiple = context.shard_multiple(model.mesh.layout, model.config.sequence_parallel)
         inputs, labels = context.pad_sequence(inputs, labels, multiple, IGNORE_INDEX)
         positions = context.position_ids(inputs.shape[1], model.mesh)
+        if documents is not None:  # the whole (padded) sequence's documents; this rank's positions in them
+            documents = _padded_documents(documents, inputs.shape[1])
+            positions = context.shard(documents.positions(), model.mesh)
         valid = int((labels != IGNORE_INDEX).sum())
         inputs, labels = context.shard(inputs, model.mesh), context.shard(labels, model.mesh)
         # Padding leaves the cp ranks unequal token counts: weight this rank's mean by its share of the
         # real tokens (times cp, as gradients are averaged over the ranks), so the mean is over all of them.
         share = int((labels != IGNORE_INDEX).sum()) * cp / max(valid, 1)
     return RankShare(inputs, labels, positions, share, documents)
+
+
+def _padded_documents(documents: Documents, seq_len: int) -> Documents:
+    """`documents` of a sequence padded at its end to `seq_len`: the padding is a document of its own."""
+    ids = documents.ids
+    extra = seq_len - ids.shape[1]
+    if extra == 0:
+        return documents
+    return Documents.from_ids(torch.nn.functional.pad(ids, (0, extra), value=int(ids.max()) + 1))
 
 
 class RankShare(NamedTuple):

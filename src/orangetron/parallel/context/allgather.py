@@ -13,6 +13,7 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
+from orangetron.model.documents import Documents
 from orangetron.parallel.context.blocks import attend, attend_backward, pack
 from orangetron.parallel.context.calls import spec_runs
 
@@ -21,13 +22,13 @@ class _AllGatherAttention(torch.autograd.Function):
     """All-gather K,V then attend (forward); re-gather, attend back, reduce-scatter dK,dV (backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, impl: str):
+    def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, impl: str, documents: Documents | None):
         kv = comm.all_gather(pack(k, v), group, dim=1)  # [B, S, Hk, 2D], rank order
         kb, vb = kv.split(k.shape[-1], dim=-1)
-        out, lse = attend(q, kb, vb, *_runs(group, q.shape[1]), causal, scale, impl)
+        out, lse = attend(q, kb, vb, *_runs(group, q.shape[1]), causal, scale, impl, documents)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.impl = group, causal, scale, impl
+        ctx.group, ctx.causal, ctx.scale, ctx.impl, ctx.documents = group, causal, scale, impl, documents
         return out
 
     @staticmethod
@@ -37,10 +38,10 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = comm.all_gather(pack(k, v), group, dim=1)
         kb, vb = kv.split(k.shape[-1], dim=-1)
         dq, dk, dv = attend_backward(q, kb, vb, out, lse, grad_out, *_runs(group, q.shape[1]), ctx.causal, ctx.scale,
-                                     ctx.impl)
+                                     ctx.impl, ctx.documents)
         dkv = comm.reduce_scatter(pack(dk, dv).to(k.dtype), group, dim=1)
         dk, dv = dkv.split(k.shape[-1], dim=-1)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
 def _runs(group: MeshGroup, length: int) -> tuple:
@@ -50,6 +51,7 @@ def _runs(group: MeshGroup, length: int) -> tuple:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
-              scale: float, impl: str = "fused") -> torch.Tensor:
-    """All-gather attention of this rank's head-tail shard -> out [B, L, Hq, D]; `impl` as `blocks.attend`."""
-    return _AllGatherAttention.apply(q, k, v, group, causal, scale, impl)
+              scale: float, impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
+    """All-gather attention of this rank's head-tail shard -> out [B, L, Hq, D]; `impl` and `documents` as
+    `blocks.attend`'s."""
+    return _AllGatherAttention.apply(q, k, v, group, causal, scale, impl, documents)

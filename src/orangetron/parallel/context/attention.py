@@ -23,27 +23,36 @@ from __future__ import annotations
 import torch
 
 from orangetron.mesh import ParallelMesh
+from orangetron.model.documents import Documents
 from orangetron.spec import rules
 from orangetron.spec.variants import CONTEXT_MODES
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, mode: str = "ring",
               causal: bool = True, scale: float | None = None, ulysses_degree: int | None = None,
-              impl: str = "fused") -> torch.Tensor:
+              impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
     """Attention of this cp rank's head-tail shard over the whole sequence -> [B, L, Hq, D].
 
     `causal` masks by global position (the head-tail layout is known from the mesh). `scale` defaults to
     head_dim ** -0.5. `ulysses_degree` (mode "usp" only; it must divide cp) is the all-to-all factor. A cp
     group of one rank attends locally with the kernel `impl` ("fused" or "reference", as `attention_kernel`).
+    `documents` (packed rows; causal only): the documents of the whole (unsharded) sequence [B, S]; a query
+    then sees only the earlier keys of its own document.
     """
+    if documents is not None and not causal:
+        raise ValueError("packed documents need causal attention")
     record = CONTEXT_MODES.runtime_record(mode)
     rules.ulysses_degree_only_for_its_modes(ulysses_degree or 1, mode, record.takes_ulysses_degree)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if mesh["cp"].size == 1:
-        from orangetron.model.attention import attention_kernel
+        from orangetron.model.attention import attention_kernel, document_attention
 
+        if documents is not None:
+            return document_attention(q, k, v, documents, scale=scale, impl=impl)[0]
         return attention_kernel(q, k, v, causal=causal, scale=scale, impl=impl)[0]
     runtime = record.load()
     group = runtime.cp_group(mesh, ulysses_degree or 1) if hasattr(runtime, "cp_group") else mesh["cp"]
-    out = runtime.attention(q, k, v, group, causal, scale, impl)
+    # Unpacked rows call a mode as (q, k, v, group, causal, scale, impl) alone, which every mode takes.
+    extra = {} if documents is None else {"documents": documents}
+    out = runtime.attention(q, k, v, group, causal, scale, impl, **extra)
     return out[0] if isinstance(out, tuple) else out

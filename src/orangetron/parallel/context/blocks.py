@@ -12,6 +12,10 @@ position over the whole block (`block_forward`, `block_backward`), for tests and
 
 Shapes: q [B, Sq, Hq, D], k and v [B, Sk, Hk, D] (Hq % Hk == 0), positions [Sq] and [Sk]; out like q;
 lse [B, Hq, Sq]. Arithmetic in float32 (float64 for float64 inputs).
+
+Packed rows (`documents`, `orangetron/model/documents.py`, over the whole global sequence) mask by document too:
+"reference" compares the document ids at both positions; "fused" plans each group of rows with the same
+documents apart (`calls.plan` with their starts), and rows whose block sees nothing make no call.
 """
 
 from __future__ import annotations
@@ -20,24 +24,29 @@ import torch
 
 from orangetron.model.attention import KERNEL_IMPLS, Runs, attention_kernel, attention_kernel_backward
 from orangetron.model.autograd import accumulate_dtype, expand_kv
+from orangetron.model.documents import Documents
 from orangetron.parallel.context import calls
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
-            scale: float) -> torch.Tensor:
+            scale: float, ids: torch.Tensor | None = None) -> torch.Tensor:
     acc = accumulate_dtype(q.dtype)
     qh = q.transpose(1, 2).to(acc)  # [B, Hq, Sq, D]
     kh = expand_kv(k, q.shape[2]).transpose(1, 2).to(acc)  # [B, Hq, Sk, D]
     scores = qh @ kh.transpose(-1, -2) * scale  # [B, Hq, Sq, Sk]
     if causal:
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    if ids is not None:  # document ids [B, S] of the global sequence
+        other = ids[:, q_pos].unsqueeze(2) != ids[:, k_pos].unsqueeze(1)  # [B, Sq, Sk]
+        scores = scores.masked_fill(other.unsqueeze(1), float("-inf"))
     return scores
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                  causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of q over this block of keys; rows that see no key get out 0 and lse -inf."""
-    scores = _scores(q, k, q_pos, k_pos, causal, scale)
+                  causal: bool, scale: float, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q over this block of keys; rows that see no key get out 0 and lse -inf. `ids`: the document
+    id [B, S] of every global position (packed rows), else None."""
+    scores = _scores(q, k, q_pos, k_pos, causal, scale, ids)
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, Sq]
     probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # masked rows: exp(-inf) = 0
     vh = expand_kv(v, q.shape[2]).transpose(1, 2).to(scores.dtype)
@@ -56,12 +65,13 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    grad_out: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scale: float, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) this block contributes, from the final out and lse of the queries.
 
-    Returned in the accumulate dtype; dk, dv summed over each kv head's group of query heads.
+    Returned in the accumulate dtype; dk, dv summed over each kv head's group of query heads. `ids` as
+    `block_forward`'s.
     """
-    scores = _scores(q, k, q_pos, k_pos, causal, scale)
+    scores = _scores(q, k, q_pos, k_pos, causal, scale, ids)
     probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # [B, Hq, Sq, Sk]
     acc, hq = scores.dtype, q.shape[2]
     do = grad_out.transpose(1, 2).to(acc)  # [B, Hq, Sq, D]
@@ -92,17 +102,27 @@ def pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Runs, k_runs: Runs, causal: bool,
-           scale: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of q over this block of keys in the accumulate dtype; rows that see no key get 0 and -inf."""
+           scale: float, impl: str, documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q over this block of keys in the accumulate dtype; rows that see no key get 0 and -inf.
+    `documents`: those of packed rows over the global sequence, whose boundaries mask too (None: one each)."""
     if impl == "reference":
         return block_forward(q, k, v, runs_positions(q_runs, q.device), runs_positions(k_runs, q.device), causal,
-                             scale)
+                             scale, None if documents is None else documents.ids)
     _check_impl(impl)
+
+    def fused(q, k, v, starts):
+        return _attend_fused(q, k, v, q_runs, k_runs, causal, scale, starts)
+
+    return _by_documents(fused, documents, q, k, v)
+
+
+def _attend_fused(q, k, v, q_runs: Runs, k_runs: Runs, causal: bool, scale: float,
+                  starts: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
     (q_sorted, q_index), (k_sorted, k_index) = _sorted(q_runs, causal, q.device), _sorted(k_runs, causal, q.device)
     qs, ks, vs = _take(q, q_index, 1), _take(k, k_index, 1), _take(v, k_index, 1)
     out = torch.zeros(q.shape, dtype=accumulate_dtype(q.dtype), device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=out.dtype, device=q.device)
-    for call in calls.plan(q_sorted, k_sorted, causal):
+    for call in calls.plan(q_sorted, k_sorted, causal, starts):
         where = _where(call, q_sorted, k_sorted, causal)
         block_out, block_lse = attention_kernel(qs[:, call.rows], ks[:, call.cols], vs[:, call.cols],
                                                 causal=call.causal, scale=scale, positions=where)
@@ -112,19 +132,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Runs, k_ru
 
 def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     grad_out: torch.Tensor, q_runs: Runs, k_runs: Runs, causal: bool, scale: float,
-                    impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    impl: str, documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) this block contributes, from the queries' final out and lse; accumulate dtype, dk and dv
-    summed over each kv head's group of query heads."""
+    summed over each kv head's group of query heads. `documents` as `attend`'s."""
     if impl == "reference":
         return block_backward(q, k, v, out, lse, grad_out, runs_positions(q_runs, q.device),
-                              runs_positions(k_runs, q.device), causal, scale)
+                              runs_positions(k_runs, q.device), causal, scale,
+                              None if documents is None else documents.ids)
     _check_impl(impl)
+
+    def fused(q, k, v, out, lse, grad_out, starts):
+        return _attend_backward_fused(q, k, v, out, lse, grad_out, q_runs, k_runs, causal, scale, starts)
+
+    return _by_documents(fused, documents, q, k, v, out, lse, grad_out)
+
+
+def _attend_backward_fused(q, k, v, out, lse, grad_out, q_runs: Runs, k_runs: Runs, causal: bool, scale: float,
+                           starts: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     (q_sorted, q_index), (k_sorted, k_index) = _sorted(q_runs, causal, q.device), _sorted(k_runs, causal, q.device)
     qs, outs, dos = (_take(t, q_index, 1) for t in (q, out, grad_out))
     ks, vs, lses = _take(k, k_index, 1), _take(v, k_index, 1), _take(lse, q_index, 2)
     acc = accumulate_dtype(q.dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (qs, ks, vs))
-    for call in calls.plan(q_sorted, k_sorted, causal):
+    for call in calls.plan(q_sorted, k_sorted, causal, starts):
         rows, cols = call.rows, call.cols
         grads = attention_kernel_backward(dos[:, rows], qs[:, rows], ks[:, cols], vs[:, cols], outs[:, rows],
                                           lses[:, :, rows], causal=call.causal, scale=scale,
@@ -133,6 +163,28 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         dk[:, cols] += grads[1]
         dv[:, cols] += grads[2]
     return _put(dq, q_index, 1), _put(dk, k_index, 1), _put(dv, k_index, 1)
+
+
+def _by_documents(fn, documents: Documents | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fn(*tensors, starts) for each group of rows with the same documents (batch first), put back in row order."""
+    if documents is None:
+        return fn(*tensors, None)
+    groups = documents.row_groups()
+    if len(groups) == 1:
+        return fn(*tensors, _starts(groups[0][1]))
+    results: list[torch.Tensor] = []
+    for rows, spans in groups:
+        index = torch.tensor(rows, device=tensors[0].device)
+        part = fn(*(t.index_select(0, index) for t in tensors), _starts(spans))
+        if not results:
+            results = [p.new_empty((tensors[0].shape[0], *p.shape[1:])) for p in part]
+        for whole, piece in zip(results, part, strict=True):
+            whole.index_copy_(0, index, piece)
+    return tuple(results)
+
+
+def _starts(spans: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    return tuple(start for start, _ in spans)
 
 
 def _check_impl(impl: str) -> None:
@@ -175,19 +227,21 @@ class PositionalAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_spec: tuple, k_spec: tuple, causal: bool, scale: float, impl: str = "fused"):
-        out, lse = attend(q, k, v, calls.spec_runs(q_spec), calls.spec_runs(k_spec), causal, scale, impl)
+    def forward(ctx, q, k, v, q_spec: tuple, k_spec: tuple, causal: bool, scale: float, impl: str = "fused",
+                documents: Documents | None = None):
+        out, lse = attend(q, k, v, calls.spec_runs(q_spec), calls.spec_runs(k_spec), causal, scale, impl, documents)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.specs, ctx.causal, ctx.scale, ctx.impl = (q_spec, k_spec), causal, scale, impl
+        ctx.specs, ctx.causal, ctx.scale, ctx.impl, ctx.documents = (q_spec, k_spec), causal, scale, impl, documents
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         q_runs, k_runs = (calls.spec_runs(spec) for spec in ctx.specs)
-        dq, dk, dv = attend_backward(q, k, v, out, lse, grad_out, q_runs, k_runs, ctx.causal, ctx.scale, ctx.impl)
-        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None)
+        dq, dk, dv = attend_backward(q, k, v, out, lse, grad_out, q_runs, k_runs, ctx.causal, ctx.scale, ctx.impl,
+                                     ctx.documents)
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None)
         return grads[:len(ctx.needs_input_grad)]  # `impl` may have been left to its default
 
 

@@ -8,10 +8,15 @@ order; both sides are put in increasing order (a permutation of whole runs) and 
 that are each honest: for every run of queries, the keys before it (no mask) and the keys of the same
 range (causal); keys after it are never called. Adjacent unmasked calls over the same keys are joined, so
 a head-tail ring step is one call and a whole sequence in order is one causal call.
+
+With packed documents (`starts`, the global position where each document begins) a query sees only the keys
+of its own document: each query run is cut further at document starts, its unmasked call reaches back only to
+its document's start, and a piece that sees nothing is skipped, so no call computes a masked pair.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -83,24 +88,42 @@ def slice_runs(runs: Runs, rows: slice) -> Runs:
     return tuple(found)
 
 
-def plan(q_runs: Runs, k_runs: Runs, causal: bool) -> list[Call]:
-    """Honest kernel calls covering every visible (query, key) pair once; both runs increasing."""
+def plan(q_runs: Runs, k_runs: Runs, causal: bool, starts: tuple[int, ...] | None = None) -> list[Call]:
+    """Honest kernel calls covering every visible (query, key) pair once; both runs increasing. `starts`: the
+    increasing global positions where packed documents begin (None: one document); needs `causal`."""
     everything = Call(slice(0, total(q_runs)), slice(0, total(k_runs)), False)
     if not causal:
+        if starts is not None:
+            raise ValueError("packed documents need causal attention")
         return [everything]
     calls, row = [], 0
-    for start, stop in q_runs:
+    for start, stop, first in _pieces(q_runs, starts):
         rows = slice(row, row + stop - start)
         row = rows.stop
-        before = _keys_below(k_runs, start)  # sorted keys: those before the run are a prefix
-        if before:
-            calls.append(Call(rows, slice(0, before), False))
+        # Sorted keys: those of the document before the piece are one range, those before `first` a prefix.
+        lo, before = _keys_below(k_runs, first), _keys_below(k_runs, start)
+        if before > lo:
+            calls.append(Call(rows, slice(lo, before), False))
         inside = _keys_below(k_runs, stop) - before
         if inside == stop - start:  # distinct positions: exactly this run's range
             calls.append(Call(rows, slice(before, stop - start + before), True))
         elif inside:
             raise ValueError(f"keys {k_runs} hold part of the query run [{start}, {stop}): no kernel call fits")
     return _join(calls)
+
+
+def _pieces(runs: Runs, starts: tuple[int, ...] | None) -> list[tuple[int, int, int]]:
+    """The runs cut at document starts, as (start, stop, where the piece's document begins)."""
+    if starts is None:
+        return [(start, stop, 0) for start, stop in runs]
+    pieces = []
+    for start, stop in runs:
+        at = bisect.bisect_right(starts, start) - 1  # the document holding `start`
+        while start < stop:
+            end = min(stop, starts[at + 1]) if at + 1 < len(starts) else stop
+            pieces.append((start, end, starts[at]))
+            start, at = end, at + 1
+    return pieces
 
 
 def _keys_below(runs: Runs, position: int) -> int:

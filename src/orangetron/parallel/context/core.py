@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from orangetron.mesh import ParallelMesh
+from orangetron.model.documents import Documents
 from orangetron.parallel.context.attention import attention
 
 
@@ -25,6 +26,8 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.mesh, self.mode, self.ulysses_degree, self.impl = mesh, mode, ulysses_degree, impl
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """`documents`: those of packed rows over the whole sequence (not this rank's shard)."""
         return attention(q, k, v, self.mesh, mode=self.mode, causal=True, ulysses_degree=self.ulysses_degree,
-                         impl=self.impl)
+                         impl=self.impl, documents=documents)

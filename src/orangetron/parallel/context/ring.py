@@ -21,6 +21,7 @@ import torch
 from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.model.attention import Runs
+from orangetron.model.documents import Documents
 from orangetron.parallel.context.blocks import attend, attend_backward, merge, pack
 from orangetron.parallel.context.calls import head_tail_runs
 
@@ -43,7 +44,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, overlap: bool, layout: tuple,
-                impl: str):
+                impl: str, documents: Documents | None):
         length, cp, r = q.shape[1], group.size, group.rank
         runs = [ring_runs(layout, j) for j in range(cp)]
         out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
@@ -56,13 +57,14 @@ class _RingAttention(torch.autograd.Function):
                 arrived = None if overlap else ring.wait()  # serial, for comparison: transfer, then compute
             source = (r - step) % cp
             kb, vb = kv.split(k.shape[-1], dim=-1)
-            block_out, block_lse = attend(q, kb, vb, runs[r], runs[source], causal, scale, impl)
+            block_out, block_lse = attend(q, kb, vb, runs[r], runs[source], causal, scale, impl, documents)
             merge(out, lse, block_out, block_lse)
             if not last:
                 kv = ring.wait() if overlap else arrived
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.layout, ctx.impl = group, causal, scale, layout, impl
+        ctx.documents = documents
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -81,7 +83,7 @@ class _RingAttention(torch.autograd.Function):
             source = (r - step) % cp
             kb, vb = kv.split(d, dim=-1)
             dq_b, dk_b, dv_b = attend_backward(q, kb, vb, out, lse, grad_out, runs[r], runs[source], causal, scale,
-                                               ctx.impl)
+                                               ctx.impl, ctx.documents)
             dq += dq_b
             # The accumulator of these K,V gradients left the previous rank after its last step: it travelled
             # while this block computed, and is waited for only now.
@@ -92,17 +94,17 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_ring.wait()
         dkv = grad_ring.wait()
         dk, dv = dkv.split(d, dim=-1)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
-              scale: float, impl: str = "fused", overlap: bool = True,
-              layout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, impl: str = "fused", overlap: bool = True, layout: tuple | None = None,
+              documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of this rank's head-tail shard; (out [B, L, Hq, D], lse [B, Hq, L]).
 
     `impl` is the block kernel (`blocks.attend`). `overlap=False` waits for each forward transfer before
     computing (a serial ring, for comparison). `layout` says whose tokens each ring member holds
-    (`ring_runs`; default: head-tail over `group`).
+    (`ring_runs`; default: head-tail over `group`). `documents`: those of packed rows over the global sequence.
     """
     layout = ("head_tail", q.shape[1] * group.size, group.size) if layout is None else layout
-    return _RingAttention.apply(q, k, v, group, causal, scale, overlap, layout, impl)
+    return _RingAttention.apply(q, k, v, group, causal, scale, overlap, layout, impl, documents)

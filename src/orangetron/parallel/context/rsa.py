@@ -16,6 +16,7 @@ from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.model.attention import KERNEL_IMPLS
 from orangetron.model.autograd import accumulate_dtype, expand_kv
+from orangetron.model.documents import Documents
 from orangetron.parallel.context.blocks import positions_of
 
 
@@ -48,7 +49,7 @@ class _RingSelfAttention(torch.autograd.Function):
     """K ring then V ring forward; V ring (dV home) then K ring (dK home) backward. Saves q, k, v, probs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float):
+    def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, documents: Documents | None):
         acc, hq, length = accumulate_dtype(q.dtype), q.shape[2], q.shape[1]
         seq_len = length * group.size
         q_pos = positions_of((seq_len, group.size, group.rank), q.device)
@@ -57,9 +58,12 @@ class _RingSelfAttention(torch.autograd.Function):
 
         def fill(k_block, source, _):
             block = qh @ _heads(k_block, hq, acc).transpose(-1, -2) * scale
+            k_pos = positions_of((seq_len, group.size, source), q.device)
             if causal:
-                k_pos = positions_of((seq_len, group.size, source), q.device)
                 block = block.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            if documents is not None:  # another document's keys: masked as later ones are
+                other = documents.ids[:, q_pos].unsqueeze(2) != documents.ids[:, k_pos].unsqueeze(1)  # [B, L, L]
+                block = block.masked_fill(other.unsqueeze(1), float("-inf"))
             scores[..., source * length:(source + 1) * length] = block
 
         _ring(k, group, fill)
@@ -97,12 +101,13 @@ class _RingSelfAttention(torch.autograd.Function):
             dk_home.add_(_sum_groups(dscores[..., cols].transpose(-1, -2) @ qh, k.shape[2]).to(dk_home.dtype))
 
         dk = _ring(k, group, query_key_grads, torch.zeros_like(k))
-        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None
+        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
-              scale: float, impl: str = "fused") -> torch.Tensor:
-    """Ring self-attention of this rank's head-tail shard -> out [B, L, Hq, D] (matmuls whatever `impl`)."""
+              scale: float, impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
+    """Ring self-attention of this rank's head-tail shard -> out [B, L, Hq, D] (matmuls whatever `impl`);
+    `documents`: those of packed rows over the global sequence, whose boundaries mask too."""
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")
-    return _RingSelfAttention.apply(q, k, v, group, causal, scale)
+    return _RingSelfAttention.apply(q, k, v, group, causal, scale, documents)

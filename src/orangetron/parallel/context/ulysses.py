@@ -14,6 +14,7 @@ import torch
 from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.model.autograd import expand_kv
+from orangetron.model.documents import Documents
 from orangetron.parallel.context.blocks import PositionalAttention, pack
 from orangetron.spec import rules
 
@@ -37,8 +38,9 @@ def to_sequence(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
-              scale: float, impl: str = "fused") -> torch.Tensor:
-    """Ulysses attention of this rank's head-tail shard -> out [B, L, Hq, D]; `impl` as `blocks.attend`."""
+              scale: float, impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
+    """Ulysses attention of this rank's head-tail shard -> out [B, L, Hq, D]; `impl` and `documents` as
+    `blocks.attend`'s."""
     n = group.size
     rules.heads_split_by_all_to_all(n, q.shape[2], k.shape[2])
     kv = pack(k, v)
@@ -47,5 +49,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGrou
     q_h, kv_h = to_heads(q, group), to_heads(kv, group)  # [B, S, Hq/n, D], [B, S, max(Hk/n, 1), 2D]
     k_h, v_h = kv_h.split(k.shape[-1], dim=-1)
     spec = (q_h.shape[1], n, None)  # every rank's tokens, in rank order
-    out = PositionalAttention.apply(q_h, k_h, v_h, spec, spec, causal, scale, impl)
+    out = PositionalAttention.apply(q_h, k_h, v_h, spec, spec, causal, scale, impl, documents)
     return to_sequence(out, group)

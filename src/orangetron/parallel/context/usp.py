@@ -14,6 +14,7 @@ import torch
 
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.model.autograd import expand_kv
+from orangetron.model.documents import Documents
 from orangetron.parallel.context import ring
 from orangetron.parallel.context.blocks import pack
 from orangetron.parallel.context.ulysses import to_heads, to_sequence
@@ -26,10 +27,10 @@ def cp_group(mesh: ParallelMesh, ulysses_degree: int) -> tuple[MeshGroup, MeshGr
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[MeshGroup, MeshGroup],
-              causal: bool, scale: float, impl: str = "fused") -> torch.Tensor:
+              causal: bool, scale: float, impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
     """USP attention of this rank's head-tail shard over (ring group, Ulysses group) -> [B, L, Hq, D].
 
-    `impl` is the block kernel (`blocks.attend`)."""
+    `impl` is the block kernel and `documents` those of packed rows (`blocks.attend`)."""
     ring_group, ulysses_group = groups
     u, cp = ulysses_group.size, ring_group.size * ulysses_group.size
     rules.heads_split_by_all_to_all(u, q.shape[2], k.shape[2])
@@ -39,5 +40,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[M
     q_h, kv_h = to_heads(q, ulysses_group), to_heads(kv, ulysses_group)  # [B, u*L, Hq/u, D], [B, u*L, ., 2D]
     k_h, v_h = kv_h.split(k.shape[-1], dim=-1)
     layout = ("usp", q.shape[1] * cp, cp, u)
-    out, _ = ring.attention(q_h, k_h, v_h, ring_group, causal, scale, impl, layout=layout)
+    out, _ = ring.attention(q_h, k_h, v_h, ring_group, causal, scale, impl, layout=layout, documents=documents)
     return to_sequence(out, ulysses_group)
