@@ -13,6 +13,10 @@
    mode's fused block kernel against its matmul blocks ("reference").
    PyTorch's own `context_parallel` has no CPU kernel strategy (aten._scaled_dot_product_flash_attention_
    for_cpu has no sharding rule), so it is not compared here.
+5. Packed documents: the embedded corpus's files (one document each, bytes are tokens) packed into 32,768
+   tokens; visible query-key pairs per cp rank (earlier keys of the same document) under the head-tail and a
+   contiguous split, max/mean, at cp = 4 and 8; and the pairs our ring attention handed the fused kernel at
+   cp = 4, summed over ranks, against the pairs of the same sequence as one document.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import torch
 from orangetron import comm, memory
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
+from orangetron.model.documents import Documents
 from orangetron.parallel import ParallelConfig, context, parallelize
 from orangetron.parallel.context import blocks, ring
 from orangetron.parallel.context.sharding import head_tail_indices
 from orangetron.spec.layout import Layout
 from orangetron.spec.variants import CONTEXT_MODES
 from orangetron.testing import run_distributed, shutdown_workers
+from orangetron.train.corpus import stdlib_documents
 
 SMALL = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64, ffn_dim=64, max_seq_len=1 << 16)
 BUDGET = 4 << 20  # bytes of saved activations per rank
@@ -49,10 +55,11 @@ def causal_pairs(positions: torch.Tensor, seq_len: int) -> int:
     return int(positions.add(1).sum())  # a query at position p sees p + 1 keys
 
 
-def ring_pairs(seq_len: int) -> int:
+def ring_pairs(seq_len: int, document_ids: torch.Tensor | None = None) -> int:
     """Query-key pairs this rank's ring attention computed: every call `blocks.attend` hands the kernel."""
     mesh = init_mesh(Layout(cp=mesh_size()))
     q = torch.randn(1, seq_len // mesh["cp"].size, 1, 4)
+    documents = None if document_ids is None else Documents.from_ids(document_ids)
     pairs, kernel = [], blocks.attention_kernel
 
     def counted(q_block: torch.Tensor, k_block: torch.Tensor, *args, **kwargs):
@@ -62,7 +69,7 @@ def ring_pairs(seq_len: int) -> int:
 
     blocks.attention_kernel = counted  # this worker's copy of the module, restored below
     try:
-        ring.attention(q, q, q, mesh["cp"], causal=True, scale=0.5)
+        ring.attention(q, q, q, mesh["cp"], causal=True, scale=0.5, documents=documents)
     finally:
         blocks.attention_kernel = kernel
     return sum(pairs)
@@ -159,7 +166,48 @@ def main() -> None:
         config = {"cp": 2, "seq_len": seq, "heads": HEADS, "head_dim": HEAD_DIM, "baseline": against}
         print(_line("cp_ring_attention_step", config, "step_s", timed["ring"], "s", timed[against]), flush=True)
     fused_against_reference(seq)
+    packed_balance()
     shutdown_workers()
+
+
+# ---- 5. packed documents ----------------------------------------------------------------------------
+def packed_document_ids(seq_len: int) -> torch.Tensor:
+    """Document ids [1, seq_len] of the embedded corpus's files packed from its start (the last one cut)."""
+    lengths, total = [], 0
+    for text in stdlib_documents(seq_len):
+        lengths.append(min(len(text.encode("utf-8")), seq_len - total))
+        total += lengths[-1]
+    lengths[-1] += seq_len - total  # a corpus shorter than the window: its last document fills it
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0)
+
+
+def document_pairs(positions: torch.Tensor, ids: torch.Tensor) -> int:
+    """Visible pairs of the queries at `positions`: a query sees itself and the earlier keys of its document."""
+    starts = Documents.from_ids(ids).positions()[0]  # offset of each position in its document
+    return int(starts[positions].add(1).sum())
+
+
+def packed_balance(seq_len: int = 32_768) -> None:
+    ids = packed_document_ids(seq_len)
+    lengths = torch.bincount(ids[0]).tolist()
+    for cp in (4, 8):
+        chunk = seq_len // cp
+        splits = {"head_tail": [head_tail_indices(seq_len, cp, r) for r in range(cp)],
+                  "contiguous": [torch.arange(r * chunk, (r + 1) * chunk) for r in range(cp)]}
+        for name, shards in splits.items():
+            per_rank = [document_pairs(shard, ids) for shard in shards]
+            config = {"cp": cp, "seq_len": seq_len, "documents": len(lengths), "longest": max(lengths),
+                      "split": name}
+            print(_line("cp_packed_balance", config, "max_over_mean_pairs",
+                        max(per_rank) / statistics.mean(per_rank), "ratio", 1.0), flush=True)
+    computed = sum(run_distributed(ring_pairs, 4, args=(seq_len, ids)))
+    one_document = sum(run_distributed(ring_pairs, 4, args=(seq_len,)))
+    config = {"cp": 4, "seq_len": seq_len, "documents": len(lengths), "mode": "ring",
+              "baseline": "the same sequence as one document"}
+    print(_line("cp_packed_kernel_pairs", config, "pairs", computed, "pairs", one_document), flush=True)
+    visible = document_pairs(torch.arange(seq_len), ids)
+    print(_line("cp_packed_kernel_pairs", {**config, "baseline": "visible pairs"}, "pairs", computed, "pairs",
+                visible), flush=True)
 
 
 def fused_against_reference(seq: int) -> None:
