@@ -1272,8 +1272,8 @@ MUTANTS = [
              "        return torch.arange(self.seq_len, device=self.ids.device) + 0 * starts"),),
            ("tests/test_packed_documents.py",)),
     Mutant("packed_every_row_takes_the_first_rows_spans", "src/orangetron/model/attention.py",
-           (("    if len(groups) == 1:\n        return _documents_of_rows",
-             "    if groups:\n        return _documents_of_rows"),),
+           (("    if len(groups) == 1:\n        return [(None, groups[0][1])]",
+             "    if groups:\n        return [(None, groups[0][1])]"),),
            ("tests/test_packed_documents.py",)),
     Mutant("packed_attention_layer_drops_the_documents", "src/orangetron/model/layers.py",
            (("self.core_attention(q, k, v) if documents is None else self.core_attention(q, k, v, documents)",
@@ -1346,6 +1346,13 @@ MUTANTS = [
            (("                         impl=self.impl, documents=documents)",
              "                         impl=self.impl)"),),
            ("tests/test_packed_documents.py::test_parallel_packed_training_matches_plain_torch_with_dense_masks",)),
+    Mutant("packed_backward_reads_the_rows_first_lse", "src/orangetron/model/attention.py",
+           (("_rows(lse, rows)[:, :, a:b],", "_rows(lse, rows)[:, :, :b - a],"),),
+           ("tests/test_packed_documents.py",)),
+    Mutant("packed_attention_keeps_a_second_output", "src/orangetron/model/attention.py",
+           (("        ctx.save_for_backward(q, k, v, out, lse)",
+             "        ctx.save_for_backward(q, k, v, out.clone(), lse)"),),
+           ("tests/test_packed_documents.py::test_packed_attention_keeps_what_one_causal_call_keeps",)),
 ]
 
 

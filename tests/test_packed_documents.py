@@ -10,6 +10,7 @@ import pytest
 import torch
 from trainer_reference import assert_matches_reference, reference_training
 
+from orangetron import memory
 from orangetron.model import ModelConfig, Transformer, model_preset
 from orangetron.model.attention import document_attention
 from orangetron.model.documents import DocumentIdsError, Documents
@@ -202,3 +203,16 @@ def test_parallel_packed_training_matches_plain_torch_with_dense_masks(tmp_path,
                       out=str(tmp_path / "run"), save_every=3, **layout)
     result = train(cfg, progress=False)
     assert_matches_reference(result, tmp_path / "run", reference_training(cfg), rtol=1e-9)
+
+
+def test_packed_attention_keeps_what_one_causal_call_keeps():
+    """The per-document calls keep q, k, v, the whole output and its log-sum-exp once, as one causal call does:
+    the saved activations of a packed forward equal those of a plain one (same positions, so equal RoPE tables)."""
+    model = Transformer(MODEL, seed=1, dtype=torch.float64)
+    tokens = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(3))
+    peaks = []
+    for documents in (None, Documents.from_ids(ids_of(ROW_LENGTHS))):
+        with memory.track_activations(model) as meter:
+            model(tokens, position_ids=torch.arange(16), documents=documents).sum().backward()
+        peaks.append(meter.peak_bytes)
+    assert peaks[0] > 0 and peaks[1] == peaks[0]

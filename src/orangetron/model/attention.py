@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .autograd import CPUFlashAttention, expand_kv
-from .documents import Documents
+from .documents import Documents, Spans
 
 KERNEL_IMPLS = ("fused", "reference")
 Runs = tuple[tuple[int, int], ...]  # global positions as [start, stop) ranges, in tensor order
@@ -69,26 +69,70 @@ def document_attention(
     sees key j iff j <= i and both lie in the same document of `documents` (whose rows match q's).
 
     Each document is one causal call over its own contiguous range (rows with the same spans share calls), so
-    the fused kernels compute no masked-out pair, and a one-token document sees itself alone.
+    the fused kernels compute no masked-out pair, and a one-token document sees itself alone. Backward makes
+    the same calls from the whole output and log-sum-exp, which are kept once, with q, k and v: what one causal
+    call over the rows keeps. lse carries no gradient.
     """
     if tuple(documents.ids.shape) != tuple(q.shape[:2]):
         raise ValueError(f"documents {tuple(documents.ids.shape)} do not match q {tuple(q.shape)}: expected [B, S]")
+    _check_inputs(q, k, v, True)
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = _DocumentAttention.apply(q, k, v, documents, scale, impl)
+    return out, lse
+
+
+class _DocumentAttention(torch.autograd.Function):
+    """One causal kernel call per document forward, the kernel's backward per document backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, documents: Documents, scale: float, impl: str):
+        out = torch.empty_like(q)
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q.dtype))  # [B, Hq, S]
+        for rows, spans in _row_groups(documents, q.device):
+            for a, b in spans:
+                piece, piece_lse = attention_kernel(*(_rows(t, rows)[:, a:b] for t in (q, k, v)), causal=True,
+                                                    scale=scale, impl=impl)
+                _put_rows(out, rows, (slice(None), slice(a, b)), piece)
+                _put_rows(lse, rows, (slice(None), slice(None), slice(a, b)), piece_lse.to(lse.dtype))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.documents, ctx.scale, ctx.impl = documents, scale, impl
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for rows, spans in _row_groups(ctx.documents, q.device):
+            for a, b in spans:
+                seq = (slice(None), slice(a, b))
+                grads = attention_kernel_backward(
+                    *(_rows(t, rows)[seq] for t in (grad_out, q, k, v, out)), _rows(lse, rows)[:, :, a:b],
+                    causal=True, scale=ctx.scale, impl=ctx.impl)
+                for whole, piece in zip((dq, dk, dv), grads, strict=True):
+                    _put_rows(whole, rows, seq, piece.to(whole.dtype))
+        return dq, dk, dv, None, None, None
+
+
+def _row_groups(documents: Documents, device: torch.device) -> list[tuple[torch.Tensor | None, Spans]]:
+    """(row index, or None for every row; their spans) per group of rows with the same documents."""
     groups = documents.row_groups()
     if len(groups) == 1:
-        return _documents_of_rows(q, k, v, groups[0][1], scale, impl)
-    outs, lses = [None] * q.shape[0], [None] * q.shape[0]
-    for rows, spans in groups:
-        index = torch.tensor(rows, device=q.device)
-        out, lse = _documents_of_rows(q[index], k[index], v[index], spans, scale, impl)
-        for j, r in enumerate(rows):
-            outs[r], lses[r] = out[j : j + 1], lse[j : j + 1]
-    return torch.cat(outs), torch.cat(lses)
+        return [(None, groups[0][1])]
+    return [(torch.tensor(rows, device=device), spans) for rows, spans in groups]
 
 
-def _documents_of_rows(q, k, v, spans, scale, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    calls = [attention_kernel(q[:, a:b], k[:, a:b], v[:, a:b], causal=True, scale=scale, impl=impl)
-             for a, b in spans]
-    return torch.cat([out for out, _ in calls], dim=1), torch.cat([lse for _, lse in calls], dim=2)
+def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.index_select(0, rows)
+
+
+def _put_rows(whole: torch.Tensor, rows: torch.Tensor | None, where: tuple, piece: torch.Tensor) -> None:
+    if rows is None:
+        whole[where] = piece
+    else:
+        whole[(rows, *where[1:])] = piece
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
