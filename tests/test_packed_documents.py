@@ -189,8 +189,9 @@ def test_packing_is_on_by_default_for_prepared_data_only(tmp_path):
 
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=2, sequence_parallel=True), dict(dp=2, ep=2),
                                     dict(cp=2, tp=2, sequence_parallel=True, cp_mode="ring"),
-                                    dict(cp=3, cp_mode="allgather")],
-                         ids=["tp2-pp2-sp", "dp2-ep2", "tp2-cp2-sp-ring", "cp3-allgather"])
+                                    dict(cp=3, cp_mode="allgather"),
+                                    dict(tp=2, cp=2, pp=2, sequence_parallel=True, cp_mode="usp", ulysses_degree=2)],
+                         ids=["tp2-pp2-sp", "dp2-ep2", "tp2-cp2-sp-ring", "cp3-allgather", "tp2-cp2-pp2-usp"])
 def test_parallel_packed_training_matches_plain_torch_with_dense_masks(tmp_path, layout):
     """The documents travel with every micro-batch through tensor parallelism (sequence-parallel included), both
     pipeline stages, data and expert parallelism: float64 losses, gradient norms, parameters and moments equal
