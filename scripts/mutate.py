@@ -1353,6 +1353,15 @@ MUTANTS = [
            (("        ctx.save_for_backward(q, k, v, out, lse)",
              "        ctx.save_for_backward(q, k, v, out.clone(), lse)"),),
            ("tests/test_packed_documents.py::test_packed_attention_keeps_what_one_causal_call_keeps",)),
+    Mutant("packed_plan_prices_the_mean_rank_not_the_busiest", "src/orangetron/plan/compute.py",
+           (("        busiest.append(max(per_rank))", "        busiest.append(sum(per_rank) / cp)"),),
+           ("tests/test_plan_documents.py",)),
+    Mutant("packed_plan_documents_never_restart_in_a_new_sequence", "src/orangetron/plan/compute.py",
+           (("    return n * (x - a) + n * (n + 1) / 2", "    return n * x + n * (n + 1) / 2"),),
+           ("tests/test_plan_documents.py",)),
+    Mutant("packed_plan_ignores_the_document_lengths", "src/orangetron/plan/timing.py",
+           (("    if job.doc_lengths and model.causal:", "    if False:"),),
+           ("tests/test_plan_documents.py",)),
 ]
 
 

@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from orangetron.cli.presets import add_presets_command
 from orangetron.plan.estimate import Estimate, estimate
@@ -50,6 +51,10 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                           "K stages of N, as Megatron's --pipeline-model-parallel-layout places them (planner "
                           "only; default: the even split). DeepSeek-V3 at pp 16 as Megatron-Bridge: 4x15,1")
     est.add_argument("--micro-batch", type=int, default=1)
+    est.add_argument("--doc-lengths", type=_doc_lengths, default=(), metavar="FILE",
+                     help="packed documents: a file of document lengths in tokens, one per line, or LENGTH COUNT "
+                          "(a histogram); attention is priced on the busiest head-tail cp rank's visible keys "
+                          "(default: one document per sequence)")
     est.add_argument("--recompute", choices=RECOMPUTE, default="none")
     est.add_argument("--recompute-layers", type=int, default=0, metavar="N",
                      help="--recompute full: replay only the first N layers of each pipeline chunk (Megatron's "
@@ -231,7 +236,7 @@ def _job(args: argparse.Namespace) -> Job:
               overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce, fp8=args.fp8,
               fp8_recipe=args.fp8_recipe, grad_bucket_numel=args.grad_bucket_numel,
               zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
-              grad_accumulation_fusion=args.grad_accumulation_fusion)
+              grad_accumulation_fusion=args.grad_accumulation_fusion, doc_lengths=getattr(args, "doc_lengths", ()))
 
 
 def format_estimate(est: Estimate) -> str:
@@ -336,6 +341,26 @@ def format_ranking(ranked: list[Estimate]) -> str:
                     f"{j.micro_batch:>3} {zero:<8} {recompute:<9} {mode:<9} {e.memory['total'] / GIB:>8.1f} "
                     f"{e.time.step_s:>8.3f} {100 * e.time.mfu:>6.1f}")
     return "\n".join(rows)
+
+
+def _doc_lengths(path: str) -> tuple[int, ...]:
+    """A file of document lengths, one per line, or `LENGTH COUNT` lines (a histogram), in packing order."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise argparse.ArgumentTypeError(f"{path}: cannot read document lengths ({err})") from None
+    lengths: list[int] = []
+    for number, line in enumerate(lines, 1):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) > 2 or not all(f.isdigit() and int(f) >= 1 for f in fields):
+            raise argparse.ArgumentTypeError(f"{path}:{number}: expected LENGTH or LENGTH COUNT (integers >= 1), "
+                                             f"not {line.strip()!r}")
+        lengths += [int(fields[0])] * (int(fields[1]) if len(fields) == 2 else 1)
+    if not lengths:
+        raise argparse.ArgumentTypeError(f"{path}: no document lengths")
+    return tuple(lengths)
 
 
 def _layout(text: str) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ from orangetron.plan.compute import (
     ATTN_QUERY_TILE,
     TRITON_FLASH_GAP,
     causal_keys,
+    document_keys,
     flash_efficiency,
     gemm_time,
     linear_parts,
@@ -207,8 +208,11 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     heads = model.num_heads // deg.tp
     if job.attention_kernel == "eager":
         return _eager_attention_time(model, rows, job.seq_len, b * heads, cluster, job)
-    # Head-tail CP keeps every rank's causal work equal to 1/cp of the whole sequence's.
+    # Head-tail CP keeps every rank's causal work equal to 1/cp of the whole sequence's; not so for packed
+    # documents, whose busiest rank sets the time.
     keys = causal_keys(job.seq_len) if model.causal else float(job.seq_len)
+    if job.doc_lengths and model.causal:
+        keys = document_keys(job.doc_lengths, job.seq_len, deg.cp)
     flops = _attention_flops(model, rows * b, keys, heads)
     ctas = b * heads * -(-rows // ATTN_QUERY_TILE)
     peak = gpu.peak_flops(job.param_dtype)  # attention stays in 16-bit under FP8 training (as TE does)

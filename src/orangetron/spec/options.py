@@ -63,6 +63,9 @@ class Job(ParallelConfig):
     grad_accumulation_fusion: bool = False
     fp8: bool = False  # FP8 linear layers (Transformer Engine style); planner only
     fp8_recipe: str = "delayed"  # how FP8 tensors are scaled (FP8_RECIPES)
+    # Packed documents' lengths in tokens, in the order they are packed into sequences of seq_len (a document
+    # continued into the next sequence restarts there); empty: one document per sequence. Planner only
+    doc_lengths: tuple[int, ...] = ()
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
@@ -73,6 +76,9 @@ class Job(ParallelConfig):
         check_choice("grad_dtype", self.grad_dtype, tuple(DTYPE_BYTES))
         self._check_grad_accumulation_fusion()
         object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))  # a list from JSON or TOML
+        object.__setattr__(self, "doc_lengths", tuple(self.doc_lengths))
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.doc_lengths):
+            raise ValueError("doc_lengths: document lengths must be integers >= 1")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
             raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
         rules.fp8_recipe_needs_fp8(self.fp8_recipe, self.fp8)
