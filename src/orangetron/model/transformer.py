@@ -45,9 +45,8 @@ class KeepActivations(nn.Module):
     """How a block runs its body on one device: straight through, autograd keeping what the body saves.
 
     forward(body, x, cos, sin, token_mask, documents) -> body(x, cos, sin, token_mask, documents).
-    `TransformerBlock.recompute` holds
-    this module: the seam where activation recompute puts a version that keeps only the body's inputs and
-    replays it in backward (`orangetron/parallel/recompute.py`), with the same signature.
+    `TransformerBlock.recompute` holds this module: the seam where activation recompute puts a version that keeps
+    only the body's inputs and replays it in backward (`orangetron/parallel/recompute.py`), with the same signature.
     """
 
     def forward(self, body: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor,

@@ -38,9 +38,8 @@ Body = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 class Recompute(nn.Module):
     """The recompute seam of a replayed block: forward(body, x, cos, sin, token_mask, documents) -> (out, aux loss
-    or None),
-    as `model.transformer.KeepActivations`, keeping only the inputs for backward. Without gradients (evaluation)
-    the body just runs."""
+    or None), as `model.transformer.KeepActivations`, keeping only the inputs for backward (the documents of
+    packed rows, plain data, go with the body). Without gradients (evaluation) the body just runs."""
 
     def forward(self, body: Body, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 token_mask: torch.Tensor | None,
