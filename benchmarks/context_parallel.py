@@ -15,8 +15,10 @@
    for_cpu has no sharding rule), so it is not compared here.
 5. Packed documents: the embedded corpus's files (one document each, bytes are tokens) packed into 32,768
    tokens; visible query-key pairs per cp rank (earlier keys of the same document) under the head-tail and a
-   contiguous split, max/mean, at cp = 4 and 8; and the pairs our ring attention handed the fused kernel at
-   cp = 4, summed over ranks, against the pairs of the same sequence as one document.
+   contiguous split, max/mean, at cp = 4 and 8; the pairs our ring attention handed the fused kernel at
+   cp = 4, summed over ranks, against the pairs of the same sequence as one document; and the bytes ring
+   attention sends over all ranks, forward and backward, with and without the documents (blocks no later rank sees
+   stay home).
 """
 
 from __future__ import annotations
@@ -208,6 +210,22 @@ def packed_balance(seq_len: int = 32_768) -> None:
     visible = document_pairs(torch.arange(seq_len), ids)
     print(_line("cp_packed_kernel_pairs", {**config, "baseline": "visible pairs"}, "pairs", computed, "pairs",
                 visible), flush=True)
+    for cp in (4, 8):
+        packed = sum(run_distributed(ring_bytes, cp, args=(seq_len, ids)))
+        whole = sum(run_distributed(ring_bytes, cp, args=(seq_len, None)))
+        config = {"cp": cp, "seq_len": seq_len, "documents": len(lengths), "mode": "ring", "heads": 1,
+                  "head_dim": 4, "baseline": "the same sequence as one document"}
+        print(_line("cp_packed_ring_bytes", config, "bytes_sent_all_ranks", packed, "B", whole), flush=True)
+
+
+def ring_bytes(seq_len: int, document_ids: torch.Tensor | None) -> int:
+    """Bytes this rank sent through one ring attention forward and backward (one head of 4, float32)."""
+    mesh = init_mesh(Layout(cp=mesh_size()))
+    q = torch.randn(1, seq_len // mesh["cp"].size, 1, 4, requires_grad=True)
+    documents = None if document_ids is None else Documents.from_ids(document_ids)
+    with comm.measure() as records:
+        ring.attention(q, q, q, mesh["cp"], causal=True, scale=0.5, documents=documents)[0].sum().backward()
+    return sum(r.bytes_sent for r in records)
 
 
 def fused_against_reference(seq: int) -> None:

@@ -194,9 +194,9 @@ def ring_events(cp: int) -> list[str]:
     events: list[str] = []
     start, wait, backward = comm.RingExchange.start, comm.RingExchange.wait, ring.attend_backward
 
-    def logged_start(self, x):
+    def logged_start(self, x, *directions):
         events.append(f"start {id(self)}")
-        return start(self, x)
+        return start(self, x, *directions)
 
     def logged_wait(self):
         events.append(f"wait {id(self)}")

@@ -129,3 +129,46 @@ def test_every_mode_masks_packed_documents_as_one_device(cp):
             seen = int(visible(document_ids(2 * cp * CHUNK, rows)).sum())
             computed = sum(p[key] for p in pairs)
             assert computed == seen * holders(mode, cp), (cp, mode, rows, computed, seen)
+
+
+def ring_traffic(cp: int) -> dict:
+    """Ring attention, forward and backward, over one row whose every head-tail chunk is a document of its own,
+    and over the same row as one sequence: this rank's output and gradients, and the bytes it sent."""
+    from orangetron import comm
+
+    mesh = init_mesh(Layout(cp=cp))
+    seq = 2 * cp * CHUNK
+    results = {}
+    for name, documents in (("chunks", Documents.from_ids(chunk_ids(seq))), ("one", None)):
+        q, k, v, weight = (context.shard(t, mesh).requires_grad_() for t in inputs(cp, 1))
+        with comm.measure() as records:
+            out = context.attention(q, k, v, mesh, mode="ring", documents=documents)
+            (out * weight.detach()).sum().backward()
+        results[name] = (out.detach(), q.grad, k.grad, v.grad, sum(r.bytes_sent for r in records), k.numel() * 16)
+    return results
+
+
+def chunk_ids(seq: int) -> torch.Tensor:
+    return (torch.arange(seq) // CHUNK).unsqueeze(0)  # [1, S]: every chunk its own document
+
+
+@pytest.mark.parametrize("cp", (2, 3))
+def test_ring_sends_no_block_that_no_later_rank_sees(cp):
+    """Every head-tail chunk its own document: no rank sees another's keys, so neither K,V ring (forward, and
+    again in backward) sends anything; the dK,dV accumulators still go round once (cp hops). One sequence: all
+    of it, (cp - 1) + (cp - 1) + cp blocks. The result still equals one device under the dense mask."""
+    per_rank = run_distributed(ring_traffic, cp, args=(cp,))
+    for rank in per_rank:
+        kv_bytes = rank["chunks"][5]  # k and v of this rank, float64
+        assert rank["chunks"][4] == cp * kv_bytes
+        assert rank["one"][4] == (3 * cp - 2) * kv_bytes
+    q, k, v, weight = (t.requires_grad_() for t in inputs(cp, 1))
+    group = q.shape[2] // k.shape[2]
+    kh, vh = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in (k, v))
+    scores = q.transpose(1, 2) @ kh.transpose(-1, -2) / HEAD_DIM**0.5
+    scores = scores.masked_fill(~visible(chunk_ids(q.shape[1])).unsqueeze(1), float("-inf"))
+    want = (scores.softmax(-1) @ vh).transpose(1, 2)
+    (want * weight).sum().backward()
+    for i, expected in enumerate((want.detach(), q.grad, k.grad, v.grad)):
+        got = _whole([r["chunks"][i] for r in per_rank], cp)
+        assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-9, i

@@ -413,15 +413,21 @@ def broadcast(x: torch.Tensor, group: MeshGroup, src: int = 0) -> torch.Tensor:
 # ---- ring exchange ----------------------------------------------------------------------------------
 
 
-def _shift(x: torch.Tensor, group: MeshGroup, step: int) -> tuple[torch.Tensor, list]:
-    """Post send of `x` to member rank+step and receive from rank-step; returns (buffer, works)."""
+def _shift(x: torch.Tensor, group: MeshGroup, step: int, send: bool = True,
+           receive: bool = True) -> tuple[torch.Tensor | None, list]:
+    """Post send of `x` to member rank+step and receive a tensor like it from rank-step; returns (buffer, works).
+    `send` or `receive` False leaves that half out (no buffer without `receive`); neither posts nothing."""
     x = x.contiguous()
-    received = torch.empty_like(x)
-    ops = [
-        dist.P2POp(dist.isend, x, group.global_rank(group.rank + step), group.group),
-        dist.P2POp(dist.irecv, received, group.global_rank(group.rank - step), group.group),
-    ]
-    _record("send_recv", group, _nbytes(x), formulas.send_recv_bytes(_nbytes(x), _nbytes(received)))
+    received = torch.empty_like(x) if receive else None
+    ops = []
+    if send:
+        ops.append(dist.P2POp(dist.isend, x, group.global_rank(group.rank + step), group.group))
+    if receive:
+        ops.append(dist.P2POp(dist.irecv, received, group.global_rank(group.rank - step), group.group))
+    if not ops:
+        return None, []
+    sent_bytes = _nbytes(x) if send else 0
+    _record("send_recv", group, sent_bytes, formulas.send_recv_bytes(sent_bytes, _nbytes(x) if receive else 0))
     return received, dist.batch_isend_irecv(ops)
 
 
@@ -453,25 +459,28 @@ class RingExchange:
         self.group = group
         self._pending: tuple[torch.Tensor, torch.Tensor, list] | None = None
 
-    def start(self, x: torch.Tensor) -> None:
+    def start(self, x: torch.Tensor, send: bool = True, receive: bool = True) -> None:
+        """Post the transfer. `send=False` keeps x home (the next member must not receive), `receive=False`
+        expects nothing from the previous member (which must not send); x then only gives the shape."""
         if self._pending is not None:
             raise RuntimeError("RingExchange.start called twice without wait")
         if self.group.size == 1:
-            self._pending = (x, x, [])
+            self._pending = (x, x if receive else None, [])
             return
-        received, works = _shift(x.detach(), self.group, step=1)
+        received, works = _shift(x.detach(), self.group, step=1, send=send, receive=receive)
         self._pending = (x, received, works)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> torch.Tensor | None:
+        """The received tensor; None when `start` was told not to receive."""
         if self._pending is None:
             raise RuntimeError("RingExchange.wait called before start")
         sent, received, works = self._pending
         self._pending = None
         if self.group.size == 1:
-            return sent
+            return received
         for work in works:
             work.wait()
-        return _RingLink.apply(sent, received, self.group)
+        return None if received is None else _RingLink.apply(sent, received, self.group)
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         """`start(x)` then `wait()`: a blocking ring shift."""
