@@ -85,7 +85,10 @@ class Dispatcher(nn.Module):
         compute = compute or run_local_experts
         if self.overlap_chunks == 1:
             recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatch(x, topk_idx, topk_weights)
-            return self.combine(compute(experts, recv_x, recv_idx, recv_w, tokens_per_expert), handle)
+            # A mode that read the counts on the host already hands them over, so the experts need not read again.
+            counts = getattr(handle, "tokens_per_expert", None)
+            counts = tokens_per_expert if counts is None else counts
+            return self.combine(compute(experts, recv_x, recv_idx, recv_w, counts), handle)
         self._check(x, topk_idx, topk_weights)
         return overlap.overlapped(x, topk_idx, topk_weights, self.group, self.num_experts, self.overlap_chunks,
                                   experts, compute)
@@ -97,21 +100,22 @@ class Dispatcher(nn.Module):
                              f"{tuple(x.shape)}, {tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")
         if topk_idx.dtype != torch.int64:
             raise ValueError(f"dispatch: topk_idx must be int64, got {topk_idx.dtype}")
-        if topk_idx.numel() and not (int(topk_idx.min()) >= 0 and int(topk_idx.max()) < self.num_experts):
-            bad = topk_idx[(topk_idx < 0) | (topk_idx >= self.num_experts)][0].item()
-            raise ValueError(f"dispatch: expert id {bad} is out of range [0, num_experts={self.num_experts})")
+        # The ids' range is checked by each mode in its host read of the counts (`routing.read_counts`): a check
+        # here would read the device once more per dispatch.
 
 
 def run_local_experts(experts: nn.Module, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor,
-                      recv_topk_weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+                      recv_topk_weights: torch.Tensor, tokens_per_expert: torch.Tensor | list[int]) -> torch.Tensor:
     """Apply the local `GroupedExperts` to the received rows: each row's weighted outputs of its local
-    slots, summed ([R, dim]); rows with no local slot (padding) give zeros."""
+    slots, summed ([R, dim]); rows with no local slot (padding) give zeros. `tokens_per_expert` is read on
+    the host once (a list is taken as read already) and serves both the cut and the experts' groups."""
     rows, k = recv_topk_idx.shape
     slots = recv_topk_idx.reshape(-1)
     local = experts.w1.shape[0]
+    counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
     # Copies grouped by local expert, row order kept within an expert; -1 slots sort last and are cut off.
     # A copy of the cut: backward keeps `order`, which must not hold the cut-off tail.
-    order = torch.argsort(torch.where(slots < 0, local, slots), stable=True)[: int(tokens_per_expert.sum())].clone()
+    order = torch.argsort(torch.where(slots < 0, local, slots), stable=True)[: sum(counts)].clone()
     row_of_copy = order // k
-    out = experts(recv_x[row_of_copy], tokens_per_expert, recv_topk_weights.reshape(-1)[order])
+    out = experts(recv_x[row_of_copy], counts, recv_topk_weights.reshape(-1)[order])
     return sum_rows(out, row_of_copy, rows)  # [R, dim]
