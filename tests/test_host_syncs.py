@@ -1,6 +1,8 @@
 """Host syncs per training step within budget: none in any attention block (every CP mode and the plain model),
-at most one per expert dispatch (every dispatcher), counted on CPU by the operations that would sync a GPU
-(`host_syncs.count_host_syncs`). docs/runtime.md, "Host syncs", lists the counts.
+per expert dispatch one read that sizes the transfers and one per token chunk that sizes the expert groups
+(every dispatcher), counted on CPU by the operations that would sync a GPU (`host_syncs.count_host_syncs`);
+docs/runtime.md, "Host syncs", lists the counts. The same launch checks the order of each MoE layer's shared
+expert and its combine: the shared expert computes while the combine travels.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import pytest
 import torch
 from host_syncs import Sync, count_host_syncs
 
+from orangetron import comm
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
+from orangetron.model.moe import MoE
 from orangetron.parallel import ParallelConfig, context, parallelize
 from orangetron.parallel.expert.dispatcher import Dispatcher
 from orangetron.spec.layout import Layout
@@ -46,21 +50,28 @@ def step_syncs(cfg: ModelConfig, layout: Layout, options: dict, dtype: str) -> d
     if mesh["cp"].size > 1:
         positions = context.position_ids(SEQ, mesh)
         inputs, labels = context.shard(inputs, mesh), context.shard(labels, mesh)
-    calls = {"dispatches": 0}
-    original = Dispatcher.dispatch_compute_combine
+    calls, events = {"dispatches": 0}, []
+    original, wait = Dispatcher.dispatch_compute_combine, comm.Pending.wait
 
     def counted(self, *args, **kwargs):
         calls["dispatches"] += 1
         return original(self, *args, **kwargs)
 
-    Dispatcher.dispatch_compute_combine = counted
+    def waited(self):
+        events.append(("wait", None))
+        return wait(self)
+
+    Dispatcher.dispatch_compute_combine, comm.Pending.wait = counted, waited
+    for moe in (m for m in dp.module.modules() if isinstance(m, MoE) and m.shared_expert is not None):
+        moe.shared_expert.register_forward_hook(lambda *_: events.append(("shared", records[-1].op)))
     try:
-        with count_host_syncs() as syncs:
+        with count_host_syncs() as syncs, comm.measure() as records:
             loss = dp.module.loss_from_logits(dp(inputs, position_ids=positions, token_mask=labels >= 0), labels)
+            forward = list(events)
             loss.backward()
     finally:
-        Dispatcher.dispatch_compute_combine = original
-    return {"syncs": syncs, "blocks": cfg.n_layers, **calls}
+        Dispatcher.dispatch_compute_combine, comm.Pending.wait = original, wait
+    return {"syncs": syncs, "blocks": cfg.n_layers, "forward": forward, **calls}
 
 
 def all_cases() -> dict:
@@ -106,6 +117,17 @@ def test_host_syncs_per_expert_dispatch_within_budget(name, dtype):
         transfers = [s for s in experts if "read_counts" in s.site]
         assert len(transfers) <= (2 if name == "allgather" else 1) * got["dispatches"], f"{where}: {transfers}"
         assert _by_region(got["syncs"], "attention") == [], where
+
+
+@pytest.mark.parametrize("name", ["ragged", "capacity", "allgather"])
+def test_shared_experts_compute_while_the_combine_travels(name):
+    """In forward, each layer's shared expert runs after its combine's collective started (the last record is
+    the combine's) and before that collective is waited for (the next wait), in every dtype."""
+    combine = "reduce_scatter" if name == "allgather" else "all_to_all"
+    for rank, per_case in enumerate(results()):
+        for dtype in DTYPES:
+            got = per_case[f"moe {name} {dtype}"]["forward"]
+            assert got == [("shared", combine), ("wait", None)] * MOE.n_layers, f"{name} {dtype} rank {rank}"
 
 
 def test_the_counter_sees_each_kind_of_sync():

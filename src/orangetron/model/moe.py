@@ -14,6 +14,9 @@ gate, up and weighted product; the permutations are recomputed from the top-k id
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -203,16 +206,19 @@ class GroupedExperts(nn.Module):
 class LocalDispatcher(nn.Module):
     """Every routed token to its experts on this device and back: dispatch, the experts, combine.
 
-    forward(x_flat [T, dim], topk_idx [T, k], topk_weights [T, k], experts) -> [T, dim], each token the sum of
-    its weighted expert outputs; the signature of `orangetron/parallel/expert/dispatcher.py`'s `Dispatcher`.
+    forward(x_flat [T, dim], topk_idx [T, k], topk_weights [T, k], experts, shared=None) -> [T, dim], each token
+    the sum of its weighted expert outputs, plus `shared()` (the shared experts' output) when given; the signature
+    of `orangetron/parallel/expert/dispatcher.py`'s `Dispatcher`, which computes `shared()` while its combine
+    travels.
     """
 
     def forward(self, x_flat: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                experts: GroupedExperts) -> torch.Tensor:
+                experts: GroupedExperts, shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         x_sorted, weights_sorted, tokens_per_expert, handle = self.dispatch(x_flat, topk_idx, topk_weights,
                                                                             experts.w1.shape[0])
         y_sorted = experts(x_sorted, tokens_per_expert, weights_sorted)  # [T*k, dim], weighted
-        return self.combine(y_sorted, handle)  # [T, dim]
+        y = self.combine(y_sorted, handle)  # [T, dim]
+        return y if shared is None else y + shared()
 
     def dispatch(
         self, x_flat: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, n_experts: int
@@ -264,9 +270,8 @@ class MoE(nn.Module):
         x_flat = x.reshape(-1, x.shape[-1])  # [T, dim]
         mask = None if token_mask is None else token_mask.reshape(-1)
         topk_idx, topk_weights, aux_loss = self.router(x_flat, mask)
-        y = self.dispatcher(x_flat, topk_idx, topk_weights, self.experts)  # [T, dim]
-        if self.shared_expert is not None:
-            y = y + self.shared_output(x_flat)
+        shared = None if self.shared_expert is None else partial(self.shared_output, x_flat)
+        y = self.dispatcher(x_flat, topk_idx, topk_weights, self.experts, shared)  # [T, dim], shared expert added
         return y.view_as(x), aux_loss
 
     def shared_output(self, x_flat: torch.Tensor) -> torch.Tensor:

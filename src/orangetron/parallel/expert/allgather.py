@@ -13,7 +13,7 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
-from orangetron.parallel.expert.routing import read_counts, sum_rows, tokens_per_local_expert
+from orangetron.parallel.expert.routing import InFlight, read_counts, sum_rows, tokens_per_local_expert
 
 
 @dataclass(frozen=True)
@@ -52,5 +52,10 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
 
 def combine(expert_out: torch.Tensor, handle: AllGatherHandle, group: MeshGroup) -> torch.Tensor:
     """Place each kept row's output in the gathered layout and reduce-scatter: [R, dim] -> [T, dim]."""
+    return combine_start(expert_out, handle, group).wait()
+
+
+def combine_start(expert_out: torch.Tensor, handle: AllGatherHandle, group: MeshGroup) -> InFlight:
+    """`combine` that returns at once: its `wait()` gives the [T, dim] result (compute may run until then)."""
     full = sum_rows(expert_out, handle.keep, group.size * handle.padded_tokens)  # [ep * T_max, dim]
-    return comm.reduce_scatter(full, group)[:handle.num_tokens]
+    return InFlight(comm.reduce_scatter_async(full, group), lambda mine: mine[:handle.num_tokens])

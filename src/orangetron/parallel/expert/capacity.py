@@ -96,4 +96,4 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     return recv_x, recv_idx, recv_w, tokens_per_expert, handle
 
 
-combine = ragged.combine  # the padded rows travel back like any other
+combine, combine_start = ragged.combine, ragged.combine_start  # the padded rows travel back like any other

@@ -26,13 +26,16 @@ device, same signature).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from orangetron import comm
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
 from orangetron.parallel.expert import overlap
-from orangetron.parallel.expert.routing import sum_rows
+from orangetron.parallel.expert.routing import InFlight, sum_rows
 from orangetron.spec import rules
 from orangetron.spec.variants import DISPATCHERS
 
@@ -62,9 +65,10 @@ class Dispatcher(nn.Module):
         self.first_expert = self.group.rank * self.local_experts
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                experts: nn.Module) -> torch.Tensor:
-        """x [T, dim] -> [T, dim]: `dispatch_compute_combine` with the local `experts` (`run_local_experts`)."""
-        return self.dispatch_compute_combine(x, topk_idx, topk_weights, experts)
+                experts: nn.Module, shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, dim] -> [T, dim]: `dispatch_compute_combine` with the local `experts` (`run_local_experts`),
+        plus `shared()` (the shared experts' [T, dim]) computed while the combine travels."""
+        return self.dispatch_compute_combine(x, topk_idx, topk_weights, experts, shared=shared)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         """x [T, dim], topk_idx [T, k] int64 in [0, E), topk_weights [T, k] -> (recv_x, recv_topk_idx,
@@ -76,22 +80,36 @@ class Dispatcher(nn.Module):
         """expert_out [R, dim] (the received rows' outputs, weighted) -> [T, dim] summed per token."""
         return self.runtime.combine(expert_out, handle, self.group)
 
+    def combine_start(self, expert_out: torch.Tensor, handle) -> InFlight:
+        """`combine` that returns at once: `wait()` gives the [T, dim] result. A mode without a `combine_start`
+        of its own (a plugin's) combines at once."""
+        start = getattr(self.runtime, "combine_start", None)
+        if start is None:
+            return InFlight(comm.Pending(self.combine(expert_out, handle), None), lambda y: y)
+        return start(expert_out, handle, self.group)
+
     def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                                 experts: nn.Module, compute: overlap.ExpertCompute | None = None) -> torch.Tensor:
-        """`combine(compute(experts, *dispatch(x, ...)[:4]), handle)`: x [T, dim] -> [T, dim]; `compute`
-        defaults to `run_local_experts`. With `overlap_chunks` > 1 the tokens go in chunks, each chunk's
-        all-to-all overlapping another chunk's compute (forward and backward); `compute` may then use no
-        parameters but those of `experts`."""
+                                 experts: nn.Module, compute: overlap.ExpertCompute | None = None,
+                                 shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """`combine(compute(experts, *dispatch(x, ...)[:4]), handle)` (+ `shared()`): x [T, dim] -> [T, dim];
+        `compute` defaults to `run_local_experts`. `shared` runs after the combine has started and before it is
+        waited for, so the shared experts compute while the routed rows travel home. With `overlap_chunks` > 1
+        the tokens go in chunks, each chunk's all-to-all overlapping another chunk's compute (forward and
+        backward); `compute` may then use no parameters but those of `experts`, and `shared` runs after."""
         compute = compute or run_local_experts
-        if self.overlap_chunks == 1:
-            recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatch(x, topk_idx, topk_weights)
-            # A mode that read the counts on the host already hands them over, so the experts need not read again.
-            counts = getattr(handle, "tokens_per_expert", None)
-            counts = tokens_per_expert if counts is None else counts
-            return self.combine(compute(experts, recv_x, recv_idx, recv_w, counts), handle)
-        self._check(x, topk_idx, topk_weights)
-        return overlap.overlapped(x, topk_idx, topk_weights, self.group, self.num_experts, self.overlap_chunks,
-                                  experts, compute)
+        if self.overlap_chunks > 1:
+            self._check(x, topk_idx, topk_weights)
+            y = overlap.overlapped(x, topk_idx, topk_weights, self.group, self.num_experts, self.overlap_chunks,
+                                   experts, compute)
+            return y if shared is None else y + shared()
+        recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatch(x, topk_idx, topk_weights)
+        # A mode that read the counts on the host already hands them over, so the experts need not read again.
+        counts = getattr(handle, "tokens_per_expert", None)
+        counts = tokens_per_expert if counts is None else counts
+        in_flight = self.combine_start(compute(experts, recv_x, recv_idx, recv_w, counts), handle)
+        extra = None if shared is None else shared()  # while the combine travels
+        y = in_flight.wait()
+        return y if extra is None else y + extra
 
     def _check(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
         if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape != topk_weights.shape \

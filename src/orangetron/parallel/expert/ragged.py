@@ -9,6 +9,7 @@ import torch
 from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.parallel.expert.routing import (
+    InFlight,
     Rows,
     destinations,
     read_counts,
@@ -62,6 +63,11 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
 
 def combine(expert_out: torch.Tensor, handle: RaggedHandle, group: MeshGroup) -> torch.Tensor:
     """Return every row to its sender and sum each token's rows: [R, dim] -> [T, dim]."""
-    back = comm.all_to_all(expert_out, group, handle.recv_rows, handle.send_rows)  # [S, dim]
+    return combine_start(expert_out, handle, group).wait()
+
+
+def combine_start(expert_out: torch.Tensor, handle: RaggedHandle, group: MeshGroup) -> InFlight:
+    """`combine` that returns at once: its `wait()` gives the [T, dim] result (compute may run until then)."""
+    back = comm.all_to_all_async(expert_out, group, handle.recv_rows, handle.send_rows)  # [S, dim] on its way
     # One spare row collects padding rows (capacity), which carry no token.
-    return sum_rows(back, handle.token, handle.num_tokens + 1)[:handle.num_tokens]
+    return InFlight(back, lambda rows: sum_rows(rows, handle.token, handle.num_tokens + 1)[:handle.num_tokens])

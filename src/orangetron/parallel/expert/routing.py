@@ -7,6 +7,7 @@ routing weights (0 in those slots). Rows are grouped by destination rank, in tok
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,16 @@ def tokens_per_local_expert(recv_topk_idx: torch.Tensor, local_experts: int) -> 
     bins = torch.where(slots < 0, local_experts, slots)
     counts = torch.zeros(local_experts + 1, dtype=torch.int64, device=slots.device)
     return counts.scatter_add_(0, bins, torch.ones_like(bins))[:local_experts]
+
+
+class InFlight:
+    """A combine in flight: `wait()` waits for its collective and returns `finish` of what arrived."""
+
+    def __init__(self, started, finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._started, self._finish = started, finish
+
+    def wait(self) -> torch.Tensor:
+        return self._finish(self._started.wait())
 
 
 class SumRows(torch.autograd.Function):
