@@ -19,9 +19,9 @@ spec/dispatchers.py whose runtime module has `dispatch(x, topk_idx, topk_weights
 
 `dispatch_compute_combine(x, topk_idx, topk_weights, compute)` runs the three in one call; with
 `overlap_chunks` > 1 (ragged only) it pipelines them over token chunks so one chunk's all-to-all runs while
-another chunk's experts compute (`overlap.py`). Called as a module with the local experts, a `Dispatcher` is
-the expert-parallel `MoE.dispatcher` (the seam `orangetron/model/moe.py`'s `LocalDispatcher` fills on one
-device, same signature).
+another chunk's experts compute (`overlap.py`). Called as a module with the local experts (and the shared
+experts as a callable, run while the combine travels), a `Dispatcher` is the expert-parallel `MoE.dispatcher`
+(the seam `orangetron/model/moe.py`'s `LocalDispatcher` fills on one device, same signature).
 """
 
 from __future__ import annotations
