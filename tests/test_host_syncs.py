@@ -63,7 +63,7 @@ def step_syncs(cfg: ModelConfig, layout: Layout, options: dict, dtype: str) -> d
 
     Dispatcher.dispatch_compute_combine, comm.Pending.wait = counted, waited
     for moe in (m for m in dp.module.modules() if isinstance(m, MoE) and m.shared_expert is not None):
-        moe.shared_expert.register_forward_hook(lambda *_: events.append(("shared", records[-1].op)))
+        moe.shared_expert.register_forward_hook(lambda *_: events.append(("shared", records and records[-1].op)))
     try:
         with count_host_syncs() as syncs, comm.measure() as records:
             loss = dp.module.loss_from_logits(dp(inputs, position_ids=positions, token_mask=labels >= 0), labels)
