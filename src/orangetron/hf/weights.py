@@ -2,7 +2,8 @@
 
 `sources(spec)` maps every parameter of the reference model to where its values lie in a Hugging Face
 checkpoint of that model's family:
-- `Same`: one HF tensor of the same shape and layout. Hugging Face rotates q and k in the half-split
+- `Same`: one HF tensor of the same shape and layout (Qwen2's q/k/v biases and Qwen3's `q_norm`/`k_norm`
+  weights over one head included). Hugging Face rotates q and k in the half-split
   ("rotate half") convention, as `model.layers.apply_rope` does, so q_proj and k_proj are copied as they are
   (no interleave permutation); key/value heads keep their order (HF's `repeat_kv` gives query head h key/value
   head h // (heads / kv_heads), as `model.attention` does); SwiGLU's gate (w1) is `gate_proj`, up (w3)
@@ -148,8 +149,7 @@ def sources(spec: ModelSpec) -> dict[str, Source]:
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         out[f"{ours}.attention_norm.weight"] = Same(f"{theirs}.input_layernorm.weight")
         out[f"{ours}.ffn_norm.weight"] = Same(f"{theirs}.post_attention_layernorm.weight")
-        for mine, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            out[f"{ours}.attention.{mine}.weight"] = Same(f"{theirs}.self_attn.{hf}.weight")
+        out |= _attention_sources(spec, f"{ours}.attention", f"{theirs}.self_attn")
         if family == "mixtral":
             moe = f"{theirs}.block_sparse_moe"
             out[f"{ours}.feed_forward.router.gate.weight"] = Same(f"{moe}.gate.weight")
@@ -159,6 +159,19 @@ def sources(spec: ModelSpec) -> dict[str, Source]:
         else:
             for mine, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
                 out[f"{ours}.feed_forward.{mine}.weight"] = Same(f"{theirs}.mlp.{hf}.weight")
+    return out
+
+
+def _attention_sources(spec: ModelSpec, ours: str, theirs: str) -> dict[str, Source]:
+    """One attention block: the projections, Qwen2's q/k/v biases, Qwen3's QK-norm weights (`q_norm`, `k_norm`)."""
+    out: dict[str, Source] = {}
+    for mine, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        out[f"{ours}.{mine}.weight"] = Same(f"{theirs}.{hf}.weight")
+        if spec.qkv_bias and mine != "wo":
+            out[f"{ours}.{mine}.bias"] = Same(f"{theirs}.{hf}.bias")
+    if spec.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            out[f"{ours}.{norm}.weight"] = Same(f"{theirs}.{norm}.weight")
     return out
 
 

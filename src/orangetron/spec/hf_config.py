@@ -1,12 +1,14 @@
 """A Hugging Face `config.json` <-> the one model schema, `ModelSpec`: no torch, no second mapping type.
 
-`spec_from_hf` reads a config of a family orangetron builds (Llama, Mixtral) into a `ModelSpec`, accepting
+`spec_from_hf` reads a config of a family orangetron builds (Llama, Qwen2, Qwen3, Mixtral) into a `ModelSpec`,
+accepting
 transformers 5's spellings and the older ones (`rope_parameters` or `rope_scaling` + `rope_theta`,
 `num_local_experts` or `num_experts`); a key the file leaves out means what the family's HF class defaults
 it to. Every key is accounted for: mapped onto a field, checked to hold the one value orangetron honours, or
 known to leave the model alone (metadata, generation defaults, token ids). Anything else is refused in one
-line naming it (`HFConfigError`), never approximated: an active sliding window, qkv biases, QK-norm, latent
-attention, another rope scaling, another family. `hf_config_of` writes a spec back as a config transformers
+line naming it (`HFConfigError`), never approximated: an active sliding window, an output-projection bias, latent
+attention, another rope scaling, another family. Qwen2 always carries q/k/v biases (`qkv_bias`), Qwen3 always a
+per-head QK-norm (`qk_norm`) and its own `head_dim`. `hf_config_of` writes a spec back as a config transformers
 loads (`architectures` included). docs/models.md lists what maps where.
 """
 
@@ -26,7 +28,12 @@ class HFConfigError(ConfigError):
     """A Hugging Face config orangetron cannot honour; the message names the key."""
 
 
-# What each family's HF config class defaults a missing key to (transformers' LlamaConfig, MixtralConfig).
+# What each family's HF config class defaults a missing key to (transformers' LlamaConfig, Qwen2Config, Qwen3Config,
+# MixtralConfig).
+_QWEN = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+         "rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02, "use_sliding_window": False,
+         "sliding_window": 4096, "max_window_layers": 28}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048,
@@ -36,9 +43,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 4096 * 32,
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "initializer_range": 0.02,
                 "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2": _QWEN,
+    "qwen3": {**_QWEN, "head_dim": 128},
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
-_LATER = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3", "deepseek_v2", "mistral", "gemma")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+# Structure that comes with the family: Qwen2's q/k/v biases, Qwen3's QK-norm (ModelSpec fields).
+_ATTENTION = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}}
+_LATER = ("qwen2_moe", "qwen3_moe", "dots1", "deepseek_v3", "deepseek_v2", "mistral", "gemma")
 
 # Keys that say nothing about the network's function: where it came from, token ids, inference and
 # generation defaults, and the generic fields older transformers wrote into every config.
@@ -58,21 +70,21 @@ _NEUTRAL = frozenset({
 # Keys that must hold the one value orangetron builds; the reason names what another value would be.
 _REQUIRED: dict[str, tuple[Any, str]] = {
     "hidden_act": ("silu", "the runtime's MLPs are SwiGLU (silu gate)"),
-    "attention_bias": (False, "qkv and output biases are not built yet"),
+    "attention_bias": (False, "it puts a bias on the output projection too, which is not built (Qwen2's q/k/v "
+                              "biases come with its model_type)"),
     "mlp_bias": (False, "MLP biases are not built"),
     "attention_dropout": (0.0, "the runtime has no attention dropout"),
     "router_jitter_noise": (0.0, "the runtime's router has no jitter noise"),
     "output_router_logits": (False, "HF's balancing loss averages the expert loads over all layers before "
                                     "the product; the runtime's is a sum of per-layer losses"),
-    "use_qk_norm": (False, "QK-norm is not built yet"),
-    "qk_layernorm": (False, "QK-norm is not built yet"),
+    "use_qk_norm": (False, "this family has no QK-norm (Qwen3's comes with its model_type)"),
+    "qk_layernorm": (False, "this family has no QK-norm (Qwen3's comes with its model_type)"),
     "partial_rotary_factor": (1.0, "the runtime rotates whole heads"),
-    "use_sliding_window": (False, "an active sliding window is not built"),
 }
 # Multi-head latent attention and other structure no family here has.
 _REFUSED = {"q_lora_rank": "multi-head latent attention (MLA)", "kv_lora_rank": "multi-head latent attention (MLA)",
-            "qkv_bias": "qkv biases are not built yet", "quantization_config": "quantized weights are not read",
-            "auto_map": "custom modelling code is not run", "layer_types": "per-layer attention kinds"}
+            "qkv_bias": "no family here reads this key (Qwen2's q/k/v biases come with its model_type)",
+            "quantization_config": "quantized weights are not read", "auto_map": "custom modelling code is not run"}
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -95,7 +107,8 @@ def is_hf_folder(path: str | Path) -> bool:
 
 
 def family_of(config: dict[str, Any]) -> str:
-    """The config's family ("llama", "mixtral"); HFConfigError naming `model_type` for any other."""
+    """The config's family ("llama", "qwen2", "qwen3", "mixtral"); HFConfigError naming `model_type` for any
+    other."""
     family = config.get("model_type")
     if family not in _DEFAULTS:
         later = " (planned: other families are being added)" if family in _LATER else ""
@@ -121,7 +134,7 @@ def spec_from_hf(config: dict[str, Any], name: str = "hf") -> ModelSpec:
         "vocab_size": given["vocab_size"], "head_dim": given.get("head_dim") or 0,
         "norm_eps": float(given["rms_norm_eps"]), "max_seq_len": given["max_position_embeddings"],
         "tied_embeddings": bool(given["tie_word_embeddings"]), "init_std": float(given["initializer_range"]),
-        **_rope_fields(config, family),
+        **_rope_fields(config, family), **_ATTENTION.get(family, {}),
     }
     if family == "mixtral":  # transformers 5 reads `num_experts` as `num_local_experts`
         experts = config.get("num_local_experts") or config.get("num_experts") or given["num_local_experts"]
@@ -138,7 +151,8 @@ def spec_from_hf(config: dict[str, Any], name: str = "hf") -> ModelSpec:
 
 def _check_keys(config: dict[str, Any], family: str) -> None:
     mapped = set(_DEFAULTS[family]) | {"head_dim", "num_experts", "rope_parameters", "rope_scaling", "rope_theta",
-                                       "router_aux_loss_coef", "sliding_window"}
+                                       "router_aux_loss_coef", "sliding_window", "use_sliding_window",
+                                       "max_window_layers", "layer_types"}
     for key, given in config.items():
         if key in _REFUSED:
             if given not in (None, 0, False, {}, []):
@@ -150,10 +164,23 @@ def _check_keys(config: dict[str, Any], family: str) -> None:
         elif key not in mapped and key not in _NEUTRAL:
             raise HFConfigError(f"{key}={given!r}: a {family} config key orangetron does not know; refused rather "
                                 "than building a model that may differ")
-    window = config.get("sliding_window")
-    if window is not None and config.get("use_sliding_window", True):
-        raise HFConfigError(f"sliding_window={window!r}: an active sliding window is not built (accepted with "
-                            "use_sliding_window: false, or null)")
+    _check_window(config, family)
+
+
+def _check_window(config: dict[str, Any], family: str) -> None:
+    """Refuse a sliding window some layer would use, as transformers decides it: `layer_types` when given, else
+    the layers from `max_window_layers` on (Qwen; every layer for Mixtral) when `sliding_window` is set and
+    `use_sliding_window` (Qwen's default: false; Mixtral has no such switch) is true."""
+    given = {**_DEFAULTS[family], **{k: v for k, v in config.items() if v is not None or k == "sliding_window"}}
+    window, use = given.get("sliding_window"), given.get("use_sliding_window", True)
+    layers = given["num_hidden_layers"]
+    kinds = config.get("layer_types") or ["sliding_attention" if window is not None and use
+                                          and i >= given.get("max_window_layers", 0) else "full_attention"
+                                          for i in range(layers)]
+    sliding = [i for i, kind in enumerate(kinds) if kind != "full_attention"]
+    if sliding:
+        raise HFConfigError(f"sliding_window={window!r}: an active sliding window (layer {sliding[0]}: "
+                            f"{kinds[sliding[0]]!r}) is not built; accepted with use_sliding_window: false, or null")
 
 
 def _rope_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
@@ -182,10 +209,13 @@ def _rope_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
 
 
 def hf_family(spec: ModelSpec) -> str:
-    """The family a spec exports as ("llama" dense, "mixtral" MoE); HFConfigError naming the field otherwise."""
+    """The family a spec exports as: dense "llama", "qwen2" (q/k/v biases) or "qwen3" (QK-norm), MoE "mixtral";
+    HFConfigError naming the field otherwise."""
     if not spec.is_moe:
-        return "llama"
+        return _dense_family(spec)
     unlike_mixtral = [
+        ("qkv_bias", not spec.qkv_bias, "Mixtral has no q/k/v biases"),
+        ("qk_norm", not spec.qk_norm, "Mixtral has no QK-norm"),
         ("norm_topk_prob", spec.norm_topk_prob, "Mixtral renormalizes the top-k probabilities"),
         ("router_score", spec.router_score == "softmax", "Mixtral's router is a softmax"),
         ("num_shared_experts", spec.num_shared_experts == 0, "Mixtral has no shared expert"),
@@ -199,6 +229,13 @@ def hf_family(spec: ModelSpec) -> str:
             raise HFConfigError(f"{field}={getattr(spec, field)!r}: no Hugging Face family here holds this MoE "
                                 f"({why}); export --hf writes Llama and Mixtral models")
     return "mixtral"
+
+
+def _dense_family(spec: ModelSpec) -> str:
+    if spec.qkv_bias and spec.qk_norm:
+        raise HFConfigError("qkv_bias=True: no Hugging Face family here has q/k/v biases and QK-norm together "
+                            "(Qwen2 has the biases, Qwen3 the norm)")
+    return "qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias else "llama"
 
 
 def hf_config_of(spec: ModelSpec, dtype: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -225,6 +262,10 @@ def hf_config_of(spec: ModelSpec, dtype: str, base: dict[str, Any] | None = None
         config |= {"intermediate_size": spec.moe_ffn_hidden_size, "num_local_experts": spec.num_experts,
                    "num_experts_per_tok": spec.top_k, "sliding_window": None, "output_router_logits": False,
                    "router_jitter_noise": 0.0}
-    else:
+    elif family == "llama":
         config |= {"intermediate_size": spec.ffn_hidden_size, "attention_bias": False, "mlp_bias": False}
+    else:  # Qwen: full attention on every layer
+        config |= {"intermediate_size": spec.ffn_hidden_size, "use_sliding_window": False, "sliding_window": None,
+                   "max_window_layers": spec.num_layers, "layer_types": ["full_attention"] * spec.num_layers}
+        config |= {"attention_bias": False} if family == "qwen3" else {}
     return dict(sorted(config.items()))
