@@ -1168,6 +1168,16 @@ MUTANTS = [
     Mutant("attn_planner_qk_norm_left_out_of_the_tp_sum", "src/orangetron/plan/params.py",
            (("        numel += model.qk_norm_params() * len(layers)", "        numel += 0"),),
            ("tests/test_attention_variants.py",)),
+    Mutant("attn_hf_qwen2_k_bias_read_from_v_proj", "src/orangetron/hf/weights.py",
+           (('            out[f"{ours}.{mine}.bias"] = Same(f"{theirs}.{hf}.bias")',
+             '            out[f"{ours}.{mine}.bias"] = Same(f"{theirs}.{\'v_proj\' if hf == \'k_proj\' else hf}"'
+             '".bias")'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("attn_hf_qwen3_q_norm_and_k_norm_swapped", "src/orangetron/hf/weights.py",
+           (('            out[f"{ours}.{norm}.weight"] = Same(f"{theirs}.{norm}.weight")',
+             '            out[f"{ours}.{norm}.weight"] = Same(f"{theirs}.{\'k_norm\' if norm == \'q_norm\' else '
+             '\'q_norm\'}.weight")'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
 ]
 
 

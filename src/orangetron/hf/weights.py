@@ -149,7 +149,9 @@ def sources(spec: ModelSpec) -> dict[str, Source]:
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         out[f"{ours}.attention_norm.weight"] = Same(f"{theirs}.input_layernorm.weight")
         out[f"{ours}.ffn_norm.weight"] = Same(f"{theirs}.post_attention_layernorm.weight")
-        out |= _attention_sources(spec, f"{ours}.attention", f"{theirs}.self_attn")
+        for mine, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            out[f"{ours}.attention.{mine}.weight"] = Same(f"{theirs}.self_attn.{hf}.weight")
+        out |= _attention_extras(spec, f"{ours}.attention", f"{theirs}.self_attn")
         if family == "mixtral":
             moe = f"{theirs}.block_sparse_moe"
             out[f"{ours}.feed_forward.router.gate.weight"] = Same(f"{moe}.gate.weight")
@@ -162,12 +164,11 @@ def sources(spec: ModelSpec) -> dict[str, Source]:
     return out
 
 
-def _attention_sources(spec: ModelSpec, ours: str, theirs: str) -> dict[str, Source]:
-    """One attention block: the projections, Qwen2's q/k/v biases, Qwen3's QK-norm weights (`q_norm`, `k_norm`)."""
+def _attention_extras(spec: ModelSpec, ours: str, theirs: str) -> dict[str, Source]:
+    """One attention block's Qwen2 q/k/v biases and Qwen3 QK-norm weights (`q_norm`, `k_norm`), when it has them."""
     out: dict[str, Source] = {}
-    for mine, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-        out[f"{ours}.{mine}.weight"] = Same(f"{theirs}.{hf}.weight")
-        if spec.qkv_bias and mine != "wo":
+    if spec.qkv_bias:
+        for mine, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
             out[f"{ours}.{mine}.bias"] = Same(f"{theirs}.{hf}.bias")
     if spec.qk_norm:
         for norm in ("q_norm", "k_norm"):
