@@ -296,7 +296,7 @@ MUTANTS = [
            (("    grad = 2 * lse * (logits - lse).exp() * scale", "    grad = 2 * (logits - lse).exp() * scale"),),
            ("tests/test_router_options.py::test_z_loss_is_the_mean_squared_logsumexp_over_non_padding_tokens",)),
     Mutant("router_groups_chosen_by_min", "src/orangetron/model/moe.py",
-           (("experts // n_groups).amax(-1)", "experts // n_groups).amin(-1)"),),
+           (("    return grouped.amax(-1)", "    return grouped.amin(-1)"),),
            ("tests/test_router_options.py::test_group_limited_routing_keeps_the_groups_with_the_largest_expert_score",)),
     Mutant("router_bias_in_the_weights_too", "src/orangetron/model/moe.py",
            (("TopKWeights.apply(scores, topk_idx, self.renormalize",
@@ -1073,9 +1073,9 @@ MUTANTS = [
              "        d = self.head_dim\n"
              "        whole = whole.view(-1, d // 2, 2, whole.shape[-1]).transpose(1, 2).reshape(whole.shape)\n"
              "        return whole[_box(offsets, sizes)]\n\n\nSource = Same | Experts | Interleaved\n"),
-            ("            out[f\"{ours}.attention.{mine}.weight\"] = Same(f\"{theirs}.self_attn.{hf}.weight\")",
-             "            out[f\"{ours}.attention.{mine}.weight\"] = (Interleaved(f\"{theirs}.self_attn.{hf}.weight\", "
-             "spec.head_dim) if mine in ('wq', 'wk') else Same(f\"{theirs}.self_attn.{hf}.weight\"))")),
+            ("        out[f\"{ours}.{mine}.weight\"] = Same(f\"{theirs}.{hf}.weight\")",
+             "        out[f\"{ours}.{mine}.weight\"] = (Interleaved(f\"{theirs}.{hf}.weight\", "
+             "spec.head_dim) if mine in ('wq', 'wk') else Same(f\"{theirs}.{hf}.weight\"))")),
            ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
     Mutant("hf_kv_heads_reversed", "src/orangetron/hf/weights.py",
            (("\nSource = Same | Experts\n",
@@ -1084,13 +1084,17 @@ MUTANTS = [
              "        whole = folder.read(self.name, tuple(slice(0, n) for n in folder.shape(self.name)))\n"
              "        whole = whole.view(-1, self.head_dim, whole.shape[-1]).flip(0).reshape(whole.shape)\n"
              "        return whole[_box(offsets, sizes)]\n\n\nSource = Same | Experts | KVReversed\n"),
-            ("            out[f\"{ours}.attention.{mine}.weight\"] = Same(f\"{theirs}.self_attn.{hf}.weight\")",
-             "            out[f\"{ours}.attention.{mine}.weight\"] = (KVReversed(f\"{theirs}.self_attn.{hf}.weight\", "
-             "spec.head_dim) if mine in ('wk', 'wv') else Same(f\"{theirs}.self_attn.{hf}.weight\"))")),
+            ("        out[f\"{ours}.{mine}.weight\"] = Same(f\"{theirs}.{hf}.weight\")",
+             "        out[f\"{ours}.{mine}.weight\"] = (KVReversed(f\"{theirs}.{hf}.weight\", "
+             "spec.head_dim) if mine in ('wk', 'wv') else Same(f\"{theirs}.{hf}.weight\"))")),
            ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
     Mutant("hf_gate_and_up_swapped", "src/orangetron/hf/weights.py",
-           (('(("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))',
-             '(("w1", "up_proj"), ("w3", "gate_proj"), ("w2", "down_proj"))'),
+           (('"""A SwiGLU: w1 is `gate_proj`, w3 `up_proj`, w2 `down_proj`."""\n'
+             '    return {f"{ours}.{mine}.weight": Same(f"{theirs}.{hf}.weight")\n'
+             '            for mine, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}',
+             '"""A SwiGLU: w1 is `gate_proj`, w3 `up_proj`, w2 `down_proj`."""\n'
+             '    return {f"{ours}.{mine}.weight": Same(f"{theirs}.{hf}.weight")\n'
+             '            for mine, hf in (("w1", "up_proj"), ("w3", "gate_proj"), ("w2", "down_proj"))}'),
             ('tuple(f"{moe}.experts.{e}.{w}.weight" for e in range(spec.num_experts)))',
              'tuple(f"{moe}.experts.{e}.{ {\'w1\': \'w3\', \'w3\': \'w1\'}.get(w, w)}.weight" '
              'for e in range(spec.num_experts)))')),
@@ -1115,7 +1119,7 @@ MUTANTS = [
              "    end = separator if separator is not None else []"),),
            ("tests/test_prepare_data.py::test_prepare_data_writes_each_document_then_eos",)),
     Mutant("router_norm_topk_prob_ignored", "src/orangetron/model/moe.py",
-           (('self.renormalize = cfg.router_score == "sigmoid" or cfg.norm_topk_prob',
+           (('self.renormalize = cfg.norm_topk_prob',
              'self.renormalize = cfg.router_score == "sigmoid"'),),
            ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
     # ---- multi-node placement (tests/test_layout.py) -------------------------------------------------------
@@ -1174,10 +1178,88 @@ MUTANTS = [
              '".bias")'),),
            ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
     Mutant("attn_hf_qwen3_q_norm_and_k_norm_swapped", "src/orangetron/hf/weights.py",
-           (('            out[f"{ours}.{norm}.weight"] = Same(f"{theirs}.{norm}.weight")',
-             '            out[f"{ours}.{norm}.weight"] = Same(f"{theirs}.{\'k_norm\' if norm == \'q_norm\' else '
-             '\'q_norm\'}.weight")'),),
+           (('        out[f"{ours}.q_norm.weight"] = Same(f"{theirs}.q_norm.weight")',
+             '        out[f"{ours}.q_norm.weight"] = Same(f"{theirs}.k_norm.weight")'),
+            ('        out[f"{ours}.k_norm.weight"] = Same(f"{theirs}.k_norm.weight")',
+             '        out[f"{ours}.k_norm.weight"] = Same(f"{theirs}.q_norm.weight")')),
            ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("p2p_order_ticks_at_the_consumers_end", "src/orangetron/spec/transfers.py",
+           (("Transfer(slot.start, g - 1,", "Transfer(slot.end, g - 1,"),),
+           ("tests/test_pipeline_p2p.py::test_the_executor_posts_transfers_that_cannot_stall_at_every_pp",)),
+    Mutant("p2p_order_puts_every_forward_first", "src/orangetron/spec/transfers.py",
+           (("    for t in sorted(transfers):", "    for t in sorted(transfers, key=lambda t: (t.backward, t)):"),),
+           ("tests/test_pipeline_p2p.py::test_the_executor_posts_transfers_that_cannot_stall_at_every_pp",)),
+    Mutant("p2p_executor_sends_gradients_as_soon_as_produced", "src/orangetron/parallel/pipeline/executor.py",
+           (("        self.produced[(from_stage, to_stage, microbatch)] = x.detach()\n",
+             "        if to_stage < from_stage:\n"
+             "            tag = 2 * (to_stage * self.m + microbatch) + 1\n"
+             "            self.pending.append(comm.post_p2p([(x.detach(), self._rank_of(to_stage), tag)], [],"
+             " self.group))\n"
+             "        else:\n"
+             "            self.produced[(from_stage, to_stage, microbatch)] = x.detach()\n"),
+            ("            if op == \"send\" and key in self.produced:",
+             "            if op == \"send\" and transfer.backward:\n                pass\n"
+             "            elif op == \"send\" and key in self.produced:")),
+           ("tests/test_pipeline_p2p.py::test_the_executor_posts_transfers_that_cannot_stall_at_every_pp",)),
+    Mutant("p2p_replay_lets_a_lone_send_go_on", "src/orangetron/spec/rendezvous.py",
+           (("    peer_batch = where[(peer, id(match))][1]\n",
+             "    peer_batch = where[(peer, id(match))][1]\n"
+             "    if call.op == \"send\" and len(ranks[rank][current[rank]]) == 1:\n        return True\n"),),
+           ("tests/test_pipeline_p2p.py::test_the_obvious_order_stalls_where_the_executor_does_not",)),
+    # ---- Hugging Face MoE families (tests/test_hf.py, tests/test_hf_train.py) ------------------------------
+    Mutant("hf_dots1_correction_bias_ignored", "src/orangetron/model/moe.py",
+           (("        topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, self.expert_bias,",
+             "        topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, None,"),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_dots1_group_score_as_max", "src/orangetron/spec/hf_config.py",
+           (('"group_score": "top2_sum"', '"group_score": "max"'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_dots1_scaling_factor_dropped", "src/orangetron/spec/hf_config.py",
+           (('"routed_scaling_factor": float(given["routed_scaling_factor"])', '"routed_scaling_factor": 1.0'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_qwen_moe_num_experts_from_the_class_default", "src/orangetron/spec/hf_config.py",
+           (('    experts = config.get("num_experts") or config.get("num_local_experts") or given["num_experts"]',
+             '    experts = config.get("num_experts") or given["num_experts"]'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("hf_dots1_bias_not_read_on_a_layout", "src/orangetron/train/trainer.py",
+           (('    read = read_into(folder, spec, state["params"] | biases)',
+             '    read = read_into(folder, spec, state["params"])'),),
+           ("tests/test_hf_train.py::test_dots1_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports",)),
+    # ---- router semantics: group score, scaling factor, sigmoid renormalization, shared-expert gate ---------
+    Mutant("router_group_score_max_when_top2_sum_asked", "src/orangetron/model/moe.py",
+           (('    if rule == "top2_sum":', '    if rule == "top-2 sum":'),),
+           ("tests/test_router_options.py::test_top2_sum_groups_choose_other_experts_than_max_groups",
+            "tests/test_router_hf.py")),
+    Mutant("router_bias_left_out_of_the_group_score", "src/orangetron/model/moe.py",
+           (("_group_scores(choice.view(tokens, n_groups, experts // n_groups), group_score)",
+             "_group_scores(scores.detach().view(tokens, n_groups, experts // n_groups), group_score)"),),
+           ("tests/test_router_options.py::test_the_group_score_includes_the_bias",
+            "tests/test_router_hf.py")),
+    Mutant("router_scaling_before_the_renormalization", "src/orangetron/model/moe.py",
+           (("topk_weights = TopKWeights.apply(scores, topk_idx, self.renormalize)",
+             "topk_weights = TopKWeights.apply(scores * self.routed_scaling_factor, topk_idx, self.renormalize)"),
+            ("            topk_weights = topk_weights * self.routed_scaling_factor",
+             "            topk_weights = topk_weights * 1.0")),
+           ("tests/test_router_options.py::test_sigmoid_weights_are_renormalized_iff_asked_then_scaled",)),
+    Mutant("router_sigmoid_always_renormalized", "src/orangetron/model/moe.py",
+           (("self.renormalize = cfg.norm_topk_prob",
+             'self.renormalize = cfg.norm_topk_prob or cfg.router_score == "sigmoid"'),),
+           ("tests/test_router_options.py::test_sigmoid_weights_are_renormalized_iff_asked_then_scaled",
+            "tests/test_router_hf.py")),
+    Mutant("shared_expert_gate_without_its_sigmoid", "src/orangetron/model/moe.py",
+           (("        return torch.sigmoid(self.shared_expert_gate(x_flat)) * shared",
+             "        return self.shared_expert_gate(x_flat) * shared"),),
+           ("tests/test_model.py::test_moe_matches_naive_per_token_loop_with_all_gradients",)),
+    Mutant("shared_expert_gate_grad_not_summed_over_tp_with_sp", "src/orangetron/parallel/tensor.py",
+           (('or ".router." in name or owner in _REPLICATED or owner.endswith("norm"):',
+             'or ".router." in name or owner.endswith("norm"):'),
+            ('        elif owner in ("wk", "wv"):',
+             '        elif owner in _REPLICATED:\n            out[name] = Placement()\n'
+             '        elif owner in ("wk", "wv"):')),
+           ("tests/test_router_options.py::test_router_options_match_one_device_and_the_planner[2]",)),
+    Mutant("planner_leaves_out_the_shared_expert_gate_activations", "src/orangetron/plan/activations.py",
+           (("        total += x.a * sb * (m.hidden_size + 1) // x.rep", "        total += 0"),),
+           ("tests/test_router_options.py::test_router_options_match_one_device_and_the_planner[2]",)),
 ]
 
 

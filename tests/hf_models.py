@@ -49,6 +49,9 @@ def _spread(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3
             p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # about the scores' spread, so that it changes choices
+                b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float64) * 0.1)
 
 
 def llama(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 0, **changes) -> Path:
@@ -90,6 +93,44 @@ def mixtral(folder: Path, *, eps: float = 1e-3, seed: int = 1, **changes) -> Pat
     return _save(transformers.MixtralForCausalLM, config, folder, seed)
 
 
+def qwen2_moe(folder: Path, *, eps: float = 1e-3, seed: int = 4, **changes) -> Path:
+    """A 2-layer Qwen2-MoE (4 experts, top-2 unnormalized, q/k/v biases, a gated shared expert two experts
+    wide) saved in float64."""
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=48, max_position_embeddings=256, rms_norm_eps=eps,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3, bos_token_id=1,
+        eos_token_id=2, **changes)
+    return _save(transformers.Qwen2MoeForCausalLM, config, folder, seed)
+
+
+def qwen3_moe(folder: Path, *, eps: float = 1e-3, seed: int = 5, **changes) -> Path:
+    """A 2-layer Qwen3-MoE (4 experts, top-2 renormalized, QK-norm, heads of 24 wider than hidden / heads)
+    saved in float64."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=eps,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3, bos_token_id=1,
+        eos_token_id=2, **changes)
+    return _save(transformers.Qwen3MoeForCausalLM, config, folder, seed)
+
+
+def dots1(folder: Path, *, eps: float = 1e-3, seed: int = 6, **changes) -> Path:
+    """A 3-layer Dots1 (the first dense; 8 experts in 4 groups, 2 groups and top-3 per token, sigmoid scores
+    with a correction bias, renormalized and scaled by 2.5, one shared expert, QK-norm) saved in float64. The
+    correction bias is drawn too: zero would hide a bias left out."""
+    config = transformers.Dots1Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+        moe_intermediate_size=24, n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, max_position_embeddings=256, rms_norm_eps=eps,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3, bos_token_id=1,
+        eos_token_id=2, **changes)
+    return _save(transformers.Dots1ForCausalLM, config, folder, seed)
+
+
 def _save(cls, config, folder: Path, seed: int, **save_options) -> Path:
     torch.manual_seed(seed)
     model = cls(config).to(torch.float64)
@@ -99,9 +140,20 @@ def _save(cls, config, folder: Path, seed: int, **save_options) -> Path:
 
 
 def reference(folder: Path):
-    """transformers' own model of `folder` in float64: SDPA attention, eager experts, evaluation mode."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
+    """transformers' own model of `folder` in float64: SDPA attention, eager experts, evaluation mode. Tensors
+    a family keeps in float32 whatever the dtype (Dots1's router weight and correction bias) are set back to
+    the checkpoint's float64 values, so that its float32 rounding does not stand in the way of 1e-10."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float64, attn_implementation="sdpa", experts_implementation="eager").eval()
+    kept = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype != torch.float64]
+    if kept:
+        from safetensors.torch import load_file
+
+        saved = load_file(Path(folder) / "model.safetensors")
+        for name in (n for n in kept if n in saved):  # not the rotary tables, which are computed
+            owner, _, attr = name.rpartition(".")
+            getattr(model.get_submodule(owner), attr).data = saved[name]
+    return model
 
 
 def _rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -115,21 +167,48 @@ def _rotary(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Te
     return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
-def _mixtral_router(self, hidden_states: torch.Tensor):
+def _softmax_router(self, hidden_states: torch.Tensor):
+    """Mixtral's, Qwen2-MoE's and Qwen3-MoE's router in the model's dtype (Mixtral always renormalizes)."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = torch.nn.functional.linear(hidden_states, self.weight)
     top_value, top_index = torch.topk(router_logits.softmax(dim=-1), self.top_k, dim=-1)
-    return router_logits, top_value / top_value.sum(dim=-1, keepdim=True), top_index
+    if getattr(self, "norm_topk_prob", True):
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+    return router_logits, top_value, top_index
+
+
+def _dots1_router(self, hidden_states: torch.Tensor):
+    """Dots1's router in the model's dtype: the same steps as transformers' Dots1TopkRouter."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)  # float64 after `reference`
+    scores = router_logits.sigmoid()
+    choice = scores + self.e_score_correction_bias
+    groups = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
+    kept = torch.zeros_like(groups).scatter_(1, torch.topk(groups, k=self.topk_group, dim=-1)[1], 1).bool()
+    choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.num_group, dim=1), float("-inf"))
+    top_index = torch.topk(choice, k=self.top_k, dim=-1)[1]
+    weights = scores.gather(1, top_index)
+    if self.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return router_logits, weights * self.routed_scaling_factor, top_index
+
+
+def _islands(model) -> dict[type, tuple[str, object]]:
+    """The classes in `model` that compute in float32 whatever the model's dtype, with float64 forwards."""
+    patches: dict[type, tuple[str, object]] = {}
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm"):
+            patches[type(module)] = ("forward", _rms_norm)
+        elif kind.endswith(("TopKRouter", "TopkRouter")):
+            patches[type(module)] = ("forward", _dots1_router if kind.startswith("Dots1") else _softmax_router)
+    return patches
 
 
 @contextlib.contextmanager
 def float64_islands(model) -> Iterator[None]:
-    """Inside: `model`'s RMSNorms, rotary tables and Mixtral routers compute in float64."""
+    """Inside: `model`'s RMSNorms, rotary tables and routers compute in float64."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.llama import modeling_llama
-    from transformers.models.mixtral import modeling_mixtral
-    from transformers.models.qwen2 import modeling_qwen2
-    from transformers.models.qwen3 import modeling_qwen3
 
     rotary = model.model.rotary_emb
     init = (type(rotary).compute_default_rope_parameters if rotary.rope_type == "default"
@@ -139,12 +218,10 @@ def float64_islands(model) -> Iterator[None]:
     saved = rotary.inv_freq
     rotary.inv_freq = inv_freq
     try:
-        with mock.patch.object(modeling_llama.LlamaRMSNorm, "forward", _rms_norm), \
-                mock.patch.object(modeling_mixtral.MixtralRMSNorm, "forward", _rms_norm), \
-                mock.patch.object(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm), \
-                mock.patch.object(modeling_qwen3.Qwen3RMSNorm, "forward", _rms_norm), \
-                mock.patch.object(type(rotary), "forward", _rotary), \
-                mock.patch.object(modeling_mixtral.MixtralTopKRouter, "forward", _mixtral_router):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(type(rotary), "forward", _rotary))
+            for cls, (name, forward) in _islands(model).items():
+                stack.enter_context(mock.patch.object(cls, name, forward))
             yield
     finally:
         rotary.inv_freq = saved

@@ -37,14 +37,18 @@ def _logits_gap(folder) -> float:
     return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("build", ["llama", "llama_tied", "mixtral", "qwen2", "qwen3", "qwen3_tied"])
+@pytest.mark.parametrize("build", ["llama", "llama_tied", "mixtral", "qwen2", "qwen3", "qwen3_tied", "qwen2_moe",
+                                   "qwen3_moe", "dots1"])
 def test_logits_equal_transformers_in_float64(tmp_path, build):
     folder = {"llama": lambda: hf_models.llama(tmp_path),
               "llama_tied": lambda: hf_models.llama(tmp_path, tied=True, seed=3),
               "mixtral": lambda: hf_models.mixtral(tmp_path),
               "qwen2": lambda: hf_models.qwen2(tmp_path),
               "qwen3": lambda: hf_models.qwen3(tmp_path),
-              "qwen3_tied": lambda: hf_models.qwen3(tmp_path, tied=True, seed=7)}[build]()
+              "qwen3_tied": lambda: hf_models.qwen3(tmp_path, tied=True, seed=7),
+              "qwen2_moe": lambda: hf_models.qwen2_moe(tmp_path),
+              "qwen3_moe": lambda: hf_models.qwen3_moe(tmp_path),
+              "dots1": lambda: hf_models.dots1(tmp_path)}[build]()
     assert _logits_gap(folder) < 1e-10
 
 
@@ -88,6 +92,42 @@ def test_config_maps_both_spellings_and_refuses_by_name(tmp_path):
     assert spec_from_hf(hf_config_of(moe, "float64")) == moe  # a written config reads back the same
 
 
+def test_moe_family_configs_map_both_spellings_and_refuse_by_name(tmp_path):
+    qwen2 = read_config(hf_models.qwen2_moe(tmp_path / "q2"))
+    spec = spec_from_hf(qwen2)
+    assert (spec.num_shared_experts, spec.moe_ffn_hidden_size, spec.shared_expert_gate) == (2, 24, True)
+    assert (spec.qkv_bias, spec.norm_topk_prob, spec.router_score) == (True, False, "softmax")
+    qwen3 = read_config(hf_models.qwen3_moe(tmp_path / "q3"))
+    spec = spec_from_hf(qwen3)
+    assert (spec.qk_norm, spec.head_dim, spec.num_experts, spec.norm_topk_prob) == (True, 24, 4, True)
+    renamed = {("num_experts" if k == "num_local_experts" else k): v for k, v in qwen3.items()}
+    assert "num_local_experts" in qwen3 and spec_from_hf(renamed) == spec  # transformers 4 wrote num_experts
+    dots = read_config(hf_models.dots1(tmp_path / "d"))
+    spec = spec_from_hf(dots)
+    assert (spec.router_score, spec.group_score, spec.routed_scaling_factor) == ("sigmoid", "top2_sum", 2.5)
+    assert (spec.expert_groups, spec.groups_per_token, spec.first_dense_layers, spec.top_k) == (4, 2, 1, 3)
+    assert spec.router_bias and spec.qk_norm and spec.num_shared_experts == 1
+    older = {k: v for k, v in dots.items() if k != "layer_types"}
+    assert spec_from_hf({**older, "sliding_window": 4096, "max_window_layers": 3}) == spec  # no layer reaches it
+    refusals = {
+        r"layer_types\[1\]='sliding_attention'": {**dots, "layer_types": ["full_attention", "sliding_attention",
+                                                                           "full_attention"]},
+        "sliding_window=4096": {**older, "sliding_window": 4096, "max_window_layers": 1},
+        "mlp_only_layers": {**qwen3, "mlp_only_layers": [0]},
+        "shared_expert_intermediate_size=40": {**qwen2, "shared_expert_intermediate_size": 40},
+        "n_routed_experts": {k: v for k, v in dots.items() if k != "n_routed_experts"},
+        "use_sliding_window": {**qwen3, "use_sliding_window": True, "sliding_window": 64},
+    }
+    for field, bad in refusals.items():
+        with pytest.raises(HFConfigError, match=field):
+            spec_from_hf(bad)
+    for config in (qwen2, qwen3, dots):
+        spec = spec_from_hf(config)
+        written = hf_config_of(spec, "float64", config)
+        assert written["model_type"] == config["model_type"] and spec_from_hf(written) == spec
+        assert spec_from_hf(hf_config_of(spec, "float64")) == spec  # without the source: the family is inferred
+
+
 def test_refused_tensor_is_named(tmp_path):
     folder = hf_models.llama(tmp_path)
     from safetensors.torch import load_file, save_file
@@ -101,7 +141,8 @@ def test_refused_tensor_is_named(tmp_path):
 
 def test_untouched_import_exports_bit_equal_and_loads_in_transformers(tmp_path):
     for name, build in (("llama", hf_models.llama), ("mixtral", hf_models.mixtral), ("qwen2", hf_models.qwen2),
-                        ("qwen3", hf_models.qwen3)):
+                        ("qwen3", hf_models.qwen3), ("qwen2_moe", hf_models.qwen2_moe),
+                        ("qwen3_moe", hf_models.qwen3_moe), ("dots1", hf_models.dots1)):
         source = build(tmp_path / name)
         model = hf.load(source, dtype=torch.float64)
         out = hf.save(model, tmp_path / f"{name}-out", base_config=read_config(source))
@@ -128,14 +169,18 @@ def test_tied_head_is_written_the_hf_way(tmp_path):
 def test_a_moe_no_family_holds_is_refused_on_export(tmp_path):
     from orangetron.model import Transformer, model_preset
 
-    with pytest.raises(HFConfigError, match=r"norm_topk_prob=False: no Hugging Face family here holds this MoE"):
+    with pytest.raises(HFConfigError, match=r"shared_expert_gate=False: no Hugging Face family here holds this MoE "
+                                            r"\(the closest, qwen2_moe, cannot: its shared expert is gated\)"):
         hf.save(Transformer(model_preset("tiny-moe")), tmp_path / "out")
 
 
 def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
     from orangetron.cli import main
 
-    for folder in (hf_models.llama(tmp_path / "l", tied=True), hf_models.mixtral(tmp_path / "m")):
+    folders = (hf_models.llama(tmp_path / "l", tied=True), hf_models.mixtral(tmp_path / "m"),
+               hf_models.qwen2_moe(tmp_path / "q2"), hf_models.qwen3_moe(tmp_path / "q3"),
+               hf_models.dots1(tmp_path / "d"))
+    for folder in folders:
         spec = hf.config(folder)
         assert spec.total_params() == sum(p.numel() for p in hf_models.reference(folder).parameters())
         assert main(["estimate", "--model", str(folder), "--gpu", "h100", "--seq", "64", "--json"]) == 0
@@ -186,7 +231,7 @@ def test_qwen_configs_map_their_attention_and_refuse_what_they_cannot_build(tmp_
         "sliding_window=8": {**kinds_left_out, "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1},
         "sliding_window=4096": {k: v for k, v in {**qwen3, "use_sliding_window": True, "max_window_layers": 0}.items()
                                 if k not in ("sliding_window", "layer_types")},  # Qwen's default window
-        "layer 1: 'sliding_attention'": {**qwen2, "layer_types": ["full_attention", "sliding_attention"]},
+        r"layer_types\[1\]='sliding_attention'": {**qwen2, "layer_types": ["full_attention", "sliding_attention"]},
         "attention_bias=True": {**qwen3, "attention_bias": True},
     }
     for field, bad in refusals.items():

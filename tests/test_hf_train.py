@@ -1,9 +1,9 @@
 """`train --hf-model` on a layout, against plain torch on one device; export back; tokenizers as transformers has them.
 
-One launch per family: Llama, Qwen2 and Qwen3 on tp2 x dp2 and Mixtral on tp2 x dp2 x ep2, all with ZeRO-1 (so
-each rank holds a quarter of the dense main parameters and reads only that from the safetensors), two AdamW steps in
-float64 from the Hugging Face folder's weights. The run must match tests/trainer_reference.py (the unwrapped
-model holding the same weights, torch.optim.AdamW and torch's clipping) to 1e-9: losses, every step's gradient
+One launch per family: Llama, Qwen2 and Qwen3 on tp2 x dp2 and the MoE families on tp2 x dp2 x ep2, all with
+ZeRO-1 (so each rank holds a quarter of the dense main parameters and reads only that from the safetensors), two
+AdamW steps in float64 from the Hugging Face folder's weights. The run must match tests/trainer_reference.py (the
+unwrapped model holding the same weights, torch.optim.AdamW and torch's clipping) to 1e-9: losses, every step's gradient
 norm, the final parameters and both AdamW moments (the first moment after two steps is a sum of the two
 steps' gradients). Then every tensor `export --hf` writes equals the checkpoint's, and transformers loads the
 export and gives our trained model's logits.
@@ -120,6 +120,36 @@ def test_qwen_trains_on_tp2_dp2_as_on_one_device_and_exports(tmp_path, build):
     folder = getattr(hf_models, build)(tmp_path / build)
     cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2)
     _check_reads(result, folder)
-    # transformers 5 gives a qwen folder its Qwen2Tokenizer whatever tokenizer_config.json names, and that class
-    # splits the text with Qwen's own pattern, not the byte-level BPE's trained here: the ids are compared for Llama
-    _check_export(tmp_path, cfg, tokenizer=False)
+    # transformers 5 gives a qwen2 folder its Qwen2Tokenizer whatever tokenizer_config.json names, and that class
+    # splits the text with Qwen's own pattern, not the byte-level BPE's trained here (docs/models.md)
+    _check_export(tmp_path, cfg, tokenizer=build != "qwen2")
+
+
+def test_qwen2_moe_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
+    """q/k/v biases split with their weights over tp, the shared expert's sigmoid gate replicated."""
+    folder = hf_models.qwen2_moe(tmp_path / "qwen2_moe")
+    cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2, ep=2, sequence_parallel=True)
+    _check_reads(result, folder, ep=2)
+    _check_export(tmp_path, cfg)
+
+
+def test_qwen3_moe_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
+    """QK-norm over heads wider than hidden / heads, the weights replicated over tp."""
+    folder = hf_models.qwen3_moe(tmp_path / "qwen3_moe")
+    cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2, ep=2)
+    _check_reads(result, folder, ep=2)
+    _check_export(tmp_path, cfg)
+
+
+def test_dots1_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
+    """Group-limited sigmoid routing scored by top-2 sums, with the checkpoint's correction bias, which moves
+    with the training loads, and is written back as `e_score_correction_bias`."""
+    folder = hf_models.dots1(tmp_path / "dots1")
+    cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2, ep=2, sequence_parallel=True)
+    _check_reads(result, folder, ep=2)
+    _check_export(tmp_path, cfg)
+    from safetensors.torch import load_file
+
+    source, written = load_file(folder / "model.safetensors"), load_file(tmp_path / "export" / "model.safetensors")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert source[bias].abs().min() > 0 and not torch.equal(source[bias], written[bias])  # read, then moved

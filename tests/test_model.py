@@ -21,6 +21,7 @@ from orangetron.model import (
     model_preset,
     rope_cos_sin,
 )
+from orangetron.spec.model import ModelSpec
 
 torch.set_num_threads(1)
 
@@ -197,28 +198,41 @@ def test_rope_rotation_direction_by_hand():
 
 # --- mixture of experts ----------------------------------------------------------------------------------
 
-def _naive_moe(moe: MoE, x: torch.Tensor, score: str) -> torch.Tensor:
-    """Per token: sum_j w_j * expert_{idx_j}(x) + shared(x), one token at a time."""
+def _naive_moe(moe: MoE, x: torch.Tensor, cfg: ModelSpec) -> torch.Tensor:
+    """Per token: sum_j w_j * expert_{idx_j}(x) + gate(x) * shared(x), one token at a time."""
     ex, outs = moe.experts, []
     for x_t in x.reshape(-1, x.shape[-1]):
         logits = moe.router.gate.weight @ x_t
-        scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
-        weights, idx = scores.topk(moe.router.top_k)
-        if score == "sigmoid":
+        scores = logits.softmax(-1) if cfg.router_score == "softmax" else logits.sigmoid()
+        weights, idx = scores.topk(cfg.top_k)
+        if cfg.norm_topk_prob:
             weights = weights / weights.sum()
-        pairs = zip(weights, idx, strict=True)
+        pairs = zip(weights * cfg.routed_scaling_factor, idx, strict=True)
         y = sum(w * (F.silu(x_t @ ex.w1[e]) * (x_t @ ex.w3[e])) @ ex.w2[e] for w, e in pairs)
         if moe.shared_expert is not None:
             se = moe.shared_expert
-            y = y + se.w2.weight @ (F.silu(se.w1.weight @ x_t) * (se.w3.weight @ x_t))
+            shared = se.w2.weight @ (F.silu(se.w1.weight @ x_t) * (se.w3.weight @ x_t))
+            if cfg.shared_expert_gate:
+                shared = shared / (1 + torch.exp(-moe.shared_expert_gate.weight[0] @ x_t))
+            y = y + shared
         outs.append(y)
     return torch.stack(outs).view_as(x)
 
 
-@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_moe_matches_naive_per_token_loop_with_all_gradients(score):
+MOE_ROUTERS = {
+    "softmax": dict(router_score="softmax"),
+    "sigmoid": dict(router_score="sigmoid", norm_topk_prob=True),
+    # Dots1 without renormalization, with Qwen2-MoE's gated shared expert.
+    "sigmoid-scaled-gated": dict(router_score="sigmoid", routed_scaling_factor=2.5, num_shared_experts=1,
+                                 shared_expert_gate=True),
+    "softmax-normalized-scaled": dict(router_score="softmax", norm_topk_prob=True, routed_scaling_factor=0.5),
+}
+
+
+@pytest.mark.parametrize("router", sorted(MOE_ROUTERS))
+def test_moe_matches_naive_per_token_loop_with_all_gradients(router):
     torch.manual_seed(0)
-    cfg = TINY_MOE.with_changes(hidden_size=16, moe_ffn_hidden_size=8, router_score=score)
+    cfg = TINY_MOE.with_changes(hidden_size=16, moe_ffn_hidden_size=8, **MOE_ROUTERS[router])
     moe = MoE(cfg).double()
     with torch.no_grad():
         for p in moe.parameters():
@@ -228,8 +242,8 @@ def test_moe_matches_naive_per_token_loop_with_all_gradients(score):
     params = [x, *moe.parameters()]
 
     grads = torch.autograd.grad((moe(x) * d_y).sum(), params)
-    naive_grads = torch.autograd.grad((_naive_moe(moe, x, score) * d_y).sum(), params)
-    torch.testing.assert_close(moe(x), _naive_moe(moe, x, score), rtol=0, atol=1e-12)
+    naive_grads = torch.autograd.grad((_naive_moe(moe, x, cfg) * d_y).sum(), params)
+    torch.testing.assert_close(moe(x), _naive_moe(moe, x, cfg), rtol=0, atol=1e-12)
     for g, g_naive in zip(grads, naive_grads, strict=True):
         torch.testing.assert_close(g, g_naive, rtol=0, atol=1e-12)
 
@@ -251,7 +265,7 @@ def test_router_aux_loss_hand_computed():
 
 
 def test_sigmoid_router_weights_sum_to_one_in_float32():
-    router = Router(dataclasses.replace(TINY_MOE, router_score="sigmoid")).to(torch.bfloat16)
+    router = Router(dataclasses.replace(TINY_MOE, router_score="sigmoid", norm_topk_prob=True)).to(torch.bfloat16)
     idx, weights, aux = router(torch.randn(10, TINY_MOE.dim, dtype=torch.bfloat16))
     assert idx.dtype == torch.int64 and idx.shape == (10, 2)
     assert weights.dtype == aux.dtype == torch.float32

@@ -39,7 +39,7 @@ MODELS = {
     "moe-shared-freq2-tied": dict(n_experts=4, top_k=2, moe_ffn_dim=16, n_shared_experts=1, moe_layer_freq=2,
                                   tied_embeddings=True),
     "moe-top1-mha": dict(n_layers=3, n_kv_heads=4, n_experts=3, top_k=1, moe_ffn_dim=16, n_shared_experts=2),
-    "moe-sigmoid": dict(n_experts=4, top_k=2, moe_ffn_dim=24, router_score="sigmoid"),
+    "moe-sigmoid": dict(n_experts=4, top_k=2, moe_ffn_dim=24, router_score="sigmoid", norm_topk_prob=True),
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 SHAPES = [(2, 16), (1, 24)]  # (micro-batch, sequence)

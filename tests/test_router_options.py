@@ -1,4 +1,5 @@
-"""Router options: z-loss, group-limited top-k and the auxiliary-loss-free bias.
+"""Router options: z-loss, group-limited top-k (max or top-2-sum group scores), the auxiliary-loss-free bias,
+the routed scaling factor, sigmoid weights with and without renormalization, and the shared-expert gate.
 
 Hand-worked values for each formula, then every option under layouts that split the tokens (dp, tp with
 SP, cp, ep) against the plain single-device model with the same options and against the planner.
@@ -23,11 +24,16 @@ BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=
 MODELS = {
     "z-loss": ModelConfig(**BASE, n_experts=4, top_k=2, aux_loss_coef=0.05, router_z_loss_coef=0.1),
     "z-only-groups": ModelConfig(**BASE, n_experts=8, top_k=2, aux_loss_coef=0.0, router_z_loss_coef=0.2,
-                                 n_expert_groups=4, topk_groups=2, router_score="sigmoid"),
+                                 n_expert_groups=4, topk_groups=2, router_score="sigmoid", norm_topk_prob=True),
     # A large rate so that the bias changes the routing within the test's few steps.
     "bias": ModelConfig(**BASE, n_experts=4, top_k=2, aux_loss_coef=0.0, router_bias_rate=0.05),
     "everything": ModelConfig(**BASE, n_experts=8, top_k=2, aux_loss_coef=0.05, router_z_loss_coef=0.1,
                               n_expert_groups=2, topk_groups=1, router_bias_rate=0.02, n_shared_experts=1),
+    # Dots1's router (sigmoid, top-2-sum groups, correction bias, scaling, no renormalization) with Qwen2-MoE's
+    # gated shared expert.
+    "dots1-gated": ModelConfig(**BASE, n_experts=8, top_k=2, aux_loss_coef=0.0, router_score="sigmoid",
+                               n_expert_groups=4, topk_groups=2, group_score="top2_sum", router_bias_rate=0.02,
+                               routed_scaling_factor=2.5, n_shared_experts=1, shared_expert_gate=True),
 }
 CASES = {
     2: [("z-loss", Layout(dp=2), {"zero_stage": 1}),
@@ -37,9 +43,12 @@ CASES = {
         ("z-only-groups", Layout(cp=2), {"cp_mode": "ulysses"}),
         ("bias", Layout(dp=2), {"zero_stage": 1}),
         ("bias", Layout(tp=2), {"sequence_parallel": True}),
-        ("bias", Layout(dp=2, ep=2), {"dispatcher": "allgather"})],
+        ("bias", Layout(dp=2, ep=2), {"dispatcher": "allgather"}),
+        ("dots1-gated", Layout(dp=2, ep=2), {"dispatcher": "ragged"}),
+        ("dots1-gated", Layout(tp=2), {"sequence_parallel": True})],
     4: [("everything", Layout(dp=2, ep=2, cp=2), {"dispatcher": "ragged", "cp_mode": "ring", "zero_stage": 1}),
-        ("everything", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True})],
+        ("everything", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True}),
+        ("dots1-gated", Layout(tp=2, dp=2, ep=2), {"dispatcher": "ragged", "sequence_parallel": True})],
 }
 
 
@@ -71,6 +80,45 @@ def test_group_limited_routing_keeps_the_groups_with_the_largest_expert_score():
     assert sorted(choose_experts(scores, 2, n_groups=2, topk_groups=1)[0].tolist()) == [0, 1]
     assert sorted(choose_experts(scores, 2)[0].tolist()) == [1, 2]
     assert sorted(choose_experts(scores, 2, n_groups=2, topk_groups=2)[0].tolist()) == [1, 2]
+
+
+def test_top2_sum_groups_choose_other_experts_than_max_groups():
+    scores = torch.tensor([[0.10, 0.50, 0.45, 0.44]])
+    # groups {0, 1} (top-2 sum 0.60) and {2, 3} (0.89): the sum keeps group 1 where the max keeps group 0
+    assert choose_experts(scores, 2, n_groups=2, topk_groups=1, group_score="top2_sum")[0].tolist() == [2, 3]
+    # four groups of two, two kept: max scores (0.9, 0.5, 0.6, 0.55) keep groups 0 and 2, top-2 sums
+    # (0.9, 1.0, 1.05, 0.65) groups 2 and 1; then the best three experts of the kept groups
+    scores = torch.tensor([[0.9, 0.0, 0.5, 0.5, 0.6, 0.45, 0.55, 0.1]])
+    assert choose_experts(scores, 3, n_groups=4, topk_groups=2)[0].tolist() == [0, 4, 5]
+    assert choose_experts(scores, 3, n_groups=4, topk_groups=2, group_score="top2_sum")[0].tolist() == [4, 2, 3]
+
+
+def test_the_group_score_includes_the_bias():
+    scores = torch.tensor([[0.10, 0.50, 0.45, 0.44]])
+    # with the bias group 0 sums 0.55 + 0.50 = 1.05 > 0.89 (without it 0.60 < 0.89)
+    bias = torch.tensor([0.45, 0.0, 0.0, 0.0])
+    assert choose_experts(scores, 2, 2, 1, bias, group_score="top2_sum")[0].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_sigmoid_weights_are_renormalized_iff_asked_then_scaled(normalize):
+    cfg = ModelConfig(**{**BASE, "dim": 2, "n_heads": 1, "n_kv_heads": 1}, n_experts=4, top_k=2,
+                      router_score="sigmoid", norm_topk_prob=normalize, routed_scaling_factor=2.5)
+    # logits (ln 3, 0, -ln 3, ln 1.5): sigmoids (3/4, 1/2, 1/4, 3/5); top-2: experts 0 and 3
+    router = _router(cfg, [[math.log(3), 0.0], [0.0, 0.0], [-math.log(3), 0.0], [math.log(1.5), 0.0]])
+    idx, weights, _ = router(torch.tensor([[1.0, 0.0]], dtype=torch.float64))
+    assert idx.tolist() == [[0, 3]]
+    expected = [0.75 / 1.35 * 2.5, 0.6 / 1.35 * 2.5] if normalize else [0.75 * 2.5, 0.6 * 2.5]
+    torch.testing.assert_close(weights, torch.tensor([expected], dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_a_sigmoid_record_from_before_the_scaling_factor_keeps_its_renormalization():
+    from orangetron.model.config import model_from_record
+
+    old = {"name": "old", "hidden_size": 16, "num_layers": 1, "num_heads": 4, "vocab_size": 32, "num_experts": 4,
+           "top_k": 2, "moe_ffn_hidden_size": 8, "router_score": "sigmoid", "norm_topk_prob": False}
+    assert model_from_record(old).norm_topk_prob
+    assert not model_from_record({**old, "routed_scaling_factor": 1.0}).norm_topk_prob
 
 
 def test_the_bias_chooses_the_experts_but_the_weights_stay_unbiased():
@@ -105,6 +153,15 @@ def test_router_option_rules():
         ModelConfig(**BASE, n_experts=4, router_z_loss_coef=-0.1)
     with pytest.raises(ConfigError, match=r"router_bias_rate=-1: must be non-negative"):
         ModelConfig(**BASE, n_experts=4, router_bias_rate=-1)
+    with pytest.raises(ConfigError, match=r"group_score='top2_sum': needs at least 2 experts per group; "
+                                          r"n_experts 4 / n_expert_groups 4"):
+        ModelConfig(**BASE, n_experts=4, top_k=1, n_expert_groups=4, topk_groups=1, group_score="top2_sum")
+    with pytest.raises(ConfigError, match=r"group_score='sum': must be one of max, top2_sum"):
+        ModelConfig(**BASE, n_experts=4, group_score="sum")
+    with pytest.raises(ConfigError, match=r"shared_expert_gate=True: requires n_shared_experts > 0"):
+        ModelConfig(**BASE, n_experts=4, shared_expert_gate=True)
+    with pytest.raises(ConfigError, match=r"routed_scaling_factor=0: must be positive"):
+        ModelConfig(**BASE, n_experts=4, routed_scaling_factor=0)
 
 
 def _config(options: dict) -> ParallelConfig:

@@ -31,7 +31,8 @@ MODELS = {
                                    tied_embeddings=True, init_std=0.2),
     "moe sigmoid, router bias": ModelConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=1, vocab_size=64, ffn_dim=64,
                                             n_experts=4, top_k=2, moe_ffn_dim=32, moe_layer_freq=2,
-                                            router_score="sigmoid", router_bias_rate=1e-3, init_std=0.2),
+                                            router_score="sigmoid", norm_topk_prob=True, router_bias_rate=1e-3,
+                                            init_std=0.2),
 }
 PROMPT = torch.tensor([3, 17, 42, 5, 9, 33, 1])
 

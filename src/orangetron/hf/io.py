@@ -32,8 +32,9 @@ def read_into(path: str | Path, spec: ModelSpec, params: dict[str, Shards]) -> S
     `path`, casting to each box's dtype; returns the folder, whose `bytes_read` counts what was read.
     WeightsError names a missing, misshapen or unplaceable tensor before anything is read."""
     folder = SafetensorsFolder.open(path)
-    check_folder(folder, spec, {name: shards.shape for name, shards in params.items()})
-    table = sources(spec)
+    family = read_config(path).get("model_type")  # the folder's own names, when several families hold the spec
+    check_folder(folder, spec, {name: shards.shape for name, shards in params.items()}, family)
+    table = sources(spec, family)
     for name, shards in params.items():
         for piece in shards.pieces:
             piece.data.copy_(table[name].read(folder, piece.offsets, piece.sizes))
@@ -46,7 +47,8 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.dev
     path = Path(path)
     spec = spec_from_hf(read_config(path), path.resolve().name)
     model = Transformer(spec, dtype=dtype, device=device)
-    read_into(path, spec, {name: Shards.whole(p.data) for name, p in model.named_parameters()})
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # buffers: routers' biases
+    read_into(path, spec, {name: Shards.whole(t.data) for name, t in tensors.items()})
     return model
 
 
@@ -65,7 +67,8 @@ def save(model: Transformer | dict[str, torch.Tensor], folder: str | Path, *, sp
         state = model
     from safetensors.torch import save_file
 
-    tensors = hf_tensors(spec, state, dtype)
+    family = None if base_config is None else base_config.get("model_type")
+    tensors = hf_tensors(spec, state, dtype, family)
     written = next(iter(tensors.values())).dtype
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

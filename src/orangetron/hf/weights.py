@@ -2,8 +2,7 @@
 
 `sources(spec)` maps every parameter of the reference model to where its values lie in a Hugging Face
 checkpoint of that model's family:
-- `Same`: one HF tensor of the same shape and layout (Qwen2's q/k/v biases and Qwen3's `q_norm`/`k_norm`
-  weights over one head included). Hugging Face rotates q and k in the half-split
+- `Same`: one HF tensor of the same shape and layout. Hugging Face rotates q and k in the half-split
   ("rotate half") convention, as `model.layers.apply_rope` does, so q_proj and k_proj are copied as they are
   (no interleave permutation); key/value heads keep their order (HF's `repeat_kv` gives query head h key/value
   head h // (heads / kv_heads), as `model.attention` does); SwiGLU's gate (w1) is `gate_proj`, up (w3)
@@ -137,10 +136,11 @@ class Experts:
 Source = Same | Experts
 
 
-def sources(spec: ModelSpec) -> dict[str, Source]:
-    """Where each parameter of the reference `Transformer(spec)` lies in a Hugging Face checkpoint of the
-    spec's family (`spec.hf_config.hf_family`), by the reference's parameter name."""
-    family = hf_family(spec)
+def sources(spec: ModelSpec, family: str | None = None) -> dict[str, Source]:
+    """Where each parameter of the reference `Transformer(spec)`, and each router's balancing bias (a buffer),
+    lies in a Hugging Face checkpoint of `family` (default: `spec.hf_config.hf_family`'s choice), by the
+    reference's parameter name."""
+    family = hf_family(spec, family)
     out: dict[str, Source] = {"tok_embeddings.weight": Same("model.embed_tokens.weight"),
                               "norm.weight": Same("model.norm.weight")}
     if not spec.tied_embeddings:  # tied: HF keeps the one matrix as the embedding
@@ -149,38 +149,61 @@ def sources(spec: ModelSpec) -> dict[str, Source]:
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         out[f"{ours}.attention_norm.weight"] = Same(f"{theirs}.input_layernorm.weight")
         out[f"{ours}.ffn_norm.weight"] = Same(f"{theirs}.post_attention_layernorm.weight")
-        for mine, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            out[f"{ours}.attention.{mine}.weight"] = Same(f"{theirs}.self_attn.{hf}.weight")
-        out |= _attention_extras(spec, f"{ours}.attention", f"{theirs}.self_attn")
-        if family == "mixtral":
+        out |= _attention_sources(spec, f"{ours}.attention", f"{theirs}.self_attn")
+        if not spec.is_moe_layer(i):
+            out |= _mlp_sources(f"{ours}.feed_forward", f"{theirs}.mlp")
+        elif family == "mixtral":
             moe = f"{theirs}.block_sparse_moe"
             out[f"{ours}.feed_forward.router.gate.weight"] = Same(f"{moe}.gate.weight")
             for w in ("w1", "w2", "w3"):  # Mixtral's w1 is the gate, w3 the up projection, w2 the down one
                 out[f"{ours}.feed_forward.experts.{w}"] = Experts(
                     tuple(f"{moe}.experts.{e}.{w}.weight" for e in range(spec.num_experts)))
         else:
-            for mine, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                out[f"{ours}.feed_forward.{mine}.weight"] = Same(f"{theirs}.mlp.{hf}.weight")
+            out |= _moe_sources(spec, family, f"{ours}.feed_forward", f"{theirs}.mlp")
     return out
 
 
-def _attention_extras(spec: ModelSpec, ours: str, theirs: str) -> dict[str, Source]:
-    """One attention block's Qwen2 q/k/v biases and Qwen3 QK-norm weights (`q_norm`, `k_norm`), when it has them."""
+def _attention_sources(spec: ModelSpec, ours: str, theirs: str) -> dict[str, Source]:
     out: dict[str, Source] = {}
-    if spec.qkv_bias:
-        for mine, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
+    for mine, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        out[f"{ours}.{mine}.weight"] = Same(f"{theirs}.{hf}.weight")
+        if spec.qkv_bias and mine != "wo":
             out[f"{ours}.{mine}.bias"] = Same(f"{theirs}.{hf}.bias")
     if spec.qk_norm:
-        for norm in ("q_norm", "k_norm"):
-            out[f"{ours}.{norm}.weight"] = Same(f"{theirs}.{norm}.weight")
+        out[f"{ours}.q_norm.weight"] = Same(f"{theirs}.q_norm.weight")
+        out[f"{ours}.k_norm.weight"] = Same(f"{theirs}.k_norm.weight")
     return out
 
 
-def check_folder(folder: SafetensorsFolder, spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> None:
+def _mlp_sources(ours: str, theirs: str) -> dict[str, Source]:
+    """A SwiGLU: w1 is `gate_proj`, w3 `up_proj`, w2 `down_proj`."""
+    return {f"{ours}.{mine}.weight": Same(f"{theirs}.{hf}.weight")
+            for mine, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+
+
+def _moe_sources(spec: ModelSpec, family: str, ours: str, theirs: str) -> dict[str, Source]:
+    """Qwen2-MoE, Qwen3-MoE and Dots1 keep the router as `mlp.gate`, expert e as `mlp.experts.{e}.*_proj`; the
+    shared experts are `mlp.shared_expert` (Qwen2-MoE, with `mlp.shared_expert_gate`) or `mlp.shared_experts`
+    (Dots1, with the router's balancing bias `mlp.gate.e_score_correction_bias`)."""
+    out: dict[str, Source] = {f"{ours}.router.gate.weight": Same(f"{theirs}.gate.weight")}
+    for mine, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+        out[f"{ours}.experts.{mine}"] = Experts(
+            tuple(f"{theirs}.experts.{e}.{hf}.weight" for e in range(spec.num_experts)))
+    if family == "qwen2_moe":
+        out |= _mlp_sources(f"{ours}.shared_expert", f"{theirs}.shared_expert")
+        out[f"{ours}.shared_expert_gate.weight"] = Same(f"{theirs}.shared_expert_gate.weight")
+    elif family == "dots1":
+        out |= _mlp_sources(f"{ours}.shared_expert", f"{theirs}.shared_experts")
+        out[f"{ours}.router.expert_bias"] = Same(f"{theirs}.gate.e_score_correction_bias")
+    return out
+
+
+def check_folder(folder: SafetensorsFolder, spec: ModelSpec, shapes: dict[str, tuple[int, ...]],
+                 family: str | None = None) -> None:
     """Refuse, naming the tensor, safetensors that lack a tensor of the model, hold one of another shape, or
     hold a tensor the model has no place for (a bias, a QK-norm weight ...). `shapes`: the whole shape of the
-    parameters about to be read (a pipeline stage's own), by the reference model's names."""
-    table = sources(spec)
+    parameters and buffers about to be read (a pipeline stage's own), by the reference model's names."""
+    table = sources(spec, family)
     unmapped = sorted(set(shapes) - set(table))
     if unmapped:
         raise WeightsError(f"{unmapped[0]}: a parameter with no Hugging Face name")
@@ -200,13 +223,16 @@ def check_folder(folder: SafetensorsFolder, spec: ModelSpec, shapes: dict[str, t
                            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
 
 
-def hf_tensors(spec: ModelSpec, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None
-               ) -> dict[str, torch.Tensor]:
+def hf_tensors(spec: ModelSpec, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+               family: str | None = None) -> dict[str, torch.Tensor]:
     """The reference model's whole tensors (`state_dict`, by its names) as HF tensors by HF name, contiguous,
-    cast to `dtype` when given. Buffers (routers' balancing biases) have no HF name and are left out."""
+    cast to `dtype` when given. A router's balancing bias goes where the family keeps one (Dots1's correction
+    bias; zeros for a model without it); the other families have no place for it."""
     out = {}
-    for name, source in sources(spec).items():
-        for hf_name, tensor in source.split(state_dict[name]):
+    for name, source in sources(spec, family).items():
+        whole = state_dict.get(name)
+        if whole is None and name.endswith(".router.expert_bias"):
+            whole = torch.zeros(spec.num_experts, dtype=state_dict["tok_embeddings.weight"].dtype)
+        for hf_name, tensor in source.split(whole):
             out[hf_name] = (tensor if dtype is None else tensor.to(dtype)).contiguous()
     return out
-

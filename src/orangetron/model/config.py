@@ -19,7 +19,8 @@ def ModelConfig(  # noqa: N802 (the stable name users call, from when it was a c
     n_experts: int = 0, top_k: int = 2, moe_ffn_dim: int | None = None, n_shared_experts: int = 0,
     moe_layer_freq: int = 1, router_score: str = "softmax", norm_topk_prob: bool = False, aux_loss_coef: float = 0.01,
     router_z_loss_coef: float = 0.0, n_expert_groups: int = 1, topk_groups: int = 1,
-    router_bias_rate: float = 0.0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
+    router_bias_rate: float = 0.0, routed_scaling_factor: float = 1.0, group_score: str = "max",
+    shared_expert_gate: bool = False, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
     tied_embeddings: bool = False, max_seq_len: int = 4096, init_std: float = 0.02, name: str = "custom",
 ) -> ModelSpec:
     """A Llama-style decoder (RMSNorm, rotary GQA attention, SwiGLU, optional MoE layers) as a `ModelSpec`,
@@ -35,7 +36,7 @@ def ModelConfig(  # noqa: N802 (the stable name users call, from when it was a c
         arguments["moe_ffn_dim"] = ffn_dim
     if not n_experts:
         arguments.update(top_k=0, moe_ffn_dim=0, norm_topk_prob=False, aux_loss_coef=0.0, router_z_loss_coef=0.0,
-                         router_bias_rate=0.0)
+                         router_bias_rate=0.0, routed_scaling_factor=1.0, group_score="max")
     try:
         spec = ModelSpec(**{RUNTIME_NAMES.get(key, key): value for key, value in arguments.items()})
         check_runnable(spec)
@@ -76,7 +77,12 @@ def _runtime_limits(spec: ModelSpec) -> list[tuple[str, bool, str]]:
 
 def model_from_record(record: Mapping[str, object]) -> ModelSpec:
     """The model a checkpoint recorded (`dataclasses.asdict` of it): a `ModelSpec`'s fields, or the runtime's
-    argument names that checkpoints stored before the one schema (`dim`, `n_layers`, ...; no `name`)."""
+    argument names that checkpoints stored before the one schema (`dim`, `n_layers`, ...; no `name`).
+
+    Records from before `routed_scaling_factor` existed come from when sigmoid routers always renormalized
+    their top-k weights whatever `norm_topk_prob` said, so such a sigmoid record reads with it true."""
+    if "routed_scaling_factor" not in record and record.get("router_score") == "sigmoid":
+        record = {**record, "norm_topk_prob": True}
     if "hidden_size" in record:
         return ModelSpec(**record)
     return ModelConfig(**record)

@@ -46,22 +46,30 @@ def load_balancing_loss(scores: torch.Tensor, topk_idx: torch.Tensor, n_experts:
 
 
 def choose_experts(scores: torch.Tensor, top_k: int, n_groups: int = 1, topk_groups: int = 1,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, group_score: str = "max") -> torch.Tensor:
     """topk_idx [T, k] int64: each token's top_k experts by `scores` [T, E] (+ `bias` [E], for choosing only).
 
-    With n_groups > 1 the experts form n_groups groups of consecutive ids; a group's score is its largest
-    expert score (with the bias), and each token chooses only among the experts of its topk_groups best
-    groups (DeepSeek-V2 device-limited routing). Equal scores go to the lower expert (group) id. No gradient:
-    the weights come from the scores elsewhere.
+    With n_groups > 1 the experts form n_groups groups of consecutive ids, and each token chooses only among
+    the experts of its topk_groups best groups. A group's score, from the scores with the bias, is its largest
+    expert score with `group_score` "max" (DeepSeek-V2 device-limited routing) or the sum of its two largest
+    with "top2_sum" (DeepSeek-V3, Dots1). Equal scores go to the lower expert (group) id. No gradient: the
+    weights come from the scores elsewhere.
     """
     choice = scores.detach() if bias is None else scores.detach() + bias.to(scores.dtype)  # [T, E]
     if n_groups > 1:
         tokens, experts = choice.shape
-        group_score = choice.view(tokens, n_groups, experts // n_groups).amax(-1)  # [T, G]
+        group_score = _group_scores(choice.view(tokens, n_groups, experts // n_groups), group_score)  # [T, G]
         kept = top_indices(group_score, topk_groups)  # [T, topk_groups]
         in_kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
         choice = choice.masked_fill(~in_kept.repeat_interleave(experts // n_groups, dim=1), float("-inf"))
     return top_indices(choice, top_k)
+
+
+def _group_scores(grouped: torch.Tensor, rule: str) -> torch.Tensor:
+    """[T, G] scores of the groups of `grouped` [T, G, E/G] by `rule` ("max" or "top2_sum")."""
+    if rule == "top2_sum":
+        return grouped.topk(2, dim=-1).values.sum(-1)  # values only: which of two equal ones is taken is moot
+    return grouped.amax(-1)
 
 
 def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -96,8 +104,9 @@ class Router(nn.Module):
     """Top-k router: x [T, dim] -> (topk_idx [T, k] int64, topk_weights [T, k], aux_loss 0-d).
 
     Scores are computed in float32 (float64 for float64 inputs) and the weights and aux loss come back in
-    that dtype. Softmax weights are the raw top-k probabilities, renormalized to sum 1 over the top-k with
-    `norm_topk_prob` (Mixtral); sigmoid weights are always renormalized. aux_loss is
+    that dtype. The weights are the raw top-k scores (softmax probabilities or sigmoids), renormalized to sum 1
+    over the top-k with `norm_topk_prob` (Mixtral, DeepSeek-V3), then multiplied by `routed_scaling_factor`
+    (DeepSeek-V3, Dots1: 2.5). Group-limited routing scores groups by `group_score`. aux_loss is
     `aux_loss_coef * load_balancing_loss + router_z_loss_coef * z-loss`.
     With `router_bias_rate > 0` the buffer `expert_bias` [E] shifts the scores for choosing the top-k only,
     and `expert_load` [E] int64 counts the non-padding assignments of forwards with gradients (training,
@@ -110,9 +119,10 @@ class Router(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.score_func, self.aux_loss_coef = cfg.router_score, cfg.aux_loss_coef
-        self.renormalize = cfg.router_score == "sigmoid" or cfg.norm_topk_prob  # top-k weights summing to 1
+        self.renormalize = cfg.norm_topk_prob  # top-k weights summing to 1
+        self.routed_scaling_factor = cfg.routed_scaling_factor
         self.z_loss_coef, self.bias_rate = cfg.router_z_loss_coef, cfg.router_bias_rate
-        self.n_groups, self.topk_groups = cfg.expert_groups, cfg.groups_per_token
+        self.n_groups, self.topk_groups, self.group_score = cfg.expert_groups, cfg.groups_per_token, cfg.group_score
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         bias = torch.zeros(cfg.num_experts) if cfg.router_bias else None
         self.register_buffer("expert_bias", bias)
@@ -134,10 +144,14 @@ class Router(nn.Module):
         auxiliary losses (a parallel wrapper computes them over the global batch instead)."""
         logits = RouterLogits.apply(x, self.gate.weight)  # [T, E], float32 (float64 for float64)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, self.expert_bias)
+        topk_idx = choose_experts(scores, self.top_k, self.n_groups, self.topk_groups, self.expert_bias,
+                                  self.group_score)
         if self.expert_bias is not None and torch.is_grad_enabled():  # training tokens only, not evaluation
             self._count_load(topk_idx, token_mask)
-        return logits, scores, topk_idx, TopKWeights.apply(scores, topk_idx, self.renormalize)
+        topk_weights = TopKWeights.apply(scores, topk_idx, self.renormalize)  # [T, k]
+        if self.routed_scaling_factor != 1.0:  # after the renormalization, which would undo it
+            topk_weights = topk_weights * self.routed_scaling_factor
+        return logits, scores, topk_idx, topk_weights
 
     def _count_load(self, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> None:
         valid = topk_idx if token_mask is None else topk_idx[token_mask]
@@ -214,8 +228,11 @@ class LocalDispatcher(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus an optional shared expert; x: [B, S, dim] -> [B, S, dim].
 
-    After each forward `last_aux_loss` holds the router's load-balancing loss (already scaled). The routed
-    tokens reach the experts through the submodule `dispatcher` (a `LocalDispatcher` on one device).
+    With `shared_expert_gate` (Qwen2-MoE) the shared expert's output is multiplied per token by
+    sigmoid(x @ w), `shared_expert_gate` a dim -> 1 linear without bias; it keeps the gate and the shared
+    expert's output for backward. After each forward `last_aux_loss` holds the router's load-balancing loss
+    (already scaled). The routed tokens reach the experts through the submodule `dispatcher` (a
+    `LocalDispatcher` on one device).
     """
 
     def __init__(self, cfg: ModelSpec) -> None:
@@ -223,6 +240,8 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size)
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_ffn_hidden_size) if cfg.num_shared_experts else None
+        gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        self.shared_expert_gate = gate
         self.dispatcher = LocalDispatcher()
         self.last_aux_loss: torch.Tensor | None = None
 
@@ -242,5 +261,12 @@ class MoE(nn.Module):
         topk_idx, topk_weights, aux_loss = self.router(x_flat, mask)
         y = self.dispatcher(x_flat, topk_idx, topk_weights, self.experts)  # [T, dim]
         if self.shared_expert is not None:
-            y = y + self.shared_expert(x_flat)
+            y = y + self.shared_output(x_flat)
         return y.view_as(x), aux_loss
+
+    def shared_output(self, x_flat: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output [T, dim] for x_flat [T, dim], times its gate when there is one."""
+        shared = self.shared_expert(x_flat)  # [T, dim]
+        if self.shared_expert_gate is None:
+            return shared
+        return torch.sigmoid(self.shared_expert_gate(x_flat)) * shared  # [T, 1] * [T, dim]

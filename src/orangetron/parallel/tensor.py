@@ -4,22 +4,22 @@ TP splits every weight matrix over the tp ranks (Megatron-LM, Shoeybi et al. 201
 projections (QKV, SwiGLU's gate and up, the vocabulary) split their output features, row-parallel ones
 (attention output, SwiGLU's down) their input features, so one block needs one reduction forward and one
 backward. Without sequence parallelism (SP) those are all-reduces and everything between blocks (norms,
-residual adds, the router and the routed experts) is replicated. With SP (Korthikanti et al. 2022) the
-all-reduce becomes a reduce-scatter over the sequence after a block and an all-gather before the next, so
-the norms run on a sequence shard and no rank keeps a duplicate activation; the gathered input is not
-kept for backward: the shard is, and backward gathers it again.
+residual adds, the router, the shared-expert gate and the routed experts) is replicated. With SP (Korthikanti
+et al. 2022) the all-reduce becomes a reduce-scatter over the sequence after a block and an all-gather before
+the next, so the norms run on a sequence shard and no rank keeps a duplicate activation; the gathered input
+is not kept for backward: the shard is, and backward gathers it again.
 
 Attention heads split over tp; key/value heads split too when tp divides them, and are replicated (one
 per rank) when tp is a multiple of them. The embedding and the output projection split the vocabulary,
 and the cross entropy runs on vocabulary shards, so no rank ever holds full-vocabulary logits. MoE routed
 experts and the router stay whole on every tp rank (expert tensor parallelism 1); a shared expert splits
-like a dense MLP.
+like a dense MLP, and its gate (Qwen2-MoE) stays whole, applied to the shared expert's reduced output.
 
 Some gradients are partial sums over tp and are summed once per step (`sync_grads`, one all-reduce, which
-`DataParallel` calls): with SP, every replicated parameter (norm weights, router, routed experts) sees only
-this rank's tokens; a replicated key/value head sees only this rank's query heads; and the QK-norm weights
-(replicated, with or without SP) see only this rank's heads. Query, key and value biases split with their
-weights' output features.
+`DataParallel` calls): with SP, every replicated parameter (norm weights, router, shared-expert gate, routed
+experts) sees only this rank's tokens; a replicated key/value head sees only this rank's query heads; and the
+QK-norm weights (replicated, with or without SP) see only this rank's heads. Query, key and value biases split
+with their weights' output features.
 
 `tensor_parallel` shards the parameters in place and puts the modules below into the reference model with
 `replace_module` (`orangetron/parallel/replace.py`): `tok_embeddings`, `io`, each block's `attention` and
@@ -82,6 +82,7 @@ class Placement:
 _COLUMN = ("wq", "w1", "w3")  # split output features
 _ROW = ("wo", "w2")  # split input features
 _HEAD_NORMS = ("q_norm", "k_norm")  # QK-norm: one weight over head_dim, shared by every head
+_REPLICATED = ("shared_expert_gate",)  # whole on every tp rank (a dim -> 1 projection), like the router
 
 
 def placements(model: Transformer, tp: int, sequence_parallel: bool) -> dict[str, Placement]:
@@ -95,7 +96,7 @@ def placements(model: Transformer, tp: int, sequence_parallel: bool) -> dict[str
             out[name] = Placement(dim=0)
         elif owner in _HEAD_NORMS:  # each rank normalizes its own heads: its gradient is partial even without SP
             out[name] = Placement(partial_grad=tp > 1)
-        elif ".experts." in name or ".router." in name or owner.endswith("norm"):
+        elif ".experts." in name or ".router." in name or owner in _REPLICATED or owner.endswith("norm"):
             out[name] = Placement(partial_grad=sequence_parallel and tp > 1)
         elif owner in ("wk", "wv"):
             out[name] = Placement(dim=0, copies=kv_copies)

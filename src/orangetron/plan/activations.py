@@ -145,6 +145,8 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
     if m.num_shared_experts:
         shared = mlp_bytes(m, x, m.num_shared_experts * m.moe_ffn_hidden_size)
         total += shared - x.a * sb * m.hidden_size // x.rep  # shares the router's input
+    if m.shared_expert_gate:  # the gate's sigmoid [T, 1] and the shared output it multiplies [T, h]
+        total += x.a * sb * (m.hidden_size + 1) // x.rep
     return total
 
 
@@ -293,6 +295,8 @@ def weight_grad_state_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> 
         mlps.append((sb, m.num_shared_experts * m.moe_ffn_hidden_size // t, rep))
     for rows, ffn, h_div in mlps:
         gemms += [(rows, h // h_div, up * ffn), (rows, ffn, h // h_div)]
+    if moe and m.shared_expert_gate:  # h -> 1 on this rank's tokens
+        gemms.append((sb // rep, h, 1))
     return sum(rows * (x.g * k + x.a * n) for rows, k, n in gemms)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from orangetron.plan.params import _ceil_div, _layer_params, stage_params, tp_sums_first
+from orangetron.plan.params import _ceil_div, _layer_params, routing_params, stage_params, tp_sums_first
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job, model_state_job
 from orangetron.spec.schedule import actions
@@ -41,9 +41,9 @@ class ParamTensor:
 
 def _layer_tensors(model: ModelSpec, deg: Degrees, i: int) -> list[tuple[int, bool]]:
     """(elements, expert) of layer `i`'s tensors on one rank, in the runtime's module order: norm, attention
-    (q, k, v with their biases, o, QK-norms), norm, then the MLP (w1, w3, w2) or router, experts (w1, w3, w2)
-    and shared expert. Shapes the runtime lacks (GPT-style biases, MLA, GeLU) keep their totals in coarser
-    pieces."""
+    (q, k, v with their biases, o, QK-norms), norm, then the MLP (w1, w3, w2) or router, experts (w1, w3, w2),
+    shared expert and its gate. Shapes the runtime lacks (GPT-style biases, MLA, GeLU) keep their totals in
+    coarser pieces."""
     t, h = deg.tp, model.hidden_size
     norm = [h, h] if model.bias else [h]
     layer = _layer_params(model, t, deg.ep, deg.etp, i)
@@ -56,9 +56,9 @@ def _layer_tensors(model: ModelSpec, deg: Degrees, i: int) -> list[tuple[int, bo
         experts = _ceil_div(model.num_experts, deg.ep) * _ceil_div(h * model.moe_ffn_hidden_size, deg.etp)
         expert_tensors = [experts] * mats if not model.bias else [layer.expert]
         moe = [(model.num_experts * h, False)] + [(n, deg.ep > 1) for n in expert_tensors]  # router first
-    router = model.num_experts * h if model.is_moe_layer(i) else 0
-    attention = _attention_tensors(model, t, layer.dense - 2 * sum(norm) - sum(mlp) - router)
-    return [(n, False) for n in [*norm, *attention, *norm]] + moe + [(n, False) for n in mlp]
+    gate = [model.shared_gate_params] if model.is_moe_layer(i) and model.shared_gate_params else []
+    attention = _attention_tensors(model, t, layer.dense - 2 * sum(norm) - sum(mlp) - routing_params(model, i))
+    return [(n, False) for n in [*norm, *attention, *norm]] + moe + [(n, False) for n in [*mlp, *gate]]
 
 
 def _attention_tensors(model: ModelSpec, t: int, total: int) -> list[int]:

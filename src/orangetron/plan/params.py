@@ -73,13 +73,18 @@ def head_weights(model: ModelSpec, t: int, pp: int) -> int:
 
 @lru_cache(maxsize=65536)
 def _layer_params(model: ModelSpec, t: int, ep: int, etp: int, i: int) -> StageParams:
-    # Norm weights and the router are replicated across tp; everything else is split, except kv heads
-    # fewer than tp, of which each rank keeps one.
+    # Norm weights, the router and the shared-expert gate are replicated across tp; everything else is split,
+    # except kv heads fewer than tp, of which each rank keeps one.
     kv_whole, kv_local = _kv_weights(model, t)
-    replicated = model.norm_params() + (model.num_experts * model.hidden_size if model.is_moe_layer(i) else 0)
+    replicated = model.norm_params() + routing_params(model, i)
     split = model.dense_params_of_layer(i) - replicated - kv_whole
     expert = _ceil_div(model.expert_params_per_layer(), ep * etp) if model.is_moe_layer(i) else 0
     return StageParams(replicated + _ceil_div(split, t) + kv_local, expert)
+
+
+def routing_params(model: ModelSpec, i: int) -> int:
+    """Layer `i`'s router and shared-expert gate weights, which every tp rank holds whole (0 when dense)."""
+    return model.num_experts * model.hidden_size + model.shared_gate_params if model.is_moe_layer(i) else 0
 
 
 def _kv_weights(model: ModelSpec, t: int) -> tuple[int, int]:
@@ -144,14 +149,15 @@ def _kv_slot_params(model: ModelSpec, t: int) -> int:
 @lru_cache(maxsize=16384)
 def _replicated_params(model: ModelSpec, deg: Degrees, virtual_stages: int, stage: int,
                        layout: tuple[int, ...] = ()) -> int:
-    """Parameters of a stage that every tp rank holds whole: norms, routers, and the routed experts on this
+    """Parameters of a stage that every tp rank holds whole: norms, routers, shared-expert gates, and the routed
+    experts on this
     rank when they are neither split over tp (etp = tp) nor folded over their own mesh (replicated over edp)."""
     experts_whole_on_tp = deg.etp == 1 and not deg.expert_fold
     total = 0
     for i in _layers_with_mtp(model, deg.pp, virtual_stages, stage, layout):
         total += model.norm_params()
         if model.is_moe_layer(i):
-            total += model.num_experts * model.hidden_size
+            total += routing_params(model, i)
             total += model.expert_params_per_layer() // deg.ep if experts_whole_on_tp else 0
     if stage == deg.pp - 1:
         total += model.hidden_size * (2 if model.bias else 1) + model.mtp_norm_params() * model.mtp_layers

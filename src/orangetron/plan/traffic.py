@@ -148,8 +148,8 @@ def tensor_parallel_grad_records(model: ModelSpec, deg: Degrees, job: Job, stage
     """Once per step under TP: the all-reduce that sums partial gradients over tp, and with clipping the
     all-reduce of the squared gradient norm's tp parts.
 
-    Partial gradients: with SP every parameter replicated over tp (norm weights, router, routed experts)
-    has seen only this rank's tokens; a kv head replicated over tp ranks has seen only their query heads
+    Partial gradients: with SP every parameter replicated over tp (norm weights, router, shared-expert gate,
+    routed experts) has seen only this rank's tokens; a kv head replicated over tp ranks has seen only their query heads
     (each rank sends a zero-filled slot per kv head so that one all-reduce sums exactly the copies).
     """
     t = deg.tp

@@ -113,10 +113,14 @@ class ModelSpec:
     """Weight of the router z-loss (ST-MoE): the mean over non-padding tokens of logsumexp(router logits)^2;
     > 0 keeps the router logits, and adds a global all-reduce."""
     router_score: str = "softmax"
-    """Router scoring function: "softmax" or "sigmoid" (sigmoid top-k weights are renormalized to sum 1)."""
+    """Router scoring function: "softmax" or "sigmoid"; either way the top-k weights are renormalized only
+    with `norm_topk_prob`."""
     norm_topk_prob: bool = False
-    """Softmax routers: divide each token's top-k probabilities by their sum (Mixtral; HF configs'
-    `norm_topk_prob`); False keeps the raw probabilities. Sigmoid weights are always renormalized."""
+    """Divide each token's top-k scores by their sum, softmax and sigmoid routers alike (Mixtral, DeepSeek-V3,
+    Dots1; HF configs' `norm_topk_prob`); False keeps the raw scores as the weights."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' top-k weights are multiplied by this after any renormalization (HF configs'
+    `routed_scaling_factor`; DeepSeek-V3 and Dots1: 2.5); the shared experts are not scaled."""
     router_bias_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): > 0 gives each router a per-expert bias, added to the
     scores only to choose the top-k and moved by this rate towards balance after each optimizer step (one
@@ -126,7 +130,13 @@ class ModelSpec:
     ids; 0 or 1: no limit."""
     groups_per_token: int = 0
     """Group-limited routing (HF configs' topk_group): a token's experts come from at most this many groups,
-    those with the highest group score (their largest expert score); DeepSeek-V3: 8 groups, 4 per token."""
+    those with the highest `group_score`; DeepSeek-V3: 8 groups, 4 per token."""
+    group_score: str = "max"
+    """Group-limited routing: a group's score is "max", its largest expert score (DeepSeek-V2), or "top2_sum",
+    the sum of its two largest (DeepSeek-V3, Dots1); either way the scores include the balancing bias."""
+    shared_expert_gate: bool = False
+    """Qwen2-MoE: the shared experts' output is multiplied per token by sigmoid(x @ w), w a hidden_size -> 1
+    linear without bias (HF's `shared_expert_gate`); needs num_shared_experts > 0."""
     mtp_layers: int = 0
     """Multi-token prediction (DeepSeek-V3's depth D, Megatron's --mtp-num-layers, HF configs'
     num_nextn_predict_layers): modules after the decoder on the last pipeline stage, each two norms on its
@@ -273,7 +283,12 @@ class ModelSpec:
             return base + self.mlp_params(self.ffn_hidden_size)
         router = self.num_experts * self.hidden_size
         shared = self.num_shared_experts * self.mlp_params(self.moe_ffn_hidden_size)
-        return base + router + shared
+        return base + router + shared + self.shared_gate_params
+
+    @property
+    def shared_gate_params(self) -> int:
+        """The shared-expert gate's weights in one MoE layer (hidden_size -> 1), 0 without the gate."""
+        return self.hidden_size if self.shared_expert_gate else 0
 
     def layer_params(self, index: int) -> int:
         routed = self.expert_params_per_layer() if self.is_moe_layer(index) else 0

@@ -15,10 +15,11 @@ if TYPE_CHECKING:
 MLP_KINDS = ("swiglu", "gelu")
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROPE_SCALINGS = ("none", "llama3")
+GROUP_SCORES = ("max", "top2_sum")
 
 _POSITIVE = ("hidden_size", "num_layers", "num_heads", "moe_layer_freq", "max_seq_len", "rope_theta", "norm_eps",
-             "init_std", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-             "rope_original_max_positions")
+             "init_std", "routed_scaling_factor", "rope_scaling_factor", "rope_low_freq_factor",
+             "rope_high_freq_factor", "rope_original_max_positions")
 _NON_NEGATIVE = ("vocab_size", "ffn_hidden_size", "num_kv_heads", "head_dim", "num_experts", "top_k",
                  "moe_ffn_hidden_size", "num_shared_experts", "first_dense_layers", "max_position_embeddings",
                  "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "patch_size", "seq_len",
@@ -84,12 +85,16 @@ def _check_experts(spec: ModelSpec) -> None:
         # Shared experts live inside MoE layers; with none they would be dropped without a word.
         _require(spec.num_shared_experts == 0, "num_shared_experts", spec.num_shared_experts,
                 "requires num_experts > 0")
+    if spec.shared_expert_gate:
+        _require(spec.num_shared_experts > 0, "shared_expert_gate", True, "requires num_shared_experts > 0")
 
 
 def _check_groups(spec: ModelSpec) -> None:
     """Group-limited routing: equal groups of the experts, a token's top_k experts from groups_per_token of
     them. 0 or 1 in both fields is one group: no limit."""
     groups, per_token = spec.expert_groups, spec.groups_per_token
+    _require(spec.group_score in GROUP_SCORES, "group_score", spec.group_score,
+             f"must be one of {', '.join(GROUP_SCORES)}")
     if groups <= 1 and per_token <= 1:
         return
     _require(spec.num_experts > 0, "expert_groups", groups, "requires num_experts > 0")
@@ -97,6 +102,9 @@ def _check_groups(spec: ModelSpec) -> None:
         _require(spec.num_experts % groups == 0, "expert_groups", groups,
                 f"num_experts {spec.num_experts} is not divisible by expert_groups")
     _require(0 < per_token <= groups, "groups_per_token", per_token, f"must be in 1..expert_groups={groups}")
+    if spec.group_score == "top2_sum":
+        _require(spec.num_experts >= 2 * groups, "group_score", spec.group_score,
+                 f"needs at least 2 experts per group; num_experts {spec.num_experts} / expert_groups {groups}")
     reachable = per_token * (spec.num_experts // groups)
     _require(spec.top_k <= reachable, "top_k", spec.top_k,
             f"must be at most groups_per_token * experts per group = {reachable}")

@@ -235,7 +235,9 @@ def import_weights(folder: str, spec: ModelSpec, model: ParallelModel, optimizer
     (`state_loaded`). Returns the bytes this rank read."""
     from orangetron.hf import read_into
 
-    read = read_into(folder, spec, model.sharded_state(optimizer)["params"])
+    state = model.sharded_state(optimizer)
+    biases = {name: b for name, b in state["buffers"].items() if name.endswith(".router.expert_bias")}  # Dots1's
+    read = read_into(folder, spec, state["params"] | biases)
     model.state_loaded(optimizer, 0)
     return sum(read.bytes_read.values())
 
