@@ -1138,7 +1138,51 @@ MUTANTS = [
            (("    head_freed_first = transient > 0 and not schedule.split_backward and not m.mtp_layers",
              "    head_freed_first = False"),),
            ("tests/test_plan_recompute.py::test_activations_by_hand",)),
-    # ---- pipeline transfers replayed offline at every pp (tests/test_pipeline_p2p.py) -----------------------
+    # ---- attention variants: q/k/v biases and QK-norm (tests/test_attention_variants.py, tests/test_hf.py) -------
+    Mutant("attn_tp_k_bias_used_for_v", "src/orangetron/parallel/tensor.py",
+           (("        q, k, v = (y if w.bias is None else y + w.bias for y, w in zip(outputs, projections, "
+             "strict=True))",
+             "        q, k, v = (y if w.bias is None else y + b.bias for y, w, b in zip(outputs, projections, "
+             "(self.wq, self.wk, self.wk), strict=True))"),),
+           ("tests/test_attention_variants.py",)),
+    Mutant("attn_tp_qkv_bias_whole_on_every_rank", "src/orangetron/parallel/tensor.py",
+           (("        elif owner in (\"wk\", \"wv\"):",
+             "        elif parts[-1] == \"bias\":\n            out[name] = Placement()\n"
+             "        elif owner in (\"wk\", \"wv\"):"),),
+           ("tests/test_attention_variants.py",)),
+    Mutant("attn_qk_norm_after_rope", "src/orangetron/model/layers.py",
+           (("    if q_norm is not None and k_norm is not None:\n        q, k = q_norm(q), k_norm(k)\n"
+             "    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(b, s, -1, head_dim)",
+             "    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)\n"
+             "    if q_norm is not None and k_norm is not None:\n        q, k = q_norm(q), k_norm(k)\n"
+             "    return q, k, v.view(b, s, -1, head_dim)"),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("attn_qk_norm_grad_summed_over_tp_only_with_sp", "src/orangetron/parallel/tensor.py",
+           (("            out[name] = Placement(partial_grad=tp > 1)",
+             "            out[name] = Placement(partial_grad=sequence_parallel and tp > 1)"),),
+           ("tests/test_attention_variants.py",)),
+    Mutant("attn_qk_norm_grad_never_summed_over_tp", "src/orangetron/parallel/tensor.py",
+           (("            out[name] = Placement(partial_grad=tp > 1)", "            out[name] = Placement()"),),
+           ("tests/test_attention_variants.py",)),
+    Mutant("attn_planner_qk_norm_inputs_not_priced", "src/orangetron/plan/activations.py",
+           (("        total += a * sb * (heads + kv) * m.qk_head_dim  # QK-norm inputs",
+             "        total += 0 * sb * (heads + kv) * m.qk_head_dim  # QK-norm inputs"),),
+           ("tests/test_plan_activations_exact.py::test_qkv_bias_qk_norm_and_a_free_head_dim_activation_bytes_"
+            "equal_measured",)),
+    Mutant("attn_planner_qk_norm_left_out_of_the_tp_sum", "src/orangetron/plan/params.py",
+           (("        numel += model.qk_norm_params() * len(layers)", "        numel += 0"),),
+           ("tests/test_attention_variants.py",)),
+    Mutant("attn_hf_qwen2_k_bias_read_from_v_proj", "src/orangetron/hf/weights.py",
+           (('            out[f"{ours}.{mine}.bias"] = Same(f"{theirs}.{hf}.bias")',
+             '            out[f"{ours}.{mine}.bias"] = Same(f"{theirs}.{\'v_proj\' if hf == \'k_proj\' else hf}"'
+             '".bias")'),),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
+    Mutant("attn_hf_qwen3_q_norm_and_k_norm_swapped", "src/orangetron/hf/weights.py",
+           (('        out[f"{ours}.q_norm.weight"] = Same(f"{theirs}.q_norm.weight")',
+             '        out[f"{ours}.q_norm.weight"] = Same(f"{theirs}.k_norm.weight")'),
+            ('        out[f"{ours}.k_norm.weight"] = Same(f"{theirs}.k_norm.weight")',
+             '        out[f"{ours}.k_norm.weight"] = Same(f"{theirs}.q_norm.weight")')),
+           ("tests/test_hf.py::test_logits_equal_transformers_in_float64",)),
     Mutant("p2p_order_ticks_at_the_consumers_end", "src/orangetron/spec/transfers.py",
            (("Transfer(slot.start, g - 1,", "Transfer(slot.end, g - 1,"),),
            ("tests/test_pipeline_p2p.py::test_the_executor_posts_transfers_that_cannot_stall_at_every_pp",)),
