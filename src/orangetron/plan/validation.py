@@ -195,3 +195,48 @@ def summary(scored: list[Scored], split: str, cls: str | None = None) -> tuple[i
     if not errors:
         return 0, 0.0, 0.0
     return len(errors), sum(errors) / len(errors), max(errors)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A constant fitted on calibration rows: `constant` of every GPU preset in `presets` (one tensor-core
+    generation), searched on `grid` (low, high, step)."""
+
+    name: str
+    constant: str  # a `GPUSpec` field
+    presets: tuple[str, ...]
+    rows: tuple[str, ...]  # the calibration rows it is fitted on, by name
+    grid: tuple[float, float, float]
+    value: float  # as shipped in each preset
+
+
+def load_fitted(path: Path | None = None) -> list[Fitted]:
+    """The file's `fitted` tables."""
+    return [Fitted(f["name"], f["constant"], tuple(f["presets"]), tuple(f["rows"]), tuple(f["grid"]), f["value"])
+            for f in load_table(path)["fitted"]]
+
+
+def fit_loss(fitted: Fitted, value: float, runs: list[PublishedRun]) -> float:
+    """Sum over the constant's rows of log(predicted / published)^2, the constant set to `value` in its presets."""
+    by_name = {r.name: r for r in runs}
+    loss = 0.0
+    for name in fitted.rows:
+        run = by_name[name]
+        gpu = load_gpu(run.gpu)
+        if run.gpu in fitted.presets:
+            gpu = replace(gpu, **{fitted.constant: value})
+        loss += log_error(run, gpu) ** 2
+    return loss
+
+
+def grid_values(fitted: Fitted) -> list[float]:
+    low, high, step = fitted.grid
+    return [round(low + i * step, 6) for i in range(round((high - low) / step) + 1)]
+
+
+def refit(fitted: Fitted, runs: list[PublishedRun]) -> float:
+    """The grid value with the least `fit_loss`, the lower on a tie. Only calibration rows may be named."""
+    split = {r.name: r.split for r in runs}
+    if any(split[name] != "calibration" for name in fitted.rows):
+        raise ValueError(f"{fitted.name}: fitted on a row outside the calibration split")
+    return min(grid_values(fitted), key=lambda v: (fit_loss(fitted, v, runs), v))
