@@ -1158,6 +1158,40 @@ MUTANTS = [
              "    peer_batch = where[(peer, id(match))][1]\n"
              "    if call.op == \"send\" and len(ranks[rank][current[rank]]) == 1:\n        return True\n"),),
            ("tests/test_pipeline_p2p.py::test_the_obvious_order_stalls_where_the_executor_does_not",)),
+    # ---- validation protocol: published rows, split, refit, report ---------------------------------------------
+    Mutant("valid_refit_takes_the_worst_grid_point", "src/orangetron/plan/validation.py",
+           (("    return min(grid_values(fitted), key=lambda v: (fit_loss(fitted, v, runs), v))",
+             "    return max(grid_values(fitted), key=lambda v: (fit_loss(fitted, v, runs), v))"),),
+           ("tests/test_plan_validation.py::test_refit_from_calibration_rows_reproduces_the_shipped_value",)),
+    Mutant("valid_refit_never_sets_the_constant", "src/orangetron/plan/validation.py",
+           (("        if run.gpu in fitted.presets:\n            gpu = replace(",
+             "        if False:\n            gpu = replace("),),
+           ("tests/test_plan_validation.py::test_refit_from_calibration_rows_reproduces_the_shipped_value",)),
+    Mutant("valid_refit_fits_on_validation_rows_too", "src/orangetron/plan/validation.py",
+           (("    if any(split[name] != \"calibration\" for name in fitted.rows):",
+             "    if any(split[name] not in SPLITS for name in fitted.rows):"),),
+           ("tests/test_plan_validation.py::test_refit_refuses_a_validation_row",)),
+    Mutant("valid_refit_ignores_the_published_figures", "src/orangetron/plan/validation.py",
+           (("        loss += log_error(run, gpu) ** 2", "        loss += math.log(predict(run, gpu)) ** 2"),),
+           ("tests/test_plan_validation.py::test_refit_moves_with_the_published_figures",)),
+    Mutant("valid_long_context_from_16k", "src/orangetron/plan/validation.py",
+           (("    if deg.cp > 1 or job.seq_len >= 32768:", "    if deg.cp > 1 or job.seq_len >= 16384:"),),
+           ("tests/test_plan_validation.py::test_rows_have_a_split_a_class_by_the_rule_a_source_and_a_date",)),
+    Mutant("valid_fully_sharded_before_moe", "src/orangetron/plan/validation.py",
+           (("    if model.num_experts:\n        return \"moe\"\n    if job.zero_stage == 3:\n"
+              "        return \"fully sharded\"",
+             "    if job.zero_stage == 3:\n        return \"fully sharded\"\n    if model.num_experts:\n"
+             "        return \"moe\""),),
+           ("tests/test_plan_validation.py::test_class_rule_on_hand_made_layouts",)),
+    Mutant("valid_report_counts_late_rows_as_out_of_sample", "src/orangetron/plan/validation.py",
+           (("lambda s: s.split == \"validation\" and s.added <= refit,", "lambda s: s.split == \"validation\","),),
+           ("tests/test_plan_validation.py::test_side_by_side_report_by_hand",)),
+    Mutant("valid_summary_signed_mean", "src/orangetron/plan/validation.py",
+           (("    mean = sum(abs(e) for e in errors) / len(errors)", "    mean = abs(sum(errors)) / len(errors)"),),
+           ("tests/test_plan_validation.py::test_side_by_side_report_by_hand",)),
+    Mutant("valid_unpublished_knobs_not_tuned", "src/orangetron/plan/validation.py",
+           (("    for knob in run.tune:\n", "    for knob in ():\n"),),
+           ("tests/test_plan_validation.py::test_each_run_within_its_band",)),
 ]
 
 
