@@ -1184,7 +1184,7 @@ MUTANTS = [
              "        return \"moe\""),),
            ("tests/test_plan_validation.py::test_class_rule_on_hand_made_layouts",)),
     Mutant("valid_report_counts_late_rows_as_out_of_sample", "src/orangetron/plan/validation.py",
-           (("lambda s: s.split == \"validation\" and s.added <= refit,", "lambda s: s.split == \"validation\","),),
+           (("lambda s: s.split == \"validation\" and s.added < refit,", "lambda s: s.split == \"validation\","),),
            ("tests/test_plan_validation.py::test_side_by_side_report_by_hand",)),
     Mutant("valid_summary_signed_mean", "src/orangetron/plan/validation.py",
            (("    mean = sum(abs(e) for e in errors) / len(errors)", "    mean = abs(sum(errors)) / len(errors)"),),

@@ -82,8 +82,8 @@ def test_the_former_held_out_rows_stay_inside_their_aggregate_bands(scored):
 
 
 def test_side_by_side_report_by_hand():
-    """Two calibration rows (-10%, +20%), two validation rows added by the refit (+30%, -50%) and one after it
-    (+5%), all of class size: each column holds its own rows, means and worsts of |error|."""
+    """Two calibration rows (-10%, +20%), one validation row added before the refit's day (+30%), one on it (-50%)
+    and one after it (+5%), all of class size: each column holds its own rows, means and worsts of |error|."""
     refit, early, late = date(2026, 12, 3), date(2026, 11, 30), date(2026, 12, 4)
     rows = [validation.Scored("a", "size", "calibration", early, -0.10),
             validation.Scored("b", "size", "calibration", early, 0.20),
@@ -91,7 +91,7 @@ def test_side_by_side_report_by_hand():
             validation.Scored("d", "size", "validation", refit, -0.50),
             validation.Scored("e", "size", "validation", late, 0.05)]
     lines = validation.side_by_side(rows, refit, "throughput")
-    assert lines[1].split() == ["size", "2", "15.0%", "20.0%", "2", "40.0%", "50.0%", "1", "5.0%", "5.0%"]
+    assert lines[1].split() == ["size", "2", "15.0%", "20.0%", "1", "30.0%", "30.0%", "2", "27.5%", "50.0%"]
     assert lines[2].split()[1:] == lines[1].split()[1:]  # "all" is the one class
     assert validation.summary(rows, "calibration") == (2, pytest.approx(0.15), pytest.approx(0.20))
     assert validation.summary(rows, "validation", "moe") == (0, 0.0, 0.0)

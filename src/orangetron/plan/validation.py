@@ -43,6 +43,7 @@ class PublishedRun:
     job: Job
     tune: tuple[str, ...] = ()
     gpus_per_node: int = 0  # 0: the preset's node
+    gpu_memory_gib: float = 0.0  # 0: the preset's; else the memory of the source's variant of that GPU
     band: tuple[float, float] | None = None  # the relative error the row must stay in, where one is asserted
     figure: str = ""  # the figure as the source states it, where `published` is derived from it
 
@@ -87,6 +88,7 @@ def _run(row: dict) -> PublishedRun:
         source=row["source"], metric=row["metric"], published=float(row["published"]), gpu=row["gpu"],
         model=_model(row["model"]), deg=Degrees(**row.get("degrees", {})), job=Job(**_tuples(row["job"])),
         tune=tuple(row.get("tune", ())), gpus_per_node=row.get("gpus_per_node", 0),
+        gpu_memory_gib=row.get("gpu_memory_gib", 0.0),
         band=tuple(band) if band else None, figure=row.get("figure", ""))
 
 
@@ -122,15 +124,21 @@ def candidates(run: PublishedRun) -> list[Job]:
     return jobs
 
 
+def run_gpu(run: PublishedRun, gpu: GPUSpec | None = None) -> GPUSpec:
+    """`gpu` (default: the run's preset) with the memory of the variant the run used, where the row gives one."""
+    spec = gpu or load_gpu(run.gpu)
+    return replace(spec, memory_gib=run.gpu_memory_gib) if run.gpu_memory_gib else spec
+
+
 def fitting_jobs(run: PublishedRun, gpu: GPUSpec | None = None) -> list[Job]:
     """The candidates that fit in the GPU's memory by the planner's own model (overhead included)."""
-    capacity = (gpu or load_gpu(run.gpu)).memory_bytes
+    capacity = run_gpu(run, gpu).memory_bytes
     return [j for j in candidates(run) if _fits(run, j, capacity)]
 
 
 def best_step(run: PublishedRun, gpu: GPUSpec | None = None) -> StepTime:
     """The fastest candidate that fits (the published job when none fits) on `gpu` (default: the preset)."""
-    cluster = make_cluster(gpu or run.gpu, run.deg.world_size, run.gpus_per_node or None)
+    cluster = make_cluster(run_gpu(run, gpu), run.deg.world_size, run.gpus_per_node or None)
     jobs = fitting_jobs(run, cluster.gpu) or [run.job]
     return min((step_time(run.model, run.deg, j, cluster) for j in jobs), key=lambda t: t.step_s)
 
@@ -176,11 +184,12 @@ def _cell(errors: list[float]) -> str:
 
 
 def side_by_side(scored: list[Scored], refit: date, title: str) -> list[str]:
-    """Per class and overall: calibration (in sample), validation rows added by the last refit (out of sample),
-    and validation rows added after it, each as count, mean |error| and worst |error|."""
-    columns = [lambda s: s.split == "calibration", lambda s: s.split == "validation" and s.added <= refit,
-               lambda s: s.split == "validation" and s.added > refit]
-    head = f"{title:<16}{'in sample (n mean worst)':>26}{'out of sample':>26}{f'added after {refit}':>26}"
+    """Per class and overall: calibration (in sample), validation rows added before the day of the last refit
+    (out of sample), and validation rows added on that day or later (a refit is recorded by its day, so a row of
+    the same day is counted as later), each as count, mean |error| and worst |error|."""
+    columns = [lambda s: s.split == "calibration", lambda s: s.split == "validation" and s.added < refit,
+               lambda s: s.split == "validation" and s.added >= refit]
+    head = f"{title:<16}{'in sample (n mean worst)':>26}{'out of sample':>26}{f'added since {refit}':>26}"
     lines = [head]
     classes = [c for c in (*CLASSES, "memory") if any(s.cls == c for s in scored)]
     for label, keep in [(c, lambda s, c=c: s.cls == c) for c in classes] + [("all", lambda s: True)]:
