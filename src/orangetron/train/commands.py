@@ -65,8 +65,8 @@ def add_train_commands(sub: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out, on whatever layout this run has; every "
                    "option not given comes from the run's config.toml, and one given that differs is refused "
-                   "unless it may change (--steps with --extend, --save-every, --timeout-s, --threads, layout "
-                   "and parallel flags)")
+                   "unless it may change (--steps with --extend, --save-every, --timeout-s, --threads, --device, "
+                   "layout and parallel flags)")
     p.add_argument("--new-data", action="store_true",
                    help="with --resume and --data: continue on data whose text differs from the run's record; "
                    "the change is logged in the run folder's changes.jsonl")
@@ -89,10 +89,19 @@ def add_train_commands(sub: Any) -> None:
     option("--eval-batches", "batches of held-out data per evaluation", type=int)
     option("--eval-fraction", "share of the token stream, from its end, held out for evaluation", type=float)
     option("--corpus-bytes", "bytes of the stdlib corpus to train on when --data is not given", type=int)
+    _add_device_flag(p)
     _add_layout_flags(p)
     _add_config_flag(p)
     p.set_defaults(run=run_train)
     _add_verify_command(sub)
+
+
+def _add_device_flag(p: argparse.ArgumentParser) -> None:
+    from orangetron.train.placement import DEVICES  # torch-free: fast --help
+
+    p.add_argument("--device", default=None, choices=DEVICES,
+                   help="where every rank computes: cpu (gloo), or cuda (one GPU per local rank, NCCL for device "
+                   "tensors and gloo for host bookkeeping) (default: cuda when torch sees a GPU, else cpu)")
 
 
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
@@ -192,6 +201,7 @@ def _add_verify_command(sub: Any) -> None:
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="both runs start from this Hugging Face folder's weights (its config is the model)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
+    _add_device_flag(p)
     _add_layout_flags(p)
     _add_config_flag(p)
     p.set_defaults(run=run_verify)

@@ -112,7 +112,7 @@ def evaluate(model: ParallelModel, samples: torch.Tensor, batch_size: int, max_b
     model.eval()
     total = 0.0
     for start in range(0, n, batch_size):
-        batch = samples[start : min(start + batch_size, n)]
+        batch = samples[start : min(start + batch_size, n)].to(model.device)
         total += _eval_loss(model, batch) * batch.shape[0]  # equal-length rows: weight by rows
     model.train(was_training)
     return total / n

@@ -27,7 +27,7 @@ from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import ModelSpec, Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
 from orangetron.parallel.config import DTYPES
-from orangetron.train import admission, faults, run_folder, stopping
+from orangetron.train import admission, faults, placement, run_folder, stopping
 from orangetron.train.accounting import predicted_for_rank
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
@@ -116,14 +116,14 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
             return _train_under_torchrun(cfg, progress)
         if world_size > 1:
             return _merge_ranks(launch_local(_train_rank, world_size, args=(cfg, progress),
-                                             timeout_s=cfg.timeout_s, relay_signals=True))
+                                             timeout_s=cfg.timeout_s, relay_signals=True, device=cfg.device))
     # One thread by default: these models run many small ops, and on a shared 2-core machine a second
     # OpenMP thread that waits for a busy core at every op made steps 10x slower, not faster.
     previous_threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        with process_group():
+        with process_group(cfg.device):
             return _train(cfg, progress)
     finally:
         torch.set_num_threads(previous_threads)
@@ -135,9 +135,11 @@ def _train_under_torchrun(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     if world_size != cfg.layout.world_size:
         raise TrainConfigError(f"torchrun started {world_size} processes but the layout {cfg.layout} needs "
                                f"{cfg.layout.world_size} (tp*cp*pp*dp)")
-    # The trainer keeps its tensors on the CPU for now. The timeout bounds every collective: a rank that
-    # stops responding makes its peers fail here, and torchrun then ends every process.
-    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
+    # Each process binds its LOCAL_RANK GPU on cuda, as the local launcher does. The timeout bounds every
+    # collective: a rank that stops responding makes its peers fail here, and torchrun then ends every process.
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.distributed.init_process_group(timeout=timedelta(seconds=cfg.timeout_s),
+                                         **placement.init_options(cfg.device, local_rank))
     board = _store_board(cfg)
     faults.attach(board)
     try:
@@ -200,9 +202,10 @@ class RunSetup:
     imported_bytes: int | None = None  # bytes this rank read from the --hf-model safetensors (None: no import)
 
     def rows(self, batch: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's rows of each micro-batch: the batch splits into micro-batches first, each over the dp
-        ranks, so that micro-batch j holds the same rows on every layout (the balancing loss sees them)."""
-        return [mb[self.dp_rank * self.share:(self.dp_rank + 1) * self.share]
+        """This rank's rows of each micro-batch, on the model's device: the batch splits into micro-batches first,
+        each over the dp ranks, so that micro-batch j holds the same rows on every layout (the balancing loss
+        sees them)."""
+        return [mb[self.dp_rank * self.share:(self.dp_rank + 1) * self.share].to(self.model.device)
                 for mb in batch.chunk(self.microbatches)]
 
     @property
@@ -214,11 +217,12 @@ class RunSetup:
 def setup_run(cfg: TrainConfig) -> RunSetup:
     """Data, parallel model and optimizer of this rank, inside an initialized process group."""
     faults.enter("setup")
-    mesh = init_mesh(cfg.layout)
+    mesh = init_mesh(cfg.layout, cfg.device)
     torch.manual_seed(cfg.seed)
     data = load_data(cfg)
     model_dtype = torch.float64 if cfg.param_dtype == "float64" else torch.float32  # bf16: cast by the flat buffers
-    reference = Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype)
+    # Initialized on the host and then moved: every device starts from the same bits as the CPU reference.
+    reference = Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype).to(mesh.device())
     model = parallelize(reference, mesh, cfg.parallel_config())
     model.train()
     optimizer = model.optimizer(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
