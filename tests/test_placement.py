@@ -3,6 +3,9 @@ mesh's device taken from the run's device, and the device recorded and changeabl
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
@@ -91,3 +94,30 @@ def test_the_device_is_recorded_and_may_change_on_resume(tmp_path) -> None:
     check_resume(cfg, {**cfg.options(), "device": "cuda"})  # another device: allowed, as layout flags are
     with pytest.raises(TrainConfigError, match="seed=0"):
         check_resume(cfg, {**cfg.options(), "seed": 1})
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_deterministic_mode_holds_for_the_block_and_is_restored(monkeypatch: pytest.MonkeyPatch,
+                                                                device: str) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with placement.deterministic_mode(True, device):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert (os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8") == (device == "cuda")
+    assert not torch.are_deterministic_algorithms_enabled()
+    with placement.deterministic_mode(False, device):
+        assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_reruns_are_bitwise_equal() -> None:
+    from orangetron.train.trainer import train
+
+    cfg = TrainConfig(model="tiny-moe", steps=3, seq_len=16, batch_size=4, warmup=0, corpus_bytes=20_000,
+                      deterministic=True)
+    first, second = train(cfg, progress=False), train(cfg, progress=False)
+    assert first["deterministic"] and second["deterministic"]  # the run took the flag
+    assert first["losses"] == second["losses"] and len(first["losses"]) == 3
+    assert first["eval_loss"] == second["eval_loss"]
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after the run
+    plain = train(dataclasses.replace(cfg, deterministic=False), progress=False)
+    assert plain["deterministic"] is False and plain["losses"] == first["losses"]  # same kernels on CPU

@@ -28,8 +28,8 @@ _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_f
 # Options of a run's config file that say nothing about the step `estimate` prices.
 _RUN_ONLY = ("steps", "lr", "warmup", "min_lr", "weight_decay", "grad_clip", "seed", "eval_every",
              "eval_batches", "eval_fraction", "data", "corpus_bytes", "out", "save_every", "resume", "extend",
-             "stop_after", "overwrite", "new_data", "threads", "timeout_s", "device", "data_record", "dtype",
-             "hf_model", "tokenizer", "model_source")
+             "stop_after", "overwrite", "new_data", "threads", "timeout_s", "device", "deterministic", "data_record",
+             "dtype", "hf_model", "tokenizer", "model_source")
 
 
 def train_options(row: Estimate) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def add_train_commands(sub: Any) -> None:
                    help="continue from the latest checkpoint in --out, on whatever layout this run has; every "
                    "option not given comes from the run's config.toml, and one given that differs is refused "
                    "unless it may change (--steps with --extend, --save-every, --timeout-s, --threads, --device, "
-                   "layout and parallel flags)")
+                   "--deterministic, layout and parallel flags)")
     p.add_argument("--new-data", action="store_true",
                    help="with --resume and --data: continue on data whose text differs from the run's record; "
                    "the change is logged in the run folder's changes.jsonl")
@@ -89,6 +89,9 @@ def add_train_commands(sub: Any) -> None:
     option("--eval-batches", "batches of held-out data per evaluation", type=int)
     option("--eval-fraction", "share of the token stream, from its end, held out for evaluation", type=float)
     option("--corpus-bytes", "bytes of the stdlib corpus to train on when --data is not given", type=int)
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch's deterministic algorithms (and cuBLAS's on cuda), so a rerun is bitwise equal; an op "
+                   "without a deterministic kernel then stops the run naming it")
     _add_device_flag(p)
     _add_layout_flags(p)
     _add_config_flag(p)

@@ -85,6 +85,7 @@ class TrainConfig(Layout, ParallelConfig):
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
     timeout_s: float = DEFAULT_TIMEOUT_S  # seconds a collective waits for a peer; then the run stops, naming
     # the rank that stopped responding
+    deterministic: bool = False  # torch's deterministic algorithms (and cuBLAS's on cuda): reruns bitwise equal
     device: str | None = None  # "cpu" or "cuda" (one GPU per local rank); None: cuda when torch sees a GPU, else
     # cpu (resolved on construction, so the record holds what ran)
 

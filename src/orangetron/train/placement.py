@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 DEVICES = ("cpu", "cuda")
@@ -70,6 +72,26 @@ def bind(device: str, local_rank: int) -> Any:
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+@contextmanager
+def deterministic_mode(enabled: bool, device: str) -> Iterator[None]:
+    """With `enabled`: torch's deterministic algorithms for the block (an op without one raises, naming itself),
+    and on cuda the cuBLAS workspace setting that makes its GEMMs repeatable (set before any rank's first
+    cuBLAS call, unless the caller set it). The previous setting comes back afterwards."""
+    if not enabled:
+        yield
+        return
+    import torch
+
+    if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def init_options(device: str, local_rank: int) -> dict[str, Any]:

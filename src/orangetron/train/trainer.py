@@ -246,7 +246,7 @@ def import_weights(folder: str, spec: ModelSpec, model: ParallelModel, optimizer
 
 def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     # From here on SIGINT and SIGTERM ask every rank to stop after the step it is taking (train/stopping.py).
-    with stopping.stop_on_signals():
+    with stopping.stop_on_signals(), placement.deterministic_mode(cfg.deterministic, cfg.device):
         return _run(cfg, progress)
 
 
@@ -317,6 +317,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "eval_loss": eval_loss,
         "stopped": stopped,
         "params": _model_parameters(cfg),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "tokens_per_s": run.tokens_per_s() or 0.0,
         "mfu": run.mfu(),
         "peak_flops": peak,
