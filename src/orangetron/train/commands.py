@@ -280,7 +280,8 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         f"final_loss_mean10 {result['final_loss_mean10']:.4f} (mean of the last {min(len(losses), 10)} steps); "
         f"held-out loss {eval_text}",
         f"{result['params']:,} params, {result['tokens_per_s']:,.0f} tokens/s, "
-        + (f"MFU {100 * result['mfu']:.1f}% of a {result['peak_flops'] / 1e9:.1f} GFLOP/s matmul, "
+        + (f"MFU {100 * result['mfu']:.1f}% of {result['peak_flops'] / 1e9:,.1f} GFLOP/s "
+           f"({result.get('peak_source', 'measured matmul')}), "
            if result.get("mfu") is not None else "") + f"{result['time_s']:.1f} s",
         "memory (MiB): " + ", ".join(f"{k} {mem[k] / 2**20:.1f}" for k in mem if k != "rank"),
     ]

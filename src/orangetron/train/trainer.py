@@ -33,7 +33,7 @@ from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import BatchIterator, pack_sequences, read_text_files, split_train_eval, stdlib_corpus
 from orangetron.train.datasets import PreparedDataset
 from orangetron.train.launch import LaunchError, launch_local, process_group
-from orangetron.train.mfu import measured_peak_flops, step_flops
+from orangetron.train.mfu import StepTimer, allocator_peak, device_peak_flops, step_flops
 from orangetron.train.progress import ProgressBar
 from orangetron.train.resume import resume, save
 from orangetron.train.runlog import Resumed, RunLog, final_losses
@@ -265,7 +265,11 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         cfg, start = resume(cfg, setup)
         bar.log(f"resumed from {start.path} at step {start.step} of {cfg.steps}")
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    peak = measured_peak_flops(DTYPES[model.config.param_dtype], model.device)
+    peak, peak_source = device_peak_flops(DTYPES[model.config.param_dtype], model.device)
+    warnings = cfg.ineffective_options() + ([] if peak is not None else [peak_source])
+    if peak is None:
+        bar.log(f"warning: {peak_source}")
+    timer = StepTimer(model.device)
     run = RunLog(cfg, bar, write=rank == 0, start=start, flops_per_step=step_flops(cfg) / cfg.layout.world_size,
                  peak_flops=peak)
     eval_loss: float | None = None
@@ -275,7 +279,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     with comm.measure() as records, run:
         batches: Iterator[torch.Tensor] = data.train.from_sample(start.samples)  # after the checkpointed steps
         for step in range(start.step, last):
-            t0 = time.perf_counter()
+            timer.start()
             faults.enter("data", step + 1)
             lr = lr_at(step, cfg)
             rows = setup.rows(next(batches))
@@ -287,7 +291,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             except TrainingDiverged as err:  # nothing of this step was applied or written
                 kept = "; the run folder keeps the checkpoints of earlier steps" if cfg.out is not None else ""
                 raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{kept}") from None
-            seconds = time.perf_counter() - t0  # evaluation below is not training throughput
+            seconds = timer.stop()  # evaluation below is not training throughput
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
             if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
@@ -321,11 +325,12 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "tokens_per_s": run.tokens_per_s() or 0.0,
         "mfu": run.mfu(),
         "peak_flops": peak,
-        "memory": [{"rank": rank, **mem}],
+        "peak_source": peak_source,
+        "memory": [{"rank": rank, **mem, **allocator_peak(model.device)}],  # the allocator's: the whole run's peak
         "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
         "comm_per_step": [{"rank": rank, **traffic.summary()}],
         "predicted": [{"rank": rank, **predicted_for_rank(cfg, model.mesh["pp"].rank)}],
-        "warnings": cfg.ineffective_options(),
+        "warnings": warnings,
         "imported": [] if setup.imported_bytes is None else [{"rank": rank, "bytes_read": setup.imported_bytes}],
         "time_s": time.perf_counter() - run.started,
     }
