@@ -1219,6 +1219,9 @@ MUTANTS = [
            (("    warnings = cfg.ineffective_options() + ([] if peak is not None else [peak_source])",
              "    warnings = cfg.ineffective_options()"),),
            ("tests/test_gpu_mfu.py::test_a_run_on_an_unknown_gpu_reports_no_mfu_and_says_why",)),
+    Mutant("device_plan_config_pins_the_planning_machines_device", "src/orangetron/cli/run_config.py",
+           (('if k not in (*DIRECTIVES, "model", "device")}', 'if k not in (*DIRECTIVES, "model")}'),),
+           ("tests/test_placement.py::test_a_plans_config_leaves_the_device_to_the_machine_that_trains",)),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tomllib
 
 import pytest
 import torch
@@ -121,3 +122,11 @@ def test_deterministic_reruns_are_bitwise_equal() -> None:
     assert not torch.are_deterministic_algorithms_enabled()  # restored after the run
     plain = train(dataclasses.replace(cfg, deterministic=False), progress=False)
     assert plain["deterministic"] is False and plain["losses"] == first["losses"]  # same kernels on CPU
+
+
+def test_a_plans_config_leaves_the_device_to_the_machine_that_trains(tmp_path) -> None:
+    path = tmp_path / "plan.toml"
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--seq", "16", "--global-batch", "4", "--param-dtype",
+                 "float32", "--emit-config", str(path)]) == 0
+    options = tomllib.loads(path.read_text())
+    assert "device" not in options and options["seq_len"] == 16  # a run's options, the device left out

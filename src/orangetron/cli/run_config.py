@@ -77,7 +77,9 @@ def _write(row: Estimate, rank: int, path: Path) -> None:
     from orangetron.train.run_folder import DIRECTIVES
 
     cfg = TrainConfig(model=row.model, **train_options(row))  # options(): the flags' keys, as a record has them
-    options = {k: v for k, v in cfg.options().items() if k not in DIRECTIVES and k != "model"}
+    # The device is the training machine's to choose (its default: cuda where torch sees a GPU), not the one
+    # this plan was made on.
+    options = {k: v for k, v in cfg.options().items() if k not in (*DIRECTIVES, "model", "device")}
     write_resolved_config(path, options, {"model": dataclasses.asdict(row.model)})
     header = (f"# `orangetron plan`'s configuration #{rank} ({row.degrees}) for {row.model.name}, as a run's "
               "config file:\n# `orangetron train --config` runs it, `orangetron estimate --config` prices it.\n")
