@@ -1222,6 +1222,23 @@ MUTANTS = [
     Mutant("device_plan_config_pins_the_planning_machines_device", "src/orangetron/cli/run_config.py",
            (('if k not in (*DIRECTIVES, "model", "device")}', 'if k not in (*DIRECTIVES, "model")}'),),
            ("tests/test_placement.py::test_a_plans_config_leaves_the_device_to_the_machine_that_trains",)),
+    Mutant("gpu_check_gap_not_relative", "scripts/gpu_check.py",
+           (("    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))",
+             "    return float((x - ref).abs().max())"),),
+           ("tests/test_gpu_check.py::test_the_kernel_gap_is_relative_to_the_reference",)),
+    Mutant("gpu_check_a_failed_item_counts_as_passed", "scripts/gpu_check.py",
+           (('            passed &= bool(line["pass"])', "            passed &= True"),),
+           ("tests/test_gpu_check.py::test_a_failing_item_writes_its_error_and_the_rest_still_run",)),
+    Mutant("gpu_check_kernel_compares_the_reference_with_itself", "scripts/gpu_check.py",
+           (("    out, lse = attention_kernel(q, k, v, causal=causal)",
+             '    out, lse = attention_kernel(q, k, v, causal=causal, impl="reference")'),
+            ("    q, k, v = (t.to(device, dtype).requires_grad_() for t in (q64, k64, v64))",
+             "    q, k, v = (t.to(device).requires_grad_() for t in (q64, k64, v64))")),
+           ("tests/test_gpu_check.py::test_the_gpu_check_runs_every_item_on_cpu",)),
+    Mutant("gpu_check_memory_counts_one_category", "scripts/gpu_check.py",
+           (('ACCOUNTED = ("params", "grads", "main_params", "optimizer", "activations_peak")',
+             'ACCOUNTED = ("params",)'),),
+           ("tests/test_gpu_check.py::test_the_gpu_check_runs_every_item_on_cpu",)),
 ]
 
 

@@ -41,7 +41,10 @@ def test_the_gpu_check_runs_every_item_on_cpu(tmp_path: Path) -> None:
     assert all(c["max_gap"] > 0 for c in kernel["cases"])  # a fused kernel ran, not the reference itself
     for item in lines[1:3]:
         assert item["deterministic_rerun_bitwise_equal"] and len(item["losses"]) == 3
-    assert lines[3]["accounted_bytes"] == sum(lines[3]["by_category"].values()) > 0
+    memory = lines[3]
+    assert set(memory["by_category"]) == {"params", "grads", "main_params", "optimizer", "activations_peak"}
+    assert all(memory["by_category"][k] > 0 for k in ("params", "grads", "optimizer", "activations_peak"))
+    assert memory["accounted_bytes"] == sum(memory["by_category"].values())
     assert lines[4]["tokens_per_s"] > 0 and lines[4]["plain_tokens_per_s"] > 0 and lines[4]["mfu"] > 0
 
 
