@@ -15,7 +15,7 @@ KEYS = {
     "kernel": {"shape_bshkd", "cases"},
     "train_dense": {"losses", "gap_vs_cpu", "deterministic_rerun_bitwise_equal"},
     "train_moe": {"losses", "gap_vs_cpu", "deterministic_rerun_bitwise_equal"},
-    "memory": {"accounted_bytes", "by_category", "allocator_peak", "ratio"},
+    "memory": {"accounted_bytes", "by_category", "coexisting_floor_bytes", "allocator_peak", "ratio"},
     "throughput": {"tokens_per_s", "mfu", "peak_flops", "plain_tokens_per_s", "ratio"},
 }
 
@@ -45,6 +45,9 @@ def test_the_gpu_check_runs_every_item_on_cpu(tmp_path: Path) -> None:
     assert set(memory["by_category"]) == {"params", "grads", "main_params", "optimizer", "activations_peak"}
     assert all(memory["by_category"][k] > 0 for k in ("params", "grads", "optimizer", "activations_peak"))
     assert memory["accounted_bytes"] == sum(memory["by_category"].values())
+    cat = memory["by_category"]
+    assert memory["coexisting_floor_bytes"] == cat["params"] + cat["main_params"] + cat["optimizer"] \
+        + max(cat["grads"], cat["activations_peak"])
     assert lines[4]["tokens_per_s"] > 0 and lines[4]["plain_tokens_per_s"] > 0 and lines[4]["mfu"] > 0
 
 
