@@ -1239,6 +1239,10 @@ MUTANTS = [
            (('ACCOUNTED = ("params", "grads", "main_params", "optimizer", "activations_peak")',
              'ACCOUNTED = ("params",)'),),
            ("tests/test_gpu_check.py::test_the_gpu_check_runs_every_item_on_cpu",)),
+    Mutant("gpu_check_memory_floor_sums_what_never_coexists", "scripts/gpu_check.py",
+           (('        + max(mem.get("grads", 0), mem.get("activations_peak", 0))',
+             '        + mem.get("grads", 0) + mem.get("activations_peak", 0)'),),
+           ("tests/test_gpu_check.py::test_the_gpu_check_runs_every_item_on_cpu",)),
 ]
 
 
