@@ -32,7 +32,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     """Gather the group's tokens and keep the rows of this rank's experts; `options` unused."""
     tokens = x.shape[0]
     local = num_experts // group.size
-    counts = comm.all_gather(torch.tensor([tokens], dtype=torch.int64), group)  # [ep]
+    counts = comm.all_gather(comm.host_tensor([tokens], torch.int64), group)  # [ep]
     t_max = int(counts.max())
     gathered_x = comm.all_gather(_pad(x, t_max, 0), group)  # [ep * T_max, dim]
     gathered_idx = comm.all_gather(_pad(topk_idx, t_max, -1), group)  # [ep * T_max, k]; -1: padding

@@ -48,7 +48,7 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
 
 def exchange_chunk_counts(send_rows: list[list[int]], group: MeshGroup) -> list[list[int]]:
     """send_rows[c][j]: rows chunk c sends to member j -> recv_rows[c][j]: rows chunk c receives from j."""
-    counts = torch.tensor(send_rows, dtype=torch.int64).t().contiguous()  # [ep, chunks]
+    counts = comm.host_tensor(send_rows, torch.int64).t().contiguous()  # [ep, chunks]
     ones = [1] * group.size
     return comm.all_to_all(counts, group, ones, ones).t().tolist()
 

@@ -24,7 +24,7 @@ class RaggedHandle:
 
 def exchange_counts(send_rows: list[int], group: MeshGroup) -> list[int]:
     """Rows each member sends to this rank (one int64 per peer, one all-to-all)."""
-    counts = torch.tensor(send_rows, dtype=torch.int64).view(-1, 1)  # [ep, 1]
+    counts = comm.host_tensor(send_rows, torch.int64).view(-1, 1)  # [ep, 1]
     ones = [1] * group.size
     return comm.all_to_all(counts, group, ones, ones).view(-1).tolist()
 
