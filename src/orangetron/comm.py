@@ -27,8 +27,9 @@ __all__ = [
     "CommRecord", "LEDGER_LIMIT", "LedgerOverflow", "Pending", "PendingAllReduce",
     "RingExchange", "all_gather", "all_gather_into", "all_gather_into_start", "all_gather_objects", "all_reduce",
     "all_reduce_max", "all_reduce_start", "all_to_all", "all_to_all_start", "broadcast", "bytes_by_key",
-    "copy_to_group", "ledger", "measure", "P2PCall", "PendingP2P", "post_p2p", "reduce_scatter", "reduce_scatter_start",
-    "reset_ledger", "trace_p2p", "unmeasured", "world_group", "Started", "all_to_all_async", "reduce_scatter_async",
+    "copy_to_group", "host_tensor", "ledger", "measure", "P2PCall", "PendingP2P", "post_p2p", "reduce_scatter",
+    "reduce_scatter_start", "reset_ledger", "trace_p2p", "unmeasured", "world_group", "Started", "all_to_all_async",
+    "reduce_scatter_async",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -259,6 +260,14 @@ def all_reduce_max(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
     return x if group.size == 1 else _all_reduce_raw(x.detach(), group, op="max")
 
 
+def host_tensor(data: Sequence[float] | Sequence[Sequence[float]], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of host bookkeeping (row counts, a loss report, a divergence verdict) on the CPU, whatever device
+    the model is on: collectives on it run over the gloo half of a mixed `cpu:gloo,cuda:nccl` group, and its
+    values come back as Python numbers without a device sync. Everything else a collective touches lives on
+    the mesh's device (`tests/test_device_factories.py` holds every other factory to that)."""
+    return torch.tensor(data, dtype=dtype, device="cpu")
+
+
 def world_group() -> MeshGroup:
     """Every rank of the default process group, as a `MeshGroup` named "world"."""
     n = dist.get_world_size()
@@ -274,7 +283,7 @@ def all_gather_objects(obj: object, group: MeshGroup | None = None) -> list:
     if group.size == 1:
         return [obj]
     blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = _all_gather_raw(torch.tensor([blob.numel()]), group, 0).tolist()
+    sizes = _all_gather_raw(host_tensor([blob.numel()], torch.int64), group, 0).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: blob.numel()] = blob
     gathered = _all_gather_raw(padded, group, 0).view(group.size, -1)

@@ -33,7 +33,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     """Gather the group's tokens and keep the rows of this rank's experts; `options` unused."""
     tokens = x.shape[0]
     local = num_experts // group.size
-    counts = comm.all_gather(torch.tensor([tokens], dtype=torch.int64), group)  # [ep]
+    # The counts travel on the device, as the rows do, and are read once with the ids' check.
+    counts = comm.all_gather(torch.full((1,), tokens, dtype=torch.int64, device=x.device), group)  # [ep]
     t_max = max(read_counts([counts], topk_idx, num_experts)[0])  # host read 1 of 2
     gathered_x = comm.all_gather(_pad(x, t_max, 0), group)  # [ep * T_max, dim]
     gathered_idx = comm.all_gather(_pad(topk_idx, t_max, -1), group)  # [ep * T_max, k]; -1: padding
