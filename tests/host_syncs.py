@@ -5,8 +5,8 @@ reading a value (`.item`, `.tolist`, `bool`/`int`/`float`/`index` of a tensor, `
 or running an op whose output size depends on the data (`nonzero`, `masked_select`, `unique`, `bincount`,
 boolean-mask indexing, `repeat_interleave` without `output_size`). A copy from pageable host memory to the
 device waits for the stream too (`torch.cuda.set_sync_debug_mode` reports it), so a tensor built on the host
-and moved (`.to(device)`, `torch.tensor(..., device=...)`) counts as well: positions and indices are made on
-the device (`torch.arange(..., device=...)`) instead. `count_host_syncs()` patches each of those
+and moved (`.to(device)`, `torch.tensor(..., device=...)`, `.new_tensor`) counts as well: positions and
+indices are made on the device (`torch.arange(..., device=...)`) instead. `count_host_syncs()` patches each of those
 entry points for the duration of a block and records one `Sync` per call, wherever it comes from, so a CPU run
 counts what a GPU run would wait for. Every call counts: host bookkeeping that must not count is kept in
 Python numbers, never in tensors (a tensor on CPU here stands for one on the device there).
@@ -99,6 +99,7 @@ def count_host_syncs() -> Iterator[list[Sync]]:
                 for owner in (torch, torch.Tensor)]
     patches.append((torch.Tensor, "to", counted("copy to device", torch.Tensor.to, _names_device)))
     patches.append((torch, "tensor", counted("copy to device", torch.tensor, lambda *a, **k: "device" in k)))
+    patches.append((torch.Tensor, "new_tensor", counted("copy to device", torch.Tensor.new_tensor)))
     patches.append((torch.Tensor, "__getitem__", counted("mask index", torch.Tensor.__getitem__,
                                                          lambda x, index: _is_mask(index))))
     patches.append((torch.Tensor, "__setitem__", counted("mask index", torch.Tensor.__setitem__,

@@ -24,7 +24,9 @@ from orangetron.testing import run_distributed
 
 BASE = dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=24, aux_loss_coef=0.0)
 DENSE = ModelConfig(**BASE)
-MOE = ModelConfig(**BASE, n_experts=4, top_k=2, moe_ffn_dim=8, n_shared_experts=1)
+# The router's losses and bias on, as training runs them: their global sums ride on each dispatch too.
+MOE = ModelConfig(**{**BASE, "aux_loss_coef": 0.01}, n_experts=4, top_k=2, moe_ffn_dim=8, n_shared_experts=1,
+                  router_z_loss_coef=0.001, router_bias_rate=0.001)
 SEQ, ROWS = 16, 2
 DENSE_CASES = {  # name: (layout, parallel options), world 2
     "plain": (Layout(dp=2), {}),

@@ -158,9 +158,14 @@ class Router(nn.Module):
         return logits, scores, topk_idx, topk_weights
 
     def _count_load(self, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> None:
-        valid = topk_idx if token_mask is None else topk_idx[token_mask]
-        load = torch.bincount(valid.reshape(-1), minlength=self.n_experts)
-        self.expert_load = self.expert_load.to(load.device) + load
+        # A scatter of the mask, where selecting the valid rows and `bincount` would each read a size from the
+        # device (tests/test_host_syncs.py).
+        hits = torch.ones_like(topk_idx) if token_mask is None else token_mask.long()[:, None].expand_as(topk_idx)
+        load = torch.zeros_like(self.expert_load, device=topk_idx.device)
+        load.scatter_add_(0, topk_idx.reshape(-1), hits.reshape(-1))
+        if self.expert_load.device != load.device:  # the first count on this device
+            self.expert_load = self.expert_load.to(load.device)
+        self.expert_load = self.expert_load + load
 
 
 class GroupedExperts(nn.Module):
