@@ -231,7 +231,9 @@ class LocalDispatcher(nn.Module):
         """Token copies grouped by expert: (x_sorted [T*k, dim], weights_sorted [T*k], tokens_per_expert
         [E], handle for `combine`). Within an expert, copies keep token order (stable sort)."""
         k = topk_idx.shape[-1]
-        tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=n_experts)
+        slots = topk_idx.reshape(-1)  # a scatter, where `bincount` would read its size from the device
+        tokens_per_expert = torch.zeros(n_experts, dtype=torch.int64, device=slots.device).scatter_add_(
+            0, slots, torch.ones_like(slots))
         x_sorted = ToExpertOrder.apply(x_flat, topk_idx, k)
         weights_sorted = ToExpertOrder.apply(topk_weights.reshape(-1), topk_idx, 1)
         return x_sorted, weights_sorted, tokens_per_expert, topk_idx
