@@ -3,10 +3,9 @@
 - plan_search: configurations per second of `orangetron plan`'s search (cold caches) vs pricing the same
   space one `estimate()` call at a time (ratio = search / one-by-one; search_time against the one-by-one
   time extrapolated from a sample).
-- plan_published: predicted MFU vs the published MFU of the calibration runs (ratio = predicted / published).
-- plan_validation: predicted vs published throughput of the held-out runs (tests/test_plan_validation.py).
-- plan_check: the same for the published runs reported beside that set (NeMo 24.07 FP8, Megatron-Bridge MoE,
-  MosaicML's MPT benchmark under FSDP).
+- plan_published: predicted vs published figure of the calibration rows of src/orangetron/plan/validation_runs.toml
+  (ratio = predicted / published).
+- plan_validation: the same for its validation rows (never fitted on).
 - plan_ibgda: throughput of a stream of small messages, GPU-initiated (IBGDA) vs CPU proxy (ratio).
 """
 
@@ -14,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
-from pathlib import Path
 
 from orangetron.plan.estimate import estimate
 from orangetron.plan.network import message_throughput
@@ -62,31 +59,15 @@ def bench_search() -> None:
 
 
 def bench_published() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import test_plan_timing as published
+    """Every row of src/orangetron/plan/validation_runs.toml: calibration rows as plan_published, validation rows
+    as plan_validation."""
+    from orangetron.plan import validation
 
-    for name, shape, tp, pp, dp, batch, rc, pub in published.KORTHIKANTI:
-        emit("plan_published", f"korthikanti-{name}", "mfu",
-             published.korthikanti_mfu(shape, tp, pp, dp, batch, rc), "fraction", pub)
-    for name, cp, dp, seq, batch, pub in published.LLAMA3:
-        emit("plan_published", f"llama3-{name}", "mfu_causal", published.llama3_mfu(cp, dp, seq, batch),
-             "fraction", pub)
-
-
-def bench_validation() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import test_plan_validation as held_out
-
-    units = {"tflops": "TFLOP/s per GPU (with recompute)", "model_tflops": "model TFLOP/s per GPU (full attention)",
-             "tokens": "tokens/s per GPU"}
-    for run in held_out.RUNS:
-        emit("plan_validation", f"{run.name} [{run.cls}]", run.metric, held_out.predict(run), units[run.metric],
-             run.published)
-    # Reported beside the validation set, not in its totals (docs/planner.md section 6).
-    checks = (held_out.NEMO_2407 + held_out.BRIDGE_MOE + held_out.MODELZOO_MOE + held_out.GB200_GUIDE
-              + held_out.MOSAIC_MPT)
-    for run in checks:
-        emit("plan_check", run.name, run.metric, held_out.predict(run), units[run.metric], run.published)
+    units = {"mfu": "fraction", "mfu_causal": "fraction", "tflops": "TFLOP/s per GPU (with recompute)",
+             "model_tflops": "model TFLOP/s per GPU (full attention)", "tokens": "tokens/s per GPU"}
+    for run in validation.load_runs():
+        kind = "plan_published" if run.split == "calibration" else "plan_validation"
+        emit(kind, f"{run.name} [{run.cls}]", run.metric, validation.predict(run), units[run.metric], run.published)
 
 
 def bench_ibgda() -> None:
@@ -100,5 +81,4 @@ def bench_ibgda() -> None:
 if __name__ == "__main__":
     bench_search()
     bench_published()
-    bench_validation()
     bench_ibgda()

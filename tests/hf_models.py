@@ -3,10 +3,10 @@
 Every parameter is drawn with a large spread (std 0.3; norm weights around 1), so that a wrong conversion
 (a permuted head, a swapped projection, another epsilon) moves the logits far past float64 rounding.
 
-transformers computes a few things in float32 even in a float64 model: RMSNorm, the rotary tables (their
-frequencies and angles) and the Mixtral router's softmax. `float64_islands()` replaces those forwards with
-the same formulas in the model's dtype, so that the logits compare to 1e-10; the rotary frequencies are HF's
-own functions evaluated with `torch.float` standing for float64.
+transformers computes a few things in float32 even in a float64 model: RMSNorm (Qwen3's QK-norm is one too),
+the rotary tables (their frequencies and angles) and the Mixtral router's softmax. `float64_islands()` replaces
+those forwards with the same formulas in the model's dtype, so that the logits compare to 1e-10; the rotary
+frequencies are HF's own functions evaluated with `torch.float` standing for float64.
 """
 
 from __future__ import annotations
@@ -61,6 +61,26 @@ def llama(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 0,
         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=eps, tie_word_embeddings=tied,
         rope_parameters=dict(LLAMA3_ROPE), initializer_range=0.3, bos_token_id=1, eos_token_id=2, **changes)
     return _save(transformers.LlamaForCausalLM, config, folder, seed)
+
+
+def qwen2(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 5, **changes) -> Path:
+    """A 2-layer Qwen2 (q/k/v biases, GQA 4:2 heads of 16) saved in float64."""
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=eps, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, initializer_range=0.3, bos_token_id=1,
+        eos_token_id=2, **changes)
+    return _save(transformers.Qwen2ForCausalLM, config, folder, seed)
+
+
+def qwen3(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 6, **changes) -> Path:
+    """A 2-layer Qwen3 (QK-norm, GQA 4:2 heads of 32 over a width of 64) saved in float64."""
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=eps, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 2000.0}, initializer_range=0.3, bos_token_id=1,
+        eos_token_id=2, **changes)
+    return _save(transformers.Qwen3ForCausalLM, config, folder, seed)
 
 
 def mixtral(folder: Path, *, eps: float = 1e-3, seed: int = 1, **changes) -> Path:

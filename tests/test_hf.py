@@ -37,11 +37,15 @@ def _logits_gap(folder) -> float:
     return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("build", ["llama", "llama_tied", "mixtral", "qwen2_moe", "qwen3_moe", "dots1"])
+@pytest.mark.parametrize("build", ["llama", "llama_tied", "mixtral", "qwen2", "qwen3", "qwen3_tied", "qwen2_moe",
+                                   "qwen3_moe", "dots1"])
 def test_logits_equal_transformers_in_float64(tmp_path, build):
     folder = {"llama": lambda: hf_models.llama(tmp_path),
               "llama_tied": lambda: hf_models.llama(tmp_path, tied=True, seed=3),
               "mixtral": lambda: hf_models.mixtral(tmp_path),
+              "qwen2": lambda: hf_models.qwen2(tmp_path),
+              "qwen3": lambda: hf_models.qwen3(tmp_path),
+              "qwen3_tied": lambda: hf_models.qwen3(tmp_path, tied=True, seed=7),
               "qwen2_moe": lambda: hf_models.qwen2_moe(tmp_path),
               "qwen3_moe": lambda: hf_models.qwen3_moe(tmp_path),
               "dots1": lambda: hf_models.dots1(tmp_path)}[build]()
@@ -77,7 +81,7 @@ def test_config_maps_both_spellings_and_refuses_by_name(tmp_path):
         "rope_type='yarn'": {**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
         "kv_lora_rank": {**config, "kv_lora_rank": 512},
         "use_qk_norm": {**config, "use_qk_norm": True},
-        "model_type='qwen2'": {**config, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+        "model_type='gemma'": {**config, "model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
         "some_new_key": {**config, "some_new_key": 1},
         "output_router_logits": {**mixtral, "output_router_logits": True},
     }
@@ -136,9 +140,9 @@ def test_refused_tensor_is_named(tmp_path):
 
 
 def test_untouched_import_exports_bit_equal_and_loads_in_transformers(tmp_path):
-    for name, build in (("llama", hf_models.llama), ("mixtral", hf_models.mixtral),
-                        ("qwen2_moe", hf_models.qwen2_moe), ("qwen3_moe", hf_models.qwen3_moe),
-                        ("dots1", hf_models.dots1)):
+    for name, build in (("llama", hf_models.llama), ("mixtral", hf_models.mixtral), ("qwen2", hf_models.qwen2),
+                        ("qwen3", hf_models.qwen3), ("qwen2_moe", hf_models.qwen2_moe),
+                        ("qwen3_moe", hf_models.qwen3_moe), ("dots1", hf_models.dots1)):
         source = build(tmp_path / name)
         model = hf.load(source, dtype=torch.float64)
         out = hf.save(model, tmp_path / f"{name}-out", base_config=read_config(source))
@@ -203,3 +207,38 @@ def test_a_model_trained_from_scratch_exports_as_llama(tmp_path):
     with torch.no_grad(), hf_models.float64_islands(theirs):
         expected = theirs(tokens).logits
         assert ((model(tokens) - expected).abs().max() / expected.abs().max()).item() < 1e-10
+
+
+def test_qwen_configs_map_their_attention_and_refuse_what_they_cannot_build(tmp_path):
+    qwen2 = read_config(hf_models.qwen2(tmp_path / "q2"))
+    spec = spec_from_hf(qwen2)
+    assert (spec.qkv_bias, spec.qk_norm, spec.head_dim, spec.rope_theta) == (True, False, 16, 500.0)
+    qwen3 = read_config(hf_models.qwen3(tmp_path / "q3"))
+    spec3 = spec_from_hf(qwen3)
+    assert (spec3.qkv_bias, spec3.qk_norm, spec3.head_dim, spec3.hidden_size) == (False, True, 32, 64)
+    for folder, priced in ((tmp_path / "q2", spec), (tmp_path / "q3", spec3)):  # the planner counts what HF holds
+        assert priced.total_params() == sum(p.numel() for p in hf_models.reference(folder).parameters())
+    # Qwen3Config's head_dim default is 128, not hidden_size / heads; transformers 4's rope_theta spelling
+    older = {k: v for k, v in qwen3.items() if k not in ("head_dim", "rope_parameters")} | {"rope_theta": 2000.0}
+    assert spec_from_hf(older) == spec3.with_changes(head_dim=128)
+    # Without layer_types, transformers slides the layers from max_window_layers on when use_sliding_window is true
+    kinds_left_out = {k: v for k, v in qwen2.items() if k != "layer_types"}
+    assert spec_from_hf({**kinds_left_out, "sliding_window": 4096, "use_sliding_window": False}) == spec
+    assert spec_from_hf({**kinds_left_out, "sliding_window": 8, "use_sliding_window": True,
+                         "max_window_layers": 2}) == spec
+    assert spec_from_hf({**qwen2, "sliding_window": 8, "use_sliding_window": True}) == spec  # all layers full
+    refusals = {
+        "sliding_window=8": {**kinds_left_out, "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1},
+        "sliding_window=4096": {k: v for k, v in {**qwen3, "use_sliding_window": True, "max_window_layers": 0}.items()
+                                if k not in ("sliding_window", "layer_types")},  # Qwen's default window
+        r"layer_types\[1\]='sliding_attention'": {**qwen2, "layer_types": ["full_attention", "sliding_attention"]},
+        "attention_bias=True": {**qwen3, "attention_bias": True},
+    }
+    for field, bad in refusals.items():
+        with pytest.raises(HFConfigError, match=field):
+            spec_from_hf(bad)
+    for written in (spec, spec3):  # a written config reads back the same, with its family
+        config = hf_config_of(written, "float64")
+        assert spec_from_hf(config) == written and config["model_type"] == ("qwen3" if written.qk_norm else "qwen2")
+    with pytest.raises(HFConfigError, match="qkv_bias=True: no Hugging Face family"):
+        hf_config_of(spec.with_changes(qk_norm=True), "float64")

@@ -1,9 +1,9 @@
 """`train --hf-model` on a layout, against plain torch on one device; export back; tokenizers as transformers has them.
 
-One launch per family: Llama on tp2 x dp2 and Mixtral on tp2 x dp2 x ep2, both with ZeRO-1 (so each rank
-holds a quarter of the dense main parameters and reads only that from the safetensors), two AdamW steps in
-float64 from the Hugging Face folder's weights. The run must match tests/trainer_reference.py (the unwrapped
-model holding the same weights, torch.optim.AdamW and torch's clipping) to 1e-9: losses, every step's gradient
+One launch per family: Llama, Qwen2 and Qwen3 on tp2 x dp2 and the MoE families on tp2 x dp2 x ep2, all with
+ZeRO-1 (so each rank holds a quarter of the dense main parameters and reads only that from the safetensors), two
+AdamW steps in float64 from the Hugging Face folder's weights. The run must match tests/trainer_reference.py (the
+unwrapped model holding the same weights, torch.optim.AdamW and torch's clipping) to 1e-9: losses, every step's gradient
 norm, the final parameters and both AdamW moments (the first moment after two steps is a sum of the two
 steps' gradients). Then every tensor `export --hf` writes equals the checkpoint's, and transformers loads the
 export and gives our trained model's logits.
@@ -61,7 +61,7 @@ def _check_reads(result, folder, ep=1):
     assert max(reads) < 0.6 * sum(nbytes.values())
 
 
-def _check_export(tmp_path, cfg):
+def _check_export(tmp_path, cfg, tokenizer=True):
     out = tmp_path / "export"
     assert main(["export", str(tmp_path / "run"), "--hf", "-o", str(out)]) == 0
     saved = read_model(tmp_path / "run")
@@ -81,6 +81,8 @@ def _check_export(tmp_path, cfg):
     with torch.no_grad(), hf_models.float64_islands(theirs):
         gap = (ours(tokens) - theirs(tokens).logits).abs().max() / theirs(tokens).logits.abs().max()
     assert gap < 1e-10
+    if not tokenizer:
+        return
     auto = transformers.AutoTokenizer.from_pretrained(out)
     assert auto("def f(x):\n    return x")["input_ids"] == HFTokenizer(cfg.tokenizer).encode("def f(x):\n    return x")
 
@@ -110,6 +112,17 @@ def test_mixtral_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
     cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2, ep=2)
     _check_reads(result, folder, ep=2)
     _check_export(tmp_path, cfg)
+
+
+@pytest.mark.parametrize("build", ["qwen2", "qwen3"])
+def test_qwen_trains_on_tp2_dp2_as_on_one_device_and_exports(tmp_path, build):
+    """Qwen2's q/k/v biases split over tp with their weights; Qwen3's QK-norm weights, replicated, summed over tp."""
+    folder = getattr(hf_models, build)(tmp_path / build)
+    cfg, result = _run_and_compare(tmp_path, folder, tp=2, dp=2)
+    _check_reads(result, folder)
+    # transformers 5 gives a qwen2 folder its Qwen2Tokenizer whatever tokenizer_config.json names, and that class
+    # splits the text with Qwen's own pattern, not the byte-level BPE's trained here (docs/models.md)
+    _check_export(tmp_path, cfg, tokenizer=build != "qwen2")
 
 
 def test_qwen2_moe_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):

@@ -71,6 +71,15 @@ def test_leading_dense_layers_activation_bytes_equal_measured():
     assert measured == predicted
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", ["dense-gqa", "moe-gqa"])
+def test_qkv_bias_qk_norm_and_a_free_head_dim_activation_bytes_equal_measured(name, dtype):
+    """Qwen2/Qwen3 attention: biases keep nothing, QK-norm keeps Q and K before it; heads of 16 != 32 / 4."""
+    cfg = ModelConfig(**{**BASE, **MODELS[name]}).with_changes(head_dim=16, qkv_bias=True, qk_norm=True)
+    measured, predicted = _measured_and_predicted(cfg, dtype, 2, 16)
+    assert measured == predicted
+
+
 def test_padding_changes_no_activation_bytes():
     cfg = ModelConfig(**{**BASE, **MODELS["moe-gqa"]})
     labels = torch.full((2, 16), -100)

@@ -25,7 +25,7 @@ CONTAINERS = {"dict", "list", "set", "deque", "defaultdict", "OrderedDict", "Cou
 MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "popitem", "clear",
             "update", "setdefault", "add", "discard", "remove", "sort", "reverse", "__setitem__", "__delitem__"}
 # What an lru_cache'd function may take: immutable values, and frozen dataclasses (found by the scan).
-IMMUTABLE = {"int", "float", "str", "bool", "None", "tuple"}
+IMMUTABLE = {"int", "float", "str", "bool", "None", "tuple", "torch", "device", "dtype"}  # torch.device, torch.dtype
 
 
 def _is_container(value: ast.expr) -> bool:

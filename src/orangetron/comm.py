@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import pickle
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,8 +27,9 @@ __all__ = [
     "CommRecord", "LEDGER_LIMIT", "LedgerOverflow", "Pending", "PendingAllReduce",
     "RingExchange", "all_gather", "all_gather_into", "all_gather_into_start", "all_gather_objects", "all_reduce",
     "all_reduce_max", "all_reduce_start", "all_to_all", "all_to_all_start", "broadcast", "bytes_by_key",
-    "copy_to_group", "ledger", "measure", "P2PCall", "PendingP2P", "post_p2p", "reduce_scatter", "reduce_scatter_start",
-    "reset_ledger", "trace_p2p", "unmeasured", "world_group",
+    "copy_to_group", "host_tensor", "ledger", "measure", "P2PCall", "PendingP2P", "post_p2p", "reduce_scatter",
+    "reduce_scatter_start", "reset_ledger", "trace_p2p", "unmeasured", "world_group", "Started", "all_to_all_async",
+    "reduce_scatter_async",
 ]
 
 # ---- the ledger -------------------------------------------------------------------------------------
@@ -189,9 +190,10 @@ def all_gather_into_start(out: torch.Tensor, shard: torch.Tensor, group: MeshGro
     if group.size == 1:
         out.data.copy_(shard.reshape(out.shape))
         return Pending(out, None)
-    work = dist.all_gather_single(out, shard.contiguous(), group=group.group, async_op=True)
+    shard = shard.contiguous()
+    work = dist.all_gather_single(out, shard, group=group.group, async_op=True)
     _record("all_gather", group, _nbytes(out), formulas.all_gather_bytes(_nbytes(out), group.size))
-    return Pending(out, work)
+    return Pending(out, work, keep=shard)
 
 
 def reduce_scatter_start(x: torch.Tensor, group: MeshGroup) -> Pending:
@@ -202,10 +204,10 @@ def reduce_scatter_start(x: torch.Tensor, group: MeshGroup) -> Pending:
                          f"elements divide by the group size {group.size}")
     if group.size == 1:
         return Pending(x, None)
-    out = x.new_empty(x.numel() // group.size)
-    work = dist.reduce_scatter_single(out, x.contiguous(), group=group.group, async_op=True)
+    out, x = x.new_empty(x.numel() // group.size), x.contiguous()
+    work = dist.reduce_scatter_single(out, x, group=group.group, async_op=True)
     _record("reduce_scatter", group, _nbytes(x), formulas.reduce_scatter_bytes(_nbytes(x), group.size))
-    return Pending(out, work)
+    return Pending(out, work, keep=x)
 
 
 class Pending:
@@ -258,6 +260,14 @@ def all_reduce_max(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
     return x if group.size == 1 else _all_reduce_raw(x.detach(), group, op="max")
 
 
+def host_tensor(data: Sequence[float] | Sequence[Sequence[float]], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of host bookkeeping (row counts, a loss report, a divergence verdict) on the CPU, whatever device
+    the model is on: collectives on it run over the gloo half of a mixed `cpu:gloo,cuda:nccl` group, and its
+    values come back as Python numbers without a device sync. Everything else a collective touches lives on
+    the mesh's device (`tests/test_device_factories.py` holds every other factory to that)."""
+    return torch.tensor(data, dtype=dtype, device="cpu")
+
+
 def world_group() -> MeshGroup:
     """Every rank of the default process group, as a `MeshGroup` named "world"."""
     n = dist.get_world_size()
@@ -273,7 +283,7 @@ def all_gather_objects(obj: object, group: MeshGroup | None = None) -> list:
     if group.size == 1:
         return [obj]
     blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = _all_gather_raw(torch.tensor([blob.numel()]), group, 0).tolist()
+    sizes = _all_gather_raw(host_tensor([blob.numel()], torch.int64), group, 0).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: blob.numel()] = blob
     gathered = _all_gather_raw(padded, group, 0).view(group.size, -1)
@@ -410,6 +420,72 @@ def broadcast(x: torch.Tensor, group: MeshGroup, src: int = 0) -> torch.Tensor:
     return x if group.size == 1 else _Broadcast.apply(x, group, src)
 
 
+# ---- collectives in flight, with autograd ---------------------------------------------------------------
+
+
+class _Arrival(torch.autograd.Function):
+    """The arrived result of a started collective forward; backward runs the mirror collective, back to the
+    tensor that was sent."""
+
+    @staticmethod
+    def forward(ctx, sent: torch.Tensor, received: torch.Tensor, mirror) -> torch.Tensor:
+        ctx.mirror = mirror
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.mirror(grad), None, None
+
+
+class Started:
+    """A differentiable collective in flight (`all_to_all_async`, `reduce_scatter_async`): compute can run
+    until `wait()`, which returns the result; its gradient travels back by the mirror collective (blocking).
+    The sent tensor stays referenced until then, and `wait()` twice raises."""
+
+    def __init__(self, sent: torch.Tensor, pending: Pending,
+                 mirror: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self._sent, self._pending, self._mirror = sent, pending, mirror
+
+    def wait(self) -> torch.Tensor:
+        if self._pending is None:
+            raise RuntimeError("Started.wait called twice")
+        received, self._pending = self._pending.wait(), None
+        sent, self._sent = self._sent, None
+        return received if received is sent else _Arrival.apply(sent, received, self._mirror)
+
+
+def all_to_all_async(x: torch.Tensor, group: MeshGroup, send_rows: Sequence[int],
+                     recv_rows: Sequence[int]) -> Started:
+    """`all_to_all` that returns at once (`Started`); recorded at the start and in backward as `all_to_all`."""
+    pending = all_to_all_start(x, group, send_rows, recv_rows)
+    send_rows, recv_rows = [int(n) for n in send_rows], [int(n) for n in recv_rows]
+    return Started(x, pending, lambda grad: _all_to_all_raw(grad, group, recv_rows, send_rows))
+
+
+def reduce_scatter_async(x: torch.Tensor, group: MeshGroup) -> Started:
+    """`reduce_scatter(x, group, dim=0)` that returns at once (`Started`): [n * m, ...] -> [m, ...]; recorded
+    as `reduce_scatter` (backward: `all_gather`)."""
+    if group.size == 1:
+        return Started(x, Pending(x, None), None)
+    if x.shape[0] % group.size:
+        raise ValueError(f"reduce_scatter_async over {group.name}: dim 0 of size {x.shape[0]} "
+                         f"is not divisible by the group size {group.size}")
+    shape, full = (x.shape[0] // group.size, *x.shape[1:]), tuple(x.shape)
+    pending = reduce_scatter_start(x.detach().reshape(-1), group)
+    started = Started(x, pending, lambda grad: _all_gather_raw(grad.reshape(-1), group, 0).view(full))
+    return _Reshaped(started, shape)
+
+
+class _Reshaped:
+    """A `Started` whose flat result is viewed in `shape`."""
+
+    def __init__(self, started: Started, shape: tuple[int, ...]) -> None:
+        self._started, self._shape = started, shape
+
+    def wait(self) -> torch.Tensor:
+        return self._started.wait().view(self._shape)
+
+
 # ---- ring exchange ----------------------------------------------------------------------------------
 
 
@@ -457,7 +533,7 @@ class RingExchange:
 
     def __init__(self, group: MeshGroup) -> None:
         self.group = group
-        self._pending: tuple[torch.Tensor, torch.Tensor, list] | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor, list, torch.Tensor] | None = None
 
     def start(self, x: torch.Tensor, send: bool = True, receive: bool = True) -> None:
         """Post the transfer. `send=False` keeps x home (the next member must not receive), `receive=False`
@@ -465,16 +541,17 @@ class RingExchange:
         if self._pending is not None:
             raise RuntimeError("RingExchange.start called twice without wait")
         if self.group.size == 1:
-            self._pending = (x, x if receive else None, [])
+            self._pending = (x, x if receive else None, [], x)
             return
-        received, works = _shift(x.detach(), self.group, step=1, send=send, receive=receive)
-        self._pending = (x, received, works)
+        sent = x.detach().contiguous()  # what the backend reads until the wait
+        received, works = _shift(sent, self.group, step=1, send=send, receive=receive)
+        self._pending = (x, received, works, sent)
 
     def wait(self) -> torch.Tensor | None:
         """The received tensor; None when `start` was told not to receive."""
         if self._pending is None:
             raise RuntimeError("RingExchange.wait called before start")
-        sent, received, works = self._pending
+        sent, received, works, _buffer = self._pending
         self._pending = None
         if self.group.size == 1:
             return received

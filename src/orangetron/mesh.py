@@ -50,10 +50,6 @@ class MeshGroup:
         return self.ranks[index % self.size]
 
 
-def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
-
-
 def _mesh_group(mesh: DeviceMesh, name: str) -> MeshGroup:
     group = mesh.get_group(name)
     ranks = tuple(dist.get_process_group_ranks(group))
@@ -80,9 +76,13 @@ def _world_timeouts(names: Sequence[str], sizes: Sequence[int]) -> dict[str, C10
 
 
 class ParallelMesh:
-    """Process groups for every dimension of `layout`; build it inside an initialized process group."""
+    """Process groups for every dimension of `layout` on `device_type` ("cpu" or "cuda", the run's `--device`:
+    a mixed backend carries both, so the backend's name cannot say which); build it inside an initialized
+    process group (on cuda, after binding this rank's GPU)."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, device_type: str = "cpu") -> None:
+        if device_type not in ("cpu", "cuda"):
+            raise MeshError(f"device_type={device_type!r}: cpu or cuda")
         if not dist.is_initialized():
             raise MeshError("torch.distributed is not initialized; call init_process_group first")
         check_runnable_layout(layout)
@@ -92,11 +92,12 @@ class ParallelMesh:
                 f"(tp*cp*pp*dp={layout.world_size})"
             )
         self.layout = layout
+        self.device_type = device_type
         self.world = dist.group.WORLD  # the process group this mesh was built in
         self.rank = dist.get_rank()
         self.coords: Coordinates = layout.coordinates(self.rank)
         dims = ("pp", "dp", "cp", "tp")
-        dense = init_device_mesh(_device_type(), layout.mesh_shape(), mesh_dim_names=dims,
+        dense = init_device_mesh(device_type, layout.mesh_shape(), mesh_dim_names=dims,
                                  backend_override=_world_timeouts(dims, layout.mesh_shape()))
         # Flatten/unflatten are private in torch.distributed today; torchtitan builds its meshes the same way.
         dp_cp = dense["dp", "cp"]._flatten("dp_cp", _world_timeout(layout.dp * layout.cp))
@@ -145,7 +146,8 @@ class ParallelMesh:
         return self.groups[f"{names[0]}/{ulysses}"], self.groups[key]
 
     def device(self) -> torch.device:
-        if _device_type() == "cuda":
+        """The device every tensor a collective of this mesh touches lives on (this rank's bound GPU on cuda)."""
+        if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -156,9 +158,9 @@ class ParallelMesh:
 # Each mesh with the world group it was built in. The group object itself is kept (not its id, which
 # Python may hand to a new group once the old one is destroyed), so a cached mesh is reused only while
 # its world is the current one. Process-wide because building a mesh creates process groups, a collective
-# step every rank of the process's world takes once; one entry per layout, dropped with its world or by
+# step every rank of the process's world takes once; one entry per layout and device, dropped with its world or by
 # `forget_meshes()`.
-_meshes: dict[Layout, tuple[dist.ProcessGroup, ParallelMesh]] = {}
+_meshes: dict[tuple[Layout, str], tuple[dist.ProcessGroup, ParallelMesh]] = {}
 
 
 def forget_meshes() -> None:
@@ -166,14 +168,15 @@ def forget_meshes() -> None:
     _meshes.clear()
 
 
-def init_mesh(layout: Layout) -> ParallelMesh:
-    """The `ParallelMesh` of `layout` for the current process group (built once, then reused).
+def init_mesh(layout: Layout, device_type: str = "cpu") -> ParallelMesh:
+    """The `ParallelMesh` of `layout` on `device_type` for the current process group (built once, then reused).
 
     A mesh cached under an earlier process group (destroyed and initialized again since) is rebuilt.
     """
     world = dist.group.WORLD if dist.is_initialized() else None
     for stale in [key for key, (built_in, _) in _meshes.items() if built_in is not world]:
         del _meshes[stale]  # its groups died with their world; never hand them out again
-    if layout not in _meshes:
-        _meshes[layout] = (world, ParallelMesh(layout))
-    return _meshes[layout][1]
+    key = (layout, device_type)
+    if key not in _meshes:
+        _meshes[key] = (world, ParallelMesh(layout, device_type))
+    return _meshes[key][1]

@@ -29,8 +29,8 @@ _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_f
 # attention cheaper than the causal sequence the planner prices; it prices no document lengths yet.)
 _RUN_ONLY = ("steps", "lr", "warmup", "min_lr", "weight_decay", "grad_clip", "seed", "eval_every",
              "eval_batches", "eval_fraction", "data", "corpus_bytes", "out", "save_every", "resume", "extend",
-             "stop_after", "overwrite", "new_data", "threads", "timeout_s", "data_record", "dtype", "hf_model",
-             "tokenizer", "model_source", "pack_documents")
+             "stop_after", "overwrite", "new_data", "threads", "timeout_s", "device", "deterministic", "data_record",
+             "dtype", "hf_model", "tokenizer", "model_source", "pack_documents")
 
 
 def train_options(row: Estimate) -> dict[str, Any]:
@@ -78,7 +78,9 @@ def _write(row: Estimate, rank: int, path: Path) -> None:
     from orangetron.train.run_folder import DIRECTIVES
 
     cfg = TrainConfig(model=row.model, **train_options(row))  # options(): the flags' keys, as a record has them
-    options = {k: v for k, v in cfg.options().items() if k not in DIRECTIVES and k != "model"}
+    # The device is the training machine's to choose (its default: cuda where torch sees a GPU), not the one
+    # this plan was made on.
+    options = {k: v for k, v in cfg.options().items() if k not in (*DIRECTIVES, "model", "device")}
     write_resolved_config(path, options, {"model": dataclasses.asdict(row.model)})
     header = (f"# `orangetron plan`'s configuration #{rank} ({row.degrees}) for {row.model.name}, as a run's "
               "config file:\n# `orangetron train --config` runs it, `orangetron estimate --config` prices it.\n")

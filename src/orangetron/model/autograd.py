@@ -212,31 +212,31 @@ class LoadBalancingLoss(torch.autograd.Function):
     """`load_balancing_loss` over the tokens where token_mask is True (all when None).
 
     Saves the scores, topk_idx and the mask, all kept anyway or shared by every layer; recomputes the
-    expert fractions f in backward.
+    expert fractions f in backward. Padding weighs 0 in every sum rather than being cut out, so no size is read
+    from the device (tests/test_host_syncs.py).
     """
 
     @staticmethod
     def forward(ctx, scores: torch.Tensor, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(scores, topk_idx, token_mask)
-        if token_mask is not None:
-            scores, topk_idx = scores[token_mask], topk_idx[token_mask]
         if scores.shape[0] == 0:
             return scores.new_zeros(())
-        f = _expert_fractions(topk_idx, scores)
-        p = (scores / scores.sum(-1, keepdim=True)).mean(0)  # [E]
+        valid = _valid(scores, token_mask)  # [T]
+        n = valid.sum()
+        f = _expert_fractions(topk_idx, valid, n, scores.shape[1])
+        p = (scores / scores.sum(-1, keepdim=True) * valid[:, None]).sum(0) / n.clamp(min=1)  # [E]
         return scores.shape[1] * (f * p).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         scores, topk_idx, token_mask = ctx.saved_tensors
-        valid_idx = topk_idx if token_mask is None else topk_idx[token_mask]
-        n_valid = valid_idx.shape[0]
-        if n_valid == 0:
-            return torch.zeros_like(scores), None, None
-        f = _expert_fractions(valid_idx, scores)  # [E]
+        valid = _valid(scores, token_mask)
+        n = valid.sum()
+        f = _expert_fractions(topk_idx, valid, n, scores.shape[1])  # [E]
         total = scores.sum(-1, keepdim=True)  # [T, 1]
         # d/ds[t, e] of E/n * sum_e' f_e' s[t, e'] / S_t = E/n * (f_e - sum_e' f_e' s[t, e'] / S_t) / S_t
-        grad_scores = (f - (scores * f).sum(-1, keepdim=True) / total) / total * (grad * scores.shape[1] / n_valid)
+        scale = grad * scores.shape[1] / n.clamp(min=1)
+        grad_scores = (f - (scores * f).sum(-1, keepdim=True) / total) / total * scale
         if token_mask is not None:
             grad_scores = grad_scores * token_mask.unsqueeze(-1)
         return grad_scores, None, None
@@ -251,16 +251,19 @@ class RouterZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(logits, token_mask)
-        squares = logits.logsumexp(-1).square()  # [T]
-        if token_mask is not None:
-            squares = squares[token_mask]
-        return squares.sum() / max(squares.shape[0], 1)
+        valid = _valid(logits, token_mask)  # [T]
+        return (logits.logsumexp(-1).square() * valid).sum() / valid.sum().clamp(min=1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, token_mask = ctx.saved_tensors
-        n_valid = logits.shape[0] if token_mask is None else int(token_mask.sum())
-        return z_loss_grad(logits, token_mask, grad / max(n_valid, 1)), None
+        n_valid = _valid(logits, token_mask).sum()
+        return z_loss_grad(logits, token_mask, grad / n_valid.clamp(min=1)), None
+
+
+def _valid(like: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """[T] in `like`'s dtype: 1 for a token that counts, 0 for padding."""
+    return like.new_ones(like.shape[0]) if token_mask is None else token_mask.to(like.dtype)
 
 
 def z_loss_grad(logits: torch.Tensor, token_mask: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
@@ -270,9 +273,11 @@ def z_loss_grad(logits: torch.Tensor, token_mask: torch.Tensor | None, scale: to
     return grad if token_mask is None else grad * token_mask.unsqueeze(-1)
 
 
-def _expert_fractions(topk_idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    counts = torch.bincount(topk_idx.reshape(-1), minlength=scores.shape[1])  # [E]
-    return counts.to(scores.dtype) / topk_idx.numel()
+def _expert_fractions(topk_idx: torch.Tensor, valid: torch.Tensor, n: torch.Tensor, experts: int) -> torch.Tensor:
+    """[E]: the fraction of the n valid tokens' assignments routed to each expert (padding weighs 0)."""
+    weights = valid[:, None].expand_as(topk_idx).reshape(-1)
+    counts = valid.new_zeros(experts).scatter_add_(0, topk_idx.reshape(-1), weights)
+    return counts / (n * topk_idx.shape[1]).clamp(min=1)
 
 
 class CrossEntropy(torch.autograd.Function):

@@ -33,7 +33,7 @@ def offsets(ends: tuple[int, ...], device: torch.device) -> torch.Tensor:
     offs = torch.tensor(ends, dtype=torch.int32)
     if device.type == "cuda":
         return offs.pin_memory().to(device, non_blocking=True)
-    return offs.to(device)
+    return offs if device.type == "cpu" else offs.to(device)
 
 
 class GroupedMM(torch.autograd.Function):

@@ -14,6 +14,9 @@ gate, up and weighted product; the permutations are recomputed from the top-k id
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -155,9 +158,14 @@ class Router(nn.Module):
         return logits, scores, topk_idx, topk_weights
 
     def _count_load(self, topk_idx: torch.Tensor, token_mask: torch.Tensor | None) -> None:
-        valid = topk_idx if token_mask is None else topk_idx[token_mask]
-        load = torch.bincount(valid.reshape(-1), minlength=self.n_experts)
-        self.expert_load = self.expert_load.to(load.device) + load
+        # A scatter of the mask, where selecting the valid rows and `bincount` would each read a size from the
+        # device (tests/test_host_syncs.py).
+        hits = torch.ones_like(topk_idx) if token_mask is None else token_mask.long()[:, None].expand_as(topk_idx)
+        load = torch.zeros_like(self.expert_load, device=topk_idx.device)
+        load.scatter_add_(0, topk_idx.reshape(-1), hits.reshape(-1))
+        if self.expert_load.device != load.device:  # the first count on this device
+            self.expert_load = self.expert_load.to(load.device)
+        self.expert_load = self.expert_load + load
 
 
 class GroupedExperts(nn.Module):
@@ -203,16 +211,19 @@ class GroupedExperts(nn.Module):
 class LocalDispatcher(nn.Module):
     """Every routed token to its experts on this device and back: dispatch, the experts, combine.
 
-    forward(x_flat [T, dim], topk_idx [T, k], topk_weights [T, k], experts) -> [T, dim], each token the sum of
-    its weighted expert outputs; the signature of `orangetron/parallel/expert/dispatcher.py`'s `Dispatcher`.
+    forward(x_flat [T, dim], topk_idx [T, k], topk_weights [T, k], experts, shared=None) -> [T, dim], each token
+    the sum of its weighted expert outputs, plus `shared()` (the shared experts' output) when given; the signature
+    of `orangetron/parallel/expert/dispatcher.py`'s `Dispatcher`, which computes `shared()` while its combine
+    travels.
     """
 
     def forward(self, x_flat: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                experts: GroupedExperts) -> torch.Tensor:
+                experts: GroupedExperts, shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         x_sorted, weights_sorted, tokens_per_expert, handle = self.dispatch(x_flat, topk_idx, topk_weights,
                                                                             experts.w1.shape[0])
         y_sorted = experts(x_sorted, tokens_per_expert, weights_sorted)  # [T*k, dim], weighted
-        return self.combine(y_sorted, handle)  # [T, dim]
+        y = self.combine(y_sorted, handle)  # [T, dim]
+        return y if shared is None else y + shared()
 
     def dispatch(
         self, x_flat: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, n_experts: int
@@ -220,7 +231,9 @@ class LocalDispatcher(nn.Module):
         """Token copies grouped by expert: (x_sorted [T*k, dim], weights_sorted [T*k], tokens_per_expert
         [E], handle for `combine`). Within an expert, copies keep token order (stable sort)."""
         k = topk_idx.shape[-1]
-        tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=n_experts)
+        slots = topk_idx.reshape(-1)  # a scatter, where `bincount` would read its size from the device
+        tokens_per_expert = torch.zeros(n_experts, dtype=torch.int64, device=slots.device).scatter_add_(
+            0, slots, torch.ones_like(slots))
         x_sorted = ToExpertOrder.apply(x_flat, topk_idx, k)
         weights_sorted = ToExpertOrder.apply(topk_weights.reshape(-1), topk_idx, 1)
         return x_sorted, weights_sorted, tokens_per_expert, topk_idx
@@ -264,9 +277,8 @@ class MoE(nn.Module):
         x_flat = x.reshape(-1, x.shape[-1])  # [T, dim]
         mask = None if token_mask is None else token_mask.reshape(-1)
         topk_idx, topk_weights, aux_loss = self.router(x_flat, mask)
-        y = self.dispatcher(x_flat, topk_idx, topk_weights, self.experts)  # [T, dim]
-        if self.shared_expert is not None:
-            y = y + self.shared_output(x_flat)
+        shared = None if self.shared_expert is None else partial(self.shared_output, x_flat)
+        y = self.dispatcher(x_flat, topk_idx, topk_weights, self.experts, shared)  # [T, dim], shared expert added
         return y.view_as(x), aux_loss
 
     def shared_output(self, x_flat: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ such input (1/32 byte per element).
 For Llama-style models (SwiGLU, RMSNorm, RoPE: orangetron's reference model) the count is exact: it is
 what `orangetron.model.Transformer` keeps for backward, as `orangetron.memory.track_activations` measures
 it (tests/test_plan_activations_exact.py). Per layer: each norm's input; the QKV input; Q and K after RoPE
-and V with their own head counts (K and V not expanded to the query heads); the attention output; a
+and V with their own head counts (K and V not expanded to the query heads); with QK-norm, Q and K before it
+(the norm's input; biases keep nothing); the attention output; a
 log-sum-exp per query and head; the MLP input, gate, up and their product. Softmax statistics, router
 scores and the loss's logits are float32, float64 for float64 activations. Besides these, such models count
 the small buffers Korthikanti et al. leave out: the int64 token ids (first stage), the RoPE cos/sin tables,
@@ -93,6 +94,8 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     heads, kv = _heads(m.num_heads, x.t), _heads(m.kv_heads, x.t)
     total = x.g * sb * h // x.rep + x.tile_scales(sb * h // x.rep)  # QKV projection input
     total += a * sb * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)  # Q, K, V
+    if m.qk_norm:
+        total += a * sb * (heads + kv) * m.qk_head_dim  # QK-norm inputs: Q and K before their norm and rotation
     out = sb * heads * m.v_dim
     total += x.g * out + x.tile_scales(out)  # attention output = output-projection input
     if x.g < a and job.attention_kernel != "eager":

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from orangetron.plan.params import _ceil_div, _kv_weights, _layer_params, routing_params, stage_params, tp_sums_first
+from orangetron.plan.params import _ceil_div, _layer_params, routing_params, stage_params, tp_sums_first
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job, model_state_job
 from orangetron.spec.schedule import actions
@@ -41,8 +41,9 @@ class ParamTensor:
 
 def _layer_tensors(model: ModelSpec, deg: Degrees, i: int) -> list[tuple[int, bool]]:
     """(elements, expert) of layer `i`'s tensors on one rank, in the runtime's module order: norm, attention
-    (q, k, v, o), norm, then the MLP (w1, w3, w2) or router, experts (w1, w3, w2), shared expert and its gate.
-    Shapes the runtime lacks (biases, MLA, GeLU) keep their totals in coarser pieces."""
+    (q, k, v with their biases, o, QK-norms), norm, then the MLP (w1, w3, w2) or router, experts (w1, w3, w2),
+    shared expert and its gate. Shapes the runtime lacks (GPT-style biases, MLA, GeLU) keep their totals in
+    coarser pieces."""
     t, h = deg.tp, model.hidden_size
     norm = [h, h] if model.bias else [h]
     layer = _layer_params(model, t, deg.ep, deg.etp, i)
@@ -61,13 +62,16 @@ def _layer_tensors(model: ModelSpec, deg: Degrees, i: int) -> list[tuple[int, bo
 
 
 def _attention_tensors(model: ModelSpec, t: int, total: int) -> list[int]:
-    """wq, wk, wv, wo on one rank (the output projection takes any rounding), or one piece for MLA and biases."""
+    """wq, wk, wv (each followed by its bias with `qkv_bias`), wo, then the QK-norm weights on one rank (the
+    output projection takes any rounding); MLA and GPT-style biases keep one piece before the QK-norm weights."""
+    qk_norms = [model.qk_head_dim] * 2 if model.qk_norm else []
     if model.kv_lora_rank or model.bias:
-        return [total]
-    h, q = model.hidden_size, _ceil_div(model.hidden_size * model.num_heads * model.qk_head_dim, t)
-    _, kv_local = _kv_weights(model, t)
-    kv = kv_local // 2 if kv_local else _ceil_div(h * model.kv_heads * model.qk_head_dim, t)
-    return [q, kv, kv, total - q - 2 * kv]
+        return [total - sum(qk_norms), *qk_norms]
+    h, d = model.hidden_size, model.qk_head_dim
+    q = [_ceil_div(h * model.num_heads * d, t)] + ([_ceil_div(model.num_heads * d, t)] if model.qkv_bias else [])
+    kv_heads = model.kv_heads // t if model.kv_heads >= t else 1  # fewer than tp: one replicated head per rank
+    kv = [h * kv_heads * d] + ([kv_heads * d] if model.qkv_bias else [])
+    return [*q, *kv, *kv, total - sum(q) - 2 * sum(kv) - sum(qk_norms), *qk_norms]
 
 
 @lru_cache(maxsize=4096)

@@ -92,7 +92,7 @@ def _kv_weights(model: ModelSpec, t: int) -> tuple[int, int]:
     replicated, one per rank; (0, 0) when they split evenly like the other heads."""
     if model.kv_lora_rank or model.kv_heads >= t:
         return 0, 0
-    per_head = 2 * model.qk_head_dim * (model.hidden_size + (1 if model.bias else 0))
+    per_head = 2 * model.qk_head_dim * (model.hidden_size + (1 if model.has_qkv_bias else 0))
     return model.kv_heads * per_head, per_head
 
 
@@ -126,13 +126,16 @@ def zero3_units(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: 
 def tp_grad_sum_numel(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:
     """Elements of the one all-reduce that sums a stage's partial gradients over tp at the step: with SP every
     parameter replicated over tp (it saw this rank's tokens only), and kv heads replicated over tp ranks, each
-    in its slot of all the slices (it saw those ranks' query heads only)."""
+    in its slot of all the slices (it saw those ranks' query heads only); with or without SP the QK-norm weights
+    (they saw this rank's heads only; with SP they are among the replicated parameters)."""
     if deg.tp == 1:
         return 0
     layers = _layers_with_mtp(model, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
     numel = _kv_slot_params(model, deg.tp) * len(layers)
     if job.sequence_parallel:
         numel += _replicated_params(model, deg, job.virtual_stages, stage, job.pipeline_layout)
+    else:
+        numel += model.qk_norm_params() * len(layers)
     return numel
 
 
@@ -140,7 +143,7 @@ def _kv_slot_params(model: ModelSpec, t: int) -> int:
     """Elements of one layer's K and V weights when kv heads are fewer than tp (else 0)."""
     if model.kv_lora_rank or model.kv_heads >= t:
         return 0
-    return 2 * model.kv_heads * model.qk_head_dim * (model.hidden_size + (1 if model.bias else 0))
+    return 2 * model.kv_heads * model.qk_head_dim * (model.hidden_size + (1 if model.has_qkv_bias else 0))
 
 
 @lru_cache(maxsize=16384)
@@ -169,6 +172,7 @@ def _layers_with_mtp(model: ModelSpec, pp: int, virtual_stages: int, stage: int,
 
 
 def tp_sums_first(model: ModelSpec, deg: Degrees, job: Job) -> bool:
-    """Partial gradients must be summed over tp before the data-parallel reduction (SP, kv heads fewer than tp):
-    the runtime then reduces everything at the step, after that sum."""
-    return deg.tp > 1 and (job.sequence_parallel or (not model.kv_lora_rank and model.kv_heads < deg.tp))
+    """Partial gradients must be summed over tp before the data-parallel reduction (SP, kv heads fewer than tp,
+    QK-norm): the runtime then reduces everything at the step, after that sum."""
+    kv_replicated = not model.kv_lora_rank and model.kv_heads < deg.tp
+    return deg.tp > 1 and (job.sequence_parallel or kv_replicated or model.qk_norm)

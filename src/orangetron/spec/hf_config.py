@@ -1,12 +1,14 @@
 """A Hugging Face `config.json` <-> the one model schema, `ModelSpec`: no torch, no second mapping type.
 
-`spec_from_hf` reads a config of a family orangetron builds (Llama, Mixtral) into a `ModelSpec`, accepting
+`spec_from_hf` reads a config of a family orangetron builds (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE,
+Dots1) into a `ModelSpec`, accepting
 transformers 5's spellings and the older ones (`rope_parameters` or `rope_scaling` + `rope_theta`,
 `num_local_experts` or `num_experts`); a key the file leaves out means what the family's HF class defaults
 it to. Every key is accounted for: mapped onto a field, checked to hold the one value orangetron honours, or
 known to leave the model alone (metadata, generation defaults, token ids). Anything else is refused in one
-line naming it (`HFConfigError`), never approximated: an active sliding window, qkv biases, QK-norm, latent
-attention, another rope scaling, another family. `hf_config_of` writes a spec back as a config transformers
+line naming it (`HFConfigError`), never approximated: an active sliding window, an output-projection bias, latent
+attention, another rope scaling, another family. Qwen2 always carries q/k/v biases (`qkv_bias`), Qwen3 always a
+per-head QK-norm (`qk_norm`) and its own `head_dim`. `hf_config_of` writes a spec back as a config transformers
 loads (`architectures` included). docs/models.md lists what maps where.
 """
 
@@ -26,7 +28,11 @@ class HFConfigError(ConfigError):
     """A Hugging Face config orangetron cannot honour; the message names the key."""
 
 
-# What each family's HF config class defaults a missing key to (transformers' LlamaConfig, MixtralConfig).
+# What each family's HF config class defaults a missing key to (transformers' LlamaConfig, MixtralConfig, ...).
+_QWEN = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+         "rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02, "use_sliding_window": False,
+         "sliding_window": 4096, "max_window_layers": 28}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048,
@@ -36,6 +42,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 4096 * 32,
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "initializer_range": 0.02,
                 "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2": _QWEN,
+    "qwen3": {**_QWEN, "head_dim": 128},
     "qwen2_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
                   "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 32768,
                   "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
@@ -54,16 +62,19 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "moe_intermediate_size": 1408, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
               "norm_topk_prob": False, "routed_scaling_factor": 1.0, "max_window_layers": 62},
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "dots1": "Dots1ForCausalLM"}
-_LATER = ("qwen2", "qwen3", "deepseek_v3", "deepseek_v2", "mistral", "gemma")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "dots1": "Dots1ForCausalLM"}
+_LATER = ("deepseek_v3", "deepseek_v2", "mistral", "gemma")
 # Keys a family's config reads beside the common ones (its defaults' keys are read too).
 _FAMILY_KEYS = {
-    "llama": set(), "mixtral": {"num_experts", "router_aux_loss_coef"},
+    "llama": set(), "mixtral": {"num_experts", "router_aux_loss_coef"}, "qwen2": set(), "qwen3": set(),
     "qwen2_moe": {"num_local_experts", "mlp_only_layers", "router_aux_loss_coef", "max_window_layers"},
     "qwen3_moe": {"num_local_experts", "mlp_only_layers", "router_aux_loss_coef", "head_dim"},
     "dots1": {"num_local_experts"},
 }
+# Structure that comes with a dense family: Qwen2's q/k/v biases, Qwen3's QK-norm (ModelSpec fields).
+_DENSE_ATTENTION = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}}
 # Families whose attention normalizes each query and key head (QK-norm) always.
 _QK_NORM_FAMILIES = ("qwen3_moe", "dots1")
 # The balancing-bias update speed a Dots1 import trains with: its config holds the bias, not how it moves;
@@ -88,21 +99,22 @@ _NEUTRAL = frozenset({
 # Keys that must hold the one value orangetron builds; the reason names what another value would be.
 _REQUIRED: dict[str, tuple[Any, str]] = {
     "hidden_act": ("silu", "the runtime's MLPs are SwiGLU (silu gate)"),
-    "attention_bias": (False, "qkv and output biases are not built yet"),
+    "attention_bias": (False, "it puts a bias on the output projection too, which is not built (Qwen2's q/k/v "
+                              "biases come with its model_type)"),
     "mlp_bias": (False, "MLP biases are not built"),
     "attention_dropout": (0.0, "the runtime has no attention dropout"),
     "router_jitter_noise": (0.0, "the runtime's router has no jitter noise"),
     "output_router_logits": (False, "HF's balancing loss averages the expert loads over all layers before "
                                     "the product; the runtime's is a sum of per-layer losses"),
-    "use_qk_norm": (False, "QK-norm is not built yet"),
-    "qk_layernorm": (False, "QK-norm is not built yet"),
+    "use_qk_norm": (False, "this family has no QK-norm (Qwen3's comes with its model_type)"),
+    "qk_layernorm": (False, "this family has no QK-norm (Qwen3's comes with its model_type)"),
     "partial_rotary_factor": (1.0, "the runtime rotates whole heads"),
     "use_sliding_window": (False, "an active sliding window is not built"),
 }
 # Multi-head latent attention and other structure no family here has.
 _REFUSED = {"q_lora_rank": "multi-head latent attention (MLA)", "kv_lora_rank": "multi-head latent attention (MLA)",
-            "qkv_bias": "qkv biases are not built yet", "quantization_config": "quantized weights are not read",
-            "auto_map": "custom modelling code is not run"}
+            "qkv_bias": "not a key of this family (Qwen2's q/k/v biases come with its model_type)",
+            "quantization_config": "quantized weights are not read", "auto_map": "custom modelling code is not run"}
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -125,7 +137,7 @@ def is_hf_folder(path: str | Path) -> bool:
 
 
 def family_of(config: dict[str, Any]) -> str:
-    """The config's family ("llama", "mixtral"); HFConfigError naming `model_type` for any other."""
+    """The config's family (a key of `ARCHITECTURES`); HFConfigError naming `model_type` for any other."""
     family = config.get("model_type")
     if family not in _DEFAULTS:
         later = " (planned: other families are being added)" if family in _LATER else ""
@@ -163,7 +175,7 @@ def spec_from_hf(config: dict[str, Any], name: str = "hf") -> ModelSpec:
     elif family == "dots1":
         fields |= _dots1_fields(given)
     else:
-        fields["ffn_hidden_size"] = given["intermediate_size"]
+        fields |= {"ffn_hidden_size": given["intermediate_size"], **_DENSE_ATTENTION.get(family, {})}
     try:
         return ModelSpec(**fields)
     except ConfigError as err:
@@ -231,19 +243,20 @@ def _check_keys(config: dict[str, Any], family: str) -> None:
 def _check_window(config: dict[str, Any], family: str) -> None:
     """Refuse an active sliding window. `layer_types` (transformers 5) names each layer's kind; without it a
     window is active where the family's class would apply it: Mixtral whenever it is set, the Qwen families
-    with `use_sliding_window`, Dots1 on the layers from `max_window_layers` on."""
+    with `use_sliding_window`; Qwen2, Qwen3 and Dots1 only on the layers from `max_window_layers` on."""
     kinds = config.get("layer_types")
     if kinds is not None:
         sliding = [i for i, kind in enumerate(kinds) if kind != "full_attention"]
         if sliding:
             raise HFConfigError(f"layer_types[{sliding[0]}]={kinds[sliding[0]]!r}: only full attention is built")
         return
-    window = config.get("sliding_window")
-    if family == "dots1":
-        layers = config.get("num_hidden_layers", _DEFAULTS[family]["num_hidden_layers"])
-        active = window is not None and config.get("max_window_layers", 62) < layers
-    else:
-        active = window is not None and config.get("use_sliding_window", not family.startswith("qwen"))
+    # A key left out means the class default (Qwen2/Qwen3: window 4096, switched off); null is no window.
+    given = {**_DEFAULTS[family], **{k: v for k, v in config.items() if v is not None or k == "sliding_window"}}
+    window = given.get("sliding_window")
+    use = given.get("use_sliding_window", not family.startswith("qwen"))  # Mixtral, Dots1: no switch
+    # Qwen2, Qwen3 and Dots1 slide the layers from max_window_layers on; Mixtral and the Qwen MoE families, all
+    first = given.get("max_window_layers", 0) if family in ("qwen2", "qwen3", "dots1") else 0
+    active = window is not None and use and first < given["num_hidden_layers"]
     if active:
         raise HFConfigError(f"sliding_window={window!r}: an active sliding window is not built (accepted with "
                             "use_sliding_window: false, or null)")
@@ -313,11 +326,11 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "dots1")
 
 
 def hf_family(spec: ModelSpec, preferred: str | None = None) -> str:
-    """The family a spec exports as: "llama" dense; for MoE `preferred` (an imported model's own family) when
-    it holds the spec, else the first of MOE_FAMILIES that does. HFConfigError names the field that keeps the
-    closest family from holding it."""
+    """The family a spec exports as: dense "llama", "qwen2" (q/k/v biases) or "qwen3" (QK-norm); for MoE
+    `preferred` (an imported model's own family) when it holds the spec, else the first of MOE_FAMILIES that
+    does. HFConfigError names the field that keeps the closest family from holding it."""
     if not spec.is_moe:
-        return "llama"
+        return _dense_family(spec)
     misses = {family: _moe_mismatches(spec, family) for family in MOE_FAMILIES}
     if preferred in misses and not misses[preferred]:
         return preferred
@@ -328,6 +341,13 @@ def hf_family(spec: ModelSpec, preferred: str | None = None) -> str:
     field, why = misses[closest][0]
     raise HFConfigError(f"{field}={getattr(spec, field)!r}: no Hugging Face family here holds this MoE (the "
                         f"closest, {closest}, cannot: {why}); export --hf writes {', '.join(_DEFAULTS)} models")
+
+
+def _dense_family(spec: ModelSpec) -> str:
+    if spec.qkv_bias and spec.qk_norm:
+        raise HFConfigError("qkv_bias=True: no Hugging Face family here has q/k/v biases and QK-norm together "
+                            "(Qwen2 has the biases, Qwen3 the norm)")
+    return "qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias else "llama"
 
 
 def hf_config_of(spec: ModelSpec, dtype: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -362,6 +382,10 @@ def _family_keys(spec: ModelSpec, family: str) -> dict[str, Any]:
                 "router_jitter_noise": 0.0}
     if family == "llama":
         return {"intermediate_size": spec.ffn_hidden_size, "attention_bias": False, "mlp_bias": False}
+    if family in _DENSE_ATTENTION:  # Qwen2, Qwen3: full attention on every layer
+        dense = {"intermediate_size": spec.ffn_hidden_size, "use_sliding_window": False, "sliding_window": None,
+                 "max_window_layers": spec.num_layers, "layer_types": ["full_attention"] * spec.num_layers}
+        return dense | ({"attention_bias": False} if family == "qwen3" else {})
     moe = {"intermediate_size": spec.ffn_hidden_size or spec.moe_ffn_hidden_size, "num_experts_per_tok": spec.top_k,
            "moe_intermediate_size": spec.moe_ffn_hidden_size, "norm_topk_prob": spec.norm_topk_prob,
            "output_router_logits": False}

@@ -65,8 +65,8 @@ def add_train_commands(sub: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out, on whatever layout this run has; every "
                    "option not given comes from the run's config.toml, and one given that differs is refused "
-                   "unless it may change (--steps with --extend, --save-every, --timeout-s, --threads, layout "
-                   "and parallel flags)")
+                   "unless it may change (--steps with --extend, --save-every, --timeout-s, --threads, --device, "
+                   "--deterministic, layout and parallel flags)")
     p.add_argument("--new-data", action="store_true",
                    help="with --resume and --data: continue on data whose text differs from the run's record; "
                    "the change is logged in the run folder's changes.jsonl")
@@ -89,11 +89,23 @@ def add_train_commands(sub: Any) -> None:
     option("--eval-batches", "batches of held-out data per evaluation", type=int)
     option("--eval-fraction", "share of the token stream, from its end, held out for evaluation", type=float)
     option("--corpus-bytes", "bytes of the stdlib corpus to train on when --data is not given", type=int)
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch's deterministic algorithms (and cuBLAS's on cuda), so a rerun is bitwise equal; an op "
+                   "without a deterministic kernel then stops the run naming it")
+    _add_device_flag(p)
     _add_packing_flag(p, "(default: on for a prepared dataset, which keeps a document index; off for text)")
     _add_layout_flags(p)
     _add_config_flag(p)
     p.set_defaults(run=run_train)
     _add_verify_command(sub)
+
+
+def _add_device_flag(p: argparse.ArgumentParser) -> None:
+    from orangetron.train.placement import DEVICES  # torch-free: fast --help
+
+    p.add_argument("--device", default=None, choices=DEVICES,
+                   help="where every rank computes: cpu (gloo), or cuda (one GPU per local rank, NCCL for device "
+                   "tensors and gloo for host bookkeeping) (default: cuda when torch sees a GPU, else cpu)")
 
 
 def _add_packing_flag(p: argparse.ArgumentParser, default: str) -> None:
@@ -200,6 +212,7 @@ def _add_verify_command(sub: Any) -> None:
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="both runs start from this Hugging Face folder's weights (its config is the model)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
+    _add_device_flag(p)
     _add_packing_flag(p, "(default: off; both runs train on the stdlib corpus, one file a document)")
     _add_layout_flags(p)
     _add_config_flag(p)
@@ -276,7 +289,8 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         f"final_loss_mean10 {result['final_loss_mean10']:.4f} (mean of the last {min(len(losses), 10)} steps); "
         f"held-out loss {eval_text}",
         f"{result['params']:,} params, {result['tokens_per_s']:,.0f} tokens/s, "
-        + (f"MFU {100 * result['mfu']:.1f}% of a {result['peak_flops'] / 1e9:.1f} GFLOP/s matmul, "
+        + (f"MFU {100 * result['mfu']:.1f}% of {result['peak_flops'] / 1e9:,.1f} GFLOP/s "
+           f"({result.get('peak_source', 'measured matmul')}), "
            if result.get("mfu") is not None else "") + f"{result['time_s']:.1f} s",
         "memory (MiB): " + ", ".join(f"{k} {mem[k] / 2**20:.1f}" for k in mem if k != "rank"),
     ]

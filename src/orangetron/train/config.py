@@ -87,11 +87,15 @@ class TrainConfig(Layout, ParallelConfig):
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
     timeout_s: float = DEFAULT_TIMEOUT_S  # seconds a collective waits for a peer; then the run stops, naming
     # the rank that stopped responding
+    deterministic: bool = False  # torch's deterministic algorithms (and cuBLAS's on cuda): reruns bitwise equal
+    device: str | None = None  # "cpu" or "cuda" (one GPU per local rank); None: cuda when torch sees a GPU, else
+    # cpu (resolved on construction, so the record holds what ran)
 
     __str__ = object.__str__  # the dataclass repr: a run is more than the layout `Layout.__str__` prints
 
     def __post_init__(self) -> None:
         self._check_numbers()
+        self._check_device()
         self._check_checkpointing()
         self._check_parallel()
         self._resolve_hf_model()
@@ -132,6 +136,16 @@ class TrainConfig(Layout, ParallelConfig):
         if self.param_dtype not in PARAM_DTYPES:
             raise TrainConfigError(f"param_dtype={self.param_dtype!r} (--param-dtype): choose one of "
                                    f"{', '.join(PARAM_DTYPES)}")
+
+    def _check_device(self) -> None:
+        from orangetron.train import placement  # torch: validation only, not the CLI's import
+
+        if self.device is None:
+            object.__setattr__(self, "device", placement.default_device())  # frozen: resolved once, here
+        try:
+            placement.check_device(self.device, placement.local_ranks(self.layout.world_size))
+        except placement.PlacementError as err:
+            raise TrainConfigError(str(err)) from None
 
     def _check_parallel(self) -> None:
         """The layout's and the options' rules (each checks its own on construction), then what the runtime does

@@ -1,11 +1,12 @@
-"""Local launcher: run a function on N processes of this machine, each inside a gloo process group.
+"""Local launcher: run a function on N processes of this machine, each inside a process group (gloo on CPU;
+on CUDA rank r binds `cuda:r` and joins NCCL with a gloo half, `train.placement`).
 
-The ranks are forked from this process, which has already imported torch and orangetron, so starting them
-costs milliseconds rather than one torch import per rank; where fork is unsafe (macOS) a fork server with
-them preloaded stands in. The ranks meet through a file store in a private temporary folder, so starting a
-job opens no network rendezvous; gloo's own connections are pinned to the loopback interface
-(GLOO_SOCKET_IFNAME=lo on Linux, unless the caller set it). Each rank's return value comes back through a
-file in that folder.
+On CPU the ranks are forked from this process, which has already imported torch and orangetron, so starting
+them costs milliseconds rather than one torch import per rank; where fork is unsafe (macOS, and every CUDA run:
+a child forked after CUDA was initialised cannot use it) a fork server with them preloaded stands in. The
+ranks meet through a file store in a private temporary folder, so starting a job opens no network rendezvous;
+gloo's own connections are pinned to the loopback interface (GLOO_SOCKET_IFNAME=lo on Linux, unless the caller
+set it). Each rank's return value comes back through a file in that folder.
 
 Failures end every rank, never a hang. This process watches its ranks; once one fails, the others get
 `faults.FAILURE_GRACE_S` to report and are then killed. A rank that raises a `ValueError` (bad input found
@@ -47,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from orangetron.mesh import forget_meshes
-from orangetron.train import faults, stopping
+from orangetron.train import faults, placement, stopping
 from orangetron.train.faults import DEFAULT_TIMEOUT_S
 
 _PRELOAD = ["torch", "torch.distributed", "orangetron.train.trainer"]
@@ -62,10 +63,13 @@ def _pin_gloo_to_loopback() -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def _start_context(start_method: str | None) -> mp.context.BaseContext:
-    # Linux: fork this warm process (torch's CPU state survives a fork into a rank that sets its own thread
-    # count, as DataLoader workers do). Elsewhere fork is unsafe; a fork server imports torch once instead.
-    method = start_method or ("fork" if sys.platform.startswith("linux") else "forkserver")
+def _start_context(start_method: str | None, device: str = "cpu") -> mp.context.BaseContext:
+    # Linux CPU runs: fork this warm process (torch's CPU state survives a fork into a rank that sets its own
+    # thread count, as DataLoader workers do). Elsewhere fork is unsafe; a fork server imports torch once instead.
+    method = start_method or placement.start_method_for(device)
+    if device == "cuda" and method == "fork":
+        raise ValueError("start_method='fork': CUDA ranks start by forkserver or spawn; a child forked after "
+                         "CUDA was initialised cannot use it")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
@@ -101,23 +105,23 @@ def _own_process_group() -> None:
 
 
 def _run_rank(rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: Sequence[Any],
-              timeout_s: float, cells: Any, relay_signals: bool) -> None:
+              timeout_s: float, cells: Any, relay_signals: bool, device: str) -> None:
     # The handlers first, so that no signal the launcher passes on comes before them.
     with stopping.stop_on_signals() if relay_signals else nullcontext():
         _own_process_group()
-        _run_rank_in_group(rank, world_size, folder, fn, args, timeout_s, cells)
+        _run_rank_in_group(rank, world_size, folder, fn, args, timeout_s, cells, device)
 
 
 def _run_rank_in_group(rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: Sequence[Any],
-                       timeout_s: float, cells: Any) -> None:
+                       timeout_s: float, cells: Any, device: str) -> None:
     torch.set_num_threads(1)  # N ranks share this machine's cores
     _pin_gloo_to_loopback()
     faults.attach(faults.SharedBoard(cells, rank))
     outcome: tuple[str, Any]
     try:
         faults.enter("joining the process group")
-        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(init_method=f"file://{folder}/store", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s), **placement.init_options(device, rank))
         outcome = ("ok", fn(*args))
         faults.enter("finishing")
         dist.destroy_process_group()
@@ -171,9 +175,10 @@ def _kill(procs: list[Any]) -> None:
 
 def launch_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str | None = None,
-                 relay_signals: bool = False) -> list[Any]:
-    """Run `fn(*args)` on `world_size` local processes inside one gloo process group; results by rank.
+                 relay_signals: bool = False, device: str = "cpu") -> list[Any]:
+    """Run `fn(*args)` on `world_size` local processes inside one process group; results by rank.
 
+    `device`: "cpu" (gloo) or "cuda" (rank r bound to `cuda:r`, `placement.init_options`).
     `fn` must be importable by name, and its arguments and results picklable. `timeout_s` bounds every
     collective (and the rendezvous): a rank that stops responding is named after about that long.
     `start_method` overrides how ranks start ("fork", "forkserver" or "spawn"; default: the fastest safe one).
@@ -182,11 +187,12 @@ def launch_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
     stop (`train.stopping`), and keep waiting, for an `fn` that stops by itself as the trainer does after a
     step; a second SIGINT then raises KeyboardInterrupt here. Otherwise a signal ends every rank at once.
     """
-    ctx = _start_context(start_method)
+    ctx = _start_context(start_method, device)
     cells = ctx.RawArray("q", 2 * world_size)  # (step, phase) per rank, see faults.SharedBoard
     with tempfile.TemporaryDirectory(prefix="orangetron-launch-") as folder:  # private: mode 0700
         procs = [ctx.Process(target=_run_rank, daemon=True, name=f"orangetron-rank{rank}",
-                             args=(rank, world_size, folder, fn, tuple(args), timeout_s, cells, relay_signals))
+                             args=(rank, world_size, folder, fn, tuple(args), timeout_s, cells, relay_signals,
+                                   device))
                  for rank in range(world_size)]
         try:
             with _forkable(ctx):
@@ -241,12 +247,15 @@ def _rebuild(cls: type, message: str) -> ValueError:
 
 
 @contextmanager
-def process_group() -> Iterator[None]:
-    """Use the current process group, or make a private one-rank gloo group for the block."""
+def process_group(device: str = "cpu") -> Iterator[None]:
+    """Use the current process group, or make a private one-rank group for the block (gloo on cpu; on cuda
+    bound to torchrun's LOCAL_RANK GPU, else the first)."""
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1,
+                            **placement.init_options(device, local_rank))
     try:
         yield
     finally:

@@ -41,8 +41,9 @@ RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "checkpoints")  # any of them: the fo
 # What one invocation says about itself, never restored by the next: write-once directives.
 DIRECTIVES = ("out", "resume", "extend", "stop_after", "overwrite", "new_data")
 # Options a resumed run may change: how long (steps, checked with --extend against the checkpoint), how
-# it saves, waits and threads, and where it runs (resuming onto another layout is exact).
-CHANGEABLE_ON_RESUME = ("steps", "save_every", "timeout_s", "threads",
+# it saves, waits and threads, and where it runs (resuming onto another layout is exact; onto another device,
+# within the dtype's rounding).
+CHANGEABLE_ON_RESUME = ("steps", "save_every", "timeout_s", "threads", "device", "deterministic",
                         *(f.name for f in dataclasses.fields(Layout)),
                         *(f.name for f in dataclasses.fields(ParallelConfig) if f.name != "param_dtype"))
 # Compared through the data record (content, not path) and the model's fields, not as option values.
@@ -133,8 +134,8 @@ def check_resume(cfg: TrainConfig, record: dict[str, Any]) -> None:
                 and given[name] != value:
             raise TrainConfigError(f"{name}={given[name]!r} ({_flag(name)}): the run in {cfg.out} was recorded with "
                                    f"{name}={value!r}, and a resumed run keeps it (changeable: "
-                                   "--steps with --extend, --save-every, --timeout-s, --threads, layout and "
-                                   "parallel flags)")
+                                   "--steps with --extend, --save-every, --timeout-s, --threads, --device, "
+                                   "--deterministic, layout and parallel flags)")
     _check_same_model(cfg, record)
     if "data_record" in record and not cfg.new_data:
         _check_same_data(cfg, record["data_record"])

@@ -93,14 +93,15 @@ def _pipeline_step(model: ParallelModel, microbatches: list[torch.Tensor], weigh
         inputs, labels, positions, share, documents = _rank_share(model, samples)
         share *= weight
         if positions is None:
-            positions = torch.arange(inputs.shape[1]) if documents is None else documents.positions()
+            positions = (torch.arange(inputs.shape[1], device=inputs.device) if documents is None
+                         else documents.positions())
         mbs.append(pipeline.MicroBatch(inputs, labels, positions, labels != IGNORE_INDEX, share / m, 1 / m,
                                        IGNORE_INDEX, documents))
     cfg = model.config
     loss = pipeline.run_pipeline(model, mbs, cfg.pp_schedule, cfg.virtual_stages, train=train)
     group = model.mesh["pp"]
     with comm.unmeasured():
-        report = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64)
+        report = comm.host_tensor([0.0 if loss is None else loss], torch.float64)
         return float(comm.broadcast(report, group, src=group.size - 1)[0])
 
 
@@ -152,7 +153,7 @@ def evaluate(model: ParallelModel, samples: torch.Tensor, batch_size: int, max_b
     model.eval()
     total = 0.0
     for start in range(0, n, batch_size):
-        batch = samples[start : min(start + batch_size, n)]
+        batch = samples[start : min(start + batch_size, n)].to(model.device)
         total += _eval_loss(model, batch) * batch.shape[0]  # equal-length rows: weight by rows
     model.train(was_training)
     return total / n
@@ -207,7 +208,7 @@ def _global_loss_unless_diverged(lm_loss: float, grad_norm: torch.Tensor) -> flo
     the mean over every rank is the batch's too. One sum over every rank also decides divergence for all of
     them: a non-finite term makes it non-finite. The gradient norm is global already; it rides along.
     """
-    verdict = torch.tensor([lm_loss, float(grad_norm)], dtype=torch.float64)
+    verdict = comm.host_tensor([lm_loss, float(grad_norm)], torch.float64)
     with comm.unmeasured():  # a check, not training traffic
         loss_sum, norm_sum = comm.all_reduce(verdict, comm.world_group()).tolist()
     if not math.isfinite(loss_sum):

@@ -27,7 +27,7 @@ from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import ModelSpec, Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
 from orangetron.parallel.config import DTYPES
-from orangetron.train import admission, faults, run_folder, stopping
+from orangetron.train import admission, faults, placement, run_folder, stopping
 from orangetron.train.accounting import predicted_for_rank
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import (
@@ -42,7 +42,7 @@ from orangetron.train.data import (
 )
 from orangetron.train.datasets import PreparedDataset
 from orangetron.train.launch import LaunchError, launch_local, process_group
-from orangetron.train.mfu import measured_peak_flops, step_flops
+from orangetron.train.mfu import StepTimer, allocator_peak, device_peak_flops, step_flops
 from orangetron.train.progress import ProgressBar
 from orangetron.train.resume import resume, save
 from orangetron.train.runlog import Resumed, RunLog, final_losses
@@ -136,14 +136,14 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
             return _train_under_torchrun(cfg, progress)
         if world_size > 1:
             return _merge_ranks(launch_local(_train_rank, world_size, args=(cfg, progress),
-                                             timeout_s=cfg.timeout_s, relay_signals=True))
+                                             timeout_s=cfg.timeout_s, relay_signals=True, device=cfg.device))
     # One thread by default: these models run many small ops, and on a shared 2-core machine a second
     # OpenMP thread that waits for a busy core at every op made steps 10x slower, not faster.
     previous_threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        with process_group():
+        with process_group(cfg.device):
             return _train(cfg, progress)
     finally:
         torch.set_num_threads(previous_threads)
@@ -155,9 +155,11 @@ def _train_under_torchrun(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     if world_size != cfg.layout.world_size:
         raise TrainConfigError(f"torchrun started {world_size} processes but the layout {cfg.layout} needs "
                                f"{cfg.layout.world_size} (tp*cp*pp*dp)")
-    # The trainer keeps its tensors on the CPU for now. The timeout bounds every collective: a rank that
-    # stops responding makes its peers fail here, and torchrun then ends every process.
-    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
+    # Each process binds its LOCAL_RANK GPU on cuda, as the local launcher does. The timeout bounds every
+    # collective: a rank that stops responding makes its peers fail here, and torchrun then ends every process.
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.distributed.init_process_group(timeout=timedelta(seconds=cfg.timeout_s),
+                                         **placement.init_options(cfg.device, local_rank))
     board = _store_board(cfg)
     faults.attach(board)
     try:
@@ -220,9 +222,10 @@ class RunSetup:
     imported_bytes: int | None = None  # bytes this rank read from the --hf-model safetensors (None: no import)
 
     def rows(self, batch: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's rows of each micro-batch: the batch splits into micro-batches first, each over the dp
-        ranks, so that micro-batch j holds the same rows on every layout (the balancing loss sees them)."""
-        return [mb[self.dp_rank * self.share:(self.dp_rank + 1) * self.share]
+        """This rank's rows of each micro-batch, on the model's device: the batch splits into micro-batches first,
+        each over the dp ranks, so that micro-batch j holds the same rows on every layout (the balancing loss
+        sees them)."""
+        return [mb[self.dp_rank * self.share:(self.dp_rank + 1) * self.share].to(self.model.device)
                 for mb in batch.chunk(self.microbatches)]
 
     @property
@@ -234,11 +237,12 @@ class RunSetup:
 def setup_run(cfg: TrainConfig) -> RunSetup:
     """Data, parallel model and optimizer of this rank, inside an initialized process group."""
     faults.enter("setup")
-    mesh = init_mesh(cfg.layout)
+    mesh = init_mesh(cfg.layout, cfg.device)
     torch.manual_seed(cfg.seed)
     data = load_data(cfg)
     model_dtype = torch.float64 if cfg.param_dtype == "float64" else torch.float32  # bf16: cast by the flat buffers
-    reference = Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype)
+    # Initialized on the host and then moved: every device starts from the same bits as the CPU reference.
+    reference = Transformer(cfg.model_config(), seed=cfg.seed, dtype=model_dtype).to(mesh.device())
     model = parallelize(reference, mesh, cfg.parallel_config())
     model.train()
     optimizer = model.optimizer(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
@@ -264,7 +268,7 @@ def import_weights(folder: str, spec: ModelSpec, model: ParallelModel, optimizer
 
 def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     # From here on SIGINT and SIGTERM ask every rank to stop after the step it is taking (train/stopping.py).
-    with stopping.stop_on_signals():
+    with stopping.stop_on_signals(), placement.deterministic_mode(cfg.deterministic, cfg.device):
         return _run(cfg, progress)
 
 
@@ -283,7 +287,11 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         cfg, start = resume(cfg, setup)
         bar.log(f"resumed from {start.path} at step {start.step} of {cfg.steps}")
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    peak = measured_peak_flops(DTYPES[model.config.param_dtype], model.device)
+    peak, peak_source = device_peak_flops(DTYPES[model.config.param_dtype], model.device)
+    warnings = cfg.ineffective_options() + ([] if peak is not None else [peak_source])
+    if peak is None:
+        bar.log(f"warning: {peak_source}")
+    timer = StepTimer(model.device)
     run = RunLog(cfg, bar, write=rank == 0, start=start, flops_per_step=step_flops(cfg) / cfg.layout.world_size,
                  peak_flops=peak)
     eval_loss: float | None = None
@@ -293,7 +301,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     with comm.measure() as records, run:
         batches: Iterator[torch.Tensor] = data.train.from_sample(start.samples)  # after the checkpointed steps
         for step in range(start.step, last):
-            t0 = time.perf_counter()
+            timer.start()
             faults.enter("data", step + 1)
             lr = lr_at(step, cfg)
             batch = next(batches)
@@ -306,7 +314,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             except TrainingDiverged as err:  # nothing of this step was applied or written
                 kept = "; the run folder keeps the checkpoints of earlier steps" if cfg.out is not None else ""
                 raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{kept}") from None
-            seconds = time.perf_counter() - t0  # evaluation below is not training throughput
+            seconds = timer.stop()  # evaluation below is not training throughput
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
             if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
@@ -336,14 +344,16 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "eval_loss": eval_loss,
         "stopped": stopped,
         "params": _model_parameters(cfg),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "tokens_per_s": run.tokens_per_s() or 0.0,
         "mfu": run.mfu(),
         "peak_flops": peak,
-        "memory": [{"rank": rank, **mem}],
+        "peak_source": peak_source,
+        "memory": [{"rank": rank, **mem, **allocator_peak(model.device)}],  # the allocator's: the whole run's peak
         "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
         "comm_per_step": [{"rank": rank, **traffic.summary()}],
         "predicted": [{"rank": rank, **predicted_for_rank(cfg, model.mesh["pp"].rank)}],
-        "warnings": cfg.ineffective_options(),
+        "warnings": warnings,
         "imported": [] if setup.imported_bytes is None else [{"rank": rank, "bytes_read": setup.imported_bytes}],
         "time_s": time.perf_counter() - run.started,
     }

@@ -36,7 +36,7 @@ def _trace(cfg: TrainConfig) -> dict[str, Any]:
     def keep(model: ParallelModel) -> None:
         whole = model.full_grads()  # every rank takes part in the gathers
         if setup.rank == 0:
-            grads.append({name: g.double() for name, g in whole.items()})
+            grads.append({name: g.double().cpu() for name, g in whole.items()})  # back to the launcher's host
 
     losses, batches = [], iter(setup.data.train)
     for step in range(cfg.steps):
@@ -78,9 +78,9 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
         raise ValueError(f"tolerance={tolerance} (--tolerance): must be a finite number >= 0")
     cfg = without_drops(cfg)
     check_fits(cfg)
-    with process_group():
+    with process_group(cfg.device):
         reference = _trace(_one_rank(cfg))
-    traces = launch_local(_trace, cfg.layout.world_size, args=(cfg,))
+    traces = launch_local(_trace, cfg.layout.world_size, args=(cfg,), device=cfg.device)
     loss_gaps, grad_gaps = [], []
     for step, ref_loss in enumerate(reference["losses"]):
         loss = sum(t["losses"][step] for t in traces) / len(traces)  # equal shares (tp ranks repeat one)

@@ -246,9 +246,8 @@ class PositionalAttention(torch.autograd.Function):
 
 
 def positions_of(spec: tuple[int, int, int | None], device: torch.device) -> torch.Tensor:
-    """Positions of (seq_len, cp, rank): that cp rank's head-tail tokens, or all ranks' in rank order (None)."""
-    from orangetron.parallel.context.sharding import head_tail_indices
+    """Positions of (seq_len, cp, rank): that cp rank's head-tail tokens, or all ranks' in rank order (None).
 
-    seq_len, cp, rank = spec
-    found = rank_order_positions(seq_len, cp) if rank is None else head_tail_indices(seq_len, cp, rank)
-    return found.to(device)
+    Made on `device` from plain numbers: a tensor built on the host and copied would wait for the device in
+    every block (tests/test_host_syncs.py)."""
+    return runs_positions(calls.spec_runs(spec), device)

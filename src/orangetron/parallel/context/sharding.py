@@ -20,22 +20,23 @@ def _chunk_len(seq_len: int, cp: int) -> int:
     return seq_len // (2 * cp)
 
 
-def head_tail_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
-    """Global positions, in local order, of the tokens cp rank `cp_rank` keeps: chunk r, then 2*cp-1-r."""
+def head_tail_indices(seq_len: int, cp: int, cp_rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global positions, in local order, of the tokens cp rank `cp_rank` keeps: chunk r, then 2*cp-1-r; on
+    `device`."""
     if not 0 <= cp_rank < cp:
         raise LayoutError(f"cp_rank={cp_rank}: must lie in [0, cp={cp})")
     if cp == 1:
-        return torch.arange(seq_len)  # nothing to balance: any length, natural order
+        return torch.arange(seq_len, device=device)  # nothing to balance: any length, natural order
     chunk = _chunk_len(seq_len, cp)
-    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
     tail_start = (2 * cp - 1 - cp_rank) * chunk
-    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk, device=device)])
 
 
 def position_ids(seq_len: int, mesh: ParallelMesh) -> torch.Tensor:
-    """Global positions of this rank's tokens ([seq_len / cp], int64), for RoPE."""
+    """Global positions of this rank's tokens ([seq_len / cp], int64, on the mesh's device), for RoPE."""
     cp = mesh["cp"]
-    return head_tail_indices(seq_len, cp.size, cp.rank)
+    return head_tail_indices(seq_len, cp.size, cp.rank, mesh.device())
 
 
 def shard(x: torch.Tensor, mesh: ParallelMesh, seq_dim: int = 1) -> torch.Tensor:
@@ -43,7 +44,7 @@ def shard(x: torch.Tensor, mesh: ParallelMesh, seq_dim: int = 1) -> torch.Tensor
     cp = mesh["cp"]
     if cp.size == 1:
         return x
-    index = head_tail_indices(x.shape[seq_dim], cp.size, cp.rank).to(x.device)
+    index = head_tail_indices(x.shape[seq_dim], cp.size, cp.rank, x.device)
     return x.index_select(seq_dim, index)
 
 
@@ -58,10 +59,10 @@ def unshard(x_local: torch.Tensor, mesh: ParallelMesh, seq_dim: int = 1) -> torc
         return x_local
     gathered = comm.all_gather(x_local, cp, dim=seq_dim)  # rank order: (head_0, tail_0, head_1, tail_1, ...)
     seq_len = gathered.shape[seq_dim]
-    local_order = torch.cat([head_tail_indices(seq_len, cp.size, r) for r in range(cp.size)])
+    local_order = torch.cat([head_tail_indices(seq_len, cp.size, r, gathered.device) for r in range(cp.size)])
     natural = torch.empty_like(local_order)
-    natural[local_order] = torch.arange(seq_len)  # where each global position sits in the gathered tensor
-    return gathered.index_select(seq_dim, natural.to(gathered.device))
+    natural[local_order] = torch.arange(seq_len, device=gathered.device)  # where each position sits in gathered
+    return gathered.index_select(seq_dim, natural)
 
 
 def shard_multiple(layout: Layout, sequence_parallel: bool = False) -> int:

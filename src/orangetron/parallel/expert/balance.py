@@ -32,13 +32,13 @@ class GlobalLoadBalancingLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: torch.Tensor, topk_idx: torch.Tensor, token_mask: torch.Tensor | None,
                 groups: list[MeshGroup], grad_ranks: int) -> torch.Tensor:
-        valid_scores, valid_idx = scores, topk_idx
-        if token_mask is not None:
-            valid_scores, valid_idx = scores[token_mask], topk_idx[token_mask]
         experts, k = scores.shape[1], topk_idx.shape[1]
-        counts = torch.bincount(valid_idx.reshape(-1), minlength=experts).to(scores.dtype)  # [E]
-        normalized = (valid_scores / valid_scores.sum(-1, keepdim=True)).sum(0)  # [E]
-        totals = torch.cat((counts, normalized, scores.new_full((1,), valid_scores.shape[0])))
+        # Padding weighs 0, where selecting the valid rows and `bincount` would read sizes from the device.
+        valid = scores.new_ones(scores.shape[0]) if token_mask is None else token_mask.to(scores.dtype)  # [T]
+        counts = scores.new_zeros(experts).scatter_add_(0, topk_idx.reshape(-1),
+                                                        valid[:, None].expand_as(topk_idx).reshape(-1))  # [E]
+        normalized = (scores / scores.sum(-1, keepdim=True) * valid[:, None]).sum(0)  # [E]
+        totals = torch.cat((counts, normalized, valid.sum().view(1)))
         for group in groups:
             totals = comm.all_reduce(totals, group)
         n = totals[-1].clone()  # its own storage: a view would keep the whole 2E+1 sums for backward
@@ -67,9 +67,8 @@ class GlobalRouterZLoss(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, token_mask: torch.Tensor | None, groups: list[MeshGroup],
                 grad_ranks: int) -> torch.Tensor:
         squares = logits.logsumexp(-1).square()  # [T]
-        if token_mask is not None:
-            squares = squares[token_mask]
-        totals = torch.stack((squares.sum(), logits.new_tensor(squares.shape[0])))
+        valid = logits.new_ones(logits.shape[0]) if token_mask is None else token_mask.to(logits.dtype)  # [T]
+        totals = torch.stack(((squares * valid).sum(), valid.sum()))  # padding weighs 0: no size read
         for group in groups:
             totals = comm.all_reduce(totals, group)
         n = totals[1].clone()  # its own storage, as in GlobalLoadBalancingLoss

@@ -17,8 +17,15 @@ import torch
 
 from orangetron.mesh import MeshGroup
 from orangetron.parallel.expert import ragged
-from orangetron.parallel.expert.ragged import RaggedHandle, send
-from orangetron.parallel.expert.routing import Rows, route_rows
+from orangetron.parallel.expert.ragged import RaggedHandle, send, swap_counts
+from orangetron.parallel.expert.routing import (
+    Rows,
+    destinations,
+    read_counts,
+    rows_of,
+    slot_ranks,
+    tokens_per_local_expert,
+)
 
 
 class CapacityOptions(Protocol):
@@ -42,9 +49,9 @@ def kept_slots(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: 
     else:
         order = torch.arange(flat_e.numel(), device=flat_e.device)
     order = order[torch.argsort(flat_e[order], stable=True)]  # grouped by expert, preference kept within
-    counts = torch.bincount(flat_e, minlength=num_experts)
-    starts = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[flat_e[order]]
+    grouped = flat_e[order]
+    # Where each expert's group starts, found by search rather than by counts whose size the host would read.
+    rank_in_expert = torch.arange(order.numel(), device=order.device) - torch.searchsorted(grouped, grouped)
     keep = torch.zeros_like(flat_e, dtype=torch.bool)
     keep[order] = rank_in_expert < slots
     return keep.view_as(topk_idx)
@@ -52,8 +59,9 @@ def kept_slots(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: 
 
 def _padded(rows: Rows, per_rank: int, ep: int, num_tokens: int) -> Rows:
     """Rows laid out in blocks of `per_rank` per destination; empty slots carry token `num_tokens`."""
-    starts = torch.tensor([0, *rows.send_rows], device=rows.token.device).cumsum(0)[:-1]
-    position = rows.rank * per_rank + torch.arange(rows.token.numel(), device=rows.token.device) - starts[rows.rank]
+    # Rows come grouped by rank: a row's place in its rank's block is its distance from the block's first row.
+    first = torch.searchsorted(rows.rank, rows.rank)
+    position = rows.rank * per_rank + torch.arange(rows.token.numel(), device=rows.token.device) - first
     token = torch.full((ep * per_rank,), num_tokens, dtype=torch.int64, device=rows.token.device)
     token[position] = rows.token
     local_idx = torch.full((ep * per_rank, rows.local_idx.shape[1]), -1, dtype=torch.int64,
@@ -73,14 +81,19 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     keep = kept_slots(topk_idx, topk_weights, num_experts, slots, options.drop_policy)
     # No destination can receive more rows than there are tokens (one row per token and rank).
     per_rank = min(local * slots, tokens)
-    rows = _padded(route_rows(topk_idx, local, group.size, routed=keep), per_rank, group.size, tokens)
+    dest = slot_ranks(topk_idx, local, group.size, routed=keep)
+    hit = destinations(dest, group.size)
+    padded_rows = torch.full((group.size,), per_rank, dtype=torch.int64, device=topk_idx.device)
+    # The one host read: the rows before padding (to lay them out) and the padded rows each member sends here.
+    send_rows, recv_rows = read_counts([hit.sum(0), swap_counts(padded_rows, group)], topk_idx, num_experts)
+    rows = _padded(rows_of(topk_idx, dest, hit, local, send_rows), per_rank, group.size, tokens)
     # A spare zero token (and zero weights) feeds the padding rows.
     x_pad = torch.cat((x, x.new_zeros(1, x.shape[-1])))
     w_pad = torch.cat((topk_weights, topk_weights.new_zeros(1, top_k)))
-    recv_x, recv_idx, recv_w, tokens_per_expert, recv_rows = send(x_pad, w_pad, rows, group, local)
-    dropped = torch.bincount(topk_idx[~keep], minlength=num_experts)
+    recv_x, recv_idx, recv_w, tokens_per_expert = send(x_pad, w_pad, rows, group, local, recv_rows)
+    dropped = tokens_per_local_expert(torch.where(keep, -1, topk_idx), num_experts)  # [E]
     handle = RaggedHandle(rows.token, rows.send_rows, recv_rows, tokens, dropped)
     return recv_x, recv_idx, recv_w, tokens_per_expert, handle
 
 
-combine = ragged.combine  # the padded rows travel back like any other
+combine, combine_start = ragged.combine, ragged.combine_start  # the padded rows travel back like any other

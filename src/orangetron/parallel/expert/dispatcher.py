@@ -19,20 +19,23 @@ spec/dispatchers.py whose runtime module has `dispatch(x, topk_idx, topk_weights
 
 `dispatch_compute_combine(x, topk_idx, topk_weights, compute)` runs the three in one call; with
 `overlap_chunks` > 1 (ragged only) it pipelines them over token chunks so one chunk's all-to-all runs while
-another chunk's experts compute (`overlap.py`). Called as a module with the local experts, a `Dispatcher` is
-the expert-parallel `MoE.dispatcher` (the seam `orangetron/model/moe.py`'s `LocalDispatcher` fills on one
-device, same signature).
+another chunk's experts compute (`overlap.py`). Called as a module with the local experts (and the shared
+experts as a callable, run while the combine travels), a `Dispatcher` is the expert-parallel `MoE.dispatcher`
+(the seam `orangetron/model/moe.py`'s `LocalDispatcher` fills on one device, same signature).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from orangetron import comm
 from orangetron.mesh import MeshGroup, ParallelMesh
 from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
 from orangetron.parallel.expert import overlap
-from orangetron.parallel.expert.routing import sum_rows
+from orangetron.parallel.expert.routing import InFlight, sum_rows
 from orangetron.spec import rules
 from orangetron.spec.variants import DISPATCHERS
 
@@ -62,9 +65,10 @@ class Dispatcher(nn.Module):
         self.first_expert = self.group.rank * self.local_experts
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                experts: nn.Module) -> torch.Tensor:
-        """x [T, dim] -> [T, dim]: `dispatch_compute_combine` with the local `experts` (`run_local_experts`)."""
-        return self.dispatch_compute_combine(x, topk_idx, topk_weights, experts)
+                experts: nn.Module, shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, dim] -> [T, dim]: `dispatch_compute_combine` with the local `experts` (`run_local_experts`),
+        plus `shared()` (the shared experts' [T, dim]) computed while the combine travels."""
+        return self.dispatch_compute_combine(x, topk_idx, topk_weights, experts, shared=shared)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         """x [T, dim], topk_idx [T, k] int64 in [0, E), topk_weights [T, k] -> (recv_x, recv_topk_idx,
@@ -76,19 +80,36 @@ class Dispatcher(nn.Module):
         """expert_out [R, dim] (the received rows' outputs, weighted) -> [T, dim] summed per token."""
         return self.runtime.combine(expert_out, handle, self.group)
 
+    def combine_start(self, expert_out: torch.Tensor, handle) -> InFlight:
+        """`combine` that returns at once: `wait()` gives the [T, dim] result. A mode without a `combine_start`
+        of its own (a plugin's) combines at once."""
+        start = getattr(self.runtime, "combine_start", None)
+        if start is None:
+            return InFlight(comm.Pending(self.combine(expert_out, handle), None), lambda y: y)
+        return start(expert_out, handle, self.group)
+
     def dispatch_compute_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                                 experts: nn.Module, compute: overlap.ExpertCompute | None = None) -> torch.Tensor:
-        """`combine(compute(experts, *dispatch(x, ...)[:4]), handle)`: x [T, dim] -> [T, dim]; `compute`
-        defaults to `run_local_experts`. With `overlap_chunks` > 1 the tokens go in chunks, each chunk's
-        all-to-all overlapping another chunk's compute (forward and backward); `compute` may then use no
-        parameters but those of `experts`."""
+                                 experts: nn.Module, compute: overlap.ExpertCompute | None = None,
+                                 shared: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """`combine(compute(experts, *dispatch(x, ...)[:4]), handle)` (+ `shared()`): x [T, dim] -> [T, dim];
+        `compute` defaults to `run_local_experts`. `shared` runs after the combine has started and before it is
+        waited for, so the shared experts compute while the routed rows travel home. With `overlap_chunks` > 1
+        the tokens go in chunks, each chunk's all-to-all overlapping another chunk's compute (forward and
+        backward); `compute` may then use no parameters but those of `experts`, and `shared` runs after."""
         compute = compute or run_local_experts
-        if self.overlap_chunks == 1:
-            recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatch(x, topk_idx, topk_weights)
-            return self.combine(compute(experts, recv_x, recv_idx, recv_w, tokens_per_expert), handle)
-        self._check(x, topk_idx, topk_weights)
-        return overlap.overlapped(x, topk_idx, topk_weights, self.group, self.num_experts, self.overlap_chunks,
-                                  experts, compute)
+        if self.overlap_chunks > 1:
+            self._check(x, topk_idx, topk_weights)
+            y = overlap.overlapped(x, topk_idx, topk_weights, self.group, self.num_experts, self.overlap_chunks,
+                                   experts, compute)
+            return y if shared is None else y + shared()
+        recv_x, recv_idx, recv_w, tokens_per_expert, handle = self.dispatch(x, topk_idx, topk_weights)
+        # A mode that read the counts on the host already hands them over, so the experts need not read again.
+        counts = getattr(handle, "tokens_per_expert", None)
+        counts = tokens_per_expert if counts is None else counts
+        in_flight = self.combine_start(compute(experts, recv_x, recv_idx, recv_w, counts), handle)
+        extra = None if shared is None else shared()  # while the combine travels
+        y = in_flight.wait()
+        return y if extra is None else y + extra
 
     def _check(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
         if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape != topk_weights.shape \
@@ -97,21 +118,22 @@ class Dispatcher(nn.Module):
                              f"{tuple(x.shape)}, {tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")
         if topk_idx.dtype != torch.int64:
             raise ValueError(f"dispatch: topk_idx must be int64, got {topk_idx.dtype}")
-        if topk_idx.numel() and not (int(topk_idx.min()) >= 0 and int(topk_idx.max()) < self.num_experts):
-            bad = topk_idx[(topk_idx < 0) | (topk_idx >= self.num_experts)][0].item()
-            raise ValueError(f"dispatch: expert id {bad} is out of range [0, num_experts={self.num_experts})")
+        # The ids' range is checked by each mode in its host read of the counts (`routing.read_counts`): a check
+        # here would read the device once more per dispatch.
 
 
 def run_local_experts(experts: nn.Module, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor,
-                      recv_topk_weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+                      recv_topk_weights: torch.Tensor, tokens_per_expert: torch.Tensor | list[int]) -> torch.Tensor:
     """Apply the local `GroupedExperts` to the received rows: each row's weighted outputs of its local
-    slots, summed ([R, dim]); rows with no local slot (padding) give zeros."""
+    slots, summed ([R, dim]); rows with no local slot (padding) give zeros. `tokens_per_expert` is read on
+    the host once (a list is taken as read already) and serves both the cut and the experts' groups."""
     rows, k = recv_topk_idx.shape
     slots = recv_topk_idx.reshape(-1)
     local = experts.w1.shape[0]
+    counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
     # Copies grouped by local expert, row order kept within an expert; -1 slots sort last and are cut off.
     # A copy of the cut: backward keeps `order`, which must not hold the cut-off tail.
-    order = torch.argsort(torch.where(slots < 0, local, slots), stable=True)[: int(tokens_per_expert.sum())].clone()
+    order = torch.argsort(torch.where(slots < 0, local, slots), stable=True)[: sum(counts)].clone()
     row_of_copy = order // k
-    out = experts(recv_x[row_of_copy], tokens_per_expert, recv_topk_weights.reshape(-1)[order])
+    out = experts(recv_x[row_of_copy], counts, recv_topk_weights.reshape(-1)[order])
     return sum_rows(out, row_of_copy, rows)  # [R, dim]

@@ -31,7 +31,13 @@ from torch import nn
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
-from orangetron.parallel.expert.routing import route_rows, tokens_per_local_expert
+from orangetron.parallel.expert.routing import (
+    destinations,
+    read_counts,
+    rows_of,
+    slot_ranks,
+    tokens_per_local_expert,
+)
 from orangetron.spec.sharding import token_chunks
 
 # (experts, recv_x [R, dim], recv_topk_idx [R, k], recv_topk_weights [R, k], tokens_per_expert [E/ep]) -> [R, dim]
@@ -46,11 +52,11 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     return list(zip(ends[:-1], ends[1:], strict=True))
 
 
-def exchange_chunk_counts(send_rows: list[list[int]], group: MeshGroup) -> list[list[int]]:
-    """send_rows[c][j]: rows chunk c sends to member j -> recv_rows[c][j]: rows chunk c receives from j."""
-    counts = torch.tensor(send_rows, dtype=torch.int64).t().contiguous()  # [ep, chunks]
+def exchange_chunk_counts(send_counts: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+    """send_counts [chunks, ep]: rows chunk c sends to member j -> [chunks, ep]: rows chunk c receives from j
+    (one all-to-all of [ep, chunks] int64, on the device)."""
     ones = [1] * group.size
-    return comm.all_to_all(counts, group, ones, ones).t().tolist()
+    return comm.all_to_all(send_counts.t().contiguous(), group, ones, ones).t()
 
 
 @dataclass(frozen=True)
@@ -71,11 +77,17 @@ def overlapped(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
 
     `compute` may use no parameters but those of `experts`: their gradients, summed over the chunks, reach
     them once, as the serial path's do (so gradient hooks, such as ZeRO-3's, fire once)."""
-    local = num_experts // group.size
+    local, ep = num_experts // group.size, group.size
     bounds = chunk_bounds(x.shape[0], chunks)
-    rows = [route_rows(topk_idx[a:b], local, group.size) for a, b in bounds]
-    send_rows = [r.send_rows for r in rows]
-    plan = ChunkPlan(group, local, bounds, send_rows, exchange_chunk_counts(send_rows, group))
+    dests = [slot_ranks(topk_idx[a:b], local, ep) for a, b in bounds]
+    hits = [destinations(dest, ep) for dest in dests]
+    send_counts = torch.stack([hit.sum(0) for hit in hits])  # [chunks, ep]
+    # One host read for every chunk's rows, both ways; each chunk's experts read their group sizes later.
+    sent, received = read_counts([send_counts, exchange_chunk_counts(send_counts, group)], topk_idx, num_experts)
+    send_rows = [sent[c * ep:(c + 1) * ep] for c in range(chunks)]
+    rows = [rows_of(topk_idx[a:b], dest, hit, local, send_rows[c])
+            for c, ((a, b), dest, hit) in enumerate(zip(bounds, dests, hits, strict=True))]
+    plan = ChunkPlan(group, local, bounds, send_rows, [received[c * ep:(c + 1) * ep] for c in range(chunks)])
     routing = [r.token for r in rows] + [r.local_idx for r in rows]  # backward keeps the ids' mask only
     params = [p for p in experts.parameters() if p.requires_grad]
     return _Overlapped.apply(x, topk_weights, plan, partial(compute, experts), torch.is_grad_enabled(), len(params),

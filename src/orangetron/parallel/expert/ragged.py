@@ -8,7 +8,16 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
-from orangetron.parallel.expert.routing import Rows, route_rows, sum_rows, tokens_per_local_expert
+from orangetron.parallel.expert.routing import (
+    InFlight,
+    Rows,
+    destinations,
+    read_counts,
+    rows_of,
+    slot_ranks,
+    sum_rows,
+    tokens_per_local_expert,
+)
 
 
 @dataclass(frozen=True)
@@ -22,34 +31,43 @@ class RaggedHandle:
     dropped: torch.Tensor | None = None  # capacity: [E] assignments dropped per expert on this rank
 
 
-def exchange_counts(send_rows: list[int], group: MeshGroup) -> list[int]:
-    """Rows each member sends to this rank (one int64 per peer, one all-to-all)."""
-    counts = torch.tensor(send_rows, dtype=torch.int64).view(-1, 1)  # [ep, 1]
+def swap_counts(send_counts: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+    """[ep] int64 rows each member sends to this rank, from `send_counts` [ep] on the device (no host read)."""
     ones = [1] * group.size
-    return comm.all_to_all(counts, group, ones, ones).view(-1).tolist()
+    return comm.all_to_all(send_counts.reshape(-1, 1), group, ones, ones).view(-1)
 
 
-def send(x: torch.Tensor, topk_weights: torch.Tensor, rows: Rows, group: MeshGroup, local_experts: int):
-    """All-to-all the rows; returns (recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, recv_rows)."""
-    recv_rows = exchange_counts(rows.send_rows, group)
+def send(x: torch.Tensor, topk_weights: torch.Tensor, rows: Rows, group: MeshGroup, local_experts: int,
+         recv_rows: list[int]):
+    """All-to-all the rows; returns (recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert)."""
     recv_x = comm.all_to_all(x[rows.token], group, rows.send_rows, recv_rows)  # [R, dim]
     recv_idx = comm.all_to_all(rows.local_idx, group, rows.send_rows, recv_rows)  # [R, k]
     recv_w = comm.all_to_all(rows.weights(topk_weights), group, rows.send_rows, recv_rows)  # [R, k]
-    return recv_x, recv_idx, recv_w, tokens_per_local_expert(recv_idx, local_experts), recv_rows
+    return recv_x, recv_idx, recv_w, tokens_per_local_expert(recv_idx, local_experts)
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: MeshGroup,
              num_experts: int, options: object = None):
-    """Dropless dispatch: one row per (token, destination rank); `options` unused."""
+    """Dropless dispatch: one row per (token, destination rank); `options` unused. One host read: the row
+    counts of both directions (and the ids' check), after the count exchange."""
     local = num_experts // group.size
-    rows = route_rows(topk_idx, local, group.size)
-    recv_x, recv_idx, recv_w, tokens_per_expert, recv_rows = send(x, topk_weights, rows, group, local)
+    dest = slot_ranks(topk_idx, local, group.size)
+    hit = destinations(dest, group.size)
+    send_counts = hit.sum(0)  # [ep]
+    send_rows, recv_rows = read_counts([send_counts, swap_counts(send_counts, group)], topk_idx, num_experts)
+    rows = rows_of(topk_idx, dest, hit, local, send_rows)
+    recv_x, recv_idx, recv_w, tokens_per_expert = send(x, topk_weights, rows, group, local, recv_rows)
     return recv_x, recv_idx, recv_w, tokens_per_expert, RaggedHandle(rows.token, rows.send_rows, recv_rows,
                                                                        x.shape[0])
 
 
 def combine(expert_out: torch.Tensor, handle: RaggedHandle, group: MeshGroup) -> torch.Tensor:
     """Return every row to its sender and sum each token's rows: [R, dim] -> [T, dim]."""
-    back = comm.all_to_all(expert_out, group, handle.recv_rows, handle.send_rows)  # [S, dim]
+    return combine_start(expert_out, handle, group).wait()
+
+
+def combine_start(expert_out: torch.Tensor, handle: RaggedHandle, group: MeshGroup) -> InFlight:
+    """`combine` that returns at once: its `wait()` gives the [T, dim] result (compute may run until then)."""
+    back = comm.all_to_all_async(expert_out, group, handle.recv_rows, handle.send_rows)  # [S, dim] on its way
     # One spare row collects padding rows (capacity), which carry no token.
-    return sum_rows(back, handle.token, handle.num_tokens + 1)[:handle.num_tokens]
+    return InFlight(back, lambda rows: sum_rows(rows, handle.token, handle.num_tokens + 1)[:handle.num_tokens])

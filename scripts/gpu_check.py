@@ -1,0 +1,289 @@
+"""The one-GPU check: kernels, one-rank training, memory and throughput on one device, in one process.
+
+    PYTHONPATH=src python scripts/gpu_check.py --device cuda --out gpu_check.jsonl
+    PYTHONPATH=src python scripts/gpu_check.py --device cpu --quick --out cpu_check.jsonl   # what CI runs
+
+Each item writes one JSON line to --out as soon as it ends (flushed, so a run cut short keeps what it did),
+with `item`, `device`, `pass` and `seconds`, and its measurements; an item that raises writes its error and
+`pass: false`, and the next item runs. The exit code is 0 when every item passed. Items:
+
+- `kernel`: `model/attention.py`'s fused seam against its float64 reference (output, log-sum-exp and the
+  gradients of q, k, v), with grouped-query heads, causal and not: bf16 (the flash kernel on CUDA) within 2e-2
+  and float32 (memory-efficient on CUDA) within 1e-4, as max |x - ref| / max |ref|;
+- `train_dense`, `train_moe`: three one-rank steps of the tiny and tiny-moe presets; float32 on the device
+  within 1e-5 (relative, every step's loss) of the same run on the CPU, bf16 within 2e-2, and a
+  `--deterministic` rerun bitwise equal;
+- `memory`: the CUDA allocator's peak over a run against the accounted memory categories (`ratio` to their
+  sum; it passes when the peak holds at least what must coexist: the model state and the larger of gradients
+  and saved activations); on a CPU, whose allocator keeps no peak, only the accounted bytes;
+- `throughput`: tokens/s and MFU of the trainer's one-rank step on a fixed model (dim 2048, 16 layers,
+  sequence 4096, bf16 on CUDA; a small one in float32 on CPU or with --quick) against a plain-torch step of the
+  same model (SDPA, float32 weights under bf16 autocast on CUDA, fused `torch.optim.AdamW`), as `ratio` =
+  ours / plain (the goal is 0.95 or more; the item passes when both ran).
+
+Written for torch 2.11 and later, and nothing but torch and this repository (no install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orangetron.model.attention import _fused_op, attention_kernel
+from orangetron.spec.model import ModelSpec
+from orangetron.train.config import TrainConfig
+from orangetron.train.mfu import StepTimer, device_peak_flops
+from orangetron.train.trainer import train
+
+KERNEL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+TRAIN_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+ACCOUNTED = ("params", "grads", "main_params", "optimizer", "activations_peak")
+
+
+def _gap(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max |ref|, in float64."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def kernel_case(device: torch.device, dtype: torch.dtype, causal: bool, shape: tuple[int, int, int, int, int]
+                ) -> dict[str, Any]:
+    """One fused-kernel call and its backward against the float64 reference on the same inputs."""
+    b, s, hq, hk, d = shape
+    gen = torch.Generator().manual_seed(0)
+    q64, k64, v64 = (torch.randn(b, s, h, d, generator=gen, dtype=torch.float64) for h in (hq, hk, hk))
+    grad_out = torch.randn(b, s, hq, d, generator=gen, dtype=torch.float64)
+    q, k, v = (t.to(device, dtype).requires_grad_() for t in (q64, k64, v64))
+    out, lse = attention_kernel(q, k, v, causal=causal)
+    out.backward(grad_out.to(device, dtype))
+    refs = [t.clone().requires_grad_() for t in (q64, k64, v64)]
+    ref_out, ref_lse = attention_kernel(*refs, causal=causal, impl="reference")
+    ref_out.backward(grad_out)
+    gaps = {"out": _gap(out, ref_out), "lse": _gap(lse, ref_lse),
+            **{f"d{n}": _gap(t.grad, r.grad) for n, t, r in zip("qkv", (q, k, v), refs, strict=True)}}
+    op = _fused_op(q)
+    kernel = op.__name__.removeprefix("_cuda_") if op is not None else f"{device.type} fused"
+    return {"dtype": str(dtype).removeprefix("torch."), "causal": causal, "kernel": kernel,
+            "max_gap": max(gaps.values()), "gaps": gaps}
+
+
+def item_kernel(device: torch.device, quick: bool) -> dict[str, Any]:
+    shape = (1, 64, 4, 2, 32) if quick or device.type == "cpu" else (2, 1024, 16, 4, 128)  # (B, S, Hq, Hk, D)
+    cases = [kernel_case(device, dtype, causal, shape)
+             for dtype in (torch.bfloat16, torch.float32) for causal in (True, False)]
+    ok = all(c["max_gap"] <= KERNEL_TOLERANCE[getattr(torch, c["dtype"])] for c in cases)
+    return {"shape_bshkd": list(shape), "cases": cases, "pass": ok}
+
+
+def _run(model: str, device: str, dtype: str, deterministic: bool = False) -> dict[str, Any]:
+    cfg = TrainConfig(model=model, steps=3, seq_len=32, batch_size=4, warmup=0, corpus_bytes=40_000,
+                      param_dtype=dtype, device=device, deterministic=deterministic)
+    return train(cfg, progress=False)
+
+
+def _loss_gap(losses: list[float], reference: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+
+
+def item_train(model: str) -> Callable[[torch.device, bool], dict[str, Any]]:
+    def run(device: torch.device, quick: bool) -> dict[str, Any]:
+        first = _run(model, device.type, "float32", deterministic=True)
+        rerun = _run(model, device.type, "float32", deterministic=True)
+        host32 = first if device.type == "cpu" else _run(model, "cpu", "float32")
+        bf16 = _run(model, device.type, "bfloat16")
+        host16 = bf16 if device.type == "cpu" else _run(model, "cpu", "bfloat16")
+        gaps = {"float32": _loss_gap(first["losses"], host32["losses"]),
+                "bfloat16": _loss_gap(bf16["losses"], host16["losses"])}
+        bitwise = first["losses"] == rerun["losses"]
+        ok = bitwise and all(gaps[k] <= TRAIN_TOLERANCE[k] for k in gaps) and all(map(math.isfinite, first["losses"]))
+        return {"model": model, "steps": 3, "losses": first["losses"], "gap_vs_cpu": gaps,
+                "deterministic_rerun_bitwise_equal": bitwise, "pass": ok}
+    return run
+
+
+def item_memory(device: torch.device, quick: bool) -> dict[str, Any]:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    result = _run("tiny-moe", device.type, "float32")
+    mem = result["memory"][0]
+    accounted = sum(mem.get(k, 0) for k in ACCOUNTED)
+    peak = mem.get("allocator_peak")
+    # Gradients are freed between steps and grow in backward as the saved activations go, so the categories'
+    # peaks need not coincide; what must coexist is the model state and the larger of the two. The allocator
+    # also holds what no category names (logits, workspaces), so its peak may exceed the sum.
+    floor = sum(mem.get(k, 0) for k in ("params", "main_params", "optimizer")) \
+        + max(mem.get("grads", 0), mem.get("activations_peak", 0))
+    ok = accounted > 0 and (peak is None or peak >= 0.95 * floor)
+    return {"accounted_bytes": accounted, "by_category": {k: mem.get(k, 0) for k in ACCOUNTED},
+            "coexisting_floor_bytes": floor, "allocator_peak": peak,
+            "ratio": None if peak is None else peak / accounted, "pass": ok}
+
+
+def _throughput_spec(device: torch.device, quick: bool) -> tuple[ModelSpec, int]:
+    if device.type == "cuda" and not quick:
+        return ModelSpec(name="check-2048x16", hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=4,
+                         vocab_size=32768, ffn_hidden_size=5632, max_seq_len=4096), 4096
+    return ModelSpec(name="check-small", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     vocab_size=512, ffn_hidden_size=192, max_seq_len=128), 128
+
+
+class _Block(nn.Module):
+    """A Llama block in plain torch: RMSNorm, rotary GQA attention through SDPA, SwiGLU."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, hd = spec.hidden_size, spec.head_dim
+        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
+        self.norm1, self.norm2 = nn.RMSNorm(h, eps=spec.norm_eps), nn.RMSNorm(h, eps=spec.norm_eps)
+        self.wq = nn.Linear(h, spec.num_heads * hd, bias=False)
+        self.wkv = nn.Linear(h, 2 * spec.num_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(spec.num_heads * hd, h, bias=False)
+        self.w13 = nn.Linear(h, 2 * spec.ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(spec.ffn_hidden_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        y = self.norm1(x)
+        q = self.wq(y).view(b, s, self.heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+        k, v = self.wkv(y).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [B, Hk, S, D]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        rep = self.heads // self.kv_heads
+        att = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                             is_causal=True)
+        x = x + self.wo(att.transpose(1, 2).reshape(b, s, -1))
+        gate, up = self.w13(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class PlainLM(nn.Module):
+    """The throughput model in plain torch, the baseline a user would write."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.blocks = nn.ModuleList(_Block(spec) for _ in range(spec.num_layers))
+        self.norm = nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+        self.out = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        inv = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim)
+        angles = torch.arange(spec.max_seq_len, dtype=torch.float64)[:, None] * inv  # [S, D/2]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        cos, sin = self.cos[:s], self.sin[:s]
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.out(self.norm(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def _plain_tokens_per_s(spec: ModelSpec, seq: int, batch: int, steps: int, device: torch.device) -> float:
+    model = PlainLM(spec).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (batch, seq + 1), generator=gen).to(device)
+    timer, seconds = StepTimer(device), []
+    for step in range(steps + 1):  # the first step warms the kernels up and is not timed
+        timer.start()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):  # ours: float32 on CPU
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss.detach())  # the step ends when its loss is on the host, as the trainer's does
+        if step:
+            seconds.append(timer.stop())
+    del model, opt
+    return batch * seq * len(seconds) / sum(seconds)
+
+
+def item_throughput(device: torch.device, quick: bool) -> dict[str, Any]:
+    spec, seq = _throughput_spec(device, quick)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    steps = 4
+    cfg = TrainConfig(model=spec, steps=steps + 1, seq_len=seq, batch_size=1, warmup=0, param_dtype=dtype,
+                      device=device.type, corpus_bytes=max(40_000, 8 * seq), eval_batches=1,
+                      threads=None if device.type == "cuda" else 1)
+    ours = train(cfg, progress=False)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as the trainer runs (`--threads 1`)
+    try:
+        plain = _plain_tokens_per_s(spec, seq, 1, steps, device)
+    finally:
+        torch.set_num_threads(threads)
+    peak, source = device_peak_flops(getattr(torch, dtype), device)
+    return {"model": spec.name, "seq_len": seq, "dtype": dtype, "tokens_per_s": ours["tokens_per_s"],
+            "mfu": ours["mfu"], "peak_flops": peak, "peak_source": source, "plain_tokens_per_s": plain,
+            "ratio": ours["tokens_per_s"] / plain, "meets_goal_0.95": ours["tokens_per_s"] / plain >= 0.95,
+            "pass": ours["tokens_per_s"] > 0 and plain > 0}
+
+
+ITEMS: dict[str, Callable[[torch.device, bool], dict[str, Any]]] = {
+    "kernel": item_kernel,
+    "train_dense": item_train("tiny"),
+    "train_moe": item_train("tiny-moe"),
+    "memory": item_memory,
+    "throughput": item_throughput,
+}
+
+
+def run_items(device: torch.device, quick: bool, out: Path, names: list[str]) -> bool:
+    """Run the named items in order, appending one JSON line per item to `out`; True when all passed."""
+    passed = True
+    with open(out, "w", encoding="utf-8") as f:
+        for name in names:
+            start = time.perf_counter()
+            try:
+                line = {"item": name, "device": str(device), **ITEMS[name](device, quick)}
+            except Exception as err:  # noqa: BLE001 - one failed item must not hide the others
+                line = {"item": name, "device": str(device), "pass": False, "error": f"{type(err).__name__}: {err}",
+                        "traceback": traceback.format_exc(limit=8)}
+            line["seconds"] = round(time.perf_counter() - start, 2)
+            passed &= bool(line["pass"])
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            print(json.dumps({k: line[k] for k in ("item", "pass", "seconds")}), file=sys.stderr, flush=True)
+    return passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    parser.add_argument("--out", required=True, help="JSON lines, one per item, written as each ends")
+    parser.add_argument("--quick", action="store_true", help="small sizes everywhere (the throughput model too)")
+    parser.add_argument("--items", nargs="+", choices=list(ITEMS), default=list(ITEMS))
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda: torch sees no CUDA GPU here", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return 0 if run_items(device, args.quick, Path(args.out), args.items) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
