@@ -55,8 +55,8 @@ def _planted(at_call: int, on_objective) -> object:
     calls = itertools.count(1)
     original = step_module._lm_loss
 
-    def planted(dp, samples):
-        objective, lm_loss = original(dp, samples)
+    def planted(dp, samples, *weight):
+        objective, lm_loss = original(dp, samples, *weight)
         if torch.is_grad_enabled() and next(calls) == at_call:
             return on_objective(objective, lm_loss)
         return objective, lm_loss
