@@ -14,7 +14,7 @@ import contextlib
 
 import pytest
 import torch
-from test_context_attention import HEAD_DIM, _whole, heads, variants
+from test_context_attention import HEAD_DIM, heads, variants
 
 from orangetron.mesh import init_mesh
 from orangetron.model.documents import Documents
@@ -94,7 +94,8 @@ def all_modes(cp: int) -> dict:
         documents = Documents.from_ids(document_ids(2 * cp * CHUNK, rows))
         for impl in ("fused", "reference"):
             for mode, degree in variants(cp):
-                q, k, v, weight = (context.shard(t, mesh).requires_grad_() for t in inputs(cp, rows))
+                q, k, v, weight = (context.shard(t, mesh, cuts=documents.cuts).requires_grad_()
+                                   for t in inputs(cp, rows))
                 pairs: list[int] = []
                 with fused_pairs(pairs) if impl == "fused" else contextlib.nullcontext():
                     out = context.attention(q, k, v, mesh, mode=mode, causal=True, ulysses_degree=degree,
@@ -121,8 +122,9 @@ def test_every_mode_masks_packed_documents_as_one_device(cp):
     for key in per_rank[0]:
         rows, mode, impl = key
         want = reference(cp, rows)
+        cuts = Documents.from_ids(document_ids(2 * cp * CHUNK, rows)).cuts
         for name, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
-            got = _whole([r[key][i] for r in per_rank], cp)
+            got = whole([r[key][i] for r in per_rank], cp, cuts)
             gap = ((got - want[i]).abs().max() / want[i].abs().max()).item()
             assert gap < 1e-9, f"cp={cp} {mode} {impl} rows={rows}: {name} off by {gap:.2e}"
         if impl == "fused" and mode != "rsa":  # rsa keeps its score rows: matmuls by design
@@ -131,44 +133,83 @@ def test_every_mode_masks_packed_documents_as_one_device(cp):
             assert computed == seen * holders(mode, cp), (cp, mode, rows, computed, seen)
 
 
+def whole(shards: list[torch.Tensor], cp: int, cuts: tuple[int, ...]) -> torch.Tensor:
+    """The whole sequence from every rank's balanced share of documents cut at `cuts`."""
+    seq = shards[0].shape[1] * cp
+    full = torch.empty(shards[0].shape[0], seq, *shards[0].shape[2:], dtype=shards[0].dtype)
+    for rank, part in enumerate(shards):
+        full[:, context.shard_indices(seq, cp, rank, cuts)] = part
+    return full
+
+
+def long_documents(cp: int) -> torch.Tensor:
+    """One row of 12*cp tokens in three documents, each longer than 2*cp tokens (every rank holds some of each),
+    none a multiple of 2*cp (their remainders go round the slots)."""
+    seq = 12 * cp
+    return document_ids_of((2 * cp + 1, seq // 2, seq // 2 - 2 * cp - 1))
+
+
+def document_ids_of(lengths: tuple[int, ...]) -> torch.Tensor:
+    return torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]).unsqueeze(0)
+
+
 def ring_traffic(cp: int) -> dict:
-    """Ring attention, forward and backward, over one row whose every head-tail chunk is a document of its own,
-    and over the same row as one sequence: this rank's output and gradients, and the bytes it sent."""
+    """Ring attention, forward and backward, over one row of long documents and over the same row as one
+    sequence: this rank's output and gradients, and the bytes it received."""
     from orangetron import comm
 
     mesh = init_mesh(Layout(cp=cp))
-    seq = 2 * cp * CHUNK
+    ids = long_documents(cp)
     results = {}
-    for name, documents in (("chunks", Documents.from_ids(chunk_ids(seq))), ("one", None)):
-        q, k, v, weight = (context.shard(t, mesh).requires_grad_() for t in inputs(cp, 1))
+    for name, documents in (("documents", Documents.from_ids(ids)), ("one", None)):
+        cuts = None if documents is None else documents.cuts
+        q, k, v, weight = (context.shard(t, mesh, cuts=cuts).requires_grad_()
+                           for t in ring_inputs(ids.shape[1]))
         with comm.measure() as records:
             out = context.attention(q, k, v, mesh, mode="ring", documents=documents)
             (out * weight.detach()).sum().backward()
-        results[name] = (out.detach(), q.grad, k.grad, v.grad, sum(r.bytes_sent for r in records), k.numel() * 16)
+        results[name] = (out.detach(), q.grad, k.grad, v.grad, sum(r.bytes_received for r in records))
     return results
 
 
-def chunk_ids(seq: int) -> torch.Tensor:
-    return (torch.arange(seq) // CHUNK).unsqueeze(0)  # [1, S]: every chunk its own document
+def ring_inputs(seq: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seq)
+    return tuple(torch.randn(1, seq, h, HEAD_DIM, generator=g, dtype=torch.float64) for h in (2, 1, 1, 2))
+
+
+def keys_seen_elsewhere(ids: torch.Tensor, cp: int, rank: int) -> int:
+    """How many keys held by other ranks this rank's queries see (same document, not later), each once."""
+    seq = ids.shape[1]
+    cuts = Documents.from_ids(ids).cuts
+    mine = context.shard_indices(seq, cp, rank, cuts)
+    others = torch.ones(seq, dtype=torch.bool)
+    others[mine] = False
+    seen = visible(ids)[0][mine].any(0)  # [S]: some query of this rank sees that key
+    return int((seen & others).sum())
 
 
 @pytest.mark.parametrize("cp", (2, 3))
-def test_ring_sends_no_block_that_no_later_rank_sees(cp):
-    """Every head-tail chunk its own document: no rank sees another's keys, so neither K,V ring (forward, and
-    again in backward) sends anything; the dK,dV accumulators still go round once (cp hops). One sequence: all
-    of it, (cp - 1) + (cp - 1) + cp blocks. The result still equals one device under the dense mask."""
+def test_ring_sends_each_rank_exactly_the_keys_it_sees(cp):
+    """Balanced sharding of long documents: each rank receives, in the forward K,V ring and again in backward's,
+    exactly the keys of other ranks it sees, each once (the issue's minimum); the dK,dV accumulators go round
+    once (cp hops). One sequence: all of it, (cp - 1) + (cp - 1) + cp blocks. The result equals one device
+    under the dense mask."""
     per_rank = run_distributed(ring_traffic, cp, args=(cp,))
-    for rank in per_rank:
-        kv_bytes = rank["chunks"][5]  # k and v of this rank, float64
-        assert rank["chunks"][4] == cp * kv_bytes
-        assert rank["one"][4] == (3 * cp - 2) * kv_bytes
-    q, k, v, weight = (t.requires_grad_() for t in inputs(cp, 1))
-    group = q.shape[2] // k.shape[2]
-    kh, vh = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in (k, v))
+    ids = long_documents(cp)
+    token_bytes = 1 * 2 * HEAD_DIM * 8  # one kv head, K and V, float64
+    home = ids.shape[1] // cp * token_bytes
+    seen = [keys_seen_elsewhere(ids, cp, rank) for rank in range(cp)]
+    assert sum(seen) < cp * (cp - 1) * ids.shape[1] // cp, "every rank sees all others' keys: the test cannot tell"
+    for rank, result in enumerate(per_rank):
+        assert result["documents"][4] == 2 * seen[rank] * token_bytes + cp * home, rank
+        assert result["one"][4] == (3 * cp - 2) * home
+    q, k, v, weight = (t.requires_grad_() for t in ring_inputs(ids.shape[1]))
+    kh, vh = (t.repeat_interleave(2, dim=2).transpose(1, 2) for t in (k, v))
     scores = q.transpose(1, 2) @ kh.transpose(-1, -2) / HEAD_DIM**0.5
-    scores = scores.masked_fill(~visible(chunk_ids(q.shape[1])).unsqueeze(1), float("-inf"))
+    scores = scores.masked_fill(~visible(ids).unsqueeze(1), float("-inf"))
     want = (scores.softmax(-1) @ vh).transpose(1, 2)
     (want * weight).sum().backward()
+    cuts = Documents.from_ids(ids).cuts
     for i, expected in enumerate((want.detach(), q.grad, k.grad, v.grad)):
-        got = _whole([r["chunks"][i] for r in per_rank], cp)
+        got = whole([r["documents"][i] for r in per_rank], cp, cuts)
         assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-9, i

@@ -489,12 +489,15 @@ class _Reshaped:
 # ---- ring exchange ----------------------------------------------------------------------------------
 
 
-def _shift(x: torch.Tensor, group: MeshGroup, step: int, send: bool = True,
-           receive: bool = True) -> tuple[torch.Tensor | None, list]:
-    """Post send of `x` to member rank+step and receive a tensor like it from rank-step; returns (buffer, works).
-    `send` or `receive` False leaves that half out (no buffer without `receive`); neither posts nothing."""
+def _shift(x: torch.Tensor, group: MeshGroup, step: int, send: bool = True, receive: bool = True,
+           receive_shape: tuple[int, ...] | None = None) -> tuple[torch.Tensor | None, list]:
+    """Post send of `x` to member rank+step and receive a tensor like it (of `receive_shape` if given) from
+    rank-step; returns (buffer, works). `send` or `receive` False leaves that half out (no buffer without
+    `receive`); neither posts nothing."""
     x = x.contiguous()
-    received = torch.empty_like(x) if receive else None
+    received = None
+    if receive:
+        received = torch.empty_like(x) if receive_shape is None else x.new_empty(receive_shape)
     ops = []
     if send:
         ops.append(dist.P2POp(dist.isend, x, group.global_rank(group.rank + step), group.group))
@@ -503,7 +506,8 @@ def _shift(x: torch.Tensor, group: MeshGroup, step: int, send: bool = True,
     if not ops:
         return None, []
     sent_bytes = _nbytes(x) if send else 0
-    _record("send_recv", group, sent_bytes, formulas.send_recv_bytes(sent_bytes, _nbytes(x) if receive else 0))
+    _record("send_recv", group, sent_bytes,
+            formulas.send_recv_bytes(sent_bytes, 0 if received is None else _nbytes(received)))
     return received, dist.batch_isend_irecv(ops)
 
 
@@ -535,16 +539,18 @@ class RingExchange:
         self.group = group
         self._pending: tuple[torch.Tensor, torch.Tensor, list, torch.Tensor] | None = None
 
-    def start(self, x: torch.Tensor, send: bool = True, receive: bool = True) -> None:
+    def start(self, x: torch.Tensor, send: bool = True, receive: bool = True,
+              receive_shape: tuple[int, ...] | None = None) -> None:
         """Post the transfer. `send=False` keeps x home (the next member must not receive), `receive=False`
-        expects nothing from the previous member (which must not send); x then only gives the shape."""
+        expects nothing from the previous member (which must not send); x then only gives the shape, unless
+        `receive_shape` (the previous member sends a tensor of another size) does."""
         if self._pending is not None:
             raise RuntimeError("RingExchange.start called twice without wait")
         if self.group.size == 1:
             self._pending = (x, x if receive else None, [], x)
             return
         sent = x.detach().contiguous()  # what the backend reads until the wait
-        received, works = _shift(sent, self.group, step=1, send=send, receive=receive)
+        received, works = _shift(sent, self.group, step=1, send=send, receive=receive, receive_shape=receive_shape)
         self._pending = (x, received, works, sent)
 
     def wait(self) -> torch.Tensor | None:

@@ -42,6 +42,12 @@ class Documents:
     def seq_len(self) -> int:
         return self.ids.shape[1]
 
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """The increasing global positions where a document of some row begins (0 first): the balanced cp
+        sharding cuts the sequence there (`orangetron/parallel/context/calls.py`, `document_runs`)."""
+        return tuple(sorted({start for spans in self.spans for start, _ in spans}))
+
     def positions(self) -> torch.Tensor:
         """Rotary positions [B, S]: each token's offset from the start of its document."""
         starts = torch.zeros_like(self.ids)

@@ -27,20 +27,22 @@ class TrainingDiverged(ValueError):
 
 def _rank_share(model: ParallelModel, samples: torch.Tensor) -> RankShare:
     """(inputs, labels, positions, share, documents) of samples [B, S+1] (packed: [B, S+1, 2]) as this rank sees
-    them: under cp its head-tail share of the (padded) sequence with global positions, and the weight of its mean
+    them: under cp its share of the (padded) sequence with global positions (head-tail, or balanced over packed
+    documents), and the weight of its mean
     loss (see below); the documents of packed samples (`data.packed_inputs`), else None."""
     inputs, labels, documents = packed_inputs(samples, IGNORE_INDEX)  # [B, S] each
     positions, share = None, 1.0
     cp = model.mesh["cp"].size
-    if cp > 1:  # this rank's head-tail share of the (padded) sequence, with its global positions
+    if cp > 1:  # this rank's share of the (padded) sequence, with its global positions
         multiple = context.shard_multiple(model.mesh.layout, model.config.sequence_parallel)
         inputs, labels = context.pad_sequence(inputs, labels, multiple, IGNORE_INDEX)
-        positions = context.position_ids(inputs.shape[1], model.mesh)
-        if documents is not None:  # the whole (padded) sequence's documents; this rank's positions in them
+        positions, cuts = context.position_ids(inputs.shape[1], model.mesh), None
+        if documents is not None:  # the whole (padded) sequence's documents, balanced; positions in them
             documents = _padded_documents(documents, inputs.shape[1])
-            positions = context.shard(documents.positions(), model.mesh)
+            cuts = documents.cuts
+            positions = context.shard(documents.positions(), model.mesh, cuts=cuts)
         valid = int((labels != IGNORE_INDEX).sum())
-        inputs, labels = context.shard(inputs, model.mesh), context.shard(labels, model.mesh)
+        inputs, labels = context.shard(inputs, model.mesh, cuts=cuts), context.shard(labels, model.mesh, cuts=cuts)
         # Padding leaves the cp ranks unequal token counts: weight this rank's mean by its share of the
         # real tokens (times cp, as gradients are averaged over the ranks), so the mean is over all of them.
         share = int((labels != IGNORE_INDEX).sum()) * cp / max(valid, 1)

@@ -1,4 +1,5 @@
-"""Context parallelism: head-tail sequence sharding over the cp ranks and attention across them."""
+"""Context parallelism: sequence sharding over the cp ranks (head-tail, or balanced over packed documents) and
+attention across them."""
 
 from orangetron.parallel.context.attention import attention
 from orangetron.parallel.context.core import ContextParallelAttention
@@ -7,9 +8,10 @@ from orangetron.parallel.context.sharding import (
     pad_sequence,
     position_ids,
     shard,
+    shard_indices,
     shard_multiple,
     unshard,
 )
 
 __all__ = ["ContextParallelAttention", "attention", "head_tail_indices", "pad_sequence", "position_ids", "shard",
-           "shard_multiple", "unshard"]
+           "shard_indices", "shard_multiple", "unshard"]

@@ -15,7 +15,7 @@ from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.model.documents import Documents
 from orangetron.parallel.context.blocks import attend, attend_backward, pack
-from orangetron.parallel.context.calls import spec_runs
+from orangetron.parallel.context.calls import cuts_of, spec_runs
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -25,7 +25,7 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, impl: str, documents: Documents | None):
         kv = comm.all_gather(pack(k, v), group, dim=1)  # [B, S, Hk, 2D], rank order
         kb, vb = kv.split(k.shape[-1], dim=-1)
-        out, lse = attend(q, kb, vb, *_runs(group, q.shape[1]), causal, scale, impl, documents)
+        out, lse = attend(q, kb, vb, *_runs(group, q.shape[1], documents), causal, scale, impl, documents)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.impl, ctx.documents = group, causal, scale, impl, documents
@@ -37,17 +37,17 @@ class _AllGatherAttention(torch.autograd.Function):
         group = ctx.group
         kv = comm.all_gather(pack(k, v), group, dim=1)
         kb, vb = kv.split(k.shape[-1], dim=-1)
-        dq, dk, dv = attend_backward(q, kb, vb, out, lse, grad_out, *_runs(group, q.shape[1]), ctx.causal, ctx.scale,
-                                     ctx.impl, ctx.documents)
+        dq, dk, dv = attend_backward(q, kb, vb, out, lse, grad_out, *_runs(group, q.shape[1], ctx.documents),
+                                     ctx.causal, ctx.scale, ctx.impl, ctx.documents)
         dkv = comm.reduce_scatter(pack(dk, dv).to(k.dtype), group, dim=1)
         dk, dv = dkv.split(k.shape[-1], dim=-1)
         return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
-def _runs(group: MeshGroup, length: int) -> tuple:
-    """(this rank's query runs, the gathered keys' runs in rank order)."""
-    seq_len = length * group.size
-    return spec_runs((seq_len, group.size, group.rank)), spec_runs((seq_len, group.size, None))
+def _runs(group: MeshGroup, length: int, documents: Documents | None) -> tuple:
+    """(this rank's query runs, the gathered keys' runs in rank order), of the sharding `documents` take."""
+    seq_len, cuts = length * group.size, cuts_of(documents)
+    return spec_runs((seq_len, group.size, group.rank, cuts)), spec_runs((seq_len, group.size, None, cuts))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,

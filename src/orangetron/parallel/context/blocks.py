@@ -89,13 +89,6 @@ def _sum_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.reshape(b, s, kv_heads, hq // kv_heads, d).sum(3)
 
 
-def rank_order_positions(seq_len: int, cp: int) -> torch.Tensor:
-    """Global positions of a sequence gathered from every cp rank in rank order (head-tail shards)."""
-    from orangetron.parallel.context.sharding import head_tail_indices
-
-    return torch.cat([head_tail_indices(seq_len, cp, j) for j in range(cp)])
-
-
 def pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """K and V side by side, [B, S, Hk, 2D]: one transfer instead of two."""
     return torch.cat((k, v), dim=-1)
@@ -245,8 +238,9 @@ class PositionalAttention(torch.autograd.Function):
         return grads[:len(ctx.needs_input_grad)]  # `impl` may have been left to its default
 
 
-def positions_of(spec: tuple[int, int, int | None], device: torch.device) -> torch.Tensor:
-    """Positions of (seq_len, cp, rank): that cp rank's head-tail tokens, or all ranks' in rank order (None).
+def positions_of(spec: tuple, device: torch.device) -> torch.Tensor:
+    """Positions of (seq_len, cp, rank[, cuts]) (`calls.spec_runs`): that cp rank's tokens, or all ranks' in
+    rank order (rank None).
 
     Made on `device` from plain numbers: a tensor built on the host and copied would wait for the device in
     every block (tests/test_host_syncs.py)."""

@@ -13,13 +13,17 @@ only by the local tail chunk, which attends to all of it. `blocks.attend` finds 
 positions (`calls.plan`): one unmasked kernel call per step after the first, and the first step's
 diagonal as two causal calls and one unmasked one.
 
-Over packed documents a block may hold nothing some members can see (`block_needs`): those members skip it,
-and a block goes on round the ring only while a member it has still to visit sees some of it, in forward and
-in backward alike (`_passes`; sender and receiver decide from the same documents). The dK,dV accumulators
-still go all the way home.
+Over packed documents (sharded in balance, `calls.document_runs`) a block travels only as far as it is seen,
+run by run (`Route`): a run goes on from a member only while a member it has still to visit sees some of
+it, and members that see none of the block at hand skip it. Under the balanced sharding a block's tail runs
+are seen by exactly the members it visits first, so each member receives exactly the keys it sees, in
+forward and in backward alike (sender and receiver decide from the same documents). The dK,dV accumulators
+still go all the way home, whole.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -29,20 +33,101 @@ from orangetron.model.attention import Runs
 from orangetron.model.documents import Documents
 from orangetron.parallel.context import calls
 from orangetron.parallel.context.blocks import attend, attend_backward, merge, pack
-from orangetron.parallel.context.calls import head_tail_runs
 
 
 def ring_runs(layout: tuple, member: int) -> Runs:
     """Global positions, as runs, of the tokens ring member `member` holds.
 
-    layout ("head_tail", seq_len, cp): member r holds its head-tail shard. ("usp", seq_len, cp, u): ring
-    member r holds the shards of cp ranks r*u ... r*u+u-1, gathered by Ulysses, in that order.
+    layout ("shards", seq_len, cp, cuts): member r holds cp rank r's shard (`calls.shard_runs`; cuts None:
+    head-tail). ("usp", seq_len, cp, u, cuts): ring member r holds the shards of cp ranks r*u ... r*u+u-1,
+    gathered by Ulysses, in that order.
     """
-    if layout[0] == "head_tail":
-        _, seq_len, cp = layout
-        return head_tail_runs(seq_len, cp, member)
-    _, seq_len, cp, u = layout
-    return tuple(run for j in range(u) for run in head_tail_runs(seq_len, cp, member * u + j))
+    if layout[0] == "shards":
+        _, seq_len, cp, cuts = layout
+        return calls.shard_runs(seq_len, cp, member, cuts)
+    _, seq_len, cp, u, cuts = layout
+    return tuple(run for j in range(u) for run in calls.shard_runs(seq_len, cp, member * u + j, cuts))
+
+
+class Route:
+    """Which runs of each member's block each ring step carries.
+
+    `sees[p][j][i]`: member p's queries see some key of run i of member j. Block j is at member j+s (mod cp)
+    at step s and carries there the runs a member at step s or later sees (all of them at step 0). Without
+    packed documents every member sees every run, and blocks travel whole.
+    """
+
+    def __init__(self, runs: list[Runs], causal: bool, documents: Documents | None) -> None:
+        self.runs = runs
+        self.sees = _sees(tuple(runs), causal, _starts(documents))
+
+    def carried(self, block: int, step: int) -> tuple[int, ...]:
+        """Indices of block `block`'s runs it carries at `step`."""
+        cp, runs = len(self.runs), self.runs[block]
+        if step == 0:
+            return tuple(range(len(runs)))
+        return tuple(i for i in range(len(runs))
+                     if any(self.sees[(block + visit) % cp][block][i] for visit in range(step, cp)))
+
+    def carried_runs(self, block: int, step: int) -> Runs:
+        return tuple(self.runs[block][i] for i in self.carried(block, step))
+
+    def seen(self, member: int, block: int, step: int) -> bool:
+        """Whether `member` sees any of the runs `block` carries to it at `step`."""
+        return any(self.sees[member][block][i] for i in self.carried(block, step))
+
+    def rows(self, block: int, step: int, within: int) -> tuple[tuple[int, int], ...] | None:
+        """Tensor rows [start, stop), in the block as carried at step `within` (0: home), of the runs it carries
+        at `step`; None when they are all of them."""
+        inner, outer = self.carried(block, step), self.carried(block, within)
+        if inner == outer:
+            return None
+        offsets, at = {}, 0
+        for i in outer:
+            start, stop = self.runs[block][i]
+            offsets[i] = (at, at + stop - start)
+            at += stop - start
+        return tuple(offsets[i] for i in inner)
+
+
+def _starts(documents: Documents | None) -> tuple[tuple[int, ...], ...] | None:
+    if documents is None:
+        return None
+    return tuple(tuple(a for a, _ in spans) for _, spans in documents.row_groups())
+
+
+@functools.lru_cache(maxsize=64)
+def _sees(runs: tuple[Runs, ...], causal: bool, starts: tuple[tuple[int, ...], ...] | None) -> tuple:
+    """sees[p][j][i] (`Route`): decided by the kernel calls `calls.plan` would make, for any group of rows."""
+    if starts is None or not causal:
+        return tuple(tuple((True,) * len(block) for block in runs) for _ in runs)
+    ordered = [calls.sort_runs(member)[0] for member in runs]
+
+    def sees(p: int, run: tuple[int, int]) -> bool:
+        return any(calls.plan(ordered[p], (run,), True, s) for s in starts)
+
+    # A member's own block never travels to it: taken as seen.
+    return tuple(tuple(tuple(p == j or sees(p, run) for run in block) for j, block in enumerate(runs))
+                 for p in range(len(runs)))
+
+
+def _take_rows(x: torch.Tensor, rows: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
+    """The rows [start, stop) of x [B, S, ...] along dim 1, in order (x itself for None)."""
+    if rows is None:
+        return x
+    return torch.cat([x[:, start:stop] for start, stop in rows], dim=1)
+
+
+def _start(ring: comm.RingExchange, route: Route, kv: torch.Tensor | None, home: torch.Tensor, rank: int,
+           step: int) -> None:
+    """Post the transfer after `step`: the block at hand (`kv`, None when nothing came) trimmed to what it
+    carries next, and the previous member's as it will arrive here; `home` gives shapes."""
+    cp = len(route.runs)
+    mine, theirs = (rank - step) % cp, (rank - 1 - step) % cp
+    sending = bool(route.carried(mine, step + 1))
+    send = _take_rows(kv, route.rows(mine, step + 1, step)) if sending else home
+    incoming = calls.total(route.carried_runs(theirs, step + 1))
+    ring.start(send, sending, incoming > 0, (home.shape[0], incoming, *home.shape[2:]))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -52,8 +137,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, overlap: bool, layout: tuple,
                 impl: str, documents: Documents | None):
         length, cp, r = q.shape[1], group.size, group.rank
-        runs = [ring_runs(layout, j) for j in range(cp)]
-        needs = block_needs(runs, causal, documents)
+        route = Route([ring_runs(layout, j) for j in range(cp)], causal, documents)
         out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], length), float("-inf"), dtype=out.dtype, device=q.device)
         ring, home = comm.RingExchange(group), pack(k, v)
@@ -62,47 +146,48 @@ class _RingAttention(torch.autograd.Function):
             last = step == cp - 1
             source = (r - step) % cp
             if not last:
-                ring.start(home if kv is None else kv, *_passes(needs, r, step))  # travels while this one computes
+                _start(ring, route, kv, home, r, step)  # travels while this one computes
                 arrived = None if overlap else ring.wait()  # serial, for comparison: transfer, then compute
-            if kv is not None and needs[r][source]:
+            if kv is not None and route.seen(r, source, step):
                 kb, vb = kv.split(k.shape[-1], dim=-1)
-                block_out, block_lse = attend(q, kb, vb, runs[r], runs[source], causal, scale, impl, documents)
+                block_out, block_lse = attend(q, kb, vb, route.runs[r], route.carried_runs(source, step),
+                                              causal, scale, impl, documents)
                 merge(out, lse, block_out, block_lse)
             if not last:
                 kv = ring.wait() if overlap else arrived
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.layout, ctx.impl = group, causal, scale, layout, impl
-        ctx.documents, ctx.needs = documents, needs
+        ctx.group, ctx.causal, ctx.scale, ctx.impl = group, causal, scale, impl
+        ctx.documents, ctx.route = documents, route
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, needs = ctx.group, ctx.causal, ctx.scale, ctx.needs
+        group, causal, scale, route = ctx.group, ctx.causal, ctx.scale, ctx.route
         cp, r, d = group.size, group.rank, k.shape[-1]
-        runs = [ring_runs(ctx.layout, j) for j in range(cp)]
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv_ring, grad_ring = comm.RingExchange(group), comm.RingExchange(group)
         home = pack(k, v)
         kv = home
         for step in range(cp):
             if step < cp - 1:
-                kv_ring.start(home if kv is None else kv, *_passes(needs, r, step))
+                _start(kv_ring, route, kv, home, r, step)
             source = (r - step) % cp
             block = None
-            if kv is not None and needs[r][source]:
+            if kv is not None and route.seen(r, source, step):
                 kb, vb = kv.split(d, dim=-1)
-                dq_b, dk_b, dv_b = attend_backward(q, kb, vb, out, lse, grad_out, runs[r], runs[source], causal,
-                                                   scale, ctx.impl, ctx.documents)
+                dq_b, dk_b, dv_b = attend_backward(q, kb, vb, out, lse, grad_out, route.runs[r],
+                                                   route.carried_runs(source, step), causal, scale, ctx.impl,
+                                                   ctx.documents)
                 dq += dq_b
                 block = torch.cat((dk_b, dv_b), dim=-1)
             # The accumulator of these K,V gradients left the previous rank after its last step: it travelled
             # while this block computed, and is waited for only now.
             dkv = torch.zeros_like(home) if step == 0 else grad_ring.wait()
             if block is not None:
-                dkv += block.to(dkv.dtype)
+                _add_rows(dkv, block.to(dkv.dtype), route.rows(source, step, 0))
             grad_ring.start(dkv)  # on to the next rank, with its K,V; it ends at their owner
             if step < cp - 1:
                 kv = kv_ring.wait()
@@ -111,37 +196,26 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
-def block_needs(runs: list[Runs], causal: bool, documents: Documents | None) -> list[list[bool]]:
-    """needs[p][j]: whether member p's queries see any key member j holds. Every pair does, but under packed
-    documents, where a query sees only its own document: then the kernel calls `calls.plan` would make decide."""
-    cp = len(runs)
-    if documents is None or not causal:
-        return [[True] * cp for _ in range(cp)]
-    starts = [tuple(a for a, _ in spans) for _, spans in documents.row_groups()]
-    ordered = [calls.sort_runs(member)[0] for member in runs]
-    return [[any(calls.plan(ordered[p], ordered[j], True, s) for s in starts) for j in range(cp)] for p in range(cp)]
-
-
-def _passes(needs: list[list[bool]], rank: int, step: int) -> tuple[bool, bool]:
-    """(send, receive) of this rank's transfer after `step`: block j visits members j, j+1, ... (mod cp) at
-    steps 0, 1, ..., and goes on only while a member it has still to visit sees some of it. The sender and the
-    receiver decide alike, from the same `needs`."""
-    cp = len(needs)
-
-    def wanted(block: int) -> bool:
-        return any(needs[(block + visit) % cp][block] for visit in range(step + 1, cp))
-
-    return wanted((rank - step) % cp), wanted((rank - 1 - step) % cp)
+def _add_rows(home: torch.Tensor, part: torch.Tensor, rows: tuple[tuple[int, int], ...] | None) -> None:
+    """home[:, rows] += part, where part holds those rows in order (all of home for None)."""
+    if rows is None:
+        home += part
+        return
+    at = 0
+    for start, stop in rows:
+        home[:, start:stop] += part[:, at:at + stop - start]
+        at += stop - start
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
               scale: float, impl: str = "fused", overlap: bool = True, layout: tuple | None = None,
               documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention of this rank's head-tail shard; (out [B, L, Hq, D], lse [B, Hq, L]).
+    """Ring attention of this rank's shard; (out [B, L, Hq, D], lse [B, Hq, L]).
 
     `impl` is the block kernel (`blocks.attend`). `overlap=False` waits for each forward transfer before
     computing (a serial ring, for comparison). `layout` says whose tokens each ring member holds
-    (`ring_runs`; default: head-tail over `group`). `documents`: those of packed rows over the global sequence.
+    (`ring_runs`; default: each cp rank's own shard, of the sharding `documents` take). `documents`: those of
+    packed rows over the global sequence.
     """
-    layout = ("head_tail", q.shape[1] * group.size, group.size) if layout is None else layout
+    layout = ("shards", q.shape[1] * group.size, group.size, calls.cuts_of(documents)) if layout is None else layout
     return _RingAttention.apply(q, k, v, group, causal, scale, overlap, layout, impl, documents)

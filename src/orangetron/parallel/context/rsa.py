@@ -18,6 +18,7 @@ from orangetron.model.attention import KERNEL_IMPLS
 from orangetron.model.autograd import accumulate_dtype, expand_kv
 from orangetron.model.documents import Documents
 from orangetron.parallel.context.blocks import positions_of
+from orangetron.parallel.context.calls import cuts_of
 
 
 def _heads(x: torch.Tensor, n_heads: int, acc: torch.dtype) -> torch.Tensor:
@@ -52,13 +53,14 @@ class _RingSelfAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, documents: Documents | None):
         acc, hq, length = accumulate_dtype(q.dtype), q.shape[2], q.shape[1]
         seq_len = length * group.size
-        q_pos = positions_of((seq_len, group.size, group.rank), q.device)
+        cuts = cuts_of(documents)
+        q_pos = positions_of((seq_len, group.size, group.rank, cuts), q.device)
         qh = q.transpose(1, 2).to(acc)
         scores = q.new_empty((q.shape[0], hq, length, seq_len), dtype=acc)  # [B, H, L, S], sources in rank order
 
         def fill(k_block, source, _):
             block = qh @ _heads(k_block, hq, acc).transpose(-1, -2) * scale
-            k_pos = positions_of((seq_len, group.size, source), q.device)
+            k_pos = positions_of((seq_len, group.size, source, cuts), q.device)
             if causal:
                 block = block.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
             if documents is not None:  # another document's keys: masked as later ones are

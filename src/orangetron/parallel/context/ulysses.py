@@ -16,6 +16,7 @@ from orangetron.mesh import MeshGroup
 from orangetron.model.autograd import expand_kv
 from orangetron.model.documents import Documents
 from orangetron.parallel.context.blocks import PositionalAttention, pack
+from orangetron.parallel.context.calls import cuts_of
 from orangetron.spec import rules
 
 
@@ -48,6 +49,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGrou
         kv = expand_kv(kv, n)  # one kv head per destination rank
     q_h, kv_h = to_heads(q, group), to_heads(kv, group)  # [B, S, Hq/n, D], [B, S, max(Hk/n, 1), 2D]
     k_h, v_h = kv_h.split(k.shape[-1], dim=-1)
-    spec = (q_h.shape[1], n, None)  # every rank's tokens, in rank order
+    spec = (q_h.shape[1], n, None, cuts_of(documents))  # every rank's tokens, in rank order
     out = PositionalAttention.apply(q_h, k_h, v_h, spec, spec, causal, scale, impl, documents)
     return to_sequence(out, group)

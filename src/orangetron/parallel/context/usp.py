@@ -17,6 +17,7 @@ from orangetron.model.autograd import expand_kv
 from orangetron.model.documents import Documents
 from orangetron.parallel.context import ring
 from orangetron.parallel.context.blocks import pack
+from orangetron.parallel.context.calls import cuts_of
 from orangetron.parallel.context.ulysses import to_heads, to_sequence
 from orangetron.spec import rules
 
@@ -39,6 +40,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[M
         kv = expand_kv(kv, u)  # one kv head per Ulysses rank
     q_h, kv_h = to_heads(q, ulysses_group), to_heads(kv, ulysses_group)  # [B, u*L, Hq/u, D], [B, u*L, ., 2D]
     k_h, v_h = kv_h.split(k.shape[-1], dim=-1)
-    layout = ("usp", q.shape[1] * cp, cp, u)
+    layout = ("usp", q.shape[1] * cp, cp, u, cuts_of(documents))
     out, _ = ring.attention(q_h, k_h, v_h, ring_group, causal, scale, impl, layout=layout, documents=documents)
     return to_sequence(out, ulysses_group)
