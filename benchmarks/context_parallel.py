@@ -14,17 +14,19 @@
    PyTorch's own `context_parallel` has no CPU kernel strategy (aten._scaled_dot_product_flash_attention_
    for_cpu has no sharding rule), so it is not compared here.
 5. Packed documents: the embedded corpus's files (one document each, bytes are tokens) packed into 32,768
-   tokens; visible query-key pairs per cp rank (earlier keys of the same document) under the head-tail and a
-   contiguous split, max/mean, at cp = 4 and 8; the pairs our ring attention handed the fused kernel at
-   cp = 4, summed over ranks, against the pairs of the same sequence as one document; and the bytes ring
-   attention sends over all ranks, forward and backward, with and without the documents (blocks no later rank sees
-   stay home).
+   tokens; visible query-key pairs per cp rank (earlier keys of the same document) under the balanced sharding
+   packed rows take, the head-tail and a contiguous split, max/mean, at cp = 4 and 8; the pairs our ring
+   attention handed the fused kernel at cp = 4, summed over ranks, against the visible pairs and the pairs of
+   the same sequence as one document; the K,V bytes each rank receives in the ring's forward against the
+   minimum (the keys of other ranks it sees, each once), the worst rank; and the bytes ring attention sends over
+   all ranks, forward and backward, with and without the documents. `--packed` runs this part alone.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -146,6 +148,10 @@ def attention_layer(mode: str, seq_len: int, repeats: int = 1, overlap: bool = T
 
 
 def main() -> None:
+    if "--packed" in sys.argv[1:]:
+        packed_balance()
+        shutdown_workers()
+        return
     balance(4, 4096)
     base = longest_sequence(1)
     for cp in (1, 2, 4):
@@ -194,7 +200,9 @@ def packed_balance(seq_len: int = 32_768) -> None:
     lengths = torch.bincount(ids[0]).tolist()
     for cp in (4, 8):
         chunk = seq_len // cp
-        splits = {"head_tail": [head_tail_indices(seq_len, cp, r) for r in range(cp)],
+        cuts = Documents.from_ids(ids).cuts
+        splits = {"balanced": [context.shard_indices(seq_len, cp, r, cuts) for r in range(cp)],
+                  "head_tail": [head_tail_indices(seq_len, cp, r) for r in range(cp)],
                   "contiguous": [torch.arange(r * chunk, (r + 1) * chunk) for r in range(cp)]}
         for name, shards in splits.items():
             per_rank = [document_pairs(shard, ids) for shard in shards]
@@ -211,11 +219,39 @@ def packed_balance(seq_len: int = 32_768) -> None:
     print(_line("cp_packed_kernel_pairs", {**config, "baseline": "visible pairs"}, "pairs", computed, "pairs",
                 visible), flush=True)
     for cp in (4, 8):
+        received = run_distributed(ring_received, cp, args=(seq_len, ids))
+        minimum = [keys_seen_elsewhere(ids, cp, r) * 2 * 4 * 4 for r in range(cp)]  # K and V: 4 float32 each
+        worst = max(range(cp), key=lambda r: received[r] / minimum[r])
+        config = {"cp": cp, "seq_len": seq_len, "documents": len(lengths), "mode": "ring", "heads": 1,
+                  "head_dim": 4, "rank": worst, "baseline": "the keys of other ranks it sees, each once"}
+        print(_line("cp_packed_ring_bytes_received", config, "bytes", received[worst], "B", minimum[worst]),
+              flush=True)
+    for cp in (4, 8):
         packed = sum(run_distributed(ring_bytes, cp, args=(seq_len, ids)))
         whole = sum(run_distributed(ring_bytes, cp, args=(seq_len, None)))
         config = {"cp": cp, "seq_len": seq_len, "documents": len(lengths), "mode": "ring", "heads": 1,
                   "head_dim": 4, "baseline": "the same sequence as one document"}
         print(_line("cp_packed_ring_bytes", config, "bytes_sent_all_ranks", packed, "B", whole), flush=True)
+
+
+def keys_seen_elsewhere(ids: torch.Tensor, cp: int, rank: int) -> int:
+    """Keys held by other ranks (balanced sharding) that some query of `rank` sees: those of its documents up
+    to its last query in each."""
+    seq_len, row = ids.shape[1], ids[0]
+    mine = context.shard_indices(seq_len, cp, rank, Documents.from_ids(ids).cuts)
+    last = torch.full((int(row.max()) + 1,), -1).scatter_reduce(0, row[mine], mine, "amax")  # per document
+    held = torch.zeros(seq_len, dtype=torch.bool)
+    held[mine] = True
+    return int(((torch.arange(seq_len) <= last[row]) & ~held).sum())
+
+
+def ring_received(seq_len: int, document_ids: torch.Tensor) -> int:
+    """Bytes this rank received through one ring attention forward (one head of 4, float32)."""
+    mesh = init_mesh(Layout(cp=mesh_size()))
+    q = torch.randn(1, seq_len // mesh["cp"].size, 1, 4)
+    with comm.measure() as records:
+        ring.attention(q, q, q, mesh["cp"], causal=True, scale=0.5, documents=Documents.from_ids(document_ids))
+    return sum(r.bytes_received for r in records)
 
 
 def ring_bytes(seq_len: int, document_ids: torch.Tensor | None) -> int:

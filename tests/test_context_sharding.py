@@ -54,3 +54,67 @@ def test_shard_unshard_round_trip_on_four_cp_ranks():
     full_bytes = 2 * 16 * 3 * 8
     for _, records in results:
         assert records == [("all_gather", "cp", full_bytes), ("reduce_scatter", "cp", full_bytes)]
+
+
+# ---- the balanced sharding of packed documents --------------------------------------------------------------
+
+
+def test_balanced_sharding_by_hand():
+    # cp 2, two documents of 8 and 4 tokens: each cut into 4 slots, rank 0 keeps slots 1 and 2 (the middle),
+    # rank 1 slots 0 and 3. Document 1's slots are one token each.
+    cuts = (0, 8)
+    assert context.shard_indices(12, 2, 0, cuts).tolist() == [2, 3, 4, 5, 9, 10]
+    assert context.shard_indices(12, 2, 1, cuts).tolist() == [0, 1, 6, 7, 8, 11]
+
+
+def test_balanced_sharding_gives_remainders_round_the_slots():
+    # cp 2 (4 slots), documents of 5, 6 and 5 tokens: remainders 1, 2, 1 go to slots 0; 1, 2; 3 in turn, so
+    # slot sizes are (2,1,1,1), (1,2,2,1), (1,1,1,2) and each rank ends with 8 tokens.
+    cuts = (0, 5, 11)
+    assert context.shard_indices(16, 2, 0, cuts).tolist() == [2, 3, 6, 7, 8, 9, 12, 13]
+    assert context.shard_indices(16, 2, 1, cuts).tolist() == [0, 1, 4, 5, 10, 11, 14, 15]
+
+
+def visible_pairs(shard: torch.Tensor, ids: torch.Tensor) -> int:
+    """Pairs a rank's queries see: each query its own position's offset in its document, plus one."""
+    starts = torch.zeros_like(ids)
+    for d in ids.unique():
+        where = (ids == d).nonzero().flatten()
+        starts[where] = where[0]
+    return int((shard - starts[shard] + 1).sum())
+
+
+@pytest.mark.parametrize("cp", (2, 3, 4, 8))
+def test_balanced_sharding_splits_every_documents_pairs_evenly(cp):
+    """Documents of random lengths that are multiples of 2*cp: every rank sees exactly the same visible pairs
+    and holds the same tokens, in at most two spans per document. Head-tail over the whole row does not."""
+    g = torch.Generator().manual_seed(cp)
+    lengths = (torch.randint(1, 12, (9,), generator=g) * 2 * cp).tolist()
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    seq, cuts = ids.numel(), tuple(torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist())
+    shards = [context.shard_indices(seq, cp, r, cuts) for r in range(cp)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(seq))
+    pairs = [visible_pairs(s, ids) for s in shards]
+    assert len(set(pairs)) == 1, pairs
+    for shard in shards:
+        assert shard.numel() == seq // cp
+        for d in range(len(lengths)):
+            held = shard[ids[shard] == d]
+            assert int((held.diff() != 1).sum()) + 1 <= 2, (d, held.tolist())  # spans of this document
+    head_tail = [visible_pairs(context.head_tail_indices(seq, cp, r), ids) for r in range(cp)]
+    assert max(head_tail) > min(head_tail)
+
+
+@pytest.mark.parametrize("cp", (2, 3, 4))
+def test_balanced_sharding_keeps_ranks_equal_and_close_for_any_lengths(cp):
+    """Uneven lengths (one token, shorter than 2*cp, long): equal tokens per rank, every position once, and the
+    busiest rank within 10% of the mean visible pairs."""
+    lengths = [1, 2 * cp - 1, 7 * cp + 3, 1, 40 * cp + 5, 3]
+    lengths.append(-sum(lengths) % (2 * cp) + 2 * cp)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    seq, cuts = ids.numel(), tuple(torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist())
+    shards = [context.shard_indices(seq, cp, r, cuts) for r in range(cp)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(seq))
+    assert {s.numel() for s in shards} == {seq // cp}
+    pairs = [visible_pairs(s, ids) for s in shards]
+    assert max(pairs) / (sum(pairs) / cp) < 1.10, pairs
