@@ -1,5 +1,6 @@
-"""The planner prices attention over packed documents (`estimate --doc-lengths FILE`): the busiest head-tail cp
-rank's visible keys, counted here token by token in plain torch."""
+"""The planner prices attention over packed documents (`estimate --doc-lengths FILE`): the busiest cp rank's
+visible keys under the balanced sharding, counted here token by token in plain torch, and the K,V its ring
+receives, against the ledger of a real ring."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 from orangetron import cli
-from orangetron.parallel.context.sharding import head_tail_indices
-from orangetron.plan.compute import ATTN_BLOCK, causal_keys, document_keys
+from orangetron.parallel.context.sharding import shard_indices
+from orangetron.plan.compute import ATTN_BLOCK, causal_keys
+from orangetron.plan.packed import document_keys
 
 
 def brute_keys(lengths: list[int], seq: int, cp: int) -> float:
@@ -26,7 +28,8 @@ def brute_keys(lengths: list[int], seq: int, cp: int) -> float:
             where = (ids == d).nonzero().flatten()
             n = where.numel()
             keys[where] = torch.arange(1, n + 1, dtype=torch.float64) + (min(n, ATTN_BLOCK) - 1) / 2
-        ranks = [head_tail_indices(seq, cp, r) for r in range(cp)] if cp > 1 else [torch.arange(seq)]
+        cuts = tuple(int(i) for i in torch.nonzero(torch.diff(ids, prepend=ids[:1] - 1)).flatten())
+        ranks = [shard_indices(seq, cp, r, cuts) for r in range(cp)] if cp > 1 else [torch.arange(seq)]
         busiest.append(max(float(keys[r].sum()) for r in ranks))
     return sum(busiest) / len(busiest) / (seq // cp)
 
@@ -37,14 +40,13 @@ def test_document_keys_are_the_busiest_ranks_visible_keys(cp, lengths):
     assert document_keys(tuple(lengths), 1024, cp) == pytest.approx(brute_keys(lengths, 1024, cp), rel=1e-12)
 
 
-def test_one_document_per_sequence_is_the_causal_price_and_head_tail_loses_balance_on_documents():
+def test_one_document_per_sequence_is_the_causal_price_and_the_balanced_sharding_keeps_its_balance():
     for cp in (1, 4):
         assert document_keys((4096,), 4096, cp) == causal_keys(4096)
-    # A long document at the end: head-tail's tail chunks see most of it, so the busiest rank does more than
-    # 1/cp of the work.
+    # A long document at the end (head-tail over the row would give its tail chunks most of it): every document
+    # a multiple of 2*cp tokens, so every rank does exactly 1/cp of the work.
     lengths = (256,) * 8 + (2048,)
-    mean = document_keys(lengths, 4096, 1)
-    assert document_keys(lengths, 4096, 4) > 1.1 * mean
+    assert document_keys(lengths, 4096, 4) == pytest.approx(document_keys(lengths, 4096, 1), rel=1e-12)
 
 
 def test_estimate_prices_packed_documents_from_a_file(tmp_path, capsys):
@@ -60,3 +62,50 @@ def test_estimate_prices_packed_documents_from_a_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main([*flags, "--doc-lengths", str(tmp_path / "bad.txt")])
     assert "bad.txt:2: expected LENGTH or LENGTH COUNT" in capsys.readouterr().err
+
+
+def ring_ledger(lengths: tuple[int, ...]) -> tuple[int, int]:
+    """Bytes this rank received in one ring attention's forward and in its backward, over one row of packed
+    documents of `lengths` (two query heads, one kv head of 4, float32)."""
+    from orangetron import comm
+    from orangetron.mesh import init_mesh
+    from orangetron.model.documents import Documents
+    from orangetron.parallel import context
+    from orangetron.spec.layout import Layout
+
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]).unsqueeze(0)
+    documents = Documents.from_ids(ids)
+    mesh = init_mesh(Layout(cp=torch.distributed.get_world_size()))
+    q, k, v = (torch.randn(1, ids.shape[1], h, 4) for h in (2, 1, 1))
+    q, k, v = (context.shard(t, mesh, cuts=documents.cuts).requires_grad_() for t in (q, k, v))
+    with comm.measure() as forward:
+        out = context.attention(q, k, v, mesh, mode="ring", documents=documents)
+    with comm.measure() as backward:
+        out.sum().backward()
+    return sum(r.bytes_received for r in forward), sum(r.bytes_received for r in backward)
+
+
+@pytest.mark.parametrize("cp", (2, 3))
+def test_ring_traffic_over_packed_documents_is_the_ledgers(cp):
+    """Documents one token long, shorter than 2*cp (some ranks hold none of them, so a run passes through members
+    that do not see it), and long: each rank's forward K,V bytes are the planner's tokens for it, and the busiest
+    rank's forward and backward are the planner's cp records (the dK,dV accumulators whole, cp hops)."""
+    from orangetron.plan.packed import ring_received_tokens
+    from orangetron.plan.traffic import context_parallel_records
+    from orangetron.spec.model import ModelSpec
+    from orangetron.spec.options import Degrees, Job
+    from orangetron.testing import run_distributed
+
+    lengths = (1, cp + 1, 9 * cp + 1, 1, 2, 14 * cp - 6)
+    seq = sum(lengths)
+    assert seq % (2 * cp) == 0
+    per_rank = run_distributed(ring_ledger, cp, args=(lengths,))
+    token_bytes = 2 * 4 * 4  # K and V of one kv head of 4, float32
+    tokens = ring_received_tokens(lengths, seq, cp)
+    assert [forward for forward, _ in per_rank] == [round(t * token_bytes) for t in tokens]
+    assert len(set(tokens)) > 1 and min(tokens) < (cp - 1) * seq / cp  # ranks differ; some keys stay home
+    model = ModelSpec(name="tiny", hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=16,
+                      ffn_hidden_size=16)
+    job = Job(seq_len=seq, global_batch=1, param_dtype="float32", doc_lengths=lengths)
+    planned = sum(r.bytes_received for r in context_parallel_records(model, Degrees(cp=cp), job))
+    assert planned == max(forward + backward for forward, backward in per_rank)

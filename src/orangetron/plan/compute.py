@@ -104,47 +104,6 @@ def causal_keys(seq: int) -> float:
     return seq / 2 + min(seq, ATTN_BLOCK) / 2
 
 
-def document_keys(doc_lengths: tuple[int, ...], seq: int, cp: int) -> float:
-    """Keys a query of the busiest cp rank is computed against on average, whole diagonal blocks included, when
-    documents of `doc_lengths` are packed into sequences of `seq` tokens and head-tail sharded (chunks r and
-    2cp-1-r of 2cp): a query sees the earlier keys of its own document, and the step waits for the rank with
-    the most. The lengths are repeated until they fill a sequence; every whole sequence they fill counts."""
-    pieces = _windows(doc_lengths, seq)
-    chunk = seq // (2 * cp) if cp > 1 else seq
-    starts = [(r * chunk, (2 * cp - 1 - r) * chunk) if cp > 1 else (0,) for r in range(cp)]
-    busiest = []
-    for window in pieces:
-        per_rank = [sum(_piece_keys(a, b, c, c + chunk) for a, b in window for c in ranges) for ranges in starts]
-        busiest.append(max(per_rank))
-    return sum(busiest) / len(busiest) / (seq // cp)
-
-
-def _windows(doc_lengths: tuple[int, ...], seq: int) -> list[list[tuple[int, int]]]:
-    """The documents' [start, stop) pieces in each whole sequence of `seq` tokens they pack into (at least one)."""
-    total = sum(doc_lengths)
-    repeats = max(1, -(-seq // total))  # enough copies to fill one sequence
-    windows, current, at = [], [], 0
-    for length in doc_lengths * repeats:
-        while length:
-            take = min(length, seq - at)
-            current.append((at, at + take))
-            at, length = at + take, length - take
-            if at == seq:
-                windows.append(current)
-                current, at = [], 0
-    return windows
-
-
-def _piece_keys(a: int, b: int, lo: int, hi: int) -> float:
-    """Keys the queries in [lo, hi) of a document piece [a, b) are computed against: each sees the piece's
-    keys up to itself, and the diagonal block of at most ATTN_BLOCK keys is computed whole."""
-    x, y = max(a, lo), min(b, hi)
-    if x >= y:
-        return 0.0
-    n = y - x
-    return n * (x - a) + n * (n + 1) / 2 + n * (min(b - a, ATTN_BLOCK) - 1) / 2
-
-
 def flash_efficiency(base: float, keys: float, ctas: int, sms: int) -> float:
     """The kernel's long-sequence efficiency, reduced by its per-tile fill and by its last partial wave."""
     waves = ctas / (math.ceil(ctas / sms) * sms) if ctas > 0 else 1.0

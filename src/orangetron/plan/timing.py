@@ -33,7 +33,6 @@ from orangetron.plan.compute import (
     ATTN_QUERY_TILE,
     TRITON_FLASH_GAP,
     causal_keys,
-    document_keys,
     flash_efficiency,
     gemm_time,
     linear_parts,
@@ -48,6 +47,7 @@ from orangetron.plan.network import (
     collective_time,
     p2p_time,
 )
+from orangetron.plan.packed import document_keys
 from orangetron.plan.params import stage_params
 from orangetron.plan.traffic import (
     context_parallel_records,
@@ -208,8 +208,8 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     heads = model.num_heads // deg.tp
     if job.attention_kernel == "eager":
         return _eager_attention_time(model, rows, job.seq_len, b * heads, cluster, job)
-    # Head-tail CP keeps every rank's causal work equal to 1/cp of the whole sequence's; not so for packed
-    # documents, whose busiest rank sets the time.
+    # Head-tail CP keeps every rank's causal work equal to 1/cp of the whole sequence's; packed documents are
+    # sharded in balance instead, and their busiest rank sets the time.
     keys = causal_keys(job.seq_len) if model.causal else float(job.seq_len)
     if job.doc_lengths and model.causal:
         keys = document_keys(job.doc_lengths, job.seq_len, deg.cp)

@@ -35,9 +35,11 @@ from functools import lru_cache
 from orangetron.plan import node_dispatch
 from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.network import Placement
+from orangetron.plan.packed import ring_received_tokens
 from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first
 from orangetron.spec import collectives as cf
-from orangetron.spec.collectives import CommRecord
+from orangetron.spec.collectives import CommRecord, send_recv_records
+from orangetron.spec.context_modes import kv_bytes
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job
 from orangetron.spec.sharding import bucket_layout, padded_numel
@@ -167,7 +169,20 @@ def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[C
     cp mode registers (spec/context_modes.py)."""
     if deg.cp == 1:
         return []
-    return CONTEXT_MODES[job.cp_mode].records(model, deg, job, 2 if job.recompute == "full" else 1)
+    passes = 2 if job.recompute == "full" else 1
+    if job.doc_lengths and model.causal and job.cp_mode == "ring":
+        return _packed_ring_records(model, deg, job, passes)
+    return CONTEXT_MODES[job.cp_mode].records(model, deg, job, passes)
+
+
+def _packed_ring_records(model: ModelSpec, deg: Degrees, job: Job, passes: int) -> list[CommRecord]:
+    """Ring attention over packed documents: each K,V ring brings the busiest rank the runs of keys that it or a
+    member after it sees (`plan.packed.ring_received_tokens`); the dK,dV accumulators still go all the way
+    home, cp hops."""
+    home = kv_bytes(model, deg, job)
+    tokens = max(ring_received_tokens(job.doc_lengths, job.seq_len, deg.cp))
+    ring = round(home * tokens / (job.seq_len // deg.cp))
+    return send_recv_records("cp", ring, passes + 1) + send_recv_records("cp", home, deg.cp)
 
 
 def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job,

@@ -23,8 +23,10 @@ import torch
 
 from orangetron.model.attention import Runs, coalesce_runs
 from orangetron.model.documents import Documents
-from orangetron.spec import rules
-from orangetron.spec.layout import LayoutError
+from orangetron.spec.sharding import document_runs, head_tail_runs, shard_runs
+
+__all__ = ["Call", "cuts_of", "document_runs", "head_tail_runs", "plan", "shard_runs", "slice_runs", "sort_runs",
+           "spec_runs", "take_rows", "total"]
 
 
 @dataclass(frozen=True)
@@ -34,66 +36,6 @@ class Call:
     rows: slice
     cols: slice
     causal: bool
-
-
-def head_tail_runs(seq_len: int, cp: int, rank: int) -> Runs:
-    """Runs of cp rank `rank`'s head-tail shard (`sharding.head_tail_indices`): chunk r, then 2*cp-1-r."""
-    if not 0 <= rank < cp:
-        raise LayoutError(f"cp_rank={rank}: must lie in [0, cp={cp})")
-    if cp == 1:
-        return ((0, seq_len),)
-    rules.cp_splits_sequence(cp, seq_len)
-    chunk = seq_len // (2 * cp)
-    head, tail = rank * chunk, (2 * cp - 1 - rank) * chunk
-    return ((head, head + chunk), (tail, tail + chunk))
-
-
-def document_runs(seq_len: int, cp: int, rank: int, cuts: tuple[int, ...]) -> Runs:
-    """Runs of cp rank `rank` under the balanced sharding of packed documents: every segment between
-    consecutive `cuts` (the increasing global positions where some row's document begins, 0 first) is cut
-    into 2*cp slots, and rank r keeps slots cp-1-r and cp+r of each, in increasing order.
-
-    Head-tail within each document gives every rank the same visible pairs of that document, wherever it
-    lies. The slots are mirrored (rank 0 holds the middle ones) so that a ring block, which visits ranks
-    r+1, r+2, ... first, meets first the ranks that see its tail slots, and can leave them behind once they
-    are served (`ring.py`). A segment not divisible by 2*cp gives its remainder tokens one each to the slots
-    after the previous segment's last; the sequence is divisible by 2*cp, so every slot ends with the same
-    total and every rank with seq_len / cp tokens. One pass over the segments.
-    """
-    if not 0 <= rank < cp:
-        raise LayoutError(f"cp_rank={rank}: must lie in [0, cp={cp})")
-    if cp == 1:
-        return ((0, seq_len),)
-    rules.cp_splits_sequence(cp, seq_len)
-    slots, first = 2 * cp, 0
-    mine = (cp - 1 - rank, cp + rank)
-    runs: list[tuple[int, int]] = []
-    for start, stop in zip(cuts, (*cuts[1:], seq_len), strict=True):
-        base, extra = divmod(stop - start, slots)
-        pieces = []
-        for slot in mine:
-            begin = start + slot * base + _extras_before(slot, first, extra, slots)
-            pieces.append((begin, begin + base + (1 if (slot - first) % slots < extra else 0)))
-        runs.extend(coalesce_runs(tuple(pieces)))  # joined within a document only: a ring trims by document
-        first = (first + extra) % slots
-    return tuple(runs)
-
-
-def _extras_before(slot: int, first: int, extra: int, slots: int) -> int:
-    """How many of the slots before `slot` take one of `extra` remainder tokens, given to slots first,
-    first+1, ... (mod slots)."""
-    end = first + extra
-    if end <= slots:
-        return max(0, min(slot, end) - first)
-    return max(0, slot - first) + min(slot, end - slots)
-
-
-def shard_runs(seq_len: int, cp: int, rank: int, cuts: tuple[int, ...] | None = None) -> Runs:
-    """Runs of cp rank `rank`: its head-tail shard (`cuts` None, one sequence) or its balanced share of packed
-    documents cut at `cuts` (`document_runs`)."""
-    if cuts is None:
-        return head_tail_runs(seq_len, cp, rank)
-    return document_runs(seq_len, cp, rank, cuts)
 
 
 def cuts_of(documents: Documents | None) -> tuple[int, ...] | None:
