@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from orangetron import comm, memory
 from orangetron.mesh import init_mesh
 from orangetron.model import ModelConfig, Transformer
+from orangetron.model.documents import Documents
 from orangetron.model.moe import Router
 from orangetron.parallel import ParallelConfig, context, parallelize
 from orangetron.parallel.expert import update_router_bias
@@ -34,8 +35,17 @@ def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=False)
 
 
-def reference(cfg: ModelConfig, dp: int, seq: int = SEQ, per_rank: int = PER_RANK):
-    """One device, the whole batch: losses, gradients by name per step, final parameters by name."""
+def packed(rows: int, doc_lengths: tuple[int, ...]) -> Documents | None:
+    """Every row packed with documents of `doc_lengths` (None for none)."""
+    if not doc_lengths:
+        return None
+    ids = torch.repeat_interleave(torch.arange(len(doc_lengths)), torch.tensor(doc_lengths))
+    return Documents.from_ids(ids.expand(rows, -1))
+
+
+def reference(cfg: ModelConfig, dp: int, seq: int = SEQ, per_rank: int = PER_RANK, doc_lengths: tuple[int, ...] = ()):
+    """One device, the whole batch: losses, gradients by name per step, final parameters by name; each row packed
+    with documents of `doc_lengths`, if any."""
     model = Transformer(cfg, seed=0, dtype=torch.float64)
     opt = adamw(model)
     loads = _count_loads(model)
@@ -43,7 +53,8 @@ def reference(cfg: ModelConfig, dp: int, seq: int = SEQ, per_rank: int = PER_RAN
     for step in range(STEPS):
         tokens = batch(step, dp * per_rank, cfg.vocab_size, seq)
         # The model's own balancing loss is part of the single-device objective (0 when its coefficient is).
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss()
+        logits = model(tokens[:, :-1], documents=packed(tokens.shape[0], doc_lengths))
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss()
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
@@ -75,13 +86,16 @@ def _move_biases(model: torch.nn.Module, loads: dict[Router, torch.Tensor], rate
         load.zero_()
 
 
-def _forward_loss(dp, rows: torch.Tensor) -> torch.Tensor:
-    """As the trainer: this rank's head-tail share of the sequence under cp, global positions."""
+def _forward_loss(dp, rows: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+    """As the trainer: this rank's share of the sequence under cp (head-tail, or balanced over `documents`),
+    global positions (within their documents)."""
     inputs, labels, positions = rows[:, :-1], rows[:, 1:], None
     if dp.mesh["cp"].size > 1:
-        positions = context.position_ids(inputs.shape[1], dp.mesh)
-        inputs, labels = context.shard(inputs, dp.mesh), context.shard(labels, dp.mesh)
-    logits = dp(inputs, position_ids=positions, token_mask=labels >= 0)
+        cuts = None if documents is None else documents.cuts
+        positions = context.position_ids(inputs.shape[1], dp.mesh) if documents is None else \
+            context.shard(documents.positions(), dp.mesh, cuts=cuts)
+        inputs, labels = context.shard(inputs, dp.mesh, cuts=cuts), context.shard(labels, dp.mesh, cuts=cuts)
+    logits = dp(inputs, position_ids=positions, token_mask=labels >= 0, documents=documents)
     return dp.module.loss_from_logits(logits, labels)
 
 
@@ -99,9 +113,11 @@ def _pipeline_loss(dp, rows: torch.Tensor, pc: ParallelConfig) -> torch.Tensor |
     return None if loss is None else torch.tensor(loss, dtype=torch.float64)
 
 
-def layout_run(cfg: ModelConfig, layout: Layout, pc: ParallelConfig, seq: int = SEQ, per_rank: int = PER_RANK) -> dict:
+def layout_run(cfg: ModelConfig, layout: Layout, pc: ParallelConfig, seq: int = SEQ, per_rank: int = PER_RANK,
+               doc_lengths: tuple[int, ...] = ()) -> dict:
     """STEPS steps on this rank: losses, whole gradients and parameters (rank 0), step 2's ledger and
-    memory, what autograd Functions keep on ctx, and which custom Functions the graph holds."""
+    memory, what autograd Functions keep on ctx, and which custom Functions the graph holds. Rows are packed
+    with documents of `doc_lengths`, if any (no pipeline)."""
     mesh = init_mesh(layout)
     dp = parallelize(Transformer(cfg, seed=0, dtype=torch.float64), mesh, pc)
     opt = dp.optimizer(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
@@ -114,7 +130,7 @@ def layout_run(cfg: ModelConfig, layout: Layout, pc: ParallelConfig, seq: int = 
                 loss = _pipeline_loss(dp, rows, pc)
                 out["kept"] = []
             else:
-                loss = _forward_loss(dp, rows)
+                loss = _forward_loss(dp, rows, packed(rows.shape[0], doc_lengths))
                 if step == 0:  # every tensor kept for backward must be one the activation meter sees
                     out["kept"] = memory.tensors_kept_on_ctx(loss)
                     out["functions"] = {type(node).__name__ for node in memory.custom_function_nodes(loss)}
@@ -143,9 +159,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_equals_reference(losses: list[float], grads: list[dict], params: dict, cfg: ModelConfig, dp: int,
-                            where: str, seq: int = SEQ, rows: int = PER_RANK) -> None:
+                            where: str, seq: int = SEQ, rows: int = PER_RANK,
+                            doc_lengths: tuple[int, ...] = ()) -> None:
     """Mean losses, whole gradients per step and final parameters against `reference` (1e-9 relative)."""
-    ref_losses, ref_grads, ref_params = reference(cfg, dp, seq, rows)
+    ref_losses, ref_grads, ref_params = reference(cfg, dp, seq, rows, doc_lengths)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=0, msg=where)
     assert set(params) == set(ref_params), where
     for step in range(STEPS):
@@ -157,7 +174,7 @@ def assert_equals_reference(losses: list[float], grads: list[dict], params: dict
 
 def check_layout(per_rank: list[dict], cfg: ModelConfig, layout: Layout, pc: ParallelConfig, where: str,
                  seq: int = SEQ, rows: int = PER_RANK, balanced_routing: bool = False,
-                 ep_activations: bool = False) -> None:
+                 ep_activations: bool = False, doc_lengths: tuple[int, ...] = ()) -> None:
     """Every rank of one `layout_run` against one device and against the planner. Under ep the dispatch's
     records and activations follow the routing, which the planner takes as balanced: the records are compared
     only when the model routes every token to every expert (`balanced_routing`: top_k = n_experts), and the
@@ -168,12 +185,14 @@ def check_layout(per_rank: list[dict], cfg: ModelConfig, layout: Layout, pc: Par
     # the last stage's ranks have one.
     reporting = [r["losses"] for r in per_rank if r["losses"][0] is not None]
     losses = [sum(step) / len(reporting) for step in zip(*reporting, strict=True)]
-    assert_equals_reference(losses, per_rank[0]["grads"], per_rank[0]["params"], cfg, layout.dp, where, seq, rows)
+    assert_equals_reference(losses, per_rank[0]["grads"], per_rank[0]["params"], cfg, layout.dp, where, seq, rows,
+                            doc_lengths)
     assert not balanced_routing or cfg.top_k == cfg.n_experts, "balanced routing needs top_k = n_experts"
     for rank, result in enumerate(per_rank):
         stage = layout.coordinates(rank).pp
         want_records, want_mem = predicted_step(cfg, layout, pc, seq_len=seq, micro_batch=rows // pc.microbatches,
-                                                stage=stage, clip_grad=True)
+                                                stage=stage, clip_grad=True, doc_lengths=doc_lengths,
+                                                cp_rank=layout.coordinates(rank).cp)
         want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in want_records)
         got, measured = result["ledger"], result["memory"]
         if layout.ep > 1:  # dispatch sizes follow the routing

@@ -56,6 +56,28 @@ def test_context_parallel_matches_one_device_and_the_planner(world):
                      f"{model_name} {layout} {options}", seq=SEQ)
 
 
+DOC_LENGTHS = (1, 3, 9, 3)  # one row of SEQ tokens: one token, shorter than 2*cp, longer than a rank's share
+PACKED = [("dense-gqa", Layout(cp=4), {"cp_mode": "ring"}), ("dense-gqa", Layout(cp=4), {"cp_mode": "allgather"}),
+          ("moe-mha", Layout(tp=2, cp=2), {"cp_mode": "ring", "sequence_parallel": True}),
+          ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ulysses", "zero_stage": 1})]
+
+
+def run_packed() -> list[dict]:
+    return [layout_run(MODELS[m], layout, _config(opts), seq=SEQ, doc_lengths=DOC_LENGTHS)
+            for m, layout, opts in PACKED]
+
+
+def test_packed_documents_match_one_device_and_the_planner():
+    """Rows of packed documents, sharded in balance: one device under the documents' masks, and each rank's
+    ledger (the trimmed ring's transfers, per rank) and memory (activation peak included) equal to the
+    planner's for the same lengths."""
+    assert sum(DOC_LENGTHS) == SEQ
+    results = run_distributed(run_packed, 4)
+    for i, (model_name, layout, options) in enumerate(PACKED):
+        check_layout([r[i] for r in results], MODELS[model_name], layout, _config(options),
+                     f"packed {model_name} {layout} {options}", seq=SEQ, doc_lengths=DOC_LENGTHS)
+
+
 def test_cp_layout_rules():
     with pytest.raises(LayoutError, match=r"cp=3: seq_len 16 is not divisible by 2\*cp=6"):
         Layout(cp=3).validate(seq_len=16)

@@ -57,7 +57,8 @@ def test_estimate_prices_packed_documents_from_a_file(tmp_path, capsys):
     assert cli.main([*flags, "--doc-lengths", str(tmp_path / "lengths.txt")]) == 0
     packed = json.loads(capsys.readouterr().out)
     assert packed["time_breakdown_s"]["compute_s"] < whole["time_breakdown_s"]["compute_s"]
-    assert packed["time_breakdown_s"]["cp_s"] == whole["time_breakdown_s"]["cp_s"]  # the same transfers
+    # The packed ring leaves runs home that no later rank sees: fewer bytes on the wire.
+    assert packed["time_breakdown_s"]["cp_s"] < whole["time_breakdown_s"]["cp_s"]
     (tmp_path / "bad.txt").write_text("512\n0\n")
     with pytest.raises(SystemExit):
         cli.main([*flags, "--doc-lengths", str(tmp_path / "bad.txt")])

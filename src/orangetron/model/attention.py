@@ -97,7 +97,7 @@ class _DocumentAttention(torch.autograd.Function):
                 _put_rows(out, rows, (slice(None), slice(a, b)), piece)
                 _put_rows(lse, rows, (slice(None), slice(None), slice(a, b)), piece_lse.to(lse.dtype))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.documents, ctx.scale, ctx.impl = documents, scale, impl
+        ctx.documents, ctx.scale, ctx.impl = documents.spans_only(), scale, impl  # backward reads the spans
         ctx.mark_non_differentiable(lse)
         return out, lse
 

@@ -24,7 +24,7 @@ class Documents:
     [start, stop) of each document. Build it with `Documents.from_ids`, once per batch: the spans are read to
     the host there, and every attention layer reuses them."""
 
-    ids: torch.Tensor
+    ids: torch.Tensor | None  # None once only the spans are kept (`spans_only`)
     spans: tuple[Spans, ...]
 
     @staticmethod
@@ -40,7 +40,16 @@ class Documents:
 
     @property
     def seq_len(self) -> int:
-        return self.ids.shape[1]
+        return self.spans[0][-1][1]
+
+    def spans_only(self) -> Documents:
+        """These documents without the ids tensor: what a fused backward keeps on its autograd context (it reads
+        the spans alone), so that no tensor escapes the activation meter (`orangetron/memory.py`)."""
+        return Documents(None, self.spans)
+
+    def kept_for(self, impl: str) -> Documents:
+        """What an attention backward of kernel `impl` keeps: the matmul path ("reference") masks by the ids."""
+        return self if impl == "reference" else self.spans_only()
 
     @property
     def cuts(self) -> tuple[int, ...]:

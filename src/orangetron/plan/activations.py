@@ -226,7 +226,7 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     if stage == 0 and m.dropout:
         total += int(sb * h // x.rep * in_flight(deg, job, 0))  # embedding-dropout mask
     if _counts_small_buffers(m):
-        ids, rope, mask = _small_stage_buffers(m, x, stage, len(layers), moe_layers)
+        ids, rope, mask = _small_stage_buffers(m, x, stage, len(layers), moe_layers, bool(job.doc_lengths))
         chunk_mbs = in_flight(deg, job, stage) * job.virtual_stages  # (chunk, micro-batch) pairs
         mbs = _microbatches_in_flight(deg, job, stage)
         total += int(ids * mbs + rope * chunk_mbs + mask * (chunk_mbs if x.rep > 1 else mbs))
@@ -378,7 +378,7 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     weights, masked, mask = [], [], 0
     for c in range(v):
         layers, moe_layers = stage_layer_counts(m, p * v, 1, stage + c * p, job.pipeline_layout)
-        ids, rope, mask_c = _small_stage_buffers(m, x, stage, layers, moe_layers)
+        ids, rope, mask_c = _small_stage_buffers(m, x, stage, layers, moe_layers, bool(job.doc_lengths))
         saved = _saved_bytes(m, deg, job, stage, stage_layers(m.num_layers, p * v, 1, stage + c * p,
                                                               job.pipeline_layout))
         weights.append(saved + rope + (mask_c if x.rep > 1 else 0))
@@ -437,14 +437,16 @@ def _not_covered(counts: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     return tuple(kept)
 
 
-def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: int,
-                         moe_layers: int) -> tuple[int, int, int]:
+def _small_stage_buffers(m: ModelSpec, x: LayerShape, stage: int, layers: int, moe_layers: int,
+                         packed: bool = False) -> tuple[int, int, int]:
     """(token ids, RoPE tables, padding mask) bytes: the int64 token ids of a micro-batch (embedding), the
     RoPE cos/sin [s, rope_dim/2] each in the activation dtype of one chunk's forward (shared by its layers
-    and, with the default positions, by the micro-batch's sequences), and the 1-byte padding mask that the
-    load-balancing loss reads (one per micro-batch; under SP each chunk keeps a copy of its rank's share)."""
+    and, with the default positions, by the micro-batch's sequences; `packed` rows have positions of their
+    own, [b, s]), and the 1-byte padding mask that the load-balancing loss reads (one per micro-batch; under
+    SP each chunk keeps a copy of its rank's share)."""
     ids = 8 * x.s * x.b if stage == 0 else 0
-    rope = x.a * x.s * (m.qk_rope_head_dim or m.qk_head_dim) if layers and not m.max_position_embeddings else 0
+    rows = x.b if packed else 1
+    rope = x.a * x.s * rows * (m.qk_rope_head_dim or m.qk_head_dim) if layers and not m.max_position_embeddings else 0
     mask = x.s * x.b // x.rep if moe_layers else 0
     return ids, rope, mask
 

@@ -67,23 +67,41 @@ def document_keys(doc_lengths: tuple[int, ...], seq: int, cp: int) -> float:
     return sum(busiest) / len(busiest) / (seq // cp)
 
 
-def ring_received_tokens(doc_lengths: tuple[int, ...], seq: int, cp: int) -> list[float]:
-    """Tokens of K,V each cp rank receives in one pass of the ring (forward, or backward's K,V ring), mean over
-    the sequences: a run of member j's keys travels j+1, j+2, ... (mod cp) as far as the last member that sees
-    some of it (holds a token of its document at or after the run's start), and every member on the way
-    receives it."""
-    received = [0.0] * cp
+def ring_steps(doc_lengths: tuple[int, ...], seq: int, cp: int) -> list[list[tuple[float, float]]]:
+    """Per cp rank, per transfer of one ring pass (after steps 0 .. cp-2): (tokens of K,V it sends, tokens it
+    receives), mean over the sequences. Block j is at rank j+s after s steps; a run of its keys goes on while a
+    rank it has still to visit sees some of it (holds a token of the run's document at or after its start)."""
     found = windows(doc_lengths, seq)
+    steps = [[(0.0, 0.0)] * (cp - 1) for _ in range(cp)]
     for window in found:
-        runs = _rank_runs(window, seq, cp)
-        last = [{} for _ in range(cp)]  # per rank: its last position in each piece it holds
-        for rank, held in enumerate(runs):
-            for lo, hi in held:
-                last[rank][_piece_of(window, lo)] = hi - 1
-        for owner, held in enumerate(runs):
-            for lo, hi in held:
-                piece = _piece_of(window, lo)
-                hops = max((hop for hop in range(1, cp) if last[(owner + hop) % cp].get(piece, -1) >= lo), default=0)
-                for hop in range(1, hops + 1):
-                    received[(owner + hop) % cp] += hi - lo
-    return [tokens / len(found) for tokens in received]
+        reach = _reach(window, seq, cp)
+        for rank in range(cp):
+            for step in range(cp - 1):
+                sent = sum(n for n, far in reach[(rank - step) % cp] if far > step)
+                got = sum(n for n, far in reach[(rank - 1 - step) % cp] if far > step)
+                before = steps[rank][step]
+                steps[rank][step] = (before[0] + sent / len(found), before[1] + got / len(found))
+    return steps
+
+
+def _reach(window: list[Piece], seq: int, cp: int) -> list[list[tuple[int, int]]]:
+    """Per rank, each of its runs as (tokens, how many hops its block carries it: the last rank that sees it)."""
+    runs = _rank_runs(window, seq, cp)
+    last = [{} for _ in range(cp)]  # per rank: its last position in each piece it holds
+    for rank, held in enumerate(runs):
+        for lo, hi in held:
+            last[rank][_piece_of(window, lo)] = hi - 1
+    reach = []
+    for owner, held in enumerate(runs):
+        mine = []
+        for lo, hi in held:
+            piece = _piece_of(window, lo)
+            seen = [hop for hop in range(1, cp) if last[(owner + hop) % cp].get(piece, -1) >= lo]
+            mine.append((hi - lo, max(seen, default=0)))
+        reach.append(mine)
+    return reach
+
+
+def ring_received_tokens(doc_lengths: tuple[int, ...], seq: int, cp: int) -> list[float]:
+    """Tokens of K,V each cp rank receives in one pass of the ring (`ring_steps`)."""
+    return [sum(got for _, got in rank) for rank in ring_steps(doc_lengths, seq, cp)]

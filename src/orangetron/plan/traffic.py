@@ -35,7 +35,7 @@ from functools import lru_cache
 from orangetron.plan import node_dispatch
 from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.network import Placement
-from orangetron.plan.packed import ring_received_tokens
+from orangetron.plan.packed import ring_steps
 from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first
 from orangetron.spec import collectives as cf
 from orangetron.spec.collectives import CommRecord, send_recv_records
@@ -164,25 +164,34 @@ def tensor_parallel_grad_records(model: ModelSpec, deg: Degrees, job: Job, stage
     return out
 
 
-def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:
+def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job, cp_rank: int | None = None) -> list[CommRecord]:
     """CP collectives of one layer, one micro-batch, forward + backward (+ replayed forward): what the job's
-    cp mode registers (spec/context_modes.py)."""
+    cp mode registers (spec/context_modes.py). Ring attention over packed documents (`job.doc_lengths`) sends
+    each cp rank its own sizes: those of `cp_rank`, or (None) of the rank that receives the most."""
     if deg.cp == 1:
         return []
     passes = 2 if job.recompute == "full" else 1
     if job.doc_lengths and model.causal and job.cp_mode == "ring":
-        return _packed_ring_records(model, deg, job, passes)
+        return _packed_ring_records(model, deg, job, passes, cp_rank)
     return CONTEXT_MODES[job.cp_mode].records(model, deg, job, passes)
 
 
-def _packed_ring_records(model: ModelSpec, deg: Degrees, job: Job, passes: int) -> list[CommRecord]:
-    """Ring attention over packed documents: each K,V ring brings the busiest rank the runs of keys that it or a
-    member after it sees (`plan.packed.ring_received_tokens`); the dK,dV accumulators still go all the way
-    home, cp hops."""
+def _packed_ring_records(model: ModelSpec, deg: Degrees, job: Job, passes: int,
+                         cp_rank: int | None) -> list[CommRecord]:
+    """Ring attention over packed documents: each K,V ring's transfers carry the runs of keys a rank still to
+    visit sees (`plan.packed.ring_steps`), a transfer with nothing either way is not made; the dK,dV
+    accumulators still go all the way home, cp hops."""
     home = kv_bytes(model, deg, job)
-    tokens = max(ring_received_tokens(job.doc_lengths, job.seq_len, deg.cp))
-    ring = round(home * tokens / (job.seq_len // deg.cp))
-    return send_recv_records("cp", ring, passes + 1) + send_recv_records("cp", home, deg.cp)
+    per_token = home / (job.seq_len // deg.cp)
+    steps = ring_steps(job.doc_lengths, job.seq_len, deg.cp)
+    if cp_rank is None:
+        cp_rank = max(range(deg.cp), key=lambda r: sum(got for _, got in steps[r]))
+    one_pass = []
+    for sent, got in steps[cp_rank]:
+        sent_bytes, got_bytes = round(sent * per_token), round(got * per_token)
+        if sent_bytes or got_bytes:
+            one_pass.append(CommRecord("send_recv", "cp", sent_bytes, sent_bytes, got_bytes))
+    return one_pass * (passes + 1) + send_recv_records("cp", home, deg.cp)
 
 
 def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job,
@@ -297,16 +306,17 @@ def pipeline_grad_records(deg: Degrees, job: Job) -> list[CommRecord]:
 
 
 def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
-                 ep_where: Placement | None = None) -> list[CommRecord]:
+                 ep_where: Placement | None = None, cp_rank: int | None = None) -> list[CommRecord]:
     """Every collective one rank of pipeline `stage` issues in one training step, in the ledger's shape
-    (`ep_where`: the EP group's placement, which the "deepep" dispatcher's traffic depends on)."""
+    (`ep_where`: the EP group's placement, which the "deepep" dispatcher's traffic depends on; `cp_rank`: the
+    rank's cp index, which a packed ring's sizes depend on, else the busiest)."""
     layers = stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout)
     moe = sum(model.is_moe_layer(i) for i in layers)
     m = job.replica_microbatches(deg)
     per_mb: list[CommRecord] = []
     for layer_job, mine in _replay_groups(model, deg, job, stage, layers):
         n_moe = sum(model.is_moe_layer(i) for i in mine)
-        per_mb += context_parallel_records(model, deg, layer_job) * len(mine)
+        per_mb += context_parallel_records(model, deg, layer_job, cp_rank) * len(mine)
         per_mb += (expert_parallel_records(model, deg, layer_job, ep_where)
                    + expert_tensor_parallel_records(model, deg, layer_job)
                    + balancing_loss_records(model, deg, layer_job)) * n_moe

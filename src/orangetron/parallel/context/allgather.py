@@ -28,7 +28,8 @@ class _AllGatherAttention(torch.autograd.Function):
         out, lse = attend(q, kb, vb, *_runs(group, q.shape[1], documents), causal, scale, impl, documents)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.impl, ctx.documents = group, causal, scale, impl, documents
+        ctx.group, ctx.causal, ctx.scale, ctx.impl = group, causal, scale, impl
+        ctx.documents = None if documents is None else documents.kept_for(impl)
         return out
 
     @staticmethod

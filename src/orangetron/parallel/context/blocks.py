@@ -225,7 +225,8 @@ class PositionalAttention(torch.autograd.Function):
         out, lse = attend(q, k, v, calls.spec_runs(q_spec), calls.spec_runs(k_spec), causal, scale, impl, documents)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.specs, ctx.causal, ctx.scale, ctx.impl, ctx.documents = (q_spec, k_spec), causal, scale, impl, documents
+        ctx.specs, ctx.causal, ctx.scale, ctx.impl = (q_spec, k_spec), causal, scale, impl
+        ctx.documents = None if documents is None else documents.kept_for(impl)
         return out
 
     @staticmethod

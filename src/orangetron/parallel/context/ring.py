@@ -158,7 +158,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.impl = group, causal, scale, impl
-        ctx.documents, ctx.route = documents, route
+        ctx.documents, ctx.route = None if documents is None else documents.kept_for(impl), route
         ctx.mark_non_differentiable(lse)
         return out, lse
 
