@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import varlen
 from .autograd import CPUFlashAttention, expand_kv
 from .documents import Documents, Spans
 
@@ -69,7 +70,8 @@ def document_attention(
     sees key j iff j <= i and both lie in the same document of `documents` (whose rows match q's).
 
     Each document is one causal call over its own contiguous range (rows with the same spans share calls), so
-    the fused kernels compute no masked-out pair, and a one-token document sees itself alone. Backward makes
+    the fused kernels compute no masked-out pair, and a one-token document sees itself alone. On CUDA in 16
+    bits, impl "fused" makes one variable-length call over all of them instead (`model/varlen.py`). Backward makes
     the same calls from the whole output and log-sum-exp, which are kept once, with q, k and v: what one causal
     call over the rows keeps. lse carries no gradient.
     """
@@ -79,6 +81,10 @@ def document_attention(
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    found = varlen.kernel(q) if impl == "fused" else None
+    result = None if found is None else varlen.attention(q, k, v, documents, scale, *found)
+    if result is not None:  # CUDA in 16 bits: every document of every row in one variable-length call
+        return result
     out, lse = _DocumentAttention.apply(q, k, v, documents, scale, impl)
     return out, lse
 
