@@ -86,3 +86,20 @@ def test_every_rank_is_predicted_on_its_own_stage_and_padded_sequence() -> None:
         assert predicted["comm_per_step"] == traffic["train"]
         stages.add(memory["params"])
     assert len(stages) == 2  # the two stages hold different shares of the model
+
+
+def test_a_packed_run_is_predicted_with_its_rows_own_positions() -> None:
+    """cp 2 over packed documents: every rank's memory equals the prediction (each row keeps RoPE tables of
+    its own), and the ring's bytes are at most the prediction for one document per sequence."""
+    from orangetron.train.config import TrainConfig
+    from orangetron.train.trainer import train
+
+    result = train(TrainConfig(model="tiny", steps=1, seq_len=32, batch_size=4, cp=2, pack_documents=True,
+                               corpus_bytes=60_000, eval_batches=1), progress=False)
+    for memory, traffic, predicted in zip(result["memory"], result["comm_per_step"], result["predicted"],
+                                          strict=True):
+        assert predicted["memory"] == {k: v for k, v in memory.items() if k != "rank"}
+        want, got = predicted["comm_per_step"], traffic["train"]
+        assert {k: v for k, v in got.items() if k != "send_recv/cp"} == \
+            {k: v for k, v in want.items() if k != "send_recv/cp"}
+        assert 0 < got["send_recv/cp"] <= want["send_recv/cp"]

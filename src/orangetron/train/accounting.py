@@ -6,7 +6,9 @@ rank really runs (padded to the context-parallel shard multiple) and its share o
 the global gradient norm's reductions (computed every step: reported, clipped by, checked for divergence).
 The planner's fixed overhead term (CUDA context, allocator slack) has no measured counterpart and is left
 out. MoE dispatch sizes and activations follow the routing, which the planner takes as balanced, so a MoE
-layout's ep rows differ by what the routing did.
+layout's ep rows differ by what the routing did. A packed run's rows keep RoPE tables of their own, which the
+prediction counts; its ring's transfers follow each batch's documents, and are predicted for one document per
+sequence, the most a rank can receive.
 """
 
 from __future__ import annotations
@@ -21,18 +23,20 @@ MEMORY_CATEGORIES = {"params": "params", "grads": "grads", "main_params": "main_
                      "grad_buckets": "grad_buckets", "param_grads": "param_grads"}
 
 
-def predicted_for_rank(cfg: TrainConfig, stage: int) -> dict[str, Any]:
+def predicted_for_rank(cfg: TrainConfig, stage: int, cp_rank: int = 0) -> dict[str, Any]:
     """{"memory": bytes by measured category name, "comm_per_step": bytes sent by "op/dim"} for a rank of
-    pipeline `stage`."""
+    pipeline `stage` and context-parallel index `cp_rank`."""
     from orangetron.comm import bytes_by_key
     from orangetron.parallel.context import shard_multiple
     from orangetron.plan.bridge import predicted_step
 
     multiple = shard_multiple(cfg.layout, cfg.sequence_parallel) if cfg.cp > 1 else 1
     seq_len = -(-cfg.seq_len // multiple) * multiple
+    documents = (seq_len,) if cfg.pack_documents else ()  # one document per sequence: the ring's most
     records, memory = predicted_step(cfg.model_config(), cfg.layout, cfg.parallel_config(), seq_len=seq_len,
                                      micro_batch=cfg.batch_size // (cfg.dp * cfg.microbatches), stage=stage,
-                                     clip_grad=True)  # the global norm is computed every step, clipping or not
+                                     clip_grad=True,  # the global norm is computed every step, clipping or not
+                                     doc_lengths=documents, cp_rank=cp_rank)
     return {"memory": {name: memory[planned] for name, planned in MEMORY_CATEGORIES.items()},
             "comm_per_step": dict(sorted(bytes_by_key(records).items()))}
 

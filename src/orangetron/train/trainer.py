@@ -352,7 +352,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "memory": [{"rank": rank, **mem, **allocator_peak(model.device)}],  # the allocator's: the whole run's peak
         "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
         "comm_per_step": [{"rank": rank, **traffic.summary()}],
-        "predicted": [{"rank": rank, **predicted_for_rank(cfg, model.mesh["pp"].rank)}],
+        "predicted": [{"rank": rank, **predicted_for_rank(cfg, model.mesh["pp"].rank, model.mesh["cp"].rank)}],
         "warnings": warnings,
         "imported": [] if setup.imported_bytes is None else [{"rank": rank, "bytes_read": setup.imported_bytes}],
         "time_s": time.perf_counter() - run.started,
