@@ -12,18 +12,14 @@ queue once per layer: the host's lead is gone, so the layer's forward runs at th
 the time its host takes to issue it. The backward, with no such read, is paced the same way on balance: a run
 of alike layers takes the longer of the two sums.
 
-Counted per MoE layer and micro-batch on one GPU (`layer_ops`), forward:
-- `LAYER_FORWARD_OPS` that do not repeat per expert: the attention block (norm, QKV GEMM, two RoPE kernels,
-  attention, output GEMM, residual), the router (norm, GEMM, score function, top-k, the routing map, the
-  load-balancing loss's five reductions and products), the dispatcher (two count reductions, the counts'
-  all-gather over ep, three split sums, the device-to-host copy, the permutation, the token and probability
-  all-to-alls, the sort by local expert, and in combine the unsort, the all-to-all, the unpermutation and the
-  residual), the experts' activation and probability weighting;
-- per local expert, `EXPERT_GEMMS` GEMMs (up and down projection), plus one FP8 cast of each GEMM input.
-Backward: `BACKWARD_OPS_RATIO` times the forward's shared operations (an autograd node launches one kernel per
-input gradient, about two), and per local expert a dgrad and a wgrad per projection, plus an FP8 cast of each
-output gradient. Full recompute issues the forward again during backward. `ep_overlap_chunks` runs each chunk's
-experts as their own GEMMs, so the per-expert operations repeat per chunk.
+Counted per MoE layer and micro-batch on one GPU (`layer_ops`), forward: `FORWARD_OPS`, the operations that do
+not repeat per expert, as Megatron-Core issues them with Transformer Engine, the all-to-all dispatcher and the
+unfused permutation (`moe_utils.permute` / `unpermute`); plus, per local expert, `EXPERT_GEMMS` GEMMs (up and
+down projection) and one FP8 cast of each GEMM input. Backward: `BACKWARD_OPS_RATIO` times the forward's shared
+operations (an autograd node launches about one kernel per input gradient), and per local expert a dgrad and a
+wgrad per projection, plus an FP8 cast of each output gradient. Full recompute issues the forward again during
+backward. `ep_overlap_chunks` runs each chunk's experts as their own GEMMs, so the per-expert operations repeat
+per chunk.
 """
 
 from __future__ import annotations
@@ -31,7 +27,15 @@ from __future__ import annotations
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job
 
-LAYER_FORWARD_OPS = 40  # a MoE layer's forward operations that do not repeat per local expert (counted above)
+# A MoE layer's forward operations that do not repeat per local expert, by part.
+FORWARD_OPS = {
+    "attention block": 7,  # input norm, QKV GEMM, RoPE on q and on k, attention, output GEMM, residual
+    "router": 10,  # norm, GEMM, score function, top-k, routing map; the balancing loss's 5 reductions and products
+    "dispatch": 12,  # counts, their all-gather, 3 splits, host copy, permutation (3), 2 all-to-alls, expert sort
+    "experts' activation and weighting": 2,
+    "combine": 5,  # unsort, all-to-all, unpermutation (zeros, scatter-add), residual
+}
+LAYER_FORWARD_OPS = sum(FORWARD_OPS.values())
 BACKWARD_OPS_RATIO = 2  # backward operations per forward one (an autograd node: one kernel per input gradient)
 EXPERT_GEMMS = 2  # up (gate and up fused) and down projection per expert
 
