@@ -51,3 +51,14 @@ def test_fine_grained_experts_at_few_tokens_wait_for_the_host_and_large_layers_d
     mixtral, h100 = load_model("mixtral-8x7b"), make_cluster("h100", 8)
     bf16 = Job(seq_len=4096, global_batch=64)
     assert step_time(mixtral, deg, bf16, h100).step_s == step_time(mixtral, deg, bf16, h100, eff=no_host).step_s
+
+
+def test_host_cost_is_set_because_no_calibration_row_has_experts():
+    """`host_op_s` and the operation counts are set from first principles, not fitted (docs/planner.md, section 6):
+    only calibration rows may be fitted on, and none has experts. A calibration MoE row would make this constant
+    fittable by scripts/refit_planner.py; then it must be, and this test must go."""
+    from orangetron.plan import validation
+
+    assert not [r.name for r in validation.load_runs() if r.split == "calibration" and r.cls == "moe"]
+    assert DEFAULT_EFFICIENCY.host_op_s == 10e-6
+    assert not [f for f in validation.load_fitted() if f.constant == "host_op_s"]
