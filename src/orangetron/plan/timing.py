@@ -7,6 +7,7 @@ memory bound by themselves; routed experts run as grouped GEMMs over their balan
 runs at the GPU's fused-kernel efficiency (forward and backward), on the causal blocks at or below the diagonal.
 Norms, residuals, activations, RoPE, FP8 casts, the loss and the routing permutation are memory bound: their
 bytes over `elementwise_bw` x HBM bandwidth (backward twice the forward). Full recompute replays the forward.
+A MoE layer's passes run no faster than its host issues their operations (`host`).
 
 Overlap (what the runtime overlaps): DP gradient reduction hides behind the last micro-batch's backward,
 parameter gathers behind the first forward; ring CP hides behind attention; EP all-to-all hides behind expert
