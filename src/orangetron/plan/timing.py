@@ -7,6 +7,7 @@ memory bound by themselves; routed experts run as grouped GEMMs over their balan
 runs at the GPU's fused-kernel efficiency (forward and backward), on the causal blocks at or below the diagonal.
 Norms, residuals, activations, RoPE, FP8 casts, the loss and the routing permutation are memory bound: their
 bytes over `elementwise_bw` x HBM bandwidth (backward twice the forward). Full recompute replays the forward.
+A MoE layer's passes run no faster than its host issues their operations (`host`).
 
 Overlap (what the runtime overlaps): DP gradient reduction hides behind the last micro-batch's backward,
 parameter gathers behind the first forward; ring CP hides behind attention; EP all-to-all hides behind expert
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from orangetron.plan import node_dispatch
+from orangetron.plan import host, node_dispatch
 from orangetron.plan.compute import (
     ATTN_QUERY_TILE,
     TRITON_FLASH_GAP,
@@ -82,6 +83,7 @@ class Efficiency:
     elementwise_bw: float = 0.70  # share of HBM bandwidth elementwise kernels reach
     optimizer_bytes_per_param: int = 36  # Adam: read grad, m, v, main param; write m, v, main param, param
     overlap_contention: float = 0.10  # hidden communication still costs this share of its time (NCCL SMs, HBM)
+    host_op_s: float = 10e-6  # CPU time to issue one eager operation (Python, autograd, dispatch, launch)
 
 
 DEFAULT_EFFICIENCY = Efficiency()
@@ -570,6 +572,8 @@ def _layer_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe
     places = group_places(deg, cluster)
     cost = layer_cost(model, deg, job, cluster, moe, eff)
     run, attention = _fwd_bwd(cost, job)
+    if moe:  # the dispatcher's count read leaves the host no lead: the layer runs at its host's pace or slower
+        run = host.paced_seconds(cost.forward, run - cost.forward, model, deg, job, eff.host_op_s)
     cp_records = context_parallel_records(model, deg, job)
     mode = CONTEXT_MODES[job.cp_mode]
     subgroups = mode.subgroups(deg, job) if deg.cp > 1 else {}
