@@ -86,10 +86,21 @@ def _run(row: dict) -> PublishedRun:
     return PublishedRun(
         name=row["name"], group=row["group"], cls=row["class"], split=row["split"], added=row["added"],
         source=row["source"], metric=row["metric"], published=float(row["published"]), gpu=row["gpu"],
-        model=_model(row["model"]), deg=Degrees(**row.get("degrees", {})), job=Job(**_tuples(row["job"])),
+        model=_model(row["model"]), deg=Degrees(**row.get("degrees", {})), job=_job(row["job"]),
         tune=tuple(row.get("tune", ())), gpus_per_node=row.get("gpus_per_node", 0),
         gpu_memory_gib=row.get("gpu_memory_gib", 0.0),
         band=tuple(band) if band else None, figure=row.get("figure", ""))
+
+
+def _job(values: dict) -> Job:
+    """A row's job. A published fully sharded run reduce-scatters every micro-batch's gradients unless the row
+    says otherwise: that is what FSDP (without its opt-in `no_sync`), FSDP2 (without
+    `set_requires_gradient_sync(False)`), DeepSpeed ZeRO-3 and Megatron's FSDP do, and the only way the large
+    runs fit (MPT-70B's unsharded bf16 gradients alone would take 121 GiB of an 80 GiB GPU)."""
+    values = _tuples(values)
+    if values.get("zero_stage") == 3:
+        values.setdefault("zero3_reduce_every_microbatch", True)
+    return Job(**values)
 
 
 def load_runs(path: Path | None = None) -> list[PublishedRun]:
