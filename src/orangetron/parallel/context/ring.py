@@ -23,8 +23,6 @@ still go all the way home, whole.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from orangetron import comm
@@ -96,7 +94,6 @@ def _starts(documents: Documents | None) -> tuple[tuple[int, ...], ...] | None:
     return tuple(tuple(a for a, _ in spans) for _, spans in documents.row_groups())
 
 
-@functools.lru_cache(maxsize=64)
 def _sees(runs: tuple[Runs, ...], causal: bool, starts: tuple[tuple[int, ...], ...] | None) -> tuple:
     """sees[p][j][i] (`Route`): decided by the kernel calls `calls.plan` would make, for any group of rows."""
     if starts is None or not causal:
