@@ -195,7 +195,8 @@ def expected_ledger(world: int, rank: int, mode: str, idx: torch.Tensor, local: 
     if mode == "allgather":
         n = world
         share = lambda full: full * (n - 1) // n  # noqa: E731 - (n-1)/n of the gathered tensor
-        recs = [("all_gather", "ep", 8 * n, share(8 * n), share(8 * n))]
+        counts = 8 * n * (1 + n + experts)  # per rank: its tokens, rows per rank, assignments per expert
+        recs = [("all_gather", "ep", counts, share(counts), share(counts))]
         for per_token in (row, ids, wts):
             full = n * TOKENS * per_token
             recs.append(("all_gather", "ep", full, share(full), share(full)))
@@ -223,7 +224,8 @@ def expected_ledger(world: int, rank: int, mode: str, idx: torch.Tensor, local: 
         if forward:
             return ("all_to_all", "ep", sum(send) * per_row, out_s * per_row, in_r * per_row)
         return ("all_to_all", "ep", sum(recv) * per_row, in_r * per_row, out_s * per_row)
-    counts = ("all_to_all", "ep", 8 * world, 8 * (world - 1), 8 * (world - 1))
+    per_peer = 8 * (1 + local)  # its rows, then the assignments to each of its local experts
+    counts = ("all_to_all", "ep", per_peer * world, per_peer * (world - 1), per_peer * (world - 1))
     recs = [counts, a2a(row, True), a2a(ids, True), a2a(wts, True),  # dispatch
             a2a(row, False), a2a(wts, False),  # its backward: x and weight gradients go home
             a2a(row, False), a2a(row, True)]  # combine and its backward
