@@ -273,6 +273,12 @@ def cuda_sync_warnings(device: torch.device) -> Iterator[list | None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
+def sync_warnings(caught: list) -> int:
+    """The syncs among warnings caught under `cuda_sync_warnings`: torch words each "...synchronizing CUDA
+    operation"."""
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
 def _step(model: Transformer, rows: torch.Tensor) -> None:
     logits = model(rows[:, :-1])
     model.loss_from_logits(logits, rows[:, 1:]).backward()
@@ -287,7 +293,7 @@ def item_host_syncs(device: torch.device, quick: bool) -> dict[str, Any]:
     with count_host_syncs() as syncs, cuda_sync_warnings(device) as caught:
         _step(model, rows)
     dispatches = sum(isinstance(m, MoE) for m in model.modules())
-    driver = None if caught is None else sum("synchroniz" in str(w.message) for w in caught)
+    driver = None if caught is None else sync_warnings(caught)
     regions = {r: sum(s.region == r for s in syncs) for r in ("attention", "experts", "other")}
     ok = len(syncs) <= dispatches and regions["attention"] == 0 and (driver is None or driver <= dispatches)
     return {"dtype": str(dtype).removeprefix("torch."), "attention_blocks": SYNC_MODEL["n_layers"],

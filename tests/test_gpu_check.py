@@ -4,8 +4,10 @@ and passes (the context-parallel replay of every mode within tolerance, the host
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -63,12 +65,12 @@ def test_the_gpu_check_runs_every_item_on_cpu(tmp_path: Path) -> None:
 
 
 def _check_cp_replay(line: dict) -> None:
-    """Every mode, in both dtypes: a low-precision result (gap above 0) within the kernel tolerance, float32
-    far closer than bf16; the per-mode error is the larger of the two."""
+    """Every mode, in both dtypes: a low-precision result within the kernel tolerance (bf16 visibly rounded, so
+    it really ran in bf16; float32 far closer); the per-mode error is the larger of the two."""
     assert set(line["modes"]) == {"ring", "allgather", "ulysses", "usp", "rsa"}
     for mode, cases in line["modes"].items():
         assert set(cases) == {"bfloat16", "float32"}, mode
-        assert 0 < cases["float32"]["max_gap"] < 1e-5 and 0 < cases["bfloat16"]["max_gap"] <= 2e-2, (mode, cases)
+        assert 0 < cases["float32"]["max_gap"] < 1e-5 and 1e-4 < cases["bfloat16"]["max_gap"] <= 2e-2, (mode, cases)
         assert set(cases["float32"]["gaps"]) == {"out", "dq", "dk", "dv"}, mode
         assert line["max_rel_error"][mode] == max(c["max_gap"] for c in cases.values()), mode
 
@@ -119,3 +121,34 @@ def test_the_kernel_gap_is_relative_to_the_reference(tolerance: float) -> None:
     module = _script()
     ref = torch.tensor([2.0, -4.0], dtype=torch.float64)
     assert module._gap(ref + torch.tensor([0.0, 4 * tolerance], dtype=torch.float64), ref) == pytest.approx(tolerance)
+
+
+def test_a_step_over_the_sync_budget_fails(monkeypatch) -> None:
+    """One more read per dispatch (the experts reading their group sizes twice) puts the step over budget."""
+    module = _script()
+    moe = importlib.import_module("orangetron.model.moe")
+    forward = moe.LocalDispatcher.forward
+
+    def reads_again(self, x, *args, **kwargs):
+        x.sum().item()
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(moe.LocalDispatcher, "forward", reads_again)
+    line = module.item_host_syncs(torch.device("cpu"), True)
+    assert line["counted"] == 2 * line["dispatches"] == 4 and line["pass"] is False, line
+
+
+def test_the_cuda_sync_debug_mode_is_set_for_the_block_and_restored(monkeypatch) -> None:
+    """Stood in for on CPU: the mode is "warn" inside the block, the previous one after, and the block's
+    warnings are handed back (one per sync)."""
+    module = _script()
+    modes = ["default"]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with module.cuda_sync_warnings(torch.device("cuda", 0)) as caught:
+        assert modes[-1] == "warn"
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+    assert modes == ["default", "warn", "default"]
+    assert module.sync_warnings(caught) == 1
+    with module.cuda_sync_warnings(torch.device("cpu")) as none:
+        assert none is None and modes[-1] == "default"
