@@ -71,7 +71,6 @@ class ChunkPlan:
     """Where every chunk's rows go: token ranges and per-member row counts, both ways."""
 
     group: MeshGroup
-    local_experts: int
     bounds: list[tuple[int, int]]
     send_rows: list[list[int]]
     recv_rows: list[list[int]]
@@ -99,7 +98,7 @@ def overlapped(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     arrived = [split_received(received[c * width:(c + 1) * width], ep) for c in range(chunks)]
     rows = [rows_of(topk_idx[a:b], dest, hit, local, send_rows[c])
             for c, ((a, b), dest, hit) in enumerate(zip(bounds, dests, hits, strict=True))]
-    plan = ChunkPlan(group, local, bounds, send_rows, [r for r, _ in arrived], [n for _, n in arrived])
+    plan = ChunkPlan(group, bounds, send_rows, [r for r, _ in arrived], [n for _, n in arrived])
     routing = [r.token for r in rows] + [r.local_idx for r in rows]  # backward keeps the ids' mask only
     params = [p for p in experts.parameters() if p.requires_grad]
     return _Overlapped.apply(x, topk_weights, plan, partial(compute, experts), torch.is_grad_enabled(), len(params),
