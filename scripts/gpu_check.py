@@ -223,26 +223,30 @@ def replay(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_ou
     return out, dq, dk, dv
 
 
-def cp_replay_case(mode: str, device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int, int]
-                   ) -> dict[str, Any]:
-    """One mode's replay in `dtype` against float64 attention of the whole sequence, forward and backward."""
+def _reference(shape: tuple[int, int, int, int, int], device: torch.device) -> tuple[list[torch.Tensor], list]:
+    """(inputs q, k, v, grad_out in float64, [out, dq, dk, dv] of float64 attention of the whole sequence), both
+    on `device`: the one reference every mode and dtype is held to."""
     b, s, hq, hk, d = shape
     gen = torch.Generator().manual_seed(1)
-    q64, k64, v64 = (torch.randn(b, s, h, d, generator=gen, dtype=torch.float64) for h in (hq, hk, hk))
-    grad_out = torch.randn(b, s, hq, d, generator=gen, dtype=torch.float64)
-    got = replay(mode, *(t.to(device, dtype) for t in (q64, k64, v64, grad_out)))
-    refs = [t.clone().requires_grad_() for t in (q64, k64, v64)]
+    inputs = [torch.randn(b, s, h, d, generator=gen, dtype=torch.float64).to(device) for h in (hq, hk, hk, hq)]
+    refs = [t.clone().requires_grad_() for t in inputs[:3]]
     ref_out, _ = attention_kernel(*refs, causal=True, impl="reference")
-    ref_out.backward(grad_out)
-    gaps = {name: _gap(x, ref) for name, x, ref in zip(("out", "dq", "dk", "dv"), got,
-                                                         (ref_out, *(r.grad for r in refs)), strict=True)}
+    ref_out.backward(inputs[3])
+    return inputs, [ref_out.detach(), *(r.grad for r in refs)]
+
+
+def cp_replay_case(mode: str, dtype: torch.dtype, inputs: list[torch.Tensor], reference: list) -> dict[str, Any]:
+    """One mode's replay in `dtype` against the float64 reference, forward and backward."""
+    got = replay(mode, *(t.to(dtype) for t in inputs))
+    gaps = {name: _gap(x, ref) for name, x, ref in zip(("out", "dq", "dk", "dv"), got, reference, strict=True)}
     return {"max_gap": max(gaps.values()), "gaps": gaps}
 
 
 def item_cp_replay(device: torch.device, quick: bool) -> dict[str, Any]:
     shape = (1, 32, 8, 2, 16) if quick or device.type == "cpu" else (1, 2048, 8, 2, 128)  # (B, S, Hq, Hk, D)
+    inputs, reference = _reference(shape, device)
     dtypes = (torch.bfloat16, torch.float32)
-    modes = {mode: {str(dt).removeprefix("torch."): cp_replay_case(mode, device, dt, shape) for dt in dtypes}
+    modes = {mode: {str(dt).removeprefix("torch."): cp_replay_case(mode, dt, inputs, reference) for dt in dtypes}
              for mode in ("ring", "allgather", "ulysses", "usp", "rsa")}
     ok = all(case["max_gap"] <= KERNEL_TOLERANCE[getattr(torch, dt)]
              for cases in modes.values() for dt, case in cases.items())
