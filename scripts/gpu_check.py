@@ -16,6 +16,16 @@ with `item`, `device`, `pass` and `seconds`, and its measurements; an item that 
 - `memory`: the CUDA allocator's peak over a run against the accounted memory categories (`ratio` to their
   sum; it passes when the peak holds at least what must coexist: the model state and the larger of gradients
   and saved activations); on a CPU, whose allocator keeps no peak, only the accounted bytes;
+- `cp_replay`: every context-parallel mode's block sequence (ring, allgather, ulysses, usp, rsa over cp = 4,
+  usp as 2 x 2) replayed on this one device: each emulated cp rank's query tokens and heads attend to the key
+  blocks that mode brings them, in its order, through the same block functions and positions
+  (`parallel/context/blocks.py`'s `attend`, `merge`, `attend_backward`, with runs from `calls.py` and
+  `ring.ring_runs`), merged and scattered back; output and dq, dk, dv against float64 attention of the whole
+  sequence, in bf16 and float32, within the kernel tolerances; `max_rel_error` per mode;
+- `host_syncs`: forward and backward of one step of a small MoE model (2 layers, 4 experts, router losses
+  on), after a warm-up step, counted by `orangetron.host_syncs` (the operations that wait for the device)
+  and, on CUDA, by `torch.cuda.set_sync_debug_mode("warn")`; the budget is one per expert dispatch and none
+  per attention block (on a CPU the driver's count is reported as skipped);
 - `throughput`: tokens/s and MFU of the trainer's one-rank step on a fixed model (dim 2048, 16 layers,
   sequence 4096, bf16 on CUDA; a small one in float32 on CPU or with --quick) against a plain-torch step of the
   same model (SDPA, float32 weights under bf16 autocast on CUDA, fused `torch.optim.AdamW`), as `ratio` =
@@ -32,15 +42,23 @@ import math
 import sys
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orangetron.model.attention import _fused_op, attention_kernel
+from orangetron.host_syncs import count_host_syncs
+from orangetron.model import ModelConfig, Transformer
+from orangetron.model.attention import Runs, _fused_op, attention_kernel
+from orangetron.model.moe import MoE
+from orangetron.parallel.context.blocks import attend, attend_backward, merge, runs_positions
+from orangetron.parallel.context.calls import head_tail_runs, spec_runs
+from orangetron.parallel.context.ring import ring_runs
 from orangetron.spec.model import ModelSpec
 from orangetron.train.config import TrainConfig
 from orangetron.train.mfu import StepTimer, device_peak_flops
@@ -128,6 +146,165 @@ def item_memory(device: torch.device, quick: bool) -> dict[str, Any]:
     return {"accounted_bytes": accounted, "by_category": {k: mem.get(k, 0) for k in ACCOUNTED},
             "coexisting_floor_bytes": floor, "allocator_peak": peak,
             "ratio": None if peak is None else peak / accounted, "pass": ok}
+
+
+CP, ULYSSES = 4, 2  # the emulated cp degree, and usp's all-to-all factor (a ring of 2 groups of 2)
+
+
+class Member(NamedTuple):
+    """One emulated rank's queries: their global positions (runs, in its tensor order), its query heads and kv
+    heads ([start, stop)), and the key runs it attends to, block by block, in the mode's order."""
+
+    q_runs: Runs
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    blocks: list[Runs]
+
+
+def _head_share(j: int, n: int, hq: int, hk: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Query and kv heads of all-to-all rank j of n: kv heads are repeated up to n first when fewer (as
+    `ulysses.attention` does), so rank j then gets kv head j * hk // n."""
+    kv = max(hk // n, 1)
+    return (j * hq // n, (j + 1) * hq // n), (j * hk // n, j * hk // n + kv)
+
+
+def cp_members(mode: str, seq: int, hq: int, hk: int) -> list[Member]:
+    """Each mode's block sequence over `CP` ranks: whose tokens and heads a rank holds, and which keys arrive."""
+    every = (0, hq), (0, hk)
+    gathered = spec_runs((seq, CP, None))  # every rank's shard in rank order
+    if mode in ("ring", "rsa"):  # K,V (rsa: K, then V) come round the ring: rank r - step at each step
+        return [Member(head_tail_runs(seq, CP, r), *every,
+                       [head_tail_runs(seq, CP, (r - step) % CP) for step in range(CP)]) for r in range(CP)]
+    if mode == "allgather":  # one block: every rank's K,V in rank order
+        return [Member(head_tail_runs(seq, CP, r), *every, [gathered]) for r in range(CP)]
+    if mode == "ulysses":  # the whole sequence in rank order, for this rank's share of the heads
+        return [Member(gathered, *_head_share(j, CP, hq, hk), [gathered]) for j in range(CP)]
+    if mode == "usp":  # Ulysses within groups of ULYSSES ranks, a ring over the groups
+        layout, members = ("usp", seq, CP, ULYSSES), CP // ULYSSES
+        return [Member(ring_runs(layout, m), *_head_share(j, ULYSSES, hq, hk),
+                       [ring_runs(layout, (m - step) % members) for step in range(members)])
+                for m in range(members) for j in range(ULYSSES)]
+    raise ValueError(f"cp_replay: no block sequence for mode {mode!r}")
+
+
+def _part(x: torch.Tensor, runs: Runs, heads: tuple[int, int]) -> torch.Tensor:
+    return x.index_select(1, runs_positions(runs, x.device))[:, :, heads[0]:heads[1]]
+
+
+def _forward(m: Member, qm: torch.Tensor, kvs: list, impl: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's (out, lse): its blocks' partial results merged in log-sum-exp form, as the modes merge them."""
+    out = torch.zeros(qm.shape, dtype=torch.promote_types(qm.dtype, torch.float32), device=qm.device)
+    lse = torch.full((qm.shape[0], qm.shape[2], qm.shape[1]), float("-inf"), dtype=out.dtype, device=qm.device)
+    for (kb, vb), runs in zip(kvs, m.blocks, strict=True):
+        merge(out, lse, *attend(qm, kb, vb, m.q_runs, runs, True, scale, impl))
+    return out.to(qm.dtype), lse  # handed on in the input dtype, as every mode does
+
+
+def replay(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor
+           ) -> tuple[torch.Tensor, ...]:
+    """(out, dq, dk, dv) of causal attention over q [B, S, Hq, D], k, v [B, S, Hk, D] (natural order), computed
+    as `mode` computes it across `CP` ranks, on this one device; gradients summed in float64. rsa has only the
+    matmul form ("reference")."""
+    impl, scale = "reference" if mode == "rsa" else "fused", q.shape[-1] ** -0.5
+    out = torch.zeros_like(q)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64, device=q.device) for t in (q, k, v))
+    for m in cp_members(mode, q.shape[1], q.shape[2], k.shape[2]):
+        qm, go = _part(q, m.q_runs, m.heads), _part(grad_out, m.q_runs, m.heads)
+        kvs = [(_part(k, runs, m.kv_heads), _part(v, runs, m.kv_heads)) for runs in m.blocks]
+        om, lse = _forward(m, qm, kvs, impl, scale)
+        rows, (h0, h1), (g0, g1) = runs_positions(m.q_runs, q.device), m.heads, m.kv_heads
+        out[:, rows, h0:h1] = om
+        for (kb, vb), runs in zip(kvs, m.blocks, strict=True):
+            grads = [g.double() for g in attend_backward(qm, kb, vb, om, lse, go, m.q_runs, runs, True, scale, impl)]
+            keys = runs_positions(runs, q.device)  # distinct within a block: += adds each once
+            dq[:, rows, h0:h1] += grads[0]
+            dk[:, keys, g0:g1] += grads[1]
+            dv[:, keys, g0:g1] += grads[2]
+    return out, dq, dk, dv
+
+
+def _reference(shape: tuple[int, int, int, int, int], device: torch.device) -> tuple[list[torch.Tensor], list]:
+    """(inputs q, k, v, grad_out in float64, [out, dq, dk, dv] of float64 attention of the whole sequence), both
+    on `device`: the one reference every mode and dtype is held to."""
+    b, s, hq, hk, d = shape
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(b, s, h, d, generator=gen, dtype=torch.float64).to(device) for h in (hq, hk, hk, hq)]
+    refs = [t.clone().requires_grad_() for t in inputs[:3]]
+    ref_out, _ = attention_kernel(*refs, causal=True, impl="reference")
+    ref_out.backward(inputs[3])
+    return inputs, [ref_out.detach(), *(r.grad for r in refs)]
+
+
+def cp_replay_case(mode: str, dtype: torch.dtype, inputs: list[torch.Tensor], reference: list) -> dict[str, Any]:
+    """One mode's replay in `dtype` against the float64 reference, forward and backward."""
+    got = replay(mode, *(t.to(dtype) for t in inputs))
+    gaps = {name: _gap(x, ref) for name, x, ref in zip(("out", "dq", "dk", "dv"), got, reference, strict=True)}
+    return {"max_gap": max(gaps.values()), "gaps": gaps}
+
+
+def item_cp_replay(device: torch.device, quick: bool) -> dict[str, Any]:
+    shape = (1, 32, 8, 2, 16) if quick or device.type == "cpu" else (1, 2048, 8, 2, 128)  # (B, S, Hq, Hk, D)
+    inputs, reference = _reference(shape, device)
+    dtypes = (torch.bfloat16, torch.float32)
+    modes = {mode: {str(dt).removeprefix("torch."): cp_replay_case(mode, dt, inputs, reference) for dt in dtypes}
+             for mode in ("ring", "allgather", "ulysses", "usp", "rsa")}
+    ok = all(case["max_gap"] <= KERNEL_TOLERANCE[getattr(torch, dt)]
+             for cases in modes.values() for dt, case in cases.items())
+    return {"cp": CP, "ulysses_degree": ULYSSES, "shape_bshkd": list(shape), "modes": modes,
+            "max_rel_error": {mode: max(c["max_gap"] for c in cases.values()) for mode, cases in modes.items()},
+            "pass": ok}
+
+
+SYNC_MODEL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, n_experts=4, top_k=2,
+                  moe_ffn_dim=16, n_shared_experts=1, aux_loss_coef=0.01, router_z_loss_coef=0.001,
+                  router_bias_rate=0.001)
+
+
+@contextmanager
+def cuda_sync_warnings(device: torch.device) -> Iterator[list | None]:
+    """On CUDA, the warnings `torch.cuda.set_sync_debug_mode("warn")` raises inside the block (one per sync);
+    elsewhere None."""
+    if device.type != "cuda":
+        yield None
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def sync_warnings(caught: list) -> int:
+    """The syncs among warnings caught under `cuda_sync_warnings`: torch words each "...synchronizing CUDA
+    operation"."""
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def _step(model: Transformer, rows: torch.Tensor) -> None:
+    logits = model(rows[:, :-1])
+    model.loss_from_logits(logits, rows[:, 1:]).backward()
+
+
+def item_host_syncs(device: torch.device, quick: bool) -> dict[str, Any]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = Transformer(ModelConfig(**SYNC_MODEL), seed=0, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, SYNC_MODEL["vocab_size"], (2, 65), generator=gen).to(device)
+    _step(model, rows)  # warm-up: first calls may set things up
+    with count_host_syncs() as syncs, cuda_sync_warnings(device) as caught:
+        _step(model, rows)
+    dispatches = sum(isinstance(m, MoE) for m in model.modules())
+    driver = None if caught is None else sync_warnings(caught)
+    regions = {r: sum(s.region == r for s in syncs) for r in ("attention", "experts", "other")}
+    ok = len(syncs) <= dispatches and regions["attention"] == 0 and (driver is None or driver <= dispatches)
+    return {"dtype": str(dtype).removeprefix("torch."), "attention_blocks": SYNC_MODEL["n_layers"],
+            "dispatches": dispatches, "budget": dispatches, "counted": len(syncs), "by_region": regions,
+            "sites": sorted({s.site for s in syncs}),
+            "per_dispatch": len(syncs) / dispatches,
+            "cuda_sync_debug": driver if driver is not None else "skipped: no CUDA device", "pass": ok}
 
 
 def _throughput_spec(device: torch.device, quick: bool) -> tuple[ModelSpec, int]:
@@ -246,6 +423,8 @@ ITEMS: dict[str, Callable[[torch.device, bool], dict[str, Any]]] = {
     "train_dense": item_train("tiny"),
     "train_moe": item_train("tiny-moe"),
     "memory": item_memory,
+    "cp_replay": item_cp_replay,
+    "host_syncs": item_host_syncs,
     "throughput": item_throughput,
 }
 

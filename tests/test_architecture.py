@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "orangetron"
-RUNTIME = ("comm", "mesh", "memory", "testing", "model", "parallel", "hf")
+RUNTIME = ("comm", "mesh", "memory", "testing", "host_syncs", "model", "parallel", "hf")
 CLI = ("cli", "train", "__init__", "__main__")
 # What each layer may import from orangetron; third-party packages checked apart.
 ALLOWED = {"spec": {"spec"}, "plan": {"spec", "plan"}, "runtime": {"spec", *RUNTIME}}

@@ -117,12 +117,13 @@ def layer_on_rank(mesh, mode: str, local: int, k: int, factor: float, policy: st
     d = Dispatcher(mesh, experts, mode, capacity_factor=factor, drop_policy=policy)
     with comm.measure() as records:
         recv_x, recv_idx, recv_w, per_expert, handle = d.dispatch(x, idx, w)
-        y = d.combine(run_local_experts(mine, recv_x, recv_idx, recv_w, per_expert), handle)
+        counts = handle.tokens_per_expert  # the group sizes, read on the host with the row counts
+        y = d.combine(run_local_experts(mine, recv_x, recv_idx, recv_w, counts), handle)
         (y * probe[g.rank * TOKENS:(g.rank + 1) * TOKENS]).sum().backward()
     dropped = handle.dropped if mode == "capacity" else None
     ledger = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in records)
     return (y.detach(), x.grad, gate.grad, {n: getattr(mine, n).grad for n in ("w1", "w3", "w2")},
-            per_expert, dropped, ledger)
+            per_expert, dropped, ledger, counts)
 
 
 def round_trip(mesh, mode: str, x: torch.Tensor, idx: torch.Tensor, experts: int):
@@ -195,7 +196,8 @@ def expected_ledger(world: int, rank: int, mode: str, idx: torch.Tensor, local: 
     if mode == "allgather":
         n = world
         share = lambda full: full * (n - 1) // n  # noqa: E731 - (n-1)/n of the gathered tensor
-        recs = [("all_gather", "ep", 8 * n, share(8 * n), share(8 * n))]
+        counts = 8 * n * (1 + n + experts)  # per rank: its tokens, rows per rank, assignments per expert
+        recs = [("all_gather", "ep", counts, share(counts), share(counts))]
         for per_token in (row, ids, wts):
             full = n * TOKENS * per_token
             recs.append(("all_gather", "ep", full, share(full), share(full)))
@@ -223,7 +225,8 @@ def expected_ledger(world: int, rank: int, mode: str, idx: torch.Tensor, local: 
         if forward:
             return ("all_to_all", "ep", sum(send) * per_row, out_s * per_row, in_r * per_row)
         return ("all_to_all", "ep", sum(recv) * per_row, in_r * per_row, out_s * per_row)
-    counts = ("all_to_all", "ep", 8 * world, 8 * (world - 1), 8 * (world - 1))
+    per_peer = 8 * (1 + local)  # its rows, then the assignments to each of its local experts
+    counts = ("all_to_all", "ep", per_peer * world, per_peer * (world - 1), per_peer * (world - 1))
     recs = [counts, a2a(row, True), a2a(ids, True), a2a(wts, True),  # dispatch
             a2a(row, False), a2a(wts, False),  # its backward: x and weight gradients go home
             a2a(row, False), a2a(row, True)]  # combine and its backward
@@ -245,7 +248,7 @@ def test_dispatch_combine_equal_one_device(world):
         gate_grad = sum(r[0][i][2] for r in results)
         assert _rel(gate_grad, grads["gate"]) < 1e-9, where
         for rank, (layers, _, _, _) in enumerate(results):
-            y_r, xg_r, _, expert_grads, per_expert, dropped_r, ledger = layers[i]
+            y_r, xg_r, _, expert_grads, per_expert, dropped_r, ledger, counts = layers[i]
             mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
             assert _rel(y_r, y[mine]) < 1e-9, f"{where} rank {rank} output"
             assert _rel(xg_r, x_grad[mine]) < 1e-9, f"{where} rank {rank} input grad"
@@ -256,6 +259,7 @@ def test_dispatch_combine_equal_one_device(world):
             kept_idx = idx if keep is None else idx[keep]
             want = torch.bincount(kept_idx.reshape(-1), minlength=world * local)[rank * local:(rank + 1) * local]
             assert per_expert.tolist() == want.tolist(), f"{where} rank {rank} tokens_per_expert"
+            assert counts == want.tolist(), f"{where} rank {rank}: the group sizes read with the row counts"
             if mode == "capacity":
                 assert dropped_r.tolist() == dropped[rank].tolist(), f"{where} rank {rank} dropped"
                 if factor < 1:

@@ -108,12 +108,18 @@ def chunk_ranges(chunks: int) -> list[range]:
     return [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
 
 
+def count_record(world: int, local: int, chunks: int) -> tuple:
+    per_peer = 8 * chunks * (1 + local)
+    return ("all_to_all", "ep", per_peer * world, per_peer * (world - 1), per_peer * (world - 1))
+
+
 def hand_ledger(world: int, rank: int, idx: torch.Tensor, local: int, chunks: int) -> list[tuple]:
-    """The records counted from the routing: one count exchange of `chunks` int64 per peer, then per chunk
-    the rows (one per token and destination rank) of x, ids and weights, the combine, and their backward."""
+    """The records counted from the routing: one count exchange of `chunks * (1 + local)` int64 per peer (per
+    chunk, the rows and the assignments to each of the peer's experts), then per chunk the rows (one per token
+    and destination rank) of x, ids and weights, the combine, and their backward."""
     row, ids = DIM * 8, idx.shape[1] * 8  # float64 rows, int64 ids
     wts = ids  # float64 weights
-    recs = [("all_to_all", "ep", 8 * world * chunks, 8 * chunks * (world - 1), 8 * chunks * (world - 1))]
+    recs = [count_record(world, local, chunks)]
     for part in chunk_ranges(chunks):
         rows = [[0] * world for _ in range(world)]  # rows[s][r]: rank s's chunk tokens with a slot on rank r
         for s in range(world):
@@ -159,9 +165,8 @@ def test_overlapped_dispatch_equals_one_device_and_counted_routing(world):
             assert sorted(ledger) == hand_ledger(world, rank, idx, local, chunks), f"{where} rank {rank}"
             # Chunking moves the same rows as the serial dispatch: equal bytes once the count exchange is set aside.
             serial = expected_ledger(world, rank, "ragged", idx, local, 1.0, None)
-            serial.remove(("all_to_all", "ep", 8 * world, 8 * (world - 1), 8 * (world - 1)))  # its counts
-            assert ledger[0] == ("all_to_all", "ep", 8 * world * chunks, 8 * chunks * (world - 1),
-                                 8 * chunks * (world - 1)), f"{where} rank {rank}: counts first"
+            serial.remove(count_record(world, local, 1))  # its counts
+            assert ledger[0] == count_record(world, local, chunks), f"{where} rank {rank}: counts first"
             for column in (2, 3, 4):
                 assert sum(r[column] for r in ledger[1:]) == sum(r[column] for r in serial), f"{where} rank {rank}"
             assert forward == 1 + 4 * chunks, f"{where} rank {rank}: forward records"

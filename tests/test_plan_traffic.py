@@ -164,7 +164,9 @@ def test_ep_dispatch_and_combine():
     assert keys(records) == {"all_to_all/ep": 8}
     rows = s * min(k, e)  # balanced: each token on min(top_k, ep) ranks, one row per (token, rank)
     payloads = sorted(r.payload_bytes for r in records)
-    assert payloads == sorted([8 * e] + [rows * 2 * h] * 4 + [rows * 8 * k] + [rows * 4 * k] * 2)
+    # The counts: per peer, its rows and this rank's assignments to each of its E/ep experts (int64).
+    counts = 8 * e * (1 + MOE.num_experts // e)
+    assert payloads == sorted([counts] + [rows * 2 * h] * 4 + [rows * 8 * k] + [rows * 4 * k] * 2)
     assert all(r.bytes_sent == r.payload_bytes * (e - 1) // e == r.bytes_received for r in records)
     # capacity: every destination padded to min(E/ep * ceil(s * k / E * factor), s) rows
     cap = expert_parallel_records(MOE, Degrees(dp=4, ep=e), Job(seq_len=s, dispatcher="capacity",
@@ -175,6 +177,8 @@ def test_ep_dispatch_and_combine():
     ag = expert_parallel_records(MOE, Degrees(dp=4, ep=e), Job(seq_len=s, dispatcher="allgather"))
     assert keys(ag) == {"all_gather/ep": 5, "reduce_scatter/ep": 3}
     assert sorted(r.payload_bytes for r in ag if r.op == "reduce_scatter") == [e * s * 4 * k] + [e * s * 2 * h] * 2
+    # Its counts: per rank, its tokens, its rows for each of the e ranks and its assignments per expert.
+    assert ag[0].op == "all_gather" and ag[0].payload_bytes == e * 8 * (1 + e + MOE.num_experts)
 
 
 def test_expert_tensor_parallel_gathers_received_rows_by_hand():

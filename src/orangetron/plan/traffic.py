@@ -198,18 +198,20 @@ def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job,
                             ep_where: Placement | None = None) -> list[CommRecord]:
     """EP collectives of one MoE layer, one micro-batch, as `parallel.expert.Dispatcher` issues them.
 
-    ragged and capacity: the row counts (one int64 per peer), then the rows, their local expert ids (int64)
-    and routing weights (float32, float64 for float64) forward; backward returns the rows' and the weights'
-    gradients; combine sends the outputs back and its backward the gradients out again. A row is one token
-    for one destination rank: with balanced routing each token's top_k experts lie on `model.routed_ranks(ep)`
-    ranks (min(top_k, ep) without group-limited routing) and every rank receives as many rows as it sends.
+    ragged and capacity: the counts (1 + E/ep int64 per peer: rows, then assignments per expert of that peer),
+    then the rows, their local expert ids (int64) and routing weights (float32, float64 for float64) forward;
+    backward returns the rows' and the weights' gradients; combine sends the outputs back and its backward the
+    gradients out again. A row is one token for one destination rank: with balanced routing each token's top_k
+    experts lie on `model.routed_ranks(ep)` ranks (min(top_k, ep) without group-limited routing) and every rank
+    receives as many rows as it sends.
     capacity pads every destination to min(E/ep * capacity, tokens) rows, capacity = ceil(tokens * top_k / E
-    * capacity_factor). ragged with `ep_overlap_chunks` c: one count exchange of c int64 per peer, then the
-    row records once per token chunk.
+    * capacity_factor). ragged with `ep_overlap_chunks` c: one count exchange of c * (1 + E/ep) int64 per peer,
+    then the row records once per token chunk.
     deepep (planner only): one record per dispatch or combine with the bytes `node_dispatch.bytes_sent` counts
     for the EP group's placement `ep_where`.
-    allgather: the token counts, then tokens, ids and weights gathered forward and reduce-scattered
-    backward (tokens and weights); combine reduce-scatters the outputs and its backward gathers again.
+    allgather: the counts (1 + ep + E int64 per rank), then tokens, ids and weights gathered forward and
+    reduce-scattered backward (tokens and weights); combine reduce-scatters the outputs and its backward
+    gathers again.
     """
     e = deg.ep
     if e == 1:

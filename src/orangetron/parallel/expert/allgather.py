@@ -1,8 +1,10 @@
 """All-gather dispatch: every rank gathers all tokens of the ep group and keeps the rows its experts serve;
 combine scatters the expert outputs into the gathered layout and reduce-scatters them home.
 
-Token counts are gathered first (one int64 per rank), and every rank's tokens are padded to the largest
-count, so ranks with different token counts (or none) take part safely.
+Counts are gathered first (1 + ep + E int64 per rank: its tokens, the rows it has for each rank's experts and
+its assignments per expert), and read on the host once: every rank's tokens are padded to the largest count,
+so ranks with different token counts (or none) take part safely, and the rows this rank's experts serve and
+their group sizes are known before the tokens arrive.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ import torch
 
 from orangetron import comm
 from orangetron.mesh import MeshGroup
-from orangetron.parallel.expert.routing import InFlight, read_counts, sum_rows, tokens_per_local_expert
+from orangetron.parallel.expert.routing import (
+    InFlight,
+    assignments_per_expert,
+    destinations,
+    read_counts,
+    slot_ranks,
+    sum_rows,
+    tokens_per_local_expert,
+)
 
 
 @dataclass(frozen=True)
@@ -22,6 +32,23 @@ class AllGatherHandle:
     padded_tokens: int  # T_max
     num_tokens: int
     tokens_per_expert: list[int] | None = None  # read on the host with R, for the experts' groups
+
+
+def _count_row(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, ep: int) -> torch.Tensor:
+    """[1 + ep + E] int64 on the device: this rank's tokens, its rows for each rank (tokens with a slot there) and
+    its assignments per expert."""
+    tokens = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+    rows = destinations(slot_ranks(topk_idx, num_experts // ep, ep), ep).sum(0)  # [ep]
+    return torch.cat((tokens, rows, assignments_per_expert(topk_idx, num_experts)))
+
+
+def _served(counts: list[int], rank: int, ep: int, local: int) -> tuple[int, int, list[int]]:
+    """From the gathered count rows (one list): (T_max, rows this rank serves, its experts' group sizes)."""
+    width = 1 + ep + ep * local
+    per_rank = [counts[j * width:(j + 1) * width] for j in range(ep)]
+    first = 1 + ep + rank * local
+    per_expert = [sum(row[first + e] for row in per_rank) for e in range(local)]
+    return max(row[0] for row in per_rank), sum(row[1 + rank] for row in per_rank), per_expert
 
 
 def _pad(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
@@ -33,9 +60,10 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     """Gather the group's tokens and keep the rows of this rank's experts; `options` unused."""
     tokens = x.shape[0]
     local = num_experts // group.size
-    # The counts travel on the device, as the rows do, and are read once with the ids' check.
-    counts = comm.all_gather(torch.full((1,), tokens, dtype=torch.int64, device=x.device), group)  # [ep]
-    t_max = max(read_counts([counts], topk_idx, num_experts)[0])  # host read 1 of 2
+    # The counts travel on the device, as the rows do, and are read once with the ids' check: the one host read.
+    counts = comm.all_gather(_count_row(x, topk_idx, num_experts, group.size), group)  # [ep * (1 + ep + E)]
+    t_max, kept, per_expert = _served(read_counts([counts], topk_idx, num_experts)[0], group.rank, group.size,
+                                      local)
     gathered_x = comm.all_gather(_pad(x, t_max, 0), group)  # [ep * T_max, dim]
     gathered_idx = comm.all_gather(_pad(topk_idx, t_max, -1), group)  # [ep * T_max, k]; -1: padding
     gathered_w = comm.all_gather(_pad(topk_weights, t_max, 0), group)
@@ -43,11 +71,10 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     local_idx = torch.where(here, gathered_idx - group.rank * local, -1)
     served = here.any(1)  # [ep * T_max]
     tokens_per_expert = tokens_per_local_expert(local_idx, local)  # rows served by none add nothing
-    (kept,), counts = read_counts([served.sum().view(1), tokens_per_expert])  # host read 2 of 2
     # [R] served rows in order; a copy of the cut, as backward keeps `keep` and must not hold the tail
     keep = torch.sort((~served).to(torch.uint8), stable=True).indices[:kept].clone()
     recv_w = torch.where(here, gathered_w, torch.zeros_like(gathered_w))[keep]
-    handle = AllGatherHandle(keep, t_max, tokens, counts)
+    handle = AllGatherHandle(keep, t_max, tokens, per_expert)
     return gathered_x[keep], local_idx[keep], recv_w, tokens_per_expert, handle
 
 

@@ -20,10 +20,13 @@ from orangetron.parallel.expert import ragged
 from orangetron.parallel.expert.ragged import RaggedHandle, send, swap_counts
 from orangetron.parallel.expert.routing import (
     Rows,
+    assignments_per_expert,
+    count_message,
     destinations,
     read_counts,
     rows_of,
     slot_ranks,
+    split_received,
     tokens_per_local_expert,
 )
 
@@ -84,16 +87,20 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     dest = slot_ranks(topk_idx, local, group.size, routed=keep)
     hit = destinations(dest, group.size)
     padded_rows = torch.full((group.size,), per_rank, dtype=torch.int64, device=topk_idx.device)
-    # The one host read: the rows before padding (to lay them out) and the padded rows each member sends here.
-    send_rows, recv_rows = read_counts([hit.sum(0), swap_counts(padded_rows, group)], topk_idx, num_experts)
+    message = count_message(padded_rows, assignments_per_expert(topk_idx, num_experts, routed=keep), group.size)
+    received = swap_counts(message, group)  # [ep, 1 + local]: padded rows, kept assignments per local expert
+    # The one host read: the rows before padding (to lay them out), the padded rows each member sends here and
+    # the kept assignments each local expert receives.
+    send_rows, arrived = read_counts([hit.sum(0), received], topk_idx, num_experts)
+    recv_rows, per_expert = split_received(arrived, group.size)
     rows = _padded(rows_of(topk_idx, dest, hit, local, send_rows), per_rank, group.size, tokens)
     # A spare zero token (and zero weights) feeds the padding rows.
     x_pad = torch.cat((x, x.new_zeros(1, x.shape[-1])))
     w_pad = torch.cat((topk_weights, topk_weights.new_zeros(1, top_k)))
-    recv_x, recv_idx, recv_w, tokens_per_expert = send(x_pad, w_pad, rows, group, local, recv_rows)
+    recv_x, recv_idx, recv_w = send(x_pad, w_pad, rows, group, recv_rows)
     dropped = tokens_per_local_expert(torch.where(keep, -1, topk_idx), num_experts)  # [E]
-    handle = RaggedHandle(rows.token, rows.send_rows, recv_rows, tokens, dropped)
-    return recv_x, recv_idx, recv_w, tokens_per_expert, handle
+    handle = RaggedHandle(rows.token, rows.send_rows, recv_rows, tokens, dropped, per_expert)
+    return recv_x, recv_idx, recv_w, received[:, 1:].sum(0), handle
 
 
 combine, combine_start = ragged.combine, ragged.combine_start  # the padded rows travel back like any other

@@ -2,8 +2,9 @@
 compute, forward and backward (DeepEP's communication behind compute, without its kernels).
 
 The T tokens split into `chunks` contiguous ranges (sizes differ by at most one; a range may be empty). The
-row counts of every chunk travel first in one all-to-all ([ep, chunks] int64), so no later exchange waits
-for a size. Then, on every rank in the same order:
+counts of every chunk travel first in one all-to-all ([ep, chunks, 1 + E/ep] int64: the rows, then the
+assignments to each of the receiver's experts), and are read on the host once, so no later exchange waits for
+a size and no chunk's experts read their group sizes. Then, on every rank in the same order:
 
     forward:  start dispatch 0; for c: start dispatch c+1 | wait dispatch c | experts on c | start combine c
     backward: start grads 0;    for c: start grads c+1    | wait grads c    | experts' backward on c |
@@ -11,7 +12,7 @@ for a size. Then, on every rank in the same order:
 
 so one chunk's transfer runs while another chunk computes, in both directions. Each chunk sends exactly
 the rows the serial dispatch would send for its tokens (one per token and destination rank), so the bytes per
-layer equal the serial path's; only the count exchange grows, to `chunks` int64 per peer.
+layer equal the serial path's; only the count exchange grows, to `chunks * (1 + E/ep)` int64 per peer.
 
 One autograd Function runs the pipeline. Its forward builds each chunk's expert graph from the received
 rows; its backward runs those graphs one by one (parameter gradients accumulate as usual) between the
@@ -32,16 +33,20 @@ from torch import nn
 from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.parallel.expert.routing import (
+    assignments_per_expert,
+    count_message,
     destinations,
     read_counts,
     rows_of,
     slot_ranks,
-    tokens_per_local_expert,
+    split_received,
 )
 from orangetron.spec.sharding import token_chunks
 
-# (experts, recv_x [R, dim], recv_topk_idx [R, k], recv_topk_weights [R, k], tokens_per_expert [E/ep]) -> [R, dim]
-ExpertCompute = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (experts, recv_x [R, dim], recv_topk_idx [R, k], recv_topk_weights [R, k], tokens_per_expert [E/ep] as a tensor
+# or as a list read on the host already) -> [R, dim]
+ExpertCompute = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | list[int]],
+                         torch.Tensor]
 
 
 def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
@@ -52,11 +57,13 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     return list(zip(ends[:-1], ends[1:], strict=True))
 
 
-def exchange_chunk_counts(send_counts: torch.Tensor, group: MeshGroup) -> torch.Tensor:
-    """send_counts [chunks, ep]: rows chunk c sends to member j -> [chunks, ep]: rows chunk c receives from j
-    (one all-to-all of [ep, chunks] int64, on the device)."""
+def exchange_chunk_counts(messages: torch.Tensor, group: MeshGroup) -> torch.Tensor:
+    """messages [chunks, ep, m]: chunk c's `routing.count_message` -> [chunks, ep, m]: what chunk c receives from
+    each member (one all-to-all of [ep, chunks * m] int64, on the device)."""
+    chunks, ep, m = messages.shape
     ones = [1] * group.size
-    return comm.all_to_all(send_counts.t().contiguous(), group, ones, ones).t()
+    sent = messages.transpose(0, 1).reshape(ep, chunks * m)
+    return comm.all_to_all(sent, group, ones, ones).view(ep, chunks, m).transpose(0, 1)
 
 
 @dataclass(frozen=True)
@@ -64,10 +71,10 @@ class ChunkPlan:
     """Where every chunk's rows go: token ranges and per-member row counts, both ways."""
 
     group: MeshGroup
-    local_experts: int
     bounds: list[tuple[int, int]]
     send_rows: list[list[int]]
     recv_rows: list[list[int]]
+    tokens_per_expert: list[list[int]]  # per chunk, the received assignments per local expert
 
 
 def overlapped(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: MeshGroup,
@@ -82,12 +89,16 @@ def overlapped(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     dests = [slot_ranks(topk_idx[a:b], local, ep) for a, b in bounds]
     hits = [destinations(dest, ep) for dest in dests]
     send_counts = torch.stack([hit.sum(0) for hit in hits])  # [chunks, ep]
-    # One host read for every chunk's rows, both ways; each chunk's experts read their group sizes later.
-    sent, received = read_counts([send_counts, exchange_chunk_counts(send_counts, group)], topk_idx, num_experts)
+    messages = torch.stack([count_message(hit.sum(0), assignments_per_expert(topk_idx[a:b], num_experts), ep)
+                            for (a, b), hit in zip(bounds, hits, strict=True)])  # [chunks, ep, 1 + local]
+    # One host read for every chunk's rows, both ways, and the group sizes of every chunk's experts.
+    sent, received = read_counts([send_counts, exchange_chunk_counts(messages, group)], topk_idx, num_experts)
     send_rows = [sent[c * ep:(c + 1) * ep] for c in range(chunks)]
+    width = ep * (1 + local)
+    arrived = [split_received(received[c * width:(c + 1) * width], ep) for c in range(chunks)]
     rows = [rows_of(topk_idx[a:b], dest, hit, local, send_rows[c])
             for c, ((a, b), dest, hit) in enumerate(zip(bounds, dests, hits, strict=True))]
-    plan = ChunkPlan(group, local, bounds, send_rows, [received[c * ep:(c + 1) * ep] for c in range(chunks)])
+    plan = ChunkPlan(group, bounds, send_rows, [r for r, _ in arrived], [n for _, n in arrived])
     routing = [r.token for r in rows] + [r.local_idx for r in rows]  # backward keeps the ids' mask only
     params = [p for p in experts.parameters() if p.requires_grad]
     return _Overlapped.apply(x, topk_weights, plan, partial(compute, experts), torch.is_grad_enabled(), len(params),
@@ -140,15 +151,15 @@ def _start_dispatch(x: torch.Tensor, topk_weights: torch.Tensor, token: torch.Te
             for t in (x[a:b][token], local_idx, weights)]
 
 
-def _chunk_graph(compute: Callable[..., torch.Tensor], recv: list[torch.Tensor], local: int, grads: _ChunkGrads,
-                 anchor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunk_graph(compute: Callable[..., torch.Tensor], recv: list[torch.Tensor], counts: list[int],
+                 grads: _ChunkGrads, anchor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the experts on one chunk's rows; with `anchor`, record the graph: (outputs, root for backward)."""
     recv_x, recv_idx, recv_w = recv
     with torch.enable_grad() if anchor is not None else nullcontext():
         if anchor is not None:
             recv_x = _Capture.apply(anchor, recv_x, grads, "recv_x")
             recv_w = _Capture.apply(anchor, recv_w, grads, "recv_w")
-        out = compute(recv_x, recv_idx, recv_w, tokens_per_local_expert(recv_idx, local))  # [R, dim]
+        out = compute(recv_x, recv_idx, recv_w, counts)  # [R, dim]
         root = _Root.apply(out, grads) if anchor is not None else None
     return out.detach(), root
 
@@ -172,7 +183,7 @@ class _Overlapped(torch.autograd.Function):
             if c + 1 < n:  # in flight while chunk c computes
                 dispatches.append(_start_dispatch(x, topk_weights, token[c + 1], local_idx[c + 1], plan, c + 1))
             recv = [p.wait() for p in dispatches[c]]
-            out, root = _chunk_graph(compute, recv, plan.local_experts, ctx.grads[c], anchor)
+            out, root = _chunk_graph(compute, recv, plan.tokens_per_expert[c], ctx.grads[c], anchor)
             combines.append(comm.all_to_all_start(out, plan.group, plan.recv_rows[c], plan.send_rows[c]))
             roots.append(root)
             ctx.shapes.append((tuple(recv[0].shape), tuple(recv[2].shape)))

@@ -63,6 +63,31 @@ def read_counts(counts: list[torch.Tensor], topk_idx: torch.Tensor | None = None
     return found
 
 
+def assignments_per_expert(topk_idx: torch.Tensor, num_experts: int,
+                           routed: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_experts] int64: this rank's (token, expert) assignments per expert, counting only the slots that
+    travel (ids in range and, if given, `routed` [T, k] bool), on the device (a scatter, as
+    `tokens_per_local_expert`)."""
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    if routed is not None:
+        valid = valid & routed
+    return tokens_per_local_expert(torch.where(valid, topk_idx, -1), num_experts)
+
+
+def count_message(rows_out: torch.Tensor, per_expert: torch.Tensor, ep: int) -> torch.Tensor:
+    """[ep, 1 + E/ep] int64: for each member, the rows this rank sends it, then this rank's assignments to each
+    of its experts (`assignments_per_expert` [E], experts in contiguous blocks per member)."""
+    return torch.cat((rows_out.reshape(ep, 1), per_expert.reshape(ep, -1)), dim=1)
+
+
+def split_received(values: list[int], members: int) -> tuple[list[int], list[int]]:
+    """What arrived in a count exchange ([members, 1 + E/ep] as one list, `count_message`'s layout) ->
+    (rows from each member, assignments to each local expert summed over the members)."""
+    width = len(values) // members
+    per_member = [values[j * width:(j + 1) * width] for j in range(members)]
+    return [m[0] for m in per_member], [sum(col) for col in zip(*(m[1:] for m in per_member), strict=True)]
+
+
 def rows_of(topk_idx: torch.Tensor, dest: torch.Tensor, hit: torch.Tensor, local_experts: int,
             send_rows: list[int]) -> Rows:
     """`Rows` from `slot_ranks`, `destinations` and its column sums read on the host, with no further read.

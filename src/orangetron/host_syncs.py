@@ -14,6 +14,9 @@ Python numbers, never in tensors (a tensor on CPU here stands for one on the dev
 Each sync is attributed to the region of the code it comes from, by the innermost frame of the call stack
 that lies in one of `REGIONS`' folders or files (backward functions run with only their own frames on the
 stack, which are in those files too).
+
+tests/test_host_syncs.py holds the budget to this count on CPU ranks; scripts/gpu_check.py reports it for one
+step on the device it checks, beside what `torch.cuda.set_sync_debug_mode` sees there.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "orangetron"
+SRC = Path(__file__).resolve().parent
+_HERE = Path(__file__).resolve()
 REGIONS = {
     "attention": ("parallel/context/", "model/attention.py"),
     "experts": ("parallel/expert/", "model/moe.py", "model/grouped_mm.py"),
@@ -52,7 +56,7 @@ def _where() -> tuple[str, str]:
     frame, site, region = sys._getframe(2), "", "other"
     while frame is not None:
         path = Path(frame.f_code.co_filename).resolve()
-        if path.is_relative_to(SRC) and not path.is_relative_to(Path(__file__).parent):
+        if path.is_relative_to(SRC) and path != _HERE:  # this file's own frames are the counter's
             rel = path.relative_to(SRC).as_posix()
             site = site or f"{rel}:{frame.f_lineno} {frame.f_code.co_name}"
             found = [name for name, prefixes in REGIONS.items() if rel.startswith(prefixes)]
