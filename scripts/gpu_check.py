@@ -53,8 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from orangetron.host_syncs import count_host_syncs
-from orangetron.model import ModelConfig, Transformer
-from orangetron.model.attention import Runs, _fused_op, attention_kernel
+from orangetron.model import ModelConfig, Transformer, varlen
+from orangetron.model.attention import Runs, _fused_op, attention_kernel, document_attention
+from orangetron.model.documents import Documents
 from orangetron.model.moe import MoE
 from orangetron.parallel.context.blocks import attend, attend_backward, merge, runs_positions
 from orangetron.parallel.context.calls import head_tail_runs, spec_runs
@@ -102,6 +103,31 @@ def item_kernel(device: torch.device, quick: bool) -> dict[str, Any]:
              for dtype in (torch.bfloat16, torch.float32) for causal in (True, False)]
     ok = all(c["max_gap"] <= KERNEL_TOLERANCE[getattr(torch, c["dtype"])] for c in cases)
     return {"shape_bshkd": list(shape), "cases": cases, "pass": ok}
+
+
+def item_packed(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Packed documents on one device in bf16 (one varlen call on CUDA, one fused call per document elsewhere),
+    forward and backward, against float64 attention under the dense block-diagonal causal mask."""
+    rows, seq, hq, hk, d = (2, 64, 4, 2, 32) if quick or device.type == "cpu" else (2, 4096, 16, 4, 128)
+    lengths = [1, 7, seq // 2, seq - seq // 2 - 8]  # one token, short, long
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).expand(rows, -1)
+    gen = torch.Generator().manual_seed(0)
+    q64, k64, v64 = (torch.randn(rows, seq, h, d, generator=gen, dtype=torch.float64) for h in (hq, hk, hk))
+    grad_out = torch.randn(rows, seq, hq, d, generator=gen, dtype=torch.float64)
+    q, k, v = (t.to(device, torch.bfloat16).requires_grad_() for t in (q64, k64, v64))
+    out, _ = document_attention(q, k, v, Documents.from_ids(ids.to(device)))
+    out.backward(grad_out.to(device, torch.bfloat16))
+    refs = [t.clone().requires_grad_() for t in (q64, k64, v64)]
+    visible = torch.ones(seq, seq, dtype=torch.bool).tril() & (ids[0][:, None] == ids[0][None, :])
+    kh, vh = (t.repeat_interleave(hq // hk, dim=2).transpose(1, 2) for t in refs[1:])
+    scores = (refs[0].transpose(1, 2) @ kh.transpose(-1, -2) * d ** -0.5).masked_fill(~visible, float("-inf"))
+    ref_out = (scores.softmax(-1) @ vh).transpose(1, 2)
+    ref_out.backward(grad_out)
+    gaps = {"out": _gap(out, ref_out), **{f"d{n}": _gap(t.grad, r.grad) for n, t, r in zip("qkv", (q, k, v), refs,
+                                                                                          strict=True)}}
+    path = "varlen" if varlen.kernel(q) is not None else "per-document calls"
+    return {"shape_bshkd": [rows, seq, hq, hk, d], "documents": lengths, "path": path, "gaps": gaps,
+            "pass": max(gaps.values()) <= KERNEL_TOLERANCE[torch.bfloat16]}
 
 
 def _run(model: str, device: str, dtype: str, deterministic: bool = False) -> dict[str, Any]:
@@ -180,7 +206,7 @@ def cp_members(mode: str, seq: int, hq: int, hk: int) -> list[Member]:
     if mode == "ulysses":  # the whole sequence in rank order, for this rank's share of the heads
         return [Member(gathered, *_head_share(j, CP, hq, hk), [gathered]) for j in range(CP)]
     if mode == "usp":  # Ulysses within groups of ULYSSES ranks, a ring over the groups
-        layout, members = ("usp", seq, CP, ULYSSES), CP // ULYSSES
+        layout, members = ("usp", seq, CP, ULYSSES, None), CP // ULYSSES
         return [Member(ring_runs(layout, m), *_head_share(j, ULYSSES, hq, hk),
                        [ring_runs(layout, (m - step) % members) for step in range(members)])
                 for m in range(members) for j in range(ULYSSES)]
@@ -423,6 +449,7 @@ ITEMS: dict[str, Callable[[torch.device, bool], dict[str, Any]]] = {
     "train_dense": item_train("tiny"),
     "train_moe": item_train("tiny-moe"),
     "memory": item_memory,
+    "packed": item_packed,
     "cp_replay": item_cp_replay,
     "host_syncs": item_host_syncs,
     "throughput": item_throughput,

@@ -19,6 +19,7 @@ KEYS = {
     "train_dense": {"losses", "gap_vs_cpu", "deterministic_rerun_bitwise_equal"},
     "train_moe": {"losses", "gap_vs_cpu", "deterministic_rerun_bitwise_equal"},
     "memory": {"accounted_bytes", "by_category", "coexisting_floor_bytes", "allocator_peak", "ratio"},
+    "packed": {"shape_bshkd", "documents", "path", "gaps"},
     "cp_replay": {"cp", "ulysses_degree", "shape_bshkd", "modes", "max_rel_error"},
     "host_syncs": {"dispatches", "budget", "counted", "by_region", "per_dispatch", "cuda_sync_debug"},
     "throughput": {"tokens_per_s", "mfu", "peak_flops", "plain_tokens_per_s", "ratio"},
@@ -56,6 +57,10 @@ def test_the_gpu_check_runs_every_item_on_cpu(tmp_path: Path) -> None:
         + max(cat["grads"], cat["activations_peak"])
     speed = by_item["throughput"]
     assert speed["tokens_per_s"] > 0 and speed["plain_tokens_per_s"] > 0 and speed["mfu"] > 0
+    packed = by_item["packed"]
+    # bf16 against float64 under the dense block-diagonal mask: visibly rounded (it ran in bf16), within 2e-2.
+    assert packed["path"] == "per-document calls" and set(packed["gaps"]) == {"out", "dq", "dk", "dv"}
+    assert all(1e-4 < gap <= 2e-2 for gap in packed["gaps"].values()), packed
     _check_cp_replay(by_item["cp_replay"])
     syncs = by_item["host_syncs"]
     # Two MoE layers: one read per dispatch (the experts' group sizes), none in either attention block.
