@@ -65,7 +65,7 @@ def _default_path() -> Path:
 
 
 def load_table(path: Path | None = None) -> dict:
-    """The whole file: `throughput` and `memory` rows, `refit` and `fitted` tables."""
+    """The whole file: `throughput`, `memory` and `reserved` rows, `refit`, `fitted` and `fitted_overhead` tables."""
     return tomllib.loads((path or _default_path()).read_text())
 
 
