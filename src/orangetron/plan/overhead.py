@@ -14,8 +14,11 @@ holds memory no tensor owns:
   layers, the gradient reduction's wire buffers and results). Model states
   live in long-lived buffers and fragment little, so they are left out of the base.
 
-The constants are set from those public sizes, not fitted to any run; `--overhead-gib` and
-`--overhead-fraction` replace them (both 0 turn the term off).
+The fixed part is set from those public sizes. The fraction is fitted on published peaks of reserved memory
+(the calibration `[[reserved]]` rows of `validation_runs.toml`, table `fitted_overhead`; `plan/reserved.py`
+holds the fit, `scripts/refit_planner.py` reproduces it): those rows do not separate a fixed GiB from a share,
+so only one of the two is fitted. `--overhead-gib` and `--overhead-fraction` replace them (both 0 turn the term
+off).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ class MemoryOverhead:
 
     context_gib: float = 1.0  # CUDA context, library kernels, cuBLAS workspace
     per_group_gib: float = 0.5  # one NCCL communicator's buffers
-    fraction: float = 0.15  # allocator fragmentation, share of activations and transient buffers
+    # allocator fragmentation, share of activations and transient buffers; fitted on calibration rows:
+    # plan/validation_runs.toml, "overhead fraction"
+    fraction: float = 0.15
 
     def __post_init__(self) -> None:
         for name in ("context_gib", "per_group_gib", "fraction"):

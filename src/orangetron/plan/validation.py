@@ -65,7 +65,7 @@ def _default_path() -> Path:
 
 
 def load_table(path: Path | None = None) -> dict:
-    """The whole file: `throughput` and `memory` rows, `refit` and `fitted` tables."""
+    """The whole file: `throughput`, `memory` and `reserved` rows, `refit`, `fitted` and `fitted_overhead` tables."""
     return tomllib.loads((path or _default_path()).read_text())
 
 
@@ -77,16 +77,22 @@ def _model(value: str | dict) -> ModelSpec:
     return load_decoder(value) if isinstance(value, str) else ModelSpec(**_tuples(value))
 
 
+def row_layout(row: dict) -> tuple[ModelSpec, Degrees, Job]:
+    """A row's model, degrees and job, read as every kind of row reads them."""
+    return _model(row["model"]), Degrees(**row.get("degrees", {})), _job(row["job"])
+
+
 def _run(row: dict) -> PublishedRun:
     known = {f.name for f in fields(PublishedRun)}
     extra = sorted(set(row) - known - {"class", "degrees"})
     if extra:
         raise ValueError(f"validation row {row.get('name')!r}: unknown key(s) {', '.join(extra)}")
     band = row.get("band")
+    model, deg, job = row_layout(row)
     return PublishedRun(
         name=row["name"], group=row["group"], cls=row["class"], split=row["split"], added=row["added"],
         source=row["source"], metric=row["metric"], published=float(row["published"]), gpu=row["gpu"],
-        model=_model(row["model"]), deg=Degrees(**row.get("degrees", {})), job=_job(row["job"]),
+        model=model, deg=deg, job=job,
         tune=tuple(row.get("tune", ())), gpus_per_node=row.get("gpus_per_node", 0),
         gpu_memory_gib=row.get("gpu_memory_gib", 0.0),
         band=tuple(band) if band else None, figure=row.get("figure", ""))
@@ -202,7 +208,7 @@ def side_by_side(scored: list[Scored], refit: date, title: str) -> list[str]:
                lambda s: s.split == "validation" and s.added >= refit]
     head = f"{title:<16}{'in sample (n mean worst)':>26}{'out of sample':>26}{f'added since {refit}':>26}"
     lines = [head]
-    classes = [c for c in (*CLASSES, "memory") if any(s.cls == c for s in scored)]
+    classes = [c for c in (*CLASSES, "memory", "reserved") if any(s.cls == c for s in scored)]
     for label, keep in [(c, lambda s, c=c: s.cls == c) for c in classes] + [("all", lambda s: True)]:
         cells = [_cell([s.error for s in scored if keep(s) and col(s)]) for col in columns]
         lines.append(f"{label:<16}" + "".join(f"{c:>26}" for c in cells))
@@ -249,9 +255,14 @@ def fit_loss(fitted: Fitted, value: float, runs: list[PublishedRun]) -> float:
     return loss
 
 
-def grid_values(fitted: Fitted) -> list[float]:
-    low, high, step = fitted.grid
+def grid_points(grid: tuple[float, float, float]) -> list[float]:
+    """Every point of a (low, high, step) grid, low and high included."""
+    low, high, step = grid
     return [round(low + i * step, 6) for i in range(round((high - low) / step) + 1)]
+
+
+def grid_values(fitted: Fitted) -> list[float]:
+    return grid_points(fitted.grid)
 
 
 def refit(fitted: Fitted, runs: list[PublishedRun]) -> float:
