@@ -59,7 +59,8 @@ def test_context_parallel_matches_one_device_and_the_planner(world):
 DOC_LENGTHS = (1, 3, 9, 3)  # one row of SEQ tokens: one token, shorter than 2*cp, longer than a rank's share
 PACKED = [("dense-gqa", Layout(cp=4), {"cp_mode": "ring"}), ("dense-gqa", Layout(cp=4), {"cp_mode": "allgather"}),
           ("moe-mha", Layout(tp=2, cp=2), {"cp_mode": "ring", "sequence_parallel": True}),
-          ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ulysses", "zero_stage": 1})]
+          ("dense-gqa", Layout(cp=2, dp=2), {"cp_mode": "ulysses", "zero_stage": 1}),
+          ("moe-mha", Layout(cp=4), {"cp_mode": "usp", "ulysses_degree": 2})]
 
 
 def run_packed() -> list[dict]:

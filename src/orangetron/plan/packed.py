@@ -67,41 +67,46 @@ def document_keys(doc_lengths: tuple[int, ...], seq: int, cp: int) -> float:
     return sum(busiest) / len(busiest) / (seq // cp)
 
 
-def ring_steps(doc_lengths: tuple[int, ...], seq: int, cp: int) -> list[list[tuple[float, float]]]:
-    """Per cp rank, per transfer of one ring pass (after steps 0 .. cp-2): (tokens of K,V it sends, tokens it
-    receives), mean over the sequences. Block j is at rank j+s after s steps; a run of its keys goes on while a
-    rank it has still to visit sees some of it (holds a token of the run's document at or after its start)."""
-    found = windows(doc_lengths, seq)
-    steps = [[(0.0, 0.0)] * (cp - 1) for _ in range(cp)]
+def ring_steps(doc_lengths: tuple[int, ...], seq: int, cp: int, u: int = 1) -> list[list[tuple[float, float]]]:
+    """Per ring member, per transfer of one ring pass (after steps 0 .. members-2): (tokens of K,V it sends,
+    tokens it receives), mean over the sequences. A member is one cp rank, or under USP the `u` consecutive
+    ranks of a Ulysses group, holding their tokens in rank order. Block j is at member j+s after s steps; a run
+    of its keys goes on while a member it has still to visit sees some of it (holds a token of the run's
+    document at or after its start)."""
+    found, members = windows(doc_lengths, seq), cp // u
+    steps = [[(0.0, 0.0)] * (members - 1) for _ in range(members)]
     for window in found:
-        reach = _reach(window, seq, cp)
-        for rank in range(cp):
-            for step in range(cp - 1):
-                sent = sum(n for n, far in reach[(rank - step) % cp] if far > step)
-                got = sum(n for n, far in reach[(rank - 1 - step) % cp] if far > step)
-                before = steps[rank][step]
-                steps[rank][step] = (before[0] + sent / len(found), before[1] + got / len(found))
+        reach = _reach(window, seq, cp, u)
+        for member in range(members):
+            for step in range(members - 1):
+                sent = sum(n for n, far in reach[(member - step) % members] if far > step)
+                got = sum(n for n, far in reach[(member - 1 - step) % members] if far > step)
+                before = steps[member][step]
+                steps[member][step] = (before[0] + sent / len(found), before[1] + got / len(found))
     return steps
 
 
-def _reach(window: list[Piece], seq: int, cp: int) -> list[list[tuple[int, int]]]:
-    """Per rank, each of its runs as (tokens, how many hops its block carries it: the last rank that sees it)."""
-    runs = _rank_runs(window, seq, cp)
-    last = [{} for _ in range(cp)]  # per rank: its last position in each piece it holds
-    for rank, held in enumerate(runs):
+def _reach(window: list[Piece], seq: int, cp: int, u: int) -> list[list[tuple[int, int]]]:
+    """Per member, each of its runs as (tokens, how many hops its block carries it: the last member that sees
+    it)."""
+    ranks = _rank_runs(window, seq, cp)
+    runs = [tuple(run for rank in ranks[m * u:(m + 1) * u] for run in rank) for m in range(cp // u)]
+    last = [{} for _ in runs]  # per member: its last position in each piece it holds
+    for member, held in enumerate(runs):
         for lo, hi in held:
-            last[rank][_piece_of(window, lo)] = hi - 1
-    reach = []
+            piece = _piece_of(window, lo)
+            last[member][piece] = max(last[member].get(piece, -1), hi - 1)
+    reach, members = [], len(runs)
     for owner, held in enumerate(runs):
         mine = []
         for lo, hi in held:
             piece = _piece_of(window, lo)
-            seen = [hop for hop in range(1, cp) if last[(owner + hop) % cp].get(piece, -1) >= lo]
+            seen = [hop for hop in range(1, members) if last[(owner + hop) % members].get(piece, -1) >= lo]
             mine.append((hi - lo, max(seen, default=0)))
         reach.append(mine)
     return reach
 
 
-def ring_received_tokens(doc_lengths: tuple[int, ...], seq: int, cp: int) -> list[float]:
-    """Tokens of K,V each cp rank receives in one pass of the ring (`ring_steps`)."""
-    return [sum(got for _, got in rank) for rank in ring_steps(doc_lengths, seq, cp)]
+def ring_received_tokens(doc_lengths: tuple[int, ...], seq: int, cp: int, u: int = 1) -> list[float]:
+    """Tokens of K,V each ring member receives in one pass of the ring (`ring_steps`)."""
+    return [sum(got for _, got in member) for member in ring_steps(doc_lengths, seq, cp, u)]

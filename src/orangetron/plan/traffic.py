@@ -39,7 +39,7 @@ from orangetron.plan.packed import ring_steps
 from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first
 from orangetron.spec import collectives as cf
 from orangetron.spec.collectives import CommRecord, send_recv_records
-from orangetron.spec.context_modes import kv_bytes
+from orangetron.spec.context_modes import kv_bytes, ulysses_kv_heads
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job
 from orangetron.spec.sharding import bucket_layout, padded_numel
@@ -171,27 +171,34 @@ def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job, cp_rank: 
     if deg.cp == 1:
         return []
     passes = 2 if job.recompute == "full" else 1
-    if job.doc_lengths and model.causal and job.cp_mode == "ring":
+    if job.doc_lengths and model.causal and job.cp_mode in ("ring", "usp"):
         return _packed_ring_records(model, deg, job, passes, cp_rank)
     return CONTEXT_MODES[job.cp_mode].records(model, deg, job, passes)
 
 
 def _packed_ring_records(model: ModelSpec, deg: Degrees, job: Job, passes: int,
                          cp_rank: int | None) -> list[CommRecord]:
-    """Ring attention over packed documents: each K,V ring's transfers carry the runs of keys a rank still to
-    visit sees (`plan.packed.ring_steps`), a transfer with nothing either way is not made; the dK,dV
-    accumulators still go all the way home, cp hops."""
-    home = kv_bytes(model, deg, job)
-    per_token = home / (job.seq_len // deg.cp)
-    steps = ring_steps(job.doc_lengths, job.seq_len, deg.cp)
-    if cp_rank is None:
-        cp_rank = max(range(deg.cp), key=lambda r: sum(got for _, got in steps[r]))
+    """Ring attention (and USP's ring over its Ulysses groups) over packed documents: each K,V ring's transfers
+    carry the runs of keys a member still to visit sees (`plan.packed.ring_steps`), a transfer with nothing
+    either way is not made; the dK,dV accumulators still go all the way home, one hop per member. USP's
+    all-to-alls are those of one sequence."""
+    usp = job.cp_mode == "usp"
+    u = job.ulysses_degree if usp else 1
+    members = deg.cp // u
+    ulysses = [r for r in CONTEXT_MODES["usp"].records(model, deg, job, passes) if r.op != "send_recv"] if usp else []
+    if members == 1:
+        return ulysses
+    dim = "cp_ring" if usp else "cp"
+    home = kv_bytes(model, deg, job, heads=ulysses_kv_heads(model, deg, u)) if usp else kv_bytes(model, deg, job)
+    per_token = home / (u * (job.seq_len // deg.cp))
+    steps = ring_steps(job.doc_lengths, job.seq_len, deg.cp, u)
+    member = max(range(members), key=lambda m: sum(got for _, got in steps[m])) if cp_rank is None else cp_rank // u
     one_pass = []
-    for sent, got in steps[cp_rank]:
+    for sent, got in steps[member]:
         sent_bytes, got_bytes = round(sent * per_token), round(got * per_token)
         if sent_bytes or got_bytes:
-            one_pass.append(CommRecord("send_recv", "cp", sent_bytes, sent_bytes, got_bytes))
-    return one_pass * (passes + 1) + send_recv_records("cp", home, deg.cp)
+            one_pass.append(CommRecord("send_recv", dim, sent_bytes, sent_bytes, got_bytes))
+    return ulysses + one_pass * (passes + 1) + send_recv_records(dim, home, members)
 
 
 def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job,
