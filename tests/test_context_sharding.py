@@ -118,3 +118,9 @@ def test_balanced_sharding_keeps_ranks_equal_and_close_for_any_lengths(cp):
     assert {s.numel() for s in shards} == {seq // cp}
     pairs = [visible_pairs(s, ids) for s in shards]
     assert max(pairs) / (sum(pairs) / cp) < 1.10, pairs
+
+
+def test_balanced_sharding_refuses_cuts_that_are_not_document_starts():
+    for cuts in ((), (3,), (0, 5, 5), (0, 7, 4), (0, 12)):
+        with pytest.raises(LayoutError, match="must start at 0 and increase below seq_len=12"):
+            context.shard_indices(12, 2, 0, cuts)

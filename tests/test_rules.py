@@ -64,7 +64,8 @@ WALK = [
     Walk(rules.ep_divides_dp_cp, "ep=2: dp*cp=1 (dp=1 x cp=1) is not divisible by ep; experts shard over the dp x "
          "cp ranks (a folded expert mesh, planner only, lifts this)", ("--ep", "2"), ("--ep", "2", "--dp", "1"),
          lambda: Degrees(ep=2), lambda: Layout(ep=2), "experts shard over the dp x cp"),
-    Walk(rules.cp_splits_sequence, "cp=3: seq_len 64 is not divisible by 2*cp=6 (head-tail chunks)", None,
+    Walk(rules.cp_splits_sequence, "cp=3: seq_len 64 is not divisible by 2*cp=6 (head-tail chunks, or slots of "
+         "packed documents)", None,
          ("--cp", "3", "--dp", "1", "--seq", "64"), lambda: _plan(Degrees(cp=3)),
          lambda: Layout(cp=3).validate(seq_len=64), "(head-tail chunks)"),
     Walk(rules.sp_splits_shard, "tp=2: sequence_parallel needs seq_len/cp=63 divisible by tp",

@@ -7,7 +7,9 @@ its rotary positions restart at 0 in each document, and the label after a docume
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +28,8 @@ class Documents:
 
     ids: torch.Tensor | None  # None once only the spans are kept (`spans_only`)
     spans: tuple[Spans, ...]
+    # What every attention layer of the batch would work out alike from the spans (a ring's route), once.
+    _memo: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
     def from_ids(ids: torch.Tensor) -> Documents:
@@ -41,6 +45,12 @@ class Documents:
     @property
     def seq_len(self) -> int:
         return self.spans[0][-1][1]
+
+    def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """build(), made once per `key` for these documents (every layer of a batch shares them)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def spans_only(self) -> Documents:
         """These documents without the ids tensor: what a fused backward keeps on its autograd context (it reads

@@ -23,8 +23,14 @@ from .documents import Documents
 
 
 def kernel(q: torch.Tensor) -> tuple[Callable[..., Any], type] | None:
-    """(varlen_attn, AuxRequest) for q's device and dtype, or None (no CUDA, not 16-bit, too old a torch)."""
+    """(varlen_attn, AuxRequest) for q's device, dtype and head size, or None: no CUDA, not 16-bit, a GPU or
+    head size flash attention does not take (before sm80, head_dim over 256 or not a multiple of 8), flash
+    turned off, or too old a torch."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    d = q.shape[-1]
+    if d > 256 or d % 8 or not torch.backends.cuda.flash_sdp_enabled() \
+            or torch.cuda.get_device_capability(q.device) < (8, 0):
         return None
     try:
         from torch.nn.attention.varlen import AuxRequest, varlen_attn

@@ -39,18 +39,17 @@ from orangetron.spec.variants import CONTEXT_MODES
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | None = None) -> ParallelModel:
     """Apply `mesh.layout` to the reference `model` (an `orangetron.Transformer`, sharded in place).
 
-    Tensor parallelism (with sequence parallelism when `config.sequence_parallel`) first, then context
-    parallelism (every attention core attends across the cp ranks in `config.cp_mode`; the caller feeds
-    each rank its head-tail shard of the tokens with their global positions, `context.shard` and
-    `context.position_ids`), then expert parallelism over ep (routed experts in blocks per ep rank,
-    `config.dispatcher`), then activation recompute (`config.recompute`, `config.recompute_layers`: the blocks
-    that replay their forward in backward), then pipeline parallelism over pp (this rank keeps its stage's chunks; run a
-    step with `pipeline.run_pipeline`), then data parallelism over dp x cp (experts over edp) with the
-    ZeRO stage of `config`. Returns the `ParallelModel`: call it like the model, and build the optimizer with
-    `.optimizer(lr=...)`. Every rank must build `model` from the same seed. A model that lacks what the
-    parallel code relies on raises `ModelContractError`; dimensions the runtime does not run yet raise
-    `LayoutError`, and options it does not run (`parallel.config.check_runnable`) `ParallelConfigError` or
-    `RuleError`.
+    Tensor parallelism (with sequence parallelism when `config.sequence_parallel`) first, then context parallelism
+    (every attention core attends across the cp ranks in `config.cp_mode`; the caller feeds each rank its shard of
+    the tokens with their global positions, `context.shard` and `context.position_ids`: head-tail, or balanced
+    within packed documents), then expert parallelism over ep (routed experts in blocks per ep rank,
+    `config.dispatcher`), then activation recompute (`config.recompute`, `config.recompute_layers`: the blocks that
+    replay their forward in backward), then pipeline parallelism over pp (this rank keeps its stage's chunks; run a
+    step with `pipeline.run_pipeline`), then data parallelism over dp x cp (experts over edp) with the ZeRO stage of
+    `config`. Returns the `ParallelModel`: call it like the model, and build the optimizer with
+    `.optimizer(lr=...)`. Every rank must build `model` from the same seed. A model that lacks what the parallel
+    code relies on raises `ModelContractError`; dimensions the runtime does not run yet raise `LayoutError`, and
+    options it does not run (`parallel.config.check_runnable`) `ParallelConfigError` or `RuleError`.
     """
     check_model(model)
     config = config or ParallelConfig()

@@ -51,7 +51,8 @@ def ep_divides_dp_cp(ep: int, dp: int, cp: int) -> None:
 def cp_splits_sequence(cp: int, seq_len: int) -> None:
     """Head-tail context parallelism cuts a sequence into 2*cp equal chunks."""
     if cp > 1 and seq_len % (2 * cp):
-        _fail(f"cp={cp}: seq_len {seq_len} is not divisible by 2*cp={2 * cp} (head-tail chunks)")
+        _fail(f"cp={cp}: seq_len {seq_len} is not divisible by 2*cp={2 * cp} (head-tail chunks, or slots of packed "
+              f"documents)")
 
 
 def sp_splits_shard(tp: int, cp: int, seq_len: int) -> None:

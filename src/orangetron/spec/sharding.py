@@ -66,6 +66,10 @@ def document_runs(seq_len: int, cp: int, rank: int, cuts: tuple[int, ...]) -> tu
     if cp == 1:
         return ((0, seq_len),)
     rules.cp_splits_sequence(cp, seq_len)
+    increasing = all(a < b for a, b in zip(cuts, cuts[1:], strict=False))
+    if not cuts or cuts[0] != 0 or not increasing or cuts[-1] >= seq_len:
+        raise LayoutError(f"cuts {cuts[:8]}{'...' if len(cuts) > 8 else ''}: must start at 0 and increase "
+                          f"below seq_len={seq_len}")
     slots, first = 2 * cp, 0
     mine = (cp - 1 - rank, cp + rank)
     runs: list[tuple[int, int]] = []

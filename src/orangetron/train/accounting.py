@@ -8,7 +8,8 @@ The planner's fixed overhead term (CUDA context, allocator slack) has no measure
 out. MoE dispatch sizes and activations follow the routing, which the planner takes as balanced, so a MoE
 layout's ep rows differ by what the routing did. A packed run's rows keep RoPE tables of their own, which the
 prediction counts; its ring's transfers follow each batch's documents, and are predicted for one document per
-sequence, the most a rank can receive.
+sequence: the most a rank receives when the rows of a micro-batch share their boundaries (rows with different
+ones shard at the union of their starts, and a rank may then receive more).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def predicted_for_rank(cfg: TrainConfig, stage: int, cp_rank: int = 0) -> dict[s
 
     multiple = shard_multiple(cfg.layout, cfg.sequence_parallel) if cfg.cp > 1 else 1
     seq_len = -(-cfg.seq_len // multiple) * multiple
-    documents = (seq_len,) if cfg.pack_documents else ()  # one document per sequence: the ring's most
+    documents = (seq_len,) if cfg.pack_documents else ()  # one document per sequence (module docstring)
     records, memory = predicted_step(cfg.model_config(), cfg.layout, cfg.parallel_config(), seq_len=seq_len,
                                      micro_batch=cfg.batch_size // (cfg.dp * cfg.microbatches), stage=stage,
                                      clip_grad=True,  # the global norm is computed every step, clipping or not

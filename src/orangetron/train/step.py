@@ -36,8 +36,9 @@ def _rank_share(model: ParallelModel, samples: torch.Tensor) -> RankShare:
     if cp > 1:  # this rank's share of the (padded) sequence, with its global positions
         multiple = context.shard_multiple(model.mesh.layout, model.config.sequence_parallel)
         inputs, labels = context.pad_sequence(inputs, labels, multiple, IGNORE_INDEX)
-        positions, cuts = context.position_ids(inputs.shape[1], model.mesh), None
-        if documents is not None:  # the whole (padded) sequence's documents, balanced; positions in them
+        if documents is None:  # head-tail, global positions
+            positions, cuts = context.position_ids(inputs.shape[1], model.mesh), None
+        else:  # the whole (padded) sequence's documents, balanced; positions in them
             documents = _padded_documents(documents, inputs.shape[1])
             cuts = documents.cuts
             positions = context.shard(documents.positions(), model.mesh, cuts=cuts)

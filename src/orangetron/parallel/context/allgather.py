@@ -53,6 +53,6 @@ def _runs(group: MeshGroup, length: int, documents: Documents | None) -> tuple:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
               scale: float, impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
-    """All-gather attention of this rank's head-tail shard -> out [B, L, Hq, D]; `impl` and `documents` as
+    """All-gather attention of this rank's shard -> out [B, L, Hq, D]; `impl` and `documents` as
     `blocks.attend`'s."""
     return _AllGatherAttention.apply(q, k, v, group, causal, scale, impl, documents)

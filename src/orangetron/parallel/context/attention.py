@@ -1,10 +1,10 @@
 """`attention`: one entry for every context-parallel attention mode; each mode is a record of its own.
 
-Every mode takes this rank's head-tail shard (`context.shard`) of q [B, L, Hq, D] and k, v [B, L, Hk, D] and
-returns this rank's output [B, L, Hq, D], forward and backward. The modes, their traffic and their costs are
-records in spec/context_modes.py (`CONTEXT_MODES`); each names its runtime module here, which has
-`attention(q, k, v, group, causal, scale, impl)` and, when it talks over other groups than `mesh["cp"]`,
-`cp_group(mesh, ulysses_degree)`:
+Every mode takes this rank's shard (`context.shard`: head-tail, or balanced over packed documents) of q [B, L,
+Hq, D] and k, v [B, L, Hk, D] and returns this rank's output [B, L, Hq, D], forward and backward. The modes,
+their traffic and their costs are records in spec/context_modes.py (`CONTEXT_MODES`); each names its runtime
+module here, which has `attention(q, k, v, group, causal, scale, impl)` and, when it talks over other groups
+than `mesh["cp"]`, `cp_group(mesh, ulysses_degree)`:
 
 | mode | what travels over cp | module |
 |---|---|---|
@@ -31,13 +31,13 @@ from orangetron.spec.variants import CONTEXT_MODES
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, mode: str = "ring",
               causal: bool = True, scale: float | None = None, ulysses_degree: int | None = None,
               impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
-    """Attention of this cp rank's head-tail shard over the whole sequence -> [B, L, Hq, D].
+    """Attention of this cp rank's shard over the whole sequence -> [B, L, Hq, D].
 
-    `causal` masks by global position (the head-tail layout is known from the mesh). `scale` defaults to
-    head_dim ** -0.5. `ulysses_degree` (mode "usp" only; it must divide cp) is the all-to-all factor. A cp
-    group of one rank attends locally with the kernel `impl` ("fused" or "reference", as `attention_kernel`).
-    `documents` (packed rows; causal only): the documents of the whole (unsharded) sequence [B, S]; a query
-    then sees only the earlier keys of its own document.
+    `causal` masks by global position (the shards are known from the mesh, and from `documents`' cuts). `scale`
+    defaults to head_dim ** -0.5. `ulysses_degree` (mode "usp" only; it must divide cp) is the all-to-all factor. A
+    cp group of one rank attends locally with the kernel `impl` ("fused" or "reference", as `attention_kernel`).
+    `documents` (packed rows; causal only): the documents of the whole (unsharded) sequence [B, S]; a query then
+    sees only the earlier keys of its own document.
     """
     if documents is not None and not causal:
         raise ValueError("packed documents need causal attention")

@@ -23,6 +23,8 @@ still go all the way home, whole.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from orangetron import comm
@@ -57,15 +59,16 @@ class Route:
 
     def __init__(self, runs: list[Runs], causal: bool, documents: Documents | None) -> None:
         self.runs = runs
-        self.sees = _sees(tuple(runs), causal, _starts(documents))
+        self.sees = _sees(runs, causal, documents)
+        cp = len(runs)
+        # carried[j][s]: block j's runs at step s (all of them at step 0), worked out once per forward.
+        self._carried = [[tuple(range(len(runs[j])))] + [
+            tuple(i for i in range(len(runs[j])) if any(self.sees[(j + visit) % cp][j][i] for visit in range(s, cp)))
+            for s in range(1, cp)] for j in range(cp)]
 
     def carried(self, block: int, step: int) -> tuple[int, ...]:
         """Indices of block `block`'s runs it carries at `step`."""
-        cp, runs = len(self.runs), self.runs[block]
-        if step == 0:
-            return tuple(range(len(runs)))
-        return tuple(i for i in range(len(runs))
-                     if any(self.sees[(block + visit) % cp][block][i] for visit in range(step, cp)))
+        return self._carried[block][step]
 
     def carried_runs(self, block: int, step: int) -> Runs:
         return tuple(self.runs[block][i] for i in self.carried(block, step))
@@ -88,24 +91,33 @@ class Route:
         return tuple(offsets[i] for i in inner)
 
 
-def _starts(documents: Documents | None) -> tuple[tuple[int, ...], ...] | None:
-    if documents is None:
-        return None
-    return tuple(tuple(a for a, _ in spans) for _, spans in documents.row_groups())
+def _sees(runs: list[Runs], causal: bool, documents: Documents | None) -> list[list[list[bool]]]:
+    """sees[p][j][i] (`Route`): member p holds, in some row, a query at or after the start of run i of member j
+    in the same document (then it sees that key, and the kernel calls `calls.plan` makes include it). A member's
+    own block never travels to it: taken as seen."""
+    if documents is None or not causal:
+        return [[[True] * len(block) for block in runs] for _ in runs]
+    ends = [_document_ends(spans) for _, spans in documents.row_groups()]
+    held = [_Held(calls.sort_runs(member)[0]) for member in runs]
+    return [[[p == j or any(held[p].any_in(lo, end(lo)) for end in ends) for lo, _ in block]
+             for j, block in enumerate(runs)] for p in range(len(runs))]
 
 
-def _sees(runs: tuple[Runs, ...], causal: bool, starts: tuple[tuple[int, ...], ...] | None) -> tuple:
-    """sees[p][j][i] (`Route`): decided by the kernel calls `calls.plan` would make, for any group of rows."""
-    if starts is None or not causal:
-        return tuple(tuple((True,) * len(block) for block in runs) for _ in runs)
-    ordered = [calls.sort_runs(member)[0] for member in runs]
+def _document_ends(spans: tuple[tuple[int, int], ...]):
+    """position -> the end of the document of one row that holds it."""
+    starts, stops = [a for a, _ in spans], [b for _, b in spans]
+    return lambda position: stops[bisect.bisect_right(starts, position) - 1]
 
-    def sees(p: int, run: tuple[int, int]) -> bool:
-        return any(calls.plan(ordered[p], (run,), True, s) for s in starts)
 
-    # A member's own block never travels to it: taken as seen.
-    return tuple(tuple(tuple(p == j or sees(p, run) for run in block) for j, block in enumerate(runs))
-                 for p in range(len(runs)))
+class _Held:
+    """A member's positions, as increasing runs, asked whether it holds one in a range."""
+
+    def __init__(self, ordered: Runs) -> None:
+        self.starts, self.stops = [a for a, _ in ordered], [b for _, b in ordered]
+
+    def any_in(self, lo: int, hi: int) -> bool:
+        at = bisect.bisect_right(self.stops, lo)  # the first run that ends after lo
+        return at < len(self.stops) and self.starts[at] < hi
 
 
 def _take_rows(x: torch.Tensor, rows: tuple[tuple[int, int], ...] | None) -> torch.Tensor:
@@ -134,7 +146,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group: MeshGroup, causal: bool, scale: float, overlap: bool, layout: tuple,
                 impl: str, documents: Documents | None):
         length, cp, r = q.shape[1], group.size, group.rank
-        route = Route([ring_runs(layout, j) for j in range(cp)], causal, documents)
+        def build() -> Route:
+            return Route([ring_runs(layout, j) for j in range(cp)], causal, documents)
+
+        route = build() if documents is None else documents.memo(("ring route", layout, causal), build)
         out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], length), float("-inf"), dtype=out.dtype, device=q.device)
         ring, home = comm.RingExchange(group), pack(k, v)

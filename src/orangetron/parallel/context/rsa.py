@@ -108,7 +108,7 @@ class _RingSelfAttention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
               scale: float, impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
-    """Ring self-attention of this rank's head-tail shard -> out [B, L, Hq, D] (matmuls whatever `impl`);
+    """Ring self-attention of this rank's shard -> out [B, L, Hq, D] (matmuls whatever `impl`);
     `documents`: those of packed rows over the global sequence, whose boundaries mask too."""
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {', '.join(KERNEL_IMPLS)}")

@@ -40,7 +40,7 @@ def to_sequence(x: torch.Tensor, group: MeshGroup) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: MeshGroup, causal: bool,
               scale: float, impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
-    """Ulysses attention of this rank's head-tail shard -> out [B, L, Hq, D]; `impl` and `documents` as
+    """Ulysses attention of this rank's shard -> out [B, L, Hq, D]; `impl` and `documents` as
     `blocks.attend`'s."""
     n = group.size
     rules.heads_split_by_all_to_all(n, q.shape[2], k.shape[2])

@@ -29,7 +29,7 @@ def cp_group(mesh: ParallelMesh, ulysses_degree: int) -> tuple[MeshGroup, MeshGr
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[MeshGroup, MeshGroup],
               causal: bool, scale: float, impl: str = "fused", documents: Documents | None = None) -> torch.Tensor:
-    """USP attention of this rank's head-tail shard over (ring group, Ulysses group) -> [B, L, Hq, D].
+    """USP attention of this rank's shard over (ring group, Ulysses group) -> [B, L, Hq, D].
 
     `impl` is the block kernel and `documents` those of packed rows (`blocks.attend`)."""
     ring_group, ulysses_group = groups
