@@ -1,7 +1,8 @@
 """Refit every fitted constant of the planner from the calibration rows alone and print the values.
 
 The constants, the rows each is fitted on and the fitting rule are in src/orangetron/plan/validation_runs.toml
-(`[refit]`, `[[fitted]]` for GPU presets, `[[fitted_overhead]]` for the memory overhead; docs/planner.md,
+(`[refit]`, `[[fitted]]` for GPU presets, `[[fitted_efficiency]]` for the compute model's global constants,
+`[[fitted_overhead]]` for the memory overhead; docs/planner.md,
 'Validation protocol'). Only rows whose split is "calibration" may be named; a constant's value is the point of
 its grid with the least sum of squared log errors over its rows. tests/test_plan_validation.py checks that this
 fit reproduces the shipped values.
@@ -17,10 +18,16 @@ import argparse
 from orangetron.plan import reserved, validation
 
 
-def _report(name: str, where: str, value: float, shipped: float, rows: int) -> bool:
-    differs = value != shipped
-    print(f"{name} ({where}): fitted {value:.2f} on {rows} calibration rows, shipped {shipped:.2f}"
-          + ("  <- differs" if differs else ""))
+def _refit(fitted, where: str, loss, refit, curve: bool) -> bool:
+    """Refit one constant (`loss(fitted, value)`, `refit(fitted)`), print it, and say whether it differs from the
+    shipped value."""
+    if curve:
+        for value in validation.grid_points(fitted.grid):
+            print(f"  {fitted.name} {value:g}: {loss(fitted, value):.5f}")
+    value = refit(fitted)
+    differs = value != fitted.value
+    print(f"{fitted.name} ({where}): fitted {value:g} on {len(fitted.rows)} calibration rows, shipped "
+          f"{fitted.value:g}" + ("  <- differs" if differs else ""))
     return differs
 
 
@@ -28,20 +35,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--curve", action="store_true", help="print the loss at every grid point")
     args = parser.parse_args()
-    runs, changed = validation.load_runs(), 0
+    runs, rows, changed = validation.load_runs(), reserved.load_reserved(), 0
     for fitted in validation.load_fitted():
-        if args.curve:
-            for value in validation.grid_values(fitted):
-                print(f"  {fitted.name} {value:.2f}: {validation.fit_loss(fitted, value, runs):.5f}")
-        value = validation.refit(fitted, runs)
-        changed += _report(fitted.name, ", ".join(fitted.presets), value, fitted.value, len(fitted.rows))
-    rows = reserved.load_reserved()
+        changed += _refit(fitted, ", ".join(fitted.presets), lambda f, v: validation.fit_loss(f, v, runs),
+                          lambda f: validation.refit(f, runs), args.curve)
+    for fitted in validation.load_fitted_efficiency():
+        changed += _refit(fitted, f"Efficiency.{fitted.field}",
+                          lambda f, v: validation.efficiency_fit_loss(f, v, runs),
+                          lambda f: validation.refit_efficiency(f, runs), args.curve)
     for fitted in reserved.load_fitted_overhead():
-        if args.curve:
-            for value in validation.grid_points(fitted.grid):
-                print(f"  {fitted.name} {value:.2f}: {reserved.fit_loss(fitted, value, rows):.5f}")
-        value = reserved.refit(fitted, rows)
-        changed += _report(fitted.name, f"MemoryOverhead.{fitted.field}", value, fitted.value, len(fitted.rows))
+        changed += _refit(fitted, f"MemoryOverhead.{fitted.field}", lambda f, v: reserved.fit_loss(f, v, rows),
+                          lambda f: reserved.refit(f, rows), args.curve)
     return 1 if changed else 0
 
 

@@ -12,7 +12,7 @@ from functools import lru_cache
 from orangetron.plan.estimate import Estimate
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
-from orangetron.plan.timing import check_ep_placement, group_places, step_time
+from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, check_ep_placement, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 from orangetron.spec.hardware import Cluster
 from orangetron.spec.model import ModelSpec
@@ -177,7 +177,7 @@ Scored = list[tuple[float, int, Degrees, Job, dict[str, int]]]
 
 
 def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Cluster, limit: float,
-                 overhead: MemoryOverhead, partial: bool) -> Scored:
+                 overhead: MemoryOverhead, partial: bool, eff: Efficiency) -> Scored:
     """The options of one group worth timing. Within a pricing class the first that fits (less recompute, then
     less sharding) is never slower than the later ones. Under partial recompute a more sharded option replays
     fewer layers, and a few replayed layers may beat selective recompute: then only no recompute closes a class,
@@ -205,14 +205,14 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
                 smallest[cls] = (job, mem)
             continue
         closed.add(key)
-        rows.append((step_time(model, deg, job, cluster).step_s, mem["total"], deg, job, mem))
+        rows.append((step_time(model, deg, job, cluster, eff=eff).step_s, mem["total"], deg, job, mem))
     for job, mem in smallest.values():
-        rows.append((step_time(model, deg, job, cluster).step_s, mem["total"], deg, job, mem))
+        rows.append((step_time(model, deg, job, cluster, eff=eff).step_s, mem["total"], deg, job, mem))
     return rows
 
 
 def _replay_fewer_layers(model: ModelSpec, cluster: Cluster, scored: Scored, top: int, limit: float,
-                         overhead: MemoryOverhead) -> Scored:
+                         overhead: MemoryOverhead, eff: Efficiency) -> Scored:
     """`scored` (fastest first) with each full-recompute layout that could reach the `top` replaying only the
     layers its memory needs (`fewest_replays_that_fit`). Time only grows with the layers replayed, so a layout
     that would miss the top even replaying none cannot get there, and stays as it is."""
@@ -226,20 +226,20 @@ def _replay_fewer_layers(model: ModelSpec, cluster: Cluster, scored: Scored, top
         for i in todo:
             t, total, deg, job, mem = scored[i]
             done.add((deg, job))
-            if t >= cutoff and step_time(model, deg, without_recompute(job), cluster).step_s >= cutoff:
+            if t >= cutoff and step_time(model, deg, without_recompute(job), cluster, eff=eff).step_s >= cutoff:
                 continue  # no replay at all would still miss the top
             partial = fewest_replays_that_fit(model, deg, job, limit, overhead, total)
             if partial is not job:
                 mem = with_overhead(memory_per_gpu(model, deg, partial), deg, overhead)
-                scored[i] = (step_time(model, deg, partial, cluster).step_s, mem["total"], deg, partial, mem)
+                scored[i] = (step_time(model, deg, partial, cluster, eff=eff).step_s, mem["total"], deg, partial, mem)
         scored.sort(key=lambda row: (row[0], row[1]))
 
 
 def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, space: SearchSpace | None = None,
            base: Job | None = None, top: int = 10, memory_fraction: float = 1.0,
-           overhead: MemoryOverhead = DEFAULT_OVERHEAD) -> SearchResult:
+           overhead: MemoryOverhead = DEFAULT_OVERHEAD, eff: Efficiency = DEFAULT_EFFICIENCY) -> SearchResult:
     """Price every valid configuration whose memory, `overhead` included, fits in `memory_fraction` of GPU
-    memory; fastest first.
+    memory, with the compute model's constants `eff`; fastest first.
 
     Options dominated by a cheaper one that fits (more sharding or more recompute at the same traffic) are
     counted as considered but not priced.
@@ -252,11 +252,11 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     for deg in candidate_degrees(model, cluster, space, seq_len):
         for group in candidate_jobs(model, deg, seq_len, global_batch, space, base):
             considered += len(group)
-            scored += _price_group(model, deg, group, cluster, limit, overhead, space.partial_recompute)
+            scored += _price_group(model, deg, group, cluster, limit, overhead, space.partial_recompute, eff)
     scored.sort(key=lambda row: (row[0], row[1]))
     if space.partial_recompute:
-        scored = _replay_fewer_layers(model, cluster, scored, top, limit, overhead)
+        scored = _replay_fewer_layers(model, cluster, scored, top, limit, overhead, eff)
     ranked = [Estimate(model, deg, job, cluster, mem,
                        summarize(step_records(model, deg, job, ep_where=group_places(deg, cluster)["ep"])),
-                       step_time(model, deg, job, cluster)) for _, _, deg, job, mem in scored[:top]]
+                       step_time(model, deg, job, cluster, eff=eff)) for _, _, deg, job, mem in scored[:top]]
     return SearchResult(ranked, len(scored), considered)

@@ -83,7 +83,9 @@ class Efficiency:
     elementwise_bw: float = 0.70  # share of HBM bandwidth elementwise kernels reach
     optimizer_bytes_per_param: int = 36  # Adam: read grad, m, v, main param; write m, v, main param, param
     overlap_contention: float = 0.10  # hidden communication still costs this share of its time (NCCL SMs, HBM)
-    host_op_s: float = 10e-6  # CPU time to issue one eager operation (Python, autograd, dispatch, launch)
+    # Host time per operation a MoE layer issues (plan/host.py): the framework's Python, autograd, dispatch and
+    # launch around it. Fitted on the calibration MoE rows (validation_runs.toml, `[[fitted_efficiency]]`).
+    host_op_s: float = 50e-6
 
 
 DEFAULT_EFFICIENCY = Efficiency()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, with_overhead
-from orangetron.plan.timing import StepTime, step_time
+from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, step_time
 from orangetron.spec.hardware import GPUSpec, load_gpu, make_cluster
 from orangetron.spec.model import ModelSpec, load_decoder
 from orangetron.spec.options import Degrees, Job, validate
@@ -153,16 +153,16 @@ def fitting_jobs(run: PublishedRun, gpu: GPUSpec | None = None) -> list[Job]:
     return [j for j in candidates(run) if _fits(run, j, capacity)]
 
 
-def best_step(run: PublishedRun, gpu: GPUSpec | None = None) -> StepTime:
+def best_step(run: PublishedRun, gpu: GPUSpec | None = None, eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
     """The fastest candidate that fits (the published job when none fits) on `gpu` (default: the preset)."""
     cluster = make_cluster(run_gpu(run, gpu), run.deg.world_size, run.gpus_per_node or None)
     jobs = fitting_jobs(run, cluster.gpu) or [run.job]
-    return min((step_time(run.model, run.deg, j, cluster) for j in jobs), key=lambda t: t.step_s)
+    return min((step_time(run.model, run.deg, j, cluster, eff=eff) for j in jobs), key=lambda t: t.step_s)
 
 
-def predict(run: PublishedRun, gpu: GPUSpec | None = None) -> float:
+def predict(run: PublishedRun, gpu: GPUSpec | None = None, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """The run's metric as the planner predicts it."""
-    best, gpus = best_step(run, gpu), run.deg.world_size
+    best, gpus = best_step(run, gpu, eff), run.deg.world_size
     if run.metric in ("mfu", "mfu_causal"):
         return getattr(best, run.metric)
     if run.metric == "tflops":
@@ -174,12 +174,12 @@ def predict(run: PublishedRun, gpu: GPUSpec | None = None) -> float:
     raise ValueError(f"validation row {run.name!r}: unknown metric {run.metric!r}")
 
 
-def relative_error(run: PublishedRun, gpu: GPUSpec | None = None) -> float:
-    return predict(run, gpu) / run.published - 1
+def relative_error(run: PublishedRun, gpu: GPUSpec | None = None, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    return predict(run, gpu, eff) / run.published - 1
 
 
-def log_error(run: PublishedRun, gpu: GPUSpec | None = None) -> float:
-    return math.log(predict(run, gpu) / run.published)
+def log_error(run: PublishedRun, gpu: GPUSpec | None = None, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    return math.log(predict(run, gpu, eff) / run.published)
 
 
 @dataclass(frozen=True)
@@ -265,9 +265,45 @@ def grid_values(fitted: Fitted) -> list[float]:
     return grid_points(fitted.grid)
 
 
+def _require_calibration(constant: str, rows: tuple[str, ...], runs: list[PublishedRun]) -> None:
+    split = {r.name: r.split for r in runs}
+    if any(split[name] != "calibration" for name in rows):
+        raise ValueError(f"{constant}: fitted on a row outside the calibration split")
+
+
 def refit(fitted: Fitted, runs: list[PublishedRun]) -> float:
     """The grid value with the least `fit_loss`, the lower on a tie. Only calibration rows may be named."""
-    split = {r.name: r.split for r in runs}
-    if any(split[name] != "calibration" for name in fitted.rows):
-        raise ValueError(f"{fitted.name}: fitted on a row outside the calibration split")
+    _require_calibration(fitted.name, fitted.rows, runs)
     return min(grid_values(fitted), key=lambda v: (fit_loss(fitted, v, runs), v))
+
+
+@dataclass(frozen=True)
+class FittedEfficiency:
+    """A field of the compute model's `Efficiency` (plan/timing.py), one value for every GPU, fitted on the
+    calibration rows whose class its mechanism acts on, searched on `grid`."""
+
+    name: str
+    field: str  # an `Efficiency` field
+    cls: str  # the class of every calibration row it is fitted on
+    rows: tuple[str, ...]
+    grid: tuple[float, float, float]
+    value: float  # as shipped in DEFAULT_EFFICIENCY
+
+
+def load_fitted_efficiency(path: Path | None = None) -> list[FittedEfficiency]:
+    """The file's `fitted_efficiency` tables."""
+    return [FittedEfficiency(f["name"], f["field"], f["class"], tuple(f["rows"]), tuple(f["grid"]), f["value"])
+            for f in load_table(path).get("fitted_efficiency", [])]
+
+
+def efficiency_fit_loss(fitted: FittedEfficiency, value: float, runs: list[PublishedRun]) -> float:
+    """Sum over the field's rows of log(predicted / published)^2, the field set to `value`."""
+    by_name, eff = {r.name: r for r in runs}, replace(DEFAULT_EFFICIENCY, **{fitted.field: value})
+    return sum(log_error(by_name[name], eff=eff) ** 2 for name in fitted.rows)
+
+
+def refit_efficiency(fitted: FittedEfficiency, runs: list[PublishedRun]) -> float:
+    """The grid value with the least `efficiency_fit_loss`, the lower on a tie. Only calibration rows may be
+    named."""
+    _require_calibration(fitted.name, fitted.rows, runs)
+    return min(grid_points(fitted.grid), key=lambda v: (efficiency_fit_loss(fitted, v, runs), v))
