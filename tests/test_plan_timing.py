@@ -259,9 +259,10 @@ def test_gradient_reduction_after_backward_is_exposed_whole():
 
 def test_zero3_reducing_every_micro_batch_hides_each_reduction_behind_its_own_backward():
     """ZeRO-3 over 4 micro-batches: reducing every micro-batch moves 4x the reduce-scatter bytes (R per round).
-    With backward windows long enough to hide a round each, only the last unit's share of the last round is
-    exposed either way, and the 3 extra rounds cost their overlap contention: 0.10 x 3R; with no window at all
-    every round is exposed: 3R more."""
+    With compute long enough to hide every transfer, each of the 3 extra rounds costs its overlap contention,
+    0.10 x 3R (an early round's last reduce-scatter hides behind the next micro-batch's forward), except the
+    first layer's reduce-scatter, in flight while the embedding's backward runs, which has no compute to hide
+    it: 0.90 x 3 r1 more. With no compute at all every round is exposed: 3R more."""
     from orangetron.plan import timing
     from orangetron.plan.network import DEFAULT_PARAMS
 
@@ -276,10 +277,12 @@ def test_zero3_reducing_every_micro_batch_hides_each_reduction_behind_its_own_ba
     def exposed(job: Job, t_mb: float) -> float:
         return timing._dp_exposed(model, deg, job, cluster, t_mb, m, DEFAULT_PARAMS, eff)
 
-    # Each round has its own micro-batch's backward: at t_mb = 1.5 R one window (R) holds one round, four hold four.
-    for t_mb in (1.5 * rounds, 1e3):
-        assert exposed(every, t_mb) - exposed(once, t_mb) == pytest.approx(eff.overlap_contention * 3 * rounds,
-                                                                           rel=1e-9)
+    embedding, first_layer = timing._zero3_units(model, deg, timing._data_parallel_job(model, deg, once, m),
+                                                 cluster, DEFAULT_PARAMS, 0, once.seq_len)[:2]
+    assert embedding.share == 0 and first_layer.share > 0
+    c = eff.overlap_contention
+    assert exposed(every, 1e3) - exposed(once, 1e3) == pytest.approx(c * 3 * rounds + (1 - c) * 3 * first_layer.reduce,
+                                                                     rel=1e-9)
     assert exposed(every, 0.0) - exposed(once, 0.0) == pytest.approx(3 * rounds, rel=1e-9)
 
 

@@ -110,17 +110,27 @@ def zero3_units(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: 
     embedding, every layer, the head (final norm and output layer). With tied embeddings (or on a pipeline
     stage that lacks the embedding or the head) the embedding and head form one unit gathered for the whole
     forward, listed first."""
-    layers = [_layer_params(model, deg.tp, deg.ep, deg.etp, i)
-              for i in stage_layers(model.num_layers, deg.pp, virtual_stages, stage, layout)]
+    return [params for params, _ in zero3_unit_contents(model, deg, stage, virtual_stages, layout)]
+
+
+def zero3_unit_contents(model: ModelSpec, deg: Degrees, stage: int = 0, virtual_stages: int = 1,
+                        layout: tuple[int, ...] = ()) -> list[tuple[StageParams, str | int]]:
+    """`zero3_units` with what each unit runs: a decoder layer's index, "mtp" (a multi-token-prediction
+    module), "embedding", "head", or "rest" (whatever else the stage holds, gathered for its whole forward:
+    the embedding and the head where they share a unit)."""
+    indices = stage_layers(model.num_layers, deg.pp, virtual_stages, stage, layout)
+    layers: list[tuple[StageParams, str | int]] = [(_layer_params(model, deg.tp, deg.ep, deg.etp, i), i)
+                                                   for i in indices]
     if stage == deg.pp - 1:  # each MTP module is a unit of its own, after the decoder's
-        layers += [mtp_module_params(model, deg.tp, deg.ep, deg.etp)] * model.mtp_layers
+        layers += [(mtp_module_params(model, deg.tp, deg.ep, deg.etp), "mtp")] * model.mtp_layers
     whole = stage_params(model, deg, stage, virtual_stages, layout)
-    rest = StageParams(whole.dense - sum(u.dense for u in layers), whole.expert - sum(u.expert for u in layers))
+    rest = StageParams(whole.dense - sum(u.dense for u, _ in layers), whole.expert - sum(u.expert for u, _ in layers))
     if deg.pp == 1 and not model.tied_embeddings and not model.patch_size:
         embedding = _ceil_div(model.vocab_size * model.hidden_size, deg.tp) + model.embedding_params() \
             - model.vocab_size * model.hidden_size
-        return [StageParams(embedding, 0), *layers, StageParams(rest.dense - embedding, rest.expert)]
-    return [u for u in [rest, *layers] if u.total]
+        return [(StageParams(embedding, 0), "embedding"), *layers,
+                (StageParams(rest.dense - embedding, rest.expert), "head")]
+    return [(u, what) for u, what in [(rest, "rest"), *layers] if u.total]
 
 
 def tp_grad_sum_numel(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> int:

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from orangetron.plan import host, node_dispatch
+from orangetron.plan import host, node_dispatch, zero3_exposure
 from orangetron.plan.compute import (
     ATTN_QUERY_TILE,
     TRITON_FLASH_GAP,
@@ -49,7 +49,7 @@ from orangetron.plan.network import (
     p2p_time,
 )
 from orangetron.plan.packed import document_keys
-from orangetron.plan.params import stage_params
+from orangetron.plan.params import stage_params, zero3_unit_contents
 from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
@@ -59,6 +59,7 @@ from orangetron.plan.traffic import (
     reduce_rounds,
     routed_tokens,
     tensor_parallel_records,
+    zero3_unit_records,
 )
 from orangetron.spec.hardware import Cluster, GPUSpec
 from orangetron.spec.model import ModelSpec
@@ -706,17 +707,52 @@ def _hide(comm: float, window: float, eff: Efficiency) -> float:
 def _dp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, t_mb: float, m: int,
                 net: NetworkParams, eff: Efficiency, stage: int = 0) -> float:
     """DP traffic of `stage` left over after overlapping reductions with the last backward and gathers with the
-    first forward (ZeRO-3's per-micro-batch gathers hide behind each micro-batch)."""
+    first forward; ZeRO-3's unit by unit (`zero3_exposure`)."""
     dp_job = _data_parallel_job(model, deg, job, m)
     reduce, gather, layers = _dp_times(model, deg, dp_job, cluster, net, stage)
-    if job.overlap_grad_reduce:
-        rounds = reduce_rounds(model, deg, dp_job)  # each behind its own micro-batch's backward
-        tail = reduce / (layers * rounds)  # the last bucket never overlaps
-        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb * rounds, eff)
+    if job.zero_stage == 3:
+        return _zero3_exposed(model, deg, job, dp_job, cluster, t_mb, m, net, eff, stage, reduce)
+    if job.overlap_grad_reduce:  # behind the last micro-batch's backward, bucket by bucket
+        tail = reduce / layers  # the last bucket never overlaps
+        exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)
     else:  # every reduction after the last backward, before the optimizer
         exposed = reduce
-    window = m * t_mb if job.zero_stage == 3 else t_mb / 3
-    return exposed + _hide(gather, window, eff)
+    return exposed + _hide(gather, t_mb / 3, eff)
+
+
+def _zero3_exposed(model: ModelSpec, deg: Degrees, job: Job, dp_job: Job, cluster: Cluster, t_mb: float, m: int,
+                   net: NetworkParams, eff: Efficiency, stage: int, reduce: float) -> float:
+    """ZeRO-3's exposed seconds per step: its units' gathers and reduce-scatters against their compute, each
+    micro-batch split into forward and backward as its FLOPs are (a replayed forward goes with backward), and
+    the step's other reductions (the clipping norm's) after the last backward."""
+    units = _zero3_units(model, deg, dp_job, cluster, net, stage, job.seq_len)
+    rounds = reduce_rounds(model, deg, dp_job)
+    forward = t_mb / (3.0 + replayed_share(model, deg, job))
+    exposed = zero3_exposure.step_exposed(list(units), forward, t_mb - forward, m, rounds, job.zero3_prefetch,
+                                          job.zero3_keep_params, job.overlap_grad_reduce, eff.overlap_contention)
+    return exposed + max(0.0, reduce - rounds * sum(u.reduce for u in units))
+
+
+@lru_cache(maxsize=4096)
+def _zero3_units(model: ModelSpec, deg: Degrees, dp_job: Job, cluster: Cluster, net: NetworkParams, stage: int,
+                 seq_len: int) -> tuple[zero3_exposure.UnitTraffic, ...]:
+    """Each ZeRO-3 unit of `stage`: its transfers' seconds and its share of the forward FLOPs (the embedding
+    none; the head, and an MTP module's pass through it, 2 x hidden x vocabulary per token)."""
+    places = group_places(deg, cluster)
+    head = 2.0 * model.hidden_size * model.vocab_size if stage == deg.pp - 1 else 0.0
+    flops = []
+    for _, what in zero3_unit_contents(model, deg, stage, dp_job.virtual_stages, dp_job.pipeline_layout):
+        if isinstance(what, int):
+            flops.append(_layer_forward_flops(model, what, seq_len))
+        elif what == "mtp":
+            flops.append(_layer_forward_flops(model, model.mtp_layer_index, seq_len) + 4.0 * model.hidden_size**2
+                         + head)
+        else:
+            flops.append(0.0 if what == "embedding" else head)
+    total = sum(flops) or 1.0
+    return tuple(zero3_exposure.UnitTraffic(*_records_times(records, places, cluster, net, split_gathers=True)[::-1],
+                                            share=f / total)
+                 for records, f in zip(zero3_unit_records(model, deg, dp_job, stage), flops, strict=True))
 
 
 @lru_cache(maxsize=16384)

@@ -36,7 +36,7 @@ from orangetron.plan import node_dispatch
 from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.network import Placement
 from orangetron.plan.packed import ring_steps
-from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first
+from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first, zero3_unit_contents
 from orangetron.spec import collectives as cf
 from orangetron.spec.collectives import CommRecord, send_recv_records
 from orangetron.spec.context_modes import kv_bytes, ulysses_kv_heads
@@ -94,6 +94,21 @@ def data_parallel_records(model: ModelSpec, deg: Degrees, job: Job, stage: int =
             out.append(_gather("all_reduce", dim, 4 if job.mixed_precision else job.param_bytes, n))
     if job.clip_grad and deg.ep > 1 and params.expert:  # every ep rank holds other experts: sum their squares
         out.append(_gather("all_reduce", "ep", 4 if job.mixed_precision else job.param_bytes, deg.ep))
+    return out
+
+
+def zero3_unit_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> list[list[CommRecord]]:
+    """Each ZeRO-3 unit's transfers of one pass, in forward order: one all-gather and one reduce-scatter per
+    data-parallel buffer it has a share of (`data_parallel_records` repeats them per pass and round)."""
+    out = []
+    for unit, _ in zero3_unit_contents(model, deg, stage, job.virtual_stages, job.pipeline_layout):
+        records = []
+        for dim, n, numel in shard_groups(unit, deg):
+            if n > 1 and numel:
+                padded = padded_numel(numel, n)
+                records += [_gather("all_gather", dim, padded * job.param_bytes, n),
+                            _gather("reduce_scatter", dim, padded * job.reduce_bytes, n)]
+        out.append(records)
     return out
 
 
