@@ -42,6 +42,11 @@ def test_rows_have_a_split_a_class_by_the_rule_a_source_and_a_date():
         assert (row["class"], row["split"]) == ("memory", "validation") and row["source"], row["name"]
     for cls in validation.CLASSES:
         assert sum(r.cls == cls and r.split == "validation" for r in RUNS) >= 3, cls
+    # The calibration split, pinned: the 19 rows the shipped constants had been chosen on, and the two MoE rows
+    # added on the split's day for the host pacing by the rule docs/planner.md records ('Validation protocol').
+    assert sum(r.split == "calibration" for r in RUNS) == 21
+    assert {r.name for r in RUNS if r.split == "calibration" and r.cls == "moe"} == {
+        "Megatron-Bridge 25.11 Qwen3-235B-A22B, 256 GB200, BF16", "Megatron-Bridge 25.11 Qwen3-235B-A22B, 64 B200, FP8"}
 
 
 def test_class_rule_on_hand_made_layouts():

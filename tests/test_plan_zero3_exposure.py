@@ -34,24 +34,24 @@ def test_backward_by_hand():
     unit's reduce-scatter (1 + 4 in 4: 1 + 0.4); behind the first unit's nothing the middle unit's reduce-scatter
     (1); the first unit's reduce-scatter (2) after the pass. Not reducing: 2 + 0.3 + 0.1. Kept parameters: only
     the reduce-scatters. Without prefetch every gather waits."""
-    busy = zero3_exposure.backward_exposed(UNITS, 8.0, True, True, True, C)
-    assert busy == pytest.approx((2 + 0.3 + 1.4 + 1, 2))
-    assert zero3_exposure.backward_exposed(UNITS, 8.0, True, False, True, C) == pytest.approx((2.4, 0))
-    assert zero3_exposure.backward_exposed(UNITS, 8.0, False, True, True, C) == pytest.approx((0.4 + 1, 2))
-    assert zero3_exposure.backward_exposed(UNITS, 8.0, True, True, False, C) == pytest.approx((2 + 3 + 1 + 0.4 + 1, 2))
+    back = UNITS[::-1]
+    assert zero3_exposure.backward_exposed(back, 8.0, True, True, True, C) == pytest.approx((2 + 0.3 + 1.4 + 1, 2))
+    assert zero3_exposure.backward_exposed(back, 8.0, True, False, True, C) == pytest.approx((2.4, 0))
+    assert zero3_exposure.backward_exposed(back, 8.0, False, True, True, C) == pytest.approx((0.4 + 1, 2))
+    assert zero3_exposure.backward_exposed(back, 8.0, True, True, False, C) == pytest.approx((2 + 3 + 1 + 0.4 + 1, 2))
 
 
 def test_step_by_hand():
     """Three micro-batches (forward 4.2 each). One reducing round: two quiet backward passes (2.4), one busy
-    (4.7), its tail (2). Three rounds: three busy passes, the first two tails behind the next forward (0.1 x 2
-    each). No overlap: quiet passes, then every reduce-scatter of the round (7)."""
+    (4.7) and its tail (2), which the pass waits for. Three rounds: three busy passes, each with its tail. No
+    overlap: quiet passes, then every reduce-scatter of the round (7)."""
     def step(rounds: int, overlap: bool = True) -> float:
-        return zero3_exposure.step_exposed(UNITS, 4.0, 8.0, 3, rounds, True, False, overlap, C)
+        return zero3_exposure.step_exposed(UNITS, UNITS[::-1], 4.0, 8.0, 3, rounds, True, False, overlap, C)
 
     assert step(1) == pytest.approx(3 * 4.2 + 2 * 2.4 + 4.7 + 2)
-    assert step(3) == pytest.approx(3 * 4.2 + 3 * 4.7 + 2 * 0.2 + 2)
+    assert step(3) == pytest.approx(3 * 4.2 + 3 * (4.7 + 2))
     assert step(1, overlap=False) == pytest.approx(3 * 4.2 + 3 * 2.4 + 7)
-    assert zero3_exposure.step_exposed([], 4.0, 8.0, 3, 1, True, False, True, C) == 0.0
+    assert zero3_exposure.step_exposed([], [], 4.0, 8.0, 3, 1, True, False, True, C) == 0.0
 
 
 LAYOUTS = [
@@ -88,7 +88,8 @@ def test_units_split_the_compute_by_forward_flops():
     """The embedding computes nothing; the 32 layers share alike; the head's share is 2 x hidden x vocabulary
     per token of the whole."""
     dp_job = timing._data_parallel_job(MODEL, DEG, JOB, 1)
-    units = timing._zero3_units(MODEL, DEG, dp_job, CLUSTER, DEFAULT_PARAMS, 0, JOB.seq_len)
+    units, backward = timing._zero3_units(MODEL, DEG, dp_job, CLUSTER, DEFAULT_PARAMS, 0, JOB.seq_len)
+    assert backward == units[::-1]
     assert len(units) == 34 and units[0].share == 0
     assert len({round(u.share, 15) for u in units[1:-1]}) == 1
     layer = timing._layer_forward_flops(MODEL, 0, JOB.seq_len)
@@ -103,7 +104,7 @@ def test_what_no_compute_hides_stays_exposed():
     reduce-scatter after the last one: the old whole-step overlap let compute hide them all."""
     m = JOB.replica_microbatches(DEG)
     dp_job = timing._data_parallel_job(MODEL, DEG, JOB, m)
-    units = timing._zero3_units(MODEL, DEG, dp_job, CLUSTER, DEFAULT_PARAMS, 0, JOB.seq_len)
+    units, _ = timing._zero3_units(MODEL, DEG, dp_job, CLUSTER, DEFAULT_PARAMS, 0, JOB.seq_len)
     floor = m * (units[0].gather + units[1].gather + units[-1].gather) + units[0].reduce
     exposed = timing._dp_exposed(MODEL, DEG, JOB, CLUSTER, 1e6, m, DEFAULT_PARAMS, timing.DEFAULT_EFFICIENCY)
     assert exposed > floor > 0
@@ -116,3 +117,38 @@ def test_prefetch_and_kept_parameters_move_the_step():
     kept = timing.step_time(MODEL, DEG, replace(JOB, zero3_keep_params=True), CLUSTER)
     assert no_prefetch.dp_s > 2 * base.dp_s and kept.dp_s < base.dp_s
     assert no_prefetch.compute_s == base.compute_s == kept.compute_s
+
+
+def test_a_unit_gathered_for_the_whole_pass_comes_first_in_both():
+    """Where the embedding and the head are not units of their own (tied embeddings; a pipeline stage's first or
+    last), they form one unit gathered at the start of forward and of backward (`parallel.data.units`): first in
+    both orders. In forward it hides nothing before the layers (the head runs after them); in backward its
+    head computes first, hiding the last layer's gather. Holding the embedding, whose gradient comes last, its
+    reduce-scatter ends backward; holding the head alone, it follows the head's backward."""
+    tied = replace(load_model("llama3-8b"), tied_embeddings=True)
+    dp_job = timing._data_parallel_job(tied, DEG, JOB, 1)
+    forward, backward = timing._zero3_units(tied, DEG, dp_job, CLUSTER, DEFAULT_PARAMS, 0, JOB.seq_len)
+    rest, layers = backward[0], forward[1:]
+    assert forward[0] == replace(rest, share=0.0, reduce=backward[-1].reduce) and rest.reduce == 0
+    assert rest.share > 0 and backward[1:-1] == layers[::-1]
+    assert backward[-1].gather == backward[-1].share == 0 and backward[-1].reduce > 0
+
+    deg = Degrees(pp=2, dp=64)
+    for stage in (0, 1):
+        dp_job = timing._data_parallel_job(MODEL, deg, JOB, 1)
+        forward, backward = timing._zero3_units(MODEL, deg, dp_job, CLUSTER, DEFAULT_PARAMS, stage, JOB.seq_len)
+        assert forward[0].share == 0 and backward[0].gather == forward[0].gather
+        if stage == 0:  # the embedding: no compute, its reduce-scatter last
+            assert backward[0].share == 0 and backward[0].reduce == 0 and backward[-1].reduce == forward[0].reduce
+        else:  # the head: computes first in backward and is reduced after it
+            assert backward[0].share > 0 and backward[0].reduce == forward[0].reduce and backward[1:] == forward[:0:-1]
+
+
+def test_partial_gradients_summed_over_tp_hold_every_reduction_to_the_step():
+    """With sequence parallelism over tp the runtime sums partial gradients over tp at the step, so the units'
+    reduce-scatters cannot overlap backward: the same layout without sequence parallelism exposes less, by
+    about the hidden reductions' worth, which is positive."""
+    deg, job = Degrees(tp=2, dp=64), replace(JOB, sequence_parallel=False)
+    summed = timing.step_time(MODEL, deg, replace(job, sequence_parallel=True), CLUSTER)
+    plain = timing.step_time(MODEL, deg, job, CLUSTER)
+    assert summed.dp_s > plain.dp_s

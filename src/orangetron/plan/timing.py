@@ -49,7 +49,7 @@ from orangetron.plan.network import (
     p2p_time,
 )
 from orangetron.plan.packed import document_keys
-from orangetron.plan.params import stage_params, zero3_unit_contents
+from orangetron.plan.params import stage_params, tp_sums_first, zero3_unit_contents
 from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
@@ -724,35 +724,54 @@ def _zero3_exposed(model: ModelSpec, deg: Degrees, job: Job, dp_job: Job, cluste
                    net: NetworkParams, eff: Efficiency, stage: int, reduce: float) -> float:
     """ZeRO-3's exposed seconds per step: its units' gathers and reduce-scatters against their compute, each
     micro-batch split into forward and backward as its FLOPs are (a replayed forward goes with backward), and
-    the step's other reductions (the clipping norm's) after the last backward."""
-    units = _zero3_units(model, deg, dp_job, cluster, net, stage, job.seq_len)
+    the step's other reductions (the clipping norm's) after the last backward. Partial gradients summed over tp
+    first hold every reduce-scatter to the step, as the runtime does."""
+    forward_order, backward_order = _zero3_units(model, deg, dp_job, cluster, net, stage, job.seq_len)
     rounds = reduce_rounds(model, deg, dp_job)
     forward = t_mb / (3.0 + replayed_share(model, deg, job))
-    exposed = zero3_exposure.step_exposed(list(units), forward, t_mb - forward, m, rounds, job.zero3_prefetch,
-                                          job.zero3_keep_params, job.overlap_grad_reduce, eff.overlap_contention)
-    return exposed + max(0.0, reduce - rounds * sum(u.reduce for u in units))
+    overlap = job.overlap_grad_reduce and not tp_sums_first(model, deg, job)
+    exposed = zero3_exposure.step_exposed(list(forward_order), list(backward_order), forward, t_mb - forward, m,
+                                          rounds, job.zero3_prefetch, job.zero3_keep_params, overlap,
+                                          eff.overlap_contention)
+    return exposed + max(0.0, reduce - rounds * sum(u.reduce for u in backward_order))
+
+
+Units = tuple[zero3_exposure.UnitTraffic, ...]
 
 
 @lru_cache(maxsize=4096)
 def _zero3_units(model: ModelSpec, deg: Degrees, dp_job: Job, cluster: Cluster, net: NetworkParams, stage: int,
-                 seq_len: int) -> tuple[zero3_exposure.UnitTraffic, ...]:
-    """Each ZeRO-3 unit of `stage`: its transfers' seconds and its share of the forward FLOPs (the embedding
-    none; the head, and an MTP module's pass through it, 2 x hidden x vocabulary per token)."""
+                 seq_len: int) -> tuple[Units, Units]:
+    """`stage`'s ZeRO-3 units in forward and in backward order: each one's transfers and its share of the forward
+    FLOPs (the embedding none; the head, and an MTP module's pass through it, 2 x hidden x vocabulary per token).
+    The unit gathered for a whole pass (`rest`: the stage's embedding and head where they are not units of their
+    own, as `parallel.data.units` cuts them) is gathered first in both passes; its head computes at the end of
+    forward and first in backward; when it holds the embedding, whose gradient comes last, its reduce-scatter
+    ends backward."""
     places = group_places(deg, cluster)
     head = 2.0 * model.hidden_size * model.vocab_size if stage == deg.pp - 1 else 0.0
-    flops = []
-    for _, what in zero3_unit_contents(model, deg, stage, dp_job.virtual_stages, dp_job.pipeline_layout):
-        if isinstance(what, int):
-            flops.append(_layer_forward_flops(model, what, seq_len))
-        elif what == "mtp":
-            flops.append(_layer_forward_flops(model, model.mtp_layer_index, seq_len) + 4.0 * model.hidden_size**2
-                         + head)
-        else:
-            flops.append(0.0 if what == "embedding" else head)
+    contents = zero3_unit_contents(model, deg, stage, dp_job.virtual_stages, dp_job.pipeline_layout)
+    flops = [_unit_forward_flops(model, what, seq_len, head) for _, what in contents]
     total = sum(flops) or 1.0
-    return tuple(zero3_exposure.UnitTraffic(*_records_times(records, places, cluster, net, split_gathers=True)[::-1],
-                                            share=f / total)
-                 for records, f in zip(zero3_unit_records(model, deg, dp_job, stage), flops, strict=True))
+    units = [zero3_exposure.UnitTraffic(*_records_times(records, places, cluster, net, split_gathers=True)[::-1],
+                                        share=f / total)
+             for records, f in zip(zero3_unit_records(model, deg, dp_job, stage), flops, strict=True)]
+    if not contents or contents[0][1] != "rest":
+        return tuple(units), tuple(units[::-1])
+    rest, layers = units[0], units[1:]
+    forward_order = (replace(rest, share=0.0), *layers)  # its head runs after the layers, hiding no gather
+    if stage != 0:  # the last stage's head alone: reduced after its own backward
+        return forward_order, (rest, *layers[::-1])
+    return forward_order, (replace(rest, reduce=0.0), *layers[::-1], zero3_exposure.UnitTraffic(0.0, rest.reduce, 0.0))
+
+
+def _unit_forward_flops(model: ModelSpec, what: str | int, seq_len: int, head: float) -> float:
+    """Forward FLOPs per token of a ZeRO-3 unit (`params.zero3_unit_contents`), `head` those of the output head."""
+    if isinstance(what, int):
+        return _layer_forward_flops(model, what, seq_len)
+    if what == "mtp":
+        return _layer_forward_flops(model, model.mtp_layer_index, seq_len) + 4.0 * model.hidden_size**2 + head
+    return 0.0 if what == "embedding" else head
 
 
 @lru_cache(maxsize=16384)

@@ -7,17 +7,19 @@ flight:
 
 - forward, with prefetch: entering unit u starts the gather of unit u + 1, which hides behind u's compute; the
   first unit's gather has nothing before it. Without prefetch every gather waits whole.
-- backward, units in reverse: the first unit's gather waits whole; while unit u computes, the gather of the
-  unit before it (with prefetch) and the reduce-scatter of the unit after it, which has just finished, are in
-  flight on the same links. The last unit's reduce-scatter starts after the last compute of the pass: exposed
-  at the step's end, hidden behind the next micro-batch's forward otherwise.
+- backward, in the order the units' backward runs: the first unit's gather waits whole; while a unit computes,
+  the gather of the next one (with prefetch) and the reduce-scatter of the one before it, which has just
+  finished, are in flight on the same links. The last reduce-scatter starts after the pass's last compute and
+  is waited for when the pass ends (the runtime retires every reduction at the end of backward, as FSDP does).
 - whatever hides still costs `contention` of its time (communication kernels take SMs and memory bandwidth
   from compute, as everywhere in `timing`).
 - reductions that cannot overlap (partial gradients first summed over tp, or `overlap_grad_reduce` off) run
   after the last backward, all exposed.
 
 A unit's compute is its share of the micro-batch's forward FLOPs times the micro-batch's forward or backward
-time (`UnitTraffic.share`; the embedding's share is nil, so the gather after it is exposed too).
+time (`UnitTraffic.share`; the embedding's share is nil, so the gather after it is exposed too). The caller
+lists the units in each pass's order (`timing._zero3_units`): a unit gathered for a whole pass comes first in
+both, and its reduce-scatter may come apart from its gather, as a unit of its own at the end of backward.
 """
 
 from __future__ import annotations
@@ -50,11 +52,11 @@ def forward_exposed(units: list[UnitTraffic], forward: float, prefetch: bool, co
     return units[0].gather + sum(behind)
 
 
-def backward_exposed(units: list[UnitTraffic], backward: float, gathers: bool, reduces: bool, prefetch: bool,
+def backward_exposed(order: list[UnitTraffic], backward: float, gathers: bool, reduces: bool, prefetch: bool,
                      contention: float) -> tuple[float, float]:
-    """(exposed seconds during one backward pass of `backward` compute seconds, the last reduce-scatter, which
-    runs after it). `gathers`: the units are gathered again; `reduces`: this pass reduce-scatters them."""
-    order = units[::-1]
+    """(exposed seconds during one backward pass of `backward` compute seconds over the units in the order their
+    backward runs, the last reduce-scatter, which runs after it). `gathers`: the units are gathered again;
+    `reduces`: this pass reduce-scatters them."""
     if not order:
         return 0.0, 0.0
     exposed = order[0].gather if gathers else 0.0
@@ -67,18 +69,17 @@ def backward_exposed(units: list[UnitTraffic], backward: float, gathers: bool, r
     return exposed, order[-1].reduce if reduces else 0.0
 
 
-def step_exposed(units: list[UnitTraffic], forward: float, backward: float, microbatches: int, rounds: int,
-                 prefetch: bool, keep: bool, overlap_reduce: bool, contention: float) -> float:
+def step_exposed(forward_order: list[UnitTraffic], backward_order: list[UnitTraffic], forward: float,
+                 backward: float, microbatches: int, rounds: int, prefetch: bool, keep: bool, overlap_reduce: bool,
+                 contention: float) -> float:
     """Exposed seconds of one step's ZeRO-3 traffic on one GPU: `microbatches` forward and backward passes, the
-    last `rounds` of which reduce-scatter (one: only the last, the others' gradients wait in `.grad`). With
-    `keep` the forward's units stay gathered until their backward; without `overlap_reduce` every reduction
-    waits for the last backward."""
+    last `rounds` of which reduce-scatter (one: only the last, the others' gradients wait in `.grad`), each
+    waiting for its last reduce-scatter. With `keep` the forward's units stay gathered until their backward;
+    without `overlap_reduce` every reduction waits for the last backward."""
     m = microbatches
-    total = m * forward_exposed(units, forward, prefetch, contention)
-    quiet, _ = backward_exposed(units, backward, not keep, False, prefetch, contention)
+    total = m * forward_exposed(forward_order, forward, prefetch, contention)
+    quiet, _ = backward_exposed(backward_order, backward, not keep, False, prefetch, contention)
     if not overlap_reduce:
-        return total + m * quiet + rounds * sum(u.reduce for u in units)
-    busy, tail = backward_exposed(units, backward, not keep, True, prefetch, contention)
-    # A reducing pass before the last leaves its tail in flight through the next micro-batch's forward.
-    early_tails = (rounds - 1) * hide(tail, forward, contention)
-    return total + (m - rounds) * quiet + rounds * busy + early_tails + tail
+        return total + m * quiet + rounds * sum(u.reduce for u in backward_order)
+    busy, tail = backward_exposed(backward_order, backward, not keep, True, prefetch, contention)
+    return total + (m - rounds) * quiet + rounds * (busy + tail)
