@@ -23,12 +23,17 @@ def _refit(fitted, where: str, loss, refit, curve: bool) -> bool:
     shipped value."""
     if curve:
         for value in validation.grid_points(fitted.grid):
-            print(f"  {fitted.name} {value:g}: {loss(fitted, value):.5f}")
+            print(f"  {fitted.name} {_shown(where, value)}: {loss(fitted, value):.5f}")
     value = refit(fitted)
     differs = value != fitted.value
-    print(f"{fitted.name} ({where}): fitted {value:g} on {len(fitted.rows)} calibration rows, shipped "
-          f"{fitted.value:g}" + ("  <- differs" if differs else ""))
+    print(f"{fitted.name} ({where}): fitted {_shown(where, value)} on {len(fitted.rows)} calibration rows, shipped "
+          f"{_shown(where, fitted.value)}" + ("  <- differs" if differs else ""))
     return differs
+
+
+def _shown(where: str, value: float) -> str:
+    """A constant as its reader knows it: seconds (a field named `*_s`) in microseconds."""
+    return f"{value * 1e6:g} us" if where.endswith("_s") else f"{value:g}"
 
 
 def main() -> int:

@@ -43,8 +43,9 @@ def test_estimate_json_job_keeps_its_published_keys(capsys):
     run(args)
     job = last_json(capsys)["job"]
     assert list(job) == JOB_KEYS
+    # num_microbatches: the micro-batches per step as priced, which the global batch sets (8 over dp 2).
     assert (job["num_microbatches"], job["bucket_numel"], job["reduce_dtype"], job["pipeline_layout"]) == \
-        (1, 40_000_000, "", [])
+        (4, 40_000_000, "", [])
     read_back = Job.from_json(job)  # and reads back as the job that was priced
     assert (read_back.grad_bucket_numel, read_back.reduce_dtype, read_back.to_json()) == (40_000_000, None, job)
     run([*args, "--reduce-dtype", "float32"])
@@ -141,6 +142,51 @@ def test_estimate_zero3_reduce_every_microbatch(capsys):
     assert every["comm_bytes"][rs] == 4 * once["comm_bytes"][rs]
     assert once["memory_bytes"]["param_grads"] == 8_030_261_248 * 2
     assert every["memory_bytes"]["param_grads"] == (128256 * 4096 + 4096) * 2
+
+
+def test_estimate_prices_the_zero3_prefetch_and_kept_parameters(capsys):
+    """`estimate` takes `train`'s ZeRO-3 switches: without prefetch every gather waits (more exposed dp time),
+    kept parameters gather once a micro-batch instead of twice."""
+    args = ["estimate", "--model", "llama3-8b", "--gpu", "h100", "--dp", "8", "--seq", "4096", "--zero-stage", "3",
+            "--global-batch", "32", "--json"]
+    run(args)
+    base = last_json(capsys)
+    run([*args, "--no-zero3-prefetch"])
+    no_prefetch = last_json(capsys)
+    run([*args, "--zero3-keep-params"])
+    kept = last_json(capsys)
+    assert (base["job"]["zero3_prefetch"], no_prefetch["job"]["zero3_prefetch"], kept["job"]["zero3_keep_params"]) \
+        == (True, False, True)
+    assert no_prefetch["time_breakdown_s"]["dp_s"] > base["time_breakdown_s"]["dp_s"]
+    assert 2 * kept["comm_bytes"]["all_gather/dp_cp"] == base["comm_bytes"]["all_gather/dp_cp"]
+
+
+def test_estimate_says_when_reducing_every_micro_batch_changes_nothing(capsys):
+    """With sequence parallelism the partial gradients are summed over tp first and every reduction waits for
+    the step: the switch changes nothing, and `estimate` says so on standard error."""
+    args = ["estimate", "--model", "llama3-8b", "--tp", "2", "--dp", "4", "--seq", "4096", "--zero-stage", "3",
+            "--global-batch", "16", "--zero3-reduce-every-microbatch", "--json"]
+    run([*args, "--sequence-parallel"])
+    err = capsys.readouterr().err
+    assert "zero3_reduce_every_microbatch has no effect" in err
+    run(args)
+    assert "no effect" not in capsys.readouterr().err
+
+
+def test_plan_does_not_rank_a_reduction_every_micro_batch_that_changes_nothing(capsys):
+    """Under sequence parallelism (or one micro-batch) "zero3-mb" is the same step as "zero3": not ranked twice."""
+    from orangetron.plan.params import tp_sums_first
+    from orangetron.plan.search import SearchSpace, search
+    from orangetron.spec.hardware import make_cluster
+    from orangetron.spec.model import load_model
+
+    model = load_model("llama3-8b")
+    space = SearchSpace(tp=(1, 2), cp=(1,), pp=(1,), zero=("zero3", "zero3-mb"), micro_batch=(1,),
+                        virtual_stages=(1,), recompute=("none", "full"))
+    ranked = search(model, make_cluster("h100", 8), 4096, 16, space=space, top=50).ranked
+    every = [e for e in ranked if e.job.zero3_reduce_every_microbatch]
+    assert every and [e for e in ranked if tp_sums_first(model, e.degrees, e.job)]  # both kinds of layout ranked
+    assert not [e for e in every if tp_sums_first(model, e.degrees, e.job)]
 
 
 def test_estimate_text_report(capsys):

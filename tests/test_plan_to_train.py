@@ -59,6 +59,21 @@ def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys)
     bad.write_text('model = "tiny"\nseq_len = 16\nwidth = 3\n')
     assert cli.main(["estimate", "--config", str(bad)]) == 2
     assert "unknown key 'width'" in capsys.readouterr().err
+    # Values are checked as `train --config` checks them: a switch takes true or false, a degree an integer.
+    for line, why in (('zero3_prefetch = "no"', "must be true or false"), ("dp = 2.0", "must be an integer")):
+        bad.write_text(f'model = "tiny"\nseq_len = 16\n{line}\n')
+        assert cli.main(["estimate", "--config", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_emitted_config_names_the_gpu_it_was_planned_for(tmp_path, capsys) -> None:
+    """A run's config has no GPU (the training machine's choice), so the file says which one `plan` priced."""
+    path = tmp_path / "plan.toml"
+    assert cli.main([*PLAN, "--gpu", "b200", "--emit-config", str(path)]) == 0
+    capsys.readouterr()
+    header = path.read_text().splitlines()[:2]
+    assert "on b200" in header[0] and "--gpu b200" in header[1]
 
 
 def test_estimate_prices_a_run_folders_record(tmp_path, capsys) -> None:

@@ -17,6 +17,7 @@ from orangetron.cli.presets import add_presets_command
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
 from orangetron.plan.search import SearchSpace, search
+from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
 from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, Degrees, Job
@@ -73,6 +74,10 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                      help="gradient reduction dtype (default: the param dtype, as docs/data_parallel.md's tables)")
     est.add_argument("--zero3-reduce-every-microbatch", action="store_true",
                      help="--zero-stage 3: reduce-scatter every micro-batch, as `train` (default: once per step)")
+    est.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction, default=True,
+                     help="--zero-stage 3: start gathering the next unit while the current one computes, as `train`")
+    est.add_argument("--zero3-keep-params", action="store_true",
+                     help="--zero-stage 3: keep the forward's gathered units until their backward, as `train`")
     est.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",
                      help="gradient buckets of about N elements reduced during backward, as `train` (default 0: "
                           "one reduction after backward, every parameter's .grad kept until then)")
@@ -210,6 +215,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
+    if job.zero3_reduce_every_microbatch and reduce_rounds(model, deg, job) == 1:
+        print("orangetron estimate: note: zero3_reduce_every_microbatch has no effect here: it needs ZeRO-3 and "
+              "several micro-batches, and partial gradients summed over tp first (sequence parallelism, kv heads "
+              "fewer than tp, QK-norm) hold every reduction to the step", file=sys.stderr)
     if not est.fits:
         from orangetron.plan.fit_advice import explain
 
@@ -236,6 +245,7 @@ def _job(args: argparse.Namespace) -> Job:
               overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce, fp8=args.fp8,
               fp8_recipe=args.fp8_recipe, grad_bucket_numel=args.grad_bucket_numel,
               zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
+              zero3_prefetch=args.zero3_prefetch, zero3_keep_params=args.zero3_keep_params,
               grad_accumulation_fusion=args.grad_accumulation_fusion, doc_lengths=getattr(args, "doc_lengths", ()))
 
 

@@ -82,8 +82,10 @@ def _write(row: Estimate, rank: int, path: Path) -> None:
     # this plan was made on.
     options = {k: v for k, v in cfg.options().items() if k not in (*DIRECTIVES, "model", "device")}
     write_resolved_config(path, options, {"model": dataclasses.asdict(row.model)})
-    header = (f"# `orangetron plan`'s configuration #{rank} ({row.degrees}) for {row.model.name}, as a run's "
-              "config file:\n# `orangetron train --config` runs it, `orangetron estimate --config` prices it.\n")
+    gpu = row.cluster.gpu.name
+    header = (f"# `orangetron plan`'s configuration #{rank} ({row.degrees}) for {row.model.name} on {gpu}, as a "
+              "run's config file:\n# `orangetron train --config` runs it, `orangetron estimate --config` prices it "
+              f"(the GPU is not part of a run's config: add `--gpu {gpu}`).\n")
     path.write_text(header + path.read_text(encoding="utf-8").split("\n", 1)[1], encoding="utf-8")
 
 
@@ -95,15 +97,15 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     from orangetron.train.config_file import read_toml
 
     table = read_toml(path)
-    layout_names = {f.name for f in dataclasses.fields(Layout)}
-    parallel_names = {f.name for f in dataclasses.fields(ParallelConfig)}
+    layout_fields = {f.name: f for f in dataclasses.fields(Layout)}
+    parallel_fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
     layout, parallel = {}, {}
     for key, value in table.items():
         name = key.replace("-", "_")
-        if name in layout_names:
-            layout[name] = value
-        elif name in parallel_names:
-            parallel[name] = value
+        if name in layout_fields:
+            layout[name] = _typed(path, key, value, layout_fields[name].default)
+        elif name in parallel_fields:
+            parallel[name] = _typed(path, key, value, parallel_fields[name].default)
         elif name not in (*_RUN_ONLY, "model", "seq_len", "batch_size"):
             raise ValueError(f"--config {path}: unknown key {key!r}")
     for name in ("model", "seq_len"):
@@ -115,6 +117,17 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     job = Job(**parallel, seq_len=table["seq_len"], micro_batch=max(1, batch // (deg.dp * microbatches)),
               global_batch=batch, clip_grad=True)  # the trainer's global gradient norm, every step
     return _model(path, table["model"]), deg, job
+
+
+def _typed(path: str, key: str, value: Any, default: Any) -> Any:
+    """`value` when it has the type of the option's default (a switch, a count), as `train --config` checks it."""
+    where = f"--config {path}: {key} = {value!r}"
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise ValueError(f"{where}: must be true or false")
+    if isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool)
+                                                                        or not isinstance(value, int)):
+        raise ValueError(f"{where}: must be an integer")
+    return value
 
 
 def _model(path: str, value: Any) -> ModelSpec | str:

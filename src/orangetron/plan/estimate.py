@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.network import DEFAULT_PARAMS, NetworkParams
@@ -38,7 +38,8 @@ class Estimate:
             "gpus": self.degrees.world_size,
             "gpus_per_node": self.cluster.gpus_per_node,
             "layout": {**asdict(self.degrees), "edp": self.degrees.edp},
-            "job": self.job.to_json(),
+            # The micro-batches per step as priced, also where `global_batch` sets them.
+            "job": replace(self.job, microbatches=self.job.replica_microbatches(self.degrees)).to_json(),
             "memory_bytes": self.memory,
             "memory_capacity_bytes": int(self.cluster.gpu.memory_bytes),
             "fits": self.fits,

@@ -12,6 +12,7 @@ from functools import lru_cache
 from orangetron.plan.estimate import Estimate
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
+from orangetron.plan.params import tp_sums_first
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, check_ep_placement, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 from orangetron.spec.hardware import Cluster
@@ -189,9 +190,9 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
     for job in group:
         cls = _pricing_class(job)
         key = (cls, job.recompute) if partial and job.recompute != "none" else cls
-        one_microbatch = job.replica_microbatches(deg) == 1
-        if cls in closed or key in closed or job.zero3_reduce_every_microbatch and one_microbatch:
-            continue  # dominated, or (one micro-batch) the same step as "zero3"
+        once = job.replica_microbatches(deg) == 1 or tp_sums_first(model, deg, job)  # one reduction whatever
+        if cls in closed or key in closed or job.zero3_reduce_every_microbatch and once:
+            continue  # dominated, or (one reduction a step) the same step as "zero3"
         try:
             validate(model, deg, job)
             check_ep_placement(deg, job, cluster)
