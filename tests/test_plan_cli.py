@@ -194,6 +194,14 @@ def test_estimate_text_report(capsys):
                 "--sequence-parallel", "--zero-stage", "1", "--seq", "4096"]) == 0
     out = capsys.readouterr().out
     assert "memory per GPU" in out and "all_to_all/ep" in out and "MFU" in out
+    # The transient categories `buffers` sums are shown under it, each on its own line.
+    assert run(["estimate", "--model", "llama3-8b", "--dp", "8", "--seq", "4096", "--zero-stage", "3",
+                "--global-batch", "32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["buffers"])
+    parts = {line.split()[0]: float(line.split()[1]) for line in lines[at + 1:at + 4]}
+    assert set(parts) == {"gathered_params", "grad_buckets", "param_grads"}
+    assert sum(parts.values()) == pytest.approx(float(lines[at].split()[1]), abs=0.02)
 
 
 def test_estimate_from_toml_file(tmp_path, capsys):

@@ -18,6 +18,7 @@ from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
 from orangetron.plan.search import SearchSpace, search
 from orangetron.plan.traffic import reduce_rounds
+from orangetron.spec.categories import TRANSIENT
 from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
 from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, Degrees, Job
@@ -260,6 +261,8 @@ def format_estimate(est: Estimate) -> str:
     for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead",
                 "total"):
         lines.append(f"  {key:<12} {mem.get(key, 0) / GIB:10.2f}")
+        if key == "buffers":  # the transient categories it sums, each measured on its own by the runtime
+            lines += [f"    {part:<16} {mem[part] / GIB:8.2f}" for part in TRANSIENT if mem.get(part)]
     lines.append(f"  capacity     {est.cluster.gpu.memory_gib:10.2f}" + ("" if est.fits else "  (does NOT fit)"))
     lines.append("communication per step (GiB sent by one rank of stage 0):")
     for key, row in est.comm.items():
