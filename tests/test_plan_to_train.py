@@ -53,7 +53,9 @@ def test_a_plans_config_trains_and_measures_what_was_predicted(tmp_path, capsys)
 def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys) -> None:
     path = tmp_path / "plan.toml"
     code = cli.main([*PLAN, "--emit-config", str(path), "--attention-kernel", "eager"])
-    assert code == 2 and "the trainer runs none of the" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and "the trainer runs none of the" in err
+    assert err.count("attention_kernel='eager'") == 1 and "#1, #2" in err  # one reason, the ranks it turned away
     assert not path.exists()
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "tiny"\nseq_len = 16\nwidth = 3\n')

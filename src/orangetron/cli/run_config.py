@@ -61,15 +61,19 @@ def _refusal(row: Estimate) -> str | None:
 def emit_config(ranked: list[Estimate], path: str) -> tuple[int, list[str]]:
     """Write the first row of `ranked` the trainer runs to `path`; (its 1-based rank, why earlier rows were
     passed over). ValueError when no row runs."""
-    passed_over = []
+    passed_over: dict[str, list[int]] = {}  # each reason once, with the ranks it turned away
     for rank, row in enumerate(ranked, start=1):
         reason = _refusal(row)
         if reason is None:
             _write(row, rank, Path(path))
-            return rank, passed_over
-        passed_over.append(f"#{rank}: {reason}")
+            return rank, _by_reason(passed_over)
+        passed_over.setdefault(reason, []).append(rank)
     raise ValueError(f"--emit-config {path}: the trainer runs none of the {len(ranked)} ranked configurations ("
-                     + "; ".join(passed_over) + ")")
+                     + "; ".join(_by_reason(passed_over)) + ")")
+
+
+def _by_reason(passed_over: dict[str, list[int]]) -> list[str]:
+    return [", ".join(f"#{rank}" for rank in ranks) + f": {reason}" for reason, ranks in passed_over.items()]
 
 
 def _write(row: Estimate, rank: int, path: Path) -> None:
