@@ -32,7 +32,8 @@ JOB_KEYS = ["seq_len", "micro_batch", "global_batch", "num_microbatches", "bucke
             "ep_comm_sms", "ep_comm_sms_reserved", "zero_stage", "distributed_optimizer", "zero3_prefetch",
             "zero3_keep_params", "zero3_reduce_every_microbatch", "param_dtype", "grad_dtype", "reduce_dtype",
             "pp_schedule", "virtual_stages", "pipeline_layout", "recompute", "recompute_layers", "attention_kernel",
-            "overlap_ep", "overlap_grad_reduce", "grad_accumulation_fusion", "fp8", "fp8_recipe"]
+            "overlap_ep", "overlap_grad_reduce", "grad_accumulation_fusion", "fp8", "fp8_recipe",
+            "optimizer_state_dtype"]
 
 
 def test_estimate_json_job_keeps_its_published_keys(capsys):
@@ -187,6 +188,24 @@ def test_plan_does_not_rank_a_reduction_every_micro_batch_that_changes_nothing(c
     every = [e for e in ranked if e.job.zero3_reduce_every_microbatch]
     assert every and [e for e in ranked if tp_sums_first(model, e.degrees, e.job)]  # both kinds of layout ranked
     assert not [e for e in every if tp_sums_first(model, e.degrees, e.job)]
+
+
+def test_estimate_prices_adam_moments_in_a_narrower_dtype(capsys):
+    """Llama 3 8B (8,030,261,248 parameters) with the distributed optimizer over dp 8: Adam's two moments take
+    2 x 4 bytes per parameter of the shard in fp32, 2 x 2 in bfloat16 (Megatron-Core's precision-aware
+    optimizer); nothing else changes, and the optimizer step reads and writes fewer bytes."""
+    args = ["estimate", "--model", "llama3-8b", "--dp", "8", "--seq", "4096", "--distributed-optimizer", "--json"]
+    run(args)
+    fp32 = last_json(capsys)
+    run([*args, "--optimizer-state-dtype", "bfloat16"])
+    bf16 = last_json(capsys)
+    shard = -(-8_030_261_248 // 8)
+    assert (fp32["memory_bytes"]["optimizer"], bf16["memory_bytes"]["optimizer"]) == (8 * shard, 4 * shard)
+    same = {k for k in fp32["memory_bytes"] if k not in ("optimizer", "total", "overhead")}
+    assert {k: bf16["memory_bytes"][k] for k in same} == {k: fp32["memory_bytes"][k] for k in same}
+    assert (fp32["job"]["optimizer_state_dtype"], bf16["job"]["optimizer_state_dtype"]) == ("", "bfloat16")
+    assert bf16["time_breakdown_s"]["optimizer_s"] < fp32["time_breakdown_s"]["optimizer_s"]
+    assert Job.from_json(bf16["job"]).optimizer_state_dtype == "bfloat16"
 
 
 def test_estimate_text_report(capsys):

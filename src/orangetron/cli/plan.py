@@ -82,6 +82,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",
                      help="gradient buckets of about N elements reduced during backward, as `train` (default 0: "
                           "one reduction after backward, every parameter's .grad kept until then)")
+    est.add_argument("--optimizer-state-dtype", choices=tuple(DTYPE_BYTES), default=None,
+                     help="Adam's two moments in this dtype (planner only; Megatron-Core's precision-aware "
+                          "optimizer, e.g. bfloat16; default: the main parameters' dtype, as `train`)")
     est.add_argument("--grad-accumulation-fusion", action="store_true",
                      help="price Megatron-Core's gradient path (planner only): gradients land in the main-gradient "
                           "buffer, one .grad at a time, and are reduced where they lie")
@@ -247,6 +250,7 @@ def _job(args: argparse.Namespace) -> Job:
               fp8_recipe=args.fp8_recipe, grad_bucket_numel=args.grad_bucket_numel,
               zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
               zero3_prefetch=args.zero3_prefetch, zero3_keep_params=args.zero3_keep_params,
+              optimizer_state_dtype=args.optimizer_state_dtype,
               grad_accumulation_fusion=args.grad_accumulation_fusion, doc_lengths=getattr(args, "doc_lengths", ()))
 
 

@@ -48,6 +48,13 @@ def data_parallel_segments(model: ModelSpec, deg: Degrees, job: Job, stage: int 
     return out
 
 
+def moment_bytes(job: Job) -> int:
+    """Bytes of one element of one of Adam's moments: `optimizer_state_dtype`, else the main parameters'."""
+    if job.optimizer_state_dtype:
+        return DTYPE_BYTES[job.optimizer_state_dtype]
+    return 4 if job.mixed_precision else job.param_bytes
+
+
 def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
                       segments: list[tuple[str, int, int]] | None = None) -> dict[str, int]:
     """params / grads / main_params / optimizer bytes per GPU, exactly docs/planner.md section 3's table.
@@ -70,7 +77,7 @@ def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
         "params": p_bytes * (shard if job.zero_stage == 3 else full),
         "grads": g_bytes * (shard if job.zero_stage >= 2 else full),
         "main_params": main_bytes * shard if job.mixed_precision else 0,
-        "optimizer": 2 * main_bytes * shard,  # Adam's two moments, in the main-param dtype
+        "optimizer": 2 * moment_bytes(job) * shard,  # Adam's two moments
     }
 
 

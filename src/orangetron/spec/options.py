@@ -66,6 +66,9 @@ class Job(ParallelConfig):
     # Packed documents' lengths in tokens, in the order they are packed into sequences of seq_len (a document
     # continued into the next sequence restarts there); empty: one document per sequence. Planner only
     doc_lengths: tuple[int, ...] = ()
+    # Adam's two moments kept in this dtype (Megatron-Core's precision-aware optimizer, `--exp-avg-dtype bf16
+    # --exp-avg-sq-dtype bf16`); None: the main parameters' dtype, as the runtime keeps them. Planner only
+    optimizer_state_dtype: str | None = None
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
@@ -74,6 +77,8 @@ class Job(ParallelConfig):
         check_choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         check_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         check_choice("grad_dtype", self.grad_dtype, tuple(DTYPE_BYTES))
+        if self.optimizer_state_dtype is not None:
+            check_choice("optimizer_state_dtype", self.optimizer_state_dtype, tuple(DTYPE_BYTES))
         self._check_grad_accumulation_fusion()
         object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))  # a list from JSON or TOML
         object.__setattr__(self, "doc_lengths", tuple(self.doc_lengths))
@@ -142,27 +147,29 @@ class Job(ParallelConfig):
         if unknown:
             raise ValueError(f"job keys {', '.join(unknown)}: not keys of the published job object")
         values = {names[key]: value for key, value in published.items()}
-        if values.get("reduce_dtype") == "":
-            values["reduce_dtype"] = None
+        for name in _EMPTY_IS_NONE:
+            if values.get(name) == "":
+                values[name] = None
         return cls(**values)
 
 
 # The `job` object's fields in the order `estimate --json` has printed them (a contract with the scripts that read
 # it), and the keys of the two printed under the names they had before the runtime's options became the job's.
-# `reduce_dtype` None prints as "" (the parameters' dtype), as it always has; `drop_policy` is not priced and not
-# printed.
+# `reduce_dtype` None prints as "" (the parameters' dtype), as it always has, and so does `optimizer_state_dtype`
+# None (the main parameters'), the last key, added after the others; `drop_policy` is not priced and not printed.
 PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "grad_bucket_numel", "clip_grad",
                     "sequence_parallel", "cp_mode", "ulysses_degree", "dispatcher", "capacity_factor",
                     "ep_overlap_chunks", "ep_comm_sms", "ep_comm_sms_reserved", "zero_stage", "distributed_optimizer",
                     "zero3_prefetch", "zero3_keep_params", "zero3_reduce_every_microbatch", "param_dtype",
                     "grad_dtype", "reduce_dtype", "pp_schedule", "virtual_stages", "pipeline_layout", "recompute",
                     "recompute_layers", "attention_kernel", "overlap_ep", "overlap_grad_reduce",
-                    "grad_accumulation_fusion", "fp8", "fp8_recipe")
+                    "grad_accumulation_fusion", "fp8", "fp8_recipe", "optimizer_state_dtype")
 PUBLISHED_AS = {"microbatches": "num_microbatches", "grad_bucket_numel": "bucket_numel"}
+_EMPTY_IS_NONE = ("reduce_dtype", "optimizer_state_dtype")  # None prints as "": the default dtype
 
 
 def _published(name: str, value: object) -> object:
-    if name == "reduce_dtype" and value is None:
+    if name in _EMPTY_IS_NONE and value is None:
         return ""
     return list(value) if isinstance(value, tuple) else value
 
