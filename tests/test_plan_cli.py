@@ -208,6 +208,28 @@ def test_estimate_prices_adam_moments_in_a_narrower_dtype(capsys):
     assert Job.from_json(bf16["job"]).optimizer_state_dtype == "bfloat16"
 
 
+def test_adam_moments_move_what_their_width_says(tmp_path, capsys):
+    """The optimizer step's bytes follow the moments' width against the main parameters': float64 parameters
+    with float64 moments (their default) step as without the option, float32 moments faster. `estimate
+    --config` takes the planner-only option from the command line as `estimate` does."""
+    args = ["estimate", "--model", "tiny", "--dp", "2", "--seq", "64", "--param-dtype", "float64",
+            "--distributed-optimizer", "--json"]
+    times = {}
+    for dtype in (None, "float64", "float32"):
+        run([*args, *(("--optimizer-state-dtype", dtype) if dtype else ())])
+        result = last_json(capsys)
+        times[dtype] = (result["time_breakdown_s"]["optimizer_s"], result["memory_bytes"]["optimizer"])
+    assert times["float64"] == times[None]
+    assert times["float32"][0] < times[None][0] and 2 * times["float32"][1] == times[None][1]
+    config = tmp_path / "run.toml"
+    config.write_text('model = "tiny"\nseq_len = 64\ndp = 2\ndistributed_optimizer = true\n')
+    run(["estimate", "--config", str(config), "--json"])
+    plain = last_json(capsys)["memory_bytes"]["optimizer"]
+    run(["estimate", "--config", str(config), "--optimizer-state-dtype", "bfloat16", "--json"])
+    narrow = last_json(capsys)
+    assert narrow["job"]["optimizer_state_dtype"] == "bfloat16" and 2 * narrow["memory_bytes"]["optimizer"] == plain
+
+
 def test_estimate_text_report(capsys):
     assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "64", "--ep", "8", "--tp", "2",
                 "--sequence-parallel", "--zero-stage", "1", "--seq", "4096"]) == 0

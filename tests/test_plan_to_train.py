@@ -62,7 +62,8 @@ def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys)
     assert cli.main(["estimate", "--config", str(bad)]) == 2
     assert "unknown key 'width'" in capsys.readouterr().err
     # Values are checked as `train --config` checks them: a switch takes true or false, a degree an integer.
-    for line, why in (('zero3_prefetch = "no"', "must be true or false"), ("dp = 2.0", "must be an integer")):
+    for line, why in (('zero3_prefetch = "no"', "must be true or false"), ("dp = 2.0", "must be an integer"),
+                      ('capacity_factor = "1.0"', "must be a number"), ("capacity_factor = true", "must be a number")):
         bad.write_text(f'model = "tiny"\nseq_len = 16\n{line}\n')
         assert cli.main(["estimate", "--config", str(bad)]) == 2
         err = capsys.readouterr().err

@@ -213,7 +213,8 @@ def run_estimate(args: argparse.Namespace) -> int:
 
         model, deg, job = estimate_job(args.config)
         model = model if isinstance(model, ModelSpec) else _decoder(model)
-        job = replace(job, attention_kernel=args.attention_kernel, fp8=args.fp8, fp8_recipe=args.fp8_recipe)
+        job = replace(job, attention_kernel=args.attention_kernel, fp8=args.fp8, fp8_recipe=args.fp8_recipe,
+                      optimizer_state_dtype=args.optimizer_state_dtype)  # the planner-only options, from the flags
     elif args.model is None:
         raise ValueError("--model is required (or --config FILE)")
     else:

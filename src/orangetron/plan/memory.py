@@ -48,11 +48,16 @@ def data_parallel_segments(model: ModelSpec, deg: Degrees, job: Job, stage: int 
     return out
 
 
+def main_param_bytes(job: Job) -> int:
+    """Bytes of one main parameter: fp32 under mixed precision, else the parameters' own."""
+    return 4 if job.mixed_precision else job.param_bytes
+
+
 def moment_bytes(job: Job) -> int:
     """Bytes of one element of one of Adam's moments: `optimizer_state_dtype`, else the main parameters'."""
     if job.optimizer_state_dtype:
         return DTYPE_BYTES[job.optimizer_state_dtype]
-    return 4 if job.mixed_precision else job.param_bytes
+    return main_param_bytes(job)
 
 
 def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
@@ -71,7 +76,7 @@ def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
         full += padded_numel(numel, n)
         shard += shard_numel(numel, n)
     p_bytes = job.param_bytes
-    main_bytes = 4 if job.mixed_precision else p_bytes  # fp32 main params and grads under mixed precision
+    main_bytes = main_param_bytes(job)  # fp32 main params and grads under mixed precision
     g_bytes = DTYPE_BYTES[job.grad_dtype] if job.mixed_precision else p_bytes
     return {
         "params": p_bytes * (shard if job.zero_stage == 3 else full),

@@ -40,7 +40,7 @@ from orangetron.plan.compute import (
     linear_time,
     weight_grad_time,
 )
-from orangetron.plan.memory import moment_bytes
+from orangetron.plan.memory import main_param_bytes, moment_bytes
 from orangetron.plan.network import (
     DEFAULT_PARAMS,
     NetworkParams,
@@ -695,8 +695,9 @@ def _optimizer_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, 
     params = stage_params(model, deg, stage, job.virtual_stages, job.pipeline_layout)
     sharded = job.zero_stage > 0 or job.distributed_optimizer
     shard = params.dense / (deg.dp_cp if sharded else 1) + params.expert / (deg.edp if sharded else 1)
-    # The constant reads and writes both moments in fp32 (16 bytes); narrower moments move fewer.
-    moments = 4 * (4 - moment_bytes(job)) if job.optimizer_state_dtype else 0
+    # The constant reads and writes both moments in the main parameters' dtype; other moments move
+    # 4 x the difference per parameter.
+    moments = 4 * (main_param_bytes(job) - moment_bytes(job))
     return shard * (eff.optimizer_bytes_per_param - moments) / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
 
 
