@@ -127,14 +127,10 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
 def _typed(path: str, key: str, value: Any, default: Any) -> Any:
     """`value` when it has the type of the option's default (a switch, a count, a number), as `train --config`
     checks it."""
-    where = f"--config {path}: {key} = {value!r}"
-    if isinstance(default, bool) and not isinstance(value, bool):
-        raise ValueError(f"{where}: must be true or false")
-    if isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool)
-                                                                        or not isinstance(value, int)):
-        raise ValueError(f"{where}: must be an integer")
-    if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"{where}: must be a number")
+    from orangetron.train.config_file import check_scalar
+
+    if isinstance(default, (bool, int, float)):
+        check_scalar(f"--config {path}: {key} = {value!r}", value, type(default))
     return value
 
 

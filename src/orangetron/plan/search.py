@@ -177,6 +177,12 @@ def fewest_replays_that_fit(model: ModelSpec, deg: Degrees, job: Job, limit: flo
 Scored = list[tuple[float, int, Degrees, Job, dict[str, int]]]
 
 
+def _reduces_once(model: ModelSpec, deg: Degrees, job: Job) -> bool:
+    """One gradient reduction a step whatever `zero3_reduce_every_microbatch` says: one micro-batch, or partial
+    gradients summed over tp first."""
+    return job.replica_microbatches(deg) == 1 or tp_sums_first(model, deg, job)
+
+
 def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Cluster, limit: float,
                  overhead: MemoryOverhead, partial: bool, eff: Efficiency) -> Scored:
     """The options of one group worth timing. Within a pricing class the first that fits (less recompute, then
@@ -190,8 +196,7 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
     for job in group:
         cls = _pricing_class(job)
         key = (cls, job.recompute) if partial and job.recompute != "none" else cls
-        once = job.replica_microbatches(deg) == 1 or tp_sums_first(model, deg, job)  # one reduction whatever
-        if cls in closed or key in closed or job.zero3_reduce_every_microbatch and once:
+        if cls in closed or key in closed or job.zero3_reduce_every_microbatch and _reduces_once(model, deg, job):
             continue  # dominated, or (one reduction a step) the same step as "zero3"
         try:
             validate(model, deg, job)

@@ -186,25 +186,23 @@ def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job, cp_rank: 
     if deg.cp == 1:
         return []
     passes = 2 if job.recompute == "full" else 1
-    if job.doc_lengths and model.causal and job.cp_mode in ("ring", "usp"):
-        return _packed_ring_records(model, deg, job, passes, cp_rank)
-    return CONTEXT_MODES[job.cp_mode].records(model, deg, job, passes)
+    mode = CONTEXT_MODES[job.cp_mode]
+    if job.doc_lengths and model.causal and mode.packed_ring:
+        return _packed_ring_records(model, deg, job, passes, cp_rank, *mode.packed_ring(deg, job))
+    return mode.records(model, deg, job, passes)
 
 
-def _packed_ring_records(model: ModelSpec, deg: Degrees, job: Job, passes: int,
-                         cp_rank: int | None) -> list[CommRecord]:
-    """Ring attention (and USP's ring over its Ulysses groups) over packed documents: each K,V ring's transfers
-    carry the runs of keys a member still to visit sees (`plan.packed.ring_steps`), a transfer with nothing
-    either way is not made; the dK,dV accumulators still go all the way home, one hop per member. USP's
-    all-to-alls are those of one sequence."""
-    usp = job.cp_mode == "usp"
-    u = job.ulysses_degree if usp else 1
+def _packed_ring_records(model: ModelSpec, deg: Degrees, job: Job, passes: int, cp_rank: int | None, u: int,
+                         dim: str) -> list[CommRecord]:
+    """A K,V ring over packed documents, each member `u` cp ranks (USP's Ulysses groups; 1 for ring attention)
+    on planner group `dim`: its transfers carry the runs of keys a member still to visit sees
+    (`plan.packed.ring_steps`), a transfer with nothing either way is not made; the dK,dV accumulators still go
+    all the way home, one hop per member. The mode's other records (USP's all-to-alls) are one sequence's."""
     members = deg.cp // u
-    ulysses = [r for r in CONTEXT_MODES["usp"].records(model, deg, job, passes) if r.op != "send_recv"] if usp else []
+    others = [r for r in CONTEXT_MODES[job.cp_mode].records(model, deg, job, passes) if r.op != "send_recv"]
     if members == 1:
-        return ulysses
-    dim = "cp_ring" if usp else "cp"
-    home = kv_bytes(model, deg, job, heads=ulysses_kv_heads(model, deg, u)) if usp else kv_bytes(model, deg, job)
+        return others
+    home = kv_bytes(model, deg, job, heads=ulysses_kv_heads(model, deg, u))  # u = 1: this rank's own kv heads
     per_token = home / (u * (job.seq_len // deg.cp))
     steps = ring_steps(job.doc_lengths, job.seq_len, deg.cp, u)
     member = max(range(members), key=lambda m: sum(got for _, got in steps[m])) if cp_rank is None else cp_rank // u
@@ -213,7 +211,7 @@ def _packed_ring_records(model: ModelSpec, deg: Degrees, job: Job, passes: int,
         sent_bytes, got_bytes = round(sent * per_token), round(got * per_token)
         if sent_bytes or got_bytes:
             one_pass.append(CommRecord("send_recv", dim, sent_bytes, sent_bytes, got_bytes))
-    return ulysses + one_pass * (passes + 1) + send_recv_records(dim, home, members)
+    return others + one_pass * (passes + 1) + send_recv_records(dim, home, members)
 
 
 def expert_parallel_records(model: ModelSpec, deg: Degrees, job: Job,

@@ -77,7 +77,8 @@ def _head_shard_bytes(model: Any, x: Any, heads: int, kv: int, degree: int) -> i
 
 CONTEXT_MODES.register(ContextMode(
     name="ring", summary="K,V blocks around the ring, overlapped with the block at hand",
-    runtime="orangetron.parallel.context.ring", records=_ring_records, key_blocks=lambda deg, job: deg.cp))
+    runtime="orangetron.parallel.context.ring", records=_ring_records, key_blocks=lambda deg, job: deg.cp,
+    packed_ring=lambda deg, job: (1, "cp")))
 CONTEXT_MODES.register(ContextMode(
     name="allgather", summary="K,V gathered once (again in backward), dK,dV reduce-scattered",
     runtime="orangetron.parallel.context.allgather", records=_allgather_records))
@@ -97,7 +98,7 @@ CONTEXT_MODES.register(ContextMode(
     key_blocks=lambda deg, job: deg.cp // job.ulysses_degree,
     subgroups=lambda deg, job: {"cp_ulysses": (job.ulysses_degree, 1),
                                 "cp_ring": (deg.cp // job.ulysses_degree, job.ulysses_degree)},
-    takes_ulysses_degree=True))
+    takes_ulysses_degree=True, packed_ring=lambda deg, job: (job.ulysses_degree, "cp_ring")))
 CONTEXT_MODES.register(ContextMode(
     name="rsa", summary="ring self-attention: K then V around the ring, [L, S] probabilities kept (ColossalAI)",
     runtime="orangetron.parallel.context.rsa", records=_rsa_records,

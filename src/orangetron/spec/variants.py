@@ -156,6 +156,9 @@ class ContextMode(Variant):
     subgroups: Callable[..., dict[str, tuple[int, int]]] = lambda deg, job: {}
     takes_ulysses_degree: bool = False  # the `ulysses_degree` option applies to it
     searched: bool = True  # `plan` tries it (usp needs a degree of its own; rsa never beats ring)
+    # (deg, job) -> (cp ranks per ring member, the ring's planner group) for a mode whose K,V ring skips, over
+    # packed documents, the blocks no later member sees (plan/traffic.py); None: priced as one sequence
+    packed_ring: Callable[..., tuple[int, str]] | None = None
 
 
 @dataclass(frozen=True)

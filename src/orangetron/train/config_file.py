@@ -80,23 +80,31 @@ def _model_table(path: str, table: dict[str, Any]) -> Any:
     return spec
 
 
+def check_scalar(where: str, value: Any, kind: type) -> None:
+    """Raise unless TOML's `value` is a `kind`: bool (true or false), int (an integer, not a bool) or float (a
+    number)."""
+    if kind is bool and not isinstance(value, bool):
+        raise ValueError(f"{where}: must be true or false")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{where}: must be an integer")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{where}: must be a number")
+
+
 def _checked(path: str, key: str, value: Any, action: argparse.Action) -> Any:
     where = f"--config {path}: {key} = {value!r}"
     if isinstance(value, dict):
         raise ValueError(f"{where}: a table; this key takes a single value")
     if action.nargs == 0:  # a switch (store_true)
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}: must be true or false")
+        check_scalar(where, value, bool)
         return value
     if action.nargs in ("+", "*"):
         values = [value] if isinstance(value, str) else value
         if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
             raise ValueError(f"{where}: must be a string or a list of strings")
         return values
-    if action.type is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"{where}: must be an integer")
-    if action.type is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"{where}: must be a number")
+    if action.type in (int, float):
+        check_scalar(where, value, action.type)
     if action.type is None and not isinstance(value, str):
         raise ValueError(f"{where}: must be a string")
     if action.choices is not None and value not in action.choices:
