@@ -6,6 +6,8 @@
 - plan_published: predicted vs published figure of the calibration rows of src/orangetron/plan/validation_runs.toml
   (ratio = predicted / published).
 - plan_validation: the same for its validation rows (never fitted on).
+- plan_reserved: the whole-GPU total (overhead included) vs each published peak of reserved memory of its
+  `[[reserved]]` rows (ratio = predicted / published), calibration and validation rows named as such.
 - plan_ibgda: throughput of a stream of small messages, GPU-initiated (IBGDA) vs CPU proxy (ratio).
 """
 
@@ -70,6 +72,16 @@ def bench_published() -> None:
         emit(kind, f"{run.name} [{run.cls}]", run.metric, validation.predict(run), units[run.metric], run.published)
 
 
+def bench_reserved() -> None:
+    from orangetron.plan import reserved
+
+    gib = 1024**3
+    for row in reserved.load_reserved():
+        if row.metric == "reserved_gib":
+            emit("plan_reserved", f"{row.name} [{row.split}]", "reserved", reserved.predicted_bytes(row) / gib, "GiB",
+                 row.published)
+
+
 def bench_ibgda() -> None:
     cluster = make_cluster("h100", 16)
     for size in (8, 64, 256, 1024, 4096, 65536, 1 << 20):
@@ -81,4 +93,5 @@ def bench_ibgda() -> None:
 if __name__ == "__main__":
     bench_search()
     bench_published()
+    bench_reserved()
     bench_ibgda()

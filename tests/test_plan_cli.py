@@ -33,7 +33,7 @@ JOB_KEYS = ["seq_len", "micro_batch", "global_batch", "num_microbatches", "bucke
             "zero3_keep_params", "zero3_reduce_every_microbatch", "param_dtype", "grad_dtype", "reduce_dtype",
             "pp_schedule", "virtual_stages", "pipeline_layout", "recompute", "recompute_layers", "attention_kernel",
             "overlap_ep", "overlap_grad_reduce", "grad_accumulation_fusion", "fp8", "fp8_recipe",
-            "optimizer_state_dtype"]
+            "optimizer_state_dtype", "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss"]
 
 
 def test_estimate_json_job_keeps_its_published_keys(capsys):
@@ -228,6 +228,46 @@ def test_adam_moments_move_what_their_width_says(tmp_path, capsys):
     run(["estimate", "--config", str(config), "--optimizer-state-dtype", "bfloat16", "--json"])
     narrow = last_json(capsys)
     assert narrow["job"]["optimizer_state_dtype"] == "bfloat16" and 2 * narrow["memory_bytes"]["optimizer"] == plain
+
+
+def test_estimate_prices_the_framework_paths(tmp_path, capsys):
+    """`--tp-sum-with-reduction` frees each `.grad` under SP instead of keeping them all to the step,
+    `--eager-fp32-loss` adds two fp32 logit copies to the activations, `--accumulate-in-reduce-dtype` widens
+    ZeRO-3 gradients that wait across micro-batches; each is printed in the job and read back, and `estimate
+    --config` takes them from its flags too."""
+    args = ["estimate", "--model", "tiny", "--tp", "2", "--sequence-parallel", "--dp", "2", "--seq", "64",
+            "--global-batch", "8", "--grad-bucket-numel", "4096", "--json"]
+    run(args)
+    plain = last_json(capsys)
+    flags = {"--tp-sum-with-reduction": "tp_sum_with_reduction", "--eager-fp32-loss": "eager_fp32_loss"}
+    out = {}
+    for flag, key in flags.items():
+        run([*args, flag])
+        out[key] = last_json(capsys)
+        assert out[key]["job"][key] is True and plain["job"][key] is False
+        assert getattr(Job.from_json(out[key]["job"]), key)
+    assert out["tp_sum_with_reduction"]["memory_bytes"]["param_grads"] < plain["memory_bytes"]["param_grads"]
+    from orangetron.spec.model import load_model
+
+    vocab_tokens = 64 * load_model("tiny").vocab_size // 2  # one micro-batch of one sequence, vocab over tp 2
+    extra = out["eager_fp32_loss"]["memory_bytes"]["activations"] - plain["memory_bytes"]["activations"]
+    assert extra == 2 * 4 * vocab_tokens
+    zero3 = ["estimate", "--model", "tiny", "--dp", "2", "--seq", "64", "--global-batch", "8", "--zero-stage", "3",
+             "--reduce-dtype", "float32", "--json"]
+    run(zero3)
+    narrow = last_json(capsys)["memory_bytes"]["param_grads"]
+    run([*zero3, "--accumulate-in-reduce-dtype"])
+    assert last_json(capsys)["memory_bytes"]["param_grads"] == 2 * narrow  # bf16 -> fp32
+    config = tmp_path / "run.toml"
+    config.write_text('model = "tiny"\nseq_len = 64\ntp = 2\ndp = 2\nsequence_parallel = true\n'
+                      'grad_bucket_numel = 4096\n')
+    run(["estimate", "--config", str(config), "--json"])
+    from_file = last_json(capsys)["memory_bytes"]
+    run(["estimate", "--config", str(config), "--tp-sum-with-reduction", "--eager-fp32-loss", "--json"])
+    priced = last_json(capsys)
+    assert priced["job"]["tp_sum_with_reduction"] is True and priced["job"]["eager_fp32_loss"] is True
+    assert priced["memory_bytes"]["param_grads"] < from_file["param_grads"]
+    assert priced["memory_bytes"]["activations"] > from_file["activations"]
 
 
 def test_estimate_text_report(capsys):
@@ -458,15 +498,15 @@ def test_estimate_folds_experts_with_edp(capsys):
 
 
 def test_plan_replays_only_the_layers_memory_needs(capsys):
-    """Llama 3 8B at 32768 tokens on 4 H100: replaying 4 of 32 layers (cp 4) beats replaying all of them, which
-    `--no-partial-recompute` is left with; the table shows full/4."""
+    """Llama 3 8B at 32768 tokens on 4 H100: replaying 6 of 32 layers (cp 4) beats replaying all of them, which
+    `--no-partial-recompute` is left with; the table shows full/6."""
     args = ["plan", "--model", "llama3-8b", "--gpus", "4", "--seq", "32768", "--global-batch", "4", "--top", "2"]
     assert run([*args, "--json"]) == 0
     partial = last_json(capsys)["ranked"][0]
     assert run([*args, "--json", "--no-partial-recompute"]) == 0
     whole = last_json(capsys)["ranked"][0]
-    assert partial["job"]["recompute"] == "full" and partial["job"]["recompute_layers"] == 4
+    assert partial["job"]["recompute"] == "full" and partial["job"]["recompute_layers"] == 6
     assert whole["job"]["recompute_layers"] == 0
     assert partial["step_time_s"] < whole["step_time_s"]
     assert run(args) == 0
-    assert " full/4 " in capsys.readouterr().out
+    assert " full/6 " in capsys.readouterr().out

@@ -88,6 +88,15 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--grad-accumulation-fusion", action="store_true",
                      help="price Megatron-Core's gradient path (planner only): gradients land in the main-gradient "
                           "buffer, one .grad at a time, and are reduced where they lie")
+    est.add_argument("--tp-sum-with-reduction", action="store_true",
+                     help="price a framework that sums partial gradients over tp in the data-parallel reduction's "
+                          "own pass (planner only; Megatron-Core, torchtitan): no reduction waits for the step")
+    est.add_argument("--accumulate-in-reduce-dtype", action="store_true",
+                     help="gradients waiting across micro-batches accumulate in --reduce-dtype (planner only; "
+                          "FSDP2; no effect when that is the parameters' dtype)")
+    est.add_argument("--eager-fp32-loss", action="store_true",
+                     help="the loss upcasts the logits and runs torch's unfused cross-entropy (planner only; "
+                          "torchtitan): three float32 copies of the logits at its backward")
     est.add_argument("--no-overlap-ep", action="store_true",
                      help="no paired micro-batch overlap: only shared experts hide the expert all-to-all")
     est.add_argument("--no-overlap-grad-reduce", action="store_true",
@@ -213,8 +222,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 
         model, deg, job = estimate_job(args.config)
         model = model if isinstance(model, ModelSpec) else _decoder(model)
-        job = replace(job, attention_kernel=args.attention_kernel, fp8=args.fp8, fp8_recipe=args.fp8_recipe,
-                      optimizer_state_dtype=args.optimizer_state_dtype)  # the planner-only options, from the flags
+        job = replace(job, **_planner_only(args))  # the planner-only options, from the flags
     elif args.model is None:
         raise ValueError("--model is required (or --config FILE)")
     else:
@@ -223,7 +231,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     if job.zero3_reduce_every_microbatch and reduce_rounds(model, deg, job) == 1:
         print("orangetron estimate: note: zero3_reduce_every_microbatch has no effect here: it needs ZeRO-3 and "
               "several micro-batches, and partial gradients summed over tp first (sequence parallelism, kv heads "
-              "fewer than tp, QK-norm) hold every reduction to the step", file=sys.stderr)
+              "fewer than tp, QK-norm) hold every reduction to the step (unless --tp-sum-with-reduction)",
+              file=sys.stderr)
     if not est.fits:
         from orangetron.plan.fit_advice import explain
 
@@ -246,13 +255,20 @@ def _job(args: argparse.Namespace) -> Job:
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
               pp_schedule=schedule, virtual_stages=args.virtual_stages, pipeline_layout=args.pipeline_layout,
               recompute=args.recompute, recompute_layers=args.recompute_layers,
-              attention_kernel=args.attention_kernel, reduce_dtype=args.reduce_dtype,
-              overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce, fp8=args.fp8,
-              fp8_recipe=args.fp8_recipe, grad_bucket_numel=args.grad_bucket_numel,
+              reduce_dtype=args.reduce_dtype,
+              overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+              grad_bucket_numel=args.grad_bucket_numel,
               zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
               zero3_prefetch=args.zero3_prefetch, zero3_keep_params=args.zero3_keep_params,
-              optimizer_state_dtype=args.optimizer_state_dtype,
-              grad_accumulation_fusion=args.grad_accumulation_fusion, doc_lengths=getattr(args, "doc_lengths", ()))
+              grad_accumulation_fusion=args.grad_accumulation_fusion, doc_lengths=getattr(args, "doc_lengths", ()),
+              **_planner_only(args))
+
+
+def _planner_only(args: argparse.Namespace) -> dict[str, object]:
+    """The job's options `estimate --config` takes from its flags: a run's config file has none of them."""
+    return {"attention_kernel": args.attention_kernel, "fp8": args.fp8, "fp8_recipe": args.fp8_recipe,
+            "optimizer_state_dtype": args.optimizer_state_dtype, "tp_sum_with_reduction": args.tp_sum_with_reduction,
+            "accumulate_in_reduce_dtype": args.accumulate_in_reduce_dtype, "eager_fp32_loss": args.eager_fp32_loss}
 
 
 def format_estimate(est: Estimate) -> str:

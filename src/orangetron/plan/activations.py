@@ -231,13 +231,13 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
         mbs = _microbatches_in_flight(deg, job, stage)
         total += int(ids * mbs + rope * chunk_mbs + mask * (chunk_mbs if x.rep > 1 else mbs))
     if stage == deg.pp - 1:
-        # Final-norm input, output-projection input, fp32 (fp64) logits' gradient for the loss (vocab-parallel),
-        # per micro-batch whose loss waits for its backward (`head_in_flight`).
-        head = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
+        # The output layer's buffers, per micro-batch whose loss waits for its backward (`head_in_flight`), and an
+        # eager loss's extra copies once: only the loss backward that runs holds them.
+        head, loss = _head_bytes(m, x), _eager_loss_bytes(m, x, job)
         if head_freed_first:  # the larger of the end of forward and the replay
-            total += head * (head_in_flight(deg, job) - 1) + max(head, transient)
+            total += head * (head_in_flight(deg, job) - 1) + max(head + loss, transient)
         else:
-            total += head * head_in_flight(deg, job)
+            total += head * head_in_flight(deg, job) + loss
         if m.mtp_layers:
             layer, inputs = _mtp_layer_bytes(m, deg, job)
             if schedule.split_backward:  # as a decoder layer: one waits for its B, pp - 1 for their W
@@ -247,6 +247,20 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
                 layer = layer * in_flight(deg, job, stage)
             total += m.mtp_layers * (layer + inputs * in_flight(deg, job, stage) + head * head_in_flight(deg, job))
     return total
+
+
+def _head_bytes(m: ModelSpec, x: LayerShape) -> int:
+    """The output layer's buffers for one micro-batch until its backward: the final norm's and the output
+    projection's inputs and the loss's fp32 (fp64) logits' gradient (vocab-parallel)."""
+    sb = x.s * x.b
+    return 2 * x.a * sb * m.hidden_size // x.rep + x.acc * sb * m.vocab_size // x.t
+
+
+def _eager_loss_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
+    """What an eager fp32 loss's backward adds while it runs, once at a time (`Job.eager_fp32_loss`): beside
+    the saved log-softmax, which a micro-batch keeps as the fused loss keeps its gradient, the gradient
+    nll_loss writes and log-softmax's input gradient."""
+    return 2 * x.acc * x.s * x.b * m.vocab_size // x.t if job.eager_fp32_loss else 0
 
 
 def _mtp_layer_bytes(m: ModelSpec, deg: Degrees, job: Job) -> tuple[int, int]:
@@ -387,16 +401,17 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     if stage == 0:  # token ids (Llama-style models), embedding-dropout mask
         weights[0] += (8 * sb if _counts_small_buffers(m) else 0) + (sb * h // x.rep if m.dropout else 0)
     if stage == p - 1:
-        head = 2 * x.a * sb * h // x.rep + x.acc * sb * m.vocab_size // x.t
+        head = _head_bytes(m, x)
         weights[-1] += head + m.mtp_layers * (sum(_mtp_layer_bytes(m, deg, job)) + head)
     weights.append(mask)
     peak = max(sum(w * n for w, n in zip(weights, held, strict=True))
                for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
     chunks = (stage_layers(m.num_layers, p * v, 1, stage + c * p, job.pipeline_layout) for c in range(v))
     transient = max(_stage_replay_transient(m, deg, job, stage, layers) for layers in chunks)
+    loss = _eager_loss_bytes(m, x, job) if stage == p - 1 else 0
     if stage == p - 1 and transient > 0 and not m.mtp_layers:  # the loss's backward frees the head first
-        return peak - head + max(head, transient)
-    return peak + transient
+        return peak - head + max(head + loss, transient)
+    return peak + transient + loss
 
 
 def _interleaved_holdings(p: int, microbatches: int, v: int, stage: int,

@@ -41,7 +41,7 @@ class MemoryOverhead:
     per_group_gib: float = 0.5  # one NCCL communicator's buffers
     # allocator fragmentation, share of activations and transient buffers; fitted on calibration rows:
     # plan/validation_runs.toml, "overhead fraction"
-    fraction: float = 0.15
+    fraction: float = 0.19
 
     def __post_init__(self) -> None:
         for name in ("context_gib", "per_group_gib", "fraction"):

@@ -183,6 +183,9 @@ def _layers_with_mtp(model: ModelSpec, pp: int, virtual_stages: int, stage: int,
 
 def tp_sums_first(model: ModelSpec, deg: Degrees, job: Job) -> bool:
     """Partial gradients must be summed over tp before the data-parallel reduction (SP, kv heads fewer than tp,
-    QK-norm): the runtime then reduces everything at the step, after that sum."""
+    QK-norm): the runtime then reduces everything at the step, after that sum. Not where the framework sums them
+    in the reduction's own pass (`Job.tp_sum_with_reduction`)."""
+    if job.tp_sum_with_reduction:
+        return False
     kv_replicated = not model.kv_lora_rank and model.kv_heads < deg.tp
     return deg.tp > 1 and (job.sequence_parallel or kv_replicated or model.qk_norm)

@@ -102,8 +102,11 @@ def _job(values: dict) -> Job:
     """A row's job. A published fully sharded run reduce-scatters every micro-batch's gradients unless the row
     says otherwise: that is what FSDP (without its opt-in `no_sync`), FSDP2 (without
     `set_requires_gradient_sync(False)`), DeepSpeed ZeRO-3 and Megatron's FSDP do, and the only way the large
-    runs fit (MPT-70B's unsharded bf16 gradients alone would take 121 GiB of an 80 GiB GPU)."""
+    runs fit (MPT-70B's unsharded bf16 gradients alone would take 121 GiB of an 80 GiB GPU). Every row sums
+    partial gradients over tp in its reduction's pass (`tp_sum_with_reduction`): no published framework holds
+    its reductions to the step for the tp sums, as orangetron's runtime does."""
     values = _tuples(values)
+    values.setdefault("tp_sum_with_reduction", True)
     if values.get("zero_stage") == 3:
         values.setdefault("zero3_reduce_every_microbatch", True)
     return Job(**values)

@@ -69,6 +69,21 @@ class Job(ParallelConfig):
     # Adam's two moments kept in this dtype (Megatron-Core's precision-aware optimizer, `--exp-avg-dtype bf16
     # --exp-avg-sq-dtype bf16`); None: the main parameters' dtype, as the runtime keeps them. Planner only
     optimizer_state_dtype: str | None = None
+    # Partial gradients (sequence parallel's replicated norms, kv heads fewer than tp, QK-norm) summed over tp in
+    # the data-parallel reduction's own pass, unit by unit, as Megatron-Core (`finalize_model_grads`) and
+    # torchtitan (FSDP2 with DTensor) do: the sums commute, so nothing waits for the step. Off: the runtime sums
+    # them over tp first and holds every data-parallel reduction, and each `.grad`, to the step. Planner only
+    tp_sum_with_reduction: bool = False
+    # Gradients waiting unsharded across micro-batches (ZeRO-2/3 without a reduction per micro-batch, or held to
+    # the step) are accumulated in the reduce dtype, as FSDP2 upcasts them (`FSDPParam.to_accumulated_grad_if_
+    # needed`); off: in the parameter dtype, as the runtime's `.grad`. No effect where the two dtypes are one.
+    # Planner only
+    accumulate_in_reduce_dtype: bool = False
+    # The loss upcasts the logits and runs torch's unfused cross-entropy (torchtitan's
+    # `cross_entropy(pred.flatten(0, 1).float(), labels)`): its backward holds three float32 copies of the
+    # logits (the log-softmax it saved, the gradient nll_loss writes, log-softmax's input gradient) where the
+    # runtime's fused loss holds one. Planner only
+    eager_fp32_loss: bool = False
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
@@ -156,14 +171,16 @@ class Job(ParallelConfig):
 # The `job` object's fields in the order `estimate --json` has printed them (a contract with the scripts that read
 # it), and the keys of the two printed under the names they had before the runtime's options became the job's.
 # `reduce_dtype` None prints as "" (the parameters' dtype), as it always has, and so does `optimizer_state_dtype`
-# None (the main parameters'), the last key, added after the others; `drop_policy` is not priced and not printed.
+# None (the main parameters'); it and the three keys after it were added last, in that order; `drop_policy` is
+# not priced and not printed.
 PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "grad_bucket_numel", "clip_grad",
                     "sequence_parallel", "cp_mode", "ulysses_degree", "dispatcher", "capacity_factor",
                     "ep_overlap_chunks", "ep_comm_sms", "ep_comm_sms_reserved", "zero_stage", "distributed_optimizer",
                     "zero3_prefetch", "zero3_keep_params", "zero3_reduce_every_microbatch", "param_dtype",
                     "grad_dtype", "reduce_dtype", "pp_schedule", "virtual_stages", "pipeline_layout", "recompute",
                     "recompute_layers", "attention_kernel", "overlap_ep", "overlap_grad_reduce",
-                    "grad_accumulation_fusion", "fp8", "fp8_recipe", "optimizer_state_dtype")
+                    "grad_accumulation_fusion", "fp8", "fp8_recipe", "optimizer_state_dtype",
+                    "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss")
 PUBLISHED_AS = {"microbatches": "num_microbatches", "grad_bucket_numel": "bucket_numel"}
 _EMPTY_IS_NONE = ("reduce_dtype", "optimizer_state_dtype")  # None prints as "": the default dtype
 
