@@ -270,6 +270,33 @@ def test_estimate_prices_the_framework_paths(tmp_path, capsys):
     assert priced["memory_bytes"]["activations"] > from_file["activations"]
 
 
+def test_plan_keeps_a_given_pipeline_layout(capsys):
+    """`plan --pipeline-layout` ranks only layouts with that split: pp a divisor of its 16 virtual stages (here
+    the 2 GPUs allow only 2, so 8 virtual stages, beyond the searched 1, 2, 4), each row priced as `estimate`
+    prices it; a layout of the wrong layer count, or one no pipeline degree fits, is refused in one line."""
+    args = ["plan", "--model", "llama3-8b", "--gpus", "2", "--seq", "2048", "--global-batch", "16",
+            "--pipeline-layout", "1,3x14,0", "--top", "3"]
+    assert run(args) == 2
+    assert "holds 43 layers; llama3-8b has 32" in capsys.readouterr().err
+    args[-3] = "2x16"
+    assert run([*args, "--json"]) == 0
+    ranked = last_json(capsys)["ranked"]
+    assert ranked and all(r["job"]["pipeline_layout"] == [2] * 16 for r in ranked)
+    assert all((r["layout"]["pp"], r["job"]["virtual_stages"]) == (2, 8) for r in ranked)
+    best = ranked[0]
+    layout, job = best["layout"], best["job"]
+    run(["estimate", "--model", "llama3-8b", "--gpus", "2", "--seq", "2048", "--global-batch", "16",
+         "--pp", "2", "--dp", "1", "--tp", str(layout["tp"]), "--cp", str(layout["cp"]),
+         "--virtual-stages", "8", "--pipeline-layout", "2x16", "--micro-batch", str(job["micro_batch"]),
+         "--recompute", job["recompute"], "--recompute-layers", str(job["recompute_layers"]),
+         "--zero-stage", str(job["zero_stage"]), *(["--distributed-optimizer"] if job["distributed_optimizer"] else []),
+         *(["--zero3-reduce-every-microbatch"] if job["zero3_reduce_every_microbatch"] else []),
+         *(["--sequence-parallel"] if job["sequence_parallel"] else []), "--cp-mode", job["cp_mode"], "--json"])
+    assert last_json(capsys)["step_time_s"] == pytest.approx(best["step_time_s"])
+    assert run([*args[:-3], "2x15,1,1", "--top", "3"]) == 2
+    assert "has 17 virtual stages: no pipeline degree divides both them and 2 GPUs" in capsys.readouterr().err
+
+
 def test_estimate_text_report(capsys):
     assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "64", "--ep", "8", "--tp", "2",
                 "--sequence-parallel", "--zero-stage", "1", "--seq", "4096"]) == 0

@@ -124,6 +124,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--pp-schedule", choices=SCHEDULES.names(), action="append", default=None,
                       help="pipeline schedules to search (repeatable; default: 1f1b, and interleaved with virtual "
                            "stages)")
+    plan.add_argument("--pipeline-layout", type=_layout, default=(), metavar="N[xK][,N...]",
+                      help="decoder layers of each virtual stage, as `estimate --pipeline-layout` (planner only): "
+                           "the search keeps pp to the divisors of its length, with the rest as virtual stages")
     plan.add_argument("--no-partial-recompute", action="store_true",
                       help="full recompute replays every layer (default: only as many leading layers per chunk as "
                            "the memory needs, Megatron's block method; shown as full/N)")
@@ -314,13 +317,15 @@ def run_plan(args: argparse.Namespace) -> int:
     global_batch = args.global_batch or args.gpus
     base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8,
                fp8_recipe=args.fp8_recipe, dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms,
-               ep_comm_sms_reserved=args.ep_comm_sms_reserved)
+               ep_comm_sms_reserved=args.ep_comm_sms_reserved, pipeline_layout=args.pipeline_layout)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, dispatcher=(args.dispatcher,),
                         partial_recompute=not args.no_partial_recompute)
     if args.pp_schedule:
         space = replace(space, pp_schedule=tuple(args.pp_schedule))
+    if args.pipeline_layout:
+        space = replace(space, pp=_layout_pipeline_degrees(spec, args.pipeline_layout, args.pp, args.gpus))
     if args.attention_kernel != "eager":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
     start = time.perf_counter()
@@ -354,11 +359,15 @@ def run_plan(args: argparse.Namespace) -> int:
                           "evaluated": result.evaluated, "considered": result.considered,
                           "search_s": elapsed, "ranked": [e.to_json() for e in result.ranked]}))
     else:
-        print(f"{spec.name} on {args.gpus} x {cluster.gpu.name}, seq {args.seq}, global batch {global_batch} "
-              f"sequences, {args.param_dtype}{', fp8' if args.fp8 else ''}: the {len(result.ranked)} fastest "
-              "layouts that fit")
+        print(_plan_header(args, spec.name, cluster.gpu.name, global_batch, len(result.ranked)))
         print(format_ranking(result.ranked))
     return 0
+
+
+def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: int, rows: int) -> str:
+    layout = args.pipeline_layout and ", layers per virtual stage " + ",".join(map(str, args.pipeline_layout))
+    return (f"{model} on {args.gpus} x {gpu}, seq {args.seq}, global batch {global_batch} sequences, "
+            f"{args.param_dtype}{', fp8' if args.fp8 else ''}{layout or ''}: the {rows} fastest layouts that fit")
 
 
 def format_ranking(ranked: list[Estimate]) -> str:
@@ -407,6 +416,25 @@ def _layout(text: str) -> tuple[int, ...]:
                                              f"virtual stages), not {item!r}")
         out += [int(layers)] * (int(times) if cross else 1)
     return tuple(out)
+
+
+def _layout_pipeline_degrees(spec: ModelSpec, layout: tuple[int, ...], asked: tuple[int, ...] | None,
+                             gpus: int) -> tuple[int, ...]:
+    """The pipeline degrees `plan --pipeline-layout` searches: those (of `asked`, if given) that divide both the
+    layout's virtual stages and the GPU count, more than one rank unless the layout has one stage."""
+    if sum(layout) != spec.num_layers:
+        raise ValueError(f"--pipeline-layout holds {sum(layout)} layers; {spec.name} has {spec.num_layers}")
+    chunks = len(layout)
+    degrees = tuple(p for p in asked or _divisors_of(chunks) if chunks % p == 0 and gpus % p == 0
+                    and (p > 1 or chunks == 1))
+    if not degrees:
+        raise ValueError(f"--pipeline-layout has {chunks} virtual stages: no pipeline degree"
+                         f"{' of --pp' if asked else ''} divides both them and {gpus} GPUs")
+    return degrees
+
+
+def _divisors_of(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -98,6 +98,9 @@ def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: i
     """Groups of training options for one layout, each group in order of preference: the same micro-batch,
     schedule, cp mode and dispatcher with less sharding and less recompute first."""
     vs = space.virtual_stages if deg.pp > 1 else (1,)
+    if base.pipeline_layout:  # a given layout fixes the chunks per pipeline rank
+        chunks, rest = divmod(len(base.pipeline_layout), deg.pp)
+        vs = () if rest or (deg.pp == 1 and chunks > 1) else (chunks,)
     modes = space.cp_mode if deg.cp > 1 else (base.cp_mode,)
     dispatchers = space.dispatcher if deg.ep > 1 else (base.dispatcher,)
     for mb, v, mode, disp in itertools.product(space.micro_batch, vs, modes, dispatchers):
@@ -131,8 +134,9 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
                          zero_stage=stage, distributed_optimizer=distopt,
                          zero3_reduce_every_microbatch=every,
                          param_dtype=base.param_dtype, pp_schedule=schedule,
-                         virtual_stages=v, recompute=rc, attention_kernel=base.attention_kernel,
-                         overlap_ep=base.overlap_ep, fp8=base.fp8, fp8_recipe=base.fp8_recipe))
+                         virtual_stages=v, pipeline_layout=base.pipeline_layout, recompute=rc,
+                         attention_kernel=base.attention_kernel, overlap_ep=base.overlap_ep, fp8=base.fp8,
+                         fp8_recipe=base.fp8_recipe))
     return tuple(group)
 
 
