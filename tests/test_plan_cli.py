@@ -258,6 +258,8 @@ def test_estimate_prices_the_framework_paths(tmp_path, capsys):
     narrow = last_json(capsys)["memory_bytes"]["param_grads"]
     run([*zero3, "--accumulate-in-reduce-dtype"])
     assert last_json(capsys)["memory_bytes"]["param_grads"] == 2 * narrow  # bf16 -> fp32
+    run([a for a in zero3 if a not in ("--reduce-dtype", "float32")] + ["--accumulate-in-reduce-dtype"])
+    assert "--accumulate-in-reduce-dtype has no effect here" in capsys.readouterr().err  # bf16 reductions
     config = tmp_path / "run.toml"
     config.write_text('model = "tiny"\nseq_len = 64\ntp = 2\ndp = 2\nsequence_parallel = true\n'
                       'grad_bucket_numel = 4096\n')

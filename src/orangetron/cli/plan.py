@@ -236,6 +236,10 @@ def run_estimate(args: argparse.Namespace) -> int:
               "several micro-batches, and partial gradients summed over tp first (sequence parallelism, kv heads "
               "fewer than tp, QK-norm) hold every reduction to the step (unless --tp-sum-with-reduction)",
               file=sys.stderr)
+    if job.accumulate_in_reduce_dtype and job.wire_dtype == job.param_dtype:
+        print(f"orangetron estimate: note: --accumulate-in-reduce-dtype has no effect here: gradients are reduced "
+              f"in the parameters' dtype ({job.param_dtype}); FSDP2 upcasts only to a wider --reduce-dtype",
+              file=sys.stderr)
     if not est.fits:
         from orangetron.plan.fit_advice import explain
 
