@@ -169,9 +169,11 @@ def test_estimate_says_when_reducing_every_micro_batch_changes_nothing(capsys):
             "--global-batch", "16", "--zero3-reduce-every-microbatch", "--json"]
     run([*args, "--sequence-parallel"])
     err = capsys.readouterr().err
-    assert "zero3_reduce_every_microbatch has no effect" in err
+    assert "zero3_reduce_every_microbatch has no effect" in err and "partial gradients summed over tp" in err
     run(args)
     assert "no effect" not in capsys.readouterr().err
+    run([a if a != "16" else "4" for a in args])  # one micro-batch a replica
+    assert "no effect here: a replica runs one micro-batch" in capsys.readouterr().err
 
 
 def test_plan_does_not_rank_a_reduction_every_micro_batch_that_changes_nothing(capsys):
@@ -260,6 +262,10 @@ def test_estimate_prices_the_framework_paths(tmp_path, capsys):
     assert last_json(capsys)["memory_bytes"]["param_grads"] == 2 * narrow  # bf16 -> fp32
     run([a for a in zero3 if a not in ("--reduce-dtype", "float32")] + ["--accumulate-in-reduce-dtype"])
     assert "--accumulate-in-reduce-dtype has no effect here" in capsys.readouterr().err  # bf16 reductions
+    run([*zero3, "--tp-sum-with-reduction"])
+    assert "--tp-sum-with-reduction has no effect here" in capsys.readouterr().err  # tp 1: nothing to sum
+    run([*args, "--tp-sum-with-reduction"])
+    assert "has no effect" not in capsys.readouterr().err
     config = tmp_path / "run.toml"
     config.write_text('model = "tiny"\nseq_len = 64\ntp = 2\ndp = 2\nsequence_parallel = true\n'
                       'grad_bucket_numel = 4096\n')
@@ -270,6 +276,11 @@ def test_estimate_prices_the_framework_paths(tmp_path, capsys):
     assert priced["job"]["tp_sum_with_reduction"] is True and priced["job"]["eager_fp32_loss"] is True
     assert priced["memory_bytes"]["param_grads"] < from_file["param_grads"]
     assert priced["memory_bytes"]["activations"] > from_file["activations"]
+    run(["estimate", "--config", str(config), "--no-overlap-grad-reduce", "--grad-accumulation-fusion", "--json"])
+    job = last_json(capsys)["job"]
+    assert job["overlap_grad_reduce"] is False and job["grad_accumulation_fusion"] is True  # planner-only: read
+    assert run(["estimate", "--config", str(config), "--tp", "4", "--reduce-dtype", "float32"]) == 2
+    assert "--tp --reduce-dtype would be ignored" in capsys.readouterr().err  # the file's: refused by name
 
 
 def test_plan_keeps_a_given_pipeline_layout(capsys):
@@ -296,7 +307,22 @@ def test_plan_keeps_a_given_pipeline_layout(capsys):
          *(["--sequence-parallel"] if job["sequence_parallel"] else []), "--cp-mode", job["cp_mode"], "--json"])
     assert last_json(capsys)["step_time_s"] == pytest.approx(best["step_time_s"])
     assert run([*args[:-3], "2x15,1,1", "--top", "3"]) == 2
-    assert "has 17 virtual stages: no pipeline degree divides both them and 2 GPUs" in capsys.readouterr().err
+    assert "has 17 virtual stages: pp must divide both them and 2 GPUs" in capsys.readouterr().err
+    assert run([*args[:-3], "2x16", "--pp", "2", "--pp-schedule", "1f1b"]) == 2  # one chunk a rank: pp 16 only
+    assert "(of --pp) must divide both them and 2 GPUs" in capsys.readouterr().err
+
+
+def test_plan_emits_a_layout_only_where_it_is_the_even_split(tmp_path, capsys):
+    """The trainer runs the even split only: a given layout equal to it is emitted (as the even split), another
+    is passed over by name."""
+    args = ["plan", "--model", "tiny", "--gpus", "2", "--seq", "64", "--global-batch", "8", "--param-dtype",
+            "float32", "--top", "2"]
+    even = tmp_path / "even.toml"
+    assert run([*args, "--pipeline-layout", "1,1", "--emit-config", str(even)]) == 0
+    assert "pp = 2" in even.read_text() and "pipeline_layout" not in even.read_text()
+    capsys.readouterr()
+    assert run([*args, "--pipeline-layout", "2,0", "--emit-config", str(tmp_path / "uneven.toml")]) == 2
+    assert "pipeline_layout=[2, 0]: the trainer runs only the even split" in capsys.readouterr().err
 
 
 def test_estimate_text_report(capsys):

@@ -16,6 +16,7 @@ from pathlib import Path
 from orangetron.cli.presets import add_presets_command
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
+from orangetron.plan.params import tp_sums_first
 from orangetron.plan.search import SearchSpace, search
 from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec.categories import TRANSIENT
@@ -37,7 +38,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--config", metavar="FILE.toml",
                      help="price the configuration of a run's config file (`plan --emit-config`'s, or a run folder's "
                           "config.toml): its model, layout, parallel options, seq_len and batch; the cluster flags "
-                          "(--gpu, --gpus-per-node, ...) still apply, the layout flags are not read")
+                          "(--gpu, --gpus-per-node, ...) and the planner-only ones still apply, the layout and "
+                          "option flags the file holds are refused")
     for dim in ("tp", "cp", "pp", "dp", "ep"):
         est.add_argument(f"--{dim}", type=int, default=None if dim == "dp" else 1,
                          help=f"{dim} degree" + (" (default: gpus / (tp*cp*pp))" if dim == "dp" else ""))
@@ -107,7 +109,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                           "deferred weight gradients) is priced here only")
     # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
     est.add_argument("--allow-oom", action="store_true", help=argparse.SUPPRESS)
-    est.set_defaults(run=run_estimate)
+    est.set_defaults(run=run_estimate, file_owned_defaults={d: est.get_default(d) for d in _FILE_OWNED})
 
     plan = sub.add_parser("plan", help="search layouts for a model on a cluster and rank them",
                           description="Search tp, cp, pp, virtual stages, dp, ep, ZeRO stage, recompute, cp mode, "
@@ -219,10 +221,23 @@ def _decoder(name: str) -> ModelSpec:
     return spec
 
 
+# `estimate`'s flags for what a run's config file holds: with --config the file sets them.
+_FILE_OWNED = ("model", "seq", "global_batch", "param_dtype", "tp", "cp", "pp", "dp", "ep", "etp", "edp",
+               "virtual_stages", "micro_batch", "recompute", "recompute_layers", "sequence_parallel", "zero_stage",
+               "distributed_optimizer", "cp_mode", "ulysses_degree", "capacity_factor", "ep_overlap_chunks",
+               "dispatcher", "reduce_dtype", "zero3_reduce_every_microbatch", "zero3_prefetch", "zero3_keep_params",
+               "grad_bucket_numel", "pp_schedule")
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     if args.config:
         from orangetron.cli.run_config import estimate_job
 
+        given = [f"--{d.replace('_', '-')}" for d, default in args.file_owned_defaults.items()
+                 if getattr(args, d) != default]
+        if given:
+            raise ValueError(f"--config {args.config} sets the layout and options; {' '.join(given)} would be "
+                             "ignored: edit the file, or leave --config out")
         model, deg, job = estimate_job(args.config)
         model = model if isinstance(model, ModelSpec) else _decoder(model)
         job = replace(job, **_planner_only(args))  # the planner-only options, from the flags
@@ -231,15 +246,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
-    if job.zero3_reduce_every_microbatch and reduce_rounds(model, deg, job) == 1:
-        print("orangetron estimate: note: zero3_reduce_every_microbatch has no effect here: it needs ZeRO-3 and "
-              "several micro-batches, and partial gradients summed over tp first (sequence parallelism, kv heads "
-              "fewer than tp, QK-norm) hold every reduction to the step (unless --tp-sum-with-reduction)",
-              file=sys.stderr)
-    if job.accumulate_in_reduce_dtype and job.wire_dtype == job.param_dtype:
-        print(f"orangetron estimate: note: --accumulate-in-reduce-dtype has no effect here: gradients are reduced "
-              f"in the parameters' dtype ({job.param_dtype}); FSDP2 upcasts only to a wider --reduce-dtype",
-              file=sys.stderr)
+    for note in _no_effect_notes(model, deg, job):
+        print(f"orangetron estimate: note: {note}", file=sys.stderr)
     if not est.fits:
         from orangetron.plan.fit_advice import explain
 
@@ -251,31 +259,47 @@ def run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_effect_notes(model: ModelSpec, deg: Degrees, job: Job) -> list[str]:
+    """A line for each option asked for that changes nothing in this layout, with the reason."""
+    notes = []
+    if job.zero3_reduce_every_microbatch and reduce_rounds(model, deg, job) == 1:
+        why = ("a replica runs one micro-batch" if job.replica_microbatches(deg) == 1 else "partial gradients "
+               "summed over tp first (sequence parallelism, kv heads fewer than tp, QK-norm) hold every reduction "
+               "to the step (unless --tp-sum-with-reduction)")
+        notes.append(f"zero3_reduce_every_microbatch has no effect here: {why}")
+    if job.tp_sum_with_reduction and not tp_sums_first(model, deg, replace(job, tp_sum_with_reduction=False)):
+        notes.append("--tp-sum-with-reduction has no effect here: no partial gradients are summed over tp (it "
+                     "needs tp > 1 with sequence parallelism, QK-norm or kv heads fewer than tp)")
+    if job.accumulate_in_reduce_dtype and job.wire_dtype == job.param_dtype:
+        notes.append(f"--accumulate-in-reduce-dtype has no effect here: gradients are reduced in the parameters' "
+                     f"dtype ({job.param_dtype}); FSDP2 upcasts only to a wider --reduce-dtype")
+    return notes
+
+
 def _job(args: argparse.Namespace) -> Job:
     schedule = args.pp_schedule or ("interleaved" if args.virtual_stages > 1 else "1f1b")
     return Job(seq_len=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
               sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
               dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
-              ep_overlap_chunks=args.ep_overlap_chunks, ep_comm_sms=args.ep_comm_sms,
-              ep_comm_sms_reserved=args.ep_comm_sms_reserved,
-              zero_stage=args.zero_stage,
+              ep_overlap_chunks=args.ep_overlap_chunks, zero_stage=args.zero_stage,
               distributed_optimizer=args.distributed_optimizer, param_dtype=args.param_dtype,
-              pp_schedule=schedule, virtual_stages=args.virtual_stages, pipeline_layout=args.pipeline_layout,
-              recompute=args.recompute, recompute_layers=args.recompute_layers,
-              reduce_dtype=args.reduce_dtype,
-              overlap_ep=not args.no_overlap_ep, overlap_grad_reduce=not args.no_overlap_grad_reduce,
+              pp_schedule=schedule, virtual_stages=args.virtual_stages,
+              recompute=args.recompute, recompute_layers=args.recompute_layers, reduce_dtype=args.reduce_dtype,
               grad_bucket_numel=args.grad_bucket_numel,
               zero3_reduce_every_microbatch=args.zero3_reduce_every_microbatch,
-              zero3_prefetch=args.zero3_prefetch, zero3_keep_params=args.zero3_keep_params,
-              grad_accumulation_fusion=args.grad_accumulation_fusion, doc_lengths=getattr(args, "doc_lengths", ()),
-              **_planner_only(args))
+              zero3_prefetch=args.zero3_prefetch, zero3_keep_params=args.zero3_keep_params, **_planner_only(args))
 
 
 def _planner_only(args: argparse.Namespace) -> dict[str, object]:
-    """The job's options `estimate --config` takes from its flags: a run's config file has none of them."""
+    """The job's planner-only options (the runtime has none of them), from the flags: `estimate --config` takes
+    these from its command line, and every other option from the file."""
     return {"attention_kernel": args.attention_kernel, "fp8": args.fp8, "fp8_recipe": args.fp8_recipe,
             "optimizer_state_dtype": args.optimizer_state_dtype, "tp_sum_with_reduction": args.tp_sum_with_reduction,
-            "accumulate_in_reduce_dtype": args.accumulate_in_reduce_dtype, "eager_fp32_loss": args.eager_fp32_loss}
+            "accumulate_in_reduce_dtype": args.accumulate_in_reduce_dtype, "eager_fp32_loss": args.eager_fp32_loss,
+            "grad_accumulation_fusion": args.grad_accumulation_fusion, "overlap_ep": not args.no_overlap_ep,
+            "overlap_grad_reduce": not args.no_overlap_grad_reduce, "pipeline_layout": args.pipeline_layout,
+            "ep_comm_sms": args.ep_comm_sms, "ep_comm_sms_reserved": args.ep_comm_sms_reserved,
+            "doc_lengths": args.doc_lengths}
 
 
 def format_estimate(est: Estimate) -> str:
@@ -329,7 +353,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.pp_schedule:
         space = replace(space, pp_schedule=tuple(args.pp_schedule))
     if args.pipeline_layout:
-        space = replace(space, pp=_layout_pipeline_degrees(spec, args.pipeline_layout, args.pp, args.gpus))
+        space = replace(space, pp=_layout_pipeline_degrees(spec, args.pipeline_layout, args.pp, args.gpus,
+                                                           space.pp_schedule))
     if args.attention_kernel != "eager":
         space = replace(space, recompute=("none", "full"))  # selective equals none when flash keeps no scores
     start = time.perf_counter()
@@ -423,17 +448,20 @@ def _layout(text: str) -> tuple[int, ...]:
 
 
 def _layout_pipeline_degrees(spec: ModelSpec, layout: tuple[int, ...], asked: tuple[int, ...] | None,
-                             gpus: int) -> tuple[int, ...]:
+                             gpus: int, schedules: tuple[str, ...]) -> tuple[int, ...]:
     """The pipeline degrees `plan --pipeline-layout` searches: those (of `asked`, if given) that divide both the
-    layout's virtual stages and the GPU count, more than one rank unless the layout has one stage."""
+    layout's virtual stages and the GPU count, more than one rank unless the layout has one stage, and leave
+    one virtual stage a rank where a searched schedule runs one chunk, several where one interleaves."""
     if sum(layout) != spec.num_layers:
         raise ValueError(f"--pipeline-layout holds {sum(layout)} layers; {spec.name} has {spec.num_layers}")
-    chunks = len(layout)
+    chunks, chunked = len(layout), {SCHEDULES[s].chunks for s in schedules}
     degrees = tuple(p for p in asked or _divisors_of(chunks) if chunks % p == 0 and gpus % p == 0
-                    and (p > 1 or chunks == 1))
+                    and (p > 1 or chunks == 1) and (p < chunks) in chunked)
     if not degrees:
-        raise ValueError(f"--pipeline-layout has {chunks} virtual stages: no pipeline degree"
-                         f"{' of --pp' if asked else ''} divides both them and {gpus} GPUs")
+        raise ValueError(f"--pipeline-layout has {chunks} virtual stages: pp{' (of --pp)' if asked else ''} must "
+                         f"divide both them and {gpus} GPUs, be more than 1, and leave one virtual stage a rank "
+                         f"for a one-chunk schedule or several for an interleaved one ({', '.join(schedules)} "
+                         "searched); none does")
     return degrees
 
 

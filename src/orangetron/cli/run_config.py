@@ -22,6 +22,7 @@ from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, parse_model
 from orangetron.spec.options import Degrees, Job
 from orangetron.spec.parallel_config import ParallelConfig, values_of
+from orangetron.spec.stages import chunk_layers
 
 # Job fields the runtime has no option for: the runtime runs only these values.
 _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_fusion": False, "pipeline_layout": (),
@@ -51,13 +52,22 @@ def _refusal(row: Estimate) -> str | None:
     from orangetron.train.config import TrainConfig
 
     for name, runs in _RUNTIME_RUNS.items():
-        if getattr(row.job, name) != runs:
-            return f"{name}={getattr(row.job, name)!r}: the trainer runs {runs!r} only"
+        value = getattr(row.job, name)
+        if name == "pipeline_layout" and value:
+            if value != _even_split(row.model.num_layers, len(value)):
+                return f"pipeline_layout={list(value)}: the trainer runs only the even split of the layers"
+        elif value != runs:
+            return f"{name}={value!r}: the trainer runs {runs!r} only"
     try:
         TrainConfig(model=row.model, **train_options(row))
     except ValueError as err:
         return str(err)
     return None
+
+
+def _even_split(num_layers: int, chunks: int) -> tuple[int, ...]:
+    """Layers per virtual stage of the split the trainer runs: a given layout equal to it runs as it."""
+    return tuple(len(layers) for layers in chunk_layers(num_layers, chunks, ()))
 
 
 def emit_config(ranked: list[Estimate], path: str) -> tuple[int, list[str]]:
