@@ -242,8 +242,9 @@ def test_flash2_prices_attention_at_its_own_efficiency():
 
 def test_gradient_reduction_after_backward_is_exposed_whole():
     """Without overlap (Megatron-LM 2021, DeepSpeed's pipeline engine) DDP's one all-reduce of the whole bf16
-    gradient, over 8 GPUs of one node, is all exposed; with overlap only its last layer's share and the
-    contention of the rest are."""
+    gradient, over 8 GPUs of one node, is all exposed, as it is without buckets (the runtime then reduces each
+    flat buffer after the last backward); with bucketed overlap only its last layer's share and the contention
+    of the rest are."""
     from orangetron.plan.memory import stage_params
     from orangetron.plan.network import Placement, collective_time
 
@@ -251,8 +252,11 @@ def test_gradient_reduction_after_backward_is_exposed_whole():
     job = Job(seq_len=4096, global_batch=8)
     whole = collective_time("all_reduce", 2 * stage_params(model, deg, 0).total, Placement(8, 8), cluster)[0]
     after = step_time(model, deg, replace(job, overlap_grad_reduce=False), cluster)
-    behind = step_time(model, deg, job, cluster)
     assert after.dp_s == pytest.approx(whole, rel=1e-12)
+    assert step_time(model, deg, job, cluster).dp_s == after.dp_s  # unbucketed: after backward all the same
+    bucketed = replace(job, grad_bucket_numel=40_000_000)
+    after = step_time(model, deg, replace(bucketed, overlap_grad_reduce=False), cluster)
+    behind = step_time(model, deg, bucketed, cluster)
     assert behind.dp_s < 0.2 * whole
     assert after.step_s - behind.step_s == pytest.approx(after.dp_s - behind.dp_s, rel=1e-9)
 

@@ -126,9 +126,9 @@ def _backward_passes(deg: Degrees, job: Job, stage: int, m: int) -> list[tuple[i
     return [(a.chunk, k == last[a.chunk]) for k, a in enumerate(plan)]
 
 
-def _held_to_step(model: ModelSpec, deg: Degrees, job: Job) -> bool:
+def held_to_step(model: ModelSpec, deg: Degrees, job: Job) -> bool:
     """Unbucketed reductions, and partial gradients that are first summed over tp (sequence parallel, kv heads
-    fewer than tp), keep every `.grad` until the step."""
+    fewer than tp), keep every `.grad` until the step, and reduce after the last backward."""
     if job.grad_accumulation_fusion:  # Megatron-Core sums and reduces inside the main-gradient buffer
         return False
     return tp_sums_first(model, deg, job) or (job.zero_stage != 3 and job.grad_bucket_numel <= 0)
@@ -137,7 +137,7 @@ def _held_to_step(model: ModelSpec, deg: Degrees, job: Job) -> bool:
 def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:
     """Peak bytes of per-parameter `.grad` tensors on one GPU of pipeline `stage` during one step."""
     total, largest = _totals(model, deg, stage, job.virtual_stages, job.pipeline_layout)
-    if _held_to_step(model, deg, job):
+    if held_to_step(model, deg, job):
         return total * (_accumulated_bytes(job) if job.replica_microbatches(deg) > 1 else job.param_bytes)
     if job.zero_stage < 2:  # added into the full main buffer as each arrives
         return largest * job.param_bytes

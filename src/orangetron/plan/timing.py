@@ -50,6 +50,7 @@ from orangetron.plan.network import (
     p2p_time,
 )
 from orangetron.plan.packed import document_keys
+from orangetron.plan.param_grads import held_to_step
 from orangetron.plan.params import stage_params, tp_sums_first, zero3_unit_contents
 from orangetron.plan.traffic import (
     context_parallel_records,
@@ -716,8 +717,9 @@ def _dp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, t_mb
     reduce, gather, layers = _dp_times(model, deg, dp_job, cluster, net, stage)
     if job.zero_stage == 3:
         return _zero3_exposed(model, deg, job, dp_job, cluster, t_mb, m, net, eff, stage, reduce)
-    # behind the last micro-batch's backward, bucket by bucket; not what waits for the tp sums
-    if job.overlap_grad_reduce and (job.grad_accumulation_fusion or not tp_sums_first(model, deg, job)):
+    # behind the last micro-batch's backward, bucket by bucket; not what the step holds (unbucketed, or waiting
+    # for the tp sums)
+    if job.overlap_grad_reduce and not held_to_step(model, deg, job):
         tail = reduce / layers  # the last bucket never overlaps
         exposed = tail + _hide(reduce - tail, 2 / 3 * t_mb, eff)
     else:  # every reduction after the last backward, before the optimizer
