@@ -17,7 +17,7 @@ from orangetron.cli.presets import add_presets_command
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
 from orangetron.plan.params import tp_sums_first
-from orangetron.plan.search import SearchSpace, search
+from orangetron.plan.search import SearchSpace, divisors, search
 from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec.categories import TRANSIENT
 from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
@@ -455,7 +455,7 @@ def _layout_pipeline_degrees(spec: ModelSpec, layout: tuple[int, ...], asked: tu
     if sum(layout) != spec.num_layers:
         raise ValueError(f"--pipeline-layout holds {sum(layout)} layers; {spec.name} has {spec.num_layers}")
     chunks, chunked = len(layout), {SCHEDULES[s].chunks for s in schedules}
-    degrees = tuple(p for p in asked or _divisors_of(chunks) if chunks % p == 0 and gpus % p == 0
+    degrees = tuple(p for p in asked or divisors(chunks) if chunks % p == 0 and gpus % p == 0
                     and (p > 1 or chunks == 1) and (p < chunks) in chunked)
     if not degrees:
         raise ValueError(f"--pipeline-layout has {chunks} virtual stages: pp{' (of --pp)' if asked else ''} must "
@@ -463,10 +463,6 @@ def _layout_pipeline_degrees(spec: ModelSpec, layout: tuple[int, ...], asked: tu
                          f"for a one-chunk schedule or several for an interleaved one ({', '.join(schedules)} "
                          "searched); none does")
     return degrees
-
-
-def _divisors_of(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _int_list(text: str) -> tuple[int, ...]:

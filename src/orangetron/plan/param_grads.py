@@ -138,23 +138,24 @@ def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
     """Peak bytes of per-parameter `.grad` tensors on one GPU of pipeline `stage` during one step."""
     total, largest = _totals(model, deg, stage, job.virtual_stages, job.pipeline_layout)
     if held_to_step(model, deg, job):
-        return total * (_accumulated_bytes(job) if job.replica_microbatches(deg) > 1 else job.param_bytes)
+        return total * _waiting_bytes(job, job.replica_microbatches(deg))
     if job.zero_stage < 2:  # added into the full main buffer as each arrives
         return largest * job.param_bytes
     m = 1 if job.zero3_reduce_every_microbatch else job.replica_microbatches(deg)  # each backward frees its units
     # Inside no_sync nothing is freed: with one chunk its first backward fills every .grad, and with more
     # micro-batches than stages every chunk's first backward comes before any chunk's last (the interleaved
     # schedule runs the chunks in groups of pp micro-batches). Only shorter steps need the replay.
-    width = _accumulated_bytes(job) if m > 1 else job.param_bytes
+    width = _waiting_bytes(job, m)
     if m > 1 and (job.virtual_stages == 1 or deg.pp == 1 or m > deg.pp):
         return total * width
     return _replayed_peak(model, deg, model_state_job(job), stage, m) * width
 
 
-def _accumulated_bytes(job: Job) -> int:
-    """Bytes per element of a `.grad` that waits across micro-batches (ZeRO-2/3 inside `no_sync`, or held to the
-    step): the parameter dtype's, or under `Job.accumulate_in_reduce_dtype` (FSDP2) the reduce dtype's."""
-    return job.reduce_bytes if job.accumulate_in_reduce_dtype else job.param_bytes
+def _waiting_bytes(job: Job, microbatches: int) -> int:
+    """Bytes per element of a `.grad` that waits over `microbatches` backwards (ZeRO-2/3 inside `no_sync`, or
+    held to the step): the parameter dtype's, or, when it waits across several under
+    `Job.accumulate_in_reduce_dtype` (FSDP2), the reduce dtype's."""
+    return job.reduce_bytes if job.accumulate_in_reduce_dtype and microbatches > 1 else job.param_bytes
 
 
 @lru_cache(maxsize=16384)

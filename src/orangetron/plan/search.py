@@ -54,7 +54,8 @@ def _powers_of_two(limit: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(limit.bit_length()) if 1 << i <= limit)
 
 
-def _divisors(n: int) -> tuple[int, ...]:
+def divisors(n: int) -> tuple[int, ...]:
+    """Every divisor of n, ascending."""
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
@@ -71,12 +72,12 @@ def candidate_degrees(model: ModelSpec, cluster: Cluster, space: SearchSpace, se
     # A CP rank below 512 tokens (256 per head-tail chunk) only adds latency-bound steps.
     # cp = 1 always stays: a sequence shorter than 512 tokens still runs without context parallelism.
     cps = space.cp or tuple(c for c in _powers_of_two(world) if c == 1 or not seq_len or seq_len // c >= 512)
-    pps = space.pp or tuple(p for p in _divisors(world) if p <= model.num_layers)
+    pps = space.pp or tuple(p for p in divisors(world) if p <= model.num_layers)
     for tp, cp, pp in itertools.product(tps, cps, pps):
         if world % (tp * cp * pp):
             continue
         dp = world // (tp * cp * pp)
-        eps = space.ep or (tuple(e for e in _divisors(dp * cp) if model.num_experts % e == 0)
+        eps = space.ep or (tuple(e for e in divisors(dp * cp) if model.num_experts % e == 0)
                            if model.is_moe else (1,))
         for ep in eps:
             if (dp * cp) % ep == 0:
@@ -89,7 +90,7 @@ def candidate_degrees(model: ModelSpec, cluster: Cluster, space: SearchSpace, se
 def _folded_eps(model: ModelSpec, stage_ranks: int, dp_cp: int, space: SearchSpace) -> tuple[int, ...]:
     """Expert-parallel degrees that only a folded expert mesh allows (ep dividing the stage's tp*cp*dp ranks
     but not dp*cp): where folding changes what can run, not just where the groups land."""
-    eps = space.ep or _divisors(stage_ranks)
+    eps = space.ep or divisors(stage_ranks)
     return tuple(e for e in eps if stage_ranks % e == 0 and dp_cp % e and model.num_experts % e == 0)
 
 
