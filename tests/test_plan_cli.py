@@ -203,7 +203,7 @@ def test_estimate_prices_adam_moments_in_a_narrower_dtype(capsys):
     bf16 = last_json(capsys)
     shard = -(-8_030_261_248 // 8)
     assert (fp32["memory_bytes"]["optimizer"], bf16["memory_bytes"]["optimizer"]) == (8 * shard, 4 * shard)
-    same = {k for k in fp32["memory_bytes"] if k not in ("optimizer", "total", "overhead")}
+    same = {k for k in fp32["memory_bytes"] if k not in ("optimizer", "total", "overhead", "needed")}
     assert {k: bf16["memory_bytes"][k] for k in same} == {k: fp32["memory_bytes"][k] for k in same}
     assert (fp32["job"]["optimizer_state_dtype"], bf16["job"]["optimizer_state_dtype"]) == ("", "bfloat16")
     assert bf16["time_breakdown_s"]["optimizer_s"] < fp32["time_breakdown_s"]["optimizer_s"]
@@ -366,6 +366,21 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+def test_estimate_fits_on_what_a_layout_needs_not_on_what_it_reserves_with_room(capsys):
+    """Llama 3 8B, ZeRO-3 on 8 H100 at 8192 tokens: 84.9 GiB reserved with room to spare (19% fragmentation)
+    but 75.5 GiB needed (2%) on a 79.65 GiB GPU: it fits, no warning, and the text shows both figures."""
+    args = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--zero-stage", "3", "--seq", "8192",
+            "--global-batch", "64"]
+    assert run([*args, "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out.strip().splitlines()[-1])
+    memory, capacity = data["memory_bytes"], data["memory_capacity_bytes"]
+    assert memory["needed"] <= capacity < memory["total"] and data["fits"] and "warning" not in captured.err
+    assert run(args) == 0
+    text = capsys.readouterr().out
+    assert f"  needed       {memory['needed'] / 2**30:10.2f}" in text and "does NOT fit" not in text
+
+
 def test_estimate_reports_a_configuration_that_does_not_fit(capsys):
     """405B on 8 GPUs needs about 6 TiB of model states: every number is still printed, with "fits": false, a
     warning on standard error (its first line says why, the next what would fit) and exit status 0."""
@@ -373,7 +388,7 @@ def test_estimate_reports_a_configuration_that_does_not_fit(capsys):
     captured = capsys.readouterr()
     data = json.loads(captured.out.strip().splitlines()[-1])
     assert data["fits"] is False
-    assert data["memory_bytes"]["total"] > data["memory_capacity_bytes"]
+    assert data["memory_bytes"]["needed"] > data["memory_capacity_bytes"]
     assert data["step_time_s"] > 0 and data["mfu"] > 0 and data["comm_bytes"]
     warning = captured.err.strip().splitlines()
     assert "warning" in warning[0] and "does not fit" in warning[0] and "add GPUs" in warning[-1]
@@ -553,15 +568,15 @@ def test_estimate_folds_experts_with_edp(capsys):
 
 
 def test_plan_replays_only_the_layers_memory_needs(capsys):
-    """Llama 3 8B at 32768 tokens on 4 H100: replaying 6 of 32 layers (cp 4) beats replaying all of them, which
-    `--no-partial-recompute` is left with; the table shows full/6."""
-    args = ["plan", "--model", "llama3-8b", "--gpus", "4", "--seq", "32768", "--global-batch", "4", "--top", "2"]
+    """Llama 3 8B at 49152 tokens on 4 H100: replaying 13 of 32 layers (cp 4) beats replaying all of them, which
+    `--no-partial-recompute` is left with; the table shows full/13."""
+    args = ["plan", "--model", "llama3-8b", "--gpus", "4", "--seq", "49152", "--global-batch", "4", "--top", "2"]
     assert run([*args, "--json"]) == 0
     partial = last_json(capsys)["ranked"][0]
     assert run([*args, "--json", "--no-partial-recompute"]) == 0
     whole = last_json(capsys)["ranked"][0]
-    assert partial["job"]["recompute"] == "full" and partial["job"]["recompute_layers"] == 6
+    assert partial["job"]["recompute"] == "full" and partial["job"]["recompute_layers"] == 13
     assert whole["job"]["recompute_layers"] == 0
     assert partial["step_time_s"] < whole["step_time_s"]
     assert run(args) == 0
-    assert " full/6 " in capsys.readouterr().out
+    assert " full/13 " in capsys.readouterr().out

@@ -38,7 +38,7 @@ def test_a_configuration_that_does_not_fit_names_changes_that_do(capsys) -> None
             args += ["--dp", "8"]
         fixed, _ = _estimate(capsys, *args)
         assert fixed["fits"], line
-        assert figures.startswith(f"{fixed['memory_bytes']['total'] / 2**30:.1f} GiB, step "
+        assert figures.startswith(f"needs {fixed['memory_bytes']['needed'] / 2**30:.1f} GiB, step "
                                   f"{fixed['step_time_s']:.3f} s"), line
         steps.append(fixed["step_time_s"])
     assert steps == sorted(steps)  # fastest first

@@ -11,6 +11,7 @@ from orangetron.plan.overhead import (
     NO_OVERHEAD,
     MemoryOverhead,
     OverheadError,
+    fits,
     fixed_overhead,
     with_overhead,
 )
@@ -34,6 +35,20 @@ def test_fraction_applies_to_activations_and_buffers_only():
     assert memory["total"] == 40 * GIB  # the tensor breakdown is left as it was
 
 
+def test_fit_check_counts_the_pressured_share_not_the_reserved_one():
+    """`needed` = tensors + fixed + the pressured share of activations and buffers, and the fit check reads it: a
+    limit between `needed` and `total` fits. The share is never more than the reserved fraction."""
+    memory = {"params": 10 * GIB, "grads": 20 * GIB, "activations": 8 * GIB, "buffers": 2 * GIB, "total": 40 * GIB}
+    setting = MemoryOverhead(context_gib=1.0, per_group_gib=0.5, fraction=0.15, pressured_fraction=0.05)
+    out = with_overhead(memory, Degrees(), setting)
+    assert out["needed"] == 40 * GIB + 1 * GIB + int(0.05 * 10 * GIB)  # 41.5 GiB
+    assert out["total"] == 40 * GIB + 1 * GIB + int(0.15 * 10 * GIB)  # 42.5 GiB
+    assert fits(out, out["needed"]) and fits(out, 42 * GIB) and not fits(out, out["needed"] - 1)
+    capped = with_overhead(memory, Degrees(), MemoryOverhead(context_gib=1.0, fraction=0.15, pressured_fraction=0.3))
+    assert capped["needed"] == capped["total"]
+    assert with_overhead(memory, Degrees(tp=8), fixed_overhead(3.0, 0.0))["needed"] == 43 * GIB
+
+
 def test_fixed_setting_ignores_the_layout_and_zero_turns_it_off():
     setting = fixed_overhead(3.0, 0.0)
     assert setting.fixed_bytes(Degrees(tp=8, dp=16)) == 3 * GIB
@@ -41,7 +56,8 @@ def test_fixed_setting_ignores_the_layout_and_zero_turns_it_off():
     assert with_overhead(memory, Degrees(tp=8), NO_OVERHEAD)["total"] == 5 * GIB
 
 
-@pytest.mark.parametrize(("field", "value"), [("context_gib", -1.0), ("fraction", 1.5), ("per_group_gib", -0.1)])
+@pytest.mark.parametrize(("field", "value"), [("context_gib", -1.0), ("fraction", 1.5), ("per_group_gib", -0.1),
+                                             ("pressured_fraction", 1.0), ("pressured_fraction", -0.01)])
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(OverheadError, match=field):
         MemoryOverhead(**{field: value})

@@ -48,6 +48,11 @@ def test_error_and_fit_check_by_hand():
     assert reserved.reserved_error(row) == pytest.approx(1 / 1.1 - 1)
     assert not reserved.judged_fitting(row)  # over 1 GiB with the context alone
     assert reserved.judged_fitting(row, NO_OVERHEAD)
+    # The fit check counts 2% of activations and buffers, not 19%: a GPU between the two totals holds the layout.
+    need = tensors["total"] + GIB + int(0.02 * (tensors["activations"] + tensors.get("buffers", 0)))
+    assert reserved.needed_bytes(row) == need < expected
+    roomy = replace(row, gpu_memory_gib=(need + expected) / 2 / GIB)
+    assert reserved.judged_fitting(roomy) and reserved.predicted_bytes(roomy) > reserved.capacity_bytes(roomy)
 
 
 @pytest.mark.parametrize("row", OOM, ids=lambda r: r.name)
@@ -82,6 +87,24 @@ def test_refit_moves_with_the_published_figures():
     for scale, moves in ((1.2, lambda v: v > fitted.value), (0.8, lambda v: v < fitted.value)):
         scaled = [replace(r, published=r.published * scale) if r.name in fitted.rows else r for r in ROWS]
         assert moves(reserved.refit(fitted, scaled)), scale
+
+
+@pytest.mark.parametrize("row", PEAKS, ids=lambda r: r.name)
+def test_no_published_peak_is_below_what_the_fit_check_needs(row):
+    """A run reserves at least what it needs: the pressured share is bounded on the calibration peaks, and the
+    held-out ones must hold the bound too."""
+    assert reserved.needed_bytes(row) <= row.published * GIB
+
+
+def test_a_bound_moves_with_the_published_figures_and_refuses_what_no_value_meets():
+    (bound,) = [f for f in FITTED if f.rule == "bound"]
+    higher = [replace(r, published=r.published * 1.05) if r.name in bound.rows else r for r in ROWS]
+    assert reserved.refit(bound, higher) > bound.value
+    lower = [replace(r, published=r.published * 0.9) if r.name in bound.rows else r for r in ROWS]
+    with pytest.raises(ValueError, match="every grid value"):
+        reserved.refit(bound, lower)
+    with pytest.raises(ValueError, match="rule"):
+        replace(bound, rule="median")
 
 
 def _mean_worst(split: str) -> tuple[float, float]:

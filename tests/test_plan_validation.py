@@ -267,16 +267,17 @@ def test_report_in_sample_and_out_of_sample_side_by_side(scored):
     oom_fitting = [r.name for r in oom if reserved.judged_fitting(r)]
     print(f"goal layouts published as out of memory reported as not fitting: {len(oom) - len(oom_fitting)} of "
           f"{len(oom)} are" + (f" (reported as fitting: {'; '.join(oom_fitting)})" if oom_fitting else ""))
-    # Asserted: the goals that hold now (the four dense classes, memory), and bands on what does not: the
-    # in-sample mean, and the count of published layouts the planner says do not fit, which may only fall from
-    # here. It rose from 11 to 19 when the overhead fraction was refitted from 0.15 to 0.19 on the reserved peaks
-    # priced with the frameworks' own gradient and loss paths (docs/planner.md, section 6): 10 of the 19 are
-    # within 0.6% of their GPU's memory.
+    # Asserted: the goals that hold now (the four dense classes, memory, every reserved-peak layout fitting), and
+    # bands on what does not: the in-sample mean, and the count of published layouts the planner says do not fit,
+    # which may only fall from here. It fell from 19 to 5 when the fit check began to count the share of
+    # fragmentation the allocator keeps when short of memory rather than the share it reserves with room to spare
+    # (docs/planner.md, section 3); the 5 miss by 5% to 104%.
     for cls in ("fully sharded", "long context", "pipeline", "size"):
         assert class_means[cls] <= 0.20, cls
     assert validation.summary(memory, "validation")[1] <= 0.10
     assert validation.summary(scored, "calibration")[1] <= 0.08
-    # Not met, banded where the fitted host pacing of MoE layers left them (docs/planner.md, section 6).
-    assert class_means["moe"] <= 0.35 and mean <= 0.14
-    assert len(not_fitting) <= 19
-    assert not oom_fitting and len(peaks_not_fitting) <= 4
+    # Not met, banded where the fitted host pacing of MoE layers and the fit check left them (docs/planner.md,
+    # section 6): layouts with unpublished knobs that now fit closer to the edge are priced faster.
+    assert class_means["moe"] <= 0.39 and mean <= 0.145
+    assert len(not_fitting) <= 5
+    assert not oom_fitting and not peaks_not_fitting

@@ -315,6 +315,7 @@ def format_estimate(est: Estimate) -> str:
         lines.append(f"  {key:<12} {mem.get(key, 0) / GIB:10.2f}")
         if key == "buffers":  # the transient categories it sums, each measured on its own by the runtime
             lines += [f"    {part:<16} {mem[part] / GIB:8.2f}" for part in TRANSIENT if mem.get(part)]
+    lines.append(f"  needed       {mem['needed'] / GIB:10.2f}  (the overhead the allocator keeps when short of memory)")
     lines.append(f"  capacity     {est.cluster.gpu.memory_gib:10.2f}" + ("" if est.fits else "  (does NOT fit)"))
     lines.append("communication per step (GiB sent by one rank of stage 0):")
     for key, row in est.comm.items():
@@ -401,7 +402,7 @@ def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: i
 
 def format_ranking(ranked: list[Estimate]) -> str:
     head = (f"{'#':>2} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>4} {'ep':>3} {'mb':>3} {'zero':<8} "
-            f"{'recomp':<9} {'cp mode':<9} {'mem GiB':>8} {'step s':>8} {'MFU %':>6}")
+            f"{'recomp':<9} {'cp mode':<9} {'need GiB':>8} {'step s':>8} {'MFU %':>6}")
     rows = [head]
     for i, e in enumerate(ranked, 1):
         d, j = e.degrees, e.job
@@ -410,7 +411,7 @@ def format_ranking(ranked: list[Estimate]) -> str:
         mode = j.cp_mode if d.cp > 1 else "-"
         recompute = f"full/{j.recompute_layers}" if j.partial_recompute else j.recompute  # layers per chunk
         rows.append(f"{i:>2} {d.tp:>3} {d.cp:>3} {d.pp:>3} {j.virtual_stages:>2} {d.dp:>4} {d.ep:>3} "
-                    f"{j.micro_batch:>3} {zero:<8} {recompute:<9} {mode:<9} {e.memory['total'] / GIB:>8.1f} "
+                    f"{j.micro_batch:>3} {zero:<8} {recompute:<9} {mode:<9} {e.memory['needed'] / GIB:>8.1f} "
                     f"{e.time.step_s:>8.3f} {100 * e.time.mfu:>6.1f}")
     return "\n".join(rows)
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, replace
 
 from orangetron.plan.memory import memory_per_gpu
 from orangetron.plan.network import DEFAULT_PARAMS, NetworkParams
-from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fits, with_overhead
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 from orangetron.spec.hardware import Cluster
@@ -28,7 +28,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.memory["total"] <= self.cluster.gpu.memory_bytes
+        return fits(self.memory, self.cluster.gpu.memory_bytes)
 
     def to_json(self) -> dict:
         """The `estimate --json` object (its keys: docs/planner.md)."""

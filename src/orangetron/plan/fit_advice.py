@@ -80,7 +80,7 @@ def _moves(deg: Degrees, job: Job, gpus_per_node: int) -> list[list[Move]]:
 def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int = 3) -> str:
     """One paragraph: the largest categories and up to `n` changes that fit, with their memory and step time."""
     largest = ", ".join(f"{k} {v / GIB:.1f}" for k, v in largest_categories(est))
-    lines = [f"{est.model.name} does not fit: {est.memory['total'] / GIB:.1f} GiB per GPU > "
+    lines = [f"{est.model.name} does not fit: needs {est.memory['needed'] / GIB:.1f} GiB per GPU > "
              f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; largest: {largest} GiB"]
     found = fixes(est, overhead)[:n]
     if not found:
@@ -89,6 +89,6 @@ def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int =
         lines.append("changes that fit, fastest first (each priced in full):")
     for fix in found:
         e = fix.estimate
-        lines.append(f"  {fix.change}: {e.memory['total'] / GIB:.1f} GiB, step {e.time.step_s:.3f} s, "
+        lines.append(f"  {fix.change}: needs {e.memory['needed'] / GIB:.1f} GiB, step {e.time.step_s:.3f} s, "
                      f"MFU {100 * e.time.mfu:.1f}%")
     return "\n".join(lines)

@@ -17,8 +17,18 @@ holds memory no tensor owns:
 The fixed part is set from those public sizes. The fraction is fitted on published peaks of reserved memory
 (the calibration `[[reserved]]` rows of `validation_runs.toml`, table `fitted_overhead`; `plan/reserved.py`
 holds the fit, `scripts/refit_planner.py` reproduces it): those rows do not separate a fixed GiB from a share,
-so only one of the two is fitted. `--overhead-gib` and `--overhead-fraction` replace them (both 0 turn the term
-off).
+so only one of the two is fitted.
+
+What a layout needs is less than what it reserves where memory is plentiful: when a request finds no free
+block and the device has no room left, the caching allocator releases its unused cached blocks and retries
+before it fails, so only the fragmentation inside segments still in use stays. The fit check therefore
+counts the fixed part and a smaller `pressured_fraction` of the same base (`needed` in the breakdown); the
+reported `total` keeps the fraction, the peak such a run reserves with room to spare. The pressured fraction
+is bounded by the same calibration rows: a run's published reserved peak is never below what it needed, so
+it is the largest value at which no row's need exceeds its published peak (`"pressured fraction"`).
+
+`--overhead-gib` and `--overhead-fraction` replace the fixed part and the fraction (both 0 turn the term off;
+the fit check counts the smaller of the two fractions).
 """
 
 from __future__ import annotations
@@ -42,13 +52,17 @@ class MemoryOverhead:
     # allocator fragmentation, share of activations and transient buffers; fitted on calibration rows:
     # plan/validation_runs.toml, "overhead fraction"
     fraction: float = 0.19
+    # the share that stays when the allocator, short of memory, has released its unused cache: what the fit
+    # check counts; bounded on calibration rows: plan/validation_runs.toml, "pressured fraction"
+    pressured_fraction: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("context_gib", "per_group_gib", "fraction"):
+        for name in ("context_gib", "per_group_gib", "fraction", "pressured_fraction"):
             if getattr(self, name) < 0:
                 raise OverheadError(f"{name}={getattr(self, name)}: must be >= 0")
-        if self.fraction >= 1:
-            raise OverheadError(f"fraction={self.fraction}: must be < 1 (a share of the dynamic allocations)")
+        for name in ("fraction", "pressured_fraction"):
+            if getattr(self, name) >= 1:
+                raise OverheadError(f"{name}={getattr(self, name)}: must be < 1 (a share of the dynamic allocations)")
 
     def fixed_bytes(self, deg: Degrees) -> int:
         groups = sum(size > 1 for size in (deg.tp, deg.cp, deg.pp, deg.dp_cp, deg.ep, deg.edp))
@@ -56,9 +70,18 @@ class MemoryOverhead:
         return int((self.context_gib + self.per_group_gib * groups) * GIB)
 
     def bytes(self, memory: dict[str, int], deg: Degrees) -> int:
-        """Overhead bytes for a per-GPU breakdown from `memory.memory_per_gpu`."""
-        dynamic = memory.get("activations", 0) + memory.get("buffers", 0)
-        return self.fixed_bytes(deg) + int(self.fraction * dynamic)
+        """Overhead bytes for a per-GPU breakdown from `memory.memory_per_gpu`, as reserved with room to spare."""
+        return self.fixed_bytes(deg) + int(self.fraction * _dynamic(memory))
+
+    def needed_bytes(self, memory: dict[str, int], deg: Degrees) -> int:
+        """Overhead bytes the layout needs: what stays when the allocator has released its unused cache (never
+        more than `bytes`, so a fraction of 0 turns both off)."""
+        return self.fixed_bytes(deg) + int(min(self.pressured_fraction, self.fraction) * _dynamic(memory))
+
+
+def _dynamic(memory: dict[str, int]) -> int:
+    """The base of the proportional part: activations and transient buffers."""
+    return memory.get("activations", 0) + memory.get("buffers", 0)
 
 
 NO_OVERHEAD = MemoryOverhead(0.0, 0.0, 0.0)
@@ -71,6 +94,13 @@ def fixed_overhead(gib: float, fraction: float) -> MemoryOverhead:
 
 
 def with_overhead(memory: dict[str, int], deg: Degrees, overhead: MemoryOverhead) -> dict[str, int]:
-    """`memory` plus an `overhead` entry, counted in `total`."""
+    """`memory` plus an `overhead` entry, counted in `total`, and `needed`: the tensors and the overhead the
+    layout cannot do without, which the fit check compares with the GPU's memory."""
     extra = overhead.bytes(memory, deg)
-    return {**memory, "overhead": extra, "total": memory["total"] + extra}
+    return {**memory, "overhead": extra, "total": memory["total"] + extra,
+            "needed": memory["total"] + overhead.needed_bytes(memory, deg)}
+
+
+def fits(memory: dict[str, int], limit: float) -> bool:
+    """Whether a breakdown from `with_overhead` fits in `limit` bytes: its `needed` bytes do."""
+    return memory["needed"] <= limit

@@ -67,9 +67,14 @@ def capacity_bytes(row: ReservedRow) -> int:
     return int(gib * GIB)
 
 
+def needed_bytes(row: ReservedRow, overhead: MemoryOverhead = DEFAULT_OVERHEAD) -> int:
+    """What the row's layout needs by the planner's fit check (`with_overhead`'s `needed`)."""
+    return with_overhead(memory_per_gpu(row.model, row.deg, row.job), row.deg, overhead)["needed"]
+
+
 def judged_fitting(row: ReservedRow, overhead: MemoryOverhead = DEFAULT_OVERHEAD) -> bool:
     """Whether the planner's fit check passes the row's layout on its GPU."""
-    return predicted_bytes(row, overhead) <= capacity_bytes(row)
+    return needed_bytes(row, overhead) <= capacity_bytes(row)
 
 
 def reserved_error(row: ReservedRow, overhead: MemoryOverhead = DEFAULT_OVERHEAD) -> float:
@@ -77,32 +82,52 @@ def reserved_error(row: ReservedRow, overhead: MemoryOverhead = DEFAULT_OVERHEAD
     return predicted_bytes(row, overhead) / GIB / row.published - 1
 
 
+# How a constant is fitted: the least sum of squared log errors of the predicted peaks, or (`bound`) the largest
+# value at which no row's need by the fit check exceeds its published peak, which no run's need can.
+RULES = ("least squares", "bound")
+
+
 @dataclass(frozen=True)
 class FittedOverhead:
-    """A field of `MemoryOverhead` fitted on calibration "reserved_gib" rows, searched on `grid`."""
+    """A field of `MemoryOverhead` fitted on calibration "reserved_gib" rows, searched on `grid` by `rule`."""
 
     name: str
     field: str  # a `MemoryOverhead` field
     rows: tuple[str, ...]  # the calibration rows it is fitted on, by name
     grid: tuple[float, float, float]
     value: float  # as shipped in DEFAULT_OVERHEAD
+    rule: str = "least squares"  # one of RULES
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"{self.name}: rule {self.rule!r} is not one of {RULES}")
 
 
 def load_fitted_overhead(path: Path | None = None) -> list[FittedOverhead]:
     """The file's `fitted_overhead` tables."""
-    return [FittedOverhead(f["name"], f["field"], tuple(f["rows"]), tuple(f["grid"]), f["value"])
-            for f in validation.load_table(path)["fitted_overhead"]]
+    return [FittedOverhead(f["name"], f["field"], tuple(f["rows"]), tuple(f["grid"]), f["value"],
+                           f.get("rule", "least squares")) for f in validation.load_table(path)["fitted_overhead"]]
 
 
 def fit_loss(fitted: FittedOverhead, value: float, rows: list[ReservedRow]) -> float:
-    """Sum over the constant's rows of log(predicted / published)^2, the field set to `value`."""
+    """The field set to `value`: the sum over the constant's rows of log(predicted / published)^2, or for a
+    bound the number of rows whose need exceeds their published peak."""
     by_name, overhead = {r.name: r for r in rows}, replace(DEFAULT_OVERHEAD, **{fitted.field: value})
+    if fitted.rule == "bound":
+        return sum(needed_bytes(by_name[name], overhead) > by_name[name].published * GIB for name in fitted.rows)
     return sum(math.log(1 + reserved_error(by_name[name], overhead)) ** 2 for name in fitted.rows)
 
 
 def refit(fitted: FittedOverhead, rows: list[ReservedRow]) -> float:
-    """The grid value with the least `fit_loss`, the lower on a tie. Only calibration rows may be named."""
+    """The grid value with the least `fit_loss`, the lower on a tie; for a bound, the largest value no row
+    exceeds. Only calibration rows may be named."""
     by_name = {r.name: r for r in rows}
     if any(by_name[name].split != "calibration" or by_name[name].metric != "reserved_gib" for name in fitted.rows):
         raise ValueError(f"{fitted.name}: fitted on a row outside the calibration split")
-    return min(validation.grid_points(fitted.grid), key=lambda v: (fit_loss(fitted, v, rows), v))
+    points = validation.grid_points(fitted.grid)
+    if fitted.rule == "bound":
+        within = [v for v in points if fit_loss(fitted, v, rows) == 0]
+        if not within:
+            raise ValueError(f"{fitted.name}: every grid value puts a row's need above its published peak")
+        return max(within)
+    return min(points, key=lambda v: (fit_loss(fitted, v, rows), v))

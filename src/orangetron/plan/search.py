@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from orangetron.plan.estimate import Estimate
 from orangetron.plan.memory import memory_per_gpu
-from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, with_overhead
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fits, with_overhead
 from orangetron.plan.params import tp_sums_first
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, check_ep_placement, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
@@ -157,24 +157,24 @@ def fewest_replays_that_fit(model: ModelSpec, deg: Degrees, job: Job, limit: flo
     memory fits in `limit` bytes: fewer replays are never slower, and memory falls as r grows, about linearly
     (each replayed layer keeps its input instead of its activations), so the walk starts where the line
     between no recompute and full recompute crosses the limit. `job` itself when no r short of the longest
-    chunk fits. `full`: the job's own total, when known."""
+    chunk fits. `full`: the job's own need (`with_overhead`'s `needed`), when known."""
     longest = longest_chunk(model.num_layers, deg.pp, job.virtual_stages, job.pipeline_layout)
 
-    def total(r: int) -> int:
+    def needed(r: int) -> int:
         at_r = without_recompute(job) if r == 0 else replace(job, recompute_layers=r % longest)
-        return with_overhead(memory_per_gpu(model, deg, at_r), deg, overhead)["total"]
+        return with_overhead(memory_per_gpu(model, deg, at_r), deg, overhead)["needed"]
 
     if longest < 2:
         return job
-    none, full = total(0), full if full is not None else total(longest)
+    none, full = needed(0), full if full is not None else needed(longest)
     r = max(1, min(longest - 1, math.ceil(longest * (none - limit) / max(1, none - full))))
-    if total(r) <= limit:
-        while r > 1 and total(r - 1) <= limit:
+    if needed(r) <= limit:
+        while r > 1 and needed(r - 1) <= limit:
             r -= 1
         return replace(job, recompute_layers=r)
     while r < longest - 1:
         r += 1
-        if total(r) <= limit:
+        if needed(r) <= limit:
             return replace(job, recompute_layers=r)
     return job
 
@@ -209,7 +209,7 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
         except ValueError:
             break  # the group shares every degree-dependent rule
         mem = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
-        if mem["total"] > limit:
+        if not fits(mem, limit):
             continue
         if partial and job.recompute == "full":
             if cls not in smallest or mem["total"] < smallest[cls][1]["total"]:
@@ -235,11 +235,11 @@ def _replay_fewer_layers(model: ModelSpec, cluster: Cluster, scored: Scored, top
         if not todo:
             return scored
         for i in todo:
-            t, total, deg, job, mem = scored[i]
+            t, _, deg, job, mem = scored[i]
             done.add((deg, job))
             if t >= cutoff and step_time(model, deg, without_recompute(job), cluster, eff=eff).step_s >= cutoff:
                 continue  # no replay at all would still miss the top
-            partial = fewest_replays_that_fit(model, deg, job, limit, overhead, total)
+            partial = fewest_replays_that_fit(model, deg, job, limit, overhead, mem["needed"])
             if partial is not job:
                 mem = with_overhead(memory_per_gpu(model, deg, partial), deg, overhead)
                 scored[i] = (step_time(model, deg, partial, cluster, eff=eff).step_s, mem["total"], deg, partial, mem)

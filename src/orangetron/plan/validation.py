@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from orangetron.plan.memory import memory_per_gpu
-from orangetron.plan.overhead import DEFAULT_OVERHEAD, with_overhead
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, fits, with_overhead
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, step_time
 from orangetron.spec.hardware import GPUSpec, load_gpu, make_cluster
 from orangetron.spec.model import ModelSpec, load_decoder
@@ -122,7 +122,7 @@ def _fits(run: PublishedRun, job: Job, capacity: float) -> bool:
         validate(run.model, run.deg, job)
     except ValueError:
         return False
-    return with_overhead(memory_per_gpu(run.model, run.deg, job), run.deg, DEFAULT_OVERHEAD)["total"] <= capacity
+    return fits(with_overhead(memory_per_gpu(run.model, run.deg, job), run.deg, DEFAULT_OVERHEAD), capacity)
 
 
 def _turned(job: Job, knob: str, value: object) -> Job:
