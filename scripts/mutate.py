@@ -1532,6 +1532,15 @@ MUTANTS = [
            (('    return memory["needed"] <= limit', '    return memory["total"] <= limit'),),
            ("tests/test_plan_overhead.py::test_fit_check_counts_the_pressured_share_not_the_reserved_one",
             "tests/test_plan_cli.py::test_estimate_fits_on_what_a_layout_needs_not_on_what_it_reserves_with_room")),
+    Mutant("estimate_text_hides_the_framework_paths", "src/orangetron/cli/plan.py",
+           (('    parts += ["--" + name.replace("_", "-") for name in _FRAMEWORK_PATHS if getattr(j, name)]\n', ""),),
+           ("tests/test_plan_cli.py::test_estimate_text_names_every_option_it_priced",)),
+    Mutant("emit_config_before_the_ranking", "src/orangetron/cli/plan.py",
+           (('          file=sys.stderr)\n    if args.chart:\n',
+             "          file=sys.stderr)\n    if args.emit_config:\n"
+             "        from orangetron.cli.run_config import emit_config\n\n"
+             "        emit_config(result.ranked, args.emit_config)\n    if args.chart:\n"),),
+           ("tests/test_plan_to_train.py::test_rows_the_trainer_does_not_run_are_passed_over_by_name",)),
     Mutant("search_fits_on_the_reserved_total", "src/orangetron/plan/search.py",
            (("        if not fits(mem, limit):", '        if mem["total"] > limit:'),),
            ("tests/test_plan_search.py::test_search_keeps_a_layout_that_needs_less_than_the_gpu_though_it_reserves_"

@@ -381,6 +381,22 @@ def test_estimate_fits_on_what_a_layout_needs_not_on_what_it_reserves_with_room(
     assert f"  needed       {memory['needed'] / 2**30:10.2f}" in text and "does NOT fit" not in text
 
 
+def test_estimate_text_names_every_option_it_priced(capsys):
+    """The line under the header names the sharding, dtypes, kernel, recompute, SP, cp mode, schedule and its
+    layout, the dispatcher of a MoE model and each framework path asked for; a default leaves its word out."""
+    assert run(["estimate", "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--dp", "2",
+                "--virtual-stages", "2", "--sequence-parallel", "--distributed-optimizer", "--recompute", "full",
+                "--global-batch", "64", "--eager-fp32-loss", "--tp-sum-with-reduction"]) == 0
+    options = capsys.readouterr().out.splitlines()[1]
+    assert options == ("options: distopt, bfloat16, attention flash, recompute full, sequence parallel, interleaved "
+                       "v=2, --tp-sum-with-reduction, --eager-fp32-loss")
+    assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--cp", "2", "--dp", "8", "--ep", "8",
+                "--zero-stage", "3", "--fp8", "--fp8-recipe", "blockwise", "--cp-mode", "allgather"]) == 0
+    options = capsys.readouterr().out.splitlines()[1]
+    assert options == ("options: zero3, bfloat16 with fp8 (blockwise), attention flash, recompute none, cp allgather, "
+                       "dispatcher ragged")
+
+
 def test_estimate_reports_a_configuration_that_does_not_fit(capsys):
     """405B on 8 GPUs needs about 6 TiB of model states: every number is still printed, with "fits": false, a
     warning on standard error (its first line says why, the next what would fit) and exit status 0."""

@@ -53,8 +53,9 @@ def test_a_plans_config_trains_and_measures_what_was_predicted(tmp_path, capsys)
 def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys) -> None:
     path = tmp_path / "plan.toml"
     code = cli.main([*PLAN, "--emit-config", str(path), "--attention-kernel", "eager"])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == 2 and "the trainer runs none of the" in err
+    assert " 1 " in out.splitlines()[2] and "fastest layouts that fit" in out  # the ranking it refused stays shown
     assert err.count("attention_kernel='eager'") == 1 and "#1, #2" in err  # one reason, the ranks it turned away
     assert not path.exists()
     bad = tmp_path / "bad.toml"

@@ -309,13 +309,14 @@ def format_estimate(est: Estimate) -> str:
              f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {est.job.seq_len}, "
              f"micro-batch {est.job.micro_batch}, "
              f"{est.job.replica_microbatches(d)} micro-batch(es) per step",
-             "memory per GPU (GiB):"]
+             _options_line(est), "memory per GPU (GiB):"]
     for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead",
                 "total"):
         lines.append(f"  {key:<12} {mem.get(key, 0) / GIB:10.2f}")
         if key == "buffers":  # the transient categories it sums, each measured on its own by the runtime
             lines += [f"    {part:<16} {mem[part] / GIB:8.2f}" for part in TRANSIENT if mem.get(part)]
-    lines.append(f"  needed       {mem['needed'] / GIB:10.2f}  (the overhead the allocator keeps when short of memory)")
+    lines.append(f"  needed       {mem['needed'] / GIB:10.2f}  (what must fit: the tensors, and the overhead the "
+                 "allocator keeps when short of memory)")
     lines.append(f"  capacity     {est.cluster.gpu.memory_gib:10.2f}" + ("" if est.fits else "  (does NOT fit)"))
     lines.append("communication per step (GiB sent by one rank of stage 0):")
     for key, row in est.comm.items():
@@ -373,12 +374,6 @@ def run_plan(args: argparse.Namespace) -> int:
                          f"{cluster.gpu.memory_gib:.0f} GiB; add GPUs or shorten the sequence")
     print(f"priced {result.evaluated} fitting of {result.considered} configurations in {elapsed:.2f} s",
           file=sys.stderr)
-    if args.emit_config:
-        from orangetron.cli.run_config import emit_config
-
-        rank, passed_over = emit_config(result.ranked, args.emit_config)
-        skipped = f"; the trainer does not run {'; '.join(passed_over)}" if passed_over else ""
-        print(f"wrote {args.emit_config}: configuration #{rank}{skipped}", file=sys.stderr)
     if args.chart:
         from orangetron.plan.chart import breakdown_chart
 
@@ -391,6 +386,12 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(_plan_header(args, spec.name, cluster.gpu.name, global_batch, len(result.ranked)))
         print(format_ranking(result.ranked))
+    if args.emit_config:  # after the ranking, which stays on screen when the trainer runs none of it
+        from orangetron.cli.run_config import emit_config
+
+        rank, passed_over = emit_config(result.ranked, args.emit_config)
+        skipped = f"; the trainer does not run {'; '.join(passed_over)}" if passed_over else ""
+        print(f"wrote {args.emit_config}: configuration #{rank}{skipped}", file=sys.stderr)
     return 0
 
 
@@ -400,16 +401,47 @@ def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: i
             f"{args.param_dtype}{', fp8' if args.fp8 else ''}{layout or ''}: the {rows} fastest layouts that fit")
 
 
+# Planner-only options that price a framework's own path (docs/planner.md, section 3, 'Framework paths')
+_FRAMEWORK_PATHS = ("grad_accumulation_fusion", "tp_sum_with_reduction", "accumulate_in_reduce_dtype",
+                    "eager_fp32_loss")
+
+
+def _options_line(est: Estimate) -> str:
+    """The options priced besides the degrees, in the words of the plan table and the flags."""
+    d, j = est.degrees, est.job
+    parts = [_sharding(j), j.param_dtype + (f" with fp8 ({j.fp8_recipe})" if j.fp8 else ""),
+             f"attention {j.attention_kernel}", f"recompute {_recompute(j)}"]
+    if d.tp > 1 and j.sequence_parallel:
+        parts.append("sequence parallel")
+    if d.cp > 1:
+        parts.append(f"cp {j.cp_mode}")
+    if d.pp > 1:
+        layout = f" layout {','.join(map(str, j.pipeline_layout))}" if j.pipeline_layout else ""
+        parts.append(f"{j.pp_schedule}{f' v={j.virtual_stages}' if j.virtual_stages > 1 else ''}{layout}")
+    if est.model.num_experts:
+        parts.append(f"dispatcher {j.dispatcher}")
+    parts += ["--" + name.replace("_", "-") for name in _FRAMEWORK_PATHS if getattr(j, name)]
+    return "options: " + ", ".join(parts)
+
+
+def _sharding(job: Job) -> str:
+    """ddp, zero1, distopt, zero2 or zero3, with -mb for ZeRO-3 reducing every micro-batch."""
+    zero = "distopt" if job.distributed_optimizer else ("ddp" if job.zero_stage == 0 else f"zero{job.zero_stage}")
+    return zero + ("-mb" if job.zero3_reduce_every_microbatch else "")
+
+
+def _recompute(job: Job) -> str:
+    """none, selective, full, or full/r: the first r layers of each chunk replayed."""
+    return f"full/{job.recompute_layers}" if job.partial_recompute else job.recompute
+
+
 def format_ranking(ranked: list[Estimate]) -> str:
     head = (f"{'#':>2} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>4} {'ep':>3} {'mb':>3} {'zero':<8} "
             f"{'recomp':<9} {'cp mode':<9} {'need GiB':>8} {'step s':>8} {'MFU %':>6}")
     rows = [head]
     for i, e in enumerate(ranked, 1):
         d, j = e.degrees, e.job
-        zero = "distopt" if j.distributed_optimizer else ("ddp" if j.zero_stage == 0 else f"zero{j.zero_stage}")
-        zero += "-mb" if j.zero3_reduce_every_microbatch else ""
-        mode = j.cp_mode if d.cp > 1 else "-"
-        recompute = f"full/{j.recompute_layers}" if j.partial_recompute else j.recompute  # layers per chunk
+        zero, mode, recompute = _sharding(j), j.cp_mode if d.cp > 1 else "-", _recompute(j)
         rows.append(f"{i:>2} {d.tp:>3} {d.cp:>3} {d.pp:>3} {j.virtual_stages:>2} {d.dp:>4} {d.ep:>3} "
                     f"{j.micro_batch:>3} {zero:<8} {recompute:<9} {mode:<9} {e.memory['needed'] / GIB:>8.1f} "
                     f"{e.time.step_s:>8.3f} {100 * e.time.mfu:>6.1f}")
