@@ -1541,6 +1541,17 @@ MUTANTS = [
              "        from orangetron.cli.run_config import emit_config\n\n"
              "        emit_config(result.ranked, args.emit_config)\n    if args.chart:\n"),),
            ("tests/test_plan_to_train.py::test_rows_the_trainer_does_not_run_are_passed_over_by_name",)),
+    Mutant("fit_advice_zero_stage_at_dp_1", "src/orangetron/plan/fit_advice.py",
+           (('            if deg.dp * deg.cp == 1 and any(flag.startswith("--zero-stage") for flag, _ in made):',
+             '            if False:'),),
+           ("tests/test_plan_fit_advice.py::test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_"
+            "ranks",)),
+    Mutant("fit_advice_largest_with_the_reserved_overhead", "src/orangetron/plan/fit_advice.py",
+           (('    memory = {**est.memory, "overhead": est.memory["needed"] - est.memory["total"] + '
+             'est.memory.get("overhead", 0)}',
+             "    memory = est.memory"),),
+           ("tests/test_plan_fit_advice.py::test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_"
+            "ranks",)),
     Mutant("search_fits_on_the_reserved_total", "src/orangetron/plan/search.py",
            (("        if not fits(mem, limit):", '        if mem["total"] > limit:'),),
            ("tests/test_plan_search.py::test_search_keeps_a_layout_that_needs_less_than_the_gpu_though_it_reserves_"

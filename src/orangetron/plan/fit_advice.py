@@ -28,8 +28,10 @@ class Fix:
 
 
 def largest_categories(est: Estimate, n: int = 3) -> list[tuple[str, int]]:
-    """The `n` memory categories that hold the most bytes, largest first."""
-    held = [(k, est.memory[k]) for k in _CATEGORIES if est.memory.get(k)]
+    """The `n` memory categories that hold the most of what the layout needs, largest first: the overhead as
+    the fit check counts it (`needed` less the tensors)."""
+    memory = {**est.memory, "overhead": est.memory["needed"] - est.memory["total"] + est.memory.get("overhead", 0)}
+    held = [(k, memory[k]) for k in _CATEGORIES if memory.get(k)]
     return sorted(held, key=lambda kv: -kv[1])[:n]
 
 
@@ -46,6 +48,8 @@ def fixes(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, most_chang
         try:
             for _, change in made:
                 deg, job = change(deg, job)
+            if deg.dp * deg.cp == 1 and any(flag.startswith("--zero-stage") for flag, _ in made):
+                continue  # no data-parallel ranks left to shard over: the same layout without the ZeRO change
             priced = estimate(est.model, deg, job, est.cluster, overhead=overhead)
         except ValueError:  # a change this model or layout does not allow (heads, layers, dp left)
             continue
