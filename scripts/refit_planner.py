@@ -4,8 +4,10 @@ The constants, the rows each is fitted on and the fitting rule are in src/orange
 (`[refit]`, `[[fitted]]` for GPU presets, `[[fitted_efficiency]]` for the compute model's global constants,
 `[[fitted_overhead]]` for the memory overhead; docs/planner.md,
 'Validation protocol'). Only rows whose split is "calibration" may be named; a constant's value is the point of
-its grid with the least sum of squared log errors over its rows. tests/test_plan_validation.py checks that this
-fit reproduces the shipped values.
+its grid with the least sum of squared log errors over its rows, or for a `rule = "bound"` overhead constant
+the largest grid point at which no row's need exceeds its published peak (the curve then counts the rows that
+do). tests/test_plan_validation.py and tests/test_plan_reserved.py check that the fit reproduces the shipped
+values.
 
     python scripts/refit_planner.py            # fitted and shipped value of each constant
     python scripts/refit_planner.py --curve    # and the loss at every grid point

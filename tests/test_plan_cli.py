@@ -381,20 +381,39 @@ def test_estimate_fits_on_what_a_layout_needs_not_on_what_it_reserves_with_room(
     assert f"  needed       {memory['needed'] / 2**30:10.2f}" in text and "does NOT fit" not in text
 
 
+def test_plan_searches_gradient_buckets_unless_told_not_to(capsys):
+    """Llama 3 8B on 16 H100: the fastest row reduces in 40M-element buckets, shown +b and carried in the JSON;
+    `--grad-bucket-numel 0` searches none, and a negative size is refused by name."""
+    args = ["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "64", "--top", "3",
+            "--tp", "1", "--pp", "1", "--cp", "1"]
+    assert run([*args, "--json"]) == 0
+    ranked = last_json(capsys)["ranked"]
+    assert ranked[0]["job"]["bucket_numel"] == 40_000_000
+    assert run(args) == 0
+    assert "+b " in capsys.readouterr().out.splitlines()[2]
+    assert run([*args, "--json", "--grad-bucket-numel", "0"]) == 0
+    assert {row["job"]["bucket_numel"] for row in last_json(capsys)["ranked"]} == {0}
+    assert run([*args, "--grad-bucket-numel", "-1"]) == 2
+    assert "--grad-bucket-numel -1" in capsys.readouterr().err
+
+
 def test_estimate_text_names_every_option_it_priced(capsys):
     """The line under the header names the sharding, dtypes, kernel, recompute, SP, cp mode, schedule and its
     layout, the dispatcher of a MoE model and each framework path asked for; a default leaves its word out."""
     assert run(["estimate", "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--dp", "2",
                 "--virtual-stages", "2", "--sequence-parallel", "--distributed-optimizer", "--recompute", "full",
-                "--global-batch", "64", "--eager-fp32-loss", "--tp-sum-with-reduction"]) == 0
+                "--global-batch", "64", "--eager-fp32-loss", "--tp-sum-with-reduction", "--reduce-dtype", "float32",
+                "--optimizer-state-dtype", "bfloat16", "--no-overlap-grad-reduce"]) == 0
     options = capsys.readouterr().out.splitlines()[1]
-    assert options == ("options: distopt, bfloat16, attention flash, recompute full, sequence parallel, interleaved "
-                       "v=2, --tp-sum-with-reduction, --eager-fp32-loss")
+    assert options == ("options: distopt, bfloat16, attention flash, recompute full, reduce in float32, adam moments "
+                       "in bfloat16, sequence parallel, interleaved v=2, --no-overlap-grad-reduce, "
+                       "--tp-sum-with-reduction, --eager-fp32-loss")
     assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--cp", "2", "--dp", "8", "--ep", "8",
-                "--zero-stage", "3", "--fp8", "--fp8-recipe", "blockwise", "--cp-mode", "allgather"]) == 0
+                "--zero-stage", "3", "--fp8", "--fp8-recipe", "blockwise", "--cp-mode", "allgather",
+                "--no-overlap-ep"]) == 0
     options = capsys.readouterr().out.splitlines()[1]
     assert options == ("options: zero3, bfloat16 with fp8 (blockwise), attention flash, recompute none, cp allgather, "
-                       "dispatcher ragged")
+                       "dispatcher ragged, --no-overlap-ep")
 
 
 def test_estimate_reports_a_configuration_that_does_not_fit(capsys):

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 from orangetron.plan.estimate import estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD
-from orangetron.plan.search import SearchSpace, candidate_degrees, search
+from orangetron.plan.search import SearchSpace, candidate_degrees, candidate_jobs, search
 from orangetron.spec.hardware import make_cluster
 from orangetron.spec.model import load_model
 from orangetron.spec.options import Degrees, Job
@@ -71,6 +71,28 @@ def test_search_keeps_a_layout_that_needs_less_than_the_gpu_though_it_reserves_m
     assert search(model, cluster, 8192, 64, space=space, overhead=WHOLE_FRACTION).ranked == []
 
 
+def test_search_prices_gradient_buckets_beside_reducing_after_backward():
+    """Llama 3 8B on 16 H100, full recompute: every layout but ZeRO-3 is also searched with 40M-element buckets,
+    which hide the reduction behind backward (and under ZeRO-2 free each .grad once its bucket is reduced): the
+    bucketed twin is kept beside the unbucketed one, is faster, and is the fastest layout. Without buckets in the
+    space, none is."""
+    model, cluster = load_model("llama3-8b"), make_cluster("h100", 16)
+    space = SearchSpace(tp=(1,), cp=(1,), pp=(1,), micro_batch=(1,), recompute=("full",), zero=("zero2", "zero3"))
+    ranked = search(model, cluster, 8192, 64, space=space, top=10).ranked
+    by_bucket = {(e.job.zero_stage, e.job.grad_bucket_numel): e for e in ranked}
+    assert set(by_bucket) == {(2, 0), (2, 40_000_000), (3, 0)}
+    bucketed, after = by_bucket[(2, 40_000_000)], by_bucket[(2, 0)]
+    assert bucketed.time.step_s < after.time.step_s and bucketed.time.dp_s < after.time.dp_s
+    assert ranked[0] is bucketed
+    jobs = [j for group in candidate_jobs(model, Degrees(dp=16), 8192, 64, space, Job(seq_len=8192)) for j in group]
+    assert {j.grad_bucket_numel for j in jobs} == {0, 40_000_000}
+    assert not [j for j in jobs if j.zero_stage == 3 and j.grad_bucket_numel]  # ZeRO-3 reduces unit by unit
+    assert {j.grad_bucket_numel for group in candidate_jobs(model, Degrees(tp=16), 8192, 64, space,
+                                                            Job(seq_len=8192)) for j in group} == {0}
+    plain = search(model, cluster, 8192, 64, space=replace(space, grad_bucket_numel=(0,)), top=10).ranked
+    assert {e.job.grad_bucket_numel for e in plain} == {0} and len(plain) == 2
+
+
 def test_search_reduces_zero3_every_micro_batch_where_whole_gradients_do_not_fit():
     """Llama 3 8B on 8 H100 at 8192 tokens, 64 sequences, the whole fraction counted: ZeRO-3 fits only when each
     micro-batch is reduce-scattered (one unit's .grad at a time); accumulating whole .grad tensors adds 16 GB per
@@ -79,7 +101,8 @@ def test_search_reduces_zero3_every_micro_batch_where_whole_gradients_do_not_fit
     from orangetron.plan.overhead import with_overhead
 
     model, cluster = load_model("llama3-8b"), make_cluster("h100", 8)
-    best = search(model, cluster, 8192, 64, overhead=WHOLE_FRACTION).ranked[0]
+    unbucketed = SearchSpace(grad_bucket_numel=(0,))  # ZeRO-2 in buckets would win here
+    best = search(model, cluster, 8192, 64, space=unbucketed, overhead=WHOLE_FRACTION).ranked[0]
     assert best.job.zero_stage == 3 and best.job.zero3_reduce_every_microbatch
     assert best.job.replica_microbatches(best.degrees) > 1
     whole = replace(best.job, zero3_reduce_every_microbatch=False)
@@ -96,7 +119,8 @@ def test_search_replays_as_few_layers_as_the_memory_needs():
     from orangetron.plan.overhead import DEFAULT_OVERHEAD, with_overhead
 
     model, cluster = load_model("llama3-70b"), make_cluster("h100", 64)
-    space = SearchSpace(tp=(8,), pp=(2,), cp=(1,), virtual_stages=(1,), micro_batch=(1,), zero=("distopt",))
+    space = SearchSpace(tp=(8,), pp=(2,), cp=(1,), virtual_stages=(1,), micro_batch=(1,), zero=("distopt",),
+                        grad_bucket_numel=(0,))
     best = search(model, cluster, seq_len=8192, global_batch=64, space=space, top=1).ranked[0]
     assert best.job.recompute == "full" and 0 < best.job.recompute_layers < 40
 
@@ -122,14 +146,15 @@ def test_partial_recompute_keeps_options_a_uniform_one_would_dominate():
     model, cluster = load_model("mixtral-8x7b"), make_cluster("h100", 16)
     space = SearchSpace(tp=(1,), cp=(4,), pp=(2,), ep=(8,), cp_mode=("ring",),
                         zero=("ddp", "zero1", "distopt", "zero2"), recompute=("none", "full"), micro_batch=(1,),
-                        virtual_stages=(1,))
+                        virtual_stages=(1,), grad_bucket_numel=(0,))
     every = search(model, cluster, 8192, 64, space=space, top=1).ranked[0]
     zero2 = search(model, cluster, 8192, 64, space=replace(space, zero=("zero2",)), top=1).ranked[0]
     assert every.time.step_s == zero2.time.step_s and every.job.recompute_layers == zero2.job.recompute_layers
     assert every.job.zero_stage == 2 and every.job.recompute_layers > 0
 
     model, cluster = load_model("llama3-8b"), make_cluster("h100", 8)
-    space = SearchSpace(tp=(2,), cp=(4,), pp=(1,), micro_batch=(1,), zero=("distopt",), cp_mode=("ring",))
+    space = SearchSpace(tp=(2,), cp=(4,), pp=(1,), micro_batch=(1,), zero=("distopt",), cp_mode=("ring",),
+                        grad_bucket_numel=(0,))
     eager = Job(seq_len=8192, attention_kernel="eager")
     with_selective = search(model, cluster, 8192, 64, space=space, base=eager, top=1,
                             overhead=WHOLE_FRACTION).ranked[0]

@@ -118,7 +118,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     _common(plan, gpus_required=True)
     plan.add_argument("--top", type=int, default=10, help="rows to show")
     plan.add_argument("--memory-fraction", type=float, default=1.0,
-                      help="share of GPU memory a configuration may use, overhead term included")
+                      help="share of GPU memory a configuration's need (tensors and the overhead the fit check "
+                           "counts) may take; below 1 keeps headroom")
     plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations")
     plan.add_argument("--emit-config", metavar="FILE.toml",
                       help="write the fastest configuration the trainer runs as a run's config file, which "
@@ -132,6 +133,10 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--no-partial-recompute", action="store_true",
                       help="full recompute replays every layer (default: only as many leading layers per chunk as "
                            "the memory needs, Megatron's block method; shown as full/N)")
+    plan.add_argument("--grad-bucket-numel", type=int, default=40_000_000, metavar="N",
+                      help="also search data-parallel layouts (not ZeRO-3) reducing gradients in buckets of N elements "
+                           "during backward, shown as +b (default 40000000, Megatron-Core's; 0: reduce after the "
+                           "last backward only)")
     for dim in ("tp", "cp", "pp", "ep"):
         plan.add_argument(f"--{dim}", type=_int_list, default=None, metavar="N[,N...]",
                           help=f"only these {dim} degrees (default: every sensible value)")
@@ -172,7 +177,9 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_requi
                    help="fixed memory overhead per GPU: CUDA context, library workspaces, NCCL buffers (default: "
                         "1 GiB plus 0.5 GiB per communicator of the layout)")
     p.add_argument("--overhead-fraction", type=float, default=None,
-                   help="allocator fragmentation as a share of activations and transient buffers (default 0.15)")
+                   help="allocator fragmentation as a share of activations and transient buffers, in the reported "
+                        "total (default 0.19); the fit check counts at most 0.02 of them, what the allocator keeps "
+                        "once it has released its cache")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
 
@@ -350,8 +357,11 @@ def run_plan(args: argparse.Namespace) -> int:
                ep_comm_sms_reserved=args.ep_comm_sms_reserved, pipeline_layout=args.pipeline_layout)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
+    if args.grad_bucket_numel < 0:
+        raise ValueError(f"--grad-bucket-numel {args.grad_bucket_numel}: must be >= 0 (0: no buckets)")
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, dispatcher=(args.dispatcher,),
-                        partial_recompute=not args.no_partial_recompute)
+                        partial_recompute=not args.no_partial_recompute,
+                        grad_bucket_numel=tuple(sorted({0, args.grad_bucket_numel})))
     if args.pp_schedule:
         space = replace(space, pp_schedule=tuple(args.pp_schedule))
     if args.pipeline_layout:
@@ -411,6 +421,10 @@ def _options_line(est: Estimate) -> str:
     d, j = est.degrees, est.job
     parts = [_sharding(j), j.param_dtype + (f" with fp8 ({j.fp8_recipe})" if j.fp8 else ""),
              f"attention {j.attention_kernel}", f"recompute {_recompute(j)}"]
+    if j.reduce_dtype and j.reduce_dtype != j.param_dtype:
+        parts.append(f"reduce in {j.reduce_dtype}")
+    if j.optimizer_state_dtype:
+        parts.append(f"adam moments in {j.optimizer_state_dtype}")
     if d.tp > 1 and j.sequence_parallel:
         parts.append("sequence parallel")
     if d.cp > 1:
@@ -419,15 +433,18 @@ def _options_line(est: Estimate) -> str:
         layout = f" layout {','.join(map(str, j.pipeline_layout))}" if j.pipeline_layout else ""
         parts.append(f"{j.pp_schedule}{f' v={j.virtual_stages}' if j.virtual_stages > 1 else ''}{layout}")
     if est.model.num_experts:
-        parts.append(f"dispatcher {j.dispatcher}")
+        parts.append(f"dispatcher {j.dispatcher}" + ("" if j.overlap_ep else ", --no-overlap-ep"))
+    if not j.overlap_grad_reduce:
+        parts.append("--no-overlap-grad-reduce")
     parts += ["--" + name.replace("_", "-") for name in _FRAMEWORK_PATHS if getattr(j, name)]
     return "options: " + ", ".join(parts)
 
 
 def _sharding(job: Job) -> str:
-    """ddp, zero1, distopt, zero2 or zero3, with -mb for ZeRO-3 reducing every micro-batch."""
+    """ddp, zero1, distopt, zero2 or zero3, with -mb for ZeRO-3 reducing every micro-batch and +b for gradients
+    reduced in buckets during backward."""
     zero = "distopt" if job.distributed_optimizer else ("ddp" if job.zero_stage == 0 else f"zero{job.zero_stage}")
-    return zero + ("-mb" if job.zero3_reduce_every_microbatch else "")
+    return zero + ("-mb" if job.zero3_reduce_every_microbatch else "") + ("+b" if job.grad_bucket_numel else "")
 
 
 def _recompute(job: Job) -> str:
@@ -436,14 +453,14 @@ def _recompute(job: Job) -> str:
 
 
 def format_ranking(ranked: list[Estimate]) -> str:
-    head = (f"{'#':>2} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>4} {'ep':>3} {'mb':>3} {'zero':<8} "
+    head = (f"{'#':>2} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>4} {'ep':>3} {'mb':>3} {'zero':<9} "
             f"{'recomp':<9} {'cp mode':<9} {'need GiB':>8} {'step s':>8} {'MFU %':>6}")
     rows = [head]
     for i, e in enumerate(ranked, 1):
         d, j = e.degrees, e.job
         zero, mode, recompute = _sharding(j), j.cp_mode if d.cp > 1 else "-", _recompute(j)
         rows.append(f"{i:>2} {d.tp:>3} {d.cp:>3} {d.pp:>3} {j.virtual_stages:>2} {d.dp:>4} {d.ep:>3} "
-                    f"{j.micro_batch:>3} {zero:<8} {recompute:<9} {mode:<9} {e.memory['needed'] / GIB:>8.1f} "
+                    f"{j.micro_batch:>3} {zero:<9} {recompute:<9} {mode:<9} {e.memory['needed'] / GIB:>8.1f} "
                     f"{e.time.step_s:>8.3f} {100 * e.time.mfu:>6.1f}")
     return "\n".join(rows)
 

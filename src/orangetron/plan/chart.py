@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from orangetron.plan.estimate import Estimate
+from orangetron.plan.overhead import needed_overhead
 from orangetron.spec.hardware import GIB
 
 MEMORY_PARTS = ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead")
@@ -27,8 +28,8 @@ def breakdown_chart(estimates: list[Estimate], path: str) -> None:
     labels = [_label(e) for e in estimates]
     xs = range(len(estimates))
     bottom = [0.0] * len(estimates)
-    for part in MEMORY_PARTS:
-        vals = [e.memory.get(part, 0) / GIB for e in estimates]
+    for part in MEMORY_PARTS:  # the overhead as the fit check counts it: the bars are what must fit
+        vals = [(needed_overhead(e.memory) if part == "overhead" else e.memory.get(part, 0)) / GIB for e in estimates]
         ax_mem.bar(xs, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax_mem.axhline(estimates[0].cluster.gpu.memory_gib, color="k", linestyle="--", linewidth=1)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from orangetron.plan.estimate import Estimate, estimate
-from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead
+from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, needed_overhead
 from orangetron.spec.hardware import GIB
 from orangetron.spec.options import Degrees, Job
 
@@ -30,7 +30,7 @@ class Fix:
 def largest_categories(est: Estimate, n: int = 3) -> list[tuple[str, int]]:
     """The `n` memory categories that hold the most of what the layout needs, largest first: the overhead as
     the fit check counts it (`needed` less the tensors)."""
-    memory = {**est.memory, "overhead": est.memory["needed"] - est.memory["total"] + est.memory.get("overhead", 0)}
+    memory = {**est.memory, "overhead": needed_overhead(est.memory)}
     held = [(k, memory[k]) for k in _CATEGORIES if memory.get(k)]
     return sorted(held, key=lambda kv: -kv[1])[:n]
 

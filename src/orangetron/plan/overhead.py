@@ -101,6 +101,11 @@ def with_overhead(memory: dict[str, int], deg: Degrees, overhead: MemoryOverhead
             "needed": memory["total"] + overhead.needed_bytes(memory, deg)}
 
 
+def needed_overhead(memory: dict[str, int]) -> int:
+    """The overhead a breakdown from `with_overhead` counts in its `needed` bytes."""
+    return memory["needed"] - (memory["total"] - memory["overhead"])
+
+
 def fits(memory: dict[str, int], limit: float) -> bool:
     """Whether a breakdown from `with_overhead` fits in `limit` bytes: its `needed` bytes do."""
     return memory["needed"] <= limit

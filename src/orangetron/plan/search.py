@@ -41,6 +41,10 @@ class SearchSpace:
     dispatcher: tuple[str, ...] = ("ragged",)  # capacity only adds padding at the same traffic pattern
     # With pp > 1 each virtual-stage count takes the schedules here that suit it (chunked ones for v > 1)
     pp_schedule: tuple[str, ...] = ("1f1b", "interleaved")
+    # Gradients reduced in buckets of this many elements as backward produces them (0: after the last backward):
+    # buckets hide the reduction and hold its wire buffers. 40M is Megatron-Core's default bucket. Not ZeRO-3,
+    # which reduces unit by unit.
+    grad_bucket_numel: tuple[int, ...] = (0, 40_000_000)
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,14 @@ def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: i
         vs = () if rest or (deg.pp == 1 and chunks > 1) else (chunks,)
     modes = space.cp_mode if deg.cp > 1 else (base.cp_mode,)
     dispatchers = space.dispatcher if deg.ep > 1 else (base.dispatcher,)
-    for mb, v, mode, disp in itertools.product(space.micro_batch, vs, modes, dispatchers):
+    buckets = space.grad_bucket_numel if deg.dp * deg.cp > 1 else (0,)  # no reduction, nothing to bucket
+    for mb, v, mode, disp, bucket in itertools.product(space.micro_batch, vs, modes, dispatchers, buckets):
         if global_batch % (mb * deg.dp):
             continue
         for schedule in _schedules(space, deg.pp, v):
-            yield list(_job_group(seq_len, global_batch, mb, v, mode, disp, schedule, deg.tp > 1, space, base))
+            group = _job_group(seq_len, global_batch, mb, v, mode, disp, schedule, deg.tp > 1, space, base, bucket)
+            if group:
+                yield list(group)
 
 
 def _schedules(space: SearchSpace, pp: int, v: int) -> tuple[str, ...]:
@@ -120,10 +127,12 @@ def _schedules(space: SearchSpace, pp: int, v: int) -> tuple[str, ...]:
 
 @lru_cache(maxsize=4096)
 def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp: str, schedule: str,
-               sequence_parallel: bool, space: SearchSpace, base: Job) -> tuple[Job, ...]:
+               sequence_parallel: bool, space: SearchSpace, base: Job, bucket: int = 0) -> tuple[Job, ...]:
     # Built once for every layout that shares these options: the same Job objects then key the cost caches,
-    # which match them by identity instead of comparing every field.
-    zeros = [z for z in _ZERO if z in space.zero]
+    # which match them by identity instead of comparing every field. A bucketed group is its own: buckets move
+    # both time and memory (wire buffers held; under ZeRO-2 each .grad freed once reduced), so neither group's
+    # first fitting option dominates the other's.
+    zeros = [z for z in _ZERO if z in space.zero and not (bucket and _ZERO[z][0] == 3)]
     recomputes = [r for r in RECOMPUTE if r in space.recompute]
     group = []
     for rc, zero in itertools.product(recomputes, zeros):
@@ -137,7 +146,7 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
                          param_dtype=base.param_dtype, pp_schedule=schedule,
                          virtual_stages=v, pipeline_layout=base.pipeline_layout, recompute=rc,
                          attention_kernel=base.attention_kernel, overlap_ep=base.overlap_ep, fp8=base.fp8,
-                         fp8_recipe=base.fp8_recipe))
+                         fp8_recipe=base.fp8_recipe, grad_bucket_numel=bucket))
     return tuple(group)
 
 
@@ -212,13 +221,13 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
         if not fits(mem, limit):
             continue
         if partial and job.recompute == "full":
-            if cls not in smallest or mem["total"] < smallest[cls][1]["total"]:
+            if cls not in smallest or mem["needed"] < smallest[cls][1]["needed"]:
                 smallest[cls] = (job, mem)
             continue
         closed.add(key)
-        rows.append((step_time(model, deg, job, cluster, eff=eff).step_s, mem["total"], deg, job, mem))
+        rows.append((step_time(model, deg, job, cluster, eff=eff).step_s, mem["needed"], deg, job, mem))
     for job, mem in smallest.values():
-        rows.append((step_time(model, deg, job, cluster, eff=eff).step_s, mem["total"], deg, job, mem))
+        rows.append((step_time(model, deg, job, cluster, eff=eff).step_s, mem["needed"], deg, job, mem))
     return rows
 
 
@@ -242,7 +251,7 @@ def _replay_fewer_layers(model: ModelSpec, cluster: Cluster, scored: Scored, top
             partial = fewest_replays_that_fit(model, deg, job, limit, overhead, mem["needed"])
             if partial is not job:
                 mem = with_overhead(memory_per_gpu(model, deg, partial), deg, overhead)
-                scored[i] = (step_time(model, deg, partial, cluster, eff=eff).step_s, mem["total"], deg, partial, mem)
+                scored[i] = (step_time(model, deg, partial, cluster, eff=eff).step_s, mem["needed"], deg, partial, mem)
         scored.sort(key=lambda row: (row[0], row[1]))
 
 
