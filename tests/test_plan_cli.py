@@ -33,7 +33,8 @@ JOB_KEYS = ["seq_len", "micro_batch", "global_batch", "num_microbatches", "bucke
             "zero3_keep_params", "zero3_reduce_every_microbatch", "param_dtype", "grad_dtype", "reduce_dtype",
             "pp_schedule", "virtual_stages", "pipeline_layout", "recompute", "recompute_layers", "attention_kernel",
             "overlap_ep", "overlap_grad_reduce", "grad_accumulation_fusion", "fp8", "fp8_recipe",
-            "optimizer_state_dtype", "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss"]
+            "optimizer_state_dtype", "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss",
+            "recompute_modules"]
 
 
 def test_estimate_json_job_keeps_its_published_keys(capsys):

@@ -22,7 +22,7 @@ from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec.categories import TRANSIENT
 from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
-from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, Degrees, Job
+from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE_MODULES, Degrees, Job
 from orangetron.spec.parallel_config import DTYPE_BYTES, RECOMPUTE
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
@@ -63,6 +63,10 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--recompute-layers", type=int, default=0, metavar="N",
                      help="--recompute full: replay only the first N layers of each pipeline chunk (Megatron's "
                           "block method; planner only); 0: every layer")
+    est.add_argument("--recompute-modules", type=_names, default=(), metavar="M[,M...]",
+                     help=f"replay these modules in backward instead of keeping their outputs (planner only; "
+                          f"Megatron-Core's --recompute-modules): {', '.join(RECOMPUTE_MODULES)}; not with "
+                          "--recompute full")
     est.add_argument("--sequence-parallel", action="store_true")
     est.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     est.add_argument("--distributed-optimizer", action="store_true")
@@ -306,7 +310,7 @@ def _planner_only(args: argparse.Namespace) -> dict[str, object]:
             "grad_accumulation_fusion": args.grad_accumulation_fusion, "overlap_ep": not args.no_overlap_ep,
             "overlap_grad_reduce": not args.no_overlap_grad_reduce, "pipeline_layout": args.pipeline_layout,
             "ep_comm_sms": args.ep_comm_sms, "ep_comm_sms_reserved": args.ep_comm_sms_reserved,
-            "doc_lengths": args.doc_lengths}
+            "doc_lengths": args.doc_lengths, "recompute_modules": args.recompute_modules}
 
 
 def format_estimate(est: Estimate) -> str:
@@ -448,8 +452,15 @@ def _sharding(job: Job) -> str:
 
 
 def _recompute(job: Job) -> str:
-    """none, selective, full, or full/r: the first r layers of each chunk replayed."""
-    return f"full/{job.recompute_layers}" if job.partial_recompute else job.recompute
+    """none, selective, full, or full/r: the first r layers of each chunk replayed; then +m for each replayed
+    module m."""
+    modules = "".join(f"+{name}" for name in job.recompute_modules)
+    return (f"full/{job.recompute_layers}" if job.partial_recompute else job.recompute) + modules
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names (checked where they are used)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def format_ranking(ranked: list[Estimate]) -> str:

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from orangetron.plan.fp8 import ACTIVATION_TILE
 from orangetron.spec.dispatchers import capacity_slots
 from orangetron.spec.model import ModelSpec
-from orangetron.spec.options import Degrees, Job, without_data_parallel, without_recompute
+from orangetron.spec.options import Degrees, Job, canonical_job, without_data_parallel, without_recompute
 from orangetron.spec.schedule import actions, peak_held
 from orangetron.spec.stages import replay_split, stage_layer_counts, stage_layers
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
@@ -94,6 +94,8 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     heads, kv = _heads(m.num_heads, x.t), _heads(m.kv_heads, x.t)
     total = x.g * sb * h // x.rep + x.tile_scales(sb * h // x.rep)  # QKV projection input
     total += a * sb * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)  # Q, K, V
+    if m.kv_lora_rank:  # MLA: its latent norms' inputs and its up-projections' inputs
+        total += a * sb * (m.q_lora_rank + m.kv_lora_rank) + _mla_up_input_bytes(m, x)
     if m.qk_norm:
         total += a * sb * (heads + kv) * m.qk_head_dim  # QK-norm inputs: Q and K before their norm and rotation
     out = sb * heads * m.v_dim
@@ -117,6 +119,13 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     return total
 
 
+def _mla_up_input_bytes(m: ModelSpec, x: LayerShape) -> int:
+    """MLA's normed latents as its up-projection GEMMs keep them: whole sequences on every tp rank, as the
+    down-projections run replicated (`timing._qkv_time`)."""
+    latents = x.s * x.b * (m.q_lora_rank + m.kv_lora_rank)
+    return x.g * latents + x.tile_scales(latents)
+
+
 def mlp_bytes(m: ModelSpec, x: LayerShape, ffn: int, tokens: int | None = None, shard_h: bool = True,
               split: int | None = None) -> int:
     """One MLP of width `ffn` (split `split` ways, default tp) over `tokens` rows (default s*b)."""
@@ -136,9 +145,7 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
     # Each EP rank receives, on balance, top_k copies of its own token count; capacity keeps at most
     # `capacity` of each rank's assignments per expert (padding rows carry no copies). etp = tp under SP: the
     # tp group's copies, gathered.
-    routed = sb // x.rep * m.top_k * (etp if x.sp else 1)
-    if DISPATCHERS[job.dispatcher].pads:
-        routed = min(routed, m.num_experts * capacity_slots(m, sb // x.rep, job))
+    routed = _routed_rows(m, x, job, etp)
     total = router + mlp_bytes(m, x, m.moe_ffn_hidden_size, tokens=routed, shard_h=False, split=etp)
     if _counts_small_buffers(m):
         total += 8 * (sb // x.rep * m.top_k) + x.acc * routed  # int64 top-k ids, each copy's routing weight
@@ -148,6 +155,15 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
     if m.shared_expert_gate:  # the gate's sigmoid [T, 1] and the shared output it multiplies [T, h]
         total += x.a * sb * (m.hidden_size + 1) // x.rep
     return total
+
+
+def _routed_rows(m: ModelSpec, x: LayerShape, job: Job, etp: int) -> int:
+    """Token copies this GPU's experts run on (see `moe_bytes`)."""
+    sb = x.s * x.b
+    routed = sb // x.rep * m.top_k * (etp if x.sp else 1)
+    if DISPATCHERS[job.dispatcher].pads:
+        routed = min(routed, m.num_experts * capacity_slots(m, sb // x.rep, job))
+    return routed
 
 
 def expert_dispatch_bytes(m: ModelSpec, x: LayerShape, job: Job, ep: int) -> int:
@@ -184,7 +200,46 @@ def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> i
     if moe and m.router_z_loss_coef:  # the z-loss keeps the router logits (and the global count)
         ffn += x.acc * sb * m.num_experts // x.rep + (x.acc if deg.dp_cp > 1 or x.sp else 0)
     mask = sb * h // x.rep if m.dropout else 0
-    return norms + attention_bytes(m, x, job) + ffn + mask
+    return norms + attention_bytes(m, x, job) + ffn + mask - replayed_module_bytes(m, x, job, moe, deg.etp)
+
+
+def _mla_qkv_bytes(m: ModelSpec, x: LayerShape) -> int:
+    """MLA's Q, K and V after its up-projections (Q from the hidden state itself without a query latent)."""
+    heads, kv = _heads(m.num_heads, x.t), _heads(m.kv_heads, x.t)
+    q = heads * m.qk_head_dim if m.q_lora_rank else 0
+    return x.a * x.s * x.b * (q + kv * m.qk_head_dim + kv * m.v_dim)
+
+
+def replayed_module_bytes(m: ModelSpec, x: LayerShape, job: Job, moe: bool, etp: int = 1) -> int:
+    """Bytes one layer stops keeping because `job.recompute_modules` replay in backward, less what the replays
+    keep instead (their inputs, where nothing else keeps them).
+
+    "layernorm": the norms' 16-bit outputs, freed with every tensor that shares them (Megatron-Core's
+    `CheckpointWithoutOutput`): the attention's input where its GEMMs keep it (not their FP8 casts), and the
+    router's under MoE or a dense MLP's input unless the MLP replays whole. "mla_up_proj": Q, K and V; the
+    replay keeps the normed latents (the up-projections' inputs, 16-bit even under FP8) and the key's rotary
+    part. "mlp": a dense MLP keeps its 16-bit input only. "moe_act": the routed experts' activation output
+    (their down projection's input)."""
+    modules = job.recompute_modules
+    if not modules:
+        return 0
+    sb, h = x.s * x.b, m.hidden_size
+    norm_out = x.a * sb * h // x.rep
+    saved = 0
+    if "layernorm" in modules:
+        unquantized = x.g == x.a  # under FP8 the GEMMs keep their casts, not the 16-bit outputs
+        attention_input = unquantized
+        mlp_input = moe or ("mlp" not in modules and unquantized)  # the router keeps its input 16-bit
+        saved += norm_out * (attention_input + mlp_input)
+    if "mla_up_proj" in modules:
+        saved += _mla_qkv_bytes(m, x) + _mla_up_input_bytes(m, x)
+        saved -= x.a * sb * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)
+    if "mlp" in modules and not moe:
+        saved += mlp_bytes(m, x, m.ffn_hidden_size) - norm_out
+    if "moe_act" in modules and moe:
+        routed, f = _routed_rows(m, x, job, etp), m.moe_ffn_hidden_size // etp
+        saved += x.g * routed * f + x.tile_scales(routed * f)
+    return saved
 
 
 def in_flight(deg: Degrees, job: Job, stage: int) -> float:
@@ -343,7 +398,12 @@ def _stage_replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, la
 
 def _replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Sequence[int]) -> int:
     """Bytes backward adds while it replays a layer's forward under full recompute: the largest replayed layer's
-    activations, less what the chunk's kept layers freed first (their backward runs before the replays)."""
+    activations, less what the chunk's kept layers freed first (their backward runs before the replays). Replayed
+    modules bring back one layer's module outputs while that layer's backward runs, before anything is freed."""
+    if job.recompute_modules and layers:
+        whole = canonical_job(replace(job, recompute_modules=()))
+        return max(layer_activation_bytes(m, deg, whole, moe) - layer_activation_bytes(m, deg, job, moe)
+                   for moe in {m.is_moe_layer(i) for i in layers})
     if job.recompute != "full" or not layers:
         return 0
     split = dict(replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers,

@@ -18,8 +18,8 @@ unfused permutation (`moe_utils.permute` / `unpermute`); plus, per local expert,
 down projection) and one FP8 cast of each GEMM input. Backward: `BACKWARD_OPS_RATIO` times the forward's shared
 operations (an autograd node launches about one kernel per input gradient), and per local expert a dgrad and a
 wgrad per projection, plus an FP8 cast of each output gradient. Full recompute issues the forward again during
-backward. `ep_overlap_chunks` runs each chunk's experts as their own GEMMs, so the per-expert operations repeat
-per chunk.
+backward, a replayed module its own operations (`REPLAY_OPS`). `ep_overlap_chunks` runs each chunk's experts as
+their own GEMMs, so the per-expert operations repeat per chunk.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ FORWARD_OPS = {
 LAYER_FORWARD_OPS = sum(FORWARD_OPS.values())
 BACKWARD_OPS_RATIO = 2  # backward operations per forward one (an autograd node: one kernel per input gradient)
 EXPERT_GEMMS = 2  # up (gate and up fused) and down projection per expert
+# Operations a MoE layer's backward issues again per replayed module (`Job.recompute_modules`): two norms; MLA's
+# two up-projection GEMMs, RoPE on q and on k and their two concatenations; the experts' activation over the
+# grouped rows; a dense MLP replays in dense layers only, which nothing paces
+REPLAY_OPS = {"layernorm": 2, "mla_up_proj": 6, "mlp": 0, "moe_act": 1}
 
 
 def layer_ops(model: ModelSpec, deg: Degrees, job: Job) -> tuple[int, int]:
@@ -58,4 +62,5 @@ def paced_seconds(gpu_forward: float, gpu_backward: float, model: ModelSpec, deg
     forward, backward = layer_ops(model, deg, job)
     if job.recompute == "full":
         backward += forward
+    backward += sum(REPLAY_OPS[name] for name in job.recompute_modules)
     return max(gpu_forward, forward * op_s) + max(gpu_backward, backward * op_s)

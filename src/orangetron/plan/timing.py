@@ -153,6 +153,7 @@ class LayerCost:
     shared_b: float = 0.0
     wgrad: float = 0.0  # the weight gradients (part of `gemm_b`)
     shared_w: float = 0.0  # the shared experts' weight gradients (part of `shared_b`)
+    replay: float = 0.0  # forward seconds of the modules `Job.recompute_modules` replays in backward
 
     @property
     def forward(self) -> float:
@@ -187,7 +188,30 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
     if moe:
         elementwise += _permute_time(model, deg, job, cluster, rows, eff)
     return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts[:2], *shared[:2], wgrad=gemm[2],
-                     shared_w=shared[2])
+                     shared_w=shared[2], replay=_module_replay_time(model, deg, job, cluster, moe, eff))
+
+
+def _module_replay_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: bool,
+                        eff: Efficiency) -> float:
+    """Forward seconds the replayed modules (`Job.recompute_modules`) run again in backward: MLA's
+    up-projections, a dense layer's MLP; the norms (read the input, write the output) and the experts'
+    activation (read gate and up, write their product) as memory traffic."""
+    modules, t = job.recompute_modules, deg.tp
+    rows = job.seq_len // deg.cp * job.micro_batch
+    seconds, nbytes = 0.0, 0.0
+    if "mla_up_proj" in modules:
+        heads, nope = model.num_heads // t, model.qk_head_dim - model.qk_rope_head_dim
+        seconds += _linear(rows, model.kv_lora_rank, heads * (nope + model.v_dim), cluster, job)[0]
+        if model.q_lora_rank:
+            seconds += _linear(rows, model.q_lora_rank, heads * model.qk_head_dim, cluster, job)[0]
+    if "mlp" in modules and not moe:
+        seconds += _mlp_time(model, rows, model.ffn_hidden_size // t, cluster, job)[0]
+    if "layernorm" in modules:
+        rep = t if job.sequence_parallel and t > 1 else 1
+        nbytes += 2 * 2 * job.param_bytes * rows * model.hidden_size / rep
+    if "moe_act" in modules and moe:
+        nbytes += 3 * job.param_bytes * _routed_copies(model, deg, job, rows) * model.moe_ffn_hidden_size / deg.etp
+    return seconds + nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
 
 
 def _qkv_time(model: ModelSpec, rows: int, t: int, cluster: Cluster, job: Job) -> Gemms:
@@ -339,7 +363,7 @@ def _loss_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, eff: 
 
 def _fwd_bwd(c: LayerCost, job: Job) -> tuple[float, float]:
     """(executed seconds, of which attention) for forward + backward (+ recompute) of one layer."""
-    total = c.gemm_f + c.gemm_b + c.attention_f + c.attention_b + 3 * c.elementwise
+    total = c.gemm_f + c.gemm_b + c.attention_f + c.attention_b + 3 * c.elementwise + c.replay
     if job.recompute == "full":
         total += c.forward
     elif job.recompute == "selective" and job.attention_kernel == "eager":
@@ -658,6 +682,19 @@ def _hardware_flops(model: ModelSpec, job: Job, sequences: int, replayed: float)
         flops += tokens * (decoder * replayed + mtp)
     elif job.recompute == "selective" and job.attention_kernel == "eager":
         flops += _attention_flops(model, sequences * job.seq_len, job.seq_len, model.num_heads) * model.num_layers
+    return flops + sequences * job.seq_len * _module_replay_flops(model, job)
+
+
+def _module_replay_flops(model: ModelSpec, job: Job) -> float:
+    """GEMM FLOPs per token of one step's module replays (`Job.recompute_modules`): MLA's up-projections in
+    every layer, the dense layers' MLPs."""
+    flops = 0.0
+    if "mla_up_proj" in job.recompute_modules:
+        nope = model.qk_head_dim - model.qk_rope_head_dim
+        up = model.kv_lora_rank * (nope + model.v_dim) + model.q_lora_rank * model.qk_head_dim
+        flops += 2.0 * model.num_heads * up * model.num_layers
+    if "mlp" in job.recompute_modules:
+        flops += 2.0 * model.mlp_params(model.ffn_hidden_size) * (model.num_layers - model.num_moe_layers)
     return flops
 
 

@@ -22,6 +22,11 @@ ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "eager")
 # "delayed": Transformer Engine's per-tensor scales from an amax history; "blockwise": DeepSeek-V3's fine-grained
 # scales, one per 1 x 128 activation tile and per 128 x 128 weight block (arXiv:2412.19437 section 3.3.2)
 FP8_RECIPES = ("delayed", "blockwise")
+# Modules whose forward replays in backward from their input instead of keeping their outputs (Megatron-Core's
+# --recompute-modules, beside `recompute="selective"`, its "core_attn"): "layernorm" the two norms' outputs,
+# "mla_up_proj" MLA's up-projections and RoPE (Q, K, V), "mlp" a dense layer's MLP, "moe_act" the routed
+# experts' activation (the down projection's input). See plan/module_recompute.py
+RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "mlp", "moe_act")
 
 
 # The planner prices the runtime's own layouts: one class, one set of rules.
@@ -84,6 +89,8 @@ class Job(ParallelConfig):
     # logits (the log-softmax it saved, the gradient nll_loss writes, log-softmax's input gradient) where the
     # runtime's fused loss holds one. Planner only
     eager_fp32_loss: bool = False
+    # Modules replayed in backward (RECOMPUTE_MODULES), in any order; not with full recompute. Planner only
+    recompute_modules: tuple[str, ...] = ()
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
@@ -97,6 +104,7 @@ class Job(ParallelConfig):
         self._check_grad_accumulation_fusion()
         object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))  # a list from JSON or TOML
         object.__setattr__(self, "doc_lengths", tuple(self.doc_lengths))
+        self._check_recompute_modules()
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.doc_lengths):
             raise ValueError("doc_lengths: document lengths must be integers >= 1")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
@@ -109,6 +117,15 @@ class Job(ParallelConfig):
         for name in ("seq_len", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+    def _check_recompute_modules(self) -> None:
+        modules = tuple(sorted(set(self.recompute_modules)))  # a list from JSON or TOML; order does not matter
+        for name in modules:
+            check_choice("recompute_modules", name, RECOMPUTE_MODULES)
+        if modules and self.recompute == "full":
+            raise ValueError(f"recompute_modules={list(modules)} with recompute='full': full recompute already "
+                             "replays every module of a replayed layer")
+        object.__setattr__(self, "recompute_modules", modules)
 
     def _check_grad_accumulation_fusion(self) -> None:
         if self.grad_accumulation_fusion and self.zero_stage >= 2:
@@ -172,7 +189,7 @@ class Job(ParallelConfig):
 # it), and the keys of the two printed under the names they had before the runtime's options became the job's.
 # `reduce_dtype` None prints as "" (the parameters' dtype), as it always has, and so does `optimizer_state_dtype`
 # None (the main parameters'); it and the three keys after it were added last, in that order; `drop_policy` is
-# not priced and not printed.
+# not priced and not printed; `recompute_modules` came after them.
 PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "grad_bucket_numel", "clip_grad",
                     "sequence_parallel", "cp_mode", "ulysses_degree", "dispatcher", "capacity_factor",
                     "ep_overlap_chunks", "ep_comm_sms", "ep_comm_sms_reserved", "zero_stage", "distributed_optimizer",
@@ -180,7 +197,7 @@ PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "g
                     "grad_dtype", "reduce_dtype", "pp_schedule", "virtual_stages", "pipeline_layout", "recompute",
                     "recompute_layers", "attention_kernel", "overlap_ep", "overlap_grad_reduce",
                     "grad_accumulation_fusion", "fp8", "fp8_recipe", "optimizer_state_dtype",
-                    "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss")
+                    "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss", "recompute_modules")
 PUBLISHED_AS = {"microbatches": "num_microbatches", "grad_bucket_numel": "bucket_numel"}
 _EMPTY_IS_NONE = ("reduce_dtype", "optimizer_state_dtype")  # None prints as "": the default dtype
 
@@ -194,7 +211,7 @@ def _published(name: str, value: object) -> object:
 @lru_cache(maxsize=65536)
 def without_recompute(job: Job) -> Job:
     """`job` recomputing nothing: what each layer saves whole."""
-    return canonical_job(replace(job, recompute="none", recompute_layers=0))
+    return canonical_job(replace(job, recompute="none", recompute_layers=0, recompute_modules=()))
 
 
 @lru_cache(maxsize=65536)
@@ -223,7 +240,7 @@ def model_state_job(job: Job) -> Job:
     return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, microbatches=1,
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
                                  capacity_factor=1.0, drop_policy="probs", ep_overlap_chunks=1, ep_comm_sms=20,
-                                 ep_comm_sms_reserved=False, recompute="none", recompute_layers=0,
+                                 ep_comm_sms_reserved=False, recompute="none", recompute_layers=0, recompute_modules=(),
                                  attention_kernel="flash", overlap_ep=True, overlap_grad_reduce=True))
 
 
@@ -268,6 +285,21 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
         raise ValueError(f"global_batch={job.global_batch} is not divisible by micro_batch*dp="
                          f"{job.micro_batch * degrees.dp}")
     schedule.check(p, job.replica_microbatches(degrees))
+    _validate_recompute_modules(model, job)
+
+
+def _validate_recompute_modules(model: ModelSpec, job: Job) -> None:
+    """Each replayed module exists in the model: MLA's up-projections, a dense layer's MLP, routed experts."""
+    present = {"layernorm": True, "mla_up_proj": model.kv_lora_rank > 0,
+               "mlp": model.num_layers > model.num_moe_layers, "moe_act": model.is_moe}
+    missing = [name for name in job.recompute_modules if not present[name]]
+    if missing:
+        raise ValueError(f"recompute_modules={list(job.recompute_modules)}: model {model.name} has no "
+                         f"{', '.join(_MODULE_NAMES[name] for name in missing)}")
+
+
+_MODULE_NAMES = {"mla_up_proj": "multi-head latent attention (kv_lora_rank 0)", "mlp": "dense layer",
+                 "moe_act": "experts"}
 
 
 def _validate_context_mode(model: ModelSpec, degrees: Degrees, job: Job) -> None:
