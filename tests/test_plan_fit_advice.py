@@ -68,3 +68,35 @@ def test_no_advice_where_it_fits_and_more_gpus_where_nothing_does(capsys) -> Non
     assert cli.main(["estimate", "--model", "llama3-405b", "--gpu", "h100", "--gpus", "8", "--tp", "8",
                      "--seq", "8192"]) == 0
     assert "fits; add GPUs" in capsys.readouterr().err
+
+
+DEEPSEEK = ["estimate", "--model", "deepseek-v3", "--gpu", "h800", "--pp", "16", "--dp", "128", "--ep", "64", "--seq",
+            "4096", "--global-batch", "15360", "--zero-stage", "1", "--dispatcher", "deepep", "--fp8",
+            "--fp8-recipe", "blockwise", "--pipeline-layout", "4x15,1"]
+
+
+def _suggestions(capsys, *flags: str) -> dict[str, str]:
+    assert cli.main([*DEEPSEEK, *flags]) == 0
+    err = capsys.readouterr().err
+    return dict(line.strip().split(": ", 1) for line in err.splitlines() if line.startswith("  --"))
+
+
+def _priced(capsys, *flags: str) -> str:
+    assert cli.main([*DEEPSEEK, *flags, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert est["fits"], flags
+    return f"needs {est['memory_bytes']['needed'] / 2**30:.1f} GiB, step {est['step_time_s']:.3f} s"
+
+
+def test_module_recompute_is_suggested_and_full_recompute_replaces_it(capsys) -> None:
+    """DeepSeek-V3's published layout on 2048 H800: replaying every module the model has (norms, MLA's
+    up-projections, the dense MLPs, the experts' activation) fits, and is cheaper than full recompute. With a
+    module list given, full recompute is suggested without it (the two do not combine)."""
+    modules = "layernorm,mla_up_proj,mlp,moe_act"
+    plain = _suggestions(capsys)
+    assert list(plain)[0] == f"--recompute-modules {modules}"
+    assert plain[f"--recompute-modules {modules}"].startswith(_priced(capsys, "--recompute-modules", modules))
+    assert plain["--recompute full"].startswith(_priced(capsys, "--recompute", "full"))
+    some = _suggestions(capsys, "--recompute-modules", "mla_up_proj")
+    assert some["--recompute full (no --recompute-modules)"] == plain["--recompute full"]
+    assert some[f"--recompute-modules {modules}"] == plain[f"--recompute-modules {modules}"]

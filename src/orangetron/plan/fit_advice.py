@@ -1,10 +1,10 @@
 """Why a configuration does not fit, and the cheapest changes that would make it fit, each priced.
 
 The changes tried are the ones a user reaches for, on the same GPUs and global batch: more recompute
-(selective where scores are stored, full), a higher ZeRO stage, a larger tp (within a node) or pp (the
-data-parallel degree shrinks by as much), and a smaller micro-batch (more micro-batches). Up to three of
-them are combined; each combination is priced by `estimate` in full, and those that fit are ranked by step
-time, fewer changes first among equals.
+(selective where scores are stored, every module the model can replay, full), a higher ZeRO stage, a larger tp
+(within a node) or pp (the data-parallel degree shrinks by as much), and a smaller micro-batch (more
+micro-batches). Up to three of them are combined; each combination is priced by `estimate` in full, and those
+that fit are ranked by step time, fewer changes first among equals.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, needed_overhead
 from orangetron.spec.hardware import GIB
-from orangetron.spec.options import Degrees, Job
+from orangetron.spec.model import ModelSpec
+from orangetron.spec.options import Degrees, Job, replayable_modules
 
 _CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead")
 
@@ -40,7 +41,7 @@ def fixes(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, most_chang
     if est.fits:
         return []
     found = []
-    for moves in itertools.product(*_moves(est.degrees, est.job, est.cluster.gpus_per_node)):
+    for moves in itertools.product(*_moves(est.model, est.degrees, est.job, est.cluster.gpus_per_node)):
         made = [m for m in moves if m[0]]
         if not made or len(made) > most_changes:
             continue
@@ -48,7 +49,7 @@ def fixes(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, most_chang
         try:
             for _, change in made:
                 deg, job = change(deg, job)
-            if deg.dp * deg.cp == 1 and any(flag.startswith("--zero-stage") for flag, _ in made):
+            if deg.dp * deg.cp == 1 and job.zero_stage != est.job.zero_stage:
                 continue  # no data-parallel ranks left to shard over: the same layout without the ZeRO change
             priced = estimate(est.model, deg, job, est.cluster, overhead=overhead)
         except ValueError:  # a change this model or layout does not allow (heads, layers, dp left)
@@ -61,14 +62,21 @@ def fixes(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, most_chang
 Move = tuple[str, Callable[[Degrees, Job], tuple[Degrees, Job]]]
 
 
-def _moves(deg: Degrees, job: Job, gpus_per_node: int) -> list[list[Move]]:
+def _moves(model: ModelSpec, deg: Degrees, job: Job, gpus_per_node: int) -> list[list[Move]]:
     """One list per kind of change, each starting with "no change" ("")."""
     keep: Move = ("", lambda d, j: (d, j))
     recompute = [keep]
     if job.recompute == "none" and job.attention_kernel == "eager":
         recompute.append(("--recompute selective", lambda d, j: (d, replace(j, recompute="selective"))))
+    modules = replayable_modules(model)
+    if job.recompute != "full" and set(modules) - set(job.recompute_modules):
+        recompute.append((f"--recompute-modules {','.join(modules)}",
+                          lambda d, j: (d, replace(j, recompute_modules=modules))))
     if job.recompute != "full" or job.recompute_layers:
-        recompute.append(("--recompute full", lambda d, j: (d, replace(j, recompute="full", recompute_layers=0))))
+        # Full recompute replays every module: it replaces a module list
+        flag = "--recompute full" + (" (no --recompute-modules)" if job.recompute_modules else "")
+        recompute.append((flag, lambda d, j: (d, replace(j, recompute="full", recompute_layers=0,
+                                                         recompute_modules=()))))
     zero = [keep] + [(f"--zero-stage {z}", lambda d, j, z=z: (d, replace(j, zero_stage=z)))
                      for z in range(job.zero_stage + 1, 4) if deg.dp * deg.cp > 1]
     tp = [keep] + [(f"--tp {deg.tp * f}", lambda d, j, f=f: (replace(d, tp=d.tp * f, dp=d.dp // f), j))

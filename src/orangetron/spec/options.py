@@ -288,11 +288,17 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     _validate_recompute_modules(model, job)
 
 
-def _validate_recompute_modules(model: ModelSpec, job: Job) -> None:
-    """Each replayed module exists in the model: MLA's up-projections, a dense layer's MLP, routed experts."""
+def replayable_modules(model: ModelSpec) -> tuple[str, ...]:
+    """The modules `Job.recompute_modules` may name for `model` (RECOMPUTE_MODULES in order): the norms, MLA's
+    up-projections, a dense layer's MLP, routed experts' activation."""
     present = {"layernorm": True, "mla_up_proj": model.kv_lora_rank > 0,
                "mlp": model.num_layers > model.num_moe_layers, "moe_act": model.is_moe}
-    missing = [name for name in job.recompute_modules if not present[name]]
+    return tuple(name for name in RECOMPUTE_MODULES if present[name])
+
+
+def _validate_recompute_modules(model: ModelSpec, job: Job) -> None:
+    """Each replayed module exists in the model."""
+    missing = [name for name in job.recompute_modules if name not in replayable_modules(model)]
     if missing:
         raise ValueError(f"recompute_modules={list(job.recompute_modules)}: model {model.name} has no "
                          f"{', '.join(_MODULE_NAMES[name] for name in missing)}")
