@@ -25,7 +25,7 @@ FP8_RECIPES = ("delayed", "blockwise")
 # Modules whose forward replays in backward from their input instead of keeping their outputs (Megatron-Core's
 # --recompute-modules, beside `recompute="selective"`, its "core_attn"): "layernorm" the two norms' outputs,
 # "mla_up_proj" MLA's up-projections and RoPE (Q, K, V), "mlp" a dense layer's MLP, "moe_act" the routed
-# experts' activation (the down projection's input). See plan/module_recompute.py
+# experts' activation (the down projection's input). Priced in plan/activations.py (replayed_module_bytes)
 RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "mlp", "moe_act")
 
 
