@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from orangetron.plan.fp8 import ACTIVATION_TILE
 from orangetron.spec.dispatchers import capacity_slots
 from orangetron.spec.model import ModelSpec
-from orangetron.spec.options import Degrees, Job, canonical_job, without_data_parallel, without_recompute
+from orangetron.spec.options import Degrees, Job, without_data_parallel, without_recompute
 from orangetron.spec.schedule import actions, peak_held
 from orangetron.spec.stages import replay_split, stage_layer_counts, stage_layers
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
@@ -95,7 +95,7 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     total = x.g * sb * h // x.rep + x.tile_scales(sb * h // x.rep)  # QKV projection input
     total += a * sb * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)  # Q, K, V
     if m.kv_lora_rank:  # MLA: its latent norms' inputs and its up-projections' inputs
-        total += a * sb * (m.q_lora_rank + m.kv_lora_rank) + _mla_up_input_bytes(m, x)
+        total += a * sb * (m.q_lora_rank + m.kv_lora_rank) // x.rep + _mla_up_input_bytes(m, x)
     if m.qk_norm:
         total += a * sb * (heads + kv) * m.qk_head_dim  # QK-norm inputs: Q and K before their norm and rotation
     out = sb * heads * m.v_dim
@@ -120,9 +120,10 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
 
 
 def _mla_up_input_bytes(m: ModelSpec, x: LayerShape) -> int:
-    """MLA's normed latents as its up-projection GEMMs keep them: whole sequences on every tp rank, as the
-    down-projections run replicated (`timing._qkv_time`)."""
-    latents = x.s * x.b * (m.q_lora_rank + m.kv_lora_rank)
+    """MLA's normed latents as its up-projection GEMMs keep them: under sequence parallelism the
+    down-projections run on the rank's part of the sequence, and the up-projections gather their input again
+    in backward (Transformer Engine's LayerNormLinear), so a rank keeps its part."""
+    latents = x.s * x.b * (m.q_lora_rank + m.kv_lora_rank) // x.rep
     return x.g * latents + x.tile_scales(latents)
 
 
@@ -151,7 +152,8 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
         total += 8 * (sb // x.rep * m.top_k) + x.acc * routed  # int64 top-k ids, each copy's routing weight
     if m.num_shared_experts:
         shared = mlp_bytes(m, x, m.num_shared_experts * m.moe_ffn_hidden_size)
-        total += shared - x.a * sb * m.hidden_size // x.rep  # shares the router's input
+        # Its first GEMM shares the router's 16-bit input; under FP8 it keeps its own cast.
+        total += shared - (x.a * sb * m.hidden_size // x.rep if x.g == x.a else 0)
     if m.shared_expert_gate:  # the gate's sigmoid [T, 1] and the shared output it multiplies [T, h]
         total += x.a * sb * (m.hidden_size + 1) // x.rep
     return total
@@ -200,46 +202,48 @@ def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> i
     if moe and m.router_z_loss_coef:  # the z-loss keeps the router logits (and the global count)
         ffn += x.acc * sb * m.num_experts // x.rep + (x.acc if deg.dp_cp > 1 or x.sp else 0)
     mask = sb * h // x.rep if m.dropout else 0
-    return norms + attention_bytes(m, x, job) + ffn + mask - replayed_module_bytes(m, x, job, moe, deg.etp)
+    return norms + attention_bytes(m, x, job) + ffn + mask - module_replay_bytes(m, x, job, moe, deg.etp)[0]
 
 
 def _mla_qkv_bytes(m: ModelSpec, x: LayerShape) -> int:
-    """MLA's Q, K and V after its up-projections (Q from the hidden state itself without a query latent)."""
+    """MLA's Q, K and V after its up-projections (Q from the hidden state itself without a query latent, a
+    projection the up-projections' replay runs again too)."""
     heads, kv = _heads(m.num_heads, x.t), _heads(m.kv_heads, x.t)
-    q = heads * m.qk_head_dim if m.q_lora_rank else 0
-    return x.a * x.s * x.b * (q + kv * m.qk_head_dim + kv * m.v_dim)
+    return x.a * x.s * x.b * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)
 
 
-def replayed_module_bytes(m: ModelSpec, x: LayerShape, job: Job, moe: bool, etp: int = 1) -> int:
-    """Bytes one layer stops keeping because `job.recompute_modules` replay in backward, less what the replays
-    keep instead (their inputs, where nothing else keeps them).
+def module_replay_bytes(m: ModelSpec, x: LayerShape, job: Job, moe: bool, etp: int = 1) -> tuple[int, int]:
+    """(bytes freed, bytes a replay brings back besides them) of one layer's replayed modules, under
+    Megatron-Core's Transformer Engine layer spec: a norm fused into the GEMM after it (plain attention's QKV
+    projection, a dense MLP's first GEMM, MLA's latent norms) is not a module of its own.
 
-    "layernorm": the norms' 16-bit outputs, freed with every tensor that shares them (Megatron-Core's
-    `CheckpointWithoutOutput`): the attention's input where its GEMMs keep it (not their FP8 casts), and the
-    router's under MoE or a dense MLP's input unless the MLP replays whole. "mla_up_proj": Q, K and V; the
-    replay keeps the normed latents (the up-projections' inputs, 16-bit even under FP8) and the key's rotary
-    part. "mlp": a dense MLP keeps its 16-bit input only. "moe_act": the routed experts' activation output
-    (their down projection's input)."""
+    "layernorm": the norms that stand alone: MLA's input norm, whose output the down-projections keep, and a
+    MoE layer's pre-MLP norm, whose output the router keeps (16-bit) and the shared experts' first GEMM (its cast
+    under FP8). Under FP8 those GEMMs keep the 16-bit output, freed, instead of their cast (Transformer Engine's
+    save_original_input), so the casts are what goes; the replay brings the 16-bit output back and casts again.
+    "mla_up_proj": Q, K, V and the up-projections' normed inputs; the replay keeps the latents before their
+    norms (kept anyway, for the norms' backward) and the key's rotary part, gathered to the whole sequence.
+    "mlp": a dense MLP whole; its input is the pre-norm residual, kept anyway. "moe_act": the experts'
+    activation output, the down projection's input (its cast under FP8)."""
     modules = job.recompute_modules
-    if not modules:
-        return 0
-    sb, h = x.s * x.b, m.hidden_size
-    norm_out = x.a * sb * h // x.rep
-    saved = 0
-    if "layernorm" in modules:
-        unquantized = x.g == x.a  # under FP8 the GEMMs keep their casts, not the 16-bit outputs
-        attention_input = unquantized
-        mlp_input = moe or ("mlp" not in modules and unquantized)  # the router keeps its input 16-bit
-        saved += norm_out * (attention_input + mlp_input)
+    hidden = x.s * x.b * m.hidden_size // x.rep
+    cast = x.g * hidden + x.tile_scales(hidden)  # a GEMM's saved input of the hidden width
+    fp8 = x.g < x.a
+    freed = back = 0
+    if "layernorm" in modules and m.kv_lora_rank:
+        freed += cast
+        back += x.a * hidden if fp8 else 0
+    if "layernorm" in modules and moe:
+        freed += x.a * hidden + (cast if fp8 and m.num_shared_experts else 0)
     if "mla_up_proj" in modules:
-        saved += _mla_qkv_bytes(m, x) + _mla_up_input_bytes(m, x)
-        saved -= x.a * sb * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)
+        freed += _mla_qkv_bytes(m, x) + _mla_up_input_bytes(m, x) - x.a * x.s * x.b * m.qk_rope_head_dim
     if "mlp" in modules and not moe:
-        saved += mlp_bytes(m, x, m.ffn_hidden_size) - norm_out
+        freed += mlp_bytes(m, x, m.ffn_hidden_size)
     if "moe_act" in modules and moe:
-        routed, f = _routed_rows(m, x, job, etp), m.moe_ffn_hidden_size // etp
-        saved += x.g * routed * f + x.tile_scales(routed * f)
-    return saved
+        activation = _routed_rows(m, x, job, etp) * (m.moe_ffn_hidden_size // etp)
+        freed += x.g * activation + x.tile_scales(activation)
+        back += x.a * activation if fp8 else 0
+    return freed, back
 
 
 def in_flight(deg: Degrees, job: Job, stage: int) -> float:
@@ -401,9 +405,8 @@ def _replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: 
     activations, less what the chunk's kept layers freed first (their backward runs before the replays). Replayed
     modules bring back one layer's module outputs while that layer's backward runs, before anything is freed."""
     if job.recompute_modules and layers:
-        whole = canonical_job(replace(job, recompute_modules=()))
-        return max(layer_activation_bytes(m, deg, whole, moe) - layer_activation_bytes(m, deg, job, moe)
-                   for moe in {m.is_moe_layer(i) for i in layers})
+        x = layer_shape(deg, job)
+        return max(sum(module_replay_bytes(m, x, job, moe, deg.etp)) for moe in {m.is_moe_layer(i) for i in layers})
     if job.recompute != "full" or not layers:
         return 0
     split = dict(replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers,

@@ -68,7 +68,7 @@ def _moves(model: ModelSpec, deg: Degrees, job: Job, gpus_per_node: int) -> list
     recompute = [keep]
     if job.recompute == "none" and job.attention_kernel == "eager":
         recompute.append(("--recompute selective", lambda d, j: (d, replace(j, recompute="selective"))))
-    modules = replayable_modules(model)
+    modules = replayable_modules(model, job)
     if job.recompute != "full" and set(modules) - set(job.recompute_modules):
         recompute.append((f"--recompute-modules {','.join(modules)}",
                           lambda d, j: (d, replace(j, recompute_modules=modules))))

@@ -38,10 +38,11 @@ FORWARD_OPS = {
 LAYER_FORWARD_OPS = sum(FORWARD_OPS.values())
 BACKWARD_OPS_RATIO = 2  # backward operations per forward one (an autograd node: one kernel per input gradient)
 EXPERT_GEMMS = 2  # up (gate and up fused) and down projection per expert
-# Operations a MoE layer's backward issues again per replayed module (`Job.recompute_modules`): two norms; MLA's
-# two up-projection GEMMs, RoPE on q and on k and their two concatenations; the experts' activation over the
-# grouped rows; a dense MLP replays in dense layers only, which nothing paces
-REPLAY_OPS = {"layernorm": 2, "mla_up_proj": 6, "mlp": 0, "moe_act": 1}
+# Operations a MoE layer's backward issues again per replayed module (`Job.recompute_modules`): the pre-MLP norm
+# (and MLA's input norm, in `replayed_ops`); MLA's two up-projection GEMMs, RoPE on q and on k and their two
+# concatenations; the experts' activation over the grouped rows; a dense MLP replays in dense layers only, which
+# nothing paces
+REPLAY_OPS = {"layernorm": 1, "mla_up_proj": 6, "mlp": 0, "moe_act": 1}
 
 
 def layer_ops(model: ModelSpec, deg: Degrees, job: Job) -> tuple[int, int]:
@@ -62,5 +63,11 @@ def paced_seconds(gpu_forward: float, gpu_backward: float, model: ModelSpec, deg
     forward, backward = layer_ops(model, deg, job)
     if job.recompute == "full":
         backward += forward
-    backward += sum(REPLAY_OPS[name] for name in job.recompute_modules)
+    backward += replayed_ops(model, job)
     return max(gpu_forward, forward * op_s) + max(gpu_backward, backward * op_s)
+
+
+def replayed_ops(model: ModelSpec, job: Job) -> int:
+    """Operations one MoE layer's backward issues again for its replayed modules."""
+    mla_norm = "layernorm" in job.recompute_modules and model.kv_lora_rank > 0
+    return sum(REPLAY_OPS[name] for name in job.recompute_modules) + mla_norm

@@ -194,21 +194,23 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
 def _module_replay_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: bool,
                         eff: Efficiency) -> float:
     """Forward seconds the replayed modules (`Job.recompute_modules`) run again in backward: MLA's
-    up-projections, a dense layer's MLP; the norms (read the input, write the output) and the experts'
-    activation (read gate and up, write their product) as memory traffic."""
+    up-projections (and its query projection without a query latent), a dense layer's MLP; the norms that stand
+    alone (`activations.module_replay_bytes`: read the input, write the output) and the experts' activation
+    (read gate and up, write their product) as memory traffic."""
     modules, t = job.recompute_modules, deg.tp
     rows = job.seq_len // deg.cp * job.micro_batch
     seconds, nbytes = 0.0, 0.0
     if "mla_up_proj" in modules:
         heads, nope = model.num_heads // t, model.qk_head_dim - model.qk_rope_head_dim
         seconds += _linear(rows, model.kv_lora_rank, heads * (nope + model.v_dim), cluster, job)[0]
-        if model.q_lora_rank:
-            seconds += _linear(rows, model.q_lora_rank, heads * model.qk_head_dim, cluster, job)[0]
+        q_input = model.q_lora_rank or model.hidden_size
+        seconds += _linear(rows, q_input, heads * model.qk_head_dim, cluster, job)[0]
     if "mlp" in modules and not moe:
         seconds += _mlp_time(model, rows, model.ffn_hidden_size // t, cluster, job)[0]
     if "layernorm" in modules:
         rep = t if job.sequence_parallel and t > 1 else 1
-        nbytes += 2 * 2 * job.param_bytes * rows * model.hidden_size / rep
+        norms = (model.kv_lora_rank > 0) + moe
+        nbytes += norms * 2 * job.param_bytes * rows * model.hidden_size / rep
     if "moe_act" in modules and moe:
         nbytes += 3 * job.param_bytes * _routed_copies(model, deg, job, rows) * model.moe_ffn_hidden_size / deg.etp
     return seconds + nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
@@ -686,15 +688,17 @@ def _hardware_flops(model: ModelSpec, job: Job, sequences: int, replayed: float)
 
 
 def _module_replay_flops(model: ModelSpec, job: Job) -> float:
-    """GEMM FLOPs per token of one step's module replays (`Job.recompute_modules`): MLA's up-projections in
-    every layer, the dense layers' MLPs."""
-    flops = 0.0
+    """GEMM FLOPs per token of one step's module replays (`Job.recompute_modules`): MLA's up-projections (its
+    query projection without a query latent) in every layer, the dense layers' MLPs; MTP modules' layers
+    replay theirs too."""
+    flops, mtp_dense = 0.0, not model.is_moe_layer(model.mtp_layer_index)
     if "mla_up_proj" in job.recompute_modules:
         nope = model.qk_head_dim - model.qk_rope_head_dim
-        up = model.kv_lora_rank * (nope + model.v_dim) + model.q_lora_rank * model.qk_head_dim
-        flops += 2.0 * model.num_heads * up * model.num_layers
+        up = model.kv_lora_rank * (nope + model.v_dim) + (model.q_lora_rank or model.hidden_size) * model.qk_head_dim
+        flops += 2.0 * model.num_heads * up * (model.num_layers + model.mtp_layers)
     if "mlp" in job.recompute_modules:
-        flops += 2.0 * model.mlp_params(model.ffn_hidden_size) * (model.num_layers - model.num_moe_layers)
+        dense = model.num_layers - model.num_moe_layers + model.mtp_layers * mtp_dense
+        flops += 2.0 * model.mlp_params(model.ffn_hidden_size) * dense
     return flops
 
 

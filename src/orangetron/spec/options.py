@@ -7,6 +7,7 @@ prices as `Job(**values_of(ParallelConfig, config), seq_len=..., micro_batch=...
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -25,7 +26,7 @@ FP8_RECIPES = ("delayed", "blockwise")
 # Modules whose forward replays in backward from their input instead of keeping their outputs (Megatron-Core's
 # --recompute-modules, beside `recompute="selective"`, its "core_attn"): "layernorm" the two norms' outputs,
 # "mla_up_proj" MLA's up-projections and RoPE (Q, K, V), "mlp" a dense layer's MLP, "moe_act" the routed
-# experts' activation (the down projection's input). Priced in plan/activations.py (replayed_module_bytes)
+# experts' activation (the down projection's input). Priced in plan/activations.py (module_replay_bytes)
 RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "mlp", "moe_act")
 
 
@@ -119,9 +120,11 @@ class Job(ParallelConfig):
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
 
     def _check_recompute_modules(self) -> None:
-        modules = tuple(sorted(set(self.recompute_modules)))  # a list from JSON or TOML; order does not matter
-        for name in modules:
+        if isinstance(self.recompute_modules, str):
+            raise ValueError(f"recompute_modules={self.recompute_modules!r}: a list of module names, not a string")
+        for name in self.recompute_modules:
             check_choice("recompute_modules", name, RECOMPUTE_MODULES)
+        modules = tuple(sorted(set(self.recompute_modules)))  # a list from JSON or TOML; order does not matter
         if modules and self.recompute == "full":
             raise ValueError(f"recompute_modules={list(modules)} with recompute='full': full recompute already "
                              "replays every module of a replayed layer")
@@ -288,23 +291,40 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     _validate_recompute_modules(model, job)
 
 
-def replayable_modules(model: ModelSpec) -> tuple[str, ...]:
-    """The modules `Job.recompute_modules` may name for `model` (RECOMPUTE_MODULES in order): the norms, MLA's
-    up-projections, a dense layer's MLP, routed experts' activation."""
-    present = {"layernorm": True, "mla_up_proj": model.kv_lora_rank > 0,
+def replayable_modules(model: ModelSpec, job: Job | None = None) -> tuple[str, ...]:
+    """The modules `Job.recompute_modules` may name for `model` (RECOMPUTE_MODULES in order), and under `job`'s
+    FP8 recipe: the norms that stand alone (MLA's input norm, a MoE layer's pre-MLP norm; the others are fused
+    into the GEMM after them), MLA's up-projections, a dense layer's MLP, routed experts' activation."""
+    present = {"layernorm": model.kv_lora_rank > 0 or model.is_moe, "mla_up_proj": model.kv_lora_rank > 0,
                "mlp": model.num_layers > model.num_moe_layers, "moe_act": model.is_moe}
-    return tuple(name for name in RECOMPUTE_MODULES if present[name])
+    names = tuple(name for name in RECOMPUTE_MODULES if present[name])
+    return tuple(name for name in names if job is None or name not in _recast_under_delayed(model, job, names))
+
+
+def _recast_under_delayed(model: ModelSpec, job: Job, names: Sequence[str]) -> list[str]:
+    """Of `names`, those whose replay frees an output an FP8 GEMM reads: only if the GEMM keeps that 16-bit
+    output instead of its cast, which Transformer Engine refuses under delayed scaling."""
+    if not (job.fp8 and job.fp8_recipe == "delayed"):
+        return []
+    return [name for name in names if name == "moe_act" or
+            (name == "layernorm" and (model.kv_lora_rank > 0 or model.num_shared_experts > 0))]
 
 
 def _validate_recompute_modules(model: ModelSpec, job: Job) -> None:
-    """Each replayed module exists in the model."""
+    """Each replayed module exists in the model, and FP8 can free what it replays."""
     missing = [name for name in job.recompute_modules if name not in replayable_modules(model)]
     if missing:
         raise ValueError(f"recompute_modules={list(job.recompute_modules)}: model {model.name} has no "
                          f"{', '.join(_MODULE_NAMES[name] for name in missing)}")
+    recast = _recast_under_delayed(model, job, job.recompute_modules)
+    if recast:
+        raise ValueError(f"recompute_modules={recast} under fp8_recipe='delayed': the GEMM after the replayed "
+                         "module would keep its FP8 cast, which delayed scaling cannot replace by the 16-bit "
+                         "input; use fp8_recipe='blockwise' or leave them out")
 
 
-_MODULE_NAMES = {"mla_up_proj": "multi-head latent attention (kv_lora_rank 0)", "mlp": "dense layer",
+_MODULE_NAMES = {"layernorm": "norm outside a fused GEMM (neither MLA nor experts)",
+                 "mla_up_proj": "multi-head latent attention (kv_lora_rank 0)", "mlp": "dense layer",
                  "moe_act": "experts"}
 
 
