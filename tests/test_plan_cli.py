@@ -34,7 +34,7 @@ JOB_KEYS = ["seq_len", "micro_batch", "global_batch", "num_microbatches", "bucke
             "pp_schedule", "virtual_stages", "pipeline_layout", "recompute", "recompute_layers", "attention_kernel",
             "overlap_ep", "overlap_grad_reduce", "grad_accumulation_fusion", "fp8", "fp8_recipe",
             "optimizer_state_dtype", "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss",
-            "recompute_modules"]
+            "recompute_modules", "fp8_cached_activations"]
 
 
 def test_estimate_json_job_keeps_its_published_keys(capsys):
@@ -415,6 +415,10 @@ def test_estimate_text_names_every_option_it_priced(capsys):
     options = capsys.readouterr().out.splitlines()[1]
     assert options == ("options: zero3, bfloat16 with fp8 (blockwise), attention flash, recompute none, cp allgather, "
                        "dispatcher ragged, --no-overlap-ep")
+    assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "8", "--ep", "8", "--fp8", "--fp8-recipe",
+                "blockwise", "--fp8-cached-activations"]) == 0
+    options = capsys.readouterr().out.splitlines()[1]
+    assert options.startswith("options: ddp, bfloat16 with fp8 (blockwise, cached activations), attention flash")
 
 
 def test_estimate_reports_a_configuration_that_does_not_fit(capsys):
@@ -525,6 +529,20 @@ def test_estimate_fp8_prices_fp8_gemms_and_weight_copies(capsys):
     assert fp8["memory_bytes"]["fp8"] > 0
     assert run([*argv, "--fp8", "--gpu", "a100-80gb"]) == 2
     assert "no FP8 tensor cores" in capsys.readouterr().err
+
+
+def test_fp8_cached_activations_flag_round_trips_and_needs_blockwise(capsys):
+    argv = ["estimate", "--model", "mixtral-8x7b", "--gpus", "8", "--ep", "8", "--fp8", "--fp8-recipe", "blockwise",
+            "--json"]
+    assert run(argv) == 0
+    plain = last_json(capsys)
+    assert run([*argv, "--fp8-cached-activations"]) == 0
+    cached = last_json(capsys)
+    assert plain["job"]["fp8_cached_activations"] is False and cached["job"]["fp8_cached_activations"] is True
+    assert cached["memory_bytes"]["activations"] < plain["memory_bytes"]["activations"]
+    assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "8", "--ep", "8", "--fp8",
+                "--fp8-cached-activations"]) == 2
+    assert "needs fp8=True with fp8_recipe='blockwise'" in capsys.readouterr().err
 
 
 def test_fp8_recipe_flag_in_estimate_and_plan(capsys):

@@ -89,3 +89,52 @@ def test_blockwise_recipe_needs_fp8():
         Job(seq_len=64, fp8_recipe="blockwise")
     with pytest.raises(ValueError, match="fp8_recipe='mxfp8'"):
         Job(seq_len=64, fp8=True, fp8_recipe="mxfp8")
+
+
+def tiny_moe():
+    # The tiny model's second layer a MoE one: 4 experts of width 32, top 2, and one shared expert of width 32.
+    return tiny().with_changes(num_experts=4, top_k=2, moe_ffn_hidden_size=32, num_shared_experts=1,
+                               first_dense_layers=1)
+
+
+def test_cached_activations_by_hand():
+    """DeepSeek-V3's low-precision activations, 128 tokens: the attention output (4 heads x 16 = 64 columns) kept
+    once in 12 bits where the kernel kept 2 bytes and the projection 1 (its 1/32 byte of scales stays); in the MoE
+    layer gate and up of 256 routed copies and 128 shared rows (32 columns each) as 1-byte casts plus 1/32 byte
+    of scales instead of 2 bytes."""
+    from orangetron.plan.activations import layer_activation_bytes
+
+    blockwise = dict(seq_len=128, fp8=True, fp8_recipe="blockwise")
+    plain, cached = Job(**blockwise), Job(**blockwise, fp8_cached_activations=True)
+    attention = 128 * 64 * (2 + 1) - 128 * 64 * 3 // 2
+    swiglu = 2 * (256 + 128) * 32 * (2 - 1) - 2 * (256 + 128) * 32 * 4 // 128
+    for moe, saved in ((False, attention), (True, attention + swiglu)):
+        assert layer_activation_bytes(tiny_moe(), Degrees(), plain, moe) - \
+            layer_activation_bytes(tiny_moe(), Degrees(), cached, moe) == saved
+
+
+def test_cached_activations_cast_the_swiglu_inputs():
+    """Forward: read gate and up (2 bytes) and write their casts (1 byte) for 256 routed copies and 128 shared rows
+    of 32 columns, at the elementwise share of HBM bandwidth."""
+    import pytest
+
+    from orangetron.plan.timing import DEFAULT_EFFICIENCY, layer_cost
+    from orangetron.spec.hardware import load_gpu, make_cluster
+
+    cluster = make_cluster(load_gpu("h100"), 1)
+    blockwise = dict(seq_len=128, fp8=True, fp8_recipe="blockwise")
+    plain, cached = Job(**blockwise), Job(**blockwise, fp8_cached_activations=True)
+    extra = layer_cost(tiny_moe(), Degrees(), cached, cluster, True).elementwise - \
+        layer_cost(tiny_moe(), Degrees(), plain, cluster, True).elementwise
+    bandwidth = cluster.gpu.memory_bw_gbs * 1e9 * DEFAULT_EFFICIENCY.elementwise_bw
+    assert extra == pytest.approx(2 * 3 * (256 + 128) * 32 / bandwidth, rel=1e-12)
+    assert layer_cost(tiny_moe(), Degrees(), cached, cluster, False).elementwise == \
+        layer_cost(tiny_moe(), Degrees(), plain, cluster, False).elementwise
+
+
+def test_cached_activations_need_the_blockwise_recipe():
+    import pytest
+
+    for job in (dict(fp8=True), dict()):
+        with pytest.raises(ValueError, match="fp8_cached_activations=True needs fp8=True with fp8_recipe='blockwise'"):
+            Job(seq_len=64, fp8_cached_activations=True, **job)

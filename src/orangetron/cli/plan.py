@@ -169,6 +169,9 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_requi
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
                    help="with --fp8: delayed (per-tensor scales from an amax history, Transformer Engine) or "
                         "blockwise (1x128 activation tiles, 128x128 weight blocks, DeepSeek-V3)")
+    p.add_argument("--fp8-cached-activations", action="store_true",
+                   help="with --fp8 --fp8-recipe blockwise: DeepSeek-V3's low-precision activations, the attention "
+                        "output kept once in 12 bits and a MoE layer's SwiGLU inputs in FP8")
     p.add_argument("--dispatcher", choices=DISPATCHERS.names(), default="ragged",
                    help="expert dispatch; deepep (planner only): a token crosses to each remote node once, then "
                         "NVLink")
@@ -310,7 +313,8 @@ def _planner_only(args: argparse.Namespace) -> dict[str, object]:
             "grad_accumulation_fusion": args.grad_accumulation_fusion, "overlap_ep": not args.no_overlap_ep,
             "overlap_grad_reduce": not args.no_overlap_grad_reduce, "pipeline_layout": args.pipeline_layout,
             "ep_comm_sms": args.ep_comm_sms, "ep_comm_sms_reserved": args.ep_comm_sms_reserved,
-            "doc_lengths": args.doc_lengths, "recompute_modules": args.recompute_modules}
+            "doc_lengths": args.doc_lengths, "recompute_modules": args.recompute_modules,
+            "fp8_cached_activations": args.fp8_cached_activations}
 
 
 def format_estimate(est: Estimate) -> str:
@@ -357,7 +361,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     global_batch = args.global_batch or args.gpus
     base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8,
-               fp8_recipe=args.fp8_recipe, dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms,
+               fp8_recipe=args.fp8_recipe, fp8_cached_activations=args.fp8_cached_activations,
+               dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms,
                ep_comm_sms_reserved=args.ep_comm_sms_reserved, pipeline_layout=args.pipeline_layout)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
@@ -423,7 +428,8 @@ _FRAMEWORK_PATHS = ("grad_accumulation_fusion", "tp_sum_with_reduction", "accumu
 def _options_line(est: Estimate) -> str:
     """The options priced besides the degrees, in the words of the plan table and the flags."""
     d, j = est.degrees, est.job
-    parts = [_sharding(j), j.param_dtype + (f" with fp8 ({j.fp8_recipe})" if j.fp8 else ""),
+    cached = ", cached activations" if j.fp8_cached_activations else ""
+    parts = [_sharding(j), j.param_dtype + (f" with fp8 ({j.fp8_recipe}{cached})" if j.fp8 else ""),
              f"attention {j.attention_kernel}", f"recompute {_recompute(j)}"]
     if j.reduce_dtype and j.reduce_dtype != j.param_dtype:
         parts.append(f"reduce in {j.reduce_dtype}")

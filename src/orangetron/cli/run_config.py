@@ -27,7 +27,7 @@ from orangetron.spec.stages import chunk_layers
 # Job fields the runtime has no option for: the runtime runs only these values.
 _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_fusion": False, "pipeline_layout": (),
                  "optimizer_state_dtype": None, "tp_sum_with_reduction": False, "accumulate_in_reduce_dtype": False,
-                 "eager_fp32_loss": False, "recompute_modules": ()}
+                 "eager_fp32_loss": False, "recompute_modules": (), "fp8_cached_activations": False}
 # Options of a run's config file that say nothing about the step `estimate` prices. (`pack_documents` makes
 # attention cheaper than the causal sequence the planner prices; it prices no document lengths yet.)
 _RUN_ONLY = ("steps", "lr", "warmup", "min_lr", "weight_decay", "grad_clip", "seed", "eval_every",

@@ -52,6 +52,7 @@ class LayerShape:
     a: int  # bytes per activation element (the param dtype)
     g: int = 0  # bytes per element of a saved GEMM input: 1 under FP8 (the cast the GEMM read), else `a`
     tiled: bool = False  # blockwise FP8: each saved GEMM input also keeps one fp32 scale per 128 elements
+    cached: bool = False  # `Job.fp8_cached_activations`: DeepSeek-V3's 12-bit attention output, FP8 SwiGLU inputs
 
     def __post_init__(self) -> None:
         if not self.g:
@@ -75,7 +76,7 @@ class LayerShape:
 def layer_shape(deg: Degrees, job: Job) -> LayerShape:
     return LayerShape(job.seq_len // deg.cp, job.seq_len, job.micro_batch, deg.tp,
                       job.sequence_parallel and deg.tp > 1, job.param_bytes, 1 if job.fp8 else job.param_bytes,
-                      job.fp8 and job.fp8_recipe == "blockwise")
+                      job.fp8 and job.fp8_recipe == "blockwise", job.fp8_cached_activations)
 
 
 def _heads(n: int, t: int) -> int:
@@ -99,8 +100,11 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     if m.qk_norm:
         total += a * sb * (heads + kv) * m.qk_head_dim  # QK-norm inputs: Q and K before their norm and rotation
     out = sb * heads * m.v_dim
-    total += x.g * out + x.tile_scales(out)  # attention output = output-projection input
-    if x.g < a and job.attention_kernel != "eager":
+    if x.cached:  # one 12-bit copy and its tile scales serve the kernel's backward and the projection's
+        total += 3 * out // 2 + x.tile_scales(out)
+    else:
+        total += x.g * out + x.tile_scales(out)  # attention output = output-projection input
+    if x.g < a and job.attention_kernel != "eager" and not x.cached:
         total += a * out  # under FP8 the fused kernel keeps its 16-bit output besides the projection's FP8 copy
     if m.dropout:
         total += sb * h // x.rep  # dropout mask after the output projection (1 byte)
@@ -128,15 +132,18 @@ def _mla_up_input_bytes(m: ModelSpec, x: LayerShape) -> int:
 
 
 def mlp_bytes(m: ModelSpec, x: LayerShape, ffn: int, tokens: int | None = None, shard_h: bool = True,
-              split: int | None = None) -> int:
-    """One MLP of width `ffn` (split `split` ways, default tp) over `tokens` rows (default s*b)."""
+              split: int | None = None, in_moe: bool = False) -> int:
+    """One MLP of width `ffn` (split `split` ways, default tp) over `tokens` rows (default s*b); `in_moe`: a MoE
+    layer's, whose SwiGLU inputs `x.cached` keeps as FP8 casts."""
     rows = x.s * x.b if tokens is None else tokens
     f = ffn // (x.t if split is None else split)
     inp = x.g * rows * m.hidden_size // (x.rep if shard_h else 1)
     inp += x.tile_scales(rows * m.hidden_size // (x.rep if shard_h else 1))
-    # Gate and up (16-bit) and their product (the down projection's input), or fc1's output and the GeLU output.
-    hidden = ((2 if m.mlp == "swiglu" else 1) * x.a + x.g) * rows * f + x.tile_scales(rows * f)
-    return inp + hidden
+    cast = x.g * rows * f + x.tile_scales(rows * f)  # the product (the down projection's input), as kept
+    if in_moe and x.cached and m.mlp == "swiglu":
+        return inp + 3 * cast  # gate and up kept as casts too
+    # Gate and up (16-bit) and their product, or fc1's output and the GeLU output.
+    return inp + (2 if m.mlp == "swiglu" else 1) * x.a * rows * f + cast
 
 
 def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
@@ -147,11 +154,11 @@ def moe_bytes(m: ModelSpec, x: LayerShape, job: Job, etp: int = 1) -> int:
     # `capacity` of each rank's assignments per expert (padding rows carry no copies). etp = tp under SP: the
     # tp group's copies, gathered.
     routed = _routed_rows(m, x, job, etp)
-    total = router + mlp_bytes(m, x, m.moe_ffn_hidden_size, tokens=routed, shard_h=False, split=etp)
+    total = router + mlp_bytes(m, x, m.moe_ffn_hidden_size, tokens=routed, shard_h=False, split=etp, in_moe=True)
     if _counts_small_buffers(m):
         total += 8 * (sb // x.rep * m.top_k) + x.acc * routed  # int64 top-k ids, each copy's routing weight
     if m.num_shared_experts:
-        shared = mlp_bytes(m, x, m.num_shared_experts * m.moe_ffn_hidden_size)
+        shared = mlp_bytes(m, x, m.num_shared_experts * m.moe_ffn_hidden_size, in_moe=True)
         # Its first GEMM shares the router's 16-bit input; under FP8 it keeps its own cast.
         total += shared - (x.a * sb * m.hidden_size // x.rep if x.g == x.a else 0)
     if m.shared_expert_gate:  # the gate's sigmoid [T, 1] and the shared output it multiplies [T, h]

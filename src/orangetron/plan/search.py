@@ -146,7 +146,8 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
                          param_dtype=base.param_dtype, pp_schedule=schedule,
                          virtual_stages=v, pipeline_layout=base.pipeline_layout, recompute=rc,
                          attention_kernel=base.attention_kernel, overlap_ep=base.overlap_ep, fp8=base.fp8,
-                         fp8_recipe=base.fp8_recipe, grad_bucket_numel=bucket))
+                         fp8_recipe=base.fp8_recipe, fp8_cached_activations=base.fp8_cached_activations,
+                         grad_bucket_numel=bucket))
     return tuple(group)
 
 

@@ -186,7 +186,8 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
     att_f, att_b = _attention_time(model, deg, job, cluster, eff)
     elementwise = _elementwise_time(model, deg, job, cluster, ffn, eff)
     if moe:
-        elementwise += _permute_time(model, deg, job, cluster, rows, eff)
+        elementwise += _permute_time(model, deg, job, cluster, rows, eff) + _swiglu_cache_time(model, deg, job,
+                                                                                              cluster, rows, eff)
     return LayerCost(gemm[0], gemm[1], att_f, att_b, elementwise, *experts[:2], *shared[:2], wgrad=gemm[2],
                      shared_w=shared[2], replay=_module_replay_time(model, deg, job, cluster, moe, eff))
 
@@ -290,6 +291,18 @@ def _mlp_time(model: ModelSpec, rows: int, ffn: int, cluster: Cluster, job: Job,
     up = 2 if model.mlp == "swiglu" else 1
     h = model.hidden_size
     return _add(_linear(rows, h, up * ffn, cluster, job, groups), _linear(rows, ffn, h, cluster, job, groups))
+
+
+def _swiglu_cache_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, rows: int,
+                       eff: Efficiency) -> float:
+    """Forward seconds of casting a MoE layer's SwiGLU inputs to FP8 (`Job.fp8_cached_activations`: read gate and
+    up, write their casts; backward reads them back, twice the forward as for all elementwise work)."""
+    if not (job.fp8_cached_activations and model.mlp == "swiglu"):
+        return 0.0
+    f = model.moe_ffn_hidden_size
+    elements = _routed_copies(model, deg, job, rows) * f / deg.etp + rows * model.num_shared_experts * f / deg.tp
+    nbytes = 2 * (job.param_bytes + 1) * elements
+    return nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
 
 
 def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int, gathered: bool = True) -> int:

@@ -92,6 +92,11 @@ class Job(ParallelConfig):
     eager_fp32_loss: bool = False
     # Modules replayed in backward (RECOMPUTE_MODULES), in any order; not with full recompute. Planner only
     recompute_modules: tuple[str, ...] = ()
+    # DeepSeek-V3's low-precision activations (arXiv:2412.19437 section 3.3.3), with the blockwise recipe: the
+    # attention output kept once, in a 12-bit format (E5M6) with its tile scales, for both the attention's
+    # backward and the output projection's; a MoE layer's SwiGLU inputs (gate and up) kept as FP8 casts with
+    # their tile scales. Planner only
+    fp8_cached_activations: bool = False
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
@@ -111,6 +116,9 @@ class Job(ParallelConfig):
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
             raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
         rules.fp8_recipe_needs_fp8(self.fp8_recipe, self.fp8)
+        if self.fp8_cached_activations and not (self.fp8 and self.fp8_recipe == "blockwise"):
+            raise ValueError("fp8_cached_activations=True needs fp8=True with fp8_recipe='blockwise': the cached "
+                             "tensors keep one scale per 1 x 128 tile")
         dispatcher = DISPATCHERS[self.dispatcher]
         rules.reserved_sms_need_node_dispatch(self.ep_comm_sms_reserved, self.dispatcher, dispatcher.node_aware)
         if self.ep_comm_sms < 2 or self.ep_comm_sms % 2:
@@ -192,7 +200,7 @@ class Job(ParallelConfig):
 # it), and the keys of the two printed under the names they had before the runtime's options became the job's.
 # `reduce_dtype` None prints as "" (the parameters' dtype), as it always has, and so does `optimizer_state_dtype`
 # None (the main parameters'); it and the three keys after it were added last, in that order; `drop_policy` is
-# not priced and not printed; `recompute_modules` came after them.
+# not priced and not printed; `recompute_modules` came after them, then `fp8_cached_activations`.
 PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "grad_bucket_numel", "clip_grad",
                     "sequence_parallel", "cp_mode", "ulysses_degree", "dispatcher", "capacity_factor",
                     "ep_overlap_chunks", "ep_comm_sms", "ep_comm_sms_reserved", "zero_stage", "distributed_optimizer",
@@ -200,7 +208,8 @@ PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "g
                     "grad_dtype", "reduce_dtype", "pp_schedule", "virtual_stages", "pipeline_layout", "recompute",
                     "recompute_layers", "attention_kernel", "overlap_ep", "overlap_grad_reduce",
                     "grad_accumulation_fusion", "fp8", "fp8_recipe", "optimizer_state_dtype",
-                    "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss", "recompute_modules")
+                    "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss", "recompute_modules",
+                    "fp8_cached_activations")
 PUBLISHED_AS = {"microbatches": "num_microbatches", "grad_bucket_numel": "bucket_numel"}
 _EMPTY_IS_NONE = ("reduce_dtype", "optimizer_state_dtype")  # None prints as "": the default dtype
 
