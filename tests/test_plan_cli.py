@@ -517,13 +517,18 @@ def test_presets_lists_every_preset_file(capsys):
     assert all(name in text for name in files["models"] + files["gpus"])
 
 
+def _with_and_without(capsys, argv: list[str], flag: str) -> tuple[dict, dict]:
+    """`estimate --json` of `argv` without `flag`, then with it."""
+    jsons = []
+    for extra in ([], [flag]):
+        assert run([*argv, "--json", *extra]) == 0
+        jsons.append(last_json(capsys))
+    return jsons[0], jsons[1]
+
+
 def test_estimate_fp8_prices_fp8_gemms_and_weight_copies(capsys):
-    argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--sequence-parallel", "--seq", "8192",
-            "--json"]
-    assert run(argv) == 0
-    bf16 = last_json(capsys)
-    assert run([*argv, "--fp8"]) == 0
-    fp8 = last_json(capsys)
+    argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--sequence-parallel", "--seq", "8192"]
+    bf16, fp8 = _with_and_without(capsys, argv, "--fp8")
     assert fp8["job"]["fp8"] is True and "fp8" not in bf16["memory_bytes"]
     assert fp8["step_time_s"] < bf16["step_time_s"]
     assert fp8["memory_bytes"]["fp8"] > 0
@@ -532,12 +537,8 @@ def test_estimate_fp8_prices_fp8_gemms_and_weight_copies(capsys):
 
 
 def test_fp8_cached_activations_flag_round_trips_and_needs_blockwise(capsys):
-    argv = ["estimate", "--model", "mixtral-8x7b", "--gpus", "8", "--ep", "8", "--fp8", "--fp8-recipe", "blockwise",
-            "--json"]
-    assert run(argv) == 0
-    plain = last_json(capsys)
-    assert run([*argv, "--fp8-cached-activations"]) == 0
-    cached = last_json(capsys)
+    argv = ["estimate", "--model", "mixtral-8x7b", "--gpus", "8", "--ep", "8", "--fp8", "--fp8-recipe", "blockwise"]
+    plain, cached = _with_and_without(capsys, argv, "--fp8-cached-activations")
     assert plain["job"]["fp8_cached_activations"] is False and cached["job"]["fp8_cached_activations"] is True
     assert cached["memory_bytes"]["activations"] < plain["memory_bytes"]["activations"]
     assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "8", "--ep", "8", "--fp8",

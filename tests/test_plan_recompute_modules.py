@@ -63,19 +63,27 @@ def test_plain_attention_and_a_dense_mlp_fuse_their_norms():
 def test_fp8_frees_the_casts_the_gemms_read():
     # Blockwise FP8: a GEMM's input is 1 byte plus 4 bytes per 128 elements; the hidden width's cast is 66 S.
     cast = S * 64 + 4 * S * 64 // 128
-    # The down-projections keep the 16-bit norm output instead of their cast, and free it: the cast goes.
-    assert saved(("layernorm",), moe=False, fp8=True) == cast
+    # The two down-projections each keep the 16-bit norm output instead of their cast, and free it: both casts go.
+    assert saved(("layernorm",), moe=False, fp8=True) == 2 * cast
+    # Without a query latent the query projection keeps its cast; the key-value down-projection's goes.
+    no_query_latent = mla_moe().with_changes(q_lora_rank=0)
+    assert saved(("layernorm",), moe=False, fp8=True, model=no_query_latent) == cast
     # The router's input is 16-bit whatever the recipe.
-    assert saved(("layernorm",), moe=True, fp8=True) == cast + 2 * S * 64
+    assert saved(("layernorm",), moe=True, fp8=True) == 2 * cast + 2 * S * 64
     # Shared experts keep their own cast of the router's input: the norm's replay frees it too.
     shared = mla_moe().with_changes(num_shared_experts=1)
-    assert saved(("layernorm",), moe=True, fp8=True, model=shared) == 2 * cast + 2 * S * 64
+    assert saved(("layernorm",), moe=True, fp8=True, model=shared) == 3 * cast + 2 * S * 64
     # A dense MLP: its cast input, gate and up (2 bytes), the product's cast with its scales.
     assert saved(("mlp",), moe=False, fp8=True) == cast + (2 + 2 + 1) * S * 128 + 4 * S * 128 // 128
     # The up-projections' cast inputs (48 columns and their scales), Q, K, V 16-bit, less the rotary key.
     assert saved(("mla_up_proj",), moe=True, fp8=True) == 2 * S * 256 + S * 48 + 4 * S * 48 // 128 - 2 * S * 8
     # The experts' activation cast: 2 S rows of 32 and their scales.
     assert saved(("moe_act",), moe=True, fp8=True) == 2 * S * 32 + 4 * 2 * S * 32 // 128
+    # Without a query latent the up-projections' replay runs the query projection: its cast goes (Q is 4 x 24
+    # columns of the 256), and the replay keeps its 16-bit input, unless the norm replays too.
+    up = 2 * S * 256 + S * 16 + 4 * S * 16 // 128 - 2 * S * 8
+    assert saved(("mla_up_proj",), moe=True, fp8=True, model=no_query_latent) == up + cast - 2 * S * 64
+    assert saved(("layernorm", "mla_up_proj"), moe=False, fp8=True, model=no_query_latent) == cast + up + cast
 
 
 def test_sequence_parallel_splits_what_the_rank_keeps():
@@ -100,6 +108,21 @@ def test_latents_are_kept_without_recompute():
     assert layer_activation_bytes(wider, deg, job, True) - layer_activation_bytes(m, deg, job, True) == 2 * 2 * S * 16
 
 
+def test_fp8_mla_attention_by_hand():
+    """What MLA's attention keeps under blockwise FP8 (1 byte and 4 per 128 for a cast), 128 tokens: a cast of the
+    hidden state (64) for each of its two down-projections; Q, K, V (256, 16-bit); the latents before their norms
+    (48, 16-bit) and the up-projections' casts of them; the output's cast (64) and the kernel's 16-bit output; an
+    fp32 log-sum-exp per head (4)."""
+    from orangetron.plan.activations import attention_bytes, layer_shape
+
+    job = Job(seq_len=S, fp8=True, fp8_recipe="blockwise")
+    def cast(n: int) -> int:
+        return S * n + 4 * S * n // 128
+
+    expected = 2 * cast(64) + 2 * S * 256 + 2 * S * 48 + cast(48) + cast(64) + 2 * S * 64 + 4 * S * 4
+    assert attention_bytes(mla_moe(), layer_shape(Degrees(), job), job) == expected
+
+
 def test_shared_experts_share_the_router_input_only_in_16_bit():
     """One shared expert (width 32): in bf16 its gate, up and product (3 x 2 bytes x 32), its input being the
     router's; under blockwise FP8 its first GEMM keeps its own cast of the input (66 S) and the product's cast."""
@@ -120,8 +143,20 @@ def test_one_layer_replays_on_top_of_the_held_micro_batches():
     replayed = Job(seq_len=S, microbatches=4, recompute_modules=modules)
     dense, moe = 2 * S * 64 + 75776, 2 * 2 * S * 64 + 75776
     assert saved(modules, moe=False) == dense and saved(modules, moe=True) == moe
+    # The replay needs the kept rotary key (2 bytes x 8 columns) beside the Q, K, V it makes again.
     assert stage_activation_bytes(m, deg, plain, 0) - stage_activation_bytes(m, deg, replayed, 0) == \
-        2 * (dense + moe) - moe
+        2 * (dense + moe) - (moe + 2 * S * 8)
+
+
+def test_an_fp8_norm_replay_brings_back_its_16_bit_output():
+    """MLA's input norm under blockwise FP8: each held micro-batch frees the two down-projections' casts; the
+    replay makes the 16-bit output (2 bytes x 64 columns) again, and the casts with it."""
+    m, deg = mla_moe().with_changes(first_dense_layers=2), Degrees(pp=2)  # stage 0: layers 0 and 1, both dense
+    fp8 = dict(fp8=True, fp8_recipe="blockwise", microbatches=4)
+    plain, replayed = Job(seq_len=S, **fp8), Job(seq_len=S, recompute_modules=("layernorm",), **fp8)
+    casts = 2 * (S * 64 + 4 * S * 64 // 128)
+    assert stage_activation_bytes(m, deg, plain, 0) - stage_activation_bytes(m, deg, replayed, 0) == \
+        2 * 2 * casts - (casts + 2 * S * 64)
 
 
 def test_an_fp8_replay_brings_back_the_16_bit_output_and_its_cast():
@@ -184,6 +219,10 @@ def test_norms_and_the_experts_activation_replay_as_memory_traffic():
     # The activation reads gate and up and writes their product: 2 S copies of 32 columns.
     assert replay(("moe_act",), True) == pytest.approx(3 * 2 * 2 * S * 32 / bandwidth, rel=1e-12)
     assert replay(("moe_act",), False) == 0 and replay(("mlp",), True) == 0
+    # Under sequence parallelism at tp 2 a norm runs on the rank's half of the sequence.
+    sp = Job(seq_len=S, sequence_parallel=True, recompute_modules=("layernorm",))
+    assert layer_cost(m, Degrees(tp=2), sp, cluster, True).replay == \
+        pytest.approx(2 * 2 * 2 * S // 2 * 64 / bandwidth, rel=1e-12)
     # The dense MLP's two GEMMs: gate and up (64 -> 256), down (128 -> 64).
     mlp = [linear_parts(S, 64, 256, cluster.gpu, "bfloat16", 2.0)[0],
            linear_parts(S, 128, 64, cluster.gpu, "bfloat16", 2.0)[0]]
@@ -194,9 +233,9 @@ def test_a_host_paced_layer_issues_the_replays_again():
     m, deg, op_s = mla_moe(), Degrees(), 1e-3
     plain = Job(seq_len=S)
     replayed = Job(seq_len=S, recompute_modules=("layernorm", "mla_up_proj", "moe_act"))
-    # No GPU time: the host sets the pace; two norms, MLA's six operations, one activation.
+    # No GPU time: the host sets the pace; two norms, MLA's eight operations, one activation.
     gap = host.paced_seconds(0.0, 0.0, m, deg, replayed, op_s) - host.paced_seconds(0.0, 0.0, m, deg, plain, op_s)
-    assert gap == pytest.approx((2 + 6 + 1) * op_s, rel=1e-12)
+    assert gap == pytest.approx((2 + 8 + 1) * op_s, rel=1e-12)
     # Without MLA the attention's norm is fused into its GEMM: the pre-MLP norm alone replays.
     gqa_moe = m.with_changes(q_lora_rank=0, kv_lora_rank=0, qk_rope_head_dim=0, head_dim=16)
     norm = Job(seq_len=S, recompute_modules=("layernorm",))
@@ -228,11 +267,12 @@ def test_modules_the_model_lacks_are_refused(job, model, match):
 def test_what_delayed_fp8_can_replay_passes():
     # The up-projections' outputs go to the 16-bit attention kernel; a dense MLP replays whole.
     validate(mla_moe(), Degrees(), Job(seq_len=S, fp8=True, recompute_modules=("mla_up_proj", "mlp")))
-    # Without MLA or shared experts the pre-MLP norm's output goes to the 16-bit router only.
-    gqa_moe = mla_moe().with_changes(q_lora_rank=0, kv_lora_rank=0, qk_rope_head_dim=0, head_dim=16)
-    validate(gqa_moe, Degrees(), Job(seq_len=S, fp8=True, recompute_modules=("layernorm",)))
     validate(mla_moe(), Degrees(), Job(seq_len=S, fp8=True, fp8_recipe="blockwise",
                                        recompute_modules=("layernorm", "moe_act")))
+    # Megatron-Core refuses the norms' replay under delayed FP8 whatever reads their output.
+    gqa_moe = mla_moe().with_changes(q_lora_rank=0, kv_lora_rank=0, qk_rope_head_dim=0, head_dim=16)
+    with pytest.raises(ValueError, match="under fp8_recipe='delayed'"):
+        validate(gqa_moe, Degrees(), Job(seq_len=S, fp8=True, recompute_modules=("layernorm",)))
 
 
 def test_fit_advice_offers_only_what_the_recipe_can_replay():
@@ -271,10 +311,11 @@ def test_estimate_prints_and_round_trips_the_modules(capsys):
     assert plain["job"]["recompute_modules"] == []
     # One micro-batch per replica; the busiest stage holds 4 MoE layers, each of which frees per token its two
     # norms' outputs (7168 each), Q, K, V (128 heads x 192 + 192 + 128), the up-projections' inputs (1536 + 512)
-    # less the rotary key (64), 2 bytes each; the first backward's replay brings one layer's back.
+    # less the rotary key (64), 2 bytes each; the first backward's replay brings one layer's back, beside the
+    # rotary key it reads.
     per_token = 2 * (2 * 7168 + 128 * (192 + 192 + 128) + 1536 + 512 - 64)
     freed = plain["memory_bytes"]["activations"] - replayed["memory_bytes"]["activations"]
-    assert freed == 4096 * (4 - 1) * per_token
+    assert freed == 4096 * ((4 - 1) * per_token - 2 * 64)
 
 
 def test_the_trainer_runs_no_module_recompute(tmp_path):

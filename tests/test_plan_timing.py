@@ -438,16 +438,18 @@ def test_weight_gradient_state_of_an_mla_moe_layer_by_hand():
     assert weight_grad_state_bytes(model, Degrees(), Job(seq_len=256), True) == 2 * 256 * (attention + 3 * expert)
 
 
-def test_mla_down_projections_split_over_tp():
-    """At tp 2 each rank runs half of MLA's down-projections (1024 -> 576 / 2 and 1024 -> 768 / 2) and its
-    heads' up-projections (512 -> 2 x (128 + 128), 768 -> 2 x 192), each forward GEMM as `linear_parts` prices
-    it."""
+def test_mla_down_projections_run_on_the_ranks_rows():
+    """Transformer Engine's spec duplicates MLA's down-projections (1024 -> 512 + 64 and 1024 -> 768) on every tp
+    rank, each on its rows: all 4096 without sequence parallelism, 2048 with it at tp 2; the up-projections
+    split their heads (512 -> 2 x (128 + 128), 768 -> 2 x 192). Each forward GEMM as `linear_parts` prices it."""
     from orangetron.plan.compute import linear_parts
     from orangetron.plan.timing import _qkv_time
 
     model = ModelSpec(name="mla", hidden_size=1024, num_layers=2, num_heads=4, vocab_size=1024, head_dim=128,
                       v_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512, q_lora_rank=768, ffn_hidden_size=256)
-    cluster, job, rows = make_cluster(load_gpu("h100"), 2), Job(seq_len=4096), 4096
-    shapes = [(1024, 288), (512, 2 * (128 + 128)), (1024, 384), (768, 2 * 192)]
-    expected = sum(linear_parts(rows, k, n, cluster.gpu, "bfloat16", 2.0)[0] for k, n in shapes)
-    assert _qkv_time(model, rows, 2, cluster, job)[0] == pytest.approx(expected, rel=1e-12)
+    cluster, rows = make_cluster(load_gpu("h100"), 2), 4096
+    up = sum(linear_parts(rows, k, n, cluster.gpu, "bfloat16", 2.0)[0] for k, n in ((512, 512), (768, 384)))
+    for sp, down_rows in ((False, rows), (True, rows // 2)):
+        down = sum(linear_parts(down_rows, 1024, n, cluster.gpu, "bfloat16", 2.0)[0] for n in (576, 768))
+        job = Job(seq_len=4096, sequence_parallel=sp)
+        assert _qkv_time(model, rows, 2, cluster, job)[0] == pytest.approx(up + down, rel=1e-12)

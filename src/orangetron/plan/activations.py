@@ -93,7 +93,8 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     """Attention block (its input norm excluded): QKV input, Q, K, V, output, masks, optional scores."""
     sb, h, a = x.s * x.b, m.hidden_size, x.a
     heads, kv = _heads(m.num_heads, x.t), _heads(m.kv_heads, x.t)
-    total = x.g * sb * h // x.rep + x.tile_scales(sb * h // x.rep)  # QKV projection input
+    # The QKV projection's input; under FP8 MLA's two projections of the hidden state keep a cast each.
+    total = (2 if m.kv_lora_rank and x.g < a else 1) * (x.g * sb * h // x.rep + x.tile_scales(sb * h // x.rep))
     total += a * sb * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)  # Q, K, V
     if m.kv_lora_rank:  # MLA: its latent norms' inputs and its up-projections' inputs
         total += a * sb * (m.q_lora_rank + m.kv_lora_rank) // x.rep + _mla_up_input_bytes(m, x)
@@ -227,9 +228,12 @@ def module_replay_bytes(m: ModelSpec, x: LayerShape, job: Job, moe: bool, etp: i
     "layernorm": the norms that stand alone: MLA's input norm, whose output the down-projections keep, and a
     MoE layer's pre-MLP norm, whose output the router keeps (16-bit) and the shared experts' first GEMM (its cast
     under FP8). Under FP8 those GEMMs keep the 16-bit output, freed, instead of their cast (Transformer Engine's
-    save_original_input), so the casts are what goes; the replay brings the 16-bit output back and casts again.
-    "mla_up_proj": Q, K, V and the up-projections' normed inputs; the replay keeps the latents before their
-    norms (kept anyway, for the norms' backward) and the key's rotary part, gathered to the whole sequence.
+    save_original_input), so the casts are what goes (not the query projection's without a query latent, which
+    keeps its cast); the replay brings the 16-bit output back and casts again. "mla_up_proj": Q, K, V and the
+    up-projections' normed inputs (and, under FP8 without a query latent, the query projection's cast, its
+    16-bit input kept instead unless the norm replays too); the replay keeps the latents before their norms
+    (kept anyway, for the norms' backward) and the key's rotary part, gathered to the whole sequence, which it
+    needs beside what it brings back.
     "mlp": a dense MLP whole; its input is the pre-norm residual, kept anyway. "moe_act": the experts'
     activation output, the down projection's input (its cast under FP8)."""
     modules = job.recompute_modules
@@ -238,12 +242,16 @@ def module_replay_bytes(m: ModelSpec, x: LayerShape, job: Job, moe: bool, etp: i
     fp8 = x.g < x.a
     freed = back = 0
     if "layernorm" in modules and m.kv_lora_rank:
-        freed += cast
+        freed += (2 if fp8 and m.q_lora_rank else 1) * cast
         back += x.a * hidden if fp8 else 0
     if "layernorm" in modules and moe:
         freed += x.a * hidden + (cast if fp8 and m.num_shared_experts else 0)
     if "mla_up_proj" in modules:
-        freed += _mla_qkv_bytes(m, x) + _mla_up_input_bytes(m, x) - x.a * x.s * x.b * m.qk_rope_head_dim
+        rotary_key = x.a * x.s * x.b * m.qk_rope_head_dim
+        freed += _mla_qkv_bytes(m, x) + _mla_up_input_bytes(m, x) - rotary_key
+        if fp8 and not m.q_lora_rank:
+            freed += cast - (0 if "layernorm" in modules else x.a * hidden)
+        back += rotary_key
     if "mlp" in modules and not moe:
         freed += mlp_bytes(m, x, m.ffn_hidden_size)
     if "moe_act" in modules and moe:

@@ -39,10 +39,10 @@ LAYER_FORWARD_OPS = sum(FORWARD_OPS.values())
 BACKWARD_OPS_RATIO = 2  # backward operations per forward one (an autograd node: one kernel per input gradient)
 EXPERT_GEMMS = 2  # up (gate and up fused) and down projection per expert
 # Operations a MoE layer's backward issues again per replayed module (`Job.recompute_modules`): the pre-MLP norm
-# (and MLA's input norm, in `replayed_ops`); MLA's two up-projection GEMMs, RoPE on q and on k and their two
-# concatenations; the experts' activation over the grouped rows; a dense MLP replays in dense layers only, which
-# nothing paces
-REPLAY_OPS = {"layernorm": 1, "mla_up_proj": 6, "mlp": 0, "moe_act": 1}
+# (and MLA's input norm, in `replayed_ops`); MLA's two up-projection GEMMs with the latent norms fused into them
+# (a norm kernel each), RoPE on q and on k and their two concatenations; the experts' activation over the grouped
+# rows; a dense MLP replays in dense layers only, which nothing paces
+REPLAY_OPS = {"layernorm": 1, "mla_up_proj": 8, "mlp": 0, "moe_act": 1}
 
 
 def layer_ops(model: ModelSpec, deg: Degrees, job: Job) -> tuple[int, int]:

@@ -219,19 +219,20 @@ def _module_replay_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Clust
 
 def _qkv_time(model: ModelSpec, rows: int, t: int, cluster: Cluster, job: Job) -> Gemms:
     """Q, K, V projections. MLA (kv_lora_rank > 0) runs its real shapes: down-projections to the latent
-    ranks and up-projections to the heads, not a full-width multi-head projection. Megatron-Core splits a
-    down-projection's output over tp (or, under sequence parallelism, runs it on the rank's part of the
-    sequence): a tp-th of its work on each rank, priced as its output columns split."""
+    ranks and up-projections to the heads, not a full-width multi-head projection. Megatron-Core's Transformer
+    Engine spec duplicates the down-projections on every tp rank, each on the rank's rows: the whole sequence,
+    or its tp-th under sequence parallelism."""
     h, heads = model.hidden_size, model.num_heads // t
+    down_rows = rows // t if job.sequence_parallel else rows
     if not model.kv_lora_rank:
         kv_w = max(1, model.kv_heads // t) * model.qk_head_dim
         return _linear(rows, h, heads * model.qk_head_dim + 2 * kv_w, cluster, job)
     nope = model.qk_head_dim - model.qk_rope_head_dim
-    kv = _add(_linear(rows, h, -(-(model.kv_lora_rank + model.qk_rope_head_dim) // t), cluster, job),
+    kv = _add(_linear(down_rows, h, model.kv_lora_rank + model.qk_rope_head_dim, cluster, job),
               _linear(rows, model.kv_lora_rank, heads * (nope + model.v_dim), cluster, job))
     if not model.q_lora_rank:
         return _add(kv, _linear(rows, h, heads * model.qk_head_dim, cluster, job))
-    q = _add(_linear(rows, h, -(-model.q_lora_rank // t), cluster, job),
+    q = _add(_linear(down_rows, h, model.q_lora_rank, cluster, job),
              _linear(rows, model.q_lora_rank, heads * model.qk_head_dim, cluster, job))
     return _add(kv, q)
 

@@ -24,7 +24,8 @@ ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "eager")
 # scales, one per 1 x 128 activation tile and per 128 x 128 weight block (arXiv:2412.19437 section 3.3.2)
 FP8_RECIPES = ("delayed", "blockwise")
 # Modules whose forward replays in backward from their input instead of keeping their outputs (Megatron-Core's
-# --recompute-modules, beside `recompute="selective"`, its "core_attn"): "layernorm" the two norms' outputs,
+# --recompute-modules, beside `recompute="selective"`, its "core_attn"): "layernorm" the outputs of the norms
+# that stand alone (MLA's input norm, a MoE layer's pre-MLP norm),
 # "mla_up_proj" MLA's up-projections and RoPE (Q, K, V), "mlp" a dense layer's MLP, "moe_act" the routed
 # experts' activation (the down projection's input). Priced in plan/activations.py (module_replay_bytes)
 RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "mlp", "moe_act")
@@ -307,16 +308,16 @@ def replayable_modules(model: ModelSpec, job: Job | None = None) -> tuple[str, .
     present = {"layernorm": model.kv_lora_rank > 0 or model.is_moe, "mla_up_proj": model.kv_lora_rank > 0,
                "mlp": model.num_layers > model.num_moe_layers, "moe_act": model.is_moe}
     names = tuple(name for name in RECOMPUTE_MODULES if present[name])
-    return tuple(name for name in names if job is None or name not in _recast_under_delayed(model, job, names))
+    return tuple(name for name in names if job is None or name not in _recast_under_delayed(job, names))
 
 
-def _recast_under_delayed(model: ModelSpec, job: Job, names: Sequence[str]) -> list[str]:
-    """Of `names`, those whose replay frees an output an FP8 GEMM reads: only if the GEMM keeps that 16-bit
-    output instead of its cast, which Transformer Engine refuses under delayed scaling."""
+def _recast_under_delayed(job: Job, names: Sequence[str]) -> list[str]:
+    """Of `names`, those Megatron-Core refuses under FP8 with delayed scaling: their replays free an output an
+    FP8 GEMM reads only if the GEMM keeps that 16-bit output instead of its cast, which Transformer Engine
+    cannot do under delayed scaling."""
     if not (job.fp8 and job.fp8_recipe == "delayed"):
         return []
-    return [name for name in names if name == "moe_act" or
-            (name == "layernorm" and (model.kv_lora_rank > 0 or model.num_shared_experts > 0))]
+    return [name for name in names if name in ("layernorm", "moe_act")]
 
 
 def _validate_recompute_modules(model: ModelSpec, job: Job) -> None:
@@ -325,7 +326,7 @@ def _validate_recompute_modules(model: ModelSpec, job: Job) -> None:
     if missing:
         raise ValueError(f"recompute_modules={list(job.recompute_modules)}: model {model.name} has no "
                          f"{', '.join(_MODULE_NAMES[name] for name in missing)}")
-    recast = _recast_under_delayed(model, job, job.recompute_modules)
+    recast = _recast_under_delayed(job, job.recompute_modules)
     if recast:
         raise ValueError(f"recompute_modules={recast} under fp8_recipe='delayed': the GEMM after the replayed "
                          "module would keep its FP8 cast, which delayed scaling cannot replace by the 16-bit "
