@@ -635,3 +635,13 @@ def test_plan_replays_only_the_layers_memory_needs(capsys):
     assert partial["step_time_s"] < whole["step_time_s"]
     assert run(args) == 0
     assert " full/13 " in capsys.readouterr().out
+
+
+def test_estimate_names_the_stage_its_memory_is_of(capsys):
+    """With pipeline stages the memory figures are the busiest stage's; here the first, which holds the most
+    micro-batches in flight and the embedding."""
+    argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--seq", "2048"]
+    assert run([*argv, "--pp", "2", "--global-batch", "16"]) == 0
+    assert "memory per GPU (GiB), pipeline stage 0 of 2, the busiest:" in capsys.readouterr().out
+    assert run(argv) == 0
+    assert "memory per GPU (GiB):" in capsys.readouterr().out

@@ -111,6 +111,10 @@ def test_cached_activations_by_hand():
     for moe, saved in ((False, attention), (True, attention + swiglu)):
         assert layer_activation_bytes(tiny_moe(), Degrees(), plain, moe) - \
             layer_activation_bytes(tiny_moe(), Degrees(), cached, moe) == saved
+    # Eager attention keeps its probabilities, not its output: the projection's FP8 cast is all there is to keep.
+    eager = dict(blockwise, attention_kernel="eager")
+    assert layer_activation_bytes(tiny_moe(), Degrees(), Job(**eager), False) == \
+        layer_activation_bytes(tiny_moe(), Degrees(), Job(**eager, fp8_cached_activations=True), False)
 
 
 def test_cached_activations_cast_the_swiglu_inputs():

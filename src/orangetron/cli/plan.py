@@ -15,6 +15,7 @@ from pathlib import Path
 
 from orangetron.cli.presets import add_presets_command
 from orangetron.plan.estimate import Estimate, estimate
+from orangetron.plan.memory import busiest_stage
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
 from orangetron.plan.params import tp_sums_first
 from orangetron.plan.search import SearchSpace, divisors, search
@@ -64,9 +65,10 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                      help="--recompute full: replay only the first N layers of each pipeline chunk (Megatron's "
                           "block method; planner only); 0: every layer")
     est.add_argument("--recompute-modules", type=_names, default=(), metavar="M[,M...]",
-                     help=f"replay these modules in backward instead of keeping their outputs (planner only; "
-                          f"Megatron-Core's --recompute-modules): {', '.join(RECOMPUTE_MODULES)}; not with "
-                          "--recompute full")
+                     help=f"replay these comma-separated modules in backward instead of keeping their outputs "
+                          f"(planner only; Megatron-Core's --recompute-modules): {', '.join(RECOMPUTE_MODULES)}; "
+                          "not with --recompute full; under --fp8, layernorm and moe_act need --fp8-recipe "
+                          "blockwise")
     est.add_argument("--sequence-parallel", action="store_true")
     est.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     est.add_argument("--distributed-optimizer", action="store_true")
@@ -167,7 +169,8 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_requi
     p.add_argument("--fp8", action="store_true",
                    help="FP8 linear layers: FP8 GEMM peak, FP8 weight copies and scale tensors")
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
-                   help="with --fp8: delayed (per-tensor scales from an amax history, Transformer Engine) or "
+                   help="with --fp8: delayed (the default: per-tensor scales from an amax history, Transformer "
+                        "Engine) or "
                         "blockwise (1x128 activation tiles, 128x128 weight blocks, DeepSeek-V3)")
     p.add_argument("--fp8-cached-activations", action="store_true",
                    help="with --fp8 --fp8-recipe blockwise: DeepSeek-V3's low-precision activations, the attention "
@@ -324,7 +327,7 @@ def format_estimate(est: Estimate) -> str:
              f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {est.job.seq_len}, "
              f"micro-batch {est.job.micro_batch}, "
              f"{est.job.replica_microbatches(d)} micro-batch(es) per step",
-             _options_line(est), "memory per GPU (GiB):"]
+             _options_line(est), f"memory per GPU (GiB){_memory_stage(est)}:"]
     for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead",
                 "total"):
         lines.append(f"  {key:<12} {mem.get(key, 0) / GIB:10.2f}")
@@ -416,8 +419,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: int, rows: int) -> str:
     layout = args.pipeline_layout and ", layers per virtual stage " + ",".join(map(str, args.pipeline_layout))
+    cached = ", cached activations" if args.fp8_cached_activations else ""
+    fp8 = f", fp8 ({args.fp8_recipe}{cached})" if args.fp8 else ""
     return (f"{model} on {args.gpus} x {gpu}, seq {args.seq}, global batch {global_batch} sequences, "
-            f"{args.param_dtype}{', fp8' if args.fp8 else ''}{layout or ''}: the {rows} fastest layouts that fit")
+            f"{args.param_dtype}{fp8}{layout or ''}: the {rows} fastest layouts that fit")
 
 
 # Planner-only options that price a framework's own path (docs/planner.md, section 3, 'Framework paths')
@@ -448,6 +453,14 @@ def _options_line(est: Estimate) -> str:
         parts.append("--no-overlap-grad-reduce")
     parts += ["--" + name.replace("_", "-") for name in _FRAMEWORK_PATHS if getattr(j, name)]
     return "options: " + ", ".join(parts)
+
+
+def _memory_stage(est: Estimate) -> str:
+    """Which pipeline stage the memory figures are of, when there are several: the busiest, which a change of
+    options can move."""
+    if est.degrees.pp == 1:
+        return ""
+    return f", pipeline stage {busiest_stage(est.model, est.degrees, est.job)} of {est.degrees.pp}, the busiest"
 
 
 def _sharding(job: Job) -> str:

@@ -101,11 +101,12 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     if m.qk_norm:
         total += a * sb * (heads + kv) * m.qk_head_dim  # QK-norm inputs: Q and K before their norm and rotation
     out = sb * heads * m.v_dim
-    if x.cached:  # one 12-bit copy and its tile scales serve the kernel's backward and the projection's
+    fused = job.attention_kernel != "eager"
+    if x.cached and fused:  # one 12-bit copy and its tile scales serve the kernel's backward and the projection's
         total += 3 * out // 2 + x.tile_scales(out)
     else:
         total += x.g * out + x.tile_scales(out)  # attention output = output-projection input
-    if x.g < a and job.attention_kernel != "eager" and not x.cached:
+    if x.g < a and fused and not x.cached:
         total += a * out  # under FP8 the fused kernel keeps its 16-bit output besides the projection's FP8 copy
     if m.dropout:
         total += sb * h // x.rep  # dropout mask after the output projection (1 byte)

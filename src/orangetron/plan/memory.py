@@ -203,7 +203,12 @@ def _unbucketed(numel: int, ranks: int, wire: bool, sharded: bool) -> int:
 
 
 def memory_per_gpu(model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:
-    """The busiest GPU's bytes by category: the stage with the largest total among the first of each kind of
-    stage (`stages.distinct_stages`: later stages of a kind hold the same states and fewer micro-batches)."""
+    """The busiest GPU's bytes by category (`busiest_stage`)."""
+    return stage_memory(model, deg, job, busiest_stage(model, deg, job))
+
+
+def busiest_stage(model: ModelSpec, deg: Degrees, job: Job) -> int:
+    """The pipeline stage with the largest total among the first of each kind of stage
+    (`stages.distinct_stages`: later stages of a kind hold the same states and fewer micro-batches)."""
     stages = distinct_stages(model, deg.pp, job.virtual_stages, job.pipeline_layout)
-    return stage_memory(model, deg, job, max(stages, key=lambda s: _stage_total(model, deg, job, s)))
+    return max(stages, key=lambda s: _stage_total(model, deg, job, s))

@@ -118,8 +118,8 @@ class Job(ParallelConfig):
             raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
         rules.fp8_recipe_needs_fp8(self.fp8_recipe, self.fp8)
         if self.fp8_cached_activations and not (self.fp8 and self.fp8_recipe == "blockwise"):
-            raise ValueError("fp8_cached_activations=True needs fp8=True with fp8_recipe='blockwise': the cached "
-                             "tensors keep one scale per 1 x 128 tile")
+            raise ValueError("fp8_cached_activations=True needs fp8=True with fp8_recipe='blockwise' (--fp8 "
+                             "--fp8-recipe blockwise): the cached tensors keep one scale per 1 x 128 tile")
         dispatcher = DISPATCHERS[self.dispatcher]
         rules.reserved_sms_need_node_dispatch(self.ep_comm_sms_reserved, self.dispatcher, dispatcher.node_aware)
         if self.ep_comm_sms < 2 or self.ep_comm_sms % 2:
@@ -330,7 +330,7 @@ def _validate_recompute_modules(model: ModelSpec, job: Job) -> None:
     if recast:
         raise ValueError(f"recompute_modules={recast} under fp8_recipe='delayed': the GEMM after the replayed "
                          "module would keep its FP8 cast, which delayed scaling cannot replace by the 16-bit "
-                         "input; use fp8_recipe='blockwise' or leave them out")
+                         "input; use fp8_recipe='blockwise' (--fp8-recipe blockwise) or leave them out")
 
 
 _MODULE_NAMES = {"layernorm": "norm outside a fused GEMM (neither MLA nor experts)",
