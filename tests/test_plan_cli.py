@@ -515,6 +515,9 @@ def test_presets_lists_every_preset_file(capsys):
     assert run(["presets"]) == 0
     text = capsys.readouterr().out
     assert all(name in text for name in files["models"] + files["gpus"])
+    # Counts below a billion in millions (small-moe: 4,473,344 parameters), above in billions.
+    small = next(m for m in data["plan_models"] if m["name"] == "small-moe")
+    assert f"{small['params'] / 1e6:.1f}M params" in text and "671.0B params" in text
 
 
 def _with_and_without(capsys, argv: list[str], flag: str) -> tuple[dict, dict]:

@@ -52,11 +52,16 @@ def run_presets(args: argparse.Namespace) -> int:
         print(f"  {m['name']:<16} {m['params'] / 1e6:8.2f}M params, {m['layers']} layers, hidden {m['hidden']}{moe}")
     print("estimate / plan --model:")
     for m in table["plan_models"]:
-        active = f" ({m['active_params'] / 1e9:.1f}B active)" if m.get("kind") == "moe" else ""
-        print(f"  {m['name']:<16} {m['params'] / 1e9:8.1f}B params{active}, {m['kind']}")
+        active = f" ({_count(m['active_params'])} active)" if m.get("kind") == "moe" else ""
+        print(f"  {m['name']:<16} {_count(m['params']):>9} params{active}, {m['kind']}")
     print("estimate / plan --gpu:")
     for g in table["gpus"]:
         fp8 = f", fp8 {g['fp8_tflops']:g}" if g["fp8_tflops"] else ""
         print(f"  {g['name']:<16} bf16 {g['bf16_tflops']:g} TFLOP/s{fp8}, {g['memory_gib']:g} GiB, "
               f"{g['gpus_per_node']} per node, NIC {g['nic_gbps']:g} Gbit/s")
     return 0
+
+
+def _count(params: int) -> str:
+    """A parameter count in billions, or in millions below one billion (tiny presets would print 0.0B)."""
+    return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
