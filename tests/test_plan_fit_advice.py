@@ -75,6 +75,19 @@ DEEPSEEK = ["estimate", "--model", "deepseek-v3", "--gpu", "h800", "--pp", "16",
             "--fp8-recipe", "blockwise", "--pipeline-layout", "4x15,1"]
 
 
+def test_delayed_fp8_is_offered_the_blockwise_recipe_with_every_module(capsys) -> None:
+    """Under delayed scaling the norms' and the experts' activation replays cannot run: the advice replays the
+    others, and offers the blockwise recipe with all four, priced as `estimate` prices it."""
+    delayed = [arg for arg in DEEPSEEK if arg not in ("--fp8-recipe", "blockwise")]
+    assert cli.main(delayed) == 0
+    err = capsys.readouterr().err
+    advice = dict(line.strip().split(": ", 1) for line in err.splitlines() if line.startswith("  --"))
+    change = "--fp8-recipe blockwise --recompute-modules layernorm,mla_up_proj,mlp,moe_act"
+    assert not any("--recompute-modules layernorm" in flags for flags in advice if "blockwise" not in flags)
+    assert list(advice)[0] == change
+    assert advice[change] == _suggestions(capsys)[change.removeprefix("--fp8-recipe blockwise ")]
+
+
 def _suggestions(capsys, *flags: str) -> dict[str, str]:
     assert cli.main([*DEEPSEEK, *flags]) == 0
     err = capsys.readouterr().err

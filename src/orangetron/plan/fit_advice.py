@@ -68,10 +68,13 @@ def _moves(model: ModelSpec, deg: Degrees, job: Job, gpus_per_node: int) -> list
     recompute = [keep]
     if job.recompute == "none" and job.attention_kernel == "eager":
         recompute.append(("--recompute selective", lambda d, j: (d, replace(j, recompute="selective"))))
-    modules = replayable_modules(model, job)
+    modules, every = replayable_modules(model, job), replayable_modules(model)
     if job.recompute != "full" and set(modules) - set(job.recompute_modules):
         recompute.append((f"--recompute-modules {','.join(modules)}",
                           lambda d, j: (d, replace(j, recompute_modules=modules))))
+    if job.recompute != "full" and set(every) - set(modules):  # what delayed FP8 scaling cannot replay
+        recompute.append((f"--fp8-recipe blockwise --recompute-modules {','.join(every)}",
+                          lambda d, j: (d, replace(j, fp8_recipe="blockwise", recompute_modules=every))))
     if job.recompute != "full" or job.recompute_layers:
         # Full recompute replays every module: it replaces a module list
         flag = "--recompute full" + (" (no --recompute-modules)" if job.recompute_modules else "")
