@@ -306,6 +306,9 @@ def test_estimate_prints_and_round_trips_the_modules(capsys):
     replayed = json.loads(capsys.readouterr().out)
     assert replayed["job"]["recompute_modules"] == ["layernorm", "mla_up_proj"]
     assert Job.from_json(replayed["job"]).recompute_modules == ("layernorm", "mla_up_proj")
+    # Megatron's own spelling, space-separated, is the same job.
+    assert run(args + ["--recompute-modules", "mla_up_proj", "layernorm", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == replayed
     assert run(args + ["--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["job"]["recompute_modules"] == []

@@ -64,8 +64,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--recompute-layers", type=int, default=0, metavar="N",
                      help="--recompute full: replay only the first N layers of each pipeline chunk (Megatron's "
                           "block method; planner only); 0: every layer")
-    est.add_argument("--recompute-modules", type=_names, default=(), metavar="M[,M...]",
-                     help=f"replay these comma-separated modules in backward instead of keeping their outputs "
+    est.add_argument("--recompute-modules", type=_names, nargs="+", default=[()], metavar="M[,M...]",
+                     help=f"replay these modules (comma- or space-separated) in backward instead of keeping their "
+                          f"outputs "
                           f"(planner only; Megatron-Core's --recompute-modules): {', '.join(RECOMPUTE_MODULES)}; "
                           "not with --recompute full; under --fp8, layernorm and moe_act need --fp8-recipe "
                           "blockwise")
@@ -316,7 +317,8 @@ def _planner_only(args: argparse.Namespace) -> dict[str, object]:
             "grad_accumulation_fusion": args.grad_accumulation_fusion, "overlap_ep": not args.no_overlap_ep,
             "overlap_grad_reduce": not args.no_overlap_grad_reduce, "pipeline_layout": args.pipeline_layout,
             "ep_comm_sms": args.ep_comm_sms, "ep_comm_sms_reserved": args.ep_comm_sms_reserved,
-            "doc_lengths": args.doc_lengths, "recompute_modules": args.recompute_modules,
+            "doc_lengths": args.doc_lengths,
+            "recompute_modules": tuple(name for names in args.recompute_modules for name in names),
             "fp8_cached_activations": args.fp8_cached_activations}
 
 
