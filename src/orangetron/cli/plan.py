@@ -421,10 +421,14 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: int, rows: int) -> str:
     layout = args.pipeline_layout and ", layers per virtual stage " + ",".join(map(str, args.pipeline_layout))
-    cached = ", cached activations" if args.fp8_cached_activations else ""
-    fp8 = f", fp8 ({args.fp8_recipe}{cached})" if args.fp8 else ""
+    fp8 = f", fp8 ({_fp8_recipe(args.fp8_recipe, args.fp8_cached_activations)})" if args.fp8 else ""
     return (f"{model} on {args.gpus} x {gpu}, seq {args.seq}, global batch {global_batch} sequences, "
             f"{args.param_dtype}{fp8}{layout or ''}: the {rows} fastest layouts that fit")
+
+
+def _fp8_recipe(recipe: str, cached_activations: bool) -> str:
+    """The FP8 recipe as `estimate` and `plan` print it."""
+    return recipe + (", cached activations" if cached_activations else "")
 
 
 # Planner-only options that price a framework's own path (docs/planner.md, section 3, 'Framework paths')
@@ -435,8 +439,8 @@ _FRAMEWORK_PATHS = ("grad_accumulation_fusion", "tp_sum_with_reduction", "accumu
 def _options_line(est: Estimate) -> str:
     """The options priced besides the degrees, in the words of the plan table and the flags."""
     d, j = est.degrees, est.job
-    cached = ", cached activations" if j.fp8_cached_activations else ""
-    parts = [_sharding(j), j.param_dtype + (f" with fp8 ({j.fp8_recipe}{cached})" if j.fp8 else ""),
+    fp8 = f" with fp8 ({_fp8_recipe(j.fp8_recipe, j.fp8_cached_activations)})" if j.fp8 else ""
+    parts = [_sharding(j), j.param_dtype + fp8,
              f"attention {j.attention_kernel}", f"recompute {_recompute(j)}"]
     if j.reduce_dtype and j.reduce_dtype != j.param_dtype:
         parts.append(f"reduce in {j.reduce_dtype}")

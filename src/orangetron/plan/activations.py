@@ -72,6 +72,10 @@ class LayerShape:
         """Bytes of the fp32 tile scales a saved FP8 GEMM input of `elements` keeps (blockwise recipe)."""
         return 4 * elements // ACTIVATION_TILE if self.tiled else 0
 
+    def gemm_input(self, elements: int) -> int:
+        """Bytes a GEMM keeps of an input of `elements`: the cast it read (or the 16-bit tensor) and its scales."""
+        return self.g * elements + self.tile_scales(elements)
+
 
 def layer_shape(deg: Degrees, job: Job) -> LayerShape:
     return LayerShape(job.seq_len // deg.cp, job.seq_len, job.micro_batch, deg.tp,
@@ -94,7 +98,7 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     sb, h, a = x.s * x.b, m.hidden_size, x.a
     heads, kv = _heads(m.num_heads, x.t), _heads(m.kv_heads, x.t)
     # The QKV projection's input; under FP8 MLA's two projections of the hidden state keep a cast each.
-    total = (2 if m.kv_lora_rank and x.g < a else 1) * (x.g * sb * h // x.rep + x.tile_scales(sb * h // x.rep))
+    total = (2 if m.kv_lora_rank and x.g < a else 1) * x.gemm_input(sb * h // x.rep)
     total += a * sb * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)  # Q, K, V
     if m.kv_lora_rank:  # MLA: its latent norms' inputs and its up-projections' inputs
         total += a * sb * (m.q_lora_rank + m.kv_lora_rank) // x.rep + _mla_up_input_bytes(m, x)
@@ -105,7 +109,7 @@ def attention_bytes(m: ModelSpec, x: LayerShape, job: Job) -> int:
     if x.cached and fused:  # one 12-bit copy and its tile scales serve the kernel's backward and the projection's
         total += 3 * out // 2 + x.tile_scales(out)
     else:
-        total += x.g * out + x.tile_scales(out)  # attention output = output-projection input
+        total += x.gemm_input(out)  # attention output = output-projection input
     if x.g < a and fused and not x.cached:
         total += a * out  # under FP8 the fused kernel keeps its 16-bit output besides the projection's FP8 copy
     if m.dropout:
@@ -130,7 +134,7 @@ def _mla_up_input_bytes(m: ModelSpec, x: LayerShape) -> int:
     down-projections run on the rank's part of the sequence, and the up-projections gather their input again
     in backward (Transformer Engine's LayerNormLinear), so a rank keeps its part."""
     latents = x.s * x.b * (m.q_lora_rank + m.kv_lora_rank) // x.rep
-    return x.g * latents + x.tile_scales(latents)
+    return x.gemm_input(latents)
 
 
 def mlp_bytes(m: ModelSpec, x: LayerShape, ffn: int, tokens: int | None = None, shard_h: bool = True,
@@ -139,9 +143,8 @@ def mlp_bytes(m: ModelSpec, x: LayerShape, ffn: int, tokens: int | None = None, 
     layer's, whose SwiGLU inputs `x.cached` keeps as FP8 casts."""
     rows = x.s * x.b if tokens is None else tokens
     f = ffn // (x.t if split is None else split)
-    inp = x.g * rows * m.hidden_size // (x.rep if shard_h else 1)
-    inp += x.tile_scales(rows * m.hidden_size // (x.rep if shard_h else 1))
-    cast = x.g * rows * f + x.tile_scales(rows * f)  # the product (the down projection's input), as kept
+    inp = x.gemm_input(rows * m.hidden_size // (x.rep if shard_h else 1))
+    cast = x.gemm_input(rows * f)  # the product (the down projection's input), as kept
     if in_moe and x.cached and m.mlp == "swiglu":
         return inp + 3 * cast  # gate and up kept as casts too
     # Gate and up (16-bit) and their product, or fc1's output and the GeLU output.
@@ -239,7 +242,7 @@ def module_replay_bytes(m: ModelSpec, x: LayerShape, job: Job, moe: bool, etp: i
     activation output, the down projection's input (its cast under FP8)."""
     modules = job.recompute_modules
     hidden = x.s * x.b * m.hidden_size // x.rep
-    cast = x.g * hidden + x.tile_scales(hidden)  # a GEMM's saved input of the hidden width
+    cast = x.gemm_input(hidden)  # a GEMM's saved input of the hidden width
     fp8 = x.g < x.a
     freed = back = 0
     if "layernorm" in modules and m.kv_lora_rank:
@@ -257,7 +260,7 @@ def module_replay_bytes(m: ModelSpec, x: LayerShape, job: Job, moe: bool, etp: i
         freed += mlp_bytes(m, x, m.ffn_hidden_size)
     if "moe_act" in modules and moe:
         activation = _routed_rows(m, x, job, etp) * (m.moe_ffn_hidden_size // etp)
-        freed += x.g * activation + x.tile_scales(activation)
+        freed += x.gemm_input(activation)
         back += x.a * activation if fp8 else 0
     return freed, back
 
@@ -346,7 +349,7 @@ def _mtp_layer_bytes(m: ModelSpec, deg: Degrees, job: Job) -> tuple[int, int]:
     sb, h = x.s * x.b, m.hidden_size
     layer = layer_activation_bytes(m, deg, job.layer_job(False), m.is_moe_layer(m.mtp_layer_index))
     proj_in = 2 * sb * h // x.rep
-    return layer, x.g * proj_in + x.tile_scales(proj_in) + 2 * x.a * sb * h // x.rep
+    return layer, x.gemm_input(proj_in) + 2 * x.a * sb * h // x.rep
 
 
 def _zero_bubble_layers_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: Sequence[int]) -> int:

@@ -307,8 +307,8 @@ def replayable_modules(model: ModelSpec, job: Job | None = None) -> tuple[str, .
     into the GEMM after them), MLA's up-projections, a dense layer's MLP, routed experts' activation."""
     present = {"layernorm": model.kv_lora_rank > 0 or model.is_moe, "mla_up_proj": model.kv_lora_rank > 0,
                "mlp": model.num_layers > model.num_moe_layers, "moe_act": model.is_moe}
-    names = tuple(name for name in RECOMPUTE_MODULES if present[name])
-    return tuple(name for name in names if job is None or name not in _recast_under_delayed(job, names))
+    refused = _recast_under_delayed(job, RECOMPUTE_MODULES) if job else []
+    return tuple(name for name in RECOMPUTE_MODULES if present[name] and name not in refused)
 
 
 def _recast_under_delayed(job: Job, names: Sequence[str]) -> list[str]:
