@@ -148,6 +148,10 @@ def test_drop_policy_and_reduce_dtype_are_flags_that_reach_the_runtime_and_its_r
     ("steps = [\n", "not a TOML file"),
     ("[steps]\nx = 1\n", "a table"),
     ("[train]\nsteps = 1\n", "unknown table [train]; options go at the top of the file"),
+    # A key only the planner prices names the planner's flag instead of a near miss among the trainer's keys.
+    ("fp8 = true\n", "unknown key 'fp8': a planner option (`orangetron estimate --fp8`), which the trainer"),
+    ("recompute-modules = [\"mlp\"]\n", "unknown key 'recompute-modules': a planner option (`orangetron "
+                                          "estimate --recompute-modules`)"),
 ])
 def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, capsys, text: str, needle: str) -> None:
     path = tmp_path / "bad.toml"

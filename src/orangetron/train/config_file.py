@@ -60,12 +60,35 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
         if key not in keys and isinstance(value, dict):
             raise ValueError(f"--config {path}: unknown table [{raw_key}]; options go at the top of the file")
         if key not in keys:
-            close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(keys))}"
-            raise ValueError(f"--config {path}: unknown key {raw_key!r}{hint}")
+            raise ValueError(f"--config {path}: unknown key {raw_key!r}{_unknown_key_hint(key, keys)}")
         action = keys[key]
         defaults[action.dest] = _checked(path, raw_key, value, action)
     return defaults
+
+
+def _unknown_key_hint(key: str, keys: dict[str, argparse.Action]) -> str:
+    """Why `key` is refused: an option only the planner prices (its flag named), else the closest valid key."""
+    planner_flag = _planner_flags().get(key)
+    if planner_flag:
+        return f": a planner option (`orangetron estimate {planner_flag}`), which the trainer does not run"
+    close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(keys))}"
+
+
+def _planner_flags() -> dict[str, str]:
+    """`estimate`'s flag for each field of the planner's job that is not one of the trainer's options, by key."""
+    import dataclasses
+
+    from orangetron.cli.plan import add_plan_commands
+    from orangetron.spec.options import Job
+    from orangetron.spec.parallel_config import ParallelConfig
+
+    parser = argparse.ArgumentParser()
+    add_plan_commands(parser.add_subparsers())
+    estimate = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["estimate"]
+    flags = {key: action.option_strings[0] for key, action in _keys(estimate).items()}
+    planner_only = {f.name for f in dataclasses.fields(Job)} - {f.name for f in dataclasses.fields(ParallelConfig)}
+    return {key: flags[key] for key in planner_only if key in flags}
 
 
 def _model_table(path: str, table: dict[str, Any]) -> Any:
