@@ -169,7 +169,7 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_requi
                         "Triton; eager: stored scores")
     p.add_argument("--fp8", action="store_true",
                    help="FP8 linear layers: FP8 GEMM peak, FP8 weight copies and scale tensors")
-    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help="with --fp8: delayed (the default: per-tensor scales from an amax history, Transformer "
                         "Engine) or "
                         "blockwise (1x128 activation tiles, 128x128 weight blocks, DeepSeek-V3)")
@@ -311,7 +311,7 @@ def _job(args: argparse.Namespace) -> Job:
 def _planner_only(args: argparse.Namespace) -> dict[str, object]:
     """The job's planner-only options (the runtime has none of them), from the flags: `estimate --config` takes
     these from its command line, and every other option from the file."""
-    return {"attention_kernel": args.attention_kernel, "fp8": args.fp8, "fp8_recipe": args.fp8_recipe,
+    return {"attention_kernel": args.attention_kernel, "fp8": args.fp8, "fp8_recipe": _recipe_flag(args),
             "optimizer_state_dtype": args.optimizer_state_dtype, "tp_sum_with_reduction": args.tp_sum_with_reduction,
             "accumulate_in_reduce_dtype": args.accumulate_in_reduce_dtype, "eager_fp32_loss": args.eager_fp32_loss,
             "grad_accumulation_fusion": args.grad_accumulation_fusion, "overlap_ep": not args.no_overlap_ep,
@@ -320,6 +320,13 @@ def _planner_only(args: argparse.Namespace) -> dict[str, object]:
             "doc_lengths": args.doc_lengths,
             "recompute_modules": tuple(name for names in args.recompute_modules for name in names),
             "fp8_cached_activations": args.fp8_cached_activations}
+
+
+def _recipe_flag(args: argparse.Namespace) -> str:
+    """The FP8 recipe asked for ("delayed" when none was); a recipe given without --fp8 would price nothing."""
+    if args.fp8_recipe is not None and not args.fp8:
+        raise ValueError(f"--fp8-recipe {args.fp8_recipe} needs --fp8")
+    return args.fp8_recipe or "delayed"
 
 
 def format_estimate(est: Estimate) -> str:
@@ -366,7 +373,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     global_batch = args.global_batch or args.gpus
     base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8,
-               fp8_recipe=args.fp8_recipe, fp8_cached_activations=args.fp8_cached_activations,
+               fp8_recipe=_recipe_flag(args), fp8_cached_activations=args.fp8_cached_activations,
                dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms,
                ep_comm_sms_reserved=args.ep_comm_sms_reserved, pipeline_layout=args.pipeline_layout)
     if args.fp8:
@@ -421,7 +428,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: int, rows: int) -> str:
     layout = args.pipeline_layout and ", layers per virtual stage " + ",".join(map(str, args.pipeline_layout))
-    fp8 = f", fp8 ({_fp8_recipe(args.fp8_recipe, args.fp8_cached_activations)})" if args.fp8 else ""
+    fp8 = f", fp8 ({_fp8_recipe(_recipe_flag(args), args.fp8_cached_activations)})" if args.fp8 else ""
     return (f"{model} on {args.gpus} x {gpu}, seq {args.seq}, global batch {global_batch} sequences, "
             f"{args.param_dtype}{fp8}{layout or ''}: the {rows} fastest layouts that fit")
 
