@@ -562,12 +562,17 @@ def test_fp8_recipe_flag_in_estimate_and_plan(capsys):
     copies = delayed["memory_bytes"]["fp8"] - 32 * 4 * 3 * 1026 * 4
     assert blockwise["memory_bytes"]["fp8"] == copies + 2 * 4 * -(-(copies // 2) // (128 * 128))
     assert blockwise["memory_bytes"]["activations"] > delayed["memory_bytes"]["activations"]
+    assert run([*argv, "--fp8-recipe", "current"]) == 0
+    current = last_json(capsys)
+    # Current scaling keeps one amax per operand where delayed scaling keeps a history of 1024.
+    assert current["job"]["fp8_recipe"] == "current"
+    assert delayed["memory_bytes"]["fp8"] - current["memory_bytes"]["fp8"] == 32 * 4 * 3 * 1023 * 4
     # A recipe without --fp8 would price nothing, the default recipe included.
     for recipe in ("blockwise", "delayed"):
         assert run(argv[:-1] + ["--fp8-recipe", recipe]) == 2
-        assert f"--fp8-recipe {recipe} needs --fp8" in capsys.readouterr().err
+        assert f"fp8_recipe='{recipe}' needs fp8=True" in capsys.readouterr().err
     assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--fp8-recipe", "delayed"]) == 2
-    assert "--fp8-recipe delayed needs --fp8" in capsys.readouterr().err
+    assert "fp8_recipe='delayed' needs fp8=True" in capsys.readouterr().err
     assert run(["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "64", "--fp8",
                 "--fp8-recipe", "blockwise", "--top", "2", "--json"]) == 0
     assert all(e["job"]["fp8_recipe"] == "blockwise" for e in last_json(capsys)["ranked"])

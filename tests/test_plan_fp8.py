@@ -23,6 +23,35 @@ def test_fp8_weight_copies_and_scales_by_hand():
     assert fp8_memory_bytes(tiny(), Degrees(), Job(seq_len=64, fp8=True)) == 2 * linear_like + scales
 
 
+def test_current_scaling_keeps_one_amax_per_operand_and_no_history():
+    # As above, with per operand a scale, a scale inverse and the one amax taken before each cast.
+    linear_like = 82176 + 64
+    scales = 2 * 4 * 3 * 3 * 4
+    job = Job(seq_len=64, fp8=True, fp8_recipe="current")
+    assert fp8_memory_bytes(tiny(), Degrees(), job) == 2 * linear_like + scales
+
+
+def test_current_scaling_reads_each_cast_input_once_more_for_its_amax():
+    """128 tokens of the tiny dense layer: the casts' inputs are QKV's and the up projection's (64 columns each),
+    the output projection's (4 heads x 16 = 64) and the down projection's (128); current scaling reads each once
+    more (2 bytes) for its amax before the cast, at the elementwise share of HBM bandwidth. Saved activations
+    are the same casts as under delayed scaling."""
+    import pytest
+
+    from orangetron.plan.activations import layer_activation_bytes
+    from orangetron.plan.timing import DEFAULT_EFFICIENCY, layer_cost
+    from orangetron.spec.hardware import load_gpu, make_cluster
+
+    cluster = make_cluster(load_gpu("h100"), 1)
+    delayed, current = Job(seq_len=128, fp8=True), Job(seq_len=128, fp8=True, fp8_recipe="current")
+    extra = layer_cost(tiny(), Degrees(), current, cluster, False).elementwise - \
+        layer_cost(tiny(), Degrees(), delayed, cluster, False).elementwise
+    bandwidth = cluster.gpu.memory_bw_gbs * 1e9 * DEFAULT_EFFICIENCY.elementwise_bw
+    assert extra == pytest.approx(2 * 128 * (64 + 64 + 64 + 128) / bandwidth, rel=1e-12)
+    assert layer_activation_bytes(tiny(), Degrees(), current, False) == \
+        layer_activation_bytes(tiny(), Degrees(), delayed, False)
+
+
 def test_fp8_head_stays_16_bit_on_the_last_stage_only():
     # pp = 2: stage 0 holds layer 0 (41088) and the embedding (a lookup, excluded); stage 1 holds layer 1, the
     # final norm (64) and the head (6400, excluded). Untied, the head is its own weight; tied on a separate

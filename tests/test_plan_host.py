@@ -20,6 +20,11 @@ def test_operations_by_hand():
     deg = Degrees(dp=8, ep=8)
     assert host.layer_ops(QWEN, deg, Job(seq_len=4096)) == (36 + 16 * 2, 72 + 16 * 4)
     assert host.layer_ops(QWEN, deg, Job(seq_len=4096, fp8=True)) == (36 + 16 * 4, 72 + 16 * 6)
+    # A blockwise cast is one kernel too; current scaling issues three per cast (amax, scale, cast).
+    assert host.layer_ops(QWEN, deg, Job(seq_len=4096, fp8=True, fp8_recipe="blockwise")) == \
+        (36 + 16 * 4, 72 + 16 * 6)
+    assert host.layer_ops(QWEN, deg, Job(seq_len=4096, fp8=True, fp8_recipe="current")) == \
+        (36 + 16 * 2 * (1 + 3), 72 + 16 * 2 * (2 + 3))
     # Chunked dispatch runs each chunk's experts as their own GEMMs; ep 1 holds every expert.
     assert host.layer_ops(QWEN, deg, Job(seq_len=4096, ep_overlap_chunks=2)) == (36 + 32 * 2, 72 + 32 * 4)
     assert host.layer_ops(QWEN, Degrees(dp=8), Job(seq_len=4096)) == (36 + 128 * 2, 72 + 128 * 4)

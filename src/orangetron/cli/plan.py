@@ -20,6 +20,7 @@ from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_ove
 from orangetron.plan.params import tp_sums_first
 from orangetron.plan.search import SearchSpace, divisors, search
 from orangetron.plan.traffic import reduce_rounds
+from orangetron.spec import rules
 from orangetron.spec.categories import TRANSIENT
 from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
@@ -171,8 +172,9 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_requi
                    help="FP8 linear layers: FP8 GEMM peak, FP8 weight copies and scale tensors")
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help="with --fp8: delayed (the default: per-tensor scales from an amax history, Transformer "
-                        "Engine) or "
-                        "blockwise (1x128 activation tiles, 128x128 weight blocks, DeepSeek-V3)")
+                        "Engine), current (per-tensor scales from each tensor's own amax, Megatron's FP8-CS) or "
+                        "blockwise (1x128 activation tiles, 128x128 weight blocks, DeepSeek-V3; Blackwell's MXFP8 "
+                        "is priced as it)")
     p.add_argument("--fp8-cached-activations", action="store_true",
                    help="with --fp8 --fp8-recipe blockwise: DeepSeek-V3's low-precision activations, the attention "
                         "output kept once in 12 bits and a MoE layer's SwiGLU inputs in FP8")
@@ -324,8 +326,8 @@ def _planner_only(args: argparse.Namespace) -> dict[str, object]:
 
 def _recipe_flag(args: argparse.Namespace) -> str:
     """The FP8 recipe asked for ("delayed" when none was); a recipe given without --fp8 would price nothing."""
-    if args.fp8_recipe is not None and not args.fp8:
-        raise ValueError(f"--fp8-recipe {args.fp8_recipe} needs --fp8")
+    if args.fp8_recipe is not None:
+        rules.fp8_recipe_needs_fp8(args.fp8_recipe, args.fp8, asked=True)
     return args.fp8_recipe or "delayed"
 
 

@@ -11,9 +11,11 @@ head in BF16, arXiv:2412.19437 section 3.3.1). Memory adds, per GPU:
   FP8 tensor-core GEMMs read both operands K-major, so dgrad needs the transposed copy under either recipe);
 - the scale tensors. `delayed` (`Job.fp8_recipe`, Transformer Engine's default): per GEMM operand one fp32
   scale, one scale inverse and an amax history of `AMAX_HISTORY` fp32 values (three operands per GEMM, four
-  linear layers per dense layer). `blockwise` (DeepSeek-V3, arXiv:2412.19437 section 3.3.2): one fp32 scale per
-  128 x 128 block of each weight copy, computed online, so no history (exact when weight dimensions are
-  multiples of 128, as in every shipped preset).
+  linear layers per dense layer). `current` (Transformer Engine's Float8CurrentScaling): per operand a scale, a
+  scale inverse and the one amax it takes from the tensor before each cast, no history. `blockwise`
+  (DeepSeek-V3, arXiv:2412.19437 section 3.3.2): one fp32 scale per 128 x 128 block of each weight copy,
+  computed online, so no history (exact when weight dimensions are multiples of 128, as in every shipped
+  preset).
 Saved activations: every linear layer keeps the FP8 cast of its input (1 byte per element) instead of the
 16-bit tensor, as Transformer Engine does, plus under `blockwise` one fp32 scale per 1 x 128 tile
 (`activations.py`); the gradients, reductions and optimizer are unchanged.
@@ -45,5 +47,6 @@ def fp8_memory_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -
     if job.fp8_recipe == "blockwise":
         return 2 * params + 2 * 4 * -(-params // WEIGHT_BLOCK)  # both copies, one fp32 scale per block
     layers = len(stage_layers(model.num_layers, deg.pp, job.virtual_stages, stage, job.pipeline_layout))
-    scales = layers * GEMMS_PER_LAYER * 3 * (2 + AMAX_HISTORY) * 4
+    per_operand = 2 + (1 if job.fp8_recipe == "current" else AMAX_HISTORY)
+    scales = layers * GEMMS_PER_LAYER * 3 * per_operand * 4
     return 2 * params + scales

@@ -15,11 +15,11 @@ of alike layers takes the longer of the two sums.
 Counted per MoE layer and micro-batch on one GPU (`layer_ops`), forward: `FORWARD_OPS`, the operations that do
 not repeat per expert, as Megatron-Core issues them with Transformer Engine, the all-to-all dispatcher and the
 unfused permutation (`moe_utils.permute` / `unpermute`); plus, per local expert, `EXPERT_GEMMS` GEMMs (up and
-down projection) and one FP8 cast of each GEMM input. Backward: `BACKWARD_OPS_RATIO` times the forward's shared
-operations (an autograd node launches about one kernel per input gradient), and per local expert a dgrad and a
-wgrad per projection, plus an FP8 cast of each output gradient. Full recompute issues the forward again during
-backward, a replayed module its own operations (`REPLAY_OPS`). `ep_overlap_chunks` runs each chunk's experts as
-their own GEMMs, so the per-expert operations repeat per chunk.
+down projection) and an FP8 cast of each GEMM input (`CAST_OPS` operations, by recipe). Backward:
+`BACKWARD_OPS_RATIO` times the forward's shared operations (an autograd node launches about one kernel per input
+gradient), and per local expert a dgrad and a wgrad per projection, plus an FP8 cast of each output gradient.
+Full recompute issues the forward again during backward, a replayed module its own operations (`REPLAY_OPS`).
+`ep_overlap_chunks` runs each chunk's experts as their own GEMMs, so the per-expert operations repeat per chunk.
 """
 
 from __future__ import annotations
@@ -43,13 +43,18 @@ EXPERT_GEMMS = 2  # up (gate and up fused) and down projection per expert
 # (a norm kernel each), RoPE on q and on k and their two concatenations; the experts' activation over the grouped
 # rows; a dense MLP replays in dense layers only, which nothing paces
 REPLAY_OPS = {"layernorm": 1, "mla_up_proj": 8, "mlp": 0, "moe_act": 1}
+# Operations one FP8 cast issues, by recipe (`Job.fp8_recipe`): a fused cast (delayed scaling takes the amax its
+# cast kernel records for the next step; a blockwise cast computes each tile's scale in the kernel); current
+# scaling computes the tensor's amax, then its scale, then casts (Transformer Engine's
+# Float8CurrentScalingQuantizer: nvte_compute_amax, nvte_compute_scale_from_amax, nvte_quantize)
+CAST_OPS = {"delayed": 1, "current": 3, "blockwise": 1}
 
 
 def layer_ops(model: ModelSpec, deg: Degrees, job: Job) -> tuple[int, int]:
     """(forward, backward) host-issued operations of one MoE layer for one micro-batch on one GPU, recompute
     excluded."""
     experts = max(1, model.num_experts // deg.ep) * job.ep_overlap_chunks
-    cast = 1 if job.fp8 else 0  # per GEMM input (forward) and per output gradient (backward)
+    cast = CAST_OPS[job.fp8_recipe] if job.fp8 else 0  # per GEMM input (forward) and output gradient (backward)
     forward = LAYER_FORWARD_OPS + experts * EXPERT_GEMMS * (1 + cast)
     backward = BACKWARD_OPS_RATIO * LAYER_FORWARD_OPS + experts * EXPERT_GEMMS * (2 + cast)
     return forward, backward

@@ -361,8 +361,10 @@ def _elementwise_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster
     nbytes = job.param_bytes * rows * (14 * h / rep + 3 * ffn / t + (4 * h / rep if model.dropout else 0))
     if job.fp8:
         # Each GEMM input is cast to FP8 (read 16-bit, write 8-bit and its transpose for wgrad), with an amax
-        # reduction per tensor: QKV, output, up and down inputs.
-        nbytes += 4 * rows * (h + model.num_heads * model.v_dim / t + h + ffn / t)
+        # reduction per tensor: QKV, output, up and down inputs. Current scaling first reads the input once more
+        # for its amax (Transformer Engine's compute_amax kernel, before the cast that needs the scale).
+        per_element = 4 + (job.param_bytes if job.fp8_recipe == "current" else 0)
+        nbytes += per_element * rows * (h + model.num_heads * model.v_dim / t + h + ffn / t)
     if job.attention_kernel == "eager":
         # Softmax (read scores, write probabilities) and dropout (read, write, 1-byte mask) on [s, s] per head.
         scores = job.micro_batch * (model.num_heads // t) * s_local * job.seq_len

@@ -20,9 +20,11 @@ from orangetron.spec.parallel_config import DTYPE_BYTES, ParallelConfig, check_c
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
 ATTENTION_KERNELS = ("flash", "flash2", "flash-triton", "eager")
-# "delayed": Transformer Engine's per-tensor scales from an amax history; "blockwise": DeepSeek-V3's fine-grained
-# scales, one per 1 x 128 activation tile and per 128 x 128 weight block (arXiv:2412.19437 section 3.3.2)
-FP8_RECIPES = ("delayed", "blockwise")
+# "delayed": Transformer Engine's per-tensor scales from an amax history; "current": per-tensor scales from each
+# tensor's own amax, taken just before its cast (Transformer Engine's Float8CurrentScaling, Megatron's "FP8-CS");
+# "blockwise": DeepSeek-V3's fine-grained scales, one per 1 x 128 activation tile and per 128 x 128 weight block
+# (arXiv:2412.19437 section 3.3.2; also how Blackwell's MXFP8, 1 x 32 tiles, is priced: plan/fp8.py)
+FP8_RECIPES = ("delayed", "current", "blockwise")
 # Modules whose forward replays in backward from their input instead of keeping their outputs (Megatron-Core's
 # --recompute-modules, beside `recompute="selective"`, its "core_attn"): "layernorm" the outputs of the norms
 # that stand alone (MLA's input norm, a MoE layer's pre-MLP norm),

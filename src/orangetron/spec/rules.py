@@ -141,8 +141,9 @@ def recompute_layers_need_full(recompute_layers: int, recompute: str) -> None:
         _fail(f"recompute_layers={recompute_layers} needs recompute='full', not {recompute!r}")
 
 
-def fp8_recipe_needs_fp8(recipe: str, fp8: bool) -> None:
-    if recipe != "delayed" and not fp8:
+def fp8_recipe_needs_fp8(recipe: str, fp8: bool, asked: bool = False) -> None:
+    """A recipe prices nothing without FP8: the default one too, when it was asked for (`asked`)."""
+    if (recipe != "delayed" or asked) and not fp8:
         _fail(f"fp8_recipe={recipe!r} needs fp8=True")
 
 
