@@ -83,10 +83,9 @@ def _planner_flags() -> dict[str, str]:
     from orangetron.spec.options import Job
     from orangetron.spec.parallel_config import ParallelConfig
 
-    parser = argparse.ArgumentParser()
-    add_plan_commands(parser.add_subparsers())
-    estimate = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["estimate"]
-    flags = {key: action.option_strings[0] for key, action in _keys(estimate).items()}
+    commands = argparse.ArgumentParser().add_subparsers()
+    add_plan_commands(commands)
+    flags = {key: action.option_strings[0] for key, action in _keys(commands.choices["estimate"]).items()}
     planner_only = {f.name for f in dataclasses.fields(Job)} - {f.name for f in dataclasses.fields(ParallelConfig)}
     return {key: flags[key] for key in planner_only if key in flags}
 
