@@ -254,3 +254,25 @@ def test_the_embedded_corpus_changed_on_resume_is_refused_with_a_hint_that_appli
     code, _, err = _train(capsys, "--out", str(run), "--resume", "--corpus-bytes", "60000")
     assert code == 2 and "differs from the run's record" in err and "give the recorded --corpus-bytes" in err
     assert "--new-data" not in err  # no --data names the embedded corpus
+
+
+def test_help_refusal_and_docs_name_every_option_a_resume_may_change(capsys) -> None:
+    """The list a user reads (train --help, the refusal, docs/training.md) names each non-layout option the
+    resume check lets change: a flag added to CHANGEABLE_ON_RESUME and not to the text, or the reverse, fails."""
+    from orangetron.spec.layout import Layout
+    from orangetron.spec.parallel_config import ParallelConfig
+    from orangetron.train.config import _flag
+    from orangetron.train.run_folder import CHANGEABLE_ON_RESUME, CHANGEABLE_ON_RESUME_TEXT
+
+    layout_and_parallel = {f.name for f in (*dataclasses.fields(Layout), *dataclasses.fields(ParallelConfig))}
+    others = [_flag(name) for name in CHANGEABLE_ON_RESUME if name not in layout_and_parallel]
+    assert "--deterministic" in others and "--device" in others
+    named = {word.strip(",") for word in CHANGEABLE_ON_RESUME_TEXT.split() if word.startswith("--")}
+    assert named == {*others, "--extend", "--param-dtype"}
+    docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    paragraph = docs[docs.index("one a resume may change"):docs.index("`--quiet` and `--json` are not options")]
+    for flag in others:
+        assert f"`{flag}`" in paragraph, flag
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "--deterministic" in " ".join(capsys.readouterr().out.split())

@@ -210,6 +210,25 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: s
     assert len(err.strip().splitlines()) == 1 and needle in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["train", "--zero-stage", "5"], "orangetron train: error: argument --zero-stage: invalid choice: 5"),
+        (["train", "--steps", "x"], "orangetron train: error: argument --steps: invalid int value: 'x'"),
+        (["plan", "--model", "llama3-8b"], "orangetron plan: error: the following arguments are required: --gpus"),
+        (["train", "--no-such-flag"], "orangetron: error: unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_cli_bad_flag_is_one_line_exit_2_not_the_usage_block(capsys, argv: list[str], needle: str) -> None:
+    from orangetron.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and out == ""
+    assert err.startswith(needle) and len(err.strip().splitlines()) == 1, err
+
+
 # ---- data-parallel training on local ranks -------------------------------------------------------------
 
 

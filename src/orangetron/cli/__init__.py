@@ -6,6 +6,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """Bad flags (an unknown one, a value of the wrong type or outside its choices) are reported like every other
+    bad input: one line on standard error, exit status 2, not the usage block first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from orangetron.train.prepare import add_data_commands
     from orangetron.train.sample import add_sample_command
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="orangetron",
         description="Train and plan long-context and MoE transformers with TP, CP, EP, DP and PP.",
     )

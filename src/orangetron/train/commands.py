@@ -17,6 +17,7 @@ def add_train_commands(sub: Any) -> None:
     """Register the `train` subcommand on an argparse subparsers object."""
     from orangetron.model.config import MODEL_PRESETS
     from orangetron.train.config import PARAM_DTYPES, TrainConfig
+    from orangetron.train.run_folder import CHANGEABLE_ON_RESUME_TEXT
 
     fields = TrainConfig.__dataclass_fields__
     p = sub.add_parser(
@@ -65,8 +66,7 @@ def add_train_commands(sub: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out, on whatever layout this run has; every "
                    "option not given comes from the run's config.toml, and one given that differs is refused "
-                   "unless it may change (--steps with --extend, --save-every, --timeout-s, --threads, --device, "
-                   "--deterministic, layout and parallel flags)")
+                   f"unless it may change ({CHANGEABLE_ON_RESUME_TEXT})")
     p.add_argument("--new-data", action="store_true",
                    help="with --resume and --data: continue on data whose text differs from the run's record; "
                    "the change is logged in the run folder's changes.jsonl")

@@ -46,6 +46,9 @@ DIRECTIVES = ("out", "resume", "extend", "stop_after", "overwrite", "new_data")
 CHANGEABLE_ON_RESUME = ("steps", "save_every", "timeout_s", "threads", "device", "deterministic",
                         *(f.name for f in dataclasses.fields(Layout)),
                         *(f.name for f in dataclasses.fields(ParallelConfig) if f.name != "param_dtype"))
+# The same list as a user reads it, in `train --help`, the refusal and docs/training.md.
+CHANGEABLE_ON_RESUME_TEXT = ("--steps with --extend, --save-every, --timeout-s, --threads, --device, --deterministic, "
+                             "and every layout and parallel flag except --param-dtype")
 # Compared through the data record (content, not path) and the model's fields, not as option values.
 _COMPARED_APART = ("model", "data", "corpus_bytes")
 
@@ -134,8 +137,7 @@ def check_resume(cfg: TrainConfig, record: dict[str, Any]) -> None:
                 and given[name] != value:
             raise TrainConfigError(f"{name}={given[name]!r} ({_flag(name)}): the run in {cfg.out} was recorded with "
                                    f"{name}={value!r}, and a resumed run keeps it (changeable: "
-                                   "--steps with --extend, --save-every, --timeout-s, --threads, --device, "
-                                   "--deterministic, layout and parallel flags)")
+                                   f"{CHANGEABLE_ON_RESUME_TEXT})")
     _check_same_model(cfg, record)
     if "data_record" in record and not cfg.new_data:
         _check_same_data(cfg, record["data_record"])
