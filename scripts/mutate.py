@@ -110,6 +110,12 @@ MUTANTS = [
            (("        seen[_storage_key(t)] = t.untyped_storage().nbytes()",
              "        seen[(str(t.device), id(t))] = t.untyped_storage().nbytes()"),),
            ("tests/test_memory.py", "tests/test_data_parallel.py")),
+    Mutant("function_walk_remembers_only_ids", "src/orangetron/memory.py",
+           (("        seen[id(node)] = node", "        seen[id(node)] = None"),),
+           ("tests/test_memory.py",)),
+    Mutant("flat_collectives_use_the_deprecated_names", "src/orangetron/comm.py",
+           (("    return getattr(dist, name, None) or getattr(dist, former)", "    return getattr(dist, former)"),),
+           ("tests/test_comm.py",)),
     # ---- model functions --------------------------------------------------------------------------------
     Mutant("rmsnorm_eps_outside_the_root", "src/orangetron/model/autograd.py",
            (("    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)",

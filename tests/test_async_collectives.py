@@ -33,8 +33,9 @@ def handed(monkeypatch) -> list[weakref.ref]:
         return _Work()
 
     monkeypatch.setattr(dist, "all_to_all_single", lambda out, x, *args, **kwargs: take(x))
-    monkeypatch.setattr(dist, "reduce_scatter_single", lambda out, x, **kwargs: take(x))
-    monkeypatch.setattr(dist, "all_gather_single", lambda out, x, **kwargs: take(x))
+    for flat in ("reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor", "all_gather_into_tensor"):
+        if hasattr(dist, flat):  # the *_single names are torch 2.13's; 2.11 has only the former ones
+            monkeypatch.setattr(dist, flat, lambda out, x, **kwargs: take(x))
     monkeypatch.setattr(dist, "P2POp", lambda op, tensor, *args: SimpleNamespace(op=op, tensor=tensor))
     monkeypatch.setattr(dist, "batch_isend_irecv",
                         lambda ops: [take(op.tensor) if op.op is dist.isend else _Work() for op in ops])

@@ -194,6 +194,51 @@ def test_group_of_one_returns_input_untouched():
     assert run_distributed(check_single_rank_groups_are_identity, 1) == [True]
 
 
+def flat_collectives(g) -> list[torch.Tensor]:
+    """The four flat-buffer collectives' results on one rank (distinct values per rank)."""
+    x = value(g.rank, 2 * g.size, 3)
+    shard = value(g.rank, 4, salt=1)
+    into = torch.empty(4 * g.size, dtype=torch.float64)
+    comm.all_gather_into(into, shard, g)
+    scattered = comm.reduce_scatter_start(value(g.rank, 2 * g.size, salt=2), g).wait()
+    return [comm.all_gather(x, g, dim=1), comm.reduce_scatter(x, g, dim=0), into, scattered]
+
+
+def check_flat_collectives_on_torch_without_single_names():
+    """torch 2.11 has `all_gather_into_tensor` and `reduce_scatter_tensor` only; 2.13 adds the `*_single` names
+    and warns on the former ones. Neither torch may change a value, and 2.13 must not be asked for a
+    deprecated name."""
+    import warnings
+
+    import torch.distributed as dist
+
+    g = init_mesh(Layout(dp=2))["dp"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        current = flat_collectives(g)
+    hidden = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")
+              if hasattr(dist, name)}
+    try:
+        for name in hidden:
+            delattr(dist, name)
+        former = flat_collectives(g)
+    finally:
+        for name, fn in hidden.items():
+            setattr(dist, name, fn)
+    expected = [torch.cat([value(i, 4, 3) for i in range(2)], dim=1),
+                sum(value(i, 4, 3) for i in range(2))[2 * g.rank:2 * g.rank + 2],
+                torch.cat([value(i, 4, salt=1) for i in range(2)]),
+                sum(value(i, 4, salt=2) for i in range(2))[2 * g.rank:2 * g.rank + 2]]
+    for got in (current, former):
+        for out, want in zip(got, expected, strict=True):
+            torch.testing.assert_close(out, want, rtol=0, atol=1e-15)
+    return True
+
+
+def test_flat_collectives_run_on_torch_with_and_without_the_single_names():
+    assert run_distributed(check_flat_collectives_on_torch_without_single_names, 2) == [True, True]
+
+
 def check_bad_splits():
     g = init_mesh(Layout(dp=2))["dp"]
     with pytest.raises(ValueError, match="need 2 split sizes"):

@@ -135,6 +135,29 @@ def test_tensors_kept_on_ctx_finds_attributes_containers_and_objects():
     assert memory.tensors_kept_on_ctx(clean) == []
 
 
+class _TransientNode:
+    """A built-in autograd node as torch 2.11 shows it: a fresh Python object on each access to its parent's
+    `next_functions`, freed once nothing holds it; `depth` such nodes lead to `leaf`."""
+
+    def __init__(self, depth: int, leaf) -> None:
+        self.depth, self.leaf = depth, leaf
+
+    @property
+    def next_functions(self):
+        return ((_TransientNode(self.depth - 1, self.leaf) if self.depth else self.leaf, 0),)
+
+
+def test_the_walk_reaches_a_function_behind_nodes_that_python_frees_as_it_goes():
+    """A walk that remembered only the ids of the nodes it passed met a freed node's id again on the next
+    fresh object, took it for visited and stopped: the TP check then missed every Function below the head."""
+    from orangetron.model.autograd import RMSNormFunction
+
+    x = torch.ones(1, 3, dtype=torch.float64, requires_grad=True)
+    custom = RMSNormFunction.apply(x, torch.ones(3), 1e-5).grad_fn
+    found = memory._custom_nodes_below([_TransientNode(12, custom)])
+    assert [type(n).__name__ for n in found] == ["RMSNormFunctionBackward"]
+
+
 REFERENCE_MODELS = {
     "dense": dict(),
     "moe-shared-tied": dict(n_experts=4, top_k=2, moe_ffn_dim=16, n_shared_experts=1, tied_embeddings=True),

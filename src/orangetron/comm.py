@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,13 +114,20 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _flat(name: str, former: str) -> Callable[..., Any]:
+    """`torch.distributed.<name>`, or `<former>` where torch predates it: 2.13 renamed the flat-buffer
+    collectives `*_single` and deprecates their former names, which 2.11 (the oldest torch the GPU check
+    supports, docs/runtime.md) has alone. Looked up per call, so that a test can take the new names away."""
+    return getattr(dist, name, None) or getattr(dist, former)
+
+
 # ---- raw collectives (no autograd) ------------------------------------------------------------------
 
 
 def _all_gather_raw(x: torch.Tensor, group: MeshGroup, dim: int) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=group.group)
+    _flat("all_gather_single", "all_gather_into_tensor")(out, x, group=group.group)
     _record("all_gather", group, _nbytes(out), formulas.all_gather_bytes(_nbytes(out), group.size))
     return out.movedim(0, dim)
 
@@ -130,7 +138,7 @@ def _reduce_scatter_raw(x: torch.Tensor, group: MeshGroup, dim: int) -> torch.Te
                          f"is not divisible by the group size {group.size}")
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x, group=group.group)
+    _flat("reduce_scatter_single", "reduce_scatter_tensor")(out, x, group=group.group)
     _record("reduce_scatter", group, _nbytes(x), formulas.reduce_scatter_bytes(_nbytes(x), group.size))
     return out.movedim(0, dim)
 
@@ -191,7 +199,8 @@ def all_gather_into_start(out: torch.Tensor, shard: torch.Tensor, group: MeshGro
         out.data.copy_(shard.reshape(out.shape))
         return Pending(out, None)
     shard = shard.contiguous()
-    work = dist.all_gather_single(out, shard, group=group.group, async_op=True)
+    all_gather = _flat("all_gather_single", "all_gather_into_tensor")
+    work = all_gather(out, shard, group=group.group, async_op=True)
     _record("all_gather", group, _nbytes(out), formulas.all_gather_bytes(_nbytes(out), group.size))
     return Pending(out, work, keep=shard)
 
@@ -205,7 +214,8 @@ def reduce_scatter_start(x: torch.Tensor, group: MeshGroup) -> Pending:
     if group.size == 1:
         return Pending(x, None)
     out, x = x.new_empty(x.numel() // group.size), x.contiguous()
-    work = dist.reduce_scatter_single(out, x, group=group.group, async_op=True)
+    reduce_scatter = _flat("reduce_scatter_single", "reduce_scatter_tensor")
+    work = reduce_scatter(out, x, group=group.group, async_op=True)
     _record("reduce_scatter", group, _nbytes(x), formulas.reduce_scatter_bytes(_nbytes(x), group.size))
     return Pending(out, work, keep=x)
 

@@ -191,14 +191,20 @@ def custom_function_nodes(outputs: Any) -> list[Any]:
     Such a node is the Function's `ctx`, so whatever its forward stored as an attribute lives on it.
     `outputs`: a tensor or any nesting of lists, tuples and dicts of tensors.
     """
-    stack = [t.grad_fn for t in _tensors_within(outputs) if t.grad_fn is not None]
-    seen: set[int] = set()
+    return _custom_nodes_below([t.grad_fn for t in _tensors_within(outputs) if t.grad_fn is not None])
+
+
+def _custom_nodes_below(roots: list[Any]) -> list[Any]:
+    stack = list(roots)
+    # Held, not only their ids: torch 2.11 makes a fresh Python object for a built-in node on each access and
+    # frees it after, so the id of a node already walked may come back for another and cut the walk short.
+    seen: dict[int, Any] = {}
     found = []
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             found.append(node)
         stack.extend(child for child, _ in node.next_functions if child is not None)
