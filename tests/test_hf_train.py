@@ -153,3 +153,57 @@ def test_dots1_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
     source, written = load_file(folder / "model.safetensors"), load_file(tmp_path / "export" / "model.safetensors")
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert source[bias].abs().min() > 0 and not torch.equal(source[bias], written[bias])  # read, then moved
+
+
+def test_verify_starts_from_a_hugging_face_folder_and_names_it(tmp_path, capsys):
+    """verify --hf-model without --model: its --model default must not count as a second model (it was refused on
+    every invocation), and the result names the folder's model."""
+    folder = hf_models.llama(tmp_path / "llama")
+    assert main(["verify", "--hf-model", str(folder), "--dp", "2", "--zero-stage", "1", "--steps", "1",
+                 "--seq-len", "16", "--batch-size", "4", "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["ok"] and result["hf_model"] == str(folder.resolve()) and result["model"] == "llama"
+    assert result["options"] == {"zero_stage": 1} and result["max_grad_rel_diff"] < 1e-12
+    assert "model llama, tp=1 cp=1 pp=1 dp=2 ep=1, zero_stage=1, 1 step in float64" in err
+
+
+def test_export_refuses_the_folder_the_run_was_imported_from(tmp_path, capsys):
+    """`export --hf -o` into the source folder replaced its pretrained weights and then crashed copying the
+    tokenizer onto itself; it is refused, with --overwrite too, and a second export to one folder needs it."""
+    folder = hf_models.llama(tmp_path / "llama")
+    hf_models.add_tokenizer(folder)
+    weights = (folder / "model.safetensors").read_bytes()
+    run = tmp_path / "run"
+    assert main(["train", "--hf-model", str(folder), "--data", str(hf_models.corpus_file(tmp_path / "text")),
+                 "--steps", "1", "--seq-len", "16", "--batch-size", "4", "--out", str(run), "--quiet"]) == 0
+    for extra in ([], ["--overwrite"]):
+        assert main(["export", str(run), "--hf", "-o", str(folder), *extra]) == 2
+        assert "the folder this run's model or tokenizer comes from" in capsys.readouterr().err
+        assert (folder / "model.safetensors").read_bytes() == weights
+    assert main(["export", str(run), "--hf", "-o", str(tmp_path / "out")]) == 0
+    assert main(["export", str(run), "--hf", "-o", str(tmp_path / "out")]) == 2
+    assert main(["export", str(run), "--hf", "-o", str(tmp_path / "out"), "--overwrite"]) == 0
+    assert (tmp_path / "out.previous-1" / "model.safetensors").is_file()
+
+
+def test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of(tmp_path):
+    """A Hugging Face folder given to --model trained from random weights on bytes without a word, and one given to
+    --hf-model without tokenizer files trained its weights on byte ids: both are named before the run starts."""
+    folder = hf_models.llama(tmp_path / "llama")
+    as_architecture = TrainConfig(model=str(folder), steps=2, corpus_bytes=60_000).warnings()
+    assert any(f"--hf-model {folder} starts from its weights" in w for w in as_architecture)
+    without_tokenizer = TrainConfig(hf_model=str(folder), steps=2, corpus_bytes=60_000).warnings()
+    assert any("has no tokenizer files" in w for w in without_tokenizer)
+    hf_models.add_tokenizer(folder)
+    assert TrainConfig(hf_model=str(folder), steps=2, corpus_bytes=60_000).warnings() == []
+
+
+def test_a_truncated_weight_file_is_refused_in_one_line_before_any_rank_starts(tmp_path, capsys):
+    folder = hf_models.llama(tmp_path / "llama")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # an interrupted copy
+    capsys.readouterr()  # transformers' progress bars while the folder was written
+    assert main(["train", "--hf-model", str(folder), "--steps", "1", "--dp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "model.safetensors is not a readable safetensors file" in err

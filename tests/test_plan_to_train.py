@@ -4,6 +4,7 @@ ranks, and what the ranks measure equals what the planner predicted, category by
 from __future__ import annotations
 
 import json
+import tomllib
 
 import torch
 
@@ -122,3 +123,28 @@ def test_a_packed_run_is_predicted_with_its_rows_own_positions() -> None:
         assert {k: v for k, v in got.items() if k != "send_recv/cp"} == \
             {k: v for k, v in want.items() if k != "send_recv/cp"}
         assert 0 < got["send_recv/cp"] <= want["send_recv/cp"]
+
+
+def test_an_option_appended_below_the_model_table_is_named_as_misplaced(tmp_path, capsys) -> None:
+    """`echo 'steps = 3' >> plan.toml` puts the key inside [model], the file's last table: both commands that read
+    the file say where it belongs, not that the model has no field `steps`."""
+    path = tmp_path / "plan.toml"
+    assert cli.main([*PLAN, "--emit-config", str(path)]) == 0
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("steps = 3\n")
+    capsys.readouterr()
+    for argv in (["train", "--config", str(path)], ["estimate", "--config", str(path), "--gpu", "h100"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "[model] holds steps, an option of the run" in err and "above the [model] line" in err, argv
+
+
+def test_estimate_of_a_config_refuses_a_gpu_count_its_layout_does_not_have(tmp_path, capsys) -> None:
+    path = tmp_path / "plan.toml"
+    assert cli.main([*PLAN, "--emit-config", str(path)]) == 0
+    world = tomllib.loads(path.read_text())
+    gpus = world.get("tp", 1) * world.get("cp", 1) * world.get("pp", 1) * world.get("dp", 1)
+    capsys.readouterr()
+    assert cli.main(["estimate", "--config", str(path), "--gpu", "h100", "--gpus", str(2 * gpus)]) == 2
+    assert f"--gpus {2 * gpus}: the layout of --config" in capsys.readouterr().err
+    assert cli.main(["estimate", "--config", str(path), "--gpu", "h100", "--gpus", str(gpus)]) == 0

@@ -174,3 +174,30 @@ def test_readme_path_tokenizer_prepare_data_train_sample(tmp_path, capsys, token
     tok = HFTokenizer(tmp_path / "tok")
     assert result["text"] == tok.decode(result["tokens"]) and len(result["tokens"]) == 5
     assert main(["train", "--model", str(model), "--data", str(tmp_path / "data"), "--tokenizer", "byte"]) == 2
+
+
+def test_a_token_file_edited_in_place_is_refused_on_resume_and_a_touched_copy_is_not(tmp_path):
+    """An edit that keeps the token file's size left dataset.json (the recorded hash) as it was, and the resume
+    trained on other tokens without a word."""
+    import os
+
+    _, files = _corpus(tmp_path)
+    prepare_data(files, tmp_path / "data", "byte", progress=False)
+    train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), stop_after=2), progress=False)
+    tokens = tmp_path / "data" / "tokens.bin"
+    os.utime(tokens, ns=(tokens.stat().st_atime_ns, tokens.stat().st_mtime_ns + 10**9))  # a copy: same bytes
+    train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), stop_after=3, resume=True), progress=False)
+    edited = bytearray(tokens.read_bytes())
+    edited[:4] = bytes(4) if edited[:4] != bytes(4) else b"\x01\x01\x01\x01"
+    tokens.write_bytes(bytes(edited))
+    with pytest.raises(TrainConfigError, match="tokens.bin changed after `prepare-data` wrote it"):
+        train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), resume=True), progress=False)
+
+
+def test_a_tokenizer_trained_again_after_prepare_data_is_refused(tmp_path):
+    (tmp_path / "corpus.txt").write_text(stdlib_corpus(20_000), encoding="utf-8")
+    bpe = train_tokenizer([str(tmp_path / "corpus.txt")], tmp_path / "bpe", vocab=300)
+    prepare_data([str(tmp_path / "corpus.txt")], tmp_path / "data", str(bpe), progress=False)
+    train_tokenizer([str(tmp_path / "corpus.txt")], bpe, vocab=280, overwrite=True)
+    with pytest.raises(TrainConfigError, match="its files changed since the prepared dataset"):
+        _cfg(tmp_path / "data")

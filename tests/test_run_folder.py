@@ -192,6 +192,7 @@ def test_metrics_keep_running_and_per_step_throughput_apart(tmp_path) -> None:
     (dict(capacity_factor=2.0, dp=2, ep=2), "capacity_factor=2.0 (--capacity-factor) has no effect"),
     (dict(zero3_keep_params=True), "zero3_keep_params=True (--zero3-keep-params) has no effect: needs --zero-stage 3"),
     (dict(eval_every=9), "eval_every=9 (--eval-every) has no effect"),
+    (dict(zero_stage=3), "zero_stage=3 (--zero-stage) has no effect: needs --dp or --cp > 1"),
 ])
 def test_options_that_do_nothing_are_named(flags: dict, warning: str) -> None:
     cfg = TrainConfig(model="tiny-moe", steps=4, seq_len=16, batch_size=4, corpus_bytes=60_000, **flags)
@@ -276,3 +277,19 @@ def test_help_refusal_and_docs_name_every_option_a_resume_may_change(capsys) -> 
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
     assert "--deterministic" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_run_given_relative_data_resumes_from_another_folder(tmp_path, monkeypatch, capsys) -> None:
+    """The record kept `data` as typed while hf_model and tokenizer were absolute: resuming from another working
+    folder then read `--data` relative to it and found no such file."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    monkeypatch.chdir(tmp_path)
+    assert _train(capsys, "--model", "tiny", "--data", "corpus.txt", "--steps", "3", "--stop-after", "2", *SMALL,
+                  "--out", "run")[0] == 0
+    recorded = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert recorded["data"] == [str(tmp_path / "corpus.txt")]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, result, err = _train(capsys, "--out", str(tmp_path / "run"), "--resume", "--json", "--quiet")
+    assert code == 0 and result["steps"] == 3, err

@@ -324,8 +324,8 @@ def test_verify_exits_1_past_tolerance(monkeypatch, capsys) -> None:
     from orangetron import cli
     from orangetron.train import verify as verify_module
 
-    gaps = {"layout": {}, "steps": 1, "dtype": "float64", "max_loss_rel_diff": 0.0, "max_grad_rel_diff": 3e-9,
-            "tolerance": 1e-9, "ok": False}
+    gaps = {"model": "tiny-moe", "hf_model": None, "layout": {}, "options": {}, "steps": 1, "dtype": "float64",
+            "max_loss_rel_diff": 0.0, "max_grad_rel_diff": 3e-9, "tolerance": 1e-9, "ok": False}
     monkeypatch.setattr(verify_module, "verify", lambda cfg, tolerance: gaps)
     assert cli.main(["verify", "--dp", "2"]) == 1
     assert "FAILED" in capsys.readouterr().err
@@ -343,10 +343,18 @@ def test_bad_input_found_on_a_rank_is_one_line_exit_2(capsys, tmp_path) -> None:
     from orangetron import cli
 
     code = cli.main(["train", "--dp", "2", "--model", "tiny", "--steps", "2", "--batch-size", "4", "--quiet",
-                     "--out", str(tmp_path), "--resume"])
+                     "--out", str(tmp_path / "none"), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()  # found before any rank starts, before the run's banner
+    assert code == 2 and err == [f"orangetron train: error: resume=True (--resume): no checkpoint under "
+                                 f"{tmp_path / 'none' / 'checkpoints'}"]
+    assert cli.main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "4", "--seq-len", "16", "--quiet",
+                     "--out", str(tmp_path / "run")]) == 0
+    (tmp_path / "run" / "config.toml").unlink()  # only the checkpoint can tell the model apart now
+    code = cli.main(["train", "--dp", "2", "--model", "tiny-moe", "--steps", "2", "--batch-size", "4", "--quiet",
+                     "--seq-len", "16", "--out", str(tmp_path / "run"), "--resume"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0].startswith("orangetron train: error: rank 0: resume=True (--resume): no checkpoint under")
+    assert err[0].startswith("orangetron train: error: rank 0: resume=True (--resume):") and "holds a model" in err[0]
 
 
 def test_final_loss_and_its_mean_say_what_they_are(capsys) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"orangetron {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader (`| head`) left: what it did not read is not an error to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 141
 
 
 def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,

@@ -259,6 +259,9 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ValueError(f"--config {args.config} sets the layout and options; {' '.join(given)} would be "
                              "ignored: edit the file, or leave --config out")
         model, deg, job = estimate_job(args.config)
+        if args.gpus is not None and args.gpus != deg.world_size:
+            raise ValueError(f"--gpus {args.gpus}: the layout of --config {args.config} ({deg}) has "
+                             f"{deg.world_size} GPUs; leave --gpus out, or edit the file")
         model = model if isinstance(model, ModelSpec) else _decoder(model)
         job = replace(job, **_planner_only(args))  # the planner-only options, from the flags
     elif args.model is None:
@@ -364,6 +367,10 @@ def run_plan(args: argparse.Namespace) -> int:
         _positive(name, getattr(args, name))
     if not args.gpus:
         raise ValueError("--gpus is required for plan")
+    if args.emit_config:
+        from orangetron.cli.run_config import check_emit_path
+
+        check_emit_path(args.emit_config)  # before the search, not after it
     spec = load_model(args.model)
     cluster = _cluster(args, args.gpus)
     if isinstance(spec, DualEncoderSpec):

@@ -70,9 +70,27 @@ def _even_split(num_layers: int, chunks: int) -> tuple[int, ...]:
     return tuple(len(layers) for layers in chunk_layers(num_layers, chunks, ()))
 
 
+EMITTED = "# `orangetron plan`'s configuration #"  # how an emitted file begins: another plan may replace it
+
+
+def check_emit_path(path: str) -> None:
+    """Refuse an --emit-config `path` whose folder is missing, or which holds a file `plan` did not write."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise ValueError(f"--emit-config {path}: no such folder {str(target.parent)!r}")
+    if target.is_dir():
+        raise ValueError(f"--emit-config {path}: is a folder; give a file name")
+    if target.exists():
+        with open(target, encoding="utf-8", errors="replace") as f:
+            if f.read(len(EMITTED)) != EMITTED:
+                raise ValueError(f"--emit-config {path}: exists and is not a configuration `plan` wrote; give "
+                                 "another name")
+
+
 def emit_config(ranked: list[Estimate], path: str) -> tuple[int, list[str]]:
     """Write the first row of `ranked` the trainer runs to `path`; (its 1-based rank, why earlier rows were
-    passed over). ValueError when no row runs."""
+    passed over). ValueError when no row runs, or when `path` may not be written (`check_emit_path`)."""
+    check_emit_path(path)
     passed_over: dict[str, list[int]] = {}  # each reason once, with the ranks it turned away
     for rank, row in enumerate(ranked, start=1):
         reason = _refusal(row)
@@ -99,7 +117,7 @@ def _write(row: Estimate, rank: int, path: Path) -> None:
     options = {k: v for k, v in cfg.options().items() if k not in (*DIRECTIVES, "model", "device")}
     write_resolved_config(path, options, {"model": dataclasses.asdict(row.model)})
     gpu = row.cluster.gpu.name
-    header = (f"# `orangetron plan`'s configuration #{rank} ({row.degrees}) for {row.model.name} on {gpu}, as a "
+    header = (f"{EMITTED}{rank} ({row.degrees}) for {row.model.name} on {gpu}, as a "
               "run's config file:\n# `orangetron train --config` runs it, `orangetron estimate --config` prices it "
               f"(the GPU is not part of a run's config: add `--gpu {gpu}`).\n")
     path.write_text(header + path.read_text(encoding="utf-8").split("\n", 1)[1], encoding="utf-8")
@@ -149,6 +167,10 @@ def _model(path: str, value: Any) -> ModelSpec | str:
     """A `[model]` table as its spec; a name or file path as given (`estimate --model` takes those)."""
     if not isinstance(value, dict):
         return value
+    from orangetron.train.config import TrainConfig
+    from orangetron.train.config_file import check_no_run_options
+
+    check_no_run_options(path, value, TrainConfig.__dataclass_fields__)
     spec = parse_model(str(value.get("name", Path(path).stem)), value)
     if not isinstance(spec, ModelSpec):
         raise ValueError(f"--config {path}: [model] describes a dual encoder; `plan --model` prices those")

@@ -13,6 +13,19 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def check_weight_files(path: str | Path) -> None:
+    """Read each safetensors file's header (not its tensors): a truncated or corrupt file is a ValueError naming
+    it here, on the launching process, not an error on every rank later."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in weight_files(path):
+        try:
+            with safe_open(Path(path) / name, framework="pt"):
+                pass
+        except SafetensorError as err:
+            raise ValueError(f"{name} is not a readable safetensors file ({err}); copy it again") from None
+
+
 def weight_files(path: str | Path) -> list[str]:
     """The safetensors files of the folder: those its index lists, or model.safetensors."""
     path = Path(path)

@@ -190,6 +190,9 @@ def _add_config_flag(p: argparse.ArgumentParser) -> None:
     p.set_defaults(command_parser=p)
 
 
+VERIFY_MODEL = "tiny-moe"  # two runs of every step: a model that keeps verify quick
+
+
 def _add_verify_command(sub: Any) -> None:
     from orangetron.train.config import DEFAULT_TOLERANCE, PARAM_DTYPES
 
@@ -199,7 +202,8 @@ def _add_verify_command(sub: Any) -> None:
         "gradient differences; exit 1 past the tolerance. The MoE load-balancing loss stays on: every layout "
         "computes it over the whole batch, as one rank does.",
     )
-    p.add_argument("--model", default="tiny-moe", help="model, as train --model takes it (default: %(default)s)")
+    p.add_argument("--model", default=None,
+                   help=f"model, as train --model takes it (default: {VERIFY_MODEL}, or the --hf-model folder's)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (default: %(default)s)")
@@ -224,8 +228,17 @@ def run_verify(args: argparse.Namespace) -> int:
     from orangetron.train.config import TrainConfig
     from orangetron.train.verify import verify
 
-    cfg = TrainConfig(**_config_options(args), warmup=0, corpus_bytes=200_000)
-    for warning in cfg.ineffective_options():
+    options = _config_options(args)
+    if options["model"] is None:  # the --hf-model folder's config is the model, else verify's small default
+        if options.get("hf_model"):
+            del options["model"]
+        else:
+            options["model"] = VERIFY_MODEL
+    cfg = TrainConfig(**options, warmup=0, corpus_bytes=200_000)
+    warnings = cfg.warnings()
+    if cfg.layout.world_size == 1:
+        warnings.append(f"layout {cfg.layout} is one rank: verify compares one rank with itself")
+    for warning in warnings:
         print(f"orangetron verify: warning: {warning}", file=sys.stderr)
     result = verify(cfg, args.tolerance)
     if result.get("capacity_factor") not in (None, cfg.capacity_factor):
@@ -233,9 +246,12 @@ def run_verify(args: argparse.Namespace) -> int:
               f"{result['capacity_factor']:g}, which drops no token (dropped tokens differ from one rank by "
               "design)", file=sys.stderr)
     verdict = "ok" if result["ok"] else "FAILED"
-    print(f"orangetron verify: {cfg.layout}, {cfg.steps} steps in {cfg.param_dtype}: max loss difference "
-          f"{result['max_loss_rel_diff']:.2e}, max gradient difference {result['max_grad_rel_diff']:.2e} "
-          f"(tolerance {result['tolerance']:g}): {verdict}", file=sys.stderr)
+    options = "".join(f", {key}={value}" for key, value in result["options"].items())
+    steps = f"{cfg.steps} step" + ("s" if cfg.steps != 1 else "")
+    print(f"orangetron verify: model {result['model']}, {cfg.layout}{options}, {steps} in {cfg.param_dtype} against "
+          f"one rank: max relative loss difference {result['max_loss_rel_diff']:.2e}, max relative gradient "
+          f"difference {result['max_grad_rel_diff']:.2e} (tolerance {result['tolerance']:g}): {verdict}",
+          file=sys.stderr)
     if args.json:
         print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from orangetron.hf.folder import check_weight_files
 from orangetron.model.config import MODEL_PRESETS, ConfigError, check_runnable, model_preset
 from orangetron.spec import rules
 from orangetron.spec.hf_config import is_hf_folder, spec_from_hf
@@ -190,6 +191,7 @@ class TrainConfig(Layout, ParallelConfig):
             "zero3_prefetch": (self.zero_stage != 3, "needs --zero-stage 3"),
             "zero3_keep_params": (self.zero_stage != 3, "needs --zero-stage 3"),
             "distributed_optimizer": (self.dp * self.cp == 1, "needs --dp or --cp > 1: nothing to shard"),
+            "zero_stage": (self.dp * self.cp == 1, "needs --dp or --cp > 1: nothing to shard"),
             "grad_bucket_numel": (self.dp * self.cp == 1, "needs --dp or --cp > 1: no gradient reduction"),
             "recompute": (self.recompute == "selective", "every attention kernel the runtime runs already "
                           "recomputes its scores in backward, which is what selective recompute saves "
@@ -201,6 +203,22 @@ class TrainConfig(Layout, ParallelConfig):
         }
         return [f"{name}={getattr(self, name)!r} ({_flag(name)}) has no effect: {why}"
                 for name, (idle, why) in unused.items() if name in changed and idle]
+
+    def warnings(self) -> list[str]:
+        """What the trainer warns of before it starts: `ineffective_options`, and a model or tokenizer that is
+        probably not the one meant (a Hugging Face folder as --model trains its architecture from random weights;
+        a --hf-model folder without a tokenizer trains its weights on byte ids)."""
+        from orangetron.train.tokenizer import has_tokenizer
+
+        notes = self.ineffective_options()
+        if isinstance(self.model, str) and is_hf_folder(self.model):
+            notes.append(f"model={self.model!r} (--model) is a Hugging Face folder: only its architecture is used, "
+                         f"from random weights; --hf-model {self.model} starts from its weights and tokenizer")
+        if self.hf_model is not None and self.tokenizer == "byte" and Path(self.hf_model).exists() \
+                and not has_tokenizer(self.hf_model):
+            notes.append(f"hf_model={self.hf_model!r} (--hf-model) has no tokenizer files: its weights train on the "
+                         "byte tokenizer's ids, not the ones it was trained on; give --tokenizer")
+        return notes
 
     def parallel_config(self) -> ParallelConfig:
         """The parallel options on their own, as the runtime takes them (`parallelize`)."""
@@ -247,8 +265,9 @@ class TrainConfig(Layout, ParallelConfig):
             return
         for path in self.data:
             if Path(path).is_dir():
-                raise TrainConfigError(f"data={path!r} (--data): a folder, not a text file; give its files "
-                                       f"({path}/*.txt, say)")
+                raise TrainConfigError(f"data={path!r} (--data): a folder, not a text file, and not a prepared "
+                                       f"dataset (no dataset.json); give its files ({path}/*.txt, say) or "
+                                       "tokenize them with `orangetron prepare-data`")
             if not Path(path).is_file():
                 raise TrainConfigError(f"data={path!r} (--data): no such file")
 
@@ -283,7 +302,8 @@ class TrainConfig(Layout, ParallelConfig):
                                    "(no config.json)")
         try:
             spec = spec_from_hf(read_hf_config(folder), folder.resolve().name)
-        except ValueError as err:
+            check_weight_files(folder)
+        except (ValueError, FileNotFoundError) as err:
             raise TrainConfigError(f"hf_model={self.hf_model!r} (--hf-model): {err}") from None
         if isinstance(self.model, str) and self.model != _field_default("model"):
             raise TrainConfigError(f"model={self.model!r} (--model): --hf-model {self.hf_model} is the model; give "
@@ -314,6 +334,8 @@ class TrainConfig(Layout, ParallelConfig):
         if prepared is not None and name != prepared["tokenizer"]:
             raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): the prepared dataset {self.prepared_data} "
                                    f"was tokenized with {prepared['tokenizer']!r}")
+        if prepared is not None and prepared.get("tokenizer_sha256"):
+            _check_same_tokenizer(name, prepared["tokenizer_sha256"], self.prepared_data)
         try:
             vocab = prepared["vocab_size"] if prepared is not None else tokenizer_named(name).vocab_size
         except ValueError as err:
@@ -360,6 +382,18 @@ class TrainConfig(Layout, ParallelConfig):
                 continue
             out[field.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+
+def _check_same_tokenizer(name: str, recorded_sha256: str, dataset: str | None) -> None:
+    """The tokenizer's files must be the ones the dataset was tokenized with: a tokenizer trained again into the
+    same folder gives other ids for the same text."""
+    from orangetron.train.tokenizer import tokenizer_named
+
+    now = tokenizer_named(name).sha256()
+    if now != recorded_sha256:
+        raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): its files changed since the prepared dataset "
+                               f"{dataset} was tokenized with them (sha256 {recorded_sha256[:12]} then, {now[:12]} "
+                               "now); prepare the data again")
 
 
 def _field_default(name: str) -> object:

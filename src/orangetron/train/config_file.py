@@ -9,8 +9,10 @@ switch, a list of strings or one string for `data`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import tomllib
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,7 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
         if key in RECORD_TABLES:
             continue
         if key == "model" and isinstance(value, dict):  # every field of the model, as a model file has them
+            check_no_run_options(path, value, keys)
             defaults["model"] = _model_table(path, value)
             continue
         if key not in keys and isinstance(value, dict):
@@ -77,8 +80,6 @@ def _unknown_key_hint(key: str, keys: dict[str, argparse.Action]) -> str:
 
 def _planner_flags() -> dict[str, str]:
     """`estimate`'s flag for each field of the planner's job that is not one of the trainer's options, by key."""
-    import dataclasses
-
     from orangetron.cli.plan import add_plan_commands
     from orangetron.spec.options import Job
     from orangetron.spec.parallel_config import ParallelConfig
@@ -88,6 +89,18 @@ def _planner_flags() -> dict[str, str]:
     flags = {key: action.option_strings[0] for key, action in _keys(commands.choices["estimate"]).items()}
     planner_only = {f.name for f in dataclasses.fields(Job)} - {f.name for f in dataclasses.fields(ParallelConfig)}
     return {key: flags[key] for key in planner_only if key in flags}
+
+
+def check_no_run_options(path: str, table: dict[str, Any], keys: Collection[str]) -> None:
+    """A run option inside [model] was written below the table (a line appended to an emitted config lands there):
+    say where it belongs rather than that the model has no such field."""
+    from orangetron.spec.model import ModelSpec
+
+    model_fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    misplaced = [k for k in table if k.replace("-", "_") in keys and k.replace("-", "_") not in model_fields]
+    if misplaced:
+        raise ValueError(f"--config {path}: [model] holds {', '.join(misplaced)}, an option of the run: a TOML table "
+                         "runs to the next table or the end of the file, so put it above the [model] line")
 
 
 def _model_table(path: str, table: dict[str, Any]) -> Any:

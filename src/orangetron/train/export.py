@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orangetron.train.outputs import claim_output
+
 
 def add_export_command(sub: Any) -> None:
     """Register the `export` subcommand on an argparse subparsers object."""
@@ -39,6 +41,8 @@ def add_export_command(sub: Any) -> None:
                    "transformers.AutoModelForCausalLM loads")
     p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"), default=None,
                    help="--hf: the tensors' dtype (default: the imported source's, else the checkpoint's)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="an -o that exists moves aside to NAME.previous-N (never deleted) instead of refusing")
     p.add_argument("--json", action="store_true", help="print one JSON object: checkpoint, output, tensors, bytes")
     p.set_defaults(run=_run_command)
 
@@ -47,11 +51,13 @@ def _run_command(args: argparse.Namespace) -> int:
     import json
 
     if args.hf:
-        result = export_hf(args.run_dir, args.output, args.dtype)
+        result = export_hf(args.run_dir, args.output, args.dtype, overwrite=args.overwrite)
     elif args.dtype is not None:
         raise ValueError("--dtype: only with --hf; a state dict keeps the checkpoint's dtype")
     else:
-        result = export_model(args.run_dir, args.output)
+        result = export_model(args.run_dir, args.output, overwrite=args.overwrite)
+    if result.get("moved_aside"):
+        print(f"orangetron export: moved the former {args.output} to {result['moved_aside']}", file=sys.stderr)
     print(f"orangetron export: wrote {result['output']} ({result['tensors']} tensors, {result['bytes']:,} bytes) "
           f"from {result['checkpoint']}", file=sys.stderr)
     if args.json:
@@ -94,33 +100,36 @@ def read_model(run: str | Path) -> SavedModel:
     return SavedModel(path, model, state)
 
 
-def export_model(run: str | Path, output: str | Path) -> dict[str, Any]:
+def export_model(run: str | Path, output: str | Path, overwrite: bool = False) -> dict[str, Any]:
     """Write the model state dict of `run`'s latest checkpoint to `output` (atomically); returns what was
-    written: checkpoint, output, tensors (count), bytes (file size)."""
+    written: checkpoint, output, tensors (count), bytes (file size), and where a former `output` moved
+    (`overwrite`; without it an existing `output` is refused)."""
     import torch
 
     output = Path(output)
     if output.is_dir():
         raise ValueError(f"-o {str(output)!r}: is a folder; give a file name")
     saved = read_model(run)
+    moved = claim_output(output, "-o", overwrite)
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
     torch.save(saved.state_dict, staging)
     os.replace(staging, output)
     return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": len(saved.state_dict),
-            "bytes": output.stat().st_size}
+            "bytes": output.stat().st_size, **({"moved_aside": str(moved)} if moved else {})}
 
 
-def export_hf(run: str | Path, output: str | Path, dtype: str | None = None) -> dict[str, Any]:
+def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, overwrite: bool = False
+              ) -> dict[str, Any]:
     """Write the model of `run`'s latest checkpoint as a Hugging Face folder `output`; returns what was written:
-    checkpoint, output, tensors (count), bytes (the safetensors file's size)."""
+    checkpoint, output, tensors (count), bytes (the safetensors file's size), and where a former `output` moved
+    (`overwrite`; without it an existing, non-empty `output` is refused). Never into the folder the run was
+    imported from or its tokenizer's."""
     import torch
 
     from orangetron.hf import save
     from orangetron.model import model_from_record
 
     output = Path(output)
-    if output.is_file():
-        raise ValueError(f"-o {str(output)!r}: is a file; --hf writes a folder")
     saved = read_model(run)
     spec = model_from_record(saved.record["model"])
     source = saved.record.get("model_source")
@@ -129,6 +138,8 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None) -> 
     tokenizer_path = None if tokenizer == "byte" else Path(tokenizer)
     if tokenizer_path is not None and not tokenizer_path.exists():
         raise FileNotFoundError(f"the run's tokenizer {tokenizer} is gone; its files cannot be copied")
+    _check_not_a_source(output, [Path(source["path"])] if source else [], tokenizer_path)
+    moved = claim_output(output, "-o", overwrite)
     save(saved.state_dict, output, spec=spec, dtype=getattr(torch, dtype) if dtype else None,
          base_config=source["config"] if source else None, tokenizer=tokenizer_path)
     from safetensors import safe_open
@@ -137,4 +148,15 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None) -> 
     with safe_open(weights, framework="pt") as f:
         count = len(f.keys())
     return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": count,
-            "bytes": weights.stat().st_size}
+            "bytes": weights.stat().st_size, **({"moved_aside": str(moved)} if moved else {})}
+
+
+def _check_not_a_source(output: Path, sources: list[Path], tokenizer: Path | None) -> None:
+    """Refuse to write into the folder the run was imported from, or the one its tokenizer is read from: the
+    export would replace (or, with --overwrite, move away) what the run and the copy need."""
+    if tokenizer is not None:
+        sources = [*sources, tokenizer if tokenizer.is_dir() else tokenizer.parent]
+    for source in sources:
+        if output.resolve() == source.resolve():
+            raise ValueError(f"-o {str(output)!r}: is {source}, the folder this run's model or tokenizer comes "
+                             "from; export to another folder")

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from orangetron.spec.digest import file_record, file_sha256
 from orangetron.train.corpus import FILE_SEPARATOR
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, FORMAT, TOKENS_FILE, VERSION
+from orangetron.train.outputs import move_aside
 
 BATCH_DOCUMENTS = 256  # documents tokenized together (the tokenizers library spreads a batch over threads)
 SPECIAL_TOKENS = ("<|endoftext|>",)  # `tokenizer train`'s only special token: EOS (and BOS) of its documents
@@ -56,6 +57,8 @@ def add_data_commands(sub: Any) -> None:
     tr.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
     tr.add_argument("--vocab", type=int, required=True, metavar="N",
                     help=f"vocabulary size, at least 256 + {len(SPECIAL_TOKENS)} (the bytes and the special token)")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="a tokenizer already in DIR moves aside (tokenizer.json.previous-N, ...) instead of refusing")
     tr.add_argument("--json", action="store_true", help="print one JSON object: output, vocab_size")
     tr.set_defaults(run=_run_tokenizer_train)
 
@@ -206,14 +209,16 @@ def _run_prepare(args: argparse.Namespace) -> int:
 
 # ---- tokenizer train --------------------------------------------------------------------------------------
 
-def train_tokenizer(files: list[str], output: str | Path, vocab: int) -> Path:
-    """Train a byte-level BPE on the documents of `files`; write tokenizer.json and tokenizer_config.json."""
+def train_tokenizer(files: list[str], output: str | Path, vocab: int, overwrite: bool = False) -> Path:
+    """Train a byte-level BPE on the documents of `files`; write tokenizer.json and tokenizer_config.json into
+    `output` (`_free_tokenizer_files`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     smallest = 256 + len(SPECIAL_TOKENS)
     if vocab < smallest:
         raise ValueError(f"--vocab {vocab}: a byte-level BPE needs at least {smallest} ids (every byte and "
                          f"{', '.join(SPECIAL_TOKENS)})")
+    written = _free_tokenizer_files(Path(output), overwrite)  # refused before training, not after
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -222,6 +227,9 @@ def train_tokenizer(files: list[str], output: str | Path, vocab: int) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((text for text, _ in documents(files)), trainer=trainer)
     output = Path(output)
+    for path in written if overwrite else ():
+        if path.exists():
+            move_aside(path)
     output.mkdir(parents=True, exist_ok=True)
     tok.save(str(output / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0],
@@ -230,12 +238,27 @@ def train_tokenizer(files: list[str], output: str | Path, vocab: int) -> Path:
     return output
 
 
+def _free_tokenizer_files(output: Path, overwrite: bool) -> list[Path]:
+    """The files `tokenizer train` writes into `output`. A folder may hold a model beside them (a tokenizer paired
+    with it), but a tokenizer already there is refused, or with `overwrite` moved aside when the new one is
+    written."""
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"-o {str(output)!r}: is a file; give a folder")
+    written = [output / "tokenizer.json", output / "tokenizer_config.json"]
+    present = [path.name for path in written if path.exists()]
+    if present and not overwrite:
+        raise ValueError(f"-o {str(output)!r}: holds {' and '.join(present)} already; choose another folder, or "
+                         "add --overwrite to move them aside to NAME.previous-N")
+    return written
+
+
 def _run_tokenizer_train(args: argparse.Namespace) -> int:
     from orangetron.train.tokenizer import HFTokenizer
 
-    output = train_tokenizer(args.files, args.output, args.vocab)
+    output = train_tokenizer(args.files, args.output, args.vocab, args.overwrite)
     size = HFTokenizer(output).vocab_size
-    print(f"orangetron tokenizer train: wrote {output}/tokenizer.json ({size:,} ids)", file=sys.stderr)
+    short = f"; the corpus gave fewer merges than --vocab {args.vocab}" if size < args.vocab else ""
+    print(f"orangetron tokenizer train: wrote {output}/tokenizer.json ({size:,} ids{short})", file=sys.stderr)
     if args.json:
         print(json.dumps({"output": str(output), "vocab_size": size}))
     return 0

@@ -26,7 +26,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from orangetron.spec.digest import file_record
+from orangetron.spec.digest import file_record, file_sha256
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, parse_model
 from orangetron.spec.parallel_config import ParallelConfig
@@ -34,6 +34,7 @@ from orangetron.train.config import TrainConfig, TrainConfigError, _flag
 from orangetron.train.config_file import write_resolved_config
 from orangetron.train.corpus import read_text_files, stdlib_corpus
 from orangetron.train.datasets import TOKENS_FILE, meta_sha256, read_meta
+from orangetron.train.outputs import move_aside
 
 CONFIG_FILE = "config.toml"
 CHANGES_FILE = "changes.jsonl"
@@ -61,8 +62,9 @@ def describe_data(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.prepared_data is not None:
         meta = read_meta(cfg.prepared_data)
         folder = Path(cfg.prepared_data)
+        tokens = (folder / TOKENS_FILE).stat()
         return {"source": "prepared", "path": str(folder.absolute()), "tokenizer": tokenizer,
-                "tokens": meta["tokens"], "bytes": (folder / TOKENS_FILE).stat().st_size,
+                "tokens": meta["tokens"], "bytes": tokens.st_size, "modified_ns": tokens.st_mtime_ns,
                 "sha256": meta_sha256(folder)}
     text = read_text_files(cfg.data) if cfg.data is not None else stdlib_corpus(cfg.corpus_bytes)
     encoded = text.encode("utf-8")
@@ -100,6 +102,10 @@ def claim(cfg: TrainConfig) -> None:
     if cfg.out is None:
         return
     if cfg.resume:
+        from orangetron.train.checkpoint import latest_checkpoint  # torch: only when resuming
+
+        if latest_checkpoint(Path(cfg.out) / "checkpoints") is None:  # before the run is announced, not after
+            raise TrainConfigError(f"resume=True (--resume): no checkpoint under {Path(cfg.out) / 'checkpoints'}")
         record = read_record(cfg.out)
         if record is not None:
             check_resume(cfg, record)
@@ -111,20 +117,12 @@ def claim(cfg: TrainConfig) -> None:
         raise TrainConfigError(f"out={cfg.out!r} (--out): the folder holds another run ({occupant}); continue it "
                                "with --resume, choose another folder, or add --overwrite to move it aside")
     if os.environ.get("RANK", "0") == "0":  # under torchrun one process moves it
-        _move_aside(Path(cfg.out))
+        move_aside(Path(cfg.out))
 
 
 def _occupant(folder: Path) -> str | None:
     found = [name for name in RUN_FILES if (folder / name).exists()]
     return ", ".join(found) if found else None
-
-
-def _move_aside(folder: Path) -> Path:
-    n = 1
-    while (aside := folder.with_name(f"{folder.name}.previous-{n}")).exists():
-        n += 1
-    folder.rename(aside)
-    return aside
 
 
 def check_resume(cfg: TrainConfig, record: dict[str, Any]) -> None:
@@ -164,9 +162,21 @@ def _check_same_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
                                    f"{getattr(built, field.name)!r}")
 
 
+def _check_prepared_files(folder: Path) -> None:
+    """A prepared dataset's token and document files against the hashes its dataset.json holds: one read of
+    each, done only when the token file was modified after the run recorded it."""
+    for name, sha256 in read_meta(folder)["sha256"].items():
+        if file_sha256(folder / name) != sha256:
+            raise TrainConfigError(f"data (--data): {folder / name} changed after `prepare-data` wrote it (its "
+                                   f"sha256 is no longer dataset.json's {sha256[:12]}); prepare the data again")
+
+
 def _check_same_data(cfg: TrainConfig, recorded: dict[str, Any]) -> None:
     given = describe_data(cfg)
     if (given["sha256"], given["tokenizer"]) == (recorded.get("sha256"), recorded.get("tokenizer")):
+        recorded_ns = recorded.get("modified_ns")  # prepared datasets only (and runs recorded since)
+        if recorded_ns is not None and given.get("modified_ns") != recorded_ns:
+            _check_prepared_files(Path(cfg.prepared_data))  # touched since: a copy passes, an edit does not
         return
     # The embedded corpus changes only with --corpus-bytes (or the interpreter's library): no --data names it.
     hint = ("give the recorded --corpus-bytes" if recorded.get("source") == given["source"] == "stdlib"
@@ -189,6 +199,8 @@ def write_record(cfg: TrainConfig, data: dict[str, Any], first_step: int) -> Pat
     if cfg.hf_model is not None:
         tables["model_source"] = {k: v for k, v in model_source(cfg).items() if k != "config"}
     options = {k: v for k, v in cfg.options().items() if k not in DIRECTIVES[1:] and k != "model"}
+    if options.get("data"):  # absolute, as hf_model and tokenizer are: resumed or repeated from any folder
+        options["data"] = [str(Path(path).resolve()) for path in options["data"]]
     if cfg.resume:
         previous = read_record(folder)
         if previous is not None:

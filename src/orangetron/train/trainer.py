@@ -279,7 +279,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     bar.log(f"orangetron train: {_describe(cfg, data)}")
     if cfg.layout.world_size > 1:
         _log_placement(cfg, bar)
-    for warning in cfg.ineffective_options():
+    for warning in cfg.warnings():
         bar.log(f"warning: {warning}")
     start = Resumed(0, [])
     if cfg.resume:
@@ -288,7 +288,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         bar.log(f"resumed from {start.path} at step {start.step} of {cfg.steps}")
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     peak, peak_source = device_peak_flops(DTYPES[model.config.param_dtype], model.device)
-    warnings = cfg.ineffective_options() + ([] if peak is not None else [peak_source])
+    warnings = cfg.warnings() + ([] if peak is not None else [peak_source])
     if peak is None:
         bar.log(f"warning: {peak_source}")
     timer = StepTimer(model.device)

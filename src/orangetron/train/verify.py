@@ -18,6 +18,7 @@ import torch
 
 from orangetron.parallel import ParallelConfig, ParallelModel
 from orangetron.spec.layout import Layout
+from orangetron.spec.parallel_config import values_of
 from orangetron.spec.variants import DISPATCHERS
 from orangetron.train.admission import check_fits
 from orangetron.train.config import DEFAULT_TOLERANCE, TrainConfig
@@ -87,7 +88,11 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
         loss_gaps.append(abs(loss - ref_loss) / abs(ref_loss))
         grad_gaps.append(_gradient_gap(traces[0]["grads"][step], reference["grads"][step]))
     tolerance = DEFAULT_TOLERANCE[cfg.param_dtype] if tolerance is None else tolerance
-    result = {"layout": cfg.layout.degrees(), "steps": cfg.steps, "dtype": cfg.param_dtype,
+    defaults = ParallelConfig()
+    options = {name: value for name, value in values_of(ParallelConfig, cfg).items()
+               if name != "param_dtype" and value != getattr(defaults, name)}
+    result = {"model": cfg.model_config().name, "hf_model": cfg.hf_model, "layout": cfg.layout.degrees(),
+              "options": options, "steps": cfg.steps, "dtype": cfg.param_dtype,
               "max_loss_rel_diff": max(loss_gaps), "max_grad_rel_diff": max(grad_gaps), "tolerance": tolerance,
               "capacity_factor": cfg.capacity_factor if DISPATCHERS[cfg.dispatcher].pads else None}
     result["ok"] = result["max_loss_rel_diff"] <= tolerance and result["max_grad_rel_diff"] <= tolerance
