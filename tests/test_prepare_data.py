@@ -96,6 +96,8 @@ def test_prepare_data_writes_each_document_then_eos(tokenizer_dir, tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object with a \"text\" field"):
         prepare_data([str(bad)], tmp_path / "other", str(tokenizer_dir))
     assert not (tmp_path / "other").exists()  # nothing half written
+    with pytest.raises(ValueError, match=r": a folder; give its files"):  # it said "no such file"
+        prepare_data([str(tmp_path / "data")], tmp_path / "other", str(tokenizer_dir))
 
 
 def test_byte_tokenizer_separates_documents_as_text_files_are_joined(tmp_path):

@@ -188,6 +188,8 @@ def _write_tokens(files: list[str], tok: Any, end: list[int], dtype: Any, path: 
 
 def _source_record(name: str) -> dict[str, Any]:
     path = Path(name)
+    if path.is_dir():
+        raise ValueError(f"{name}: a folder; give its files ({name}/*.txt, say)")
     if not path.is_file():
         raise FileNotFoundError(f"{name}: no such file")
     return file_record(path)
