@@ -2146,6 +2146,18 @@ MUTANTS = [
     Mutant("estimate_config_ignores_gpus", "src/orangetron/cli/plan.py",
            (("        if args.gpus is not None and args.gpus != deg.world_size:", "        if False:"),),
            ("tests/test_plan_to_train.py::test_estimate_of_a_config_refuses_a_gpu_count_its_layout_does_not_have",)),
+    Mutant("empty_documents_kept", "src/orangetron/train/prepare.py",
+           (("            if document is not None and not document[0]:", "            if False:"),),
+           ("tests/test_prepare_data.py::test_empty_documents_are_left_out_and_counted_and_no_text_at_all_is_refused",)),
+    Mutant("verify_names_the_first_parameter", "src/orangetron/train/verify.py",
+           (("    gap, name = max(((grads[name] - ref).abs().max().item(), name) for name, ref in reference.items())",
+             "    gap, name = max((grads[name] - ref).abs().max().item() for name, ref in reference.items()), "
+             "next(iter(reference))"),),
+           ("tests/test_train.py::test_verify_names_the_step_and_parameter_of_the_largest_gaps",)),
+    Mutant("verify_names_the_last_step", "src/orangetron/train/verify.py",
+           (("    worst_grad_step = max(range(len(grad_gaps)), key=lambda step: grad_gaps[step][0])",
+             "    worst_grad_step = len(grad_gaps) - 1"),),
+           ("tests/test_train.py::test_verify_names_the_step_and_parameter_of_the_largest_gaps",)),
 ]
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from orangetron.cli import main
+from orangetron.cli.wording import counted
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.corpus import stdlib_corpus
 from orangetron.train.datasets import PreparedDataset, TokenWindows
@@ -98,6 +99,25 @@ def test_prepare_data_writes_each_document_then_eos(tokenizer_dir, tmp_path):
     assert not (tmp_path / "other").exists()  # nothing half written
     with pytest.raises(ValueError, match=r": a folder; give its files"):  # it said "no such file"
         prepare_data([str(tmp_path / "data")], tmp_path / "other", str(tokenizer_dir))
+
+
+def test_empty_documents_are_left_out_and_counted_and_no_text_at_all_is_refused(tmp_path, capsys):
+    """An empty file became a document of EOS alone, and a corpus of them a dataset of separators."""
+    docs, files = _corpus(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
+    assert main(["prepare-data", "-o", str(tmp_path / "data"), str(tmp_path / "empty.txt"), *files,
+                 str(tmp_path / "blank.jsonl"), "--quiet", "--json"]) == 0
+    tokens = np.fromfile(tmp_path / "data" / "tokens.bin", dtype="<u2")
+    assert bytes(tokens.tolist()).decode() == "".join(d + "\n\n\n" for d in docs)
+    assert len(np.load(tmp_path / "data" / "documents.npy")) == len(docs) + 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["documents"] == len(docs)
+    assert f"{len(docs)} documents (2 empty ones left out), " in captured.err
+    assert main(["prepare-data", "-o", str(tmp_path / "none"), str(tmp_path / "empty.txt")]) == 2
+    assert "no text to tokenize (every document is empty)" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+    assert (counted(1, "empty one"), counted(1024, "token")) == ("1 empty one", "1,024 tokens")  # "1 documents"
 
 
 def test_byte_tokenizer_separates_documents_as_text_files_are_joined(tmp_path):

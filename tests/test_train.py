@@ -325,10 +325,29 @@ def test_verify_exits_1_past_tolerance(monkeypatch, capsys) -> None:
     from orangetron.train import verify as verify_module
 
     gaps = {"model": "tiny-moe", "hf_model": None, "layout": {}, "options": {}, "steps": 1, "dtype": "float64",
-            "max_loss_rel_diff": 0.0, "max_grad_rel_diff": 3e-9, "tolerance": 1e-9, "ok": False}
+            "max_loss_rel_diff": 0.0, "max_grad_rel_diff": 3e-9, "worst_loss_step": 1, "worst_grad_step": 1,
+            "worst_grad_param": "blocks.0.mlp.w1", "tolerance": 1e-9, "ok": False}
     monkeypatch.setattr(verify_module, "verify", lambda cfg, tolerance: gaps)
     assert cli.main(["verify", "--dp", "2"]) == 1
-    assert "FAILED" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip().endswith(": FAILED (largest loss gap at step 1, largest gradient gap in "
+                                                    "blocks.0.mlp.w1 at step 1)")
+
+
+def test_verify_names_the_step_and_parameter_of_the_largest_gaps(monkeypatch) -> None:
+    from orangetron.train import verify as verify_module
+    from orangetron.train.config import TrainConfig
+
+    def trace(loss_shift: float, grad_shift: float) -> dict:
+        grads = [{"a": torch.tensor([1.0, -4.0], dtype=torch.float64),
+                  "b": torch.tensor([0.5 + (step == 1) * grad_shift], dtype=torch.float64)}
+                 for step in range(3)]
+        return {"losses": [2.0, 1.5, 1.2 + loss_shift], "grads": grads}
+
+    monkeypatch.setattr(verify_module, "_trace", lambda cfg: trace(0.0, 0.0))  # the one-rank reference
+    monkeypatch.setattr(verify_module, "launch_local", lambda *args, **kwargs: [trace(1e-6, 1e-6)] * 2)
+    result = verify_module.verify(TrainConfig(model="tiny", dp=2, steps=3, param_dtype="float64"))
+    assert not result["ok"] and result["max_grad_rel_diff"] == pytest.approx(1e-6 / 4)
+    assert (result["worst_loss_step"], result["worst_grad_step"], result["worst_grad_param"]) == (3, 2, "b")
 
 
 def test_verify_gradient_gap_is_relative_to_the_largest_reference_gradient() -> None:
@@ -336,7 +355,8 @@ def test_verify_gradient_gap_is_relative_to_the_largest_reference_gradient() -> 
 
     reference = {"a": torch.tensor([1.0, -4.0]), "b": torch.tensor([0.5])}
     got = {"a": torch.tensor([1.0, -4.0]), "b": torch.tensor([0.7])}
-    assert _gradient_gap(got, reference) == pytest.approx(0.2 / 4)  # the worst element over the largest |g_ref|
+    gap, name = _gradient_gap(got, reference)
+    assert gap == pytest.approx(0.2 / 4) and name == "b"  # the worst element over the largest |g_ref|, and where
 
 
 def test_bad_input_found_on_a_rank_is_one_line_exit_2(capsys, tmp_path) -> None:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from orangetron.cli.presets import add_presets_command
+from orangetron.cli.wording import counted
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.memory import busiest_stage
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
@@ -352,7 +353,7 @@ def format_estimate(est: Estimate) -> str:
     lines.append(f"  capacity     {est.cluster.gpu.memory_gib:10.2f}" + ("" if est.fits else "  (does NOT fit)"))
     lines.append("communication per step (GiB sent by one rank of stage 0):")
     for key, row in est.comm.items():
-        lines.append(f"  {key:<22} {row['sent'] / GIB:10.3f}  ({row['calls']} calls)")
+        lines.append(f"  {key:<22} {row['sent'] / GIB:10.3f}  ({counted(row['calls'], 'call')})")
     lines.append(f"step time {t.step_s:.3f} s: compute {t.compute_s:.3f}, bubble {t.bubble_s:.3f}, exposed comm "
                  f"tp {t.tp_s:.3f} cp {t.cp_s:.3f} ep {t.ep_s:.3f} pp {t.pp_s:.3f} dp {t.dp_s:.3f}, "
                  f"optimizer {t.optimizer_s:.3f}")

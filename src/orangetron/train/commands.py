@@ -245,7 +245,9 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"orangetron verify: --dispatcher capacity measured with --capacity-factor "
               f"{result['capacity_factor']:g}, which drops no token (dropped tokens differ from one rank by "
               "design)", file=sys.stderr)
-    verdict = "ok" if result["ok"] else "FAILED"
+    verdict = "ok" if result["ok"] else (f"FAILED (largest loss gap at step {result['worst_loss_step']}, largest "
+                                         f"gradient gap in {result['worst_grad_param']} at step "
+                                         f"{result['worst_grad_step']})")
     options = "".join(f", {key}={value}" for key, value in result["options"].items())
     steps = f"{cfg.steps} step" + ("s" if cfg.steps != 1 else "")
     print(f"orangetron verify: model {result['model']}, {cfg.layout}{options}, {steps} in {cfg.param_dtype} against "

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from orangetron.cli.wording import counted
 from orangetron.spec.digest import file_record, file_sha256
 from orangetron.train.corpus import FILE_SEPARATOR
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, FORMAT, TOKENS_FILE, VERSION
@@ -146,13 +147,15 @@ def prepare_data(files: list[str], output: str | Path, tokenizer: str = "byte", 
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     try:
-        offsets = _write_tokens(files, tok, end, dtype, staging / TOKENS_FILE,
-                                ByteProgress(sum(s["bytes"] for s in sources), progress, stream))
+        offsets, empty = _write_tokens(files, tok, end, dtype, staging / TOKENS_FILE,
+                                       ByteProgress(sum(s["bytes"] for s in sources), progress, stream))
+        if len(offsets) == 1:
+            raise ValueError(f"{' '.join(files)}: no text to tokenize (every document is empty)")
         np.save(staging / DOCUMENTS_FILE, np.asarray(offsets, dtype=np.int64))
         meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokens": offsets[-1],
                 "documents": len(offsets) - 1, "tokenizer": name, "tokenizer_sha256": _tokenizer_hash(tok),
                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
-                "separator": separator, "sources": sources,
+                "separator": separator, "empty_documents_skipped": empty, "sources": sources,
                 "sha256": {n: file_sha256(staging / n) for n in (TOKENS_FILE, DOCUMENTS_FILE)}}
         (staging / DATASET_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         if output.exists():
@@ -165,15 +168,19 @@ def prepare_data(files: list[str], output: str | Path, tokenizer: str = "byte", 
 
 
 def _write_tokens(files: list[str], tok: Any, end: list[int], dtype: Any, path: Path,
-                  bar: ByteProgress) -> list[int]:
-    """Stream every document's ids and `end` into `path`; the documents' start offsets and the total."""
+                  bar: ByteProgress) -> tuple[list[int], int]:
+    """Stream every document's ids and `end` into `path`; the documents' start offsets and the total, and how
+    many empty documents were left out (an empty file or `{"text": ""}` would be a document of EOS alone)."""
     import numpy as np
 
-    offsets, total = [0], 0
+    offsets, total, empty = [0], 0, 0
     with open(path, "wb") as out:
         batch: list[tuple[str, int]] = []
         for document in (*documents(files), None):
-            if document is not None:
+            if document is not None and not document[0]:
+                empty += 1
+                bar.advance(document[1], total)
+            elif document is not None:
                 batch.append(document)
             if batch and (document is None or len(batch) == BATCH_DOCUMENTS):
                 for ids, (_, nbytes) in zip(tok.encode_batch([text for text, _ in batch]), batch, strict=True):
@@ -183,7 +190,7 @@ def _write_tokens(files: list[str], tok: Any, end: list[int], dtype: Any, path: 
                     bar.advance(nbytes, total)
                 batch = []
     bar.close()
-    return offsets
+    return offsets, empty
 
 
 def _source_record(name: str) -> dict[str, Any]:
@@ -201,8 +208,10 @@ def _tokenizer_hash(tok: Any) -> str | None:
 
 def _run_prepare(args: argparse.Namespace) -> int:
     meta = prepare_data(args.files, args.output, args.tokenizer, progress=not args.quiet)
-    print(f"orangetron prepare-data: wrote {args.output}: {meta['documents']:,} documents, {meta['tokens']:,} "
-          f"tokens ({meta['dtype']}); train with --data {args.output}", file=sys.stderr)
+    skipped = meta["empty_documents_skipped"]
+    left_out = f" ({counted(skipped, 'empty one')} left out)" if skipped else ""
+    print(f"orangetron prepare-data: wrote {args.output}: {counted(meta['documents'], 'document')}{left_out}, "
+          f"{counted(meta['tokens'], 'token')} ({meta['dtype']}); train with --data {args.output}", file=sys.stderr)
     if args.json:
         print(json.dumps({k: meta[k] for k in ("documents", "tokens", "dtype", "tokenizer", "vocab_size")}
                          | {"output": str(args.output)}))

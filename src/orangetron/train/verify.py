@@ -49,10 +49,12 @@ def _trace(cfg: TrainConfig) -> dict[str, Any]:
     return {"losses": losses, "grads": grads}
 
 
-def _gradient_gap(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """max |g - g_ref| over every element of every parameter, over max |g_ref| likewise."""
+def _gradient_gap(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """max |g - g_ref| over every element of every parameter, over max |g_ref| likewise; and the parameter
+    where the numerator is largest."""
     scale = max(ref.abs().max().item() for ref in reference.values()) or 1.0
-    return max((grads[name] - ref).abs().max().item() for name, ref in reference.items()) / scale
+    gap, name = max(((grads[name] - ref).abs().max().item(), name) for name, ref in reference.items())
+    return gap / scale, name
 
 
 def _one_rank(cfg: TrainConfig) -> TrainConfig:
@@ -87,13 +89,16 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
         loss = sum(t["losses"][step] for t in traces) / len(traces)  # equal shares (tp ranks repeat one)
         loss_gaps.append(abs(loss - ref_loss) / abs(ref_loss))
         grad_gaps.append(_gradient_gap(traces[0]["grads"][step], reference["grads"][step]))
+    worst_grad_step = max(range(len(grad_gaps)), key=lambda step: grad_gaps[step][0])
     tolerance = DEFAULT_TOLERANCE[cfg.param_dtype] if tolerance is None else tolerance
     defaults = ParallelConfig()
     options = {name: value for name, value in values_of(ParallelConfig, cfg).items()
                if name != "param_dtype" and value != getattr(defaults, name)}
     result = {"model": cfg.model_config().name, "hf_model": cfg.hf_model, "layout": cfg.layout.degrees(),
               "options": options, "steps": cfg.steps, "dtype": cfg.param_dtype,
-              "max_loss_rel_diff": max(loss_gaps), "max_grad_rel_diff": max(grad_gaps), "tolerance": tolerance,
+              "max_loss_rel_diff": max(loss_gaps), "max_grad_rel_diff": grad_gaps[worst_grad_step][0],
+              "worst_loss_step": loss_gaps.index(max(loss_gaps)) + 1, "worst_grad_step": worst_grad_step + 1,
+              "worst_grad_param": grad_gaps[worst_grad_step][1], "tolerance": tolerance,
               "capacity_factor": cfg.capacity_factor if DISPATCHERS[cfg.dispatcher].pads else None}
     result["ok"] = result["max_loss_rel_diff"] <= tolerance and result["max_grad_rel_diff"] <= tolerance
     return result
