@@ -2154,6 +2154,9 @@ MUTANTS = [
              "    gap, name = max((grads[name] - ref).abs().max().item() for name, ref in reference.items()), "
              "next(iter(reference))"),),
            ("tests/test_train.py::test_verify_names_the_step_and_parameter_of_the_largest_gaps",)),
+    Mutant("qwen2_tokenizer_not_warned", "src/orangetron/train/export.py",
+           (('    if named.removesuffix("Fast") == "Qwen2Tokenizer":', '    if True:'),),
+           ("tests/test_hf_train.py::test_qwen_trains_on_tp2_dp2_as_on_one_device_and_exports",)),
     Mutant("verify_names_the_last_step", "src/orangetron/train/verify.py",
            (("    worst_grad_step = max(range(len(grad_gaps)), key=lambda step: grad_gaps[step][0])",
              "    worst_grad_step = len(grad_gaps) - 1"),),

@@ -27,7 +27,7 @@ from orangetron.cli import main  # noqa: E402
 from orangetron.hf.weights import hf_tensors  # noqa: E402
 from orangetron.model import model_from_record  # noqa: E402
 from orangetron.train.config import TrainConfig  # noqa: E402
-from orangetron.train.export import read_model  # noqa: E402
+from orangetron.train.export import export_hf, read_model  # noqa: E402
 from orangetron.train.tokenizer import HFTokenizer  # noqa: E402
 from orangetron.train.trainer import train  # noqa: E402
 
@@ -123,6 +123,13 @@ def test_qwen_trains_on_tp2_dp2_as_on_one_device_and_exports(tmp_path, build):
     # transformers 5 gives a qwen2 folder its Qwen2Tokenizer whatever tokenizer_config.json names, and that class
     # splits the text with Qwen's own pattern, not the byte-level BPE's trained here (docs/models.md)
     _check_export(tmp_path, cfg, tokenizer=build != "qwen2")
+    warnings = export_hf(tmp_path / "run", tmp_path / "again")["warnings"]
+    assert warnings == ([] if build == "qwen3" else [
+        "transformers reads a qwen2 folder's tokenizer as Qwen2Tokenizer, not the PreTrainedTokenizerFast this run "
+        "used: it splits text by Qwen's pattern, so its ids differ from the run's (docs/models.md)"])
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "again")
+    text = "def f(x):\n    return x"
+    assert (auto(text)["input_ids"] == HFTokenizer(cfg.tokenizer).encode(text)) == (build == "qwen3")  # as it warns
 
 
 def test_qwen2_moe_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):

@@ -43,7 +43,8 @@ def add_export_command(sub: Any) -> None:
                    help="--hf: the tensors' dtype (default: the imported source's, else the checkpoint's)")
     p.add_argument("--overwrite", action="store_true",
                    help="an -o that exists moves aside to NAME.previous-N (never deleted) instead of refusing")
-    p.add_argument("--json", action="store_true", help="print one JSON object: checkpoint, output, tensors, bytes")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: checkpoint, output, tensors, bytes (and with --hf, warnings)")
     p.set_defaults(run=_run_command)
 
 
@@ -58,6 +59,8 @@ def _run_command(args: argparse.Namespace) -> int:
         result = export_model(args.run_dir, args.output, overwrite=args.overwrite)
     if result.get("moved_aside"):
         print(f"orangetron export: moved the former {args.output} to {result['moved_aside']}", file=sys.stderr)
+    for warning in result.get("warnings", []):
+        print(f"orangetron export: warning: {warning}", file=sys.stderr)
     print(f"orangetron export: wrote {result['output']} ({result['tensors']} tensors, {result['bytes']:,} bytes) "
           f"from {result['checkpoint']}", file=sys.stderr)
     if args.json:
@@ -148,7 +151,24 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     with safe_open(weights, framework="pt") as f:
         count = len(f.keys())
     return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": count,
-            "bytes": weights.stat().st_size, **({"moved_aside": str(moved)} if moved else {})}
+            "bytes": weights.stat().st_size, **({"moved_aside": str(moved)} if moved else {}),
+            "warnings": _tokenizer_warnings(output)}
+
+
+def _tokenizer_warnings(output: Path) -> list[str]:
+    """What transformers will read differently from the run: a `qwen2` folder gets Qwen2Tokenizer whatever
+    tokenizer_config.json names (docs/models.md), and that class splits text by Qwen's own pattern, so a
+    tokenizer made for another class gives other ids there."""
+    import json
+
+    config = output / "tokenizer_config.json"
+    if json.loads((output / "config.json").read_text()).get("model_type") != "qwen2" or not config.is_file():
+        return []
+    named = json.loads(config.read_text()).get("tokenizer_class") or "none"
+    if named.removesuffix("Fast") == "Qwen2Tokenizer":
+        return []
+    return [f"transformers reads a qwen2 folder's tokenizer as Qwen2Tokenizer, not the {named} this run used: it "
+            "splits text by Qwen's pattern, so its ids differ from the run's (docs/models.md)"]
 
 
 def _check_not_a_source(output: Path, sources: list[Path], tokenizer: Path | None) -> None:
