@@ -177,16 +177,18 @@ def test_verify_starts_from_a_hugging_face_folder_and_names_it(tmp_path, capsys)
 
 def test_export_refuses_the_folder_the_run_was_imported_from(tmp_path, capsys):
     """`export --hf -o` into the source folder replaced its pretrained weights and then crashed copying the
-    tokenizer onto itself; it is refused, with --overwrite too, and a second export to one folder needs it."""
-    folder = hf_models.llama(tmp_path / "llama")
+    tokenizer onto itself, and `-o` a folder above it with --overwrite moved the source away; both are refused,
+    with --overwrite too, and a second export to one folder needs it."""
+    folder = hf_models.llama(tmp_path / "hub" / "llama")
     hf_models.add_tokenizer(folder)
     weights = (folder / "model.safetensors").read_bytes()
     run = tmp_path / "run"
     assert main(["train", "--hf-model", str(folder), "--data", str(hf_models.corpus_file(tmp_path / "text")),
                  "--steps", "1", "--seq-len", "16", "--batch-size", "4", "--out", str(run), "--quiet"]) == 0
-    for extra in ([], ["--overwrite"]):
-        assert main(["export", str(run), "--hf", "-o", str(folder), *extra]) == 2
-        assert "the folder this run's model or tokenizer comes from" in capsys.readouterr().err
+    capsys.readouterr()
+    for output, extra in ((folder, []), (folder, ["--overwrite"]), (folder.parent, ["--overwrite"])):
+        assert main(["export", str(run), "--hf", "-o", str(output), *extra]) == 2
+        assert "holds the model the run was imported from" in capsys.readouterr().err  # the folder, or above it
         assert (folder / "model.safetensors").read_bytes() == weights
     assert main(["export", str(run), "--hf", "-o", str(tmp_path / "out")]) == 0
     assert main(["export", str(run), "--hf", "-o", str(tmp_path / "out")]) == 2
@@ -214,3 +216,23 @@ def test_a_truncated_weight_file_is_refused_in_one_line_before_any_rank_starts(t
     assert main(["train", "--hf-model", str(folder), "--steps", "1", "--dp", "2"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "model.safetensors is not a readable safetensors file" in err
+
+
+def test_a_resumed_run_needs_no_weights_from_its_source_folder(tmp_path, capsys):
+    """A resume reads its checkpoint: it was refused once the source's weights were cut short, and it failed
+    describing a folder whose weights were deleted to save space."""
+    folder = hf_models.llama(tmp_path / "llama")
+    hf_models.add_tokenizer(folder)
+    run = ["train", "--hf-model", str(folder), "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--quiet",
+           "--out", str(tmp_path / "run")]
+    assert main([*run, "--stop-after", "1"]) == 0
+    recorded = (tmp_path / "run" / "config.toml").read_text()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    capsys.readouterr()
+    assert main([*run, "--resume"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "config.toml").read_text() == recorded  # the source as the run started from it
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000002" / "state.json").read_text())
+    assert state["model_source"]["files"][0]["bytes"] == weights.stat().st_size + 100
+    weights.unlink()
+    assert main([*run, "--steps", "3", "--extend", "--resume"]) == 0, capsys.readouterr().err

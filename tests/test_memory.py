@@ -137,13 +137,21 @@ def test_tensors_kept_on_ctx_finds_attributes_containers_and_objects():
 
 class _TransientNode:
     """A built-in autograd node as torch 2.11 shows it: a fresh Python object on each access to its parent's
-    `next_functions`, freed once nothing holds it; `depth` such nodes lead to `leaf`."""
+    `next_functions`, freed once nothing holds it; `depth` such nodes lead to `leaf`. Whether a freed node's id
+    comes back depends on the allocator, so the walk is held to what prevents it: no node it passed is freed
+    before it returns (CPython frees an object the moment its last reference goes)."""
+
+    freed = 0
 
     def __init__(self, depth: int, leaf) -> None:
         self.depth, self.leaf = depth, leaf
 
+    def __del__(self) -> None:
+        _TransientNode.freed += 1
+
     @property
     def next_functions(self):
+        assert _TransientNode.freed == 0, "the walk let a node it passed go: its id may come back for another"
         return ((_TransientNode(self.depth - 1, self.leaf) if self.depth else self.leaf, 0),)
 
 
@@ -154,6 +162,7 @@ def test_the_walk_reaches_a_function_behind_nodes_that_python_frees_as_it_goes()
 
     x = torch.ones(1, 3, dtype=torch.float64, requires_grad=True)
     out = RMSNormFunction.apply(x, torch.ones(3), 1e-5)  # held: torch 2.11 frees the graph with its output
+    _TransientNode.freed = 0
     found = memory._custom_nodes_below([_TransientNode(12, out.grad_fn)])
     assert [type(n).__name__ for n in found] == ["RMSNormFunctionBackward"]
 

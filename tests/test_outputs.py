@@ -6,6 +6,7 @@ Workflow tests through the CLI (cli.main, in this process), on one tiny run."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +73,62 @@ def test_emit_config_replaces_only_a_file_plan_wrote(tmp_path, capsys) -> None:
     assert main([*PLAN, "--emit-config", str(emitted)]) == 0
     assert main([*PLAN, "--top", "1", "--emit-config", str(emitted)]) == 0  # its own file: replaced
     assert emitted.read_text().startswith("# `orangetron plan`'s configuration #1")
+    edited = emitted.read_text() + "steps = 5000  # my edit\n"
+    emitted.write_text(edited)  # the header still says `plan` wrote it
+    capsys.readouterr()
+    _refused(capsys, [*PLAN, "--emit-config", str(emitted)], "was edited since `plan` wrote it")
+    assert emitted.read_text() == edited
+
+
+def test_a_second_tokenizer_overwrite_moves_the_pair_to_one_suffix(tmp_path, capsys) -> None:
+    """Each file took its own first free N: tokenizer.json.previous-2 paired with tokenizer_config.json.previous-1."""
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json.previous-1").write_text("an old tokenizer.json alone")
+    assert main(["tokenizer", "train", str(text), "-o", str(folder), "--vocab", "260"]) == 0
+    first = {name: (folder / name).read_text() for name in ("tokenizer.json", "tokenizer_config.json")}
+    assert main(["tokenizer", "train", str(text), "-o", str(folder), "--vocab", "270", "--overwrite"]) == 0
+    assert {name: (folder / f"{name}.previous-2").read_text() for name in first} == first
+    assert not (folder / "tokenizer_config.json.previous-1").exists()
+    capsys.readouterr()
+    _refused(capsys, ["tokenizer", "train", str(tmp_path), "-o", str(tmp_path / "t2"), "--vocab", "260"],
+             "a folder; give its files")  # it said "no such file"
+
+
+def test_move_aside_never_replaces_a_link_and_names_a_dot(tmp_path, monkeypatch) -> None:
+    from orangetron.train.outputs import move_aside
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    (tmp_path / "notes.txt.previous-1").symlink_to(tmp_path / "nowhere")  # dangling: exists() is False
+    assert move_aside(notes) == tmp_path / "notes.txt.previous-2"
+    assert (tmp_path / "notes.txt.previous-1").is_symlink()
+    folder = tmp_path / "here"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    assert move_aside(Path(".")) == tmp_path / "here.previous-1"  # it said "PosixPath('.') has an empty name"
+    with pytest.raises(ValueError, match="has no name to move aside"):
+        move_aside(Path("/"))
+
+
+def test_an_export_that_fails_moves_nothing_aside_and_leaves_nothing(run, tmp_path, capsys, monkeypatch) -> None:
+    """The old export moved aside before the new one was written, so a refused config left an empty folder."""
+    from orangetron.hf import io as hf_io
+    from orangetron.spec.hf_config import HFConfigError
+
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--hf", "-o", str(out)]) == 0
+    before = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+
+    def refuse(*args, **kwargs):
+        raise HFConfigError("no family here holds it")
+
+    monkeypatch.setattr(hf_io, "save", refuse)
+    _refused(capsys, ["export", str(run), "--hf", "-o", str(out), "--overwrite"], "no family here holds it")
+    assert sorted(p.name for p in out.iterdir()) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    _refused(capsys, ["export", str(run), "--hf", "-o", str(run.parent), "--overwrite"],
+             "holds the checkpoint")  # it moved the run folder away, with every checkpoint
+    assert (run / "checkpoints").is_dir()

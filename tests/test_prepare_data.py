@@ -209,10 +209,21 @@ def test_a_token_file_edited_in_place_is_refused_on_resume_and_a_touched_copy_is
     tokens = tmp_path / "data" / "tokens.bin"
     os.utime(tokens, ns=(tokens.stat().st_atime_ns, tokens.stat().st_mtime_ns + 10**9))  # a copy: same bytes
     train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), stop_after=3, resume=True), progress=False)
-    edited = bytearray(tokens.read_bytes())
+    original = tokens.read_bytes()
+    edited = bytearray(original)
     edited[:4] = bytes(4) if edited[:4] != bytes(4) else b"\x01\x01\x01\x01"
     tokens.write_bytes(bytes(edited))
     with pytest.raises(TrainConfigError, match="tokens.bin changed after `prepare-data` wrote it"):
+        train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), resume=True), progress=False)
+    tokens.write_bytes(bytes(original))
+    train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), resume=True), progress=False)  # to its last step
+    documents = tmp_path / "data" / "documents.npy"  # the boundaries, edited with their time set back
+    before = documents.stat()
+    offsets = np.load(documents)
+    offsets[1] += 1
+    np.save(documents, offsets)
+    os.utime(documents, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(TrainConfigError, match="documents.npy changed after `prepare-data` wrote it"):
         train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), resume=True), progress=False)
 
 
@@ -220,6 +231,11 @@ def test_a_tokenizer_trained_again_after_prepare_data_is_refused(tmp_path):
     (tmp_path / "corpus.txt").write_text(stdlib_corpus(20_000), encoding="utf-8")
     bpe = train_tokenizer([str(tmp_path / "corpus.txt")], tmp_path / "bpe", vocab=300)
     prepare_data([str(tmp_path / "corpus.txt")], tmp_path / "data", str(bpe), progress=False)
+    config = json.loads((bpe / "tokenizer_config.json").read_text())  # rewritten, every id kept: still the one
+    (bpe / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ messages }}"}, indent=4))
+    (bpe / "tokenizer.json").write_text(json.dumps(json.loads((bpe / "tokenizer.json").read_text()), indent=4))
+    with pytest.raises(TrainConfigError, match="more than the model's vocab_size"):  # past the tokenizer's check
+        _cfg(tmp_path / "data")
     train_tokenizer([str(tmp_path / "corpus.txt")], bpe, vocab=280, overwrite=True)
     with pytest.raises(TrainConfigError, match="its files changed since the prepared dataset"):
         _cfg(tmp_path / "data")

@@ -126,6 +126,9 @@ def test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside(tm
     assert (tmp_path / "run.previous-2").is_dir() and aside.is_dir()  # never deleted, never reused
     with pytest.raises(ValueError, match=r"overwrite=True \(--overwrite\): for a new run"):
         TrainConfig(out=str(run), resume=True, overwrite=True)
+    (run / "corpus.txt").write_text(TEXT)  # the new run's data inside the old run: moving it aside took it along
+    code, _, err = _train(capsys, *base, "--data", str(run / "corpus.txt"), "--overwrite")
+    assert code == 2 and f"holds the run's data ({run / 'corpus.txt'})" in err and (run / "corpus.txt").is_file()
 
 
 def test_config_of_a_run_repeats_a_custom_model_run_bitwise(tmp_path, data, capsys) -> None:
@@ -280,8 +283,8 @@ def test_help_refusal_and_docs_name_every_option_a_resume_may_change(capsys) -> 
 
 
 def test_a_run_given_relative_data_resumes_from_another_folder(tmp_path, monkeypatch, capsys) -> None:
-    """The record kept `data` as typed while hf_model and tokenizer were absolute: resuming from another working
-    folder then read `--data` relative to it and found no such file."""
+    """The record kept `data` and `out` as typed while hf_model and tokenizer were absolute: resuming from another
+    working folder then read `--data` relative to it and found no such file, and its `--config` named ./run."""
     (tmp_path / "corpus.txt").write_text(TEXT)
     monkeypatch.chdir(tmp_path)
     assert _train(capsys, "--model", "tiny", "--data", "corpus.txt", "--steps", "3", "--stop-after", "2", *SMALL,
@@ -291,5 +294,7 @@ def test_a_run_given_relative_data_resumes_from_another_folder(tmp_path, monkeyp
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    code, result, err = _train(capsys, "--out", str(tmp_path / "run"), "--resume", "--json", "--quiet")
+    code, result, err = _train(capsys, "--config", str(tmp_path / "run" / "config.toml"), "--resume", "--json",
+                               "--quiet")  # the record's out was as typed: that resumed ./run, which is not there
     assert code == 0 and result["steps"] == 3, err
+    assert recorded["out"] == str(tmp_path / "run") and list(elsewhere.iterdir()) == []

@@ -216,7 +216,10 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: s
         (["train", "--zero-stage", "5"], "orangetron train: error: argument --zero-stage: invalid choice: 5"),
         (["train", "--steps", "x"], "orangetron train: error: argument --steps: invalid int value: 'x'"),
         (["plan", "--model", "llama3-8b"], "orangetron plan: error: the following arguments are required: --gpus"),
-        (["train", "--no-such-flag"], "orangetron: error: unrecognized arguments: --no-such-flag"),
+        (["train", "--no-such-flag"],  # it pointed to `orangetron --help`, which lists no flag of train
+         "orangetron train: error: unrecognized arguments: --no-such-flag (see orangetron train --help)"),
+        (["tokenizer", "train", "x.txt", "-o", "t", "--vocab", "300", "--bad"],
+         "orangetron tokenizer train: error: unrecognized arguments: --bad (see orangetron tokenizer train --help)"),
     ],
 )
 def test_cli_bad_flag_is_one_line_exit_2_not_the_usage_block(capsys, argv: list[str], needle: str) -> None:

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -16,6 +16,14 @@ class _OneLineErrors(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        """Also name, as `own_parser`, the innermost (sub)command's parser: errors found after parsing are
+        worded with its name ("orangetron tokenizer train") and point to its --help."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if getattr(namespace, "own_parser", None) is None:  # a subcommand's parser finishes first
+            namespace.own_parser = self
+        return namespace, extras
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Bad input prints one line on standard error and returns 2, never a traceback."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the command that was given them, whose --help lists its flags
+        args.own_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         args.data_given = getattr(args, "data", None) is not None  # on the command line, before any file
         takes_files = hasattr(args, "command_parser")  # train and verify; estimate reads its --config itself
@@ -50,10 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"orangetron {args.command}: error: {message}", file=sys.stderr)
+        print(f"{args.own_parser.prog}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"orangetron {args.command}: interrupted", file=sys.stderr)
+        print(f"{args.own_parser.prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader (`| head`) left: what it did not read is not an error to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again

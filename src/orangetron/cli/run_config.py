@@ -14,6 +14,7 @@ the trainer's to the byte, and the plan's row differs only by the norm's all-red
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,18 @@ def _even_split(num_layers: int, chunks: int) -> tuple[int, ...]:
 
 
 EMITTED = "# `orangetron plan`'s configuration #"  # how an emitted file begins: another plan may replace it
+UNEDITED = "# plan replaces this file while the lines below hash to sha256 "  # the header's last line
+
+
+def _body_sha256(body: str) -> str:
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()
+
+
+def _unedited(text: str) -> bool:
+    """Whether an emitted file's lines below its header are still what `plan` wrote."""
+    header, _, body = text.partition(UNEDITED)
+    digest, _, body = body.partition("\n")
+    return header.startswith(EMITTED) and digest == _body_sha256(body)
 
 
 def check_emit_path(path: str) -> None:
@@ -81,10 +94,13 @@ def check_emit_path(path: str) -> None:
     if target.is_dir():
         raise ValueError(f"--emit-config {path}: is a folder; give a file name")
     if target.exists():
-        with open(target, encoding="utf-8", errors="replace") as f:
-            if f.read(len(EMITTED)) != EMITTED:
-                raise ValueError(f"--emit-config {path}: exists and is not a configuration `plan` wrote; give "
-                                 "another name")
+        text = target.read_text(encoding="utf-8", errors="replace")
+        if not text.startswith(EMITTED):
+            raise ValueError(f"--emit-config {path}: exists and is not a configuration `plan` wrote; give "
+                             "another name")
+        if not _unedited(text):
+            raise ValueError(f"--emit-config {path}: was edited since `plan` wrote it; give another name, or "
+                             "remove it")
 
 
 def emit_config(ranked: list[Estimate], path: str) -> tuple[int, list[str]]:
@@ -117,10 +133,11 @@ def _write(row: Estimate, rank: int, path: Path) -> None:
     options = {k: v for k, v in cfg.options().items() if k not in (*DIRECTIVES, "model", "device")}
     write_resolved_config(path, options, {"model": dataclasses.asdict(row.model)})
     gpu = row.cluster.gpu.name
+    body = path.read_text(encoding="utf-8").split("\n", 1)[1]
     header = (f"{EMITTED}{rank} ({row.degrees}) for {row.model.name} on {gpu}, as a "
               "run's config file:\n# `orangetron train --config` runs it, `orangetron estimate --config` prices it "
-              f"(the GPU is not part of a run's config: add `--gpu {gpu}`).\n")
-    path.write_text(header + path.read_text(encoding="utf-8").split("\n", 1)[1], encoding="utf-8")
+              f"(the GPU is not part of a run's config: add `--gpu {gpu}`).\n{UNEDITED}{_body_sha256(body)}\n")
+    path.write_text(header + body, encoding="utf-8")
 
 
 def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:

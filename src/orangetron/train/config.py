@@ -302,7 +302,8 @@ class TrainConfig(Layout, ParallelConfig):
                                    "(no config.json)")
         try:
             spec = spec_from_hf(read_hf_config(folder), folder.resolve().name)
-            check_weight_files(folder)
+            if not self.resume:  # a resumed run reads its weights from its checkpoint
+                check_weight_files(folder)
         except (ValueError, FileNotFoundError) as err:
             raise TrainConfigError(f"hf_model={self.hf_model!r} (--hf-model): {err}") from None
         if isinstance(self.model, str) and self.model != _field_default("model"):
@@ -334,8 +335,8 @@ class TrainConfig(Layout, ParallelConfig):
         if prepared is not None and name != prepared["tokenizer"]:
             raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): the prepared dataset {self.prepared_data} "
                                    f"was tokenized with {prepared['tokenizer']!r}")
-        if prepared is not None and prepared.get("tokenizer_sha256"):
-            _check_same_tokenizer(name, prepared["tokenizer_sha256"], self.prepared_data)
+        if prepared is not None and prepared.get("tokenizer_ids_sha256"):
+            _check_same_tokenizer(name, prepared["tokenizer_ids_sha256"], self.prepared_data)
         try:
             vocab = prepared["vocab_size"] if prepared is not None else tokenizer_named(name).vocab_size
         except ValueError as err:
@@ -385,15 +386,15 @@ class TrainConfig(Layout, ParallelConfig):
 
 
 def _check_same_tokenizer(name: str, recorded_sha256: str, dataset: str | None) -> None:
-    """The tokenizer's files must be the ones the dataset was tokenized with: a tokenizer trained again into the
-    same folder gives other ids for the same text."""
+    """The tokenizer must be the one the dataset was tokenized with: a tokenizer trained again into the same
+    folder gives other ids for the same text (a rewritten file that keeps every id passes: `ids_sha256`)."""
     from orangetron.train.tokenizer import tokenizer_named
 
-    now = tokenizer_named(name).sha256()
+    now = tokenizer_named(name).ids_sha256()
     if now != recorded_sha256:
         raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): its files changed since the prepared dataset "
-                               f"{dataset} was tokenized with them (sha256 {recorded_sha256[:12]} then, {now[:12]} "
-                               "now); prepare the data again")
+                               f"{dataset} was tokenized with them (the ids' sha256 {recorded_sha256[:12]} then, "
+                               f"{now[:12]} now); prepare the data again")
 
 
 def _field_default(name: str) -> object:

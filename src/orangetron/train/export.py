@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orangetron.train.outputs import claim_output
+from orangetron.train.outputs import check_claim, claim_output
 
 
 def add_export_command(sub: Any) -> None:
@@ -109,14 +110,18 @@ def export_model(run: str | Path, output: str | Path, overwrite: bool = False) -
     (`overwrite`; without it an existing `output` is refused)."""
     import torch
 
-    output = Path(output)
+    output = Path(os.path.abspath(output))  # "." and "x/.." named: moved aside, written beside
     if output.is_dir():
         raise ValueError(f"-o {str(output)!r}: is a folder; give a file name")
     saved = read_model(run)
-    moved = claim_output(output, "-o", overwrite)
+    check_claim(output, "-o", overwrite, [("the checkpoint", saved.checkpoint)])  # before the work
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
-    torch.save(saved.state_dict, staging)
-    os.replace(staging, output)
+    try:
+        torch.save(saved.state_dict, staging)
+        moved = claim_output(output, "-o", overwrite, [("the checkpoint", saved.checkpoint)])
+        os.replace(staging, output)
+    finally:
+        staging.unlink(missing_ok=True)
     return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": len(saved.state_dict),
             "bytes": output.stat().st_size, **({"moved_aside": str(moved)} if moved else {})}
 
@@ -132,7 +137,7 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     from orangetron.hf import save
     from orangetron.model import model_from_record
 
-    output = Path(output)
+    output = Path(os.path.abspath(output))  # "." and "x/.." named: moved aside, written beside
     saved = read_model(run)
     spec = model_from_record(saved.record["model"])
     source = saved.record.get("model_source")
@@ -141,10 +146,20 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     tokenizer_path = None if tokenizer == "byte" else Path(tokenizer)
     if tokenizer_path is not None and not tokenizer_path.exists():
         raise FileNotFoundError(f"the run's tokenizer {tokenizer} is gone; its files cannot be copied")
-    _check_not_a_source(output, [Path(source["path"])] if source else [], tokenizer_path)
-    moved = claim_output(output, "-o", overwrite)
-    save(saved.state_dict, output, spec=spec, dtype=getattr(torch, dtype) if dtype else None,
-         base_config=source["config"] if source else None, tokenizer=tokenizer_path)
+    inputs = [("the checkpoint", saved.checkpoint), ("the model the run was imported from", source and source["path"]),
+              ("the run's tokenizer", tokenizer_path)]
+    check_claim(output, "-o", overwrite, inputs)  # before the work; claimed after it
+    staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:  # written whole beside `output` first: a refused config moves nothing aside and leaves nothing behind
+        save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,
+             base_config=source["config"] if source else None, tokenizer=tokenizer_path)
+        moved = claim_output(output, "-o", overwrite, inputs)
+        if output.is_dir():
+            output.rmdir()  # empty, as claim_output found it
+        os.replace(staging, output)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
     from safetensors import safe_open
 
     weights = output / "model.safetensors"
@@ -169,14 +184,3 @@ def _tokenizer_warnings(output: Path) -> list[str]:
         return []
     return [f"transformers reads a qwen2 folder's tokenizer as Qwen2Tokenizer, not the {named} this run used: it "
             "splits text by Qwen's pattern, so its ids differ from the run's (docs/models.md)"]
-
-
-def _check_not_a_source(output: Path, sources: list[Path], tokenizer: Path | None) -> None:
-    """Refuse to write into the folder the run was imported from, or the one its tokenizer is read from: the
-    export would replace (or, with --overwrite, move away) what the run and the copy need."""
-    if tokenizer is not None:
-        sources = [*sources, tokenizer if tokenizer.is_dir() else tokenizer.parent]
-    for source in sources:
-        if output.resolve() == source.resolve():
-            raise ValueError(f"-o {str(output)!r}: is {source}, the folder this run's model or tokenizer comes "
-                             "from; export to another folder")

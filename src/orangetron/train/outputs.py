@@ -1,28 +1,66 @@
 """What a command writes never replaces what is already there unless asked: `export -o` and `train --out` refuse
 an existing output, and with `--overwrite` move it aside to the first free `NAME.previous-N` instead of deleting
 it (`tokenizer train` does the same for the tokenizer files in its folder: train/prepare.py; `plan --emit-config`
-replaces only a file `plan` wrote: cli/run_config.py)."""
+replaces only a file `plan` wrote and nobody edited since: cli/run_config.py). An output that is, or holds, one of
+the command's own inputs is refused even with `--overwrite`: moving it aside would take the input along."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+Inputs = Sequence[tuple[str, str | Path | None]]  # what a command reads (what it is, where), None: nothing
 
-def move_aside(path: Path) -> Path:
-    """Rename `path` (a file or a folder) to the first free `NAME.previous-N` beside it; returns the new name."""
-    n = 1
-    while (aside := path.with_name(f"{path.name}.previous-{n}")).exists():
+
+def free_suffix(paths: Iterable[Path]) -> str:
+    """The first `.previous-N` that names nothing (not even a dangling link) beside any of `paths`."""
+    paths, n = list(paths), 1
+    while any(os.path.lexists(p.with_name(f"{p.name}.previous-{n}")) for p in paths):
         n += 1
-    path.rename(aside)
+    return f".previous-{n}"
+
+
+def move_aside(path: Path, suffix: str | None = None) -> Path:
+    """Rename `path` (a file or a folder) to `NAME` + `suffix` (default: the first free `.previous-N`) beside it;
+    returns the new name. ValueError, in one line, for a path with no name of its own or a failed rename."""
+    path = Path(os.path.abspath(path))  # "." and "name/.." get their real names; a link stays a link
+    if path.name in ("", ".", ".."):
+        raise ValueError(f"{str(path)!r}: has no name to move aside; choose another output")
+    aside = path.with_name(path.name + (suffix or free_suffix([path])))
+    try:
+        path.rename(aside)
+    except OSError as err:
+        raise ValueError(f"{str(path)!r}: could not move it aside to {aside.name} ({err.strerror})") from None
     return aside
 
 
-def claim_output(path: Path, flag: str, overwrite: bool) -> Path | None:
-    """Make `path` free to write: nothing there (or an empty folder) is free; anything else is refused naming
-    `flag`, or with `overwrite` moved aside. Returns where it went, if it moved."""
-    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
-        return None
+def check_holds_no_input(path: Path, flag: str, inputs: Inputs) -> None:
+    """Refuse `path` as an output when it is, or holds, one of `inputs`: writing or moving it would replace or
+    take away what the command reads."""
+    target = Path(path).resolve()
+    for what, source in inputs:
+        if source is not None and Path(source).resolve().is_relative_to(target):
+            raise ValueError(f"{flag} {str(path)!r}: holds {what} ({source}), which this command reads; choose "
+                             "another output")
+
+
+def check_claim(path: Path, flag: str, overwrite: bool, inputs: Inputs | None = None
+                ) -> bool:
+    """Refuse what `claim_output` would refuse, moving nothing (a command checks before its work, and claims
+    after it); True when `path` holds something that would move aside."""
+    check_holds_no_input(path, flag, inputs or ())
+    if not os.path.lexists(path) or (path.is_dir() and not any(path.iterdir())):
+        return False
     if not overwrite:
         raise ValueError(f"{flag} {str(path)!r}: exists; choose another name, or add --overwrite to move it aside "
                          f"to {path.name}.previous-N")
-    return move_aside(path)
+    return True
+
+
+def claim_output(path: Path, flag: str, overwrite: bool,
+                 inputs: Inputs | None = None) -> Path | None:
+    """Make `path` free to write: nothing there (or an empty folder) is free; anything else is refused naming
+    `flag`, or with `overwrite` moved aside. An output holding one of `inputs` is refused in any case. Returns
+    where it went, if it moved."""
+    return move_aside(path) if check_claim(path, flag, overwrite, inputs) else None

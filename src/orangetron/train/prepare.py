@@ -24,7 +24,7 @@ from orangetron.cli.wording import counted
 from orangetron.spec.digest import file_record, file_sha256
 from orangetron.train.corpus import FILE_SEPARATOR
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, FORMAT, TOKENS_FILE, VERSION
-from orangetron.train.outputs import move_aside
+from orangetron.train.outputs import free_suffix, move_aside
 
 BATCH_DOCUMENTS = 256  # documents tokenized together (the tokenizers library spreads a batch over threads)
 SPECIAL_TOKENS = ("<|endoftext|>",)  # `tokenizer train`'s only special token: EOS (and BOS) of its documents
@@ -66,12 +66,20 @@ def add_data_commands(sub: Any) -> None:
 
 # ---- documents --------------------------------------------------------------------------------------------
 
+def _source_file(name: str) -> Path:
+    """`name` as a path, when it is a file: a folder or nothing there is refused, naming it."""
+    path = Path(name)
+    if path.is_dir():
+        raise ValueError(f"{name}: a folder; give its files ({name}/*.txt, say)")
+    if not path.is_file():
+        raise FileNotFoundError(f"{name}: no such file")
+    return path
+
+
 def documents(files: list[str]) -> Iterator[tuple[str, int]]:
     """(text, bytes of input it took) for every document of `files` in order; ValueError naming a bad file or line."""
     for name in files:
-        path = Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"{name}: no such file")
+        path = _source_file(name)
         if path.suffix in (".jsonl", ".json"):
             with open(path, encoding="utf-8") as lines:
                 for number, line in enumerate(lines, start=1):
@@ -143,7 +151,7 @@ def prepare_data(files: list[str], output: str | Path, tokenizer: str = "byte", 
                          "between documents")
     end = separator if separator is not None else [tok.eos_id]
     dtype = np.dtype("<u2") if tok.vocab_size <= 2**16 else np.dtype("<u4")
-    sources = [_source_record(f) for f in files]
+    sources = [file_record(_source_file(f)) for f in files]
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     try:
@@ -153,7 +161,7 @@ def prepare_data(files: list[str], output: str | Path, tokenizer: str = "byte", 
             raise ValueError(f"{' '.join(files)}: no text to tokenize (every document is empty)")
         np.save(staging / DOCUMENTS_FILE, np.asarray(offsets, dtype=np.int64))
         meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokens": offsets[-1],
-                "documents": len(offsets) - 1, "tokenizer": name, "tokenizer_sha256": _tokenizer_hash(tok),
+                "documents": len(offsets) - 1, "tokenizer": name, "tokenizer_ids_sha256": _tokenizer_hash(tok),
                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
                 "separator": separator, "empty_documents_skipped": empty, "sources": sources,
                 "sha256": {n: file_sha256(staging / n) for n in (TOKENS_FILE, DOCUMENTS_FILE)}}
@@ -193,17 +201,10 @@ def _write_tokens(files: list[str], tok: Any, end: list[int], dtype: Any, path: 
     return offsets, empty
 
 
-def _source_record(name: str) -> dict[str, Any]:
-    path = Path(name)
-    if path.is_dir():
-        raise ValueError(f"{name}: a folder; give its files ({name}/*.txt, say)")
-    if not path.is_file():
-        raise FileNotFoundError(f"{name}: no such file")
-    return file_record(path)
 
 
 def _tokenizer_hash(tok: Any) -> str | None:
-    return tok.sha256() if hasattr(tok, "sha256") else None
+    return tok.ids_sha256() if hasattr(tok, "ids_sha256") else None
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
@@ -238,9 +239,10 @@ def train_tokenizer(files: list[str], output: str | Path, vocab: int, overwrite:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((text for text, _ in documents(files)), trainer=trainer)
     output = Path(output)
-    for path in written if overwrite else ():
-        if path.exists():
-            move_aside(path)
+    present = [path for path in written if overwrite and os.path.lexists(path)]
+    suffix = free_suffix(present)  # one N for both files, so that the pair that moved stays a pair
+    for path in present:
+        move_aside(path, suffix)
     output.mkdir(parents=True, exist_ok=True)
     tok.save(str(output / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0],

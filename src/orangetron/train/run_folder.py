@@ -33,8 +33,8 @@ from orangetron.spec.parallel_config import ParallelConfig
 from orangetron.train.config import TrainConfig, TrainConfigError, _flag
 from orangetron.train.config_file import write_resolved_config
 from orangetron.train.corpus import read_text_files, stdlib_corpus
-from orangetron.train.datasets import TOKENS_FILE, meta_sha256, read_meta
-from orangetron.train.outputs import move_aside
+from orangetron.train.datasets import DOCUMENTS_FILE, TOKENS_FILE, meta_sha256, read_meta
+from orangetron.train.outputs import check_holds_no_input, move_aside
 
 CONFIG_FILE = "config.toml"
 CHANGES_FILE = "changes.jsonl"
@@ -63,8 +63,11 @@ def describe_data(cfg: TrainConfig) -> dict[str, Any]:
         meta = read_meta(cfg.prepared_data)
         folder = Path(cfg.prepared_data)
         tokens = (folder / TOKENS_FILE).stat()
+        # The later status change of the two files dataset.json hashes: any write moves it, and no `touch` or
+        # copy with kept times can set it back (a move or copy moves it too, and costs one hash on resume).
+        changed_ns = max(tokens.st_ctime_ns, (folder / DOCUMENTS_FILE).stat().st_ctime_ns)
         return {"source": "prepared", "path": str(folder.absolute()), "tokenizer": tokenizer,
-                "tokens": meta["tokens"], "bytes": tokens.st_size, "modified_ns": tokens.st_mtime_ns,
+                "tokens": meta["tokens"], "bytes": tokens.st_size, "changed_ns": changed_ns,
                 "sha256": meta_sha256(folder)}
     text = read_text_files(cfg.data) if cfg.data is not None else stdlib_corpus(cfg.corpus_bytes)
     encoded = text.encode("utf-8")
@@ -116,6 +119,10 @@ def claim(cfg: TrainConfig) -> None:
     if not cfg.overwrite:
         raise TrainConfigError(f"out={cfg.out!r} (--out): the folder holds another run ({occupant}); continue it "
                                "with --resume, choose another folder, or add --overwrite to move it aside")
+    inputs = [("the run's data", path) for path in cfg.data or []]
+    tokenizer = None if cfg.tokenizer == "byte" else cfg.tokenizer
+    inputs += [("the model to import", cfg.hf_model), ("the tokenizer", tokenizer)]
+    check_holds_no_input(Path(cfg.out), "--out", inputs)  # moving the old run aside would take them along
     if os.environ.get("RANK", "0") == "0":  # under torchrun one process moves it
         move_aside(Path(cfg.out))
 
@@ -164,7 +171,7 @@ def _check_same_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
 
 def _check_prepared_files(folder: Path) -> None:
     """A prepared dataset's token and document files against the hashes its dataset.json holds: one read of
-    each, done only when the token file was modified after the run recorded it."""
+    each, done only when either file changed after the run recorded it."""
     for name, sha256 in read_meta(folder)["sha256"].items():
         if file_sha256(folder / name) != sha256:
             raise TrainConfigError(f"data (--data): {folder / name} changed after `prepare-data` wrote it (its "
@@ -174,8 +181,8 @@ def _check_prepared_files(folder: Path) -> None:
 def _check_same_data(cfg: TrainConfig, recorded: dict[str, Any]) -> None:
     given = describe_data(cfg)
     if (given["sha256"], given["tokenizer"]) == (recorded.get("sha256"), recorded.get("tokenizer")):
-        recorded_ns = recorded.get("modified_ns")  # prepared datasets only (and runs recorded since)
-        if recorded_ns is not None and given.get("modified_ns") != recorded_ns:
+        recorded_ns = recorded.get("changed_ns")  # prepared datasets only (and runs recorded since)
+        if recorded_ns is not None and given.get("changed_ns") != recorded_ns:
             _check_prepared_files(Path(cfg.prepared_data))  # touched since: a copy passes, an edit does not
         return
     # The embedded corpus changes only with --corpus-bytes (or the interpreter's library): no --data names it.
@@ -201,6 +208,7 @@ def write_record(cfg: TrainConfig, data: dict[str, Any], first_step: int) -> Pat
     options = {k: v for k, v in cfg.options().items() if k not in DIRECTIVES[1:] and k != "model"}
     if options.get("data"):  # absolute, as hf_model and tokenizer are: resumed or repeated from any folder
         options["data"] = [str(Path(path).resolve()) for path in options["data"]]
+    options["out"] = str(folder.resolve())  # `train --config DIR/config.toml` elsewhere: this run, not ./DIR
     if cfg.resume:
         previous = read_record(folder)
         if previous is not None:
@@ -211,11 +219,21 @@ def write_record(cfg: TrainConfig, data: dict[str, Any], first_step: int) -> Pat
 
 def model_source(cfg: TrainConfig) -> dict[str, Any]:
     """The Hugging Face folder a run started from (`orangetron.hf.describe_folder`: path, hashes of config.json and
-    of the index, file sizes, dtype) with its parsed config; the weights themselves come from checkpoints after."""
+    of the index, file sizes, dtype) with its parsed config; the weights themselves come from checkpoints after.
+    A resumed run keeps what its checkpoint recorded: it reads no weight from the folder, which may have changed
+    or gone since."""
     from orangetron.hf.folder import describe_folder
     from orangetron.spec.hf_config import read_config
 
-    return {**describe_folder(cfg.hf_model), "config": read_config(cfg.hf_model)}
+    recorded = _recorded_model_source(cfg) if cfg.resume else None
+    return recorded or {**describe_folder(cfg.hf_model), "config": read_config(cfg.hf_model)}
+
+
+def _recorded_model_source(cfg: TrainConfig) -> dict[str, Any] | None:
+    from orangetron.train.checkpoint import STATE_FILE, latest_checkpoint
+
+    latest = latest_checkpoint(Path(cfg.out) / "checkpoints") if cfg.out else None
+    return None if latest is None else json.loads((latest / STATE_FILE).read_text()).get("model_source")
 
 
 def _log_changes(folder: Path, step: int, previous: dict[str, Any], now: dict[str, Any]) -> None:

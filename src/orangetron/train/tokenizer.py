@@ -112,13 +112,11 @@ class HFTokenizer:
             ids = ids.reshape(-1).tolist()
         return self.backend.decode(ids, skip_special_tokens=False)
 
-    def sha256(self) -> str:
-        """Of tokenizer.json and tokenizer_config.json (when there is one), which decide every id."""
-        digest = hashlib.sha256(self.file.read_bytes())
-        config = self.file.parent / TOKENIZER_CONFIG
-        if config.is_file():
-            digest.update(config.read_bytes())
-        return digest.hexdigest()
+    def ids_sha256(self) -> str:
+        """Of what decides the ids: the tokenizer as the tokenizers library reads it (not tokenizer.json's
+        formatting) and which tokens are BOS and EOS (not tokenizer_config.json's other keys, a chat template say)."""
+        text = f"{self.backend.to_str()}\0{self.bos_token}\0{self.eos_token}"
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 TOKENIZER_JSON = "tokenizer.json"
