@@ -12,7 +12,7 @@ import torch
 from orangetron import cli
 from orangetron.parallel.context.sharding import shard_indices
 from orangetron.plan.compute import ATTN_BLOCK, causal_keys
-from orangetron.plan.packed import document_keys
+from orangetron.plan.packed import document_keys, windows
 
 
 def brute_keys(lengths: list[int], seq: int, cp: int) -> float:
@@ -63,6 +63,17 @@ def test_estimate_prices_packed_documents_from_a_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main([*flags, "--doc-lengths", str(tmp_path / "bad.txt")])
     assert "bad.txt:2: expected LENGTH or LENGTH COUNT" in capsys.readouterr().err
+    (tmp_path / "many.txt").write_text("512 7\n64 100000000\n")  # it built a list of 10^8 lengths, then more
+    with pytest.raises(SystemExit):
+        cli.main([*flags, "--doc-lengths", str(tmp_path / "many.txt")])
+    assert "many.txt:2: more than 1,000,000 documents; give a sample" in capsys.readouterr().err
+
+
+def test_a_document_of_any_length_costs_the_same_to_price():
+    """Each whole sequence of a long document was listed one by one: 10^20 tokens ran out of memory. Every
+    sequence of one document alone is its causal sequence, whatever the document's length."""
+    assert document_keys((10**20,), 4096, 4) == causal_keys(4096)
+    assert windows((10**20,), 4096) == [(((0, 4096),), 10**20 // 4096)]
 
 
 def ring_ledger(lengths: tuple[int, ...]) -> tuple[int, int]:

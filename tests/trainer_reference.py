@@ -143,10 +143,11 @@ def _move_biases(loads: dict[Router, torch.Tensor]) -> None:
 
 
 def written_run(out: str | Path) -> dict[str, Any]:
-    """grad_norms from a run folder's metrics.jsonl and params, exp_avg, exp_avg_sq from its last checkpoint."""
+    """grad_norms and the last held-out loss from a run folder's metrics.jsonl, and params, exp_avg, exp_avg_sq
+    from its last checkpoint."""
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     state = load_checkpoint(latest_checkpoint(Path(out) / "checkpoints"))
-    return {"grad_norms": [r["grad_norm"] for r in records],
+    return {"grad_norms": [r["grad_norm"] for r in records], "eval_loss": records[-1].get("eval_loss"),
             **{key: state[key] for key in ("params", "exp_avg", "exp_avg_sq")}, "buffers": state.get("buffers", {})}
 
 
@@ -156,6 +157,8 @@ def assert_matches_reference(result: dict[str, Any], out: str | Path, reference:
     written = written_run(out)
     torch.testing.assert_close(result["losses"], reference["losses"], rtol=rtol, atol=0, msg="losses")
     torch.testing.assert_close(result["eval_loss"], reference["eval_loss"], rtol=rtol, atol=0, msg="eval loss")
+    # as metrics.jsonl logs it: a context-parallel rank's share was written there once
+    torch.testing.assert_close(written["eval_loss"], reference["eval_loss"], rtol=rtol, atol=0, msg="logged eval")
     torch.testing.assert_close(written["grad_norms"], reference["grad_norms"], rtol=rtol, atol=0, msg="grad norms")
     biases = {n: b for n, b in reference["buffers"].items() if n.endswith("expert_bias")}
     assert written["buffers"].keys() == biases.keys(), "buffers"

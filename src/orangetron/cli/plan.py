@@ -60,8 +60,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--micro-batch", type=int, default=1)
     est.add_argument("--doc-lengths", type=_doc_lengths, default=(), metavar="FILE",
                      help="packed documents: a file of document lengths in tokens, one per line, or LENGTH COUNT "
-                          "(a histogram); attention is priced on the busiest head-tail cp rank's visible keys "
-                          "(default: one document per sequence)")
+                          "(a histogram; at most 1,000,000 documents); attention and the ring are priced on the "
+                          "busiest cp rank of the sharding packed batches get, balanced by document (default: one "
+                          "document per sequence)")
     est.add_argument("--recompute", choices=RECOMPUTE, default="none")
     est.add_argument("--recompute-layers", type=int, default=0, metavar="N",
                      help="--recompute full: replay only the first N layers of each pipeline chunk (Megatron's "
@@ -440,7 +441,8 @@ def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: i
     layout = args.pipeline_layout and ", layers per virtual stage " + ",".join(map(str, args.pipeline_layout))
     fp8 = f", fp8 ({_fp8_recipe(_recipe_flag(args), args.fp8_cached_activations)})" if args.fp8 else ""
     return (f"{model} on {args.gpus} x {gpu}, seq {args.seq}, global batch {global_batch} sequences, "
-            f"{args.param_dtype}{fp8}{layout or ''}: the {rows} fastest layouts that fit")
+            f"{args.param_dtype}{fp8}{layout or ''}: " + ("the fastest layout that fits" if rows == 1 else
+                                                         f"the {rows} fastest layouts that fit"))
 
 
 def _fp8_recipe(recipe: str, cached_activations: bool) -> str:
@@ -518,6 +520,9 @@ def format_ranking(ranked: list[Estimate]) -> str:
     return "\n".join(rows)
 
 
+MAX_DOCUMENTS = 1_000_000  # --doc-lengths: a sample of a corpus prices it as well, in seconds not hours
+
+
 def _doc_lengths(path: str) -> tuple[int, ...]:
     """A file of document lengths, one per line, or `LENGTH COUNT` lines (a histogram), in packing order."""
     try:
@@ -532,7 +537,11 @@ def _doc_lengths(path: str) -> tuple[int, ...]:
         if len(fields) > 2 or not all(f.isdigit() and int(f) >= 1 for f in fields):
             raise argparse.ArgumentTypeError(f"{path}:{number}: expected LENGTH or LENGTH COUNT (integers >= 1), "
                                              f"not {line.strip()!r}")
-        lengths += [int(fields[0])] * (int(fields[1]) if len(fields) == 2 else 1)
+        count = int(fields[1]) if len(fields) == 2 else 1
+        if len(lengths) + count > MAX_DOCUMENTS:
+            raise argparse.ArgumentTypeError(f"{path}:{number}: more than {MAX_DOCUMENTS:,} documents; give a sample "
+                                             "of them (the price is a mean over the sequences they fill)")
+        lengths += [int(fields[0])] * count
     if not lengths:
         raise argparse.ArgumentTypeError(f"{path}: no document lengths")
     return tuple(lengths)

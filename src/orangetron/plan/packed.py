@@ -11,30 +11,39 @@ the whole sequences of the busiest rank.
 from __future__ import annotations
 
 import bisect
+import functools
 
 from orangetron.plan.compute import ATTN_BLOCK
 from orangetron.spec.sharding import shard_runs
 
 Piece = tuple[int, int]
+Transfer = tuple[float, float]  # tokens of K,V (sent, received)
 
 
-def windows(doc_lengths: tuple[int, ...], seq: int) -> list[list[Piece]]:
-    """The documents' [start, stop) pieces in each whole sequence of `seq` tokens they pack into (at least one)."""
+def windows(doc_lengths: tuple[int, ...], seq: int) -> list[tuple[tuple[Piece, ...], int]]:
+    """The distinct lists of the documents' [start, stop) pieces in the whole sequences of `seq` tokens they pack
+    into (at least one), each with how many sequences hold it, in order of first appearance. The sequences
+    inside one long document are counted at once, so a length costs the same however long it is."""
     total = sum(doc_lengths)
     repeats = max(1, -(-seq // total))  # enough copies to fill one sequence
-    found, current, at = [], [], 0
+    counts: dict[tuple[Piece, ...], int] = {}
+    current: list[Piece] = []
+    at = 0
     for length in doc_lengths * repeats:
+        if at == 0 and length >= seq:  # whole sequences of this document alone
+            counts[((0, seq),)] = counts.get(((0, seq),), 0) + length // seq
+            length %= seq
         while length:
             take = min(length, seq - at)
             current.append((at, at + take))
             at, length = at + take, length - take
             if at == seq:
-                found.append(current)
+                counts[tuple(current)] = counts.get(tuple(current), 0) + 1
                 current, at = [], 0
-    return found
+    return list(counts.items())
 
 
-def _rank_runs(window: list[Piece], seq: int, cp: int) -> list[tuple[tuple[int, int], ...]]:
+def _rank_runs(window: tuple[Piece, ...], seq: int, cp: int) -> list[tuple[tuple[int, int], ...]]:
     """Each rank's runs, none across a document's start (one rank: the pieces themselves)."""
     if cp == 1:
         return [tuple(window)]
@@ -42,7 +51,7 @@ def _rank_runs(window: list[Piece], seq: int, cp: int) -> list[tuple[tuple[int, 
     return [shard_runs(seq, cp, r, cuts) for r in range(cp)]
 
 
-def _piece_of(window: list[Piece], position: int) -> Piece:
+def _piece_of(window: tuple[Piece, ...], position: int) -> Piece:
     return window[bisect.bisect_right([a for a, _ in window], position) - 1]
 
 
@@ -56,37 +65,41 @@ def piece_keys(a: int, b: int, lo: int, hi: int) -> float:
     return n * (x - a) + n * (n + 1) / 2 + n * (min(b - a, ATTN_BLOCK) - 1) / 2
 
 
+@functools.lru_cache(maxsize=64)  # the planner prices one job's documents again for each candidate it weighs
 def document_keys(doc_lengths: tuple[int, ...], seq: int, cp: int) -> float:
     """Keys a query of the busiest cp rank is computed against on average, whole diagonal blocks included: a
     query sees the earlier keys of its own document, and the step waits for the rank with the most."""
-    busiest = []
-    for window in windows(doc_lengths, seq):
+    busiest, sequences = 0.0, 0
+    for window, count in windows(doc_lengths, seq):
         per_rank = [sum(piece_keys(*_piece_of(window, lo), lo, hi) for lo, hi in runs)
                     for runs in _rank_runs(window, seq, cp)]
-        busiest.append(max(per_rank))
-    return sum(busiest) / len(busiest) / (seq // cp)
+        busiest += count * max(per_rank)
+        sequences += count
+    return busiest / sequences / (seq // cp)
 
 
-def ring_steps(doc_lengths: tuple[int, ...], seq: int, cp: int, u: int = 1) -> list[list[tuple[float, float]]]:
+@functools.lru_cache(maxsize=64)
+def ring_steps(doc_lengths: tuple[int, ...], seq: int, cp: int, u: int = 1) -> tuple[tuple[Transfer, ...], ...]:
     """Per ring member, per transfer of one ring pass (after steps 0 .. members-2): (tokens of K,V it sends,
     tokens it receives), mean over the sequences. A member is one cp rank, or under USP the `u` consecutive
     ranks of a Ulysses group, holding their tokens in rank order. Block j is at member j+s after s steps; a run
     of its keys goes on while a member it has still to visit sees some of it (holds a token of the run's
     document at or after its start)."""
     found, members = windows(doc_lengths, seq), cp // u
+    sequences = sum(count for _, count in found)
     steps = [[(0.0, 0.0)] * (members - 1) for _ in range(members)]
-    for window in found:
-        reach = _reach(window, seq, cp, u)
+    for window, count in found:
+        reach, share = _reach(window, seq, cp, u), count / sequences
         for member in range(members):
             for step in range(members - 1):
                 sent = sum(n for n, far in reach[(member - step) % members] if far > step)
                 got = sum(n for n, far in reach[(member - 1 - step) % members] if far > step)
                 before = steps[member][step]
-                steps[member][step] = (before[0] + sent / len(found), before[1] + got / len(found))
-    return steps
+                steps[member][step] = (before[0] + sent * share, before[1] + got * share)
+    return tuple(tuple(member) for member in steps)
 
 
-def _reach(window: list[Piece], seq: int, cp: int, u: int) -> list[list[tuple[int, int]]]:
+def _reach(window: tuple[Piece, ...], seq: int, cp: int, u: int) -> list[list[tuple[int, int]]]:
     """Per member, each of its runs as (tokens, how many hops its block carries it: the last member that sees
     it)."""
     ranks = _rank_runs(window, seq, cp)

@@ -126,7 +126,8 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: norms on sequence shards, TP's all-reduces become reduce-scatter + all-gather")
     p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel degree: local ranks that split every sequence head-tail (started for you)")
+                   help="context-parallel degree: local ranks that split every sequence, head-tail (packed documents: "
+                        "balanced by document) (started for you)")
     p.add_argument("--cp-mode", default=defaults["cp_mode"].default, choices=CONTEXT_MODES.names(runtime=True),
                    help="context-parallel attention (default: %(default)s): " + _summaries(CONTEXT_MODES))
     p.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
@@ -306,7 +307,9 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         f"loss {losses[0]:.4f} at step 1 -> final_loss {result['final_loss']:.4f} at step {len(losses)}, "
         f"final_loss_mean10 {result['final_loss_mean10']:.4f} (mean of the last {min(len(losses), 10)} steps); "
         f"held-out loss {eval_text}",
-        f"{result['params']:,} params, {result['tokens_per_s']:,.0f} tokens/s, "
+        f"{result['params']:,} params, "
+        + (f"{result['tokens_per_s']:,.0f} tokens/s, " if result["tokens_per_s"] else
+           "tokens/s not timed (the run's one step also measured memory), ")
         + (f"MFU {100 * result['mfu']:.1f}% of {result['peak_flops'] / 1e9:,.1f} GFLOP/s "
            f"({result.get('peak_source', 'measured matmul')}), "
            if result.get("mfu") is not None else "") + f"{result['time_s']:.1f} s",

@@ -207,7 +207,8 @@ class TrainConfig(Layout, ParallelConfig):
     def warnings(self) -> list[str]:
         """What the trainer warns of before it starts: `ineffective_options`, and a model or tokenizer that is
         probably not the one meant (a Hugging Face folder as --model trains its architecture from random weights;
-        a --hf-model folder without a tokenizer trains its weights on byte ids)."""
+        a --hf-model folder without a tokenizer trains its weights on byte ids, one with its own tokenizer on the
+        ids of a prepared dataset's other one)."""
         from orangetron.train.tokenizer import has_tokenizer
 
         notes = self.ineffective_options()
@@ -218,6 +219,11 @@ class TrainConfig(Layout, ParallelConfig):
                 and not has_tokenizer(self.hf_model):
             notes.append(f"hf_model={self.hf_model!r} (--hf-model) has no tokenizer files: its weights train on the "
                          "byte tokenizer's ids, not the ones it was trained on; give --tokenizer")
+        if self.hf_model is not None and self.prepared_data is not None and Path(self.hf_model).exists() \
+                and has_tokenizer(self.hf_model) and not _same_ids(self.hf_model, self.tokenizer):
+            notes.append(f"hf_model={self.hf_model!r} (--hf-model): its weights train on the ids of the prepared "
+                         f"dataset's tokenizer {self.tokenizer}, not its own; prepare the data with --tokenizer "
+                         f"{self.hf_model} to train on those")
         return notes
 
     def parallel_config(self) -> ParallelConfig:
@@ -383,6 +389,15 @@ class TrainConfig(Layout, ParallelConfig):
                 continue
             out[field.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+
+def _same_ids(folder: str, tokenizer: str | None) -> bool:
+    """Whether the tokenizer of `folder` and `tokenizer` give the same ids (`HFTokenizer.ids_sha256`)."""
+    from orangetron.train.tokenizer import TOKENIZERS, tokenizer_named
+
+    if tokenizer is None or tokenizer in TOKENIZERS:
+        return False
+    return tokenizer_named(folder).ids_sha256() == tokenizer_named(tokenizer).ids_sha256()
 
 
 def _check_same_tokenizer(name: str, recorded_sha256: str, dataset: str | None) -> None:

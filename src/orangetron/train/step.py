@@ -148,7 +148,9 @@ def _eval_loss(model: ParallelModel, batch: torch.Tensor) -> float:
 @torch.no_grad()
 def evaluate(model: ParallelModel, samples: torch.Tensor, batch_size: int, max_batches: int) -> float | None:
     """Mean next-token cross entropy (no aux loss) over the first max_batches batches of samples
-    [n, S+1], in order; None when there are no samples. Every rank evaluates the same samples."""
+    [n, S+1], in order, the same on every rank; None when there are no samples. Every rank evaluates the same
+    samples; a context-parallel rank sees an equal share of each one's tokens, so the loss is the mean over
+    every rank (tp ranks, pp stages and dp ranks hold copies), as a training step's is."""
     n = min(samples.shape[0], batch_size * max_batches)
     if n == 0:
         return None
@@ -159,7 +161,9 @@ def evaluate(model: ParallelModel, samples: torch.Tensor, batch_size: int, max_b
         batch = samples[start : min(start + batch_size, n)].to(model.device)
         total += _eval_loss(model, batch) * batch.shape[0]  # equal-length rows: weight by rows
     model.train(was_training)
-    return total / n
+    share = comm.host_tensor([total / n], torch.float64)
+    with comm.unmeasured():  # a report, not evaluation traffic the planner prices
+        return comm.all_reduce(share, comm.world_group()).item() / comm.world_group().size
 
 
 def train_step(

@@ -194,12 +194,11 @@ def _train_rank(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
 
 
 def _merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result from every rank's: losses averaged over ranks (equal shares), per-rank lists joined."""
+    """One result from every rank's: losses averaged over ranks (equal shares), per-rank lists joined (the
+    held-out loss is every rank's already: `step.evaluate`)."""
     merged = dict(results[0])
     merged["losses"] = [sum(step) / len(results) for step in zip(*(r["losses"] for r in results), strict=True)]
     merged.update(final_losses(merged["losses"]))
-    if merged["eval_loss"] is not None:  # context-parallel ranks each evaluate an equal share of the tokens
-        merged["eval_loss"] = sum(r["eval_loss"] for r in results) / len(results)
     merged["memory"] = [entry for r in results for entry in r["memory"]]
     merged["comm"] = [entry for r in results for entry in r["comm"]]
     merged["comm_per_step"] = [entry for r in results for entry in r["comm_per_step"]]
