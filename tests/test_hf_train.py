@@ -173,6 +173,17 @@ def test_verify_starts_from_a_hugging_face_folder_and_names_it(tmp_path, capsys)
     assert result["ok"] and result["hf_model"] == str(folder.resolve()) and result["model"] == "llama"
     assert result["options"] == {"zero_stage": 1} and result["max_grad_rel_diff"] < 1e-12
     assert "model llama, tp=1 cp=1 pp=1 dp=2 ep=1, zero_stage=1, 1 step in float64" in err
+    # on a dataset the folder's own tokenizer prepared, packed: verify had no --data, and packing asked for one
+    from orangetron.train.prepare import prepare_data
+
+    hf_models.add_tokenizer(folder)
+    prepare_data([str(hf_models.corpus_file(tmp_path / "text"))], tmp_path / "ds", str(folder), progress=False)
+    assert main(["verify", "--hf-model", str(folder), "--data", str(tmp_path / "ds"), "--cp", "2", "--steps", "1",
+                 "--seq-len", "16", "--batch-size", "4", "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["ok"] and result["pack_documents"] and result["max_grad_rel_diff"] < 1e-12
+    assert "model llama, tp=1 cp=2 pp=1 dp=1 ep=1, packed documents, 1 step in float64" in err
 
 
 def test_export_refuses_the_folder_the_run_was_imported_from(tmp_path, capsys):

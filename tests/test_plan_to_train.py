@@ -49,6 +49,12 @@ def test_a_plans_config_trains_and_measures_what_was_predicted(tmp_path, capsys)
     table = captured.err[captured.err.index("the planner's prediction beside"):]
     assert "memory activations_peak" in table and "sent all_gather/tp" in table and "(+" not in table \
         and "(-" not in table
+    # verify checks the planned layout from the same file, leaving out the training run's own options
+    assert cli.main(["verify", "--config", str(path), "--steps", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    checked = json.loads(captured.out.strip().splitlines()[-1])
+    assert checked["ok"] and checked["layout"] == result["layout"] and checked["steps"] == 1
+    assert f"--config {path}: leaves out steps, lr, " in captured.err  # it refused the file: unknown key 'lr'
 
 
 def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys) -> None:
@@ -63,6 +69,12 @@ def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys)
     bad.write_text('model = "tiny"\nseq_len = 16\nwidth = 3\n')
     assert cli.main(["estimate", "--config", str(bad)]) == 2
     assert "unknown key 'width'" in capsys.readouterr().err
+    bad.write_text('model = "tiny"\nseq_len = 16\nzero-stge = 2\n')  # a near miss is named, as train names it
+    assert cli.main(["estimate", "--config", str(bad)]) == 2
+    assert "unknown key 'zero-stge'; did you mean 'zero_stage'?" in capsys.readouterr().err
+    bad.write_text('seq_len = 16\n[model]\nhiden_size = 32\nnum_layers = 1\nnum_heads = 2\n')
+    assert cli.main(["estimate", "--config", str(bad)]) == 2
+    assert "unknown key(s) hiden_size (did you mean hidden_size?)" in capsys.readouterr().err
     # Values are checked as `train --config` checks them: a switch takes true or false, a degree an integer.
     for line, why in (('zero3_prefetch = "no"', "must be true or false"), ("dp = 2.0", "must be an integer"),
                       ('capacity_factor = "1.0"', "must be a number"), ("capacity_factor = true", "must be a number")):
@@ -88,6 +100,8 @@ def test_estimate_prices_a_run_folders_record(tmp_path, capsys) -> None:
     measured = _json(capsys)["memory"][0]
     assert cli.main(["estimate", "--config", str(out / "config.toml"), "--gpu", "h100", "--json"]) == 0
     priced = _json(capsys)
+    assert cli.main(["estimate", "--config", str(out), "--gpu", "h100", "--json"]) == 0  # the folder: the same
+    assert _json(capsys) == priced
     assert priced["memory_bytes"]["params"] == measured["params"] and priced["layout"]["dp"] == 1
     assert priced["memory_bytes"]["activations"] == measured["activations_peak"]
 

@@ -74,7 +74,7 @@ def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
                       argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse again with the files' options as defaults, so that flags on the command line override them: a
     resumed run's record first (all but its directives, `run_folder.DIRECTIVES`), then `--config`."""
-    from orangetron.train.config_file import read_config_file
+    from orangetron.train.config_file import read_config_file, read_toml
     from orangetron.train.run_folder import CONFIG_FILE, DIRECTIVES
 
     defaults = {}
@@ -86,7 +86,12 @@ def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if hasattr(args, "pack_documents"):  # a run recorded before packing existed trained unpacked
             defaults.setdefault("pack_documents", False)
     if args.config:
-        defaults |= read_config_file(args.config, args.command_parser)
+        ignored = getattr(args, "config_ignores", ())
+        defaults |= read_config_file(args.config, args.command_parser, ignored)
+        left_out = [key for key in read_toml(args.config) if key.replace("-", "_") in ignored]
+        if left_out:
+            print(f"{args.own_parser.prog}: --config {args.config}: leaves out {', '.join(left_out)} (a training "
+                  "run's own options)", file=sys.stderr)
     args.command_parser.set_defaults(**defaults)
     data_given = args.data_given
     args = parser.parse_args(argv)

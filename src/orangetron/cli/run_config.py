@@ -14,9 +14,10 @@ the trainer's to the byte, and the plan's row differs only by the norm's all-red
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from orangetron.plan.estimate import Estimate
 from orangetron.spec.layout import Layout
@@ -140,6 +141,11 @@ def _write(row: Estimate, rank: int, path: Path) -> None:
     path.write_text(header + body, encoding="utf-8")
 
 
+def _refuse_unknown(path: str, key: str, known: list[str]) -> NoReturn:
+    close = difflib.get_close_matches(key.replace("-", "_"), known, n=1, cutoff=0.6)
+    raise ValueError(f"--config {path}: unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
 def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     """(model, degrees, job) `estimate` prices for a run's config file (`plan --emit-config`'s, or a run
     folder's config.toml): its layout, parallel options, sequence length, batch and model. The run's own
@@ -158,7 +164,7 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
         elif name in parallel_fields:
             parallel[name] = _typed(path, key, value, parallel_fields[name].default)
         elif name not in (*_RUN_ONLY, "model", "seq_len", "batch_size"):
-            raise ValueError(f"--config {path}: unknown key {key!r}")
+            _refuse_unknown(path, key, [*layout_fields, *parallel_fields, *_RUN_ONLY, "model", "seq_len", "batch_size"])
     for name in ("model", "seq_len"):
         if name not in table:
             raise ValueError(f"--config {path}: no {name!r}; a run's config file names its model and seq_len")

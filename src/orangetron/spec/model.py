@@ -20,6 +20,7 @@ onto the schema's once, in `RUNTIME_NAMES`.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import tomllib
@@ -402,7 +403,9 @@ _SPEC_FIELDS = {f.name for f in fields(ModelSpec)}
 def _spec_from_table(name: str, table: dict) -> ModelSpec:
     unknown = sorted(set(table) - _SPEC_FIELDS - {"kind", "description", "source"})
     if unknown:
-        raise ValueError(f"model {name}: unknown key(s) {', '.join(unknown)}")
+        hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, _SPEC_FIELDS, 1, 0.6))
+                 else key for key in unknown]
+        raise ValueError(f"model {name}: unknown key(s) {', '.join(hints)}")
     values = {k: v for k, v in table.items() if k in _SPEC_FIELDS}
     missing = [k for k in ("hidden_size", "num_layers", "num_heads") if k not in values]
     if missing:

@@ -6,9 +6,11 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Collection
 from typing import Any
 
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES, Registry
+from orangetron.train.config_file import config_keys
 
 DEFAULTS_NOTE = "With no flags: the small-moe model on the embedded stdlib corpus, on one CPU rank."
 
@@ -49,16 +51,11 @@ def add_train_commands(sub: Any) -> None:
            type=int)
     option("--timeout-s", "seconds a rank waits for the others in a collective; then every rank stops and the "
            "one that stopped responding is named", type=float)
-    p.add_argument("--data", nargs="+", metavar="FILE", default=None,
-                   help="UTF-8 text files to train on, or one folder `orangetron prepare-data` wrote (read through a "
-                   "memory map, never whole) (default: the Python standard library's sources)")
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="start from a Hugging Face model folder (config.json and safetensors): its config is the "
                    "model and its weights the start, on any layout, each rank reading only its own share; its "
                    "tokenizer is the run's unless --tokenizer says otherwise")
-    p.add_argument("--tokenizer", metavar="DIR|FILE", default=None,
-                   help="byte, or a tokenizer folder or tokenizer.json (Hugging Face tokenizers; BOS/EOS from "
-                   "tokenizer_config.json) (default: a prepared dataset's, else the --hf-model folder's, else byte)")
+    _add_data_flags(p)
     p.add_argument("--out", metavar="DIR", default=None,
                    help="run folder: metrics.jsonl, and checkpoints/ with one after the last step")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -97,7 +94,7 @@ def add_train_commands(sub: Any) -> None:
     _add_layout_flags(p)
     _add_config_flag(p)
     p.set_defaults(run=run_train)
-    _add_verify_command(sub)
+    _add_verify_command(sub, config_keys(p))
 
 
 def _add_device_flag(p: argparse.ArgumentParser) -> None:
@@ -184,6 +181,15 @@ def _summaries(registry: Registry) -> str:
     return "; ".join(f"{r.name}: {r.summary}" for r in registry if r.runtime).replace("%", "%%")
 
 
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", nargs="+", metavar="FILE", default=None,
+                   help="UTF-8 text files to train on, or one folder `orangetron prepare-data` wrote (read through a "
+                   "memory map, never whole) (default: the Python standard library's sources)")
+    p.add_argument("--tokenizer", metavar="DIR|FILE", default=None,
+                   help="byte, or a tokenizer folder or tokenizer.json (Hugging Face tokenizers; BOS/EOS from "
+                   "tokenizer_config.json) (default: a prepared dataset's, else the --hf-model folder's, else byte)")
+
+
 def _add_config_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE.toml",
                    help="options from a TOML file, keys named as the flags (zero-stage = 2); flags given on the "
@@ -194,7 +200,7 @@ def _add_config_flag(p: argparse.ArgumentParser) -> None:
 VERIFY_MODEL = "tiny-moe"  # two runs of every step: a model that keeps verify quick
 
 
-def _add_verify_command(sub: Any) -> None:
+def _add_verify_command(sub: Any, train_keys: Collection[str]) -> None:
     from orangetron.train.config import DEFAULT_TOLERANCE, PARAM_DTYPES
 
     p = sub.add_parser(
@@ -216,12 +222,17 @@ def _add_verify_command(sub: Any) -> None:
                    + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + ")")
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="both runs start from this Hugging Face folder's weights (its config is the model)")
+    _add_data_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of standard output")
     _add_device_flag(p)
-    _add_packing_flag(p, "(default: off; both runs train on the stdlib corpus, one file a document)")
+    _add_packing_flag(p, "(default: on for a prepared dataset, which keeps a document index; off for text, the "
+                      "stdlib corpus's files included)")
     _add_layout_flags(p)
     _add_config_flag(p)
-    p.set_defaults(run=run_verify)
+    # A run's config file (or plan's) holds the training run's own options too, its length among them (a check
+    # takes a few steps: --steps): verify reads the rest.
+    ignored = {"steps", *(set(train_keys) - set(config_keys(p)))}
+    p.set_defaults(run=run_verify, config_ignores=tuple(sorted(ignored)))
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -250,6 +261,7 @@ def run_verify(args: argparse.Namespace) -> int:
                                          f"gradient gap in {result['worst_grad_param']} at step "
                                          f"{result['worst_grad_step']})")
     options = "".join(f", {key}={value}" for key, value in result["options"].items())
+    options += ", packed documents" if result.get("pack_documents") else ""
     steps = f"{cfg.steps} step" + ("s" if cfg.steps != 1 else "")
     print(f"orangetron verify: model {result['model']}, {cfg.layout}{options}, {steps} in {cfg.param_dtype} against "
           f"one rank: max relative loss difference {result['max_loss_rel_diff']:.2e}, max relative gradient "

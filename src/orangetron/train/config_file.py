@@ -21,7 +21,7 @@ _NOT_IN_A_FILE = ("help", "config")
 RECORD_TABLES = ("data_record", "model_source")
 
 
-def _keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+def config_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Every option the file may set, by its key (the long flag's name with underscores)."""
     keys = {}
     for action in parser._actions:  # argparse has no public accessor for its options
@@ -37,8 +37,13 @@ def _keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def read_toml(path: str) -> dict[str, Any]:
-    """The TOML file given to --config, parsed; FileNotFoundError or ValueError naming it in one line."""
+    """The TOML file given to --config (a run folder: its config.toml), parsed; FileNotFoundError or ValueError
+    naming it in one line."""
     file = Path(path)
+    if file.is_dir() and (file / "config.toml").is_file():
+        file = file / "config.toml"
+    if file.is_dir():
+        raise FileNotFoundError(f"--config {path}: a folder without a run's config.toml")
     if not file.is_file():
         raise FileNotFoundError(f"--config {path}: no such file")
     try:
@@ -47,14 +52,15 @@ def read_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"--config {path}: not a TOML file ({err})") from None
 
 
-def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The file's options as `parser` defaults (by destination); ValueError naming the file and the key."""
+def read_config_file(path: str, parser: argparse.ArgumentParser, ignored: Collection[str] = ()) -> dict[str, Any]:
+    """The file's options as `parser` defaults (by destination); ValueError naming the file and the key. Keys in
+    `ignored` are passed over (`verify` reads a run's file and leaves out what only a training run takes)."""
     table = read_toml(path)
-    keys = _keys(parser)
+    keys = config_keys(parser)
     defaults = {}
     for raw_key, value in table.items():
         key = raw_key.replace("-", "_")
-        if key in RECORD_TABLES:
+        if key in RECORD_TABLES or key in ignored:
             continue
         if key == "model" and isinstance(value, dict):  # every field of the model, as a model file has them
             check_no_run_options(path, value, keys)
@@ -86,7 +92,7 @@ def _planner_flags() -> dict[str, str]:
 
     commands = argparse.ArgumentParser().add_subparsers()
     add_plan_commands(commands)
-    flags = {key: action.option_strings[0] for key, action in _keys(commands.choices["estimate"]).items()}
+    flags = {key: action.option_strings[0] for key, action in config_keys(commands.choices["estimate"]).items()}
     planner_only = {f.name for f in dataclasses.fields(Job)} - {f.name for f in dataclasses.fields(ParallelConfig)}
     return {key: flags[key] for key in planner_only if key in flags}
 

@@ -95,7 +95,7 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     options = {name: value for name, value in values_of(ParallelConfig, cfg).items()
                if name != "param_dtype" and value != getattr(defaults, name)}
     result = {"model": cfg.model_config().name, "hf_model": cfg.hf_model, "layout": cfg.layout.degrees(),
-              "options": options, "steps": cfg.steps, "dtype": cfg.param_dtype,
+              "options": options, "pack_documents": cfg.pack_documents, "steps": cfg.steps, "dtype": cfg.param_dtype,
               "max_loss_rel_diff": max(loss_gaps), "max_grad_rel_diff": grad_gaps[worst_grad_step][0],
               "worst_loss_step": loss_gaps.index(max(loss_gaps)) + 1, "worst_grad_step": worst_grad_step + 1,
               "worst_grad_param": grad_gaps[worst_grad_step][1], "tolerance": tolerance,
