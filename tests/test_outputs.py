@@ -78,6 +78,9 @@ def test_emit_config_replaces_only_a_file_plan_wrote(tmp_path, capsys) -> None:
     capsys.readouterr()
     _refused(capsys, [*PLAN, "--emit-config", str(emitted)], "was edited since `plan` wrote it")
     assert emitted.read_text() == edited
+    older = "\n".join(line for line in edited.splitlines() if not line.startswith("# plan replaces this file"))
+    emitted.write_text(older)  # an older plan's file: no hash to tell an edit by, not "edited"
+    _refused(capsys, [*PLAN, "--emit-config", str(emitted)], "written by an older `plan`")
 
 
 def test_a_second_tokenizer_overwrite_moves_the_pair_to_one_suffix(tmp_path, capsys) -> None:
@@ -106,11 +109,26 @@ def test_move_aside_never_replaces_a_link_and_names_a_dot(tmp_path, monkeypatch)
     assert move_aside(notes) == tmp_path / "notes.txt.previous-2"
     assert (tmp_path / "notes.txt.previous-1").is_symlink()
     folder = tmp_path / "here"
-    folder.mkdir()
-    monkeypatch.chdir(folder)
-    assert move_aside(Path(".")) == tmp_path / "here.previous-1"  # it said "PosixPath('.') has an empty name"
+    (folder / "sub").mkdir(parents=True)
+    monkeypatch.chdir(folder / "sub")
+    for working in (Path("."), Path("..")):  # the process follows a moved working folder and writes into it
+        with pytest.raises(ValueError, match="holds the working folder, which cannot move aside"):
+            move_aside(working)
+    assert move_aside(Path("../../notes.txt.previous-2")) == tmp_path / "notes.txt.previous-2.previous-1"
     with pytest.raises(ValueError, match="has no name to move aside"):
         move_aside(Path("/"))
+
+
+def test_a_new_run_over_the_working_folder_moves_nothing(tmp_path, monkeypatch, capsys) -> None:
+    """`train --out . --overwrite` moved the working folder aside and the new run, following it, wrote over the
+    old one inside it."""
+    monkeypatch.chdir(tmp_path)
+    base = ["train", "--model", "tiny", "--steps", "1", "--seq-len", "16", "--batch-size", "4", "--quiet", "--out", "."]
+    assert main([*base, "--seed", "1"]) == 0
+    before = (tmp_path / "config.toml").read_text()
+    capsys.readouterr()
+    _refused(capsys, [*base, "--seed", "2", "--overwrite"], "holds the working folder, which cannot move aside")
+    assert (tmp_path / "config.toml").read_text() == before
 
 
 def test_an_export_that_fails_moves_nothing_aside_and_leaves_nothing(run, tmp_path, capsys, monkeypatch) -> None:
@@ -132,3 +150,25 @@ def test_an_export_that_fails_moves_nothing_aside_and_leaves_nothing(run, tmp_pa
     _refused(capsys, ["export", str(run), "--hf", "-o", str(run.parent), "--overwrite"],
              "holds the checkpoint")  # it moved the run folder away, with every checkpoint
     assert (run / "checkpoints").is_dir()
+
+
+def test_a_state_dict_export_that_fails_moves_nothing_and_makes_its_folder(run, tmp_path, capsys, monkeypatch):
+    """The old file moved aside before the new one was written; and a missing folder ended in a traceback."""
+    assert main(["export", str(run), "-o", str(tmp_path / "new" / "sub" / "m.pt")]) == 0
+    exported = tmp_path / "new" / "sub" / "m.pt"
+    before = exported.read_bytes()
+
+    def refuse(*args, **kwargs):
+        raise ValueError("disk full")
+
+    monkeypatch.setattr(torch, "save", refuse)
+    capsys.readouterr()
+    _refused(capsys, ["export", str(run), "-o", str(exported), "--overwrite"], "disk full")
+    assert exported.read_bytes() == before and sorted(p.name for p in exported.parent.iterdir()) == ["m.pt"]
+
+
+def test_an_export_into_a_link_writes_its_target(run, tmp_path, capsys) -> None:
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    assert main(["export", str(run), "--hf", "-o", str(tmp_path / "link")]) == 0  # it ended in a traceback
+    assert (tmp_path / "target" / "model.safetensors").is_file() and (tmp_path / "link").is_symlink()

@@ -74,6 +74,8 @@ def test_a_document_of_any_length_costs_the_same_to_price():
     sequence of one document alone is its causal sequence, whatever the document's length."""
     assert document_keys((10**20,), 4096, 4) == causal_keys(4096)
     assert windows((10**20,), 4096) == [(((0, 4096),), 10**20 // 4096)]
+    # after a short one too: the shortcut held only for a document that began a sequence
+    assert windows((1, 10**20), 4096) == [(((0, 1), (1, 4096)), 1), (((0, 4096),), (10**20 + 1) // 4096 - 1)]
 
 
 def ring_ledger(lengths: tuple[int, ...]) -> tuple[int, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tomllib
 from itertools import islice
 
@@ -237,5 +238,33 @@ def test_a_tokenizer_trained_again_after_prepare_data_is_refused(tmp_path):
     with pytest.raises(TrainConfigError, match="more than the model's vocab_size"):  # past the tokenizer's check
         _cfg(tmp_path / "data")
     train_tokenizer([str(tmp_path / "corpus.txt")], bpe, vocab=280, overwrite=True)
-    with pytest.raises(TrainConfigError, match="its files changed since the prepared dataset"):
+    with pytest.raises(TrainConfigError, match="its ids changed since the prepared dataset"):
         _cfg(tmp_path / "data")
+
+
+def test_records_of_the_former_keys_are_still_checked(tmp_path):
+    """A dataset.json of 2026-12-04 holds the tokenizer's file hash (`tokenizer_sha256`), and a run record of
+    that day the token file's modification time (`modified_ns`): renamed keys left both unchecked."""
+    (tmp_path / "corpus.txt").write_text(stdlib_corpus(20_000), encoding="utf-8")
+    bpe = train_tokenizer([str(tmp_path / "corpus.txt")], tmp_path / "bpe", vocab=300)
+    prepare_data([str(tmp_path / "corpus.txt")], tmp_path / "data", str(bpe), progress=False)
+    meta_file = tmp_path / "data" / "dataset.json"
+    meta = json.loads(meta_file.read_text())
+    meta["tokenizer_sha256"] = HFTokenizer(bpe).files_sha256()
+    del meta["tokenizer_ids_sha256"]
+    meta_file.write_text(json.dumps(meta))
+    train_tokenizer([str(tmp_path / "corpus.txt")], bpe, vocab=280, overwrite=True)
+    with pytest.raises(TrainConfigError, match="its ids changed since the prepared dataset"):
+        _cfg(tmp_path / "data")
+
+    prepare_data([str(tmp_path / "corpus.txt")], tmp_path / "bytes", "byte", progress=False)
+    train(_cfg(tmp_path / "bytes", out=str(tmp_path / "run"), stop_after=2), progress=False)
+    record = tmp_path / "run" / "config.toml"
+    tokens = tmp_path / "bytes" / "tokens.bin"
+    text = re.sub(r"changed_ns = \d+", f"modified_ns = {tokens.stat().st_mtime_ns}", record.read_text())
+    record.write_text(text)
+    edited = bytearray(tokens.read_bytes())
+    edited[:2] = edited[1::-1] if edited[0] != edited[1] else b"\x01\x02"
+    tokens.write_bytes(bytes(edited))
+    with pytest.raises(TrainConfigError, match="tokens.bin changed after `prepare-data` wrote it"):
+        train(_cfg(tmp_path / "bytes", out=str(tmp_path / "run"), resume=True), progress=False)

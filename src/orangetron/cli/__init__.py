@@ -91,7 +91,7 @@ def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
         left_out = [key for key in read_toml(args.config) if key.replace("-", "_") in ignored]
         if left_out:
             print(f"{args.own_parser.prog}: --config {args.config}: leaves out {', '.join(left_out)} (a training "
-                  "run's own options)", file=sys.stderr)
+                  "run's own options; a check takes --steps, 3 by default)", file=sys.stderr)
     args.command_parser.set_defaults(**defaults)
     data_given = args.data_given
     args = parser.parse_args(argv)

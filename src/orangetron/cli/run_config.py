@@ -99,6 +99,9 @@ def check_emit_path(path: str) -> None:
         if not text.startswith(EMITTED):
             raise ValueError(f"--emit-config {path}: exists and is not a configuration `plan` wrote; give "
                              "another name")
+        if UNEDITED not in text:
+            raise ValueError(f"--emit-config {path}: written by an older `plan`, whose files carry no hash of their "
+                             "lines to tell an edit by; give another name, or remove it")
         if not _unedited(text):
             raise ValueError(f"--emit-config {path}: was edited since `plan` wrote it; give another name, or "
                              "remove it")

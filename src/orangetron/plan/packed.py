@@ -30,10 +30,11 @@ def windows(doc_lengths: tuple[int, ...], seq: int) -> list[tuple[tuple[Piece, .
     current: list[Piece] = []
     at = 0
     for length in doc_lengths * repeats:
-        if at == 0 and length >= seq:  # whole sequences of this document alone
-            counts[((0, seq),)] = counts.get(((0, seq),), 0) + length // seq
-            length %= seq
         while length:
+            if at == 0 and length >= seq:  # whole sequences of this document alone
+                counts[((0, seq),)] = counts.get(((0, seq),), 0) + length // seq
+                length %= seq
+                continue
             take = min(length, seq - at)
             current.append((at, at + take))
             at, length = at + take, length - take

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from orangetron.hf.folder import check_weight_files
 from orangetron.model.config import MODEL_PRESETS, ConfigError, check_runnable, model_preset
@@ -341,8 +342,8 @@ class TrainConfig(Layout, ParallelConfig):
         if prepared is not None and name != prepared["tokenizer"]:
             raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): the prepared dataset {self.prepared_data} "
                                    f"was tokenized with {prepared['tokenizer']!r}")
-        if prepared is not None and prepared.get("tokenizer_ids_sha256"):
-            _check_same_tokenizer(name, prepared["tokenizer_ids_sha256"], self.prepared_data)
+        if prepared is not None and (prepared.get("tokenizer_ids_sha256") or prepared.get("tokenizer_sha256")):
+            _check_same_tokenizer(name, prepared, self.prepared_data)
         try:
             vocab = prepared["vocab_size"] if prepared is not None else tokenizer_named(name).vocab_size
         except ValueError as err:
@@ -397,19 +398,27 @@ def _same_ids(folder: str, tokenizer: str | None) -> bool:
 
     if tokenizer is None or tokenizer in TOKENIZERS:
         return False
-    return tokenizer_named(folder).ids_sha256() == tokenizer_named(tokenizer).ids_sha256()
+    try:  # the folder's tokenizer is not the run's: one it cannot read is only not the same
+        return tokenizer_named(folder).ids_sha256() == tokenizer_named(tokenizer).ids_sha256()
+    except ValueError:
+        return False
 
 
-def _check_same_tokenizer(name: str, recorded_sha256: str, dataset: str | None) -> None:
+def _check_same_tokenizer(name: str, prepared: dict[str, Any], dataset: str | None) -> None:
     """The tokenizer must be the one the dataset was tokenized with: a tokenizer trained again into the same
-    folder gives other ids for the same text (a rewritten file that keeps every id passes: `ids_sha256`)."""
+    folder gives other ids for the same text (a rewritten file that keeps every id passes: `ids_sha256`; a
+    dataset of 2026-12-04 holds the hash of the tokenizer's two files instead)."""
     from orangetron.train.tokenizer import tokenizer_named
 
-    now = tokenizer_named(name).ids_sha256()
-    if now != recorded_sha256:
-        raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): its files changed since the prepared dataset "
-                               f"{dataset} was tokenized with them (the ids' sha256 {recorded_sha256[:12]} then, "
-                               f"{now[:12]} now); prepare the data again")
+    tok = tokenizer_named(name)
+    if "tokenizer_ids_sha256" in prepared:
+        recorded, now = prepared["tokenizer_ids_sha256"], tok.ids_sha256()
+    else:
+        recorded, now = prepared["tokenizer_sha256"], tok.files_sha256()
+    if now != recorded:
+        raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): its ids changed since the prepared dataset "
+                               f"{dataset} was tokenized with it (sha256 {recorded[:12]} then, {now[:12]} now); "
+                               "prepare the data again")
 
 
 def _field_default(name: str) -> object:

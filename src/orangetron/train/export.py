@@ -110,15 +110,16 @@ def export_model(run: str | Path, output: str | Path, overwrite: bool = False) -
     (`overwrite`; without it an existing `output` is refused)."""
     import torch
 
-    output = Path(os.path.abspath(output))  # "." and "x/.." named: moved aside, written beside
+    output = Path(output).resolve()  # "." and "x/.." named, a link's target written
     if output.is_dir():
         raise ValueError(f"-o {str(output)!r}: is a folder; give a file name")
     saved = read_model(run)
-    check_claim(output, "-o", overwrite, [("the checkpoint", saved.checkpoint)])  # before the work
+    check_claim(output, "-o", overwrite)  # before the work
+    output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
         torch.save(saved.state_dict, staging)
-        moved = claim_output(output, "-o", overwrite, [("the checkpoint", saved.checkpoint)])
+        moved = claim_output(output, "-o", overwrite)
         os.replace(staging, output)
     finally:
         staging.unlink(missing_ok=True)
@@ -137,7 +138,7 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     from orangetron.hf import save
     from orangetron.model import model_from_record
 
-    output = Path(os.path.abspath(output))  # "." and "x/.." named: moved aside, written beside
+    output = Path(output).resolve()  # "." and "x/.." named, a link's target written
     saved = read_model(run)
     spec = model_from_record(saved.record["model"])
     source = saved.record.get("model_source")

@@ -27,6 +27,8 @@ def move_aside(path: Path, suffix: str | None = None) -> Path:
     path = Path(os.path.abspath(path))  # "." and "name/.." get their real names; a link stays a link
     if path.name in ("", ".", ".."):
         raise ValueError(f"{str(path)!r}: has no name to move aside; choose another output")
+    if Path.cwd().resolve().is_relative_to(path.resolve()):  # the process would follow it, writing into the old
+        raise ValueError(f"{str(path)!r}: holds the working folder, which cannot move aside; run from outside it")
     aside = path.with_name(path.name + (suffix or free_suffix([path])))
     try:
         path.rename(aside)
@@ -42,7 +44,7 @@ def check_holds_no_input(path: Path, flag: str, inputs: Inputs) -> None:
     for what, source in inputs:
         if source is not None and Path(source).resolve().is_relative_to(target):
             raise ValueError(f"{flag} {str(path)!r}: holds {what} ({source}), which this command reads; choose "
-                             "another output")
+                             "an output outside it")
 
 
 def check_claim(path: Path, flag: str, overwrite: bool, inputs: Inputs | None = None

@@ -178,12 +178,21 @@ def _check_prepared_files(folder: Path) -> None:
                                    f"sha256 is no longer dataset.json's {sha256[:12]}); prepare the data again")
 
 
+def _touched_since(folder: Path | None, recorded: dict[str, Any], given: dict[str, Any]) -> bool:
+    """Whether a prepared dataset's files may have changed since the run recorded them: their status change time
+    moved, or, in a record of 2026-12-04 (the token file's modification time then), that time moved."""
+    if "changed_ns" in recorded:
+        return given.get("changed_ns") != recorded["changed_ns"]
+    if "modified_ns" in recorded and folder is not None:
+        return (folder / TOKENS_FILE).stat().st_mtime_ns != recorded["modified_ns"]
+    return False  # a record from before either: text files, or a dataset recorded by its dataset.json alone
+
+
 def _check_same_data(cfg: TrainConfig, recorded: dict[str, Any]) -> None:
     given = describe_data(cfg)
     if (given["sha256"], given["tokenizer"]) == (recorded.get("sha256"), recorded.get("tokenizer")):
-        recorded_ns = recorded.get("changed_ns")  # prepared datasets only (and runs recorded since)
-        if recorded_ns is not None and given.get("changed_ns") != recorded_ns:
-            _check_prepared_files(Path(cfg.prepared_data))  # touched since: a copy passes, an edit does not
+        if _touched_since(Path(cfg.prepared_data) if cfg.prepared_data else None, recorded, given):
+            _check_prepared_files(Path(cfg.prepared_data))  # a copy passes, an edit does not
         return
     # The embedded corpus changes only with --corpus-bytes (or the interpreter's library): no --data names it.
     hint = ("give the recorded --corpus-bytes" if recorded.get("source") == given["source"] == "stdlib"

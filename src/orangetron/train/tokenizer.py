@@ -112,6 +112,14 @@ class HFTokenizer:
             ids = ids.reshape(-1).tolist()
         return self.backend.decode(ids, skip_special_tokens=False)
 
+    def files_sha256(self) -> str:
+        """Of tokenizer.json and tokenizer_config.json (when there is one): what datasets of 2026-12-04 hold."""
+        digest = hashlib.sha256(self.file.read_bytes())
+        config = self.file.parent / TOKENIZER_CONFIG
+        if config.is_file():
+            digest.update(config.read_bytes())
+        return digest.hexdigest()
+
     def ids_sha256(self) -> str:
         """Of what decides the ids: the tokenizer as the tokenizers library reads it (not tokenizer.json's
         formatting) and which tokens are BOS and EOS (not tokenizer_config.json's other keys, a chat template say)."""
