@@ -226,6 +226,9 @@ def test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of(
                for w in on_bytes), on_bytes
     prepare_data([str(text)], tmp_path / "own", str(folder), progress=False)
     assert TrainConfig(hf_model=str(folder), data=[str(tmp_path / "own")], steps=2).warnings() == []
+    (folder / "tokenizer.json").write_text("{not json")  # the run does not use it: it warns, it does not stop
+    on_bytes = TrainConfig(hf_model=str(folder), data=[str(tmp_path / "bytes")], steps=2).warnings()
+    assert any("not its own" in w for w in on_bytes)
 
 
 def test_a_truncated_weight_file_is_refused_in_one_line_before_any_rank_starts(tmp_path, capsys):
