@@ -5,6 +5,7 @@ Run: `PYTHONPATH=src python benchmarks/attention_kernel.py`. Prints one JSON obj
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -42,6 +43,7 @@ def fwd_bwd_ms(impl: str, seq_len: int, device: torch.device, repeats: int) -> f
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for seq_len in SEQ_LENS:
         repeats = 20 if seq_len <= 256 else 7

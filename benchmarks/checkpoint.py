@@ -10,6 +10,7 @@ saves. Ratios are sharded over gathered (below 1: sharded smaller or faster).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
@@ -76,6 +77,7 @@ def _line(metric: str, value: float, unit: str, baseline: float) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     shutdown_workers()
     with tempfile.TemporaryDirectory() as folder:
         results = run_distributed(_rank, RANKS, args=(folder,))

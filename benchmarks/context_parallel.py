@@ -24,9 +24,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -148,7 +148,9 @@ def attention_layer(mode: str, seq_len: int, repeats: int = 1, overlap: bool = T
 
 
 def main() -> None:
-    if "--packed" in sys.argv[1:]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--packed", action="store_true", help="the packed-documents balance and bytes only")
+    if parser.parse_args().packed:
         packed_balance()
         shutdown_workers()
         return

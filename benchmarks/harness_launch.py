@@ -7,6 +7,7 @@ JSON line per (world size, measurement).
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import statistics
@@ -61,6 +62,7 @@ def line(world_size: int, metric: str, value: float, baseline: float) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for world_size in (2, 4, 8):
         spawn_s = time_spawn(world_size)
         cold_s = time_call(world_size)  # starts (forks) the pool for this world size

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -131,6 +132,7 @@ def run(name: str) -> tuple[dict, dict | str]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for pp in (2, 4):
         for name, (_, v) in SCHEDULES.items():
             results = run_distributed(run, pp, args=(name,))

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import time
@@ -95,6 +96,7 @@ def bench_ibgda() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     bench_search()
     bench_published()
     bench_reserved()

@@ -17,6 +17,7 @@ scores in backward (docs/runtime.md, Activation recompute).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -58,6 +59,7 @@ def _line(config: dict, metric: str, value: float, unit: str, baseline: float) -
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     runs = {mode: run_distributed(measure, 1, args=mode, timeout=600)[0] for mode in MODES}
     shutdown_workers()
     none = runs[("none", 0)]

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -180,6 +181,7 @@ def _line(name: str, config: dict, metric: str, value: float, unit: str, baselin
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for tp in (2, 4):
         config = {"tp": tp, "sequence_parallel": True, "model": "dense dim 256, 4 layers, GQA 8/4",
                   "batch": BATCH, "seq_len": SEQ, "backend": "gloo", "baseline": "torch parallelize_module"}

@@ -8,6 +8,7 @@ Run: PYTHONPATH=src python benchmarks/train_step.py  (about 20 s on a 2-core mac
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -41,6 +42,7 @@ def dense_twin(cfg: ModelSpec) -> ModelSpec:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     cases = [("tiny-moe", "tiny", model_preset("tiny"), 8, 128),
              ("small-moe", "dense twin", dense_twin(model_preset("small-moe")), 8, 128)]

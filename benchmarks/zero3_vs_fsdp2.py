@@ -9,6 +9,7 @@ runtime) is printed beside the whole model's bytes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import statistics
@@ -88,6 +89,7 @@ def _line(metric: str, value: float, unit: str, baseline: float) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     shutdown_workers()
     theirs = max(run_distributed(fsdp2, 2))
     shutdown_workers()  # fresh processes: the peak resident memory starts over

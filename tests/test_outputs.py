@@ -37,6 +37,7 @@ def test_export_refuses_an_existing_file_and_overwrite_moves_it_aside(run, tmp_p
     notes.write_text("my notes\n")
     _refused(capsys, ["export", str(run), "-o", str(notes)], "exists; choose another name, or add --overwrite")
     assert notes.read_text() == "my notes\n"
+    _refused(capsys, ["sample", str(notes), "--prompt", "x"], "a file; give the run's folder")  # "no such folder"
     assert main(["export", str(run), "-o", str(notes), "--overwrite", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["moved_aside"] == str(tmp_path / "notes.txt.previous-1")

@@ -147,3 +147,27 @@ def test_schedule_measured_runs_the_drawn_schedule(capsys):
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert result["measured"] and result["peak_in_flight"] == peaks, schedule
         assert 0 <= result["bubble_fraction"] < 1 and result["formula_bubble_fraction"] == 1 / 5
+
+
+def test_a_layer_count_pp_does_not_divide_trains_as_one_device_and_as_predicted(tmp_path):
+    """Three layers on two stages (two, then one, as the planner splits them): it was refused as 'not divisible by
+    pp' though the planner priced such layouts and the docs describe the split. The losses are one device's and
+    each stage's memory and traffic the planner's for that stage."""
+    import dataclasses
+
+    import torch
+
+    from orangetron.model import model_preset
+    from orangetron.train.trainer import TrainConfig, train
+
+    model = dataclasses.replace(model_preset("tiny-moe"), num_layers=3, aux_loss_coef=0.0)
+    base = dict(model=model, seq_len=16, batch_size=4, warmup=1, eval_batches=1, corpus_bytes=200_000,
+                param_dtype="float64", microbatches=2, steps=2)
+    one = train(TrainConfig(**base), progress=False)
+    piped = train(TrainConfig(**base, pp=2), progress=False)
+    torch.testing.assert_close(piped["losses"], one["losses"], rtol=1e-9, atol=0)
+    torch.testing.assert_close(piped["eval_loss"], one["eval_loss"], rtol=1e-9, atol=0)
+    assert piped["memory"][0]["params"] > piped["memory"][1]["params"]  # the first stage holds two of the layers
+    for memory, traffic, predicted in zip(piped["memory"], piped["comm_per_step"], piped["predicted"], strict=True):
+        assert predicted["memory"] == {k: v for k, v in memory.items() if k != "rank"}
+        assert predicted["comm_per_step"] == traffic["train"]

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Collection
 from typing import Any
 
+from orangetron.cli.wording import counted
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES, Registry
 from orangetron.train.config_file import config_keys
 
@@ -330,7 +331,7 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
     per_step = result["comm_per_step"][0]
     lines += [
         "comm per training step (bytes rank 0 sends, by op/mesh dim): " + _bytes_text(per_step["train"]),
-        f"comm per evaluation ({per_step['evaluations']} run): " + _bytes_text(per_step["eval"]),
+        f"comm per evaluation ({counted(per_step['evaluations'], 'run')}): " + _bytes_text(per_step["eval"]),
         "comm of the whole run (training and evaluation; --json `comm`): "
         + _bytes_text({k: v for k, v in result["comm"][0].items() if k != "rank"}),
     ]

@@ -22,6 +22,7 @@ from orangetron.spec.hf_config import read_config as read_hf_config
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, load_decoder, preset_names
 from orangetron.spec.parallel_config import ParallelConfig, values_of
+from orangetron.spec.stages import longest_chunk
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 from orangetron.train.corpus import DEFAULT_CORPUS_BYTES
 from orangetron.train.datasets import is_prepared_dataset, read_meta
@@ -179,6 +180,7 @@ class TrainConfig(Layout, ParallelConfig):
         dimension of size 1, or for a variant the run does not use. The trainer shows them as warnings."""
         default = {f.name: f.default for f in fields(self)}
         dispatcher = DISPATCHERS[self.dispatcher]  # its record says what it takes, not its name
+        longest = longest_chunk(self.model_config().num_layers, self.pp, self.virtual_stages)
         changed = {name for name in default if getattr(self, name) != default[name]}
         unused = {
             "sequence_parallel": (self.tp == 1, "needs --tp > 1"),
@@ -197,6 +199,8 @@ class TrainConfig(Layout, ParallelConfig):
             "recompute": (self.recompute == "selective", "every attention kernel the runtime runs already "
                           "recomputes its scores in backward, which is what selective recompute saves "
                           "(docs/runtime.md, Activation recompute)"),
+            "recompute_layers": (self.recompute_layers >= longest, f"is not below the {longest} layers of the "
+                                 "longest pipeline chunk: every layer replays, as with 0"),
             "eval_every": (self.eval_every >= self.steps, f"is not before --steps={self.steps}: only the final "
                            "evaluation runs"),
             "save_every": (self.save_every >= self.steps, f"is not before --steps={self.steps}: only the final "

@@ -76,6 +76,8 @@ def find_checkpoint(run: str | Path) -> Path:
     run = Path(run)
     if (run / MANIFEST_FILE).is_file():
         return run
+    if run.exists() and not run.is_dir():
+        raise ValueError(f"RUN_DIR {str(run)!r}: a file; give the run's folder (its --out) or a checkpoint folder")
     if not run.is_dir():
         raise FileNotFoundError(f"RUN_DIR {str(run)!r}: no such folder")
     path = latest_checkpoint(run / "checkpoints")
