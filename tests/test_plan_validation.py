@@ -280,8 +280,9 @@ def test_report_in_sample_and_out_of_sample_side_by_side(scored):
     # bands on what does not: the in-sample mean, and the count of published layouts the planner says do not fit,
     # which may only fall from here. It fell from 19 to 5 when the fit check began to count the share of
     # fragmentation the allocator keeps when short of memory rather than the share it reserves with room to spare
-    # (docs/planner.md, section 3), and to 4 when DeepSeek-V3's own recompute and FP8 activations were priced;
-    # the 4 need 1.04x to 1.86x their GPU.
+    # (docs/planner.md, section 3), to 4 when DeepSeek-V3's own recompute and FP8 activations were priced, and to
+    # 2 when Llama 3's FSDP sharded gradients and optimizer states as its paper says; the 2 need 1.04x and 1.22x
+    # their GPU.
     for cls in ("fully sharded", "long context", "pipeline", "size"):
         assert class_means[cls] <= 0.20, cls
     assert validation.summary(memory, "validation")[1] <= 0.10
@@ -289,5 +290,5 @@ def test_report_in_sample_and_out_of_sample_side_by_side(scored):
     # Not met, banded where the fitted host pacing of MoE layers and the fit check left them (docs/planner.md,
     # section 6): layouts with unpublished knobs that now fit closer to the edge are priced faster.
     assert class_means["moe"] <= 0.39 and mean <= 0.145
-    assert len(not_fitting) <= 4
+    assert len(not_fitting) <= 2
     assert not oom_fitting and not peaks_not_fitting
