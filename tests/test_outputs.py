@@ -6,6 +6,7 @@ Workflow tests through the CLI (cli.main, in this process), on one tiny run."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -102,11 +103,12 @@ def test_a_second_tokenizer_overwrite_moves_the_pair_to_one_suffix(tmp_path, cap
 
 
 def test_move_aside_never_replaces_a_link_and_names_a_dot(tmp_path, monkeypatch) -> None:
-    from orangetron.train.outputs import move_aside
+    from orangetron.train.outputs import free_suffix, move_aside
 
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
     (tmp_path / "notes.txt.previous-1").symlink_to(tmp_path / "nowhere")  # dangling: exists() is False
+    assert free_suffix([notes]) == ".previous-2"  # the suffix a pair of files shares, which is not retried
     assert move_aside(notes) == tmp_path / "notes.txt.previous-2"
     assert (tmp_path / "notes.txt.previous-1").is_symlink()
     folder = tmp_path / "here"
@@ -118,6 +120,31 @@ def test_move_aside_never_replaces_a_link_and_names_a_dot(tmp_path, monkeypatch)
     assert move_aside(Path("../../notes.txt.previous-2")) == tmp_path / "notes.txt.previous-2.previous-1"
     with pytest.raises(ValueError, match="has no name to move aside"):
         move_aside(Path("/"))
+
+
+def test_move_aside_never_replaces_what_another_command_moved_there_since(tmp_path, monkeypatch) -> None:
+    """Two `--overwrite` commands can both find `.previous-1` free; the second's rename replaced the first's file
+    with its own, and the first's old output was lost. Here the name is stale when the move runs."""
+    from orangetron.train import outputs
+
+    monkeypatch.setattr(outputs, "free_suffix", lambda paths, start=1: f".previous-{start}")  # free, it thinks
+    for kind in ("file", "folder", "link"):
+        mine, theirs = tmp_path / kind, tmp_path / f"{kind}.previous-1"
+        theirs.write_text("theirs") if kind != "folder" else (theirs / "sub").mkdir(parents=True)
+        if kind == "link":
+            mine.symlink_to(tmp_path / "nowhere")
+        elif kind == "file":
+            mine.write_text("mine")
+        else:
+            (mine / "sub").mkdir(parents=True)
+        assert outputs.move_aside(mine) == tmp_path / f"{kind}.previous-2"
+        assert not os.path.lexists(mine)
+        assert theirs.is_dir() if kind == "folder" else theirs.read_text() == "theirs"
+    (tmp_path / "file").write_text("again")
+    with pytest.raises(ValueError, match="could not move it aside: file.previous-1 exists"):
+        outputs.move_aside(tmp_path / "file", ".previous-1")  # a suffix given (a pair of files) is kept
+    assert (tmp_path / "file.previous-1").read_text() == "theirs" and (tmp_path / "file").read_text() == "again"
+    assert (tmp_path / "link.previous-2").is_symlink() and (tmp_path / "file.previous-2").read_text() == "mine"
 
 
 def test_a_new_run_over_the_working_folder_moves_nothing(tmp_path, monkeypatch, capsys) -> None:

@@ -220,6 +220,8 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: s
          "orangetron train: error: unrecognized arguments: --no-such-flag (see orangetron train --help)"),
         (["tokenizer", "train", "x.txt", "-o", "t", "--vocab", "300", "--bad"],
          "orangetron tokenizer train: error: unrecognized arguments: --bad (see orangetron tokenizer train --help)"),
+        (["--bogus", "train"],  # given to orangetron itself: it was blamed on train
+         "orangetron: error: unrecognized arguments: --bogus (see orangetron --help)"),
     ],
 )
 def test_cli_bad_flag_is_one_line_exit_2_not_the_usage_block(capsys, argv: list[str], needle: str) -> None:

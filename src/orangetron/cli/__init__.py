@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported by the command that was given them, whose --help lists its flags
-        args.own_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        _owner(parser, args, sys.argv[1:] if argv is None else list(argv), unknown).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     try:
         args.data_given = getattr(args, "data", None) is not None  # on the command line, before any file
         takes_files = hasattr(args, "command_parser")  # train and verify; estimate reads its --config itself
@@ -68,6 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader (`| head`) left: what it did not read is not an error to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 141
+
+
+def _owner(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
+           unknown: list[str]) -> argparse.ArgumentParser:
+    """The parser that was given `unknown`: `orangetron` itself for a flag before the command's name
+    (`orangetron --bogus train`), else the innermost command's."""
+    command = argv.index(args.command) if args.command in argv else len(argv)
+    return parser if any(arg in argv[:command] for arg in unknown) else args.own_parser
 
 
 def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,

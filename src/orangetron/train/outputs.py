@@ -6,6 +6,7 @@ the command's own inputs is refused even with `--overwrite`: moving it aside wou
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -13,9 +14,10 @@ from pathlib import Path
 Inputs = Sequence[tuple[str, str | Path | None]]  # what a command reads (what it is, where), None: nothing
 
 
-def free_suffix(paths: Iterable[Path]) -> str:
-    """The first `.previous-N` that names nothing (not even a dangling link) beside any of `paths`."""
-    paths, n = list(paths), 1
+def free_suffix(paths: Iterable[Path], start: int = 1) -> str:
+    """The first `.previous-N`, N >= `start`, that names nothing (not even a dangling link) beside any of
+    `paths`."""
+    paths, n = list(paths), start
     while any(os.path.lexists(p.with_name(f"{p.name}.previous-{n}")) for p in paths):
         n += 1
     return f".previous-{n}"
@@ -29,12 +31,42 @@ def move_aside(path: Path, suffix: str | None = None) -> Path:
         raise ValueError(f"{str(path)!r}: has no name to move aside; choose another output")
     if Path.cwd().resolve().is_relative_to(path.resolve()):  # the process would follow it, writing into the old
         raise ValueError(f"{str(path)!r}: holds the working folder, which cannot move aside; run from outside it")
-    aside = path.with_name(path.name + (suffix or free_suffix([path])))
+    n = 1
+    while True:
+        aside = path.with_name(path.name + (suffix or free_suffix([path], n)))
+        try:
+            _rename_keeping_what_is_there(path, aside)
+            return aside
+        except FileExistsError:  # taken since it was found free: another command moved its output there
+            if suffix:
+                raise ValueError(f"{str(path)!r}: could not move it aside: {aside.name} exists") from None
+            n = int(aside.name.rsplit("-", 1)[1]) + 1
+        except OSError as err:
+            raise ValueError(f"{str(path)!r}: could not move it aside to {aside.name} ({err.strerror})") from None
+
+
+def _rename_keeping_what_is_there(path: Path, aside: Path) -> None:
+    """Rename `path` to `aside`, raising FileExistsError where `aside` exists: a plain rename replaces a file,
+    so two commands that found the same name free would lose the first one's output. A folder replaces only an
+    empty folder; a file (or a link) is linked under its new name first, which fails on any name taken."""
+    if path.is_dir() and not path.is_symlink():
+        try:
+            path.rename(aside)
+        except OSError as err:
+            if err.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise FileExistsError(err.errno, err.strerror, str(aside)) from None
+            raise
+        return
     try:
+        os.link(path, aside, follow_symlinks=False)
+    except FileExistsError:
+        raise
+    except OSError:  # a file system without hard links: the rename, checked just before
+        if os.path.lexists(aside):
+            raise FileExistsError(errno.EEXIST, "exists", str(aside)) from None
         path.rename(aside)
-    except OSError as err:
-        raise ValueError(f"{str(path)!r}: could not move it aside to {aside.name} ({err.strerror})") from None
-    return aside
+        return
+    path.unlink()
 
 
 def check_holds_no_input(path: Path, flag: str, inputs: Inputs) -> None:
