@@ -657,3 +657,25 @@ def test_estimate_names_the_stage_its_memory_is_of(capsys):
     assert "memory per GPU (GiB), pipeline stage 0 of 2, the busiest:" in capsys.readouterr().out
     assert run(argv) == 0
     assert "memory per GPU (GiB):" in capsys.readouterr().out
+
+
+def test_a_tiny_models_report_reads_in_units_where_its_figures_are_not_zero(capsys):
+    """Every figure of a tiny model printed as 0.00 GiB, 0.000 GiB sent and 0.000 s: each table now takes the
+    largest unit in which its largest figure reads 0.1 or more; the numbers are the JSON's, in that unit."""
+    argv = ["estimate", "--model", "tiny", "--gpus", "2", "--tp", "2", "--seq", "64"]
+    assert run([*argv, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert run(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "memory per GPU (MiB):" in lines and "communication per step (KiB sent by one rank of stage 0):" in lines
+    value = {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("  ")}
+    assert value["params"] == pytest.approx(figures["memory_bytes"]["params"] / 2**20, abs=0.005) and value["params"]
+    assert value["overhead"] == pytest.approx(figures["memory_bytes"]["overhead"] / 2**20, abs=0.005)
+    assert value["all_reduce/tp"] == pytest.approx(figures["comm"]["all_reduce/tp"]["sent"] / 2**10, abs=5e-4)
+    step = next(line for line in lines if line.startswith("step time "))
+    assert step.startswith(f"step time {figures['step_time_s'] * 1e6:.3f} us: ")
+    assert run(["plan", "--model", "tiny", "--gpus", "2", "--seq", "64"]) == 0
+    assert " step us " in capsys.readouterr().out
+    assert run(["estimate", "--model", "llama3-8b", "--gpus", "8", "--seq", "2048", "--tp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per GPU (GiB):" in out and "(GiB sent by one rank" in out and " ms: compute " in out  # 57 ms

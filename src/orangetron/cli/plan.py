@@ -336,28 +336,44 @@ def _recipe_flag(args: argparse.Namespace) -> str:
     return args.fp8_recipe or "delayed"
 
 
+_BYTES = (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+_SECONDS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
+
+
+def _unit(largest: float, units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
+    """The largest unit in which `largest` reads at least 0.1, so that a tiny model's figures are not all
+    0.00 (the smallest unit when none does)."""
+    return next(((name, size) for name, size in units if largest >= 0.1 * size), units[-1])
+
+
 def format_estimate(est: Estimate) -> str:
-    """Human-readable report of one estimate."""
+    """Human-readable report of one estimate, each table in the unit its largest tensor or step reads in."""
     d, mem, t = est.degrees, est.memory, est.time
+    unit, size = _unit(max(mem.get(k, 0) for k in ("params", "grads", "main_params", "optimizer", "activations",
+                                                       "buffers", "fp8")), _BYTES)
     lines = [f"{est.model.name} on {d.world_size} x {est.cluster.gpu.name} "
              f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {est.job.seq_len}, "
              f"micro-batch {est.job.micro_batch}, "
              f"{est.job.replica_microbatches(d)} micro-batch(es) per step",
-             _options_line(est), f"memory per GPU (GiB){_memory_stage(est)}:"]
+             _options_line(est), f"memory per GPU ({unit}){_memory_stage(est)}:"]
     for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead",
                 "total"):
-        lines.append(f"  {key:<12} {mem.get(key, 0) / GIB:10.2f}")
+        lines.append(f"  {key:<12} {mem.get(key, 0) / size:10.2f}")
         if key == "buffers":  # the transient categories it sums, each measured on its own by the runtime
-            lines += [f"    {part:<16} {mem[part] / GIB:8.2f}" for part in TRANSIENT if mem.get(part)]
-    lines.append(f"  needed       {mem['needed'] / GIB:10.2f}  (what must fit: the tensors, and the overhead the "
+            lines += [f"    {part:<16} {mem[part] / size:8.2f}" for part in TRANSIENT if mem.get(part)]
+    lines.append(f"  needed       {mem['needed'] / size:10.2f}  (what must fit: the tensors, and the overhead the "
                  "allocator keeps when short of memory)")
-    lines.append(f"  capacity     {est.cluster.gpu.memory_gib:10.2f}" + ("" if est.fits else "  (does NOT fit)"))
-    lines.append("communication per step (GiB sent by one rank of stage 0):")
+    lines.append(f"  capacity     {est.cluster.gpu.memory_bytes / size:10.2f}" + ("" if est.fits else
+                                                                                   "  (does NOT fit)"))
+    unit, size = _unit(max((row["sent"] for row in est.comm.values()), default=0), _BYTES)
+    lines.append(f"communication per step ({unit} sent by one rank of stage 0):")
     for key, row in est.comm.items():
-        lines.append(f"  {key:<22} {row['sent'] / GIB:10.3f}  ({counted(row['calls'], 'call')})")
-    lines.append(f"step time {t.step_s:.3f} s: compute {t.compute_s:.3f}, bubble {t.bubble_s:.3f}, exposed comm "
-                 f"tp {t.tp_s:.3f} cp {t.cp_s:.3f} ep {t.ep_s:.3f} pp {t.pp_s:.3f} dp {t.dp_s:.3f}, "
-                 f"optimizer {t.optimizer_s:.3f}")
+        lines.append(f"  {key:<22} {row['sent'] / size:10.3f}  ({counted(row['calls'], 'call')})")
+    unit, size = _unit(t.step_s, _SECONDS)
+    lines.append(f"step time {t.step_s / size:.3f} {unit}: compute {t.compute_s / size:.3f}, bubble "
+                 f"{t.bubble_s / size:.3f}, exposed comm tp {t.tp_s / size:.3f} cp {t.cp_s / size:.3f} ep "
+                 f"{t.ep_s / size:.3f} pp {t.pp_s / size:.3f} dp {t.dp_s / size:.3f}, optimizer "
+                 f"{t.optimizer_s / size:.3f}")
     lines.append(f"{t.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * t.mfu:.1f}% (HFU {100 * t.hfu:.1f}%)")
     return "\n".join(lines)
 
@@ -508,15 +524,17 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def format_ranking(ranked: list[Estimate]) -> str:
+    """The ranked layouts, a row each; the step time in the unit the slowest reads in."""
+    unit, size = _unit(max((e.time.step_s for e in ranked), default=0), _SECONDS)
     head = (f"{'#':>2} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>4} {'ep':>3} {'mb':>3} {'zero':<9} "
-            f"{'recomp':<9} {'cp mode':<9} {'need GiB':>8} {'step s':>8} {'MFU %':>6}")
+            f"{'recomp':<9} {'cp mode':<9} {'need GiB':>8} {'step ' + unit:>8} {'MFU %':>6}")
     rows = [head]
     for i, e in enumerate(ranked, 1):
         d, j = e.degrees, e.job
         zero, mode, recompute = _sharding(j), j.cp_mode if d.cp > 1 else "-", _recompute(j)
         rows.append(f"{i:>2} {d.tp:>3} {d.cp:>3} {d.pp:>3} {j.virtual_stages:>2} {d.dp:>4} {d.ep:>3} "
                     f"{j.micro_batch:>3} {zero:<9} {recompute:<9} {mode:<9} {e.memory['needed'] / GIB:>8.1f} "
-                    f"{e.time.step_s:>8.3f} {100 * e.time.mfu:>6.1f}")
+                    f"{e.time.step_s / size:>8.3f} {100 * e.time.mfu:>6.1f}")
     return "\n".join(rows)
 
 
