@@ -214,6 +214,8 @@ def test_inputs_that_used_to_pass_silently_are_refused(tmp_path, capsys) -> None
     code, _, err = _train(capsys, "--model", "tiny", "--steps", "2", "--corpus-bytes", "50000", "--seq-len", "16",
                           "--batch-size", "4", "--sequence-parallel")
     assert code == 0 and "warning: sequence_parallel=True (--sequence-parallel) has no effect" in err
+    start, recap = err.split("1 warning of the start, again:\n")  # the end of the summary names it once more
+    assert "has no effect" in start and recap.startswith("  warning: sequence_parallel=True (--sequence-parallel)")
 
 
 def test_a_model_too_large_for_memory_is_refused_before_anything_is_allocated(tmp_path, capsys) -> None:

@@ -341,8 +341,10 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         rows = side_by_side(result["predicted"][0], mem, per_step["train"])
         lines.append("the planner's prediction beside the measurement (bytes; memory from the first step):")
         lines.append(format_table(rows))
-    for warning in result.get("warnings", []):
-        lines.append(f"warning: {warning}")
+    warnings = result.get("warnings", [])
+    if warnings:  # printed as the run started too; a long log's reader finds them again here
+        lines.append(f"{counted(len(warnings), 'warning')} of the start, again:")
+        lines += [f"  warning: {warning}" for warning in warnings]
     stream.write("\n".join(lines) + "\n")
 
 
