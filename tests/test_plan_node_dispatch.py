@@ -159,7 +159,7 @@ def _v3_job(**kw) -> Job:
 
 def test_v3_blockwise_recipe_prices_its_gemms_below_per_tensor_scaling():
     """DeepSeek-V3's recipe on H800: every linear GEMM of a layer at 4096 tokens is compute bound, so promoting
-    the partial sums to FP32 every 128 elements of K shows whole: blockwise GEMMs take 0.69/0.65 of per-tensor
+    the partial sums to FP32 every 128 elements of K shows whole: blockwise GEMMs take 0.70/0.65 of per-tensor
     (`delayed`) scaling's time (the preset's `gemm_efficiency` against its `fp8_blockwise_gemm_efficiency`),
     forward and backward, dense and MoE layers alike, the routed experts too; attention stays 16-bit."""
     from orangetron.plan.timing import layer_cost
@@ -167,7 +167,7 @@ def test_v3_blockwise_recipe_prices_its_gemms_below_per_tensor_scaling():
     model, deg, cluster = load_model("deepseek-v3"), Degrees(pp=16, dp=128, ep=64), make_cluster("h800", 2048)
     per_tensor = replace(_v3_job(), fp8_recipe="delayed")
     ratio = cluster.gpu.gemm_efficiency / cluster.gpu.fp8_blockwise_gemm_efficiency
-    assert ratio == pytest.approx(0.69 / 0.65)
+    assert ratio == pytest.approx(0.70 / 0.65)
     for moe in (False, True):
         blockwise = layer_cost(model, deg, _v3_job(), cluster, moe)
         delayed = layer_cost(model, deg, per_tensor, cluster, moe)
