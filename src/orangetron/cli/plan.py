@@ -22,7 +22,7 @@ from orangetron.plan.params import tp_sums_first
 from orangetron.plan.search import SearchSpace, divisors, search
 from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec import rules
-from orangetron.spec.categories import TRANSIENT
+from orangetron.spec.categories import ESTIMATED_TENSORS, TRANSIENT
 from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
 from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE_MODULES, Degrees, Job
@@ -349,15 +349,13 @@ def _unit(largest: float, units: tuple[tuple[str, float], ...]) -> tuple[str, fl
 def format_estimate(est: Estimate) -> str:
     """Human-readable report of one estimate, each table in the unit its largest tensor or step reads in."""
     d, mem, t = est.degrees, est.memory, est.time
-    unit, size = _unit(max(mem.get(k, 0) for k in ("params", "grads", "main_params", "optimizer", "activations",
-                                                       "buffers", "fp8")), _BYTES)
+    unit, size = _unit(max(mem.get(k, 0) for k in ESTIMATED_TENSORS), _BYTES)
     lines = [f"{est.model.name} on {d.world_size} x {est.cluster.gpu.name} "
              f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {est.job.seq_len}, "
              f"micro-batch {est.job.micro_batch}, "
              f"{est.job.replica_microbatches(d)} micro-batch(es) per step",
              _options_line(est), f"memory per GPU ({unit}){_memory_stage(est)}:"]
-    for key in ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead",
-                "total"):
+    for key in (*ESTIMATED_TENSORS, "overhead", "total"):
         lines.append(f"  {key:<12} {mem.get(key, 0) / size:10.2f}")
         if key == "buffers":  # the transient categories it sums, each measured on its own by the runtime
             lines += [f"    {part:<16} {mem[part] / size:8.2f}" for part in TRANSIENT if mem.get(part)]
@@ -370,10 +368,9 @@ def format_estimate(est: Estimate) -> str:
     for key, row in est.comm.items():
         lines.append(f"  {key:<22} {row['sent'] / size:10.3f}  ({counted(row['calls'], 'call')})")
     unit, size = _unit(t.step_s, _SECONDS)
+    exposed = " ".join(f"{dim} {getattr(t, dim + '_s') / size:.3f}" for dim in ("tp", "cp", "ep", "pp", "dp"))
     lines.append(f"step time {t.step_s / size:.3f} {unit}: compute {t.compute_s / size:.3f}, bubble "
-                 f"{t.bubble_s / size:.3f}, exposed comm tp {t.tp_s / size:.3f} cp {t.cp_s / size:.3f} ep "
-                 f"{t.ep_s / size:.3f} pp {t.pp_s / size:.3f} dp {t.dp_s / size:.3f}, optimizer "
-                 f"{t.optimizer_s / size:.3f}")
+                 f"{t.bubble_s / size:.3f}, exposed comm {exposed}, optimizer {t.optimizer_s / size:.3f}")
     lines.append(f"{t.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * t.mfu:.1f}% (HFU {100 * t.hfu:.1f}%)")
     return "\n".join(lines)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from orangetron.plan.estimate import Estimate
 from orangetron.plan.overhead import needed_overhead
+from orangetron.spec.categories import ESTIMATED_TENSORS
 from orangetron.spec.hardware import GIB
 
-MEMORY_PARTS = ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead")
+MEMORY_PARTS = (*ESTIMATED_TENSORS, "overhead")
 TIME_PARTS = ("compute_s", "bubble_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s", "optimizer_s")
 
 

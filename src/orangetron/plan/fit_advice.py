@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, needed_overhead
+from orangetron.spec.categories import ESTIMATED_TENSORS
 from orangetron.spec.hardware import GIB
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job, replayable_modules
 
-_CATEGORIES = ("params", "grads", "main_params", "optimizer", "activations", "buffers", "fp8", "overhead")
+_CATEGORIES = (*ESTIMATED_TENSORS, "overhead")
 
 
 @dataclass(frozen=True)
