@@ -163,6 +163,24 @@ def test_host_operation_time_is_fitted_on_every_calibration_moe_row_and_shipped(
     assert getattr(DEFAULT_EFFICIENCY, fitted.field) == fitted.value
 
 
+def test_megatron_moe_rows_run_their_all_to_all_as_their_flags_say():
+    """Megatron-Core overlaps the expert all-to-all with another micro-batch only under
+    --overlap-moe-expert-parallel-comm; the GB200 guide's flags and Megatron-Bridge 25.11's configs leave it off
+    (docs/planner.md, section 6, 2026-12-05), so every MoE row of theirs is priced with it exposed, the two
+    calibration rows included. The model zoo's rows say each its own; DeepSeek-V3's own run pairs micro-batches
+    (DualPipe)."""
+    megatron = [r for r in RUNS if r.cls == "moe" and r.group in ("bridge-25.11", "gb200-guide")]
+    assert len(megatron) == 13 and sum(r.split == "calibration" for r in megatron) == 2
+    assert not any(r.job.overlap_ep for r in megatron)
+    assert {r.name: r.job.overlap_ep for r in RUNS if r.group in ("deepseek-v3", "moe-modelzoo")} == {
+        "DeepSeek-V3, 2048 GPUs": True,
+        "MoE model zoo Qwen3-235B-A22B, tp2 ep32 pp8 vp4, DeepEP": False,
+        "MoE model zoo Qwen3-235B-A22B, tp2 ep32 pp8 vp4, DeepEP, EP overlap": True,
+        "MoE model zoo Qwen3-235B-A22B, tp2 ep8 FSDP, mb 4, DeepEP": False,
+        "MoE model zoo Qwen3-235B-A22B, tp4 ep8 pp8 vp4, DeepEP": False,
+    }
+
+
 @pytest.mark.parametrize("fitted", FITTED_EFFICIENCY, ids=lambda f: f.name)
 def test_refit_of_an_efficiency_reproduces_the_shipped_value_and_reads_the_rows(fitted):
     value = validation.refit_efficiency(fitted, RUNS)
