@@ -2283,6 +2283,20 @@ MUTANTS = [
            (("    worst_grad_step = max(range(len(grad_gaps)), key=lambda step: grad_gaps[step][0])",
              "    worst_grad_step = len(grad_gaps) - 1"),),
            ("tests/test_train.py::test_verify_names_the_step_and_parameter_of_the_largest_gaps",)),
+    Mutant("ep_window_shared_experts_always_beside", "src/orangetron/plan/timing.py",
+           (("    if not job.overlap_shared_experts:  # the all-to-all runs on the layer's own stream and blocks it",
+             "    if False:"),),
+           ("tests/test_plan_timing.py::test_ep_window_is_the_work_that_does_not_wait_for_the_tokens",
+            "tests/test_plan_cli.py::test_estimate_without_shared_expert_overlap_exposes_the_all_to_all")),
+    Mutant("estimate_drops_the_shared_expert_switch", "src/orangetron/cli/plan.py",
+           (('"overlap_shared_experts": not args.no_overlap_shared_experts,', '"overlap_shared_experts": True,'),),
+           ("tests/test_plan_cli.py::test_estimate_without_shared_expert_overlap_exposes_the_all_to_all",)),
+    Mutant("search_drops_the_shared_expert_switch", "src/orangetron/plan/search.py",
+           (("overlap_shared_experts=base.overlap_shared_experts, fp8", "overlap_shared_experts=True, fp8"),),
+           ("tests/test_plan_search.py::test_candidate_jobs_keep_the_base_jobs_framework_overlaps",)),
+    Mutant("search_drops_the_ep_overlap_switch", "src/orangetron/plan/search.py",
+           (("overlap_ep=base.overlap_ep,", "overlap_ep=True,"),),
+           ("tests/test_plan_search.py::test_candidate_jobs_keep_the_base_jobs_framework_overlaps",)),
 ]
 
 

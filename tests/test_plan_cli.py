@@ -34,7 +34,7 @@ JOB_KEYS = ["seq_len", "micro_batch", "global_batch", "num_microbatches", "bucke
             "pp_schedule", "virtual_stages", "pipeline_layout", "recompute", "recompute_layers", "attention_kernel",
             "overlap_ep", "overlap_grad_reduce", "grad_accumulation_fusion", "fp8", "fp8_recipe",
             "optimizer_state_dtype", "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss",
-            "recompute_modules", "fp8_cached_activations"]
+            "recompute_modules", "fp8_cached_activations", "overlap_shared_experts"]
 
 
 def test_estimate_json_job_keeps_its_published_keys(capsys):
@@ -112,6 +112,23 @@ def test_estimate_prices_usp(capsys):
     comm = last_json(capsys)["comm"]
     assert comm["all_to_all/cp_ulysses"]["calls"] == 192
     assert comm["send_recv/cp_ring"]["calls"] == 128
+
+
+def test_estimate_without_shared_expert_overlap_exposes_the_all_to_all(capsys):
+    """DeepSeek-V2 (2 shared experts per MoE layer), ep 8, no paired micro-batches: its shared experts hide the
+    all-to-all (all but the contention share) unless --no-overlap-shared-experts says they wait for it, as
+    Megatron-Core runs them by default; then only the exposed all-to-all grows, and the flag reaches the JSON."""
+    args = ["estimate", "--model", "deepseek-v2", "--gpus", "64", "--dp", "64", "--ep", "8", "--seq", "4096",
+            "--no-overlap-ep", "--json"]
+    run(args)
+    beside = last_json(capsys)
+    run([*args, "--no-overlap-shared-experts"])
+    alone = last_json(capsys)
+    assert (beside["job"]["overlap_shared_experts"], alone["job"]["overlap_shared_experts"]) == (True, False)
+    assert alone["comm"] == beside["comm"]
+    grown = alone["time_breakdown_s"]["ep_s"] - beside["time_breakdown_s"]["ep_s"]
+    assert grown > 5 * beside["time_breakdown_s"]["ep_s"] > 0
+    assert alone["step_time_s"] - beside["step_time_s"] == pytest.approx(grown)
 
 
 def test_estimate_prices_chunked_expert_overlap(capsys):
@@ -411,10 +428,10 @@ def test_estimate_text_names_every_option_it_priced(capsys):
                        "--tp-sum-with-reduction, --eager-fp32-loss")
     assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--cp", "2", "--dp", "8", "--ep", "8",
                 "--zero-stage", "3", "--fp8", "--fp8-recipe", "blockwise", "--cp-mode", "allgather",
-                "--no-overlap-ep"]) == 0
+                "--no-overlap-ep", "--no-overlap-shared-experts"]) == 0
     options = capsys.readouterr().out.splitlines()[1]
     assert options == ("options: zero3, bfloat16 with fp8 (blockwise), attention flash, recompute none, cp allgather, "
-                       "dispatcher ragged, --no-overlap-ep")
+                       "dispatcher ragged, --no-overlap-ep, --no-overlap-shared-experts")
     assert run(["estimate", "--model", "mixtral-8x7b", "--gpus", "8", "--ep", "8", "--fp8", "--fp8-recipe",
                 "blockwise", "--fp8-cached-activations"]) == 0
     options = capsys.readouterr().out.splitlines()[1]

@@ -206,3 +206,14 @@ def test_fewest_replays_with_uneven_chunks():
     assert totals[1] > totals[2]
     for r in (1, 2):
         assert fewest_replays_that_fit(model, deg, full, totals[r]).recompute_layers == r
+
+
+def test_candidate_jobs_keep_the_base_jobs_framework_overlaps():
+    """The search varies layouts and sharding, not how the framework overlaps its all-to-all: a base job whose
+    experts' transfers hide behind nothing stays so in every candidate."""
+    model = load_model("deepseek-v2")
+    base = Job(seq_len=4096, overlap_ep=False, overlap_shared_experts=False)
+    space = SearchSpace(micro_batch=(1, 2), recompute=("none", "full"), zero=("distopt", "zero3"))
+    jobs = [j for group in candidate_jobs(model, Degrees(dp=16, ep=8), 4096, 64, space, base) for j in group]
+    assert len(jobs) > 4
+    assert all(not j.overlap_ep and not j.overlap_shared_experts for j in jobs)

@@ -91,6 +91,11 @@ def test_ep_window_is_the_work_that_does_not_wait_for_the_tokens():
     assert _ep_window(cost, 10.0, replace(two, recompute="full"), deg) == 4.0  # and their replayed forward
     assert _ep_window(cost, 10.0, replace(two, overlap_ep=True), deg) == 10.0  # another micro-batch's layer
     assert _ep_window(cost, 10.0, replace(two, overlap_ep=True, global_batch=4), deg) == 3.0  # none in flight
+    alone = replace(two, overlap_shared_experts=False)  # Megatron-Core's default: they wait for the transfer
+    assert _ep_window(cost, 10.0, alone, deg) == 0.0
+    assert _ep_window(cost, 10.0, replace(alone, recompute="full"), deg) == 0.0
+    assert _ep_window(cost, 10.0, replace(alone, overlap_ep=True), deg) == 10.0  # pairing does not need them
+    assert _ep_window(cost, 10.0, replace(alone, overlap_ep=True, global_batch=4), deg) == 0.0
 
 
 

@@ -172,6 +172,9 @@ def test_megatron_moe_rows_run_their_all_to_all_as_their_flags_say():
     megatron = [r for r in RUNS if r.cls == "moe" and r.group in ("bridge-25.11", "gb200-guide")]
     assert len(megatron) == 13 and sum(r.split == "calibration" for r in megatron) == 2
     assert not any(r.job.overlap_ep for r in megatron)
+    # the guide lists every flag, and --moe-shared-expert-overlap is not one; the Bridge's recipes are not read
+    assert {r.name for r in RUNS if not r.job.overlap_shared_experts} == {
+        r.name for r in megatron if r.group == "gb200-guide"}
     assert {r.name: r.job.overlap_ep for r in RUNS if r.group in ("deepseek-v3", "moe-modelzoo")} == {
         "DeepSeek-V3, 2048 GPUs": True,
         "MoE model zoo Qwen3-235B-A22B, tp2 ep32 pp8 vp4, DeepEP": False,

@@ -111,6 +111,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                           "torchtitan): three float32 copies of the logits at its backward")
     est.add_argument("--no-overlap-ep", action="store_true",
                      help="no paired micro-batch overlap: only shared experts hide the expert all-to-all")
+    est.add_argument("--no-overlap-shared-experts", action="store_true",
+                     help="the shared experts do not run beside the expert all-to-all either (planner only; "
+                          "Megatron-Core without --moe-shared-expert-overlap)")
     est.add_argument("--no-overlap-grad-reduce", action="store_true",
                      help="reduce gradients after the last backward instead of behind it (Megatron-LM 2021, "
                           "DeepSpeed's pipeline engine)")
@@ -322,6 +325,7 @@ def _planner_only(args: argparse.Namespace) -> dict[str, object]:
             "optimizer_state_dtype": args.optimizer_state_dtype, "tp_sum_with_reduction": args.tp_sum_with_reduction,
             "accumulate_in_reduce_dtype": args.accumulate_in_reduce_dtype, "eager_fp32_loss": args.eager_fp32_loss,
             "grad_accumulation_fusion": args.grad_accumulation_fusion, "overlap_ep": not args.no_overlap_ep,
+            "overlap_shared_experts": not args.no_overlap_shared_experts,
             "overlap_grad_reduce": not args.no_overlap_grad_reduce, "pipeline_layout": args.pipeline_layout,
             "ep_comm_sms": args.ep_comm_sms, "ep_comm_sms_reserved": args.ep_comm_sms_reserved,
             "doc_lengths": args.doc_lengths,
@@ -486,7 +490,8 @@ def _options_line(est: Estimate) -> str:
         layout = f" layout {','.join(map(str, j.pipeline_layout))}" if j.pipeline_layout else ""
         parts.append(f"{j.pp_schedule}{f' v={j.virtual_stages}' if j.virtual_stages > 1 else ''}{layout}")
     if est.model.num_experts:
-        parts.append(f"dispatcher {j.dispatcher}" + ("" if j.overlap_ep else ", --no-overlap-ep"))
+        parts.append(f"dispatcher {j.dispatcher}" + ("" if j.overlap_ep else ", --no-overlap-ep")
+                     + ("" if j.overlap_shared_experts else ", --no-overlap-shared-experts"))
     if not j.overlap_grad_reduce:
         parts.append("--no-overlap-grad-reduce")
     parts += ["--" + name.replace("_", "-") for name in _FRAMEWORK_PATHS if getattr(j, name)]

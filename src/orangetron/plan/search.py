@@ -145,7 +145,8 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
                          zero3_reduce_every_microbatch=every,
                          param_dtype=base.param_dtype, pp_schedule=schedule,
                          virtual_stages=v, pipeline_layout=base.pipeline_layout, recompute=rc,
-                         attention_kernel=base.attention_kernel, overlap_ep=base.overlap_ep, fp8=base.fp8,
+                         attention_kernel=base.attention_kernel, overlap_ep=base.overlap_ep,
+                         overlap_shared_experts=base.overlap_shared_experts, fp8=base.fp8,
                          fp8_recipe=base.fp8_recipe, fp8_cached_activations=base.fp8_cached_activations,
                          grad_bucket_numel=bucket))
     return tuple(group)

@@ -684,9 +684,12 @@ def _ep_window(cost: LayerCost, run: float, job: Job, deg: Degrees) -> float:
     input (DeepSeek-V2, arXiv:2405.04434 section 3.2.1, overlaps exactly these; Megatron-Core's
     `moe_shared_expert_overlap` too). With `overlap_ep` the schedule pairs two micro-batches so that one's
     tokens travel while the other's layer computes (DualPipe, DeepSeek-V3 arXiv:2412.19437 section 3.2.1;
-    Megatron-Core's EP all-to-all overlap in 1F1B), which needs a second micro-batch in flight."""
+    Megatron-Core's EP all-to-all overlap in 1F1B), which needs a second micro-batch in flight. Without
+    `overlap_shared_experts` (Megatron-Core's default) the shared experts wait their turn too: nothing hides."""
     if job.overlap_ep and job.replica_microbatches(deg) > 1:
         return run
+    if not job.overlap_shared_experts:  # the all-to-all runs on the layer's own stream and blocks it
+        return 0.0
     shared_b = cost.shared_b - (cost.shared_w if SCHEDULES[job.pp_schedule].split_backward else 0.0)  # W apart
     return cost.shared_f + shared_b + (cost.shared_f if job.recompute == "full" else 0.0)
 

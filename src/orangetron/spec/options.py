@@ -63,6 +63,10 @@ class Job(ParallelConfig):
     # Expert all-to-all hidden behind another micro-batch's layer (DualPipe-style pairing); off: behind the shared
     # experts only (see `timing._ep_window`)
     overlap_ep: bool = True
+    # Without that pairing, the shared experts run beside the all-to-all (DeepSeek-V2; Megatron-Core's
+    # --moe-shared-expert-overlap); off: the all-to-all blocks the layer, as Megatron-Core runs it by default.
+    # Planner only
+    overlap_shared_experts: bool = True
     # Gradient reductions hidden behind backward as buckets fill (the runtime, Megatron-Core's overlap_grad_reduce);
     # off: reduced after the last backward, as Megatron-LM (2021) and DeepSpeed's pipeline engine did. Planner only
     overlap_grad_reduce: bool = True
@@ -203,7 +207,8 @@ class Job(ParallelConfig):
 # it), and the keys of the two printed under the names they had before the runtime's options became the job's.
 # `reduce_dtype` None prints as "" (the parameters' dtype), as it always has, and so does `optimizer_state_dtype`
 # None (the main parameters'); it and the three keys after it were added last, in that order; `drop_policy` is
-# not priced and not printed; `recompute_modules` came after them, then `fp8_cached_activations`.
+# not priced and not printed; `recompute_modules` came after them, then `fp8_cached_activations`, then
+# `overlap_shared_experts`.
 PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "grad_bucket_numel", "clip_grad",
                     "sequence_parallel", "cp_mode", "ulysses_degree", "dispatcher", "capacity_factor",
                     "ep_overlap_chunks", "ep_comm_sms", "ep_comm_sms_reserved", "zero_stage", "distributed_optimizer",
@@ -212,7 +217,7 @@ PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "g
                     "recompute_layers", "attention_kernel", "overlap_ep", "overlap_grad_reduce",
                     "grad_accumulation_fusion", "fp8", "fp8_recipe", "optimizer_state_dtype",
                     "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss", "recompute_modules",
-                    "fp8_cached_activations")
+                    "fp8_cached_activations", "overlap_shared_experts")
 PUBLISHED_AS = {"microbatches": "num_microbatches", "grad_bucket_numel": "bucket_numel"}
 _EMPTY_IS_NONE = ("reduce_dtype", "optimizer_state_dtype")  # None prints as "": the default dtype
 
@@ -256,7 +261,8 @@ def model_state_job(job: Job) -> Job:
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
                                  capacity_factor=1.0, drop_policy="probs", ep_overlap_chunks=1, ep_comm_sms=20,
                                  ep_comm_sms_reserved=False, recompute="none", recompute_layers=0, recompute_modules=(),
-                                 attention_kernel="flash", overlap_ep=True, overlap_grad_reduce=True))
+                                 attention_kernel="flash", overlap_ep=True, overlap_shared_experts=True,
+                                 overlap_grad_reduce=True))
 
 
 def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:
