@@ -2159,11 +2159,13 @@ MUTANTS = [
            ("tests/test_outputs.py",)),
     Mutant("export_hf_claims_before_it_writes", "src/orangetron/train/export.py",
            (("        save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,\n"
-             "             base_config=source[\"config\"] if source else None, tokenizer=tokenizer_path)\n"
+             "             base_config=source[\"config\"] if source else None, tokenizer=tokenizer_path,\n"
+             "             generation_config=source.get(\"generation_config\") if source else None)\n"
              "        moved = claim_output(output, \"-o\", overwrite, inputs)",
              "        moved = claim_output(output, \"-o\", overwrite, inputs)\n"
              "        save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,\n"
-             "             base_config=source[\"config\"] if source else None, tokenizer=tokenizer_path)"),),
+             "             base_config=source[\"config\"] if source else None, tokenizer=tokenizer_path,\n"
+             "             generation_config=source.get(\"generation_config\") if source else None)"),),
            ("tests/test_outputs.py",)),
     Mutant("tokenizer_pair_takes_separate_suffixes", "src/orangetron/train/prepare.py",
            (("        move_aside(path, suffix)", "        move_aside(path)"),),
@@ -2297,6 +2299,16 @@ MUTANTS = [
     Mutant("search_drops_the_ep_overlap_switch", "src/orangetron/plan/search.py",
            (("overlap_ep=base.overlap_ep,", "overlap_ep=True,"),),
            ("tests/test_plan_search.py::test_candidate_jobs_keep_the_base_jobs_framework_overlaps",)),
+    Mutant("export_drops_the_generation_config", "src/orangetron/train/export.py",
+           (('generation_config=source.get("generation_config") if source else None)', "generation_config=None)"),),
+           ("tests/test_hf_train.py::test_llama_trains_on_tp2_dp2_as_on_one_device_and_exports",
+            "tests/test_hf_train.py::test_a_resumed_run_needs_no_weights_from_its_source_folder")),
+    Mutant("broken_generation_config_stops_the_run", "src/orangetron/hf/folder.py",
+           (("    except (OSError, ValueError):\n        return None", "    except OSError:\n        return None"),),
+           ("tests/test_hf_train.py::test_a_generation_config_is_recorded_only_when_it_is_a_json_object",)),
+    Mutant("generation_config_written_into_the_record", "src/orangetron/train/run_folder.py",
+           (('PARSED_FILES = ("config", "generation_config")', 'PARSED_FILES = ("config",)'),),
+           ("tests/test_hf_train.py::test_llama_trains_on_tp2_dp2_as_on_one_device_and_exports",)),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +82,11 @@ def _check_export(tmp_path, cfg, tokenizer=True):
     with torch.no_grad(), hf_models.float64_islands(theirs):
         gap = (ours(tokens) - theirs(tokens).logits).abs().max() / theirs(tokens).logits.abs().max()
     assert gap < 1e-10
+    # the source's generation config (its token ids for `generate`) came along, as transformers reads it
+    source_generation = Path(cfg.hf_model) / "generation_config.json"
+    assert json.loads((out / "generation_config.json").read_text()) == json.loads(source_generation.read_text())
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == \
+        transformers.GenerationConfig.from_pretrained(cfg.hf_model).eos_token_id
     if not tokenizer:
         return
     auto = transformers.AutoTokenizer.from_pretrained(out)
@@ -94,6 +100,7 @@ def _check_record(tmp_path, folder):
     assert record["data_record"]["tokenizer"] == str(folder.resolve())
     source = record["model_source"]
     assert source["path"] == str(folder.resolve()) and len(source["config_sha256"]) == 64
+    assert "config" not in source and "generation_config" not in source  # parsed, in the checkpoints only
     assert source["files"] == [{"name": "model.safetensors", "bytes": (folder / "model.safetensors").stat().st_size}]
     state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step-*/state.json")).read_text())
     assert state["tokenizer"] == str(folder.resolve()) and state["model_source"]["config"]["model_type"]
@@ -250,6 +257,7 @@ def test_a_resumed_run_needs_no_weights_from_its_source_folder(tmp_path, capsys)
            "--out", str(tmp_path / "run")]
     assert main([*run, "--stop-after", "1"]) == 0
     recorded = (tmp_path / "run" / "config.toml").read_text()
+    generation = json.loads((folder / "generation_config.json").read_text())
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     capsys.readouterr()
@@ -259,3 +267,17 @@ def test_a_resumed_run_needs_no_weights_from_its_source_folder(tmp_path, capsys)
     assert state["model_source"]["files"][0]["bytes"] == weights.stat().st_size + 100
     weights.unlink()
     assert main([*run, "--steps", "3", "--extend", "--resume"]) == 0, capsys.readouterr().err
+    (folder / "generation_config.json").unlink()  # export writes the generation config the run recorded
+    assert main(["export", str(tmp_path / "run"), "--hf", "-o", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == generation
+
+
+def test_a_generation_config_is_recorded_only_when_it_is_a_json_object(tmp_path):
+    """Training does not read it, so a missing or broken one stops nothing; export then writes none."""
+    from orangetron.hf.folder import read_generation_config
+
+    assert read_generation_config(tmp_path) is None
+    file = tmp_path / "generation_config.json"
+    for text, want in (("{", None), ("[1, 2]", None), ('{"eos_token_id": [2, 3]}', {"eos_token_id": [2, 3]})):
+        file.write_text(text)
+        assert read_generation_config(tmp_path) == want

@@ -11,6 +11,7 @@ from orangetron.spec.hf_config import CONFIG_FILE, read_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_FILE = "generation_config.json"
 
 
 def check_weight_files(path: str | Path) -> None:
@@ -24,6 +25,17 @@ def check_weight_files(path: str | Path) -> None:
                 pass
         except SafetensorError as err:
             raise ValueError(f"{name} is not a readable safetensors file ({err}); copy it again") from None
+
+
+def read_generation_config(path: str | Path) -> dict[str, Any] | None:
+    """The folder's generation_config.json (the token ids and defaults `generate` reads), or None where there is
+    none or it is not a JSON object: training does not need it, so a broken one stops nothing."""
+    file = Path(path) / GENERATION_FILE
+    try:
+        values = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return values if isinstance(values, dict) else None
 
 
 def weight_files(path: str | Path) -> list[str]:

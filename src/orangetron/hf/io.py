@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from orangetron.hf.folder import GENERATION_FILE
 from orangetron.hf.weights import SafetensorsFolder, check_folder, hf_tensors, sources
 from orangetron.model import Transformer
 from orangetron.parallel.state import Shards
@@ -54,11 +55,12 @@ def load(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.dev
 
 def save(model: Transformer | dict[str, torch.Tensor], folder: str | Path, *, spec: ModelSpec | None = None,
          dtype: torch.dtype | None = None, base_config: dict[str, Any] | None = None,
-         tokenizer: str | Path | None = None) -> Path:
+         tokenizer: str | Path | None = None, generation_config: dict[str, Any] | None = None) -> Path:
     """Write `model` (a reference `Transformer`, or its whole state dict with `spec`) as a Hugging Face folder:
     config.json (`spec.hf_config.hf_config_of`, keeping `base_config`'s other keys), model.safetensors in
-    `dtype` (default: the parameters' own) and, when `tokenizer` names a folder or tokenizer.json, its files.
-    HFConfigError names a field no family here holds. Returns the folder."""
+    `dtype` (default: the parameters' own), when `tokenizer` names a folder or tokenizer.json its files, and
+    `generation_config` as generation_config.json. HFConfigError names a field no family here holds. Returns the
+    folder."""
     if isinstance(model, Transformer):
         spec, state = model.cfg, {k: v.detach() for k, v in model.state_dict().items()}
     elif spec is None:
@@ -77,6 +79,8 @@ def save(model: Transformer | dict[str, torch.Tensor], folder: str | Path, *, sp
     save_file({k: v.cpu() for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
     if tokenizer is not None:
         copy_tokenizer(tokenizer, folder)
+    if generation_config is not None:
+        (folder / GENERATION_FILE).write_text(json.dumps(generation_config, indent=2) + "\n", encoding="utf-8")
     return folder
 
 

@@ -8,8 +8,8 @@ for a bfloat16 run). The optimizer moments stay behind. torch is imported only w
 
 With `--hf`, `-o DIR` becomes a folder `transformers.AutoModelForCausalLM` loads (`orangetron.hf.save`):
 config.json with `architectures` (a run started from a Hugging Face folder keeps its source config's other
-keys), model.safetensors by HF names in the source's dtype (else the saved one; `--dtype` chooses), and the
-run's tokenizer files when it used one.
+keys), model.safetensors by HF names in the source's dtype (else the saved one; `--dtype` chooses), the
+run's tokenizer files when it used one, and the source's generation_config.json as the run recorded it.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
     try:  # written whole beside `output` first: a refused config moves nothing aside and leaves nothing behind
         save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,
-             base_config=source["config"] if source else None, tokenizer=tokenizer_path)
+             base_config=source["config"] if source else None, tokenizer=tokenizer_path,
+             generation_config=source.get("generation_config") if source else None)
         moved = claim_output(output, "-o", overwrite, inputs)
         if output.is_dir():
             output.rmdir()  # empty, as claim_output found it

@@ -39,6 +39,8 @@ from orangetron.train.outputs import check_holds_no_input, move_aside
 CONFIG_FILE = "config.toml"
 CHANGES_FILE = "changes.jsonl"
 RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "checkpoints")  # any of them: the folder holds a run
+# The source folder's files a run keeps parsed in its checkpoints for export, not in config.toml (`model_source`)
+PARSED_FILES = ("config", "generation_config")
 # What one invocation says about itself, never restored by the next: write-once directives.
 DIRECTIVES = ("out", "resume", "extend", "stop_after", "overwrite", "new_data")
 # Options a resumed run may change: how long (steps, checked with --extend against the checkpoint), how
@@ -213,7 +215,7 @@ def write_record(cfg: TrainConfig, data: dict[str, Any], first_step: int) -> Pat
     folder.mkdir(parents=True, exist_ok=True)
     tables = {"model": dataclasses.asdict(cfg.model_config()), "data_record": data}
     if cfg.hf_model is not None:
-        tables["model_source"] = {k: v for k, v in model_source(cfg).items() if k != "config"}
+        tables["model_source"] = {k: v for k, v in model_source(cfg).items() if k not in PARSED_FILES}
     options = {k: v for k, v in cfg.options().items() if k not in DIRECTIVES[1:] and k != "model"}
     if options.get("data"):  # absolute, as hf_model and tokenizer are: resumed or repeated from any folder
         options["data"] = [str(Path(path).resolve()) for path in options["data"]]
@@ -228,14 +230,18 @@ def write_record(cfg: TrainConfig, data: dict[str, Any], first_step: int) -> Pat
 
 def model_source(cfg: TrainConfig) -> dict[str, Any]:
     """The Hugging Face folder a run started from (`orangetron.hf.describe_folder`: path, hashes of config.json and
-    of the index, file sizes, dtype) with its parsed config; the weights themselves come from checkpoints after.
-    A resumed run keeps what its checkpoint recorded: it reads no weight from the folder, which may have changed
-    or gone since."""
-    from orangetron.hf.folder import describe_folder
+    of the index, file sizes, dtype) with its parsed config and, where it has one, generation config (export
+    writes both back); the weights themselves come from checkpoints after. A resumed run keeps what its
+    checkpoint recorded: it reads no weight from the folder, which may have changed or gone since."""
+    from orangetron.hf.folder import describe_folder, read_generation_config
     from orangetron.spec.hf_config import read_config
 
     recorded = _recorded_model_source(cfg) if cfg.resume else None
-    return recorded or {**describe_folder(cfg.hf_model), "config": read_config(cfg.hf_model)}
+    if recorded:
+        return recorded
+    generation = read_generation_config(cfg.hf_model)
+    return {**describe_folder(cfg.hf_model), "config": read_config(cfg.hf_model),
+            **({"generation_config": generation} if generation is not None else {})}
 
 
 def _recorded_model_source(cfg: TrainConfig) -> dict[str, Any] | None:
