@@ -2295,10 +2295,10 @@ MUTANTS = [
            ("tests/test_plan_cli.py::test_estimate_without_shared_expert_overlap_exposes_the_all_to_all",)),
     Mutant("search_drops_the_shared_expert_switch", "src/orangetron/plan/search.py",
            (("overlap_shared_experts=base.overlap_shared_experts, fp8", "overlap_shared_experts=True, fp8"),),
-           ("tests/test_plan_search.py::test_candidate_jobs_keep_the_base_jobs_framework_overlaps",)),
+           ("tests/test_plan_search.py::test_candidate_jobs_keep_the_base_jobs_expert_overlap_switches",)),
     Mutant("search_drops_the_ep_overlap_switch", "src/orangetron/plan/search.py",
            (("overlap_ep=base.overlap_ep,", "overlap_ep=True,"),),
-           ("tests/test_plan_search.py::test_candidate_jobs_keep_the_base_jobs_framework_overlaps",)),
+           ("tests/test_plan_search.py::test_candidate_jobs_keep_the_base_jobs_expert_overlap_switches",)),
     Mutant("export_drops_the_generation_config", "src/orangetron/train/export.py",
            (('generation_config=source.get("generation_config") if source else None)', "generation_config=None)"),),
            ("tests/test_hf_train.py::test_llama_trains_on_tp2_dp2_as_on_one_device_and_exports",
@@ -2309,6 +2309,10 @@ MUTANTS = [
     Mutant("generation_config_written_into_the_record", "src/orangetron/train/run_folder.py",
            (('PARSED_FILES = ("config", "generation_config")', 'PARSED_FILES = ("config",)'),),
            ("tests/test_hf_train.py::test_llama_trains_on_tp2_dp2_as_on_one_device_and_exports",)),
+    Mutant("plan_drops_the_overlap_switches", "src/orangetron/cli/plan.py",
+           (("overlap_ep=not args.no_overlap_ep, overlap_shared_experts=not args.no_overlap_shared_experts)",
+             "overlap_ep=True, overlap_shared_experts=True)"),),
+           ("tests/test_plan_cli.py::test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer",)),
 ]
 
 

@@ -281,3 +281,12 @@ def test_a_generation_config_is_recorded_only_when_it_is_a_json_object(tmp_path)
     for text, want in (("{", None), ("[1, 2]", None), ('{"eos_token_id": [2, 3]}', {"eos_token_id": [2, 3]})):
         file.write_text(text)
         assert read_generation_config(tmp_path) == want
+    folder = hf_models.llama(tmp_path / "llama")
+    hf_models.add_tokenizer(folder)
+    (folder / "generation_config.json").write_text("{")
+    assert main(["train", "--hf-model", str(folder), "--steps", "1", "--seq-len", "16", "--batch-size", "4",
+                 "--quiet", "--out", str(tmp_path / "run")]) == 0
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "state.json").read_text())
+    assert "generation_config" not in state["model_source"] and state["model_source"]["config"]
+    assert main(["export", str(tmp_path / "run"), "--hf", "-o", str(tmp_path / "out")]) == 0
+    assert not (tmp_path / "out" / "generation_config.json").exists() and (tmp_path / "out" / "config.json").exists()

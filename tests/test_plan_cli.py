@@ -696,3 +696,16 @@ def test_a_tiny_models_report_reads_in_units_where_its_figures_are_not_zero(caps
     assert run(["estimate", "--model", "llama3-8b", "--gpus", "8", "--seq", "2048", "--tp", "8"]) == 0
     out = capsys.readouterr().out
     assert "memory per GPU (GiB):" in out and "(GiB sent by one rank" in out and " ms: compute " in out  # 57 ms
+
+
+def test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer(capsys):
+    """`plan` takes the two overlap switches `estimate` takes, so it can rank layouts for Megatron-Core's
+    defaults: every ranked job carries them (and without them, neither)."""
+    args = ["--model", "small-moe", "--gpus", "8", "--no-overlap-ep", "--no-overlap-shared-experts", "--json"]
+    assert run(["plan", *args, "--top", "5"]) == 0
+    ranked = last_json(capsys)["ranked"]
+    assert len(ranked) == 5
+    assert {(r["job"]["overlap_ep"], r["job"]["overlap_shared_experts"]) for r in ranked} == {(False, False)}
+    assert run(["plan", "--model", "small-moe", "--gpus", "8", "--json", "--top", "5"]) == 0
+    assert {(r["job"]["overlap_ep"], r["job"]["overlap_shared_experts"])
+            for r in last_json(capsys)["ranked"]} == {(True, True)}

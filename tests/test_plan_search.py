@@ -208,9 +208,9 @@ def test_fewest_replays_with_uneven_chunks():
         assert fewest_replays_that_fit(model, deg, full, totals[r]).recompute_layers == r
 
 
-def test_candidate_jobs_keep_the_base_jobs_framework_overlaps():
-    """The search varies layouts and sharding, not how the framework overlaps its all-to-all: a base job whose
-    experts' transfers hide behind nothing stays so in every candidate."""
+def test_candidate_jobs_keep_the_base_jobs_expert_overlap_switches():
+    """The search varies layouts and sharding, not how the framework overlaps its expert all-to-all: a base job
+    whose experts' transfers hide behind nothing stays so in every candidate."""
     model = load_model("deepseek-v2")
     base = Job(seq_len=4096, overlap_ep=False, overlap_shared_experts=False)
     space = SearchSpace(micro_batch=(1, 2), recompute=("none", "full"), zero=("distopt", "zero3"))

@@ -143,6 +143,10 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--pipeline-layout", type=_layout, default=(), metavar="N[xK][,N...]",
                       help="decoder layers of each virtual stage, as `estimate --pipeline-layout` (planner only): "
                            "the search keeps pp to the divisors of its length, with the rest as virtual stages")
+    plan.add_argument("--no-overlap-ep", action="store_true",
+                      help="rank layouts without paired micro-batch overlap (Megatron-Core's default)")
+    plan.add_argument("--no-overlap-shared-experts", action="store_true",
+                      help="nor shared experts beside the expert all-to-all (Megatron-Core's default; planner only)")
     plan.add_argument("--no-partial-recompute", action="store_true",
                       help="full recompute replays every layer (default: only as many leading layers per chunk as "
                            "the memory needs, Megatron's block method; shown as full/N)")
@@ -403,7 +407,8 @@ def run_plan(args: argparse.Namespace) -> int:
     base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8,
                fp8_recipe=_recipe_flag(args), fp8_cached_activations=args.fp8_cached_activations,
                dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms,
-               ep_comm_sms_reserved=args.ep_comm_sms_reserved, pipeline_layout=args.pipeline_layout)
+               ep_comm_sms_reserved=args.ep_comm_sms_reserved, pipeline_layout=args.pipeline_layout,
+               overlap_ep=not args.no_overlap_ep, overlap_shared_experts=not args.no_overlap_shared_experts)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     if args.grad_bucket_numel < 0:
