@@ -208,12 +208,20 @@ def test_fewest_replays_with_uneven_chunks():
         assert fewest_replays_that_fit(model, deg, full, totals[r]).recompute_layers == r
 
 
-def test_candidate_jobs_keep_the_base_jobs_expert_overlap_switches():
-    """The search varies layouts and sharding, not how the framework overlaps its expert all-to-all: a base job
-    whose experts' transfers hide behind nothing stays so in every candidate."""
+def test_candidate_jobs_keep_the_base_jobs_framework_paths():
+    """The search varies layouts, sharding, recompute and micro-batches, not how the framework runs: a base job
+    whose experts' transfers hide behind nothing, whose reductions wait for the step and whose Adam moments are
+    bfloat16 stays so in every candidate (only the experts' overlap switches were kept until 2026-12-05)."""
     model = load_model("deepseek-v2")
-    base = Job(seq_len=4096, overlap_ep=False, overlap_shared_experts=False)
+    paths = dict(overlap_ep=False, overlap_shared_experts=False, overlap_grad_reduce=False,
+                 optimizer_state_dtype="bfloat16", tp_sum_with_reduction=True, eager_fp32_loss=True,
+                 recompute_modules=("layernorm",))
+    base = Job(seq_len=4096, **paths)
     space = SearchSpace(micro_batch=(1, 2), recompute=("none", "full"), zero=("distopt", "zero3"))
     jobs = [j for group in candidate_jobs(model, Degrees(dp=16, ep=8), 4096, 64, space, base) for j in group]
-    assert len(jobs) > 4
-    assert all(not j.overlap_ep and not j.overlap_shared_experts for j in jobs)
+    assert len(jobs) > 4 and {(j.micro_batch, j.recompute, j.zero_stage) for j in jobs} >= {(1, "none", 0),
+                                                                                           (2, "full", 3)}
+    full = [j for j in jobs if j.recompute == "full"]
+    assert full and all(j.recompute_modules == () for j in full)  # full recompute replays every module already
+    assert all(getattr(j, name) == value for j in jobs for name, value in paths.items()
+               if name != "recompute_modules" or j.recompute != "full")

@@ -131,24 +131,19 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
     # Built once for every layout that shares these options: the same Job objects then key the cost caches,
     # which match them by identity instead of comparing every field. A bucketed group is its own: buckets move
     # both time and memory (wire buffers held; under ZeRO-2 each .grad freed once reduced), so neither group's
-    # first fitting option dominates the other's.
+    # first fitting option dominates the other's. Every option the search does not vary is the base job's.
     zeros = [z for z in _ZERO if z in space.zero and not (bucket and _ZERO[z][0] == 3)]
     recomputes = [r for r in RECOMPUTE if r in space.recompute]
     group = []
     for rc, zero in itertools.product(recomputes, zeros):
         stage, distopt, every = _ZERO[zero]
-        group.append(Job(seq_len=seq_len, micro_batch=mb, global_batch=global_batch,
-                         sequence_parallel=sequence_parallel, cp_mode=mode, dispatcher=disp,
-                         capacity_factor=base.capacity_factor, ep_comm_sms=base.ep_comm_sms,
-                         ep_comm_sms_reserved=base.ep_comm_sms_reserved and DISPATCHERS[disp].node_aware,
-                         zero_stage=stage, distributed_optimizer=distopt,
-                         zero3_reduce_every_microbatch=every,
-                         param_dtype=base.param_dtype, pp_schedule=schedule,
-                         virtual_stages=v, pipeline_layout=base.pipeline_layout, recompute=rc,
-                         attention_kernel=base.attention_kernel, overlap_ep=base.overlap_ep,
-                         overlap_shared_experts=base.overlap_shared_experts, fp8=base.fp8,
-                         fp8_recipe=base.fp8_recipe, fp8_cached_activations=base.fp8_cached_activations,
-                         grad_bucket_numel=bucket))
+        group.append(replace(base, seq_len=seq_len, micro_batch=mb, global_batch=global_batch,
+                             sequence_parallel=sequence_parallel, cp_mode=mode, dispatcher=disp,
+                             ep_comm_sms_reserved=base.ep_comm_sms_reserved and DISPATCHERS[disp].node_aware,
+                             zero_stage=stage, distributed_optimizer=distopt, zero3_reduce_every_microbatch=every,
+                             pp_schedule=schedule, virtual_stages=v, recompute=rc, recompute_layers=0,
+                             recompute_modules=() if rc == "full" else base.recompute_modules,  # full replays all
+                             grad_bucket_numel=bucket))
     return tuple(group)
 
 
