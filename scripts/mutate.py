@@ -2311,6 +2311,15 @@ MUTANTS = [
            (("overlap_ep=not args.no_overlap_ep, overlap_shared_experts=not args.no_overlap_shared_experts)",
              "overlap_ep=True, overlap_shared_experts=True)"),),
            ("tests/test_plan_cli.py::test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer",)),
+    Mutant("resume_ignores_a_rewritten_tokenizer", "src/orangetron/train/run_folder.py",
+           (('    if ids and given["tokenizer"] == recorded.get("tokenizer")', '    if False'),),
+           ("tests/test_run_folder.py::test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export",)),
+    Mutant("export_copies_a_rewritten_tokenizer", "src/orangetron/train/export.py",
+           (("    _check_tokenizer_unchanged(saved.record, tokenizer)\n", ""),),
+           ("tests/test_run_folder.py::test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export",)),
+    Mutant("checkpoints_keep_no_tokenizer_ids", "src/orangetron/train/resume.py",
+           (('    if plain["tokenizer"] != "byte":  # kept by path', '    if False:  # kept by path'),),
+           ("tests/test_run_folder.py::test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export",)),
 ]
 
 

@@ -303,3 +303,25 @@ def test_a_run_given_relative_data_resumes_from_another_folder(tmp_path, monkeyp
                                "--quiet")  # the record's out was as typed: that resumed ./run, which is not there
     assert code == 0 and result["steps"] == 3, err
     assert recorded["out"] == str(tmp_path / "run") and list(elsewhere.iterdir()) == []
+
+
+def test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export(tmp_path, data, capsys) -> None:
+    """The run keeps its tokenizer by path; a tokenizer retrained into that folder encodes the same text to
+    other ids, which resumed training and an exported model would silently take. Both are refused until the
+    tokenizer is restored (the same training gives the same ids again)."""
+    tok = tmp_path / "tok"
+    assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "280"]) == 0
+    run, model = tmp_path / "run", tmp_path / "model.toml"
+    model.write_text(CUSTOM_MODEL.replace("vocab_size = 256", "vocab_size = 320"))
+    assert _train(capsys, "--model", str(model), "--data", str(data), "--tokenizer", str(tok), "--steps", "3",
+                  "--stop-after", "1", *SMALL, "--out", str(run))[0] == 0
+    recorded = tomllib.loads((run / "config.toml").read_text())["data_record"]["tokenizer_ids_sha256"]
+    assert len(recorded) == 64
+    assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "300", "--overwrite"]) == 0
+    code, _, err = _train(capsys, "--out", str(run), "--resume")
+    assert code == 2 and "encodes other ids than when the run" in err and recorded[:12] in err
+    assert cli.main(["export", str(run), "-o", str(tmp_path / "model.pt")]) == 0  # a state dict has no tokenizer
+    assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf")]) == 2
+    assert "restore it before exporting" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+    assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "280", "--overwrite"]) == 0
+    assert _train(capsys, "--out", str(run), "--resume")[0] == 0

@@ -38,8 +38,8 @@ def add_export_command(sub: Any) -> None:
     p.add_argument("-o", "--output", required=True, metavar="FILE|DIR",
                    help="where to write the state dict (.pt), or with --hf the Hugging Face folder")
     p.add_argument("--hf", action="store_true",
-                   help="write a Hugging Face folder (config.json, model.safetensors, the tokenizer's files) that "
-                   "transformers.AutoModelForCausalLM loads")
+                   help="write a Hugging Face folder (config.json, model.safetensors, the tokenizer's files, the "
+                   "source's generation_config.json) that transformers.AutoModelForCausalLM loads")
     p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"), default=None,
                    help="--hf: the tensors' dtype (default: the imported source's, else the checkpoint's)")
     p.add_argument("--overwrite", action="store_true",
@@ -149,6 +149,7 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     tokenizer_path = None if tokenizer == "byte" else Path(tokenizer)
     if tokenizer_path is not None and not tokenizer_path.exists():
         raise FileNotFoundError(f"the run's tokenizer {tokenizer} is gone; its files cannot be copied")
+    _check_tokenizer_unchanged(saved.record, tokenizer)
     inputs = [("the checkpoint", saved.checkpoint), ("the model the run was imported from", source and source["path"]),
               ("the run's tokenizer", tokenizer_path)]
     check_claim(output, "-o", overwrite, inputs)  # before the work; claimed after it
@@ -172,6 +173,21 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": count,
             "bytes": weights.stat().st_size, **({"moved_aside": str(moved)} if moved else {}),
             "warnings": _tokenizer_warnings(output)}
+
+
+def _check_tokenizer_unchanged(record: dict[str, Any], tokenizer: str) -> None:
+    """Refuse to copy a tokenizer rewritten at the run's path since the checkpoint: its ids are not the model's.
+    A checkpoint of before 2026-12-05 recorded no hash, and is not checked."""
+    recorded = record.get("tokenizer_ids_sha256")
+    if recorded is None:
+        return
+    from orangetron.train.tokenizer import tokenizer_named
+
+    now = tokenizer_named(tokenizer).ids_sha256()
+    if now != recorded:
+        raise ValueError(f"the run's tokenizer {tokenizer} encodes other ids than when the checkpoint was written "
+                         f"(ids sha256 {recorded[:12]} then, {now[:12]} now): it was rewritten at the same path; "
+                         "restore it before exporting")
 
 
 def _tokenizer_warnings(output: Path) -> list[str]:

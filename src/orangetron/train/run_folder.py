@@ -77,6 +77,10 @@ def describe_data(cfg: TrainConfig) -> dict[str, Any]:
                               "bytes": len(encoded), "sha256": hashlib.sha256(encoded).hexdigest()}
     if cfg.data is not None:
         record["files"] = [file_record(path) for path in cfg.data]
+    if tokenizer != "byte":  # kept by path: what it encodes to is recorded too (a prepared dataset's own record has it)
+        from orangetron.train.tokenizer import tokenizer_named  # torch: only for a run with a tokenizer file
+
+        record["tokenizer_ids_sha256"] = tokenizer_named(tokenizer).ids_sha256()
     return record
 
 
@@ -192,6 +196,12 @@ def _touched_since(folder: Path | None, recorded: dict[str, Any], given: dict[st
 
 def _check_same_data(cfg: TrainConfig, recorded: dict[str, Any]) -> None:
     given = describe_data(cfg)
+    ids = recorded.get("tokenizer_ids_sha256")  # a record of 2026-12-05 or later, of text
+    if ids and given["tokenizer"] == recorded.get("tokenizer") and given.get("tokenizer_ids_sha256") != ids:
+        raise TrainConfigError(f"tokenizer (--tokenizer): {given['tokenizer']} encodes other ids than when the run "
+                               f"in {cfg.out} started (ids sha256 {ids[:12]} then, "
+                               f"{str(given.get('tokenizer_ids_sha256'))[:12]} now): it was rewritten at the same "
+                               "path; restore it, or start a new run")
     if (given["sha256"], given["tokenizer"]) == (recorded.get("sha256"), recorded.get("tokenizer")):
         if _touched_since(Path(cfg.prepared_data) if cfg.prepared_data else None, recorded, given):
             _check_prepared_files(Path(cfg.prepared_data))  # a copy passes, an edit does not
