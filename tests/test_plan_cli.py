@@ -709,3 +709,7 @@ def test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer(cap
     assert run(["plan", "--model", "small-moe", "--gpus", "8", "--json", "--top", "5"]) == 0
     assert {(r["job"]["overlap_ep"], r["job"]["overlap_shared_experts"])
             for r in last_json(capsys)["ranked"]} == {(True, True)}
+    assert run(["plan", *args[:-1], "--top", "1"]) == 0  # the text says what it ranked for
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "small-moe on 8 x h100, seq 4096, global batch 8 sequences, bfloat16, --no-overlap-ep, "
+        "--no-overlap-shared-experts: the fastest layout that fits")

@@ -462,9 +462,12 @@ def run_plan(args: argparse.Namespace) -> int:
 def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: int, rows: int) -> str:
     layout = args.pipeline_layout and ", layers per virtual stage " + ",".join(map(str, args.pipeline_layout))
     fp8 = f", fp8 ({_fp8_recipe(_recipe_flag(args), args.fp8_cached_activations)})" if args.fp8 else ""
+    overlaps = "".join(f", {flag}" for flag, on in (("--no-overlap-ep", args.no_overlap_ep),
+                                                    ("--no-overlap-shared-experts", args.no_overlap_shared_experts))
+                       if on)
     return (f"{model} on {args.gpus} x {gpu}, seq {args.seq}, global batch {global_batch} sequences, "
-            f"{args.param_dtype}{fp8}{layout or ''}: " + ("the fastest layout that fits" if rows == 1 else
-                                                         f"the {rows} fastest layouts that fit"))
+            f"{args.param_dtype}{fp8}{layout or ''}{overlaps}: " + ("the fastest layout that fits" if rows == 1 else
+                                                                   f"the {rows} fastest layouts that fit"))
 
 
 def _fp8_recipe(recipe: str, cached_activations: bool) -> str:
