@@ -15,7 +15,6 @@ schema recorded the runtime's argument names, and resumes all the same
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,18 +60,11 @@ def _write_checkpoint(cfg: TrainConfig, setup: RunSetup, step: int, losses: list
              "data": {"batches": step, "samples": step * cfg.batch_size}, "layout": cfg.layout.degrees(),
              "tokenizer": cfg.tokenizer or "byte"}  # losses: the global batch's, on every rank
     if plain["tokenizer"] != "byte":  # kept by path: export checks the file still encodes as the run did
-        plain["tokenizer_ids_sha256"] = tokenizer_ids_sha256(plain["tokenizer"])
+        plain["tokenizer_ids_sha256"] = tokenizer_named(plain["tokenizer"]).ids_sha256()
     if cfg.hf_model is not None:  # export --hf writes the model back in its source's config and dtype
         plain["model_source"] = model_source(cfg)
     path = save_checkpoint(_checkpoint_folder(cfg), step, {**_tensors(setup), **plain}, comm.world_group())
     return path if setup.rank == 0 else None
-
-
-@functools.lru_cache(maxsize=4)
-def tokenizer_ids_sha256(path: str) -> str:
-    """What the tokenizer at `path` encodes to (`HFTokenizer.ids_sha256`), read once per process: the run's,
-    as it started."""
-    return tokenizer_named(path).ids_sha256()
 
 
 def resume(cfg: TrainConfig, setup: RunSetup) -> tuple[TrainConfig, Resumed]:
