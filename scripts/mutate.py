@@ -2320,6 +2320,12 @@ MUTANTS = [
     Mutant("checkpoints_keep_no_tokenizer_ids", "src/orangetron/train/resume.py",
            (('    if plain["tokenizer"] != "byte":  # kept by path', '    if False:  # kept by path'),),
            ("tests/test_run_folder.py::test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export",)),
+    Mutant("estimate_silent_past_the_folders_positions", "src/orangetron/cli/plan.py",
+           (("    if Path(name).is_dir() and seq_len > model.max_seq_len:", "    if False:"),),
+           ("tests/test_hf.py::test_estimate_and_plan_price_the_folder_itself",)),
+    Mutant("estimate_notes_every_folder", "src/orangetron/cli/plan.py",
+           (("    if Path(name).is_dir() and seq_len > model.max_seq_len:", "    if Path(name).is_dir():"),),
+           ("tests/test_hf.py::test_estimate_and_plan_price_the_folder_itself",)),
 ]
 
 

@@ -184,9 +184,14 @@ def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
         spec = hf.config(folder)
         assert spec.total_params() == sum(p.numel() for p in hf_models.reference(folder).parameters())
         assert main(["estimate", "--model", str(folder), "--gpu", "h100", "--seq", "64", "--json"]) == 0
-        priced = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        captured = capsys.readouterr()
+        priced = json.loads(captured.out.strip().splitlines()[-1])
         assert priced["model"] == folder.name and priced["memory_bytes"]["params"] == 2 * spec.total_params()
         assert main(["plan", "--model", str(folder), "--gpu", "h100", "--gpus", "4", "--seq", "64", "--json"]) == 0
+        assert "note" not in captured.err + capsys.readouterr().err  # 64 tokens: within the folder's 256
+    for command in (["estimate"], ["plan", "--gpus", "4"]):  # what train refuses is priced, with a note
+        assert main([*command, "--model", str(folders[0]), "--gpu", "h100", "--seq", "512", "--json"]) == 0
+        assert f"--seq 512 is longer than {folders[0]}'s max_position_embeddings 256" in capsys.readouterr().err
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
     assert main(["estimate", "--model", str(not_a_model), "--gpu", "h100"]) == 2

@@ -277,6 +277,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         raise ValueError("--model is required (or --config FILE)")
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
+        _note_longer_than_the_folder("estimate", args.model, model, job.seq_len)
     est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     for note in _no_effect_notes(model, deg, job):
         print(f"orangetron estimate: note: {note}", file=sys.stderr)
@@ -289,6 +290,14 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         print(format_estimate(est))
     return 0
+
+
+def _note_longer_than_the_folder(command: str, name: str, model: ModelSpec, seq_len: int) -> None:
+    """A Hugging Face folder states the longest sequence its model was made for (max_position_embeddings, the
+    runtime's max_seq_len, which `train` enforces); a preset's default is not such a statement."""
+    if Path(name).is_dir() and seq_len > model.max_seq_len:
+        print(f"orangetron {command}: note: --seq {seq_len} is longer than {name}'s max_position_embeddings "
+              f"{model.max_seq_len}: priced as asked, but `orangetron train` refuses such a run", file=sys.stderr)
 
 
 def _no_effect_notes(model: ModelSpec, deg: Degrees, job: Job) -> list[str]:
@@ -395,6 +404,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
         check_emit_path(args.emit_config)  # before the search, not after it
     spec = load_model(args.model)
+    if isinstance(spec, ModelSpec):
+        _note_longer_than_the_folder("plan", args.model, spec, args.seq)
     cluster = _cluster(args, args.gpus)
     if isinstance(spec, DualEncoderSpec):
         from orangetron.plan.distmm import format_plan, plan_distmm
