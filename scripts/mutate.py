@@ -2326,6 +2326,14 @@ MUTANTS = [
     Mutant("estimate_notes_every_folder", "src/orangetron/cli/plan.py",
            (("    if Path(name).is_dir() and seq_len > model.max_seq_len:", "    if Path(name).is_dir():"),),
            ("tests/test_hf.py::test_estimate_and_plan_price_the_folder_itself",)),
+    Mutant("broken_generation_config_not_warned", "src/orangetron/train/config.py",
+           (("    return (Path(folder) / GENERATION_FILE).is_file() and read_generation_config(folder) is None",
+             "    return False"),),
+           ("tests/test_hf_train.py::test_a_generation_config_is_recorded_only_when_it_is_a_json_object",)),
+    Mutant("every_generation_config_warned", "src/orangetron/train/config.py",
+           (("    return (Path(folder) / GENERATION_FILE).is_file() and read_generation_config(folder) is None",
+             "    return (Path(folder) / GENERATION_FILE).is_file()"),),
+           ("tests/test_hf_train.py::test_a_generation_config_is_recorded_only_when_it_is_a_json_object",)),
 ]
 
 

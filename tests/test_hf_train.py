@@ -273,7 +273,8 @@ def test_a_resumed_run_needs_no_weights_from_its_source_folder(tmp_path, capsys)
 
 
 def test_a_generation_config_is_recorded_only_when_it_is_a_json_object(tmp_path):
-    """Training does not read it, so a missing or broken one stops nothing; export then writes none."""
+    """Training does not read it, so a missing or broken one stops nothing (a broken one is warned of); export
+    then writes none."""
     from orangetron.hf.folder import read_generation_config
 
     assert read_generation_config(tmp_path) is None
@@ -283,7 +284,10 @@ def test_a_generation_config_is_recorded_only_when_it_is_a_json_object(tmp_path)
         assert read_generation_config(tmp_path) == want
     folder = hf_models.llama(tmp_path / "llama")
     hf_models.add_tokenizer(folder)
+    assert TrainConfig(hf_model=str(folder), steps=1, corpus_bytes=60_000).warnings() == []
     (folder / "generation_config.json").write_text("{")
+    assert any("its generation_config.json is not a JSON object" in w
+               for w in TrainConfig(hf_model=str(folder), steps=1, corpus_bytes=60_000).warnings())
     assert main(["train", "--hf-model", str(folder), "--steps", "1", "--seq-len", "16", "--batch-size", "4",
                  "--quiet", "--out", str(tmp_path / "run")]) == 0
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "state.json").read_text())

@@ -229,6 +229,9 @@ class TrainConfig(Layout, ParallelConfig):
             notes.append(f"hf_model={self.hf_model!r} (--hf-model): its weights train on the ids of the prepared "
                          f"dataset's tokenizer {self.tokenizer}, not its own; prepare the data with --tokenizer "
                          f"{self.hf_model} to train on those")
+        if self.hf_model is not None and not self.resume and _unreadable_generation_config(self.hf_model):
+            notes.append(f"hf_model={self.hf_model!r} (--hf-model): its generation_config.json is not a JSON object; "
+                         "training does not read it, and export --hf will write none")
         return notes
 
     def parallel_config(self) -> ParallelConfig:
@@ -394,6 +397,13 @@ class TrainConfig(Layout, ParallelConfig):
                 continue
             out[field.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+
+def _unreadable_generation_config(folder: str) -> bool:
+    """Whether `folder` holds a generation_config.json the run will not keep (`hf.folder.read_generation_config`)."""
+    from orangetron.hf.folder import GENERATION_FILE, read_generation_config
+
+    return (Path(folder) / GENERATION_FILE).is_file() and read_generation_config(folder) is None
 
 
 def _same_ids(folder: str, tokenizer: str | None) -> bool:
