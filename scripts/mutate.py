@@ -2321,10 +2321,10 @@ MUTANTS = [
            (('    if plain["tokenizer"] != "byte":  # kept by path', '    if False:  # kept by path'),),
            ("tests/test_run_folder.py::test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export",)),
     Mutant("estimate_silent_past_the_folders_positions", "src/orangetron/cli/plan.py",
-           (("    if Path(name).is_dir() and seq_len > model.max_seq_len:", "    if False:"),),
+           (("    if is_hf_folder(name) and seq_len > model.max_seq_len:", "    if False:"),),
            ("tests/test_hf.py::test_estimate_and_plan_price_the_folder_itself",)),
     Mutant("estimate_notes_every_folder", "src/orangetron/cli/plan.py",
-           (("    if Path(name).is_dir() and seq_len > model.max_seq_len:", "    if Path(name).is_dir():"),),
+           (("    if is_hf_folder(name) and seq_len > model.max_seq_len:", "    if is_hf_folder(name):"),),
            ("tests/test_hf.py::test_estimate_and_plan_price_the_folder_itself",)),
     Mutant("broken_generation_config_not_warned", "src/orangetron/train/config.py",
            (("    return (Path(folder) / GENERATION_FILE).is_file() and read_generation_config(folder) is None",
@@ -2334,6 +2334,11 @@ MUTANTS = [
            (("    return (Path(folder) / GENERATION_FILE).is_file() and read_generation_config(folder) is None",
              "    return (Path(folder) / GENERATION_FILE).is_file()"),),
            ("tests/test_hf_train.py::test_a_generation_config_is_recorded_only_when_it_is_a_json_object",)),
+    Mutant("no_overlap_flags_hide_the_shared_experts", "src/orangetron/cli/plan.py",
+           (('                                  ("--no-overlap-shared-experts", overlap_shared_experts)) if not on]',
+             '                                  ) if not on]'),),
+           ("tests/test_plan_cli.py::test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer",
+            "tests/test_plan_cli.py::test_estimate_text_names_every_option_it_priced")),
 ]
 
 

@@ -24,6 +24,7 @@ from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec import rules
 from orangetron.spec.categories import ESTIMATED_TENSORS, TRANSIENT
 from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
+from orangetron.spec.hf_config import is_hf_folder
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
 from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE_MODULES, Degrees, Job
 from orangetron.spec.parallel_config import DTYPE_BYTES, RECOMPUTE
@@ -295,7 +296,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 def _note_longer_than_the_folder(command: str, name: str, model: ModelSpec, seq_len: int) -> None:
     """A Hugging Face folder states the longest sequence its model was made for (max_position_embeddings, the
     runtime's max_seq_len, which `train` enforces); a preset's default is not such a statement."""
-    if Path(name).is_dir() and seq_len > model.max_seq_len:
+    if is_hf_folder(name) and seq_len > model.max_seq_len:
         print(f"orangetron {command}: note: --seq {seq_len} is longer than {name}'s max_position_embeddings "
               f"{model.max_seq_len}: priced as asked, but `orangetron train` refuses such a run", file=sys.stderr)
 
@@ -473,12 +474,17 @@ def run_plan(args: argparse.Namespace) -> int:
 def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: int, rows: int) -> str:
     layout = args.pipeline_layout and ", layers per virtual stage " + ",".join(map(str, args.pipeline_layout))
     fp8 = f", fp8 ({_fp8_recipe(_recipe_flag(args), args.fp8_cached_activations)})" if args.fp8 else ""
-    overlaps = "".join(f", {flag}" for flag, on in (("--no-overlap-ep", args.no_overlap_ep),
-                                                    ("--no-overlap-shared-experts", args.no_overlap_shared_experts))
-                       if on)
+    overlaps = "".join(f", {flag}" for flag in _no_overlap_flags(not args.no_overlap_ep,
+                                                                  not args.no_overlap_shared_experts))
     return (f"{model} on {args.gpus} x {gpu}, seq {args.seq}, global batch {global_batch} sequences, "
             f"{args.param_dtype}{fp8}{layout or ''}{overlaps}: " + ("the fastest layout that fits" if rows == 1 else
                                                                    f"the {rows} fastest layouts that fit"))
+
+
+def _no_overlap_flags(overlap_ep: bool, overlap_shared_experts: bool) -> list[str]:
+    """The flags that turned the expert all-to-all's overlaps off, as `estimate` and `plan` print them."""
+    return [flag for flag, on in (("--no-overlap-ep", overlap_ep),
+                                  ("--no-overlap-shared-experts", overlap_shared_experts)) if not on]
 
 
 def _fp8_recipe(recipe: str, cached_activations: bool) -> str:
@@ -509,8 +515,8 @@ def _options_line(est: Estimate) -> str:
         layout = f" layout {','.join(map(str, j.pipeline_layout))}" if j.pipeline_layout else ""
         parts.append(f"{j.pp_schedule}{f' v={j.virtual_stages}' if j.virtual_stages > 1 else ''}{layout}")
     if est.model.num_experts:
-        parts.append(f"dispatcher {j.dispatcher}" + ("" if j.overlap_ep else ", --no-overlap-ep")
-                     + ("" if j.overlap_shared_experts else ", --no-overlap-shared-experts"))
+        parts.append(", ".join([f"dispatcher {j.dispatcher}", *_no_overlap_flags(j.overlap_ep,
+                                                                                 j.overlap_shared_experts)]))
     if not j.overlap_grad_reduce:
         parts.append("--no-overlap-grad-reduce")
     parts += ["--" + name.replace("_", "-") for name in _FRAMEWORK_PATHS if getattr(j, name)]
