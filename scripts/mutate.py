@@ -1394,7 +1394,8 @@ MUTANTS = [
              "    moments = 4 * (4 - moment_bytes(job)) if job.optimizer_state_dtype else 0"),),
            ("tests/test_plan_cli.py::test_adam_moments_move_what_their_width_says",)),
     Mutant("estimate_config_drops_the_moments_dtype", "src/orangetron/cli/plan.py",
-           (("    job = replace(job, **_planner_only(args))", "    job = replace(job, fp8=args.fp8)"),),
+           (("        flags = _planner_only(args)\n", "        flags = {**_planner_only(args), "
+             "\"optimizer_state_dtype\": None}\n"),),
            ("tests/test_plan_cli.py::test_adam_moments_move_what_their_width_says",)),
     Mutant("tp_sum_with_reduction_ignored", "src/orangetron/plan/params.py",
            (("    if job.tp_sum_with_reduction:\n        return False", "    if False:\n        return False"),),
@@ -2308,8 +2309,8 @@ MUTANTS = [
            (('PARSED_FILES = ("config", "generation_config")', 'PARSED_FILES = ("config",)'),),
            ("tests/test_hf_train.py::test_llama_trains_on_tp2_dp2_as_on_one_device_and_exports",)),
     Mutant("plan_drops_the_overlap_switches", "src/orangetron/cli/plan.py",
-           (("overlap_ep=not args.no_overlap_ep, overlap_shared_experts=not args.no_overlap_shared_experts)",
-             "overlap_ep=True, overlap_shared_experts=True)"),),
+           (('    return {"overlap_ep": not args.no_overlap_ep, "overlap_shared_experts": not args.no_overlap_shared_'
+             'experts}', '    return {"overlap_ep": True, "overlap_shared_experts": True}'),),
            ("tests/test_plan_cli.py::test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer",)),
     Mutant("resume_ignores_a_rewritten_tokenizer", "src/orangetron/train/run_folder.py",
            (('    if ids and given["tokenizer"] == recorded.get("tokenizer")', '    if False'),),
@@ -2339,8 +2340,21 @@ MUTANTS = [
              '                                  ) if not on]'),),
            ("tests/test_plan_cli.py::test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer",
             "tests/test_plan_cli.py::test_estimate_text_names_every_option_it_priced")),
+    Mutant("emitted_plan_ranked_with_overlaps_the_trainer_lacks", "src/orangetron/cli/plan.py",
+           (("    ranked = {name: on and TRAINER_OVERLAPS[name] for name, on in asked.items()}",
+             "    ranked = asked"),),
+           ("tests/test_plan_to_train.py::test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs",)),
+    Mutant("config_priced_with_overlaps_the_trainer_lacks", "src/orangetron/cli/plan.py",
+           (("**{name: flags[name] and on for name, on in TRAINER_OVERLAPS.items()}", "**{}"),),
+           ("tests/test_plan_to_train.py::test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs",)),
+    Mutant("emit_takes_rows_priced_with_pairing", "src/orangetron/cli/run_config.py",
+           (('"fp8_cached_activations": False,\n                 **TRAINER_OVERLAPS}',
+             '"fp8_cached_activations": False}'),),
+           ("tests/test_plan_to_train.py::test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs",)),
+    Mutant("emit_config_drops_no_overlap_note", "src/orangetron/cli/plan.py",
+           (("    if spec.num_experts and dropped:", "    if False:"),),
+           ("tests/test_plan_to_train.py::test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs",)),
 ]
-
 
 def check(mutants: list[Mutant]) -> list[str]:
     """Problems with the list itself: a snippet that is missing or occurs more than once, a missing test file."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import tomllib
 
+import pytest
 import torch
 
 from orangetron import cli
@@ -162,3 +163,39 @@ def test_estimate_of_a_config_refuses_a_gpu_count_its_layout_does_not_have(tmp_p
     assert cli.main(["estimate", "--config", str(path), "--gpu", "h100", "--gpus", str(2 * gpus)]) == 2
     assert f"--gpus {2 * gpus}: the layout of --config" in capsys.readouterr().err
     assert cli.main(["estimate", "--config", str(path), "--gpu", "h100", "--gpus", str(gpus)]) == 0
+
+
+def test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs(tmp_path, capsys) -> None:
+    """The trainer pairs no micro-batches and its shared experts hide the forward combine only: `plan
+    --emit-config` ranks without either overlap (said on standard error), and `estimate --config` prices the file
+    so whatever its flags say, two micro-batches included."""
+    from orangetron.cli.run_config import emit_config
+    from orangetron.plan.estimate import estimate
+    from orangetron.spec.hardware import make_cluster
+    from orangetron.spec.model import load_model
+    from orangetron.spec.options import Degrees, Job
+
+    args = ["plan", "--model", "tiny-moe", "--gpus", "4", "--seq", "64", "--global-batch", "16", "--param-dtype",
+            "float32", "--ep", "4", "--top", "1", "--json"]
+    assert cli.main(args) == 0
+    overlapped = _json(capsys)["ranked"][0]
+    path = tmp_path / "plan.toml"
+    assert cli.main([*args, "--emit-config", str(path)]) == 0
+    out, err = capsys.readouterr()
+    row = json.loads(out.strip().splitlines()[-1])["ranked"][0]
+    assert "ranks as the trainer overlaps the expert all-to-all (--no-overlap-ep --no-overlap-shared-experts)" in err
+    assert (row["job"]["overlap_ep"], row["job"]["overlap_shared_experts"]) == (False, False)
+    assert row["time_breakdown_s"]["ep_s"] > 2 * overlapped["time_breakdown_s"]["ep_s"] > 0  # nothing hides it
+    path.write_text(path.read_text().replace("microbatches = 1\n", "microbatches = 2\n"))  # a pairing to drop
+    priced = []
+    for flags in ([], ["--no-overlap-ep", "--no-overlap-shared-experts"]):
+        assert cli.main(["estimate", "--config", str(path), "--gpu", "h100", "--json", *flags]) == 0
+        priced.append(_json(capsys))
+    assert priced[0]["job"]["num_microbatches"] == 2 and priced[0]["time_breakdown_s"]["ep_s"] > 0
+    assert priced[0] == priced[1]
+    # A library caller's row priced with an overlap the trainer does not run is refused by name.
+    model, cluster = load_model("tiny-moe"), make_cluster("h100", 4)
+    paired = estimate(model, Degrees(dp=4, ep=4), Job(seq_len=64, micro_batch=2, global_batch=16,
+                                                      param_dtype="float32", overlap_shared_experts=False), cluster)
+    with pytest.raises(ValueError, match="overlap_ep=True: the trainer runs False only"):
+        emit_config([paired], str(tmp_path / "paired.toml"))

@@ -261,7 +261,7 @@ _FILE_OWNED = ("model", "seq", "global_batch", "param_dtype", "tp", "cp", "pp", 
 
 def run_estimate(args: argparse.Namespace) -> int:
     if args.config:
-        from orangetron.cli.run_config import estimate_job
+        from orangetron.cli.run_config import TRAINER_OVERLAPS, estimate_job
 
         given = [f"--{d.replace('_', '-')}" for d, default in args.file_owned_defaults.items()
                  if getattr(args, d) != default]
@@ -273,7 +273,9 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ValueError(f"--gpus {args.gpus}: the layout of --config {args.config} ({deg}) has "
                              f"{deg.world_size} GPUs; leave --gpus out, or edit the file")
         model = model if isinstance(model, ModelSpec) else _decoder(model)
-        job = replace(job, **_planner_only(args))  # the planner-only options, from the flags
+        # The planner-only options, from the flags; the expert overlaps no more than the trainer runs them.
+        flags = _planner_only(args)
+        job = replace(job, **{**flags, **{name: flags[name] and on for name, on in TRAINER_OVERLAPS.items()}})
     elif args.model is None:
         raise ValueError("--model is required (or --config FILE)")
     else:
@@ -416,11 +418,12 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
         return 0
     global_batch = args.global_batch or args.gpus
+    overlaps = _plan_overlaps(args, spec)
     base = Job(seq_len=args.seq, param_dtype=args.param_dtype, attention_kernel=args.attention_kernel, fp8=args.fp8,
                fp8_recipe=_recipe_flag(args), fp8_cached_activations=args.fp8_cached_activations,
                dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms,
                ep_comm_sms_reserved=args.ep_comm_sms_reserved, pipeline_layout=args.pipeline_layout,
-               overlap_ep=not args.no_overlap_ep, overlap_shared_experts=not args.no_overlap_shared_experts)
+               **overlaps)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     if args.grad_bucket_numel < 0:
@@ -460,7 +463,8 @@ def run_plan(args: argparse.Namespace) -> int:
                           "evaluated": result.evaluated, "considered": result.considered,
                           "search_s": elapsed, "ranked": [e.to_json() for e in result.ranked]}))
     else:
-        print(_plan_header(args, spec.name, cluster.gpu.name, global_batch, len(result.ranked)))
+        shown = overlaps if spec.num_experts else _asked_overlaps(args)  # a dense model's: as typed
+        print(_plan_header(args, spec.name, cluster.gpu.name, global_batch, len(result.ranked), shown))
         print(format_ranking(result.ranked))
     if args.emit_config:  # after the ranking, which stays on screen when the trainer runs none of it
         from orangetron.cli.run_config import emit_config
@@ -471,14 +475,35 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: int, rows: int) -> str:
+def _plan_overlaps(args: argparse.Namespace, spec: ModelSpec) -> dict[str, bool]:
+    """The expert all-to-all's overlaps `plan` ranks with: the flags', and for `--emit-config` no more than the
+    trainer runs (its file is priced so, `estimate --config`), said on standard error where that drops one."""
+    asked = _asked_overlaps(args)
+    if not args.emit_config:
+        return asked
+    from orangetron.cli.run_config import TRAINER_OVERLAPS
+
+    ranked = {name: on and TRAINER_OVERLAPS[name] for name, on in asked.items()}
+    dropped = [flag for flag in _no_overlap_flags(**ranked) if flag not in _no_overlap_flags(**asked)]
+    if spec.num_experts and dropped:
+        print(f"orangetron plan: note: --emit-config ranks as the trainer overlaps the expert all-to-all "
+              f"({' '.join(dropped)}): it pairs no micro-batches, and its shared experts hide the forward combine "
+              "only", file=sys.stderr)
+    return ranked
+
+
+def _asked_overlaps(args: argparse.Namespace) -> dict[str, bool]:
+    return {"overlap_ep": not args.no_overlap_ep, "overlap_shared_experts": not args.no_overlap_shared_experts}
+
+
+def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: int, rows: int,
+                 overlaps: dict[str, bool]) -> str:
     layout = args.pipeline_layout and ", layers per virtual stage " + ",".join(map(str, args.pipeline_layout))
     fp8 = f", fp8 ({_fp8_recipe(_recipe_flag(args), args.fp8_cached_activations)})" if args.fp8 else ""
-    overlaps = "".join(f", {flag}" for flag in _no_overlap_flags(not args.no_overlap_ep,
-                                                                  not args.no_overlap_shared_experts))
+    no_overlaps = "".join(f", {flag}" for flag in _no_overlap_flags(**overlaps))
+    fastest = "the fastest layout that fits" if rows == 1 else f"the {rows} fastest layouts that fit"
     return (f"{model} on {args.gpus} x {gpu}, seq {args.seq}, global batch {global_batch} sequences, "
-            f"{args.param_dtype}{fp8}{layout or ''}{overlaps}: " + ("the fastest layout that fits" if rows == 1 else
-                                                                   f"the {rows} fastest layouts that fit"))
+            f"{args.param_dtype}{fp8}{layout or ''}{no_overlaps}: {fastest}")
 
 
 def _no_overlap_flags(overlap_ep: bool, overlap_shared_experts: bool) -> list[str]:

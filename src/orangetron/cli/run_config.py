@@ -26,10 +26,16 @@ from orangetron.spec.options import Degrees, Job
 from orangetron.spec.parallel_config import ParallelConfig, values_of
 from orangetron.spec.stages import chunk_layers
 
+# How the trainer overlaps the expert all-to-all, as the planner's switches price it. It pairs no micro-batches
+# (its overlap, `ep_overlap_chunks`, stays within one). Its shared experts run while the forward combine travels
+# (`parallel/expert/dispatcher.py`), one of the layer's four transfers: the window with the switch on counts the
+# shared experts' backward against all four, so off is the nearer price (it hides nothing).
+TRAINER_OVERLAPS = {"overlap_ep": False, "overlap_shared_experts": False}
 # Job fields the runtime has no option for: the runtime runs only these values.
 _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_fusion": False, "pipeline_layout": (),
                  "optimizer_state_dtype": None, "tp_sum_with_reduction": False, "accumulate_in_reduce_dtype": False,
-                 "eager_fp32_loss": False, "recompute_modules": (), "fp8_cached_activations": False}
+                 "eager_fp32_loss": False, "recompute_modules": (), "fp8_cached_activations": False,
+                 **TRAINER_OVERLAPS}
 # Options of a run's config file that say nothing about the step `estimate` prices. (`pack_documents` makes
 # attention cheaper than the causal sequence the planner prices; it prices no document lengths yet.)
 _RUN_ONLY = ("steps", "lr", "warmup", "min_lr", "weight_decay", "grad_clip", "seed", "eval_every",
@@ -50,7 +56,7 @@ def train_options(row: Estimate) -> dict[str, Any]:
 
 
 def _refusal(row: Estimate) -> str | None:
-    """Why the trainer would not run `row`, in one line, or None."""
+    """Why the trainer would not run `row` (or not at the time it was priced for), in one line, or None."""
     from orangetron.train.config import TrainConfig
 
     for name, runs in _RUNTIME_RUNS.items():
