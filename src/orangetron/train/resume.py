@@ -93,7 +93,8 @@ def _resume(cfg: TrainConfig, setup: RunSetup, world: MeshGroup) -> tuple[TrainC
     check_same_model(state["model"], cfg.model_config(), path)
     step = int(state["step"])
     if step >= cfg.steps:
-        raise TrainConfigError(f"steps={cfg.steps} (--steps): {path} is already at step {step}; "
+        # Not "(--steps)": a resume takes the run's steps from its record when none are given.
+        raise TrainConfigError(f"steps={cfg.steps}: the run is finished ({path} is already at step {step}); "
                                "raise --steps and add --extend to train further")
     if cfg.stop_after and cfg.stop_after <= step:
         raise TrainConfigError(f"stop_after={cfg.stop_after} (--stop-after): {path} is already at step {step}")
