@@ -2160,13 +2160,19 @@ MUTANTS = [
            ("tests/test_outputs.py",)),
     Mutant("export_hf_claims_before_it_writes", "src/orangetron/train/export.py",
            (("        save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,\n"
-             "             base_config=source[\"config\"] if source else None, tokenizer=tokenizer_path,\n"
+             "             base_config=source[\"config\"] if source else None, tokenizer=None if kept else "
+             "tokenizer_path,\n"
              "             generation_config=source.get(\"generation_config\") if source else None)\n"
-             "        moved = claim_output(output, \"-o\", overwrite, inputs)",
+             "        for name, text in (kept or {}).items():  # the files the run read, not what the path holds now\n"
+             "            (staging / name).write_text(text, encoding=\"utf-8\")\n"
+             "        moved = claim_output(output, \"-o\", overwrite, inputs)\n",
              "        moved = claim_output(output, \"-o\", overwrite, inputs)\n"
              "        save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,\n"
-             "             base_config=source[\"config\"] if source else None, tokenizer=tokenizer_path,\n"
-             "             generation_config=source.get(\"generation_config\") if source else None)"),),
+             "             base_config=source[\"config\"] if source else None, tokenizer=None if kept else "
+             "tokenizer_path,\n"
+             "             generation_config=source.get(\"generation_config\") if source else None)\n"
+             "        for name, text in (kept or {}).items():  # the files the run read, not what the path holds now\n"
+             "            (staging / name).write_text(text, encoding=\"utf-8\")\n"),),
            ("tests/test_outputs.py",)),
     Mutant("tokenizer_pair_takes_separate_suffixes", "src/orangetron/train/prepare.py",
            (("        move_aside(path, suffix)", "        move_aside(path)"),),
@@ -2314,13 +2320,14 @@ MUTANTS = [
            ("tests/test_plan_cli.py::test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer",)),
     Mutant("resume_ignores_a_rewritten_tokenizer", "src/orangetron/train/run_folder.py",
            (('    if ids and given["tokenizer"] == recorded.get("tokenizer")', '    if False'),),
-           ("tests/test_run_folder.py::test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export",)),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
     Mutant("export_copies_a_rewritten_tokenizer", "src/orangetron/train/export.py",
-           (("    _check_tokenizer_unchanged(saved.record, tokenizer)\n", ""),),
-           ("tests/test_run_folder.py::test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export",)),
+           (('        recorded_tokenizer(saved.record, "exporting")  # refused where',
+             '        pass  # refused where'),),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
     Mutant("checkpoints_keep_no_tokenizer_ids", "src/orangetron/train/resume.py",
-           (('    if plain["tokenizer"] != "byte":  # kept by path', '    if False:  # kept by path'),),
-           ("tests/test_run_folder.py::test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export",)),
+           (('"tokenizer": cfg.tokenizer or "byte", **setup.tokenizer}', '"tokenizer": cfg.tokenizer or "byte"}'),),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
     Mutant("estimate_silent_past_the_folders_positions", "src/orangetron/cli/plan.py",
            (("    if is_hf_folder(name) and seq_len > model.max_seq_len:", "    if False:"),),
            ("tests/test_hf.py::test_estimate_and_plan_price_the_folder_itself",)),
@@ -2354,8 +2361,25 @@ MUTANTS = [
     Mutant("emit_config_drops_no_overlap_note", "src/orangetron/cli/plan.py",
            (("    if spec.num_experts and dropped:", "    if False:"),),
            ("tests/test_plan_to_train.py::test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs",)),
+    Mutant("export_copies_the_tokenizer_at_its_path", "src/orangetron/train/export.py",
+           (('    kept = saved.record.get("tokenizer_files")', "    kept = None"),),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
+    Mutant("sample_reads_the_tokenizer_at_its_path", "src/orangetron/train/tokenizer.py",
+           (('    if record.get("tokenizer_files"):', "    if False:"),),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
+    Mutant("old_checkpoint_tokenizer_unchecked", "src/orangetron/train/tokenizer.py",
+           (("    if recorded is not None and isinstance(tok, HFTokenizer) and tok.ids_sha256() != recorded:",
+             "    if False:"),),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
+    Mutant("kept_tokenizer_without_its_config", "src/orangetron/train/tokenizer.py",
+           (("        config = json.loads(files[TOKENIZER_CONFIG]) if TOKENIZER_CONFIG in files else {}",
+             "        config = {}"),),
+           ("tests/test_prepare_data.py::test_ids_equal_autotokenizer_bos_and_eos_included",)),
+    Mutant("tokenizer_config_not_kept", "src/orangetron/train/tokenizer.py",
+           (("        for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):",
+             "        for name in (SPECIAL_TOKENS_MAP,):"),),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
 ]
-
 def check(mutants: list[Mutant]) -> list[str]:
     """Problems with the list itself: a snippet that is missing or occurs more than once, a missing test file."""
     problems = []

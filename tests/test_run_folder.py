@@ -6,7 +6,9 @@ Workflow tests, as a user meets them: through `orangetron train` (cli.main, in t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -106,7 +108,6 @@ def test_resume_on_changed_data_is_refused_unless_new_data_is_given(tmp_path, da
     assert change["from_step"] == 3 and change["changed"]["data"] == [[str(data)], [str(other)]]
     old, new = change["changed"]["data_record"]
     assert new["files"][0]["path"] == str(other) and old["sha256"] != new["sha256"]
-    import hashlib
     assert new["sha256"] == hashlib.sha256(TEXT.upper().encode()).hexdigest()  # the text the model read
 
 
@@ -305,23 +306,53 @@ def test_a_run_given_relative_data_resumes_from_another_folder(tmp_path, monkeyp
     assert recorded["out"] == str(tmp_path / "run") and list(elsewhere.iterdir()) == []
 
 
-def test_a_tokenizer_rewritten_at_its_path_is_refused_on_resume_and_by_export(tmp_path, data, capsys) -> None:
-    """The run keeps its tokenizer by path; a tokenizer retrained into that folder encodes the same text to
-    other ids, which resumed training and an exported model would silently take. Both are refused until the
-    tokenizer is restored (the same training gives the same ids again)."""
+def test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints(tmp_path, data, capsys) -> None:
+    """The run reads its tokenizer by path; a tokenizer retrained into that folder encodes the same text to
+    other ids. Resumed training would silently take them, so it is refused until the tokenizer is restored. The
+    checkpoints keep the files the run read: `export --hf` writes those and `sample` decodes with them, whatever
+    the folder holds now or if it is gone. An older checkpoint, which keeps none, reads the folder,
+    and both refuse a rewritten one."""
     tok = tmp_path / "tok"
     assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "280"]) == 0
-    run, model = tmp_path / "run", tmp_path / "model.toml"
-    model.write_text(CUSTOM_MODEL.replace("vocab_size = 256", "vocab_size = 320"))
+    read = {name: (tok / name).read_text() for name in ("tokenizer.json", "tokenizer_config.json")}
+    run, model = tmp_path / "run", tmp_path / "model.toml"  # a Llama, which export --hf writes
+    model.write_text("hidden_size = 32\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nvocab_size = 320\n"
+                     "ffn_hidden_size = 48\nmax_seq_len = 64\n")
     assert _train(capsys, "--model", str(model), "--data", str(data), "--tokenizer", str(tok), "--steps", "3",
                   "--stop-after", "1", *SMALL, "--out", str(run))[0] == 0
     recorded = tomllib.loads((run / "config.toml").read_text())["data_record"]["tokenizer_ids_sha256"]
     assert len(recorded) == 64
+    sample = ["sample", str(run), "--prompt", "the quick", "--max-new-tokens", "6", "--json"]
+
+    def sampled() -> dict:
+        assert cli.main(sample) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    before = sampled()
     assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "300", "--overwrite"]) == 0
+    assert (tok / "tokenizer.json").read_text() != read["tokenizer.json"]
     code, _, err = _train(capsys, "--out", str(run), "--resume")
     assert code == 2 and "encodes other ids than when the run" in err and recorded[:12] in err
-    assert cli.main(["export", str(run), "-o", str(tmp_path / "model.pt")]) == 0  # a state dict has no tokenizer
-    assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf")]) == 2
-    assert "restore it before exporting" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+    assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf")]) == 0
+    assert {name: (tmp_path / "hf" / name).read_text() for name in read} == read  # what the run read
+    assert sampled() == before  # the same ids, decoded by the same tokenizer
+
+    checkpoint = run / "checkpoints" / "step-00000001"  # as a checkpoint of 2026-12-05 was: the hash, no files
+    state = json.loads((checkpoint / "state.json").read_text())
+    del state["tokenizer_files"]
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"]["state.json"] = {"bytes": (checkpoint / "state.json").stat().st_size,
+                                       "sha256": hashlib.sha256((checkpoint / "state.json").read_bytes()).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf-old")]) == 2
+    assert "restore it before exporting" in capsys.readouterr().err and not (tmp_path / "hf-old").exists()
+    assert cli.main(sample) == 2 and "restore it before sampling" in capsys.readouterr().err
+
     assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "280", "--overwrite"]) == 0
-    assert _train(capsys, "--out", str(run), "--resume")[0] == 0
+    assert _train(capsys, "--out", str(run), "--resume")[0] == 0  # restored: resumes, and keeps the files again
+    shutil.rmtree(tok)
+    assert sampled()["checkpoint"].endswith("step-00000003")
+    assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf-3")]) == 0
+    assert {name: (tmp_path / "hf-3" / name).read_text() for name in read} == read

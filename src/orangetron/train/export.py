@@ -9,7 +9,8 @@ for a bfloat16 run). The optimizer moments stay behind. torch is imported only w
 With `--hf`, `-o DIR` becomes a folder `transformers.AutoModelForCausalLM` loads (`orangetron.hf.save`):
 config.json with `architectures` (a run started from a Hugging Face folder keeps its source config's other
 keys), model.safetensors by HF names in the source's dtype (else the saved one; `--dtype` chooses), the
-run's tokenizer files when it used one, and the source's generation_config.json as the run recorded it.
+run's tokenizer files when it used one (as the checkpoint keeps them: what the run read, whatever its folder
+holds now), and the source's generation_config.json as the run recorded it.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
 
     from orangetron.hf import save
     from orangetron.model import model_from_record
+    from orangetron.train.tokenizer import recorded_tokenizer
 
     output = Path(output).resolve()  # "." and "x/.." named, a link's target written
     saved = read_model(run)
@@ -147,17 +149,21 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     dtype = dtype or (source["dtype"] if source else None)
     tokenizer = saved.record.get("tokenizer", "byte")
     tokenizer_path = None if tokenizer == "byte" else Path(tokenizer)
-    if tokenizer_path is not None and not tokenizer_path.exists():
-        raise FileNotFoundError(f"the run's tokenizer {tokenizer} is gone; its files cannot be copied")
-    _check_tokenizer_unchanged(saved.record, tokenizer)
+    kept = saved.record.get("tokenizer_files")
+    if tokenizer_path is not None and not kept:  # an older checkpoint keeps no files: the path's
+        if not tokenizer_path.exists():
+            raise FileNotFoundError(f"the run's tokenizer {tokenizer} is gone; its files cannot be copied")
+        recorded_tokenizer(saved.record, "exporting")  # refused where it no longer encodes as recorded
     inputs = [("the checkpoint", saved.checkpoint), ("the model the run was imported from", source and source["path"]),
               ("the run's tokenizer", tokenizer_path)]
     check_claim(output, "-o", overwrite, inputs)  # before the work; claimed after it
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
     try:  # written whole beside `output` first: a refused config moves nothing aside and leaves nothing behind
         save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,
-             base_config=source["config"] if source else None, tokenizer=tokenizer_path,
+             base_config=source["config"] if source else None, tokenizer=None if kept else tokenizer_path,
              generation_config=source.get("generation_config") if source else None)
+        for name, text in (kept or {}).items():  # the files the run read, not what the path holds now
+            (staging / name).write_text(text, encoding="utf-8")
         moved = claim_output(output, "-o", overwrite, inputs)
         if output.is_dir():
             output.rmdir()  # empty, as claim_output found it
@@ -173,21 +179,6 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": count,
             "bytes": weights.stat().st_size, **({"moved_aside": str(moved)} if moved else {}),
             "warnings": _tokenizer_warnings(output)}
-
-
-def _check_tokenizer_unchanged(record: dict[str, Any], tokenizer: str) -> None:
-    """Refuse to copy a tokenizer rewritten at the run's path since the checkpoint: its ids are not the model's.
-    A checkpoint of before 2026-12-05 recorded no hash, and is not checked."""
-    recorded = record.get("tokenizer_ids_sha256")
-    if recorded is None:
-        return
-    from orangetron.train.tokenizer import tokenizer_named
-
-    now = tokenizer_named(tokenizer).ids_sha256()
-    if now != recorded:
-        raise ValueError(f"the run's tokenizer {tokenizer} encodes other ids than when the checkpoint was written "
-                         f"(ids sha256 {recorded[:12]} then, {now[:12]} now): it was rewritten at the same path; "
-                         "restore it before exporting")
 
 
 def _tokenizer_warnings(output: Path) -> list[str]:

@@ -5,7 +5,8 @@ parameter name, under `params/`, `exp_avg/`, `exp_avg_sq/`), the router biases (
 torch RNG state (`rng/rankNNNNN`), and as JSON the step, AdamW's step count, the data position (batches
 consumed, and the global sample cursor the data continues from), the loss history (the global-batch mean per
 step), the model config, the schedule, the layout it was written on, the tokenizer (a name of
-`train/tokenizer.py`'s TOKENIZERS or a tokenizer's path) and, for a run started from a Hugging Face folder,
+`train/tokenizer.py`'s TOKENIZERS or a tokenizer's path, and for a path the hash of its ids and its files' texts
+as the run read them when it started: `kept_tokenizer`) and, for a run started from a Hugging Face folder,
 that folder's record and config (`model_source`). The model is recorded by
 the schema's field names (`dataclasses.asdict` of its `ModelSpec`); a checkpoint written before the one
 schema recorded the runtime's argument names, and resumes all the same
@@ -29,7 +30,6 @@ from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.run_folder import model_source
 from orangetron.train.runlog import Resumed
 from orangetron.train.schedule import continue_schedule, schedule_of
-from orangetron.train.tokenizer import tokenizer_named
 
 if TYPE_CHECKING:
     from orangetron.train.trainer import RunSetup
@@ -58,9 +58,7 @@ def _write_checkpoint(cfg: TrainConfig, setup: RunSetup, step: int, losses: list
     plain = {"step": step, "losses": list(losses), "model": dataclasses.asdict(cfg.model_config()),
              "schedule": schedule_of(cfg), "optimizer_steps": setup.optimizer.steps,
              "data": {"batches": step, "samples": step * cfg.batch_size}, "layout": cfg.layout.degrees(),
-             "tokenizer": cfg.tokenizer or "byte"}  # losses: the global batch's, on every rank
-    if plain["tokenizer"] != "byte":  # kept by path: export checks the file still encodes as the run did
-        plain["tokenizer_ids_sha256"] = tokenizer_named(plain["tokenizer"]).ids_sha256()
+             "tokenizer": cfg.tokenizer or "byte", **setup.tokenizer}  # losses: the global batch's, on every rank
     if cfg.hf_model is not None:  # export --hf writes the model back in its source's config and dtype
         plain["model_source"] = model_source(cfg)
     path = save_checkpoint(_checkpoint_folder(cfg), step, {**_tensors(setup), **plain}, comm.world_group())

@@ -3,9 +3,10 @@
 The checkpoint (written on any layout) is read whole, as `orangetron export` reads it (`export.read_model`),
 into the reference `Transformer` its record describes, in the dtype of its main parameters; tokens are then
 chosen greedily or drawn at a temperature from the top k (`orangetron.model.sampling`), with a key/value
-cache (`orangetron.model.decode`) unless `--no-cache`. The tokenizer is the one the run records by name
-(`tokenizer.TOKENIZERS`); checkpoints written before they recorded one used bytes. torch is imported only when the
-command runs.
+cache (`orangetron.model.decode`) unless `--no-cache`. The tokenizer is the one the run records: by name
+(`tokenizer.TOKENIZERS`), or the files of a tokenizer folder as the checkpoint keeps them, whatever became of the
+folder since (older checkpoints: the folder, if it still encodes as the run did); checkpoints written before they
+recorded one used bytes. torch is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def load_model(run: str | Path) -> tuple[Transformer, SavedModel]:
 
 
 def run_tokenizer(record: dict[str, Any]) -> Tokenizer:
-    """The tokenizer a checkpoint's record names under `tokenizer`; "byte" when it names none."""
-    from orangetron.train.tokenizer import tokenizer_named
+    """The tokenizer a checkpoint's record names (`tokenizer.recorded_tokenizer`): the files it keeps, or the
+    one at its path, checked; bytes when it names none."""
+    from orangetron.train.tokenizer import recorded_tokenizer
 
-    return tokenizer_named(str(record.get("tokenizer", "byte")))
+    return recorded_tokenizer(record, "sampling")

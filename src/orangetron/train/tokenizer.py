@@ -88,7 +88,24 @@ class HFTokenizer:
             self.backend = Backend.from_file(str(self.file))
         except Exception as err:  # the Rust library's own exception type
             raise ValueError(f"tokenizer={str(path)!r}: {self.file} is not a tokenizers file ({err})") from None
-        config = _tokenizer_config(self.file.parent)
+        self._special_tokens(_tokenizer_config(self.file.parent))
+
+    @classmethod
+    def from_kept(cls, files: dict[str, str], origin: str) -> HFTokenizer:
+        """The tokenizer of `kept_files`' texts (a checkpoint's copy), whatever became of `origin`, the path it was
+        read from, which `path` and `file` name (`files_sha256` reads them, so it is not for this copy)."""
+        from tokenizers import Tokenizer as Backend
+
+        tok = cls.__new__(cls)
+        tok.path = Path(origin)
+        tok.file = tok.path / TOKENIZER_JSON if tok.path.suffix != ".json" else tok.path
+        tok.backend = Backend.from_str(files[TOKENIZER_JSON])
+        config = json.loads(files[TOKENIZER_CONFIG]) if TOKENIZER_CONFIG in files else {}
+        tok._special_tokens(config if isinstance(config, dict) else {})
+        return tok
+
+    def _special_tokens(self, config: dict[str, Any]) -> None:
+        """BOS and EOS as tokenizer_config.json names them, and the vocabulary's size, once `backend` is read."""
         self.bos_token, self.eos_token = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
         self.bos_id, self.eos_id = self._id(self.bos_token), self._id(self.eos_token)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
@@ -120,6 +137,16 @@ class HFTokenizer:
             digest.update(config.read_bytes())
         return digest.hexdigest()
 
+    def kept_files(self) -> dict[str, str]:
+        """The texts of the files a checkpoint keeps so that export and sample need not find this path again:
+        tokenizer.json, and beside it tokenizer_config.json (BOS and EOS) and special_tokens_map.json where
+        there are such files."""
+        files = {TOKENIZER_JSON: self.file.read_text(encoding="utf-8")}
+        for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
+            if (self.file.parent / name).is_file():
+                files[name] = (self.file.parent / name).read_text(encoding="utf-8")
+        return files
+
     def ids_sha256(self) -> str:
         """Of what decides the ids: the tokenizer as the tokenizers library reads it (not tokenizer.json's
         formatting) and which tokens are BOS and EOS (not tokenizer_config.json's other keys, a chat template say)."""
@@ -129,6 +156,7 @@ class HFTokenizer:
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 TOKENIZERS: dict[str, type[Tokenizer]] = {"byte": ByteTokenizer}
 
 
@@ -164,3 +192,29 @@ def tokenizer_named(name: str) -> Tokenizer:
         return HFTokenizer(name)
     raise ValueError(f"tokenizer={name!r}: neither a known name ({', '.join(sorted(TOKENIZERS))}) nor a tokenizer "
                      "folder or tokenizer.json")
+
+
+def kept_tokenizer(name: str) -> dict[str, Any]:
+    """What a checkpoint keeps of the run's tokenizer `name` (empty for a named one, bytes, which has no files): the
+    hash of what it encodes to, and its files' texts, so that `export --hf` and `sample` use what the model
+    learnt from even once the tokenizer is rewritten or deleted at its path."""
+    if name in TOKENIZERS:
+        return {}
+    tok = HFTokenizer(name)
+    return {"tokenizer_ids_sha256": tok.ids_sha256(), "tokenizer_files": tok.kept_files()}
+
+
+def recorded_tokenizer(record: dict[str, Any], doing: str) -> Tokenizer:
+    """The tokenizer of a checkpoint's record: the files it keeps, else (an older checkpoint) the one at its
+    path, bytes where it names none, refused for `doing` when it no longer encodes to the ids the record hashed
+    (checkpoints older still hashed none and are not checked)."""
+    name = str(record.get("tokenizer", "byte"))
+    if record.get("tokenizer_files"):
+        return HFTokenizer.from_kept(record["tokenizer_files"], name)
+    tok = tokenizer_named(name)
+    recorded = record.get("tokenizer_ids_sha256")
+    if recorded is not None and isinstance(tok, HFTokenizer) and tok.ids_sha256() != recorded:
+        raise ValueError(f"the run's tokenizer {name} encodes other ids than when the checkpoint was written "
+                         f"(ids sha256 {recorded[:12]} then, {tok.ids_sha256()[:12]} now): it was rewritten at the "
+                         f"same path; restore it before {doing}")
+    return tok

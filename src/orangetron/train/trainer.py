@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -48,7 +48,7 @@ from orangetron.train.resume import resume, save
 from orangetron.train.runlog import Resumed, RunLog, final_losses
 from orangetron.train.schedule import lr_at
 from orangetron.train.step import TrainingDiverged, evaluate, train_step
-from orangetron.train.tokenizer import tokenizer_named
+from orangetron.train.tokenizer import kept_tokenizer, tokenizer_named
 from orangetron.train.traffic import StepTraffic
 
 
@@ -219,6 +219,9 @@ class RunSetup:
     share: int  # rows of each micro-batch this rank trains on
     microbatches: int
     imported_bytes: int | None = None  # bytes this rank read from the --hf-model safetensors (None: no import)
+    # What each checkpoint keeps of the tokenizer (`tokenizer.kept_tokenizer`), read once as the run starts: a
+    # tokenizer rewritten at its path while the run trains is not what the model learnt from
+    tokenizer: dict[str, Any] = field(default_factory=dict)
 
     def rows(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """This rank's rows of each micro-batch, on the model's device: the batch splits into micro-batches first,
@@ -249,7 +252,8 @@ def setup_run(cfg: TrainConfig) -> RunSetup:
     if cfg.hf_model is not None and not cfg.resume:  # a resumed run's weights come from its checkpoint
         imported = import_weights(cfg.hf_model, cfg.model_config(), model, optimizer)
     share = cfg.batch_size // (mesh["dp"].size * cfg.microbatches)
-    return RunSetup(data, model, optimizer, mesh.rank, mesh["dp"].rank, share, cfg.microbatches, imported)
+    kept = kept_tokenizer(cfg.tokenizer or "byte") if mesh.rank == 0 else {}  # checkpoints take rank 0's record
+    return RunSetup(data, model, optimizer, mesh.rank, mesh["dp"].rank, share, cfg.microbatches, imported, kept)
 
 
 def import_weights(folder: str, spec: ModelSpec, model: ParallelModel, optimizer: ShardedAdamW) -> int:
