@@ -2175,7 +2175,7 @@ MUTANTS = [
              "            (staging / name).write_text(text, encoding=\"utf-8\")\n"),),
            ("tests/test_outputs.py",)),
     Mutant("tokenizer_pair_takes_separate_suffixes", "src/orangetron/train/prepare.py",
-           (("        move_aside(path, suffix)", "        move_aside(path)"),),
+           (("        aside = move_aside(path, suffix)", "        aside = move_aside(path)"),),
            ("tests/test_outputs.py",)),
     Mutant("resume_describes_the_source_folder_again", "src/orangetron/train/run_folder.py",
            (("    recorded = _recorded_model_source(cfg) if cfg.resume else None", "    recorded = None"),),
@@ -2379,7 +2379,36 @@ MUTANTS = [
            (("        for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):",
              "        for name in (SPECIAL_TOKENS_MAP,):"),),
            ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
+    Mutant("resume_tokenizer_gone_blames_the_flag", "src/orangetron/train/config.py",
+           (("            if not Path(name).exists() and self.resume:", "            if False:"),),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
+    Mutant("tokenizer_error_named_twice", "src/orangetron/train/config.py",
+           (('            raise TrainConfigError(str(err).replace(f"tokenizer={name!r}:", f"tokenizer={name!r} '
+             '(--tokenizer):", 1)',
+             '            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {err}"'),),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
+    Mutant("tokenizer_train_silent_about_moved_files", "src/orangetron/train/prepare.py",
+           (("        if moved is not None:\n            moved.append(aside)",
+             "        if False:\n            moved.append(aside)"),),
+           ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
+    Mutant("estimate_config_ignores_the_planned_gpu", "src/orangetron/cli/plan.py",
+           (("    planned = planned_gpu(path)", "    planned = None"),),
+           ("tests/test_plan_to_train.py::test_an_emitted_config_names_the_gpu_it_was_planned_for",)),
+    Mutant("planned_gpu_not_a_preset_taken", "src/orangetron/cli/plan.py",
+           (("    if planned is not None and planned not in gpu_names():", "    if False:"),),
+           ("tests/test_plan_to_train.py::test_an_emitted_config_names_the_gpu_it_was_planned_for",)),
+    Mutant("emit_note_names_absent_shared_experts", "src/orangetron/cli/plan.py",
+           (('only" if spec.num_shared_experts else ""', 'only"'),),
+           ("tests/test_plan_to_train.py::test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs",)),
+    Mutant("sample_text_keeps_unknown_ids", "src/orangetron/train/sample.py",
+           (("    known = [t for t in tokens if t < tokenizer.vocab_size]", "    known = tokens"),),
+           ("tests/test_sample.py::test_ids_past_the_tokenizer_are_counted_and_left_out_of_the_text",)),
+    Mutant("sample_warns_of_no_unknown_ids", "src/orangetron/train/sample.py",
+           (('    if result["unknown_ids"]:', "    if False:"),),
+           ("tests/test_sample.py::test_ids_past_the_tokenizer_are_counted_and_left_out_of_the_text",)),
 ]
+
+
 def check(mutants: list[Mutant]) -> list[str]:
     """Problems with the list itself: a snippet that is missing or occurs more than once, a missing test file."""
     problems = []

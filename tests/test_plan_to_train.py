@@ -92,6 +92,15 @@ def test_an_emitted_config_names_the_gpu_it_was_planned_for(tmp_path, capsys) ->
     capsys.readouterr()
     header = path.read_text().splitlines()[:2]
     assert "on b200" in header[0] and "--gpu b200" in header[1]
+    # estimate --config prices it on that GPU unless told another, and says so
+    for flags, gpu in (([], "b200"), (["--gpu", "h100"], "h100")):
+        assert cli.main(["estimate", "--config", str(path), "--json", *flags]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out.strip().splitlines()[-1])["gpu"] == gpu
+        assert ("note: priced on b200, the GPU `plan` priced the file for" in err) == (not flags)
+    path.write_text(path.read_text().replace(" on b200, as", " on my-gpu, as", 1))  # planned on a GPU file
+    assert cli.main(["estimate", "--config", str(path)]) == 2
+    assert "planned for the GPU 'my-gpu', which is not a preset: give --gpu" in capsys.readouterr().err
 
 
 def test_estimate_prices_a_run_folders_record(tmp_path, capsys) -> None:
@@ -101,8 +110,10 @@ def test_estimate_prices_a_run_folders_record(tmp_path, capsys) -> None:
     measured = _json(capsys)["memory"][0]
     assert cli.main(["estimate", "--config", str(out / "config.toml"), "--gpu", "h100", "--json"]) == 0
     priced = _json(capsys)
-    assert cli.main(["estimate", "--config", str(out), "--gpu", "h100", "--json"]) == 0  # the folder: the same
-    assert _json(capsys) == priced
+    assert cli.main(["estimate", "--config", str(out), "--json"]) == 0  # the folder, on the default GPU: the same
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1]) == priced
+    assert "note: priced on h100, the default: a run's config names no GPU" in captured.err
     assert priced["memory_bytes"]["params"] == measured["params"] and priced["layout"]["dp"] == 1
     assert priced["memory_bytes"]["activations"] == measured["activations_peak"]
 
@@ -183,7 +194,8 @@ def test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs(t
     assert cli.main([*args, "--emit-config", str(path)]) == 0
     out, err = capsys.readouterr()
     row = json.loads(out.strip().splitlines()[-1])["ranked"][0]
-    assert "ranks as the trainer overlaps the expert all-to-all (--no-overlap-ep --no-overlap-shared-experts)" in err
+    assert "ranks as the trainer overlaps the expert all-to-all (--no-overlap-ep --no-overlap-shared-experts): it " \
+        "pairs no micro-batches, and its shared experts hide the forward combine only" in err
     assert (row["job"]["overlap_ep"], row["job"]["overlap_shared_experts"]) == (False, False)
     assert row["time_breakdown_s"]["ep_s"] > 2 * overlapped["time_breakdown_s"]["ep_s"] > 0  # nothing hides it
     path.write_text(path.read_text().replace("microbatches = 1\n", "microbatches = 2\n"))  # a pairing to drop
@@ -193,6 +205,12 @@ def test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs(t
         priced.append(_json(capsys))
     assert priced[0]["job"]["num_microbatches"] == 2 and priced[0]["time_breakdown_s"]["ep_s"] > 0
     assert priced[0] == priced[1]
+    unshared = tmp_path / "unshared.toml"  # tiny-moe without its shared expert: the note names none
+    model_table = path.read_text().split("[model]\n", 1)[1]
+    unshared.write_text(model_table.replace("num_shared_experts = 1", "num_shared_experts = 0"))
+    assert cli.main([*args[:2], str(unshared), *args[3:], "--emit-config", str(tmp_path / "u.toml")]) == 0
+    err = capsys.readouterr().err
+    assert "it pairs no micro-batches\n" in err and "shared experts hide" not in err
     # A library caller's row priced with an overlap the trainer does not run is refused by name.
     model, cluster = load_model("tiny-moe"), make_cluster("h100", 4)
     paired = estimate(model, Degrees(dp=4, ep=4), Job(seq_len=64, micro_batch=2, global_batch=16,

@@ -330,7 +330,10 @@ def test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints(tmp_
 
     before = sampled()
     assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "300", "--overwrite"]) == 0
+    assert "; moved the former files to tokenizer.json.previous-1 and tokenizer_config.json.previous-1" in \
+        capsys.readouterr().err
     assert (tok / "tokenizer.json").read_text() != read["tokenizer.json"]
+    assert (tok / "tokenizer.json.previous-1").read_text() == read["tokenizer.json"]
     code, _, err = _train(capsys, "--out", str(run), "--resume")
     assert code == 2 and "encodes other ids than when the run" in err and recorded[:12] in err
     assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf")]) == 0
@@ -353,6 +356,11 @@ def test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints(tmp_
     assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "280", "--overwrite"]) == 0
     assert _train(capsys, "--out", str(run), "--resume")[0] == 0  # restored: resumes, and keeps the files again
     shutil.rmtree(tok)
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "4")
+    assert code == 2 and "the run's tokenizer is gone from the path it recorded; restore it there" in err
+    tok.mkdir()  # there, but empty: named once
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "4")
+    assert code == 2 and err.count("tokenizer=") == 1 and "(--tokenizer): no tokenizer.json" in err
     assert sampled()["checkpoint"].endswith("step-00000003")
     assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf-3")]) == 0
     assert {name: (tmp_path / "hf-3" / name).read_text() for name in read} == read

@@ -249,3 +249,26 @@ def test_sample_command_refuses_missing_runs_in_one_line(tmp_path, capsys) -> No
     assert main(["sample", str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert "no checkpoint under" in err and len(err.splitlines()) == 1
+
+
+def test_ids_past_the_tokenizer_are_counted_and_left_out_of_the_text(trained_run, capsys, monkeypatch) -> None:
+    """A model's vocabulary may be wider than its tokenizer's (padded, say): those ids are still drawn, as
+    `transformers` draws them, but the text cannot hold them (bytes refuse them): they are counted and warned of."""
+    from orangetron.train import sample
+    from orangetron.train.tokenizer import ByteTokenizer
+
+    class Narrow(ByteTokenizer):  # the bytes below "x": the fox, the lazy dog's "y" and "z" lie past it
+        vocab_size = 120
+
+    run = str(trained_run["run"])
+    assert main(["sample", run, "--prompt", "the quick brown", "--max-new-tokens", "16", "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out.splitlines()[-1])
+    past = sum(t >= 120 for t in whole["tokens"])
+    assert past > 0 and whole["unknown_ids"] == 0 and whole["tokenizer_ids"] == 256
+    monkeypatch.setattr(sample, "run_tokenizer", lambda record: Narrow())
+    assert main(["sample", run, "--prompt", "the quick brown", "--max-new-tokens", "16", "--json"]) == 0
+    out, err = capsys.readouterr()
+    narrow = json.loads(out.splitlines()[-1])
+    assert narrow["tokens"] == whole["tokens"] and narrow["unknown_ids"] == past
+    assert narrow["text"] == bytes(t for t in whole["tokens"] if t < 120).decode()
+    assert f"warning: {past} of them are ids the tokenizer does not have (it has 120)" in err

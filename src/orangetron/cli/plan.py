@@ -164,7 +164,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
 def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_required: bool = True) -> None:
     p.add_argument("--model", required=model_required,
                    help="preset name (see `orangetron presets`, e.g. llama3-8b) or a model .toml file")
-    p.add_argument("--gpu", default="h100", help=f"GPU preset ({', '.join(gpu_names())}) or .toml file")
+    p.add_argument("--gpu", default=None, help=f"GPU preset ({', '.join(gpu_names())}) or .toml file (default "
+                   f"{DEFAULT_GPU}; with --config, the one `plan` priced the file for)")
     p.add_argument("--gpus", type=int, required=gpus_required, default=None, help="GPUs in the cluster"
                    + ("" if gpus_required else " (default: tp*cp*pp*dp)"))
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPU preset's node size")
@@ -206,8 +207,11 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_requi
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
 
+DEFAULT_GPU = "h100"
+
+
 def _cluster(args: argparse.Namespace, gpus: int) -> Cluster:
-    return make_cluster(args.gpu, gpus, args.gpus_per_node, args.nic_gbps, args.transport)
+    return make_cluster(args.gpu or DEFAULT_GPU, gpus, args.gpus_per_node, args.nic_gbps, args.transport)
 
 
 def _overhead(args: argparse.Namespace) -> MemoryOverhead:
@@ -269,6 +273,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ValueError(f"--config {args.config} sets the layout and options; {' '.join(given)} would be "
                              "ignored: edit the file, or leave --config out")
         model, deg, job = estimate_job(args.config)
+        if args.gpu is None:
+            args.gpu = _config_gpu(args.config)
         if args.gpus is not None and args.gpus != deg.world_size:
             raise ValueError(f"--gpus {args.gpus}: the layout of --config {args.config} ({deg}) has "
                              f"{deg.world_size} GPUs; leave --gpus out, or edit the file")
@@ -293,6 +299,20 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         print(format_estimate(est))
     return 0
+
+
+def _config_gpu(path: str) -> str:
+    """The GPU `estimate --config` prices on without --gpu: the preset `plan` priced the file for, or the default
+    for a run's own config, which names no GPU; said on standard error."""
+    from orangetron.cli.run_config import planned_gpu
+
+    planned = planned_gpu(path)
+    if planned is not None and planned not in gpu_names():
+        raise ValueError(f"--config {path} was planned for the GPU {planned!r}, which is not a preset: give "
+                         "--gpu (its .toml file)")
+    why = "the GPU `plan` priced the file for" if planned else "the default: a run's config names no GPU"
+    print(f"orangetron estimate: note: priced on {planned or DEFAULT_GPU}, {why} (--gpu chooses)", file=sys.stderr)
+    return planned or DEFAULT_GPU
 
 
 def _note_longer_than_the_folder(command: str, name: str, model: ModelSpec, seq_len: int) -> None:
@@ -486,9 +506,9 @@ def _plan_overlaps(args: argparse.Namespace, spec: ModelSpec) -> dict[str, bool]
     ranked = {name: on and TRAINER_OVERLAPS[name] for name, on in asked.items()}
     dropped = [flag for flag in _no_overlap_flags(**ranked) if flag not in _no_overlap_flags(**asked)]
     if spec.num_experts and dropped:
+        shared = ", and its shared experts hide the forward combine only" if spec.num_shared_experts else ""
         print(f"orangetron plan: note: --emit-config ranks as the trainer overlaps the expert all-to-all "
-              f"({' '.join(dropped)}): it pairs no micro-batches, and its shared experts hide the forward combine "
-              "only", file=sys.stderr)
+              f"({' '.join(dropped)}): it pairs no micro-batches{shared}", file=sys.stderr)
     return ranked
 
 

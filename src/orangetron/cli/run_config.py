@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import re
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -148,6 +149,17 @@ def _write(row: Estimate, rank: int, path: Path) -> None:
               "run's config file:\n# `orangetron train --config` runs it, `orangetron estimate --config` prices it "
               f"(the GPU is not part of a run's config: add `--gpu {gpu}`).\n{UNEDITED}{_body_sha256(body)}\n")
     path.write_text(header + body, encoding="utf-8")
+
+
+def planned_gpu(path: str) -> str | None:
+    """The GPU `plan` priced a file it wrote for, as its first line names it (`_write`); None for any other
+    file (a run folder's config.toml, say)."""
+    if Path(path).is_dir():  # a run folder: its config.toml
+        return None
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    named = re.fullmatch(re.escape(EMITTED) + r"\d+ \(.*\) for .* on (\S+), as a run's config file:\n", first)
+    return named.group(1) if named else None
 
 
 def _refuse_unknown(path: str, key: str, known: list[str]) -> NoReturn:

@@ -342,6 +342,10 @@ class TrainConfig(Layout, ParallelConfig):
             else:
                 name = "byte"
         if name not in TOKENIZERS:
+            if not Path(name).exists() and self.resume:  # the record's: a resume may not change it
+                raise TrainConfigError(f"tokenizer={name!r}: the run's tokenizer is gone from the path it recorded; "
+                                       "restore it there to resume (export --hf and sample read the checkpoint's "
+                                       "copy)")
             if not Path(name).exists():
                 raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): neither byte nor a tokenizer folder or "
                                        "tokenizer.json")
@@ -353,8 +357,9 @@ class TrainConfig(Layout, ParallelConfig):
             _check_same_tokenizer(name, prepared, self.prepared_data)
         try:
             vocab = prepared["vocab_size"] if prepared is not None else tokenizer_named(name).vocab_size
-        except ValueError as err:
-            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {err}") from None
+        except ValueError as err:  # it names the tokenizer already
+            raise TrainConfigError(str(err).replace(f"tokenizer={name!r}:", f"tokenizer={name!r} (--tokenizer):", 1)
+                                   ) from None
         if vocab > model.vocab_size:
             raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {vocab} token ids, more than the model's "
                                    f"vocab_size={model.vocab_size}")

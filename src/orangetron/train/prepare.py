@@ -221,9 +221,10 @@ def _run_prepare(args: argparse.Namespace) -> int:
 
 # ---- tokenizer train --------------------------------------------------------------------------------------
 
-def train_tokenizer(files: list[str], output: str | Path, vocab: int, overwrite: bool = False) -> Path:
+def train_tokenizer(files: list[str], output: str | Path, vocab: int, overwrite: bool = False,
+                    moved: list[Path] | None = None) -> Path:
     """Train a byte-level BPE on the documents of `files`; write tokenizer.json and tokenizer_config.json into
-    `output` (`_free_tokenizer_files`)."""
+    `output` (`_free_tokenizer_files`). `moved`, when given, gets where `overwrite` moved the former files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     smallest = 256 + len(SPECIAL_TOKENS)
@@ -242,7 +243,9 @@ def train_tokenizer(files: list[str], output: str | Path, vocab: int, overwrite:
     present = [path for path in written if overwrite and os.path.lexists(path)]
     suffix = free_suffix(present)  # one N for both files, so that the pair that moved stays a pair
     for path in present:
-        move_aside(path, suffix)
+        aside = move_aside(path, suffix)
+        if moved is not None:
+            moved.append(aside)
     output.mkdir(parents=True, exist_ok=True)
     tok.save(str(output / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0],
@@ -268,10 +271,12 @@ def _free_tokenizer_files(output: Path, overwrite: bool) -> list[Path]:
 def _run_tokenizer_train(args: argparse.Namespace) -> int:
     from orangetron.train.tokenizer import HFTokenizer
 
-    output = train_tokenizer(args.files, args.output, args.vocab, args.overwrite)
+    moved: list[Path] = []
+    output = train_tokenizer(args.files, args.output, args.vocab, args.overwrite, moved)
     size = HFTokenizer(output).vocab_size
     short = f"; the corpus gave fewer merges than --vocab {args.vocab}" if size < args.vocab else ""
-    print(f"orangetron tokenizer train: wrote {output}/tokenizer.json ({size:,} ids{short})", file=sys.stderr)
+    aside = f"; moved the former files to {' and '.join(path.name for path in moved)}" if moved else ""
+    print(f"orangetron tokenizer train: wrote {output}/tokenizer.json ({size:,} ids{short}){aside}", file=sys.stderr)
     if args.json:
         print(json.dumps({"output": str(output), "vocab_size": size}))
     return 0

@@ -51,6 +51,9 @@ def _run_command(args: argparse.Namespace) -> int:
     result = sample_run(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
     print(f"orangetron sample: {len(result['tokens'])} tokens from {result['checkpoint']}", file=sys.stderr)
+    if result["unknown_ids"]:  # the model's vocabulary is wider than its tokenizer's (padding, say)
+        print(f"orangetron sample: warning: {result['unknown_ids']} of them are ids the tokenizer does not have "
+              f"(it has {result['tokenizer_ids']}): the text leaves them out", file=sys.stderr)
     print(json.dumps(result) if args.json else result["prompt"] + result["text"])
     return 0
 
@@ -60,7 +63,10 @@ def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int = 200, tempe
                tokenizer: Tokenizer | None = None) -> dict[str, Any]:
     """Continue `prompt` with the model of `run`'s latest checkpoint (or the checkpoint `run`).
 
-    Returns prompt, text (the continuation alone), tokens (its token ids) and checkpoint (the folder read).
+    Returns prompt, text (the continuation alone), tokens (its token ids), checkpoint (the folder read),
+    tokenizer_ids (the tokenizer's vocabulary size) and unknown_ids (how many tokens lie past it: a model's
+    vocabulary may be wider, and nothing stops it drawing those ids, as `transformers` would; text leaves them
+    out).
     `tokenizer` None: the one the run records. ValueError for a bad rule or length, FileNotFoundError for a
     missing folder or checkpoint, each in one line, before any token is generated.
     """
@@ -80,8 +86,9 @@ def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int = 200, tempe
     out = generate(model, torch.tensor(prompt_ids, dtype=torch.long), max_new_tokens, sampling, seed=seed,
                    use_cache=use_cache)
     tokens = out.tokens.tolist()
-    return {"prompt": prompt, "text": tokenizer.decode(tokens), "tokens": tokens,
-            "checkpoint": str(saved.checkpoint)}
+    known = [t for t in tokens if t < tokenizer.vocab_size]  # the byte tokenizer refuses others
+    return {"prompt": prompt, "text": tokenizer.decode(known), "tokens": tokens, "checkpoint": str(saved.checkpoint),
+            "tokenizer_ids": tokenizer.vocab_size, "unknown_ids": len(tokens) - len(known)}
 
 
 def load_model(run: str | Path) -> tuple[Transformer, SavedModel]:
