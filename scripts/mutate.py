@@ -2383,9 +2383,7 @@ MUTANTS = [
            (("            if not Path(name).exists() and self.resume:", "            if False:"),),
            ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
     Mutant("tokenizer_error_named_twice", "src/orangetron/train/config.py",
-           (('            raise TrainConfigError(str(err).replace(f"tokenizer={name!r}:", f"tokenizer={name!r} '
-             '(--tokenizer):", 1)',
-             '            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {err}"'),),
+           (("            why = str(err).removeprefix(named)", "            why = str(err)"),),
            ("tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints",)),
     Mutant("tokenizer_train_silent_about_moved_files", "src/orangetron/train/prepare.py",
            (("        if moved is not None:\n            moved.append(aside)",
@@ -2406,6 +2404,14 @@ MUTANTS = [
     Mutant("sample_warns_of_no_unknown_ids", "src/orangetron/train/sample.py",
            (('    if result["unknown_ids"]:', "    if False:"),),
            ("tests/test_sample.py::test_ids_past_the_tokenizer_are_counted_and_left_out_of_the_text",)),
+    Mutant("gpu_file_named_as_its_preset", "src/orangetron/cli/run_config.py",
+           (("    preset = gpu in gpu_names() and load_gpu(gpu) == row.cluster.gpu",
+             "    preset = gpu in gpu_names()"),),
+           ("tests/test_plan_to_train.py::test_an_emitted_config_names_the_gpu_it_was_planned_for",)),
+    Mutant("emit_refuses_dense_rows_over_overlaps", "src/orangetron/cli/run_config.py",
+           (("        if name in TRAINER_OVERLAPS and not row.model.num_experts:\n            continue",
+             "        if False:\n            continue"),),
+           ("tests/test_plan_to_train.py::test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs",)),
 ]
 
 

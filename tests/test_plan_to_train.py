@@ -98,9 +98,17 @@ def test_an_emitted_config_names_the_gpu_it_was_planned_for(tmp_path, capsys) ->
         out, err = capsys.readouterr()
         assert json.loads(out.strip().splitlines()[-1])["gpu"] == gpu
         assert ("note: priced on b200, the GPU `plan` priced the file for" in err) == (not flags)
-    path.write_text(path.read_text().replace(" on b200, as", " on my-gpu, as", 1))  # planned on a GPU file
-    assert cli.main(["estimate", "--config", str(path)]) == 2
-    assert "planned for the GPU 'my-gpu', which is not a preset: give --gpu" in capsys.readouterr().err
+    # A GPU file, even one that keeps a preset's name, is not taken for the preset: estimate asks for the file.
+    from importlib import resources
+
+    mine = tmp_path / "my b200.toml"
+    stock = resources.files("orangetron.spec.presets").joinpath("gpus/b200.toml").read_text()
+    mine.write_text(stock.replace("nic_gbps = 400.0", "nic_gbps = 200.0"))
+    assert cli.main([*PLAN, "--gpu", str(mine), "--emit-config", str(tmp_path / "mine.toml")]) == 0
+    capsys.readouterr()
+    assert cli.main(["estimate", "--config", str(tmp_path / "mine.toml")]) == 2
+    assert "planned for the GPU 'b200 (a GPU file)', which is not a preset: give --gpu" in capsys.readouterr().err
+    assert cli.main(["estimate", "--config", str(tmp_path / "mine.toml"), "--gpu", str(mine)]) == 0
 
 
 def test_estimate_prices_a_run_folders_record(tmp_path, capsys) -> None:
@@ -217,3 +225,5 @@ def test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs(t
                                                       param_dtype="float32", overlap_shared_experts=False), cluster)
     with pytest.raises(ValueError, match="overlap_ep=True: the trainer runs False only"):
         emit_config([paired], str(tmp_path / "paired.toml"))
+    dense = estimate(load_model("tiny"), Degrees(dp=4), Job(seq_len=64, global_batch=16), cluster)  # switches on
+    assert emit_config([dense], str(tmp_path / "dense.toml")) == (1, [])  # no all-to-all: they price nothing

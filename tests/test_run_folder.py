@@ -357,10 +357,16 @@ def test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints(tmp_
     assert _train(capsys, "--out", str(run), "--resume")[0] == 0  # restored: resumes, and keeps the files again
     shutil.rmtree(tok)
     code, _, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "4")
-    assert code == 2 and "the run's tokenizer is gone from the path it recorded; restore it there" in err
+    assert code == 2 and "no such tokenizer; a resume reads the run's tokenizer at the path it recorded: restore " \
+        "it there" in err
     tok.mkdir()  # there, but empty: named once
     code, _, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "4")
     assert code == 2 and err.count("tokenizer=") == 1 and "(--tokenizer): no tokenizer.json" in err
+    (tok / "tokenizer.json").write_text(read["tokenizer.json"])  # a config that is not JSON: the option named
+    (tok / "tokenizer_config.json").write_text("not json")
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "4")
+    assert code == 2 and err.count("tokenizer=") == 1 and "(--tokenizer): " in err and "not a JSON file" in err
+    shutil.rmtree(tok)
     assert sampled()["checkpoint"].endswith("step-00000003")
     assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf-3")]) == 0
     assert {name: (tmp_path / "hf-3" / name).read_text() for name in read} == read

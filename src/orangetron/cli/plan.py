@@ -42,8 +42,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--config", metavar="FILE.toml",
                      help="price the configuration of a run's config file (`plan --emit-config`'s, or a run folder's "
                           "config.toml): its model, layout, parallel options, seq_len and batch; the cluster flags "
-                          "(--gpu, --gpus-per-node, ...) and the planner-only ones still apply, the layout and "
-                          "option flags the file holds are refused")
+                          "(--gpu, --gpus-per-node, ...) and the planner-only ones still apply (the expert "
+                          "overlaps no more than the trainer runs them), the layout and option flags the file holds "
+                          "are refused; without --gpu, the GPU `plan` priced the file for")
     for dim in ("tp", "cp", "pp", "dp", "ep"):
         est.add_argument(f"--{dim}", type=int, default=None if dim == "dp" else 1,
                          help=f"{dim} degree" + (" (default: gpus / (tp*cp*pp))" if dim == "dp" else ""))
@@ -309,7 +310,7 @@ def _config_gpu(path: str) -> str:
     planned = planned_gpu(path)
     if planned is not None and planned not in gpu_names():
         raise ValueError(f"--config {path} was planned for the GPU {planned!r}, which is not a preset: give "
-                         "--gpu (its .toml file)")
+                         "--gpu (that GPU's .toml file)")
     why = "the GPU `plan` priced the file for" if planned else "the default: a run's config names no GPU"
     print(f"orangetron estimate: note: priced on {planned or DEFAULT_GPU}, {why} (--gpu chooses)", file=sys.stderr)
     return planned or DEFAULT_GPU

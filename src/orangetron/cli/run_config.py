@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from orangetron.plan.estimate import Estimate
+from orangetron.spec.hardware import gpu_names, load_gpu
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, parse_model
 from orangetron.spec.options import Degrees, Job
@@ -61,6 +62,8 @@ def _refusal(row: Estimate) -> str | None:
     from orangetron.train.config import TrainConfig
 
     for name, runs in _RUNTIME_RUNS.items():
+        if name in TRAINER_OVERLAPS and not row.model.num_experts:
+            continue  # no expert all-to-all: the switch prices nothing
         value = getattr(row.job, name)
         if name == "pipeline_layout" and value:
             if value != _even_split(row.model.num_layers, len(value)):
@@ -144,10 +147,15 @@ def _write(row: Estimate, rank: int, path: Path) -> None:
     options = {k: v for k, v in cfg.options().items() if k not in (*DIRECTIVES, "model", "device")}
     write_resolved_config(path, options, {"model": dataclasses.asdict(row.model)})
     gpu = row.cluster.gpu.name
+    # A GPU read from a file may share a preset's name (a copy with another NIC, say): only a preset is named bare,
+    # so that `estimate --config` prices on it (`planned_gpu`) and refuses any other.
+    preset = gpu in gpu_names() and load_gpu(gpu) == row.cluster.gpu
+    how = f"as `--gpu {gpu}` gives it" if preset else "give `--gpu` that GPU's file"
+    gpu = gpu if preset else f"{gpu} (a GPU file)"
     body = path.read_text(encoding="utf-8").split("\n", 1)[1]
     header = (f"{EMITTED}{rank} ({row.degrees}) for {row.model.name} on {gpu}, as a "
               "run's config file:\n# `orangetron train --config` runs it, `orangetron estimate --config` prices it "
-              f"(the GPU is not part of a run's config: add `--gpu {gpu}`).\n{UNEDITED}{_body_sha256(body)}\n")
+              f"on that GPU (not part of a run's config; {how}).\n{UNEDITED}{_body_sha256(body)}\n")
     path.write_text(header + body, encoding="utf-8")
 
 
@@ -158,7 +166,7 @@ def planned_gpu(path: str) -> str | None:
         return None
     with open(path, encoding="utf-8") as f:
         first = f.readline()
-    named = re.fullmatch(re.escape(EMITTED) + r"\d+ \(.*\) for .* on (\S+), as a run's config file:\n", first)
+    named = re.fullmatch(re.escape(EMITTED) + r"\d+ \(.*\) for .* on (.+), as a run's config file:\n", first)
     return named.group(1) if named else None
 
 

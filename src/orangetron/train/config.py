@@ -342,10 +342,10 @@ class TrainConfig(Layout, ParallelConfig):
             else:
                 name = "byte"
         if name not in TOKENIZERS:
-            if not Path(name).exists() and self.resume:  # the record's: a resume may not change it
-                raise TrainConfigError(f"tokenizer={name!r}: the run's tokenizer is gone from the path it recorded; "
-                                       "restore it there to resume (export --hf and sample read the checkpoint's "
-                                       "copy)")
+            if not Path(name).exists() and self.resume:  # the record's, or a flag that must name the same
+                raise TrainConfigError(f"tokenizer={name!r}: no such tokenizer; a resume reads the run's tokenizer at "
+                                       "the path it recorded: restore it there (export --hf and sample read the "
+                                       "checkpoint's copy)")
             if not Path(name).exists():
                 raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): neither byte nor a tokenizer folder or "
                                        "tokenizer.json")
@@ -357,9 +357,10 @@ class TrainConfig(Layout, ParallelConfig):
             _check_same_tokenizer(name, prepared, self.prepared_data)
         try:
             vocab = prepared["vocab_size"] if prepared is not None else tokenizer_named(name).vocab_size
-        except ValueError as err:  # it names the tokenizer already
-            raise TrainConfigError(str(err).replace(f"tokenizer={name!r}:", f"tokenizer={name!r} (--tokenizer):", 1)
-                                   ) from None
+        except ValueError as err:
+            named = f"tokenizer={name!r}: "  # how the tokenizer's own errors begin: not said twice
+            why = str(err).removeprefix(named)
+            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {why}") from None
         if vocab > model.vocab_size:
             raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {vocab} token ids, more than the model's "
                                    f"vocab_size={model.vocab_size}")

@@ -92,8 +92,8 @@ def _resume(cfg: TrainConfig, setup: RunSetup, world: MeshGroup) -> tuple[TrainC
     step = int(state["step"])
     if step >= cfg.steps:
         # Not "(--steps)": a resume takes the run's steps from its record when none are given.
-        raise TrainConfigError(f"steps={cfg.steps}: the run is finished ({path} is already at step {step}); "
-                               "raise --steps and add --extend to train further")
+        raise TrainConfigError(f"steps={cfg.steps}: {path} is already at step {step}; to train further, raise "
+                               "--steps (with --extend past the run's own steps)")
     if cfg.stop_after and cfg.stop_after <= step:
         raise TrainConfigError(f"stop_after={cfg.stop_after} (--stop-after): {path} is already at step {step}")
     if state["data"]["batches"] != step:  # the loop replays one batch per step to find its place
