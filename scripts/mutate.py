@@ -1394,8 +1394,9 @@ MUTANTS = [
              "    moments = 4 * (4 - moment_bytes(job)) if job.optimizer_state_dtype else 0"),),
            ("tests/test_plan_cli.py::test_adam_moments_move_what_their_width_says",)),
     Mutant("estimate_config_drops_the_moments_dtype", "src/orangetron/cli/plan.py",
-           (("        flags = _planner_only(args)\n", "        flags = {**_planner_only(args), "
-             "\"optimizer_state_dtype\": None}\n"),),
+           (("        job = replace(job, **_planner_only(args))  # the planner-only",
+             "        job = replace(job, **{**_planner_only(args), \"optimizer_state_dtype\": None})  # the "
+             "planner-only"),),
            ("tests/test_plan_cli.py::test_adam_moments_move_what_their_width_says",)),
     Mutant("tp_sum_with_reduction_ignored", "src/orangetron/plan/params.py",
            (("    if job.tp_sum_with_reduction:\n        return False", "    if False:\n        return False"),),
@@ -2348,11 +2349,11 @@ MUTANTS = [
            ("tests/test_plan_cli.py::test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer",
             "tests/test_plan_cli.py::test_estimate_text_names_every_option_it_priced")),
     Mutant("emitted_plan_ranked_with_overlaps_the_trainer_lacks", "src/orangetron/cli/plan.py",
-           (("    ranked = {name: on and TRAINER_OVERLAPS[name] for name, on in asked.items()}",
-             "    ranked = asked"),),
+           (("    ranked = trainer_overlaps(asked)", "    ranked = asked"),),
            ("tests/test_plan_to_train.py::test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs",)),
     Mutant("config_priced_with_overlaps_the_trainer_lacks", "src/orangetron/cli/plan.py",
-           (("**{name: flags[name] and on for name, on in TRAINER_OVERLAPS.items()}", "**{}"),),
+           (("        job = replace(job, **trainer_overlaps({name: getattr(job, name) for name in "
+             "TRAINER_OVERLAPS}))\n", ""),),
            ("tests/test_plan_to_train.py::test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs",)),
     Mutant("emit_takes_rows_priced_with_pairing", "src/orangetron/cli/run_config.py",
            (('"fp8_cached_activations": False,\n                 **TRAINER_OVERLAPS}',

@@ -266,7 +266,7 @@ _FILE_OWNED = ("model", "seq", "global_batch", "param_dtype", "tp", "cp", "pp", 
 
 def run_estimate(args: argparse.Namespace) -> int:
     if args.config:
-        from orangetron.cli.run_config import TRAINER_OVERLAPS, estimate_job
+        from orangetron.cli.run_config import TRAINER_OVERLAPS, estimate_job, trainer_overlaps
 
         given = [f"--{d.replace('_', '-')}" for d, default in args.file_owned_defaults.items()
                  if getattr(args, d) != default]
@@ -280,9 +280,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ValueError(f"--gpus {args.gpus}: the layout of --config {args.config} ({deg}) has "
                              f"{deg.world_size} GPUs; leave --gpus out, or edit the file")
         model = model if isinstance(model, ModelSpec) else _decoder(model)
-        # The planner-only options, from the flags; the expert overlaps no more than the trainer runs them.
-        flags = _planner_only(args)
-        job = replace(job, **{**flags, **{name: flags[name] and on for name, on in TRAINER_OVERLAPS.items()}})
+        job = replace(job, **_planner_only(args))  # the planner-only options, from the flags
+        job = replace(job, **trainer_overlaps({name: getattr(job, name) for name in TRAINER_OVERLAPS}))
     elif args.model is None:
         raise ValueError("--model is required (or --config FILE)")
     else:
@@ -502,9 +501,9 @@ def _plan_overlaps(args: argparse.Namespace, spec: ModelSpec) -> dict[str, bool]
     asked = _asked_overlaps(args)
     if not args.emit_config:
         return asked
-    from orangetron.cli.run_config import TRAINER_OVERLAPS
+    from orangetron.cli.run_config import trainer_overlaps
 
-    ranked = {name: on and TRAINER_OVERLAPS[name] for name, on in asked.items()}
+    ranked = trainer_overlaps(asked)
     dropped = [flag for flag in _no_overlap_flags(**ranked) if flag not in _no_overlap_flags(**asked)]
     if spec.num_experts and dropped:
         shared = ", and its shared experts hide the forward combine only" if spec.num_shared_experts else ""

@@ -33,6 +33,13 @@ from orangetron.spec.stages import chunk_layers
 # (`parallel/expert/dispatcher.py`), one of the layer's four transfers: the window with the switch on counts the
 # shared experts' backward against all four, so off is the nearer price (it hides nothing).
 TRAINER_OVERLAPS = {"overlap_ep": False, "overlap_shared_experts": False}
+
+
+def trainer_overlaps(asked: dict[str, bool]) -> dict[str, bool]:
+    """The expert overlaps `asked` (by `Job` field), each kept only where the trainer runs it."""
+    return {name: on and TRAINER_OVERLAPS[name] for name, on in asked.items()}
+
+
 # Job fields the runtime has no option for: the runtime runs only these values.
 _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_fusion": False, "pipeline_layout": (),
                  "optimizer_state_dtype": None, "tp_sum_with_reduction": False, "accumulate_in_reduce_dtype": False,
