@@ -288,6 +288,87 @@ def test_help_refusal_and_docs_name_every_option_a_resume_may_change(capsys) -> 
     assert "--deterministic" in " ".join(capsys.readouterr().out.split())
 
 
+LLAMA_TOML = ("hidden_size = 32\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nvocab_size = 320\n"
+              "ffn_hidden_size = 48\nmax_seq_len = 64\n")
+
+
+def test_a_resume_takes_a_copy_of_its_tokenizer_at_another_path(tmp_path, data, capsys) -> None:
+    """The tokenizer is compared by the ids it encodes to, as data is by its text: a copy at another path (the
+    one `tokenizer export` writes from the checkpoint, once the recorded folder is gone) resumes the run exactly
+    as the original would have, on text and on a prepared dataset; a tokenizer with other ids, or bytes, is
+    refused, with new data too."""
+    tok, other, copy, model = tmp_path / "tok", tmp_path / "other", tmp_path / "copy", tmp_path / "model.toml"
+    assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "280"]) == 0
+    assert cli.main(["tokenizer", "train", str(data), "-o", str(other), "--vocab", "300"]) == 0
+    read = {name: (tok / name).read_text() for name in ("tokenizer.json", "tokenizer_config.json")}
+    model.write_text(LLAMA_TOML)
+    run, twin = tmp_path / "run", tmp_path / "twin"
+    assert _train(capsys, "--model", str(model), "--data", str(data), "--tokenizer", str(tok), "--steps", "3",
+                  "--stop-after", "1", *SMALL, "--out", str(run))[0] == 0
+    shutil.copytree(run, twin)
+    code, reference, err = _train(capsys, "--out", str(twin), "--resume", "--json", "--quiet")  # the original
+    assert code == 0, err
+    assert cli.main(["prepare-data", str(data), "-o", str(tmp_path / "ds"), "--tokenizer", str(tok), "--quiet"]) == 0
+    packed = tmp_path / "packed"
+    assert _train(capsys, "--model", str(model), "--data", str(tmp_path / "ds"), "--steps", "2", "--stop-after", "1",
+                  *SMALL, "--out", str(packed))[0] == 0
+    shutil.rmtree(tok)
+
+    code, _, err = _train(capsys, "--out", str(run), "--resume")
+    assert code == 2 and f"orangetron tokenizer export {run} -o DIR" in err
+    assert cli.main(["tokenizer", "export", str(run), "-o", str(copy), "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["files"] == sorted(read) and "wrote tokenizer.json, tokenizer_config.json" in out.err
+    assert {name: (copy / name).read_text() for name in read} == read  # what the run read, byte for byte
+    for given, why in ((other, "which encodes other ids"), ("byte", "recorded with tokenizer=")):
+        for extra in ([], ["--data", str(data), "--new-data"]):
+            code, _, err = _train(capsys, "--out", str(run), "--resume", "--tokenizer", str(given), *extra)
+            assert code == 2 and why in err, (given, extra, err)
+    code, resumed, err = _train(capsys, "--out", str(run), "--resume", "--tokenizer", str(copy), "--json", "--quiet")
+    assert code == 0, err
+    assert resumed["losses"] == reference["losses"] and _losses(run) == _losses(twin)  # the same ids, to the bit
+    record = tomllib.loads((run / "config.toml").read_text())
+    assert record["tokenizer"] == record["data_record"]["tokenizer"] == str(copy)
+    change = json.loads((run / "changes.jsonl").read_text().splitlines()[-1])
+    assert change["from_step"] == 2 and change["changed"]["tokenizer"] == [str(tok), str(copy)]
+
+    code, _, err = _train(capsys, "--out", str(packed), "--resume", "--tokenizer", str(copy))  # a prepared dataset
+    assert code == 0, err
+    code, _, err = _train(capsys, "--model", str(model), "--data", str(tmp_path / "ds"), "--tokenizer", str(other),
+                          "--steps", "1", *SMALL, "--out", str(tmp_path / "new"))
+    assert code == 2 and f"it encodes other ids than {tok}, which the prepared dataset" in err
+
+
+def test_tokenizer_export_refuses_what_it_cannot_write(tmp_path, data, capsys) -> None:
+    """A run on bytes keeps no tokenizer files; tokenizer files already in the folder are refused, or moved aside
+    with --overwrite; the run's checkpoints are no place to write."""
+    tok, run = tmp_path / "tok", tmp_path / "run"
+    assert _train(capsys, "--model", "tiny", "--data", str(data), "--steps", "1", *SMALL, "--out", str(run))[0] == 0
+    assert cli.main(["tokenizer", "export", str(run), "-o", str(tok)]) == 2
+    assert "keeps no tokenizer files: it ran on the byte tokenizer" in capsys.readouterr().err and not tok.exists()
+    assert cli.main(["tokenizer", "train", str(data), "-o", str(tok), "--vocab", "280"]) == 0
+    (tmp_path / "model.toml").write_text(LLAMA_TOML)
+    assert _train(capsys, "--model", str(tmp_path / "model.toml"), "--data", str(data), "--tokenizer", str(tok),
+                  "--steps", "1", *SMALL, "--out", str(run), "--overwrite")[0] == 0
+    written = (tok / "tokenizer.json").read_text()
+    assert cli.main(["tokenizer", "export", str(run), "-o", str(tok)]) == 2
+    assert "holds tokenizer.json and tokenizer_config.json already" in capsys.readouterr().err
+    assert cli.main(["tokenizer", "export", str(run), "-o", str(tok), "--overwrite"]) == 0
+    assert "moved the former files to tokenizer.json.previous-1 and tokenizer_config.json.previous-1" in \
+        capsys.readouterr().err
+    assert (tok / "tokenizer.json").read_text() == (tok / "tokenizer.json.previous-1").read_text() == written
+    (tmp_path / "stale").mkdir()  # a file the run had none of, which the copy would read: its BOS and EOS
+    (tmp_path / "stale" / "special_tokens_map.json").write_text('{"bos_token": "a"}')
+    assert cli.main(["tokenizer", "export", str(run), "-o", str(tmp_path / "stale")]) == 2
+    assert "holds special_tokens_map.json already" in capsys.readouterr().err
+    assert cli.main(["tokenizer", "export", str(run), "-o", str(run / "checkpoints" / "tok")]) == 2
+    assert "inside the run's checkpoints" in capsys.readouterr().err
+    state = run / "checkpoints" / "step-00000001" / "state.json"
+    state.write_text(state.read_text().replace("<|endoftext|>", "<|endoftekst|>"))  # as corrupted on disk
+    assert cli.main(["tokenizer", "export", str(run), "-o", str(tmp_path / "fresh")]) == 2
+    assert "state.json: size or checksum differs from the manifest" in capsys.readouterr().err
+    assert not (tmp_path / "fresh").exists()
+
 def test_a_run_given_relative_data_resumes_from_another_folder(tmp_path, monkeypatch, capsys) -> None:
     """The record kept `data` and `out` as typed while hf_model and tokenizer were absolute: resuming from another
     working folder then read `--data` relative to it and found no such file, and its `--config` named ./run."""

@@ -47,7 +47,7 @@ from orangetron.train.sharded import (
 )
 
 __all__ = ["CheckpointError", "Checkpoint", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "load_into",
-           "open_checkpoint", "save_checkpoint"]
+           "open_checkpoint", "read_state", "save_checkpoint"]
 
 FORMAT_VERSION = 2
 STATE_FILE = "state.json"
@@ -254,11 +254,23 @@ def open_checkpoint(path: str | Path, group: MeshGroup | None = None) -> Checkpo
     unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - set(files))
     if unlisted:
         raise CheckpointError(f"{path / METADATA_FILE}: refers to {unlisted[0]}, which the manifest does not list")
+    return Checkpoint(path, _plain(path), metadata)
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    """The JSON values of the checkpoint at `path` (step, model, tokenizer ...), once state.json matches the
+    manifest; no shard is read or checked."""
+    path = Path(path)
+    if problem := _problem(path, STATE_FILE, _manifest(path)[STATE_FILE]):
+        raise CheckpointError(problem)
+    return _plain(path)
+
+
+def _plain(path: Path) -> dict[str, Any]:
     try:
-        plain = json.loads((path / STATE_FILE).read_text())
+        return json.loads((path / STATE_FILE).read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path / STATE_FILE}: not JSON ({err})") from None
-    return Checkpoint(path, plain, metadata)
 
 
 def load_into(checkpoint: Checkpoint, state: dict[str, Any], group: MeshGroup | None = None) -> None:

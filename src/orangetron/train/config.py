@@ -344,17 +344,15 @@ class TrainConfig(Layout, ParallelConfig):
         if name not in TOKENIZERS:
             if not Path(name).exists() and self.resume:  # the record's, or a flag that must name the same
                 raise TrainConfigError(f"tokenizer={name!r}: no such tokenizer; a resume reads the run's tokenizer at "
-                                       "the path it recorded: restore it there (export --hf and sample read the "
-                                       "checkpoint's copy)")
+                                       "the path it recorded: restore it there, or give --tokenizer DIR after "
+                                       f"`orangetron tokenizer export {self.out} -o DIR` writes the copy its "
+                                       "checkpoint keeps")
             if not Path(name).exists():
                 raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): neither byte nor a tokenizer folder or "
                                        "tokenizer.json")
             name = str(Path(name).resolve())
-        if prepared is not None and name != prepared["tokenizer"]:
-            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): the prepared dataset {self.prepared_data} "
-                                   f"was tokenized with {prepared['tokenizer']!r}")
-        if prepared is not None and (prepared.get("tokenizer_ids_sha256") or prepared.get("tokenizer_sha256")):
-            _check_same_tokenizer(name, prepared, self.prepared_data)
+        if prepared is not None:
+            _check_dataset_tokenizer(name, prepared, self.prepared_data)
         try:
             vocab = prepared["vocab_size"] if prepared is not None else tokenizer_named(name).vocab_size
         except ValueError as err:
@@ -424,21 +422,30 @@ def _same_ids(folder: str, tokenizer: str | None) -> bool:
         return False
 
 
-def _check_same_tokenizer(name: str, prepared: dict[str, Any], dataset: str | None) -> None:
-    """The tokenizer must be the one the dataset was tokenized with: a tokenizer trained again into the same
+def _check_dataset_tokenizer(name: str, prepared: dict[str, Any], dataset: str | None) -> None:
+    """The tokenizer must encode the ids the dataset was tokenized to: a tokenizer trained again into the same
     folder gives other ids for the same text (a rewritten file that keeps every id passes: `ids_sha256`; a
-    dataset of 2026-12-04 holds the hash of the tokenizer's two files instead)."""
-    from orangetron.train.tokenizer import tokenizer_named
+    dataset of 2026-12-04 holds the hash of the tokenizer's two files instead). One at another path passes
+    where the dataset holds the hash of its ids and it encodes them (a copy, say); else it is refused."""
+    from orangetron.train.tokenizer import TOKENIZERS, tokenizer_named
 
+    was = prepared["tokenizer"]
+    if name != was and (name in TOKENIZERS or was in TOKENIZERS or "tokenizer_ids_sha256" not in prepared):
+        raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): the prepared dataset {dataset} was tokenized "
+                               f"with {was!r}")
+    if name in TOKENIZERS or not (prepared.get("tokenizer_ids_sha256") or prepared.get("tokenizer_sha256")):
+        return
     tok = tokenizer_named(name)
     if "tokenizer_ids_sha256" in prepared:
         recorded, now = prepared["tokenizer_ids_sha256"], tok.ids_sha256()
     else:
         recorded, now = prepared["tokenizer_sha256"], tok.files_sha256()
     if now != recorded:
-        raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): its ids changed since the prepared dataset "
-                               f"{dataset} was tokenized with it (sha256 {recorded[:12]} then, {now[:12]} now); "
-                               "prepare the data again")
+        why = (f"its ids changed since the prepared dataset {dataset} was tokenized with it" if name == was else
+               f"it encodes other ids than {was}, which the prepared dataset {dataset} was tokenized with")
+        fix = "prepare the data again" if name == was else "give that tokenizer or a copy of it"
+        raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {why} (sha256 {recorded[:12]} then, "
+                               f"{now[:12]} now); {fix}")
 
 
 def _field_default(name: str) -> object:

@@ -1,5 +1,6 @@
-"""`orangetron prepare-data` and `orangetron tokenizer train`: a corpus tokenized once into a prepared dataset
-(`train/datasets.py`), and a byte-level BPE tokenizer trained offline.
+"""`orangetron prepare-data` and `orangetron tokenizer train` / `export`: a corpus tokenized once into a prepared
+dataset (`train/datasets.py`), a byte-level BPE tokenizer trained offline, and the tokenizer a run's checkpoint
+keeps written back out as files.
 
 Inputs are documents: a text file is one document; a JSONL file (`.jsonl`, `.json`) is one document per line,
 its `"text"` field. `prepare-data` writes each document's ids followed by the tokenizer's EOS (the byte
@@ -45,9 +46,10 @@ def add_data_commands(sub: Any) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print dataset.json's summary as one JSON object")
     p.set_defaults(run=_run_prepare)
-    t = sub.add_parser("tokenizer", help="tokenizer tools: `tokenizer train`",
+    t = sub.add_parser("tokenizer", help="tokenizer tools: `tokenizer train`, `tokenizer export`",
                        description="Tokenizer tools. `orangetron tokenizer train FILES -o DIR --vocab N` trains a "
-                       "byte-level BPE tokenizer offline.")
+                       "byte-level BPE tokenizer offline; `orangetron tokenizer export RUN_DIR -o DIR` writes the "
+                       "tokenizer a run's checkpoint keeps.")
     tsub = t.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND")
     tr = tsub.add_parser("train", help="train a byte-level BPE tokenizer on text or JSONL files",
                          description="Train a byte-level BPE tokenizer (Hugging Face tokenizers) on the documents of "
@@ -62,6 +64,17 @@ def add_data_commands(sub: Any) -> None:
                     help="a tokenizer already in DIR moves aside (tokenizer.json.previous-N, ...) instead of refusing")
     tr.add_argument("--json", action="store_true", help="print one JSON object: output, vocab_size")
     tr.set_defaults(run=_run_tokenizer_train)
+    te = tsub.add_parser("export", help="write the tokenizer files a run's latest checkpoint keeps",
+                         description="Write the tokenizer files (tokenizer.json, and tokenizer_config.json and "
+                         "special_tokens_map.json where the run had them) that RUN_DIR's latest checkpoint keeps, "
+                         "as the run read them when it started, into DIR: a copy a resume takes with --tokenizer "
+                         "DIR once the recorded tokenizer is gone or rewritten.")
+    te.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its latest checkpoint) or a checkpoint folder")
+    te.add_argument("-o", "--output", required=True, metavar="DIR", help="the folder to write")
+    te.add_argument("--overwrite", action="store_true",
+                    help="tokenizer files already in DIR move aside (NAME.previous-N) instead of refusing")
+    te.add_argument("--json", action="store_true", help="print one JSON object: checkpoint, output, files")
+    te.set_defaults(run=_run_tokenizer_export)
 
 
 # ---- documents --------------------------------------------------------------------------------------------
@@ -240,12 +253,7 @@ def train_tokenizer(files: list[str], output: str | Path, vocab: int, overwrite:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator((text for text, _ in documents(files)), trainer=trainer)
     output = Path(output)
-    present = [path for path in written if overwrite and os.path.lexists(path)]
-    suffix = free_suffix(present)  # one N for both files, so that the pair that moved stays a pair
-    for path in present:
-        aside = move_aside(path, suffix)
-        if moved is not None:
-            moved.append(aside)
+    _move_former(written, overwrite, moved)
     output.mkdir(parents=True, exist_ok=True)
     tok.save(str(output / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0],
@@ -254,18 +262,30 @@ def train_tokenizer(files: list[str], output: str | Path, vocab: int, overwrite:
     return output
 
 
-def _free_tokenizer_files(output: Path, overwrite: bool) -> list[Path]:
-    """The files `tokenizer train` writes into `output`. A folder may hold a model beside them (a tokenizer paired
-    with it), but a tokenizer already there is refused, or with `overwrite` moved aside when the new one is
-    written."""
+def _free_tokenizer_files(output: Path, overwrite: bool,
+                          names: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json")) -> list[Path]:
+    """The files `names` a tokenizer command writes into `output`. A folder may hold a model beside them (a
+    tokenizer paired with it), but a tokenizer already there is refused, or with `overwrite` moved aside when
+    the new one is written."""
     if output.exists() and not output.is_dir():
         raise ValueError(f"-o {str(output)!r}: is a file; give a folder")
-    written = [output / "tokenizer.json", output / "tokenizer_config.json"]
+    written = [output / name for name in names]
     present = [path.name for path in written if path.exists()]
     if present and not overwrite:
         raise ValueError(f"-o {str(output)!r}: holds {' and '.join(present)} already; choose another folder, or "
                          "add --overwrite to move them aside to NAME.previous-N")
     return written
+
+
+def _move_former(written: list[Path], overwrite: bool, moved: list[Path] | None) -> None:
+    """With `overwrite`, move the files of `written` that exist aside, all to one `.previous-N` so that the files
+    that moved stay together; `moved`, when given, gets their new names."""
+    present = [path for path in written if overwrite and os.path.lexists(path)]
+    suffix = free_suffix(present)
+    for path in present:
+        aside = move_aside(path, suffix)
+        if moved is not None:
+            moved.append(aside)
 
 
 def _run_tokenizer_train(args: argparse.Namespace) -> int:
@@ -279,4 +299,47 @@ def _run_tokenizer_train(args: argparse.Namespace) -> int:
     print(f"orangetron tokenizer train: wrote {output}/tokenizer.json ({size:,} ids{short}){aside}", file=sys.stderr)
     if args.json:
         print(json.dumps({"output": str(output), "vocab_size": size}))
+    return 0
+
+
+# ---- tokenizer export -------------------------------------------------------------------------------------
+
+def export_tokenizer(run: str | Path, output: str | Path, overwrite: bool = False,
+                     moved: list[Path] | None = None) -> dict[str, Any]:
+    """Write the tokenizer files `run`'s latest checkpoint (or the checkpoint `run`) keeps into folder `output`;
+    returns the checkpoint, the output and the files' names. A run on bytes, which has no files, and a
+    checkpoint written before checkpoints kept them (2026-12-06) are refused. `moved`, when given, gets where
+    `overwrite` moved the former files. Never into the checkpoints, whose manifests list their files."""
+    from orangetron.train.checkpoint import read_state
+    from orangetron.train.export import find_checkpoint
+    from orangetron.train.tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, TOKENIZER_JSON
+
+    checkpoint = find_checkpoint(run)
+    record = read_state(checkpoint)
+    kept = record.get("tokenizer_files")
+    if not kept:
+        why = ("it ran on the byte tokenizer, which has no files" if record.get("tokenizer", "byte") == "byte" else
+               f"the checkpoint predates kept tokenizers; its tokenizer was read from {record['tokenizer']}")
+        raise ValueError(f"RUN_DIR {str(run)!r}: {checkpoint} keeps no tokenizer files: {why}")
+    output = Path(output).resolve()
+    if output.is_relative_to(checkpoint.parent.resolve()):
+        raise ValueError(f"-o {str(output)!r}: inside the run's checkpoints; choose another folder")
+    # Every file the tokenizer reads, not only those the run had: a stale tokenizer_config.json left beside the
+    # copy would change its BOS and EOS
+    names = (TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
+    _move_former(_free_tokenizer_files(output, overwrite, names), overwrite, moved)
+    output.mkdir(parents=True, exist_ok=True)
+    for name, text in kept.items():
+        (output / name).write_text(text, encoding="utf-8")
+    return {"checkpoint": str(checkpoint), "output": str(output), "files": sorted(kept)}
+
+
+def _run_tokenizer_export(args: argparse.Namespace) -> int:
+    moved: list[Path] = []
+    result = export_tokenizer(args.run_dir, args.output, args.overwrite, moved)
+    aside = f"; moved the former files to {' and '.join(path.name for path in moved)}" if moved else ""
+    print(f"orangetron tokenizer export: wrote {', '.join(result['files'])} into {result['output']} from "
+          f"{result['checkpoint']}{aside}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
     return 0

@@ -52,7 +52,8 @@ CHANGEABLE_ON_RESUME = ("steps", "save_every", "timeout_s", "threads", "device",
 # The same list as a user reads it, in `train --help`, the refusal and docs/training.md.
 CHANGEABLE_ON_RESUME_TEXT = ("--steps with --extend, --save-every, --timeout-s, --threads, --device, --deterministic, "
                              "and every layout and parallel flag except --param-dtype")
-# Compared through the data record (content, not path) and the model's fields, not as option values.
+# Compared through the data record (content, not path) and the model's fields, not as option values; the
+# tokenizer too where the record has a data record (`_check_same_tokenizer`), else as an option.
 _COMPARED_APART = ("model", "data", "corpus_bytes")
 
 
@@ -68,7 +69,8 @@ def describe_data(cfg: TrainConfig) -> dict[str, Any]:
         # The later status change of the two files dataset.json hashes: any write moves it, and no `touch` or
         # copy with kept times can set it back (a move or copy moves it too, and costs one hash on resume).
         changed_ns = max(tokens.st_ctime_ns, (folder / DOCUMENTS_FILE).stat().st_ctime_ns)
-        return {"source": "prepared", "path": str(folder.absolute()), "tokenizer": tokenizer,
+        ids = {"tokenizer_ids_sha256": meta["tokenizer_ids_sha256"]} if meta.get("tokenizer_ids_sha256") else {}
+        return {"source": "prepared", "path": str(folder.absolute()), "tokenizer": tokenizer, **ids,
                 "tokens": meta["tokens"], "bytes": tokens.st_size, "changed_ns": changed_ns,
                 "sha256": meta_sha256(folder)}
     text = read_text_files(cfg.data) if cfg.data is not None else stdlib_corpus(cfg.corpus_bytes)
@@ -143,15 +145,18 @@ def check_resume(cfg: TrainConfig, record: dict[str, Any]) -> None:
     (without `new_data`) the data's text."""
     recorded = _recorded_options(record)
     given = cfg.options()
+    apart = (*_COMPARED_APART, "tokenizer") if "data_record" in record else _COMPARED_APART
     for name, value in recorded.items():
-        if name in given and name not in (*CHANGEABLE_ON_RESUME, *DIRECTIVES, *_COMPARED_APART) \
-                and given[name] != value:
+        if name in given and name not in (*CHANGEABLE_ON_RESUME, *DIRECTIVES, *apart) and given[name] != value:
             raise TrainConfigError(f"{name}={given[name]!r} ({_flag(name)}): the run in {cfg.out} was recorded with "
                                    f"{name}={value!r}, and a resumed run keeps it (changeable: "
                                    f"{CHANGEABLE_ON_RESUME_TEXT})")
     _check_same_model(cfg, record)
-    if "data_record" in record and not cfg.new_data:
-        _check_same_data(cfg, record["data_record"])
+    if "data_record" in record:
+        data = describe_data(cfg)
+        _check_same_tokenizer(cfg, data, record["data_record"])  # new data or not: the ids the model learnt
+        if not cfg.new_data:
+            _check_same_data(cfg, data, record["data_record"])
 
 
 def _recorded_options(record: dict[str, Any]) -> dict[str, Any]:
@@ -194,15 +199,28 @@ def _touched_since(folder: Path | None, recorded: dict[str, Any], given: dict[st
     return False  # a record from before either: text files, or a dataset recorded by its dataset.json alone
 
 
-def _check_same_data(cfg: TrainConfig, recorded: dict[str, Any]) -> None:
-    given = describe_data(cfg)
-    ids = recorded.get("tokenizer_ids_sha256")  # a record of 2026-12-05 or later, of text
-    if ids and given["tokenizer"] == recorded.get("tokenizer") and given.get("tokenizer_ids_sha256") != ids:
-        raise TrainConfigError(f"tokenizer (--tokenizer): {given['tokenizer']} encodes other ids than when the run "
-                               f"in {cfg.out} started (ids sha256 {ids[:12]} then, "
-                               f"{str(given.get('tokenizer_ids_sha256'))[:12]} now): it was rewritten at the same "
-                               "path; restore it, or start a new run")
-    if (given["sha256"], given["tokenizer"]) == (recorded.get("sha256"), recorded.get("tokenizer")):
+def _check_same_tokenizer(cfg: TrainConfig, given: dict[str, Any], recorded: dict[str, Any]) -> None:
+    """A resumed run keeps the tokenizer its model learnt the ids of: the recorded one, or one at another path
+    (a copy, say: `tokenizer export` writes the checkpoint's) that encodes the same ids. The ids are compared where
+    the record has their hash (text since 2026-12-05; a prepared dataset's since 2026-12-06), else the path."""
+    then, now = recorded.get("tokenizer_ids_sha256"), given.get("tokenizer_ids_sha256")
+    path, was = given["tokenizer"], recorded.get("tokenizer", "byte")
+    if path == was and then and now != then:
+        raise TrainConfigError(f"tokenizer (--tokenizer): {path} encodes other ids than when the run in {cfg.out} "
+                               f"started (ids sha256 {then[:12]} then, {str(now)[:12]} now): it was rewritten at the "
+                               f"same path; restore it, or give --tokenizer DIR after `orangetron tokenizer export "
+                               f"{cfg.out} -o DIR` writes the copy its checkpoint keeps, or start a new run")
+    if path != was and not (then and now == then):
+        other = f", which encodes other ids (sha256 {then[:12]}, this one {str(now)[:12]})" if then and now else ""
+        copy = "" if was == "byte" else (f", or a copy of it at another path that encodes the same ids (`orangetron "
+                                         f"tokenizer export {cfg.out} -o DIR` writes one)" if then else
+                                         " (its record holds no hash of the ids to compare another path by)")
+        raise TrainConfigError(f"tokenizer={path!r} (--tokenizer): the run in {cfg.out} was recorded with "
+                               f"tokenizer={was!r}{other}; a resumed run keeps it{copy}")
+
+
+def _check_same_data(cfg: TrainConfig, given: dict[str, Any], recorded: dict[str, Any]) -> None:
+    if given["sha256"] == recorded.get("sha256"):
         if _touched_since(Path(cfg.prepared_data) if cfg.prepared_data else None, recorded, given):
             _check_prepared_files(Path(cfg.prepared_data))  # a copy passes, an edit does not
         return
