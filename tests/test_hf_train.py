@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -223,7 +224,7 @@ def test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of(
     without_tokenizer = TrainConfig(hf_model=str(folder), steps=2, corpus_bytes=60_000).warnings()
     assert any("has no tokenizer files" in w for w in without_tokenizer)
     hf_models.add_tokenizer(folder)
-    assert TrainConfig(hf_model=str(folder), steps=2, corpus_bytes=60_000).warnings() == []
+    assert TrainConfig(hf_model=str(folder), steps=2, warmup=1, corpus_bytes=60_000).warnings() == []
     from orangetron.train.prepare import prepare_data  # a dataset's tokenizer wins over the folder's, silently
 
     text = hf_models.corpus_file(tmp_path / "text")
@@ -232,7 +233,7 @@ def test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of(
     assert any("its weights train on the ids of the prepared dataset's tokenizer byte, not its own" in w
                for w in on_bytes), on_bytes
     prepare_data([str(text)], tmp_path / "own", str(folder), progress=False)
-    assert TrainConfig(hf_model=str(folder), data=[str(tmp_path / "own")], steps=2).warnings() == []
+    assert TrainConfig(hf_model=str(folder), data=[str(tmp_path / "own")], steps=2, warmup=1).warnings() == []
     (folder / "tokenizer.json").write_text("{not json")  # the run does not use it: it warns, it does not stop
     on_bytes = TrainConfig(hf_model=str(folder), data=[str(tmp_path / "bytes")], steps=2).warnings()
     assert any("not its own" in w for w in on_bytes)
@@ -265,6 +266,11 @@ def test_a_resumed_run_needs_no_weights_from_its_source_folder(tmp_path, capsys)
     assert (tmp_path / "run" / "config.toml").read_text() == recorded  # the source as the run started from it
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000002" / "state.json").read_text())
     assert state["model_source"]["files"][0]["bytes"] == weights.stat().st_size + 100
+    moved = tmp_path / "moved"  # the source at another path: the flag is not needed, and said so
+    shutil.copytree(folder, moved)
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--hf-model", str(moved)]) == 2
+    assert "(--hf-model): a resumed run reads no weight from it" in capsys.readouterr().err
     weights.unlink()
     assert main([*run, "--steps", "3", "--extend", "--resume"]) == 0, capsys.readouterr().err
     (folder / "generation_config.json").unlink()  # export writes the generation config the run recorded
@@ -284,10 +290,10 @@ def test_a_generation_config_is_recorded_only_when_it_is_a_json_object(tmp_path)
         assert read_generation_config(tmp_path) == want
     folder = hf_models.llama(tmp_path / "llama")
     hf_models.add_tokenizer(folder)
-    assert TrainConfig(hf_model=str(folder), steps=1, corpus_bytes=60_000).warnings() == []
+    assert TrainConfig(hf_model=str(folder), steps=1, warmup=0, corpus_bytes=60_000).warnings() == []
     (folder / "generation_config.json").write_text("{")
     assert any("its generation_config.json is not a JSON object" in w
-               for w in TrainConfig(hf_model=str(folder), steps=1, corpus_bytes=60_000).warnings())
+               for w in TrainConfig(hf_model=str(folder), steps=1, warmup=0, corpus_bytes=60_000).warnings())
     assert main(["train", "--hf-model", str(folder), "--steps", "1", "--seq-len", "16", "--batch-size", "4",
                  "--quiet", "--out", str(tmp_path / "run")]) == 0
     state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "state.json").read_text())

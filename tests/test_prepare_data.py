@@ -93,8 +93,15 @@ def test_prepare_data_writes_each_document_then_eos(tokenizer_dir, tmp_path):
     assert offsets[0] == 0 and offsets[-1] == len(expected) and len(offsets) == 5
     assert all(tokens[end - 1] == tok.eos_id for end in offsets[1:])
     assert "100.0%" in bar.getvalue()  # the progress bar reached the end (a line per tenth off a terminal)
-    with pytest.raises(ValueError, match=r"exists and is not an empty folder"):
+    with pytest.raises(ValueError, match=r"exists; choose another name, or add --overwrite to move it aside"):
         prepare_data(files, tmp_path / "data", str(tokenizer_dir))
+    moved: list = []  # with --overwrite the former dataset moves aside, whole, once the new one is written
+    again = prepare_data(files[:1], tmp_path / "data", str(tokenizer_dir), overwrite=True, moved=moved)
+    assert moved == [tmp_path / "data.previous-1"] and again["tokens"] < meta["tokens"]
+    assert np.fromfile(moved[0] / "tokens.bin", dtype="<u2").tolist() == expected
+    with pytest.raises(ValueError, match=r"holds a file it tokenizes"):  # what it reads cannot move aside
+        prepare_data([str(tmp_path / "data" / "dataset.json")], tmp_path / "data", str(tokenizer_dir),
+                     overwrite=True)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object with a \"text\" field"):

@@ -42,5 +42,5 @@ def test_the_readme_walkthrough_runs_and_does_what_it_says(tmp_path) -> None:
     assert record["model"]["hidden_size"] == 64 and record["data_record"]["files"][0]["path"] == str(
         tmp_path / "mine.txt")
     change = json.loads((mine / "changes.jsonl").read_text())
-    assert change == {"from_step": 61, "changed": {"steps": [60, 80], "dp": [1, 2]}}
+    assert change == {"from_step": 61, "changed": {"steps": [60, 80], "schedule_steps": [None, 60], "dp": [1, 2]}}
     assert done.stdout.startswith("the quick brown") and len(done.stdout.strip()) > len("the quick brown")

@@ -85,9 +85,10 @@ def test_resume_restores_the_record_and_refuses_what_may_not_change(tmp_path, da
                         "--quiet", "--json")
     assert code == 0
     change = json.loads((run / "changes.jsonl").read_text().splitlines()[-1])
-    assert change == {"from_step": 7, "changed": {"steps": [6, 8], "dp": [1, 2]}}
+    assert change == {"from_step": 7, "changed": {"steps": [6, 8], "schedule_steps": [None, 6], "dp": [1, 2]}}
     saved = tomllib.loads((run / "config.toml").read_text())
-    assert (saved["steps"], saved["dp"], saved["lr"], saved["save_every"]) == (8, 2, 0.003, 2)
+    kept = ("steps", "schedule_steps", "dp", "lr", "save_every")
+    assert tuple(saved[name] for name in kept) == (8, 6, 2, 0.003, 2)
 
 
 def test_resume_on_changed_data_is_refused_unless_new_data_is_given(tmp_path, data, capsys) -> None:
@@ -151,6 +152,42 @@ def test_config_of_a_run_repeats_a_custom_model_run_bitwise(tmp_path, data, caps
     assert {k: v for k, v in a.items() if k != "out"} == {k: v for k, v in b.items() if k != "out"}
 
 
+def test_config_of_an_extended_run_repeats_it_bitwise(tmp_path, data, capsys) -> None:
+    """An extended run keeps its first cosine's span and then holds min_lr; its record keeps that span
+    (`schedule_steps`), so `--config` repeats it rather than decaying over the new total. A resume may not
+    change the span."""
+    run, again = tmp_path / "run", tmp_path / "again"
+    assert _train(capsys, "--model", "tiny", "--data", str(data), "--steps", "4", *SMALL, "--out", str(run))[0] == 0
+    code, extended, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "6", "--json", "--quiet")
+    assert code == 0, err
+    assert tomllib.loads((run / "config.toml").read_text())["schedule_steps"] == 4
+    code, repeated, err = _train(capsys, "--config", str(run / "config.toml"), "--out", str(again), "--json",
+                                 "--quiet")
+    assert code == 0 and repeated["losses"] == extended["losses"], err
+    lrs = [json.loads(line)["lr"] for line in (again / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[3:] == [TrainConfig().lr / 10] * 3  # min_lr from step 4 on, as in the extended run
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "8", "--schedule-steps", "7")
+    assert code == 2 and "schedule_steps=7 (--schedule-steps): the run in" in err and "schedule_steps=4" in err
+    (run / "config.toml").unlink()  # the checkpoint's schedule refuses it too
+    code, _, err = _train(capsys, "--model", "tiny", "--data", str(data), *SMALL, "--out", str(run), "--resume",
+                          "--extend", "--steps", "8", "--schedule-steps", "8")
+    assert code == 2 and "whose schedule spans 4 steps; a resumed run keeps its schedule" in err
+
+
+def test_a_warmup_that_spans_the_schedule_is_warned_of(tmp_path, data, capsys) -> None:
+    """With the default warmup (20 steps) a 10-step run only climbs to half the peak rate and never decays; an
+    extension of it then holds that rate, not min_lr. Nothing but the rates told a user."""
+    code, _, err = _train(capsys, "--model", "tiny", "--data", str(data), "--steps", "10", "--seq-len", "16",
+                          "--batch-size", "4", "--eval-batches", "1", "--json", "--out", str(tmp_path / "run"))
+    assert code == 0
+    assert "warning: warmup=20 (--warmup) is not below the schedule's 10 steps: the rate only rises, to 0.001 " \
+        "at step 10, and never decays to min_lr" in err
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[-1] == 0.001
+    code, _, err = _train(capsys, "--model", "tiny", "--data", str(data), "--steps", "10", *SMALL)
+    assert code == 0 and "warmup=" not in err
+
+
 def test_a_model_table_in_a_config_file_is_checked_like_a_model_file(tmp_path, capsys) -> None:
     path = tmp_path / "run.toml"
     path.write_text("steps = 2\n[model]\n" + CUSTOM_MODEL.replace("num_heads = 4", "num_heads = 4\nwidth = 3"))
@@ -212,8 +249,8 @@ def test_inputs_that_used_to_pass_silently_are_refused(tmp_path, capsys) -> None
     assert code == 2 and "stop_after=3 (--stop-after): the run ends at --steps=3 anyway" in err
     code, _, err = _train(capsys, "--data", str(tmp_path))
     assert code == 2 and "a folder, not a text file" in err
-    code, _, err = _train(capsys, "--model", "tiny", "--steps", "2", "--corpus-bytes", "50000", "--seq-len", "16",
-                          "--batch-size", "4", "--sequence-parallel")
+    code, _, err = _train(capsys, "--model", "tiny", "--steps", "2", "--warmup", "1", "--corpus-bytes", "50000",
+                          "--seq-len", "16", "--batch-size", "4", "--sequence-parallel")
     assert code == 0 and "warning: sequence_parallel=True (--sequence-parallel) has no effect" in err
     start, recap = err.split("1 warning of the start, again:\n")  # the end of the summary names it once more
     assert "has no effect" in start and recap.startswith("  warning: sequence_parallel=True (--sequence-parallel)")
@@ -368,6 +405,34 @@ def test_tokenizer_export_refuses_what_it_cannot_write(tmp_path, data, capsys) -
     assert cli.main(["tokenizer", "export", str(run), "-o", str(tmp_path / "fresh")]) == 2
     assert "state.json: size or checksum differs from the manifest" in capsys.readouterr().err
     assert not (tmp_path / "fresh").exists()
+
+def test_data_moved_since_the_run_started_is_given_at_its_new_path(tmp_path, data, capsys) -> None:
+    """The record keeps the data's path; moved (with the project, say), the resume names the remedy, and the
+    data at its new path, compared by its text, continues the run."""
+    run = tmp_path / "run"
+    assert _train(capsys, "--model", "tiny", "--data", str(data), "--steps", "3", "--stop-after", "1", *SMALL,
+                  "--out", str(run))[0] == 0
+    moved = data.rename(tmp_path / "moved.txt")
+    code, _, err = _train(capsys, "--out", str(run), "--resume")
+    assert code == 2 and "no such file; a resume reads the data at the path its record holds: give --data" in err
+    code, _, err = _train(capsys, "--out", str(run), "--resume", "--data", str(moved))
+    assert code == 0, err
+
+def test_a_corrupt_latest_checkpoint_names_the_one_before_it(tmp_path, data, capsys) -> None:
+    """A resume refuses a corrupt checkpoint and says how to go on from the intact one before it: moving the
+    corrupt one out of checkpoints/, after which the run resumes from the earlier step."""
+    run = tmp_path / "run"
+    assert _train(capsys, "--model", "tiny", "--data", str(data), "--steps", "3", "--save-every", "1",
+                  "--stop-after", "2", *SMALL, "--out", str(run))[0] == 0
+    latest = run / "checkpoints" / "step-00000002"
+    shard = next(latest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, _, err = _train(capsys, "--out", str(run), "--resume")
+    assert code == 2 and "checksum differs from the manifest" in err
+    assert f"to resume from the checkpoint before it, step-00000001, move step-00000002 out of {latest.parent}" in err
+    latest.rename(tmp_path / "corrupt")
+    code, result, err = _train(capsys, "--out", str(run), "--resume", "--json", "--quiet")
+    assert code == 0 and len(result["losses"]) == 3, err
 
 def test_a_run_given_relative_data_resumes_from_another_folder(tmp_path, monkeypatch, capsys) -> None:
     """The record kept `data` and `out` as typed while hf_model and tokenizer were absolute: resuming from another

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,32 @@ def _agree(signalled: int) -> tuple[int, list, str]:
             agreed = stopping.agreed(comm.world_group())
     return agreed, records, comm.ledger()[-1].op
 
+
+def test_a_ctrl_c_while_train_imports_is_not_lost(monkeypatch, capsys) -> None:
+    """A KeyboardInterrupt raised inside `import torch` can be caught and dropped by the import machinery (with
+    numpy half imported): the run then went on as if never interrupted. Simulated by a module whose import
+    swallows it, as C code would: the interrupt is held until the imports are done, then ends the command."""
+    import importlib
+    import time
+    import types
+
+    real = importlib.import_module("orangetron.train.launch")
+
+    class Swallowing(types.ModuleType):
+        def __getattr__(self, name: str) -> object:
+            if name == "LaunchError":
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.05)  # the handler runs here
+                except KeyboardInterrupt:
+                    pass
+            return getattr(real, name)
+
+    monkeypatch.setitem(sys.modules, "orangetron.train.launch", Swallowing("orangetron.train.launch"))
+    handler = signal.getsignal(signal.SIGINT)
+    assert cli.main(["train", "--model", "tiny", "--steps", "1", "--seq-len", "8", "--quiet"]) == 130
+    assert "orangetron train: interrupted" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is handler
 
 def test_ranks_agree_on_a_signal_one_of_them_received_outside_the_measured_traffic() -> None:
     assert run_distributed(_agree, 2, args=(1,)) == [(signal.SIGTERM, [], "all_reduce")] * 2

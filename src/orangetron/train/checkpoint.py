@@ -46,8 +46,8 @@ from orangetron.train.sharded import (
     saved_shapes,
 )
 
-__all__ = ["CheckpointError", "Checkpoint", "checkpoint_dir", "latest_checkpoint", "load_checkpoint", "load_into",
-           "open_checkpoint", "read_state", "save_checkpoint"]
+__all__ = ["CheckpointError", "Checkpoint", "checkpoint_dir", "earlier_checkpoint", "latest_checkpoint",
+           "load_checkpoint", "load_into", "open_checkpoint", "read_state", "save_checkpoint"]
 
 FORMAT_VERSION = 2
 STATE_FILE = "state.json"
@@ -184,6 +184,15 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
         if aside.is_dir() and digits.isdigit() and int(digits) not in steps:
             steps[int(digits)] = aside
     return steps[max(steps)] if steps else None
+
+
+def earlier_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint of the highest step below that of checkpoint `path`, beside it (unchecked), or None."""
+    path = Path(path)
+    step = int(path.name.lstrip(".")[len("step-"):].split(".")[0])  # a step's aside copy: .step-N.old-X
+    below = {int(p.name[len("step-"):]): p for p in path.parent.glob("step-*") if p.is_dir() and _is_step_name(p.name)}
+    below = {n: p for n, p in below.items() if n < step}
+    return below[max(below)] if below else None
 
 
 def _is_step_name(name: str) -> bool:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
-from collections.abc import Collection
+import threading
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from orangetron.cli.wording import counted
@@ -73,10 +76,13 @@ def add_train_commands(sub: Any) -> None:
                    "OUT.previous-N (never deleted) instead of refusing")
     p.add_argument("--extend", action="store_true",
                    help="with --resume: allow --steps past the checkpointed run's total; the cosine keeps its "
-                   "span and the learning rate then holds its final value (lr/10)")
+                   "span (--schedule-steps, recorded) and the learning rate then holds its last value")
+    p.add_argument("--schedule-steps", type=int, default=None, metavar="N",
+                   help="steps the warmup and cosine span; past them the rate holds its last value (default: "
+                   "--steps; an extended run records its old span here, so --config repeats it)")
     p.add_argument("--stop-after", type=int, default=0, metavar="N",
                    help="end after step N with a checkpoint, on the schedule of --steps, to continue later "
-                   "with --resume (needs --out; default: run all --steps)")
+                   "with --resume (needs --out; default 0: run all --steps)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the results as the last line of standard output")
     p.add_argument("--quiet", action="store_true", help="no progress bar or logs on standard error")
@@ -276,10 +282,11 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     """Run `orangetron train`; configuration errors propagate as ValueError (cli prints one line). Returns 0,
     1 when a rank failed, or 128 + the signal's number when SIGINT or SIGTERM stopped the run after a step."""
-    from orangetron.train import stopping
-    from orangetron.train.config import TrainConfig
-    from orangetron.train.launch import LaunchError
-    from orangetron.train.trainer import train
+    with _interrupt_after_imports():
+        from orangetron.train import stopping
+        from orangetron.train.config import TrainConfig
+        from orangetron.train.launch import LaunchError
+        from orangetron.train.trainer import train
 
     options = _config_options(args)
     if args.new_data and not args.data_given:
@@ -302,6 +309,24 @@ def run_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result), flush=True)
     return code
+
+
+@contextmanager
+def _interrupt_after_imports() -> Iterator[None]:
+    """Hold a Ctrl-C back until the block's imports are done, then raise it. Raised inside `import torch`, it
+    can be caught and dropped by the import machinery with a module half imported (numpy's, which torch loads):
+    the run went on as if never interrupted and failed at its end (`numpy` without `ma`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _config_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -82,11 +82,11 @@ class TrainConfig(Layout, ParallelConfig):
     save_every: int = 0  # also write a checkpoint every N steps (0: only after the last one); needs `out`
     resume: bool = False  # continue from the latest checkpoint in `out`, on whatever layout this run has
     extend: bool = False  # with resume: allow `steps` past the checkpoint's total; the cosine keeps its old
-    # total and the rate holds min_lr after it
+    # span (`schedule_steps`) and the rate holds its last value after it
     stop_after: int = 0  # end after this step, checkpointed, with the schedule of `steps` (0: run to `steps`)
     overwrite: bool = False  # a new run into an `out` that holds another run moves that run aside (never deletes)
     new_data: bool = False  # with resume: continue on `data` whose content differs from the run's record
-    schedule_steps: int | None = None  # steps the warmup + cosine spans; None: `steps` (resume sets it)
+    schedule_steps: int | None = None  # steps the warmup + cosine span; None: `steps` (an extension sets it)
     threads: int | None = 1  # CPU threads for torch ops; None keeps torch's setting (see train())
     timeout_s: float = DEFAULT_TIMEOUT_S  # seconds a collective waits for a peer; then the run stops, naming
     # the rank that stopped responding
@@ -210,13 +210,18 @@ class TrainConfig(Layout, ParallelConfig):
                 for name, (idle, why) in unused.items() if name in changed and idle]
 
     def warnings(self) -> list[str]:
-        """What the trainer warns of before it starts: `ineffective_options`, and a model or tokenizer that is
-        probably not the one meant (a Hugging Face folder as --model trains its architecture from random weights;
-        a --hf-model folder without a tokenizer trains its weights on byte ids, one with its own tokenizer on the
-        ids of a prepared dataset's other one)."""
+        """What the trainer warns of before it starts: `ineffective_options`, a warmup that spans the whole
+        schedule (the rate never decays, and an extension holds the last warmup rate), and a model or tokenizer
+        that is probably not the one meant (a Hugging Face folder as --model trains its architecture from random
+        weights; a --hf-model folder without a tokenizer trains its weights on byte ids, one with its own
+        tokenizer on the ids of a prepared dataset's other one)."""
         from orangetron.train.tokenizer import has_tokenizer
 
         notes = self.ineffective_options()
+        span = self.schedule_steps if self.schedule_steps is not None else self.steps
+        if self.warmup >= span:
+            notes.append(f"warmup={self.warmup} (--warmup) is not below the schedule's {span} steps: the rate only "
+                         f"rises, to {self.lr * span / self.warmup:g} at step {span}, and never decays to min_lr")
         if isinstance(self.model, str) and is_hf_folder(self.model):
             notes.append(f"model={self.model!r} (--model) is a Hugging Face folder: only its architecture is used, "
                          f"from random weights; --hf-model {self.model} starts from its weights and tokenizer")
@@ -283,7 +288,9 @@ class TrainConfig(Layout, ParallelConfig):
                                        f"dataset (no dataset.json); give its files ({path}/*.txt, say) or "
                                        "tokenize them with `orangetron prepare-data`")
             if not Path(path).is_file():
-                raise TrainConfigError(f"data={path!r} (--data): no such file")
+                moved = "; a resume reads the data at the path its record holds: give --data with the path it has " \
+                        "now (the data is compared by its text, not its path)" if self.resume else ""
+                raise TrainConfigError(f"data={path!r} (--data): no such file{moved}")
 
     @property
     def prepared_data(self) -> str | None:
@@ -387,15 +394,16 @@ class TrainConfig(Layout, ParallelConfig):
 
     def options(self) -> dict[str, object]:
         """The options that define this run, by flag name (as `--config` reads them back): everything but the
-        schedule span a resume derives, the model when it is a ModelSpec rather than a name, and the
-        fields without a flag (`WITHOUT_FLAGS`) left at their defaults."""
+        model when it is a ModelSpec rather than a name, the fields without a flag (`WITHOUT_FLAGS`) left at
+        their defaults, and a schedule span that is unset or `steps` (a resume sets it; an extension records the
+        old one)."""
         layout, parallel = {f.name for f in fields(Layout)}, {f.name for f in fields(ParallelConfig)}
         out: dict[str, object] = {}
         # The run's own options first, then its layout, then its parallel options (the inherited fields come
         # first in `fields`).
         for field in sorted(fields(self), key=lambda f: (f.name in parallel, f.name in layout)):
             value = getattr(self, field.name)
-            if field.name == "schedule_steps" or isinstance(value, ModelSpec):
+            if isinstance(value, ModelSpec) or (field.name == "schedule_steps" and value in (None, self.steps)):
                 continue
             if field.name in WITHOUT_FLAGS and value == field.default:
                 continue

@@ -25,7 +25,7 @@ from orangetron.cli.wording import counted
 from orangetron.spec.digest import file_record, file_sha256
 from orangetron.train.corpus import FILE_SEPARATOR
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, FORMAT, TOKENS_FILE, VERSION
-from orangetron.train.outputs import free_suffix, move_aside
+from orangetron.train.outputs import check_claim, claim_output, free_suffix, move_aside
 
 BATCH_DOCUMENTS = 256  # documents tokenized together (the tokenizers library spreads a batch over threads)
 SPECIAL_TOKENS = ("<|endoftext|>",)  # `tokenizer train`'s only special token: EOS (and BOS) of its documents
@@ -44,6 +44,9 @@ def add_data_commands(sub: Any) -> None:
     p.add_argument("--tokenizer", default="byte", metavar="T",
                    help="byte, or a tokenizer folder or tokenizer.json (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true",
+                   help="an -o that exists moves aside to DIR.previous-N (never deleted) once the new dataset is "
+                   "written, instead of refusing")
     p.add_argument("--json", action="store_true", help="print dataset.json's summary as one JSON object")
     p.set_defaults(run=_run_prepare)
     t = sub.add_parser("tokenizer", help="tokenizer tools: `tokenizer train`, `tokenizer export`",
@@ -144,18 +147,22 @@ class ByteProgress:
 # ---- prepare-data -----------------------------------------------------------------------------------------
 
 def prepare_data(files: list[str], output: str | Path, tokenizer: str = "byte", progress: bool = True,
-                 stream: TextIO | None = None) -> dict[str, Any]:
-    """Tokenize the documents of `files` into the dataset folder `output` (new, or empty); returns dataset.json.
+                 stream: TextIO | None = None, overwrite: bool = False, moved: list[Path] | None = None
+                 ) -> dict[str, Any]:
+    """Tokenize the documents of `files` into the dataset folder `output` (new, or empty; with `overwrite` what
+    is there moves aside to `output.previous-N`, whose path `moved` gets); returns dataset.json.
 
     Written in a staging folder beside `output` and renamed into place, so a failed run leaves nothing half
-    written. The tokenizer must have an EOS (the byte tokenizer separates documents by "\\n\\n\\n")."""
+    written and moves nothing aside. The tokenizer must have an EOS (the byte tokenizer separates documents by
+    "\\n\\n\\n")."""
     import numpy as np
 
     from orangetron.train.tokenizer import TOKENIZERS, tokenizer_named
 
     output = Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ValueError(f"-o {str(output)!r}: exists and is not an empty folder")
+    inputs = [("a file it tokenizes", file) for file in files]
+    inputs += [("its tokenizer", None if tokenizer in TOKENIZERS else tokenizer)]
+    check_claim(output, "-o", overwrite, inputs)  # before the work; claimed after it
     name = tokenizer if tokenizer in TOKENIZERS else str(Path(tokenizer).resolve())
     tok = tokenizer_named(name)
     separator = tok.encode(FILE_SEPARATOR) if tok.eos_id is None and name == "byte" else None
@@ -179,8 +186,11 @@ def prepare_data(files: list[str], output: str | Path, tokenizer: str = "byte", 
                 "separator": separator, "empty_documents_skipped": empty, "sources": sources,
                 "sha256": {n: file_sha256(staging / n) for n in (TOKENS_FILE, DOCUMENTS_FILE)}}
         (staging / DATASET_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        aside = claim_output(output, "-o", overwrite, inputs)
+        if aside is not None and moved is not None:
+            moved.append(aside)
         if output.exists():
-            output.rmdir()  # empty, checked above
+            output.rmdir()  # empty, as claim_output found it
         os.replace(staging, output)
     finally:
         if staging.exists():
@@ -221,7 +231,11 @@ def _tokenizer_hash(tok: Any) -> str | None:
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
-    meta = prepare_data(args.files, args.output, args.tokenizer, progress=not args.quiet)
+    moved: list[Path] = []
+    meta = prepare_data(args.files, args.output, args.tokenizer, progress=not args.quiet, overwrite=args.overwrite,
+                        moved=moved)
+    if moved:
+        print(f"orangetron prepare-data: moved the former {args.output} to {moved[0]}", file=sys.stderr)
     skipped = meta["empty_documents_skipped"]
     left_out = f" ({counted(skipped, 'empty one')} left out)" if skipped else ""
     print(f"orangetron prepare-data: wrote {args.output}: {counted(meta['documents'], 'document')}{left_out}, "

@@ -25,7 +25,14 @@ from orangetron import comm
 from orangetron.mesh import MeshGroup
 from orangetron.model.config import model_from_record
 from orangetron.spec.model import ModelSpec
-from orangetron.train.checkpoint import latest_checkpoint, load_into, open_checkpoint, save_checkpoint
+from orangetron.train.checkpoint import (
+    CheckpointError,
+    earlier_checkpoint,
+    latest_checkpoint,
+    load_into,
+    open_checkpoint,
+    save_checkpoint,
+)
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.run_folder import model_source
 from orangetron.train.runlog import Resumed
@@ -86,7 +93,14 @@ def _resume(cfg: TrainConfig, setup: RunSetup, world: MeshGroup) -> tuple[TrainC
     path = latest_checkpoint(_checkpoint_folder(cfg))
     if path is None:
         raise TrainConfigError(f"resume=True (--resume): no checkpoint under {_checkpoint_folder(cfg)}")
-    checkpoint = open_checkpoint(path, world)  # every file checked against the manifest first
+    try:
+        checkpoint = open_checkpoint(path, world)  # every file checked against the manifest first
+    except CheckpointError as err:
+        earlier = earlier_checkpoint(path)
+        if earlier is None:
+            raise
+        raise CheckpointError(f"{err}; to resume from the checkpoint before it, {earlier.name}, move {path.name} out "
+                              f"of {path.parent}") from None
     state = checkpoint.plain
     check_same_model(state["model"], cfg.model_config(), path)
     step = int(state["step"])

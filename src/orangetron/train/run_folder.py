@@ -148,6 +148,10 @@ def check_resume(cfg: TrainConfig, record: dict[str, Any]) -> None:
     apart = (*_COMPARED_APART, "tokenizer") if "data_record" in record else _COMPARED_APART
     for name, value in recorded.items():
         if name in given and name not in (*CHANGEABLE_ON_RESUME, *DIRECTIVES, *apart) and given[name] != value:
+            if name == "hf_model":  # moved with the run, say: the flag is not needed, as no weight is read
+                raise TrainConfigError(f"hf_model={given[name]!r} (--hf-model): a resumed run reads no weight from "
+                                       f"it (its checkpoints hold them, and the record of its source {value}); "
+                                       "leave the flag out")
             raise TrainConfigError(f"{name}={given[name]!r} ({_flag(name)}): the run in {cfg.out} was recorded with "
                                    f"{name}={value!r}, and a resumed run keeps it (changeable: "
                                    f"{CHANGEABLE_ON_RESUME_TEXT})")

@@ -47,5 +47,9 @@ def continue_schedule(cfg: TrainConfig, saved: dict[str, Any] | None, path: Path
                                f"--steps {total}, with --stop-after N to end it early")
     if cfg.steps > total and not cfg.extend:
         raise TrainConfigError(f"steps={cfg.steps} (--steps): {path} belongs to a run of {total} steps; add --extend "
-                               "to train past them (the cosine keeps its span, then the rate holds min_lr)")
-    return dataclasses.replace(cfg, schedule_steps=int(saved["schedule_steps"]))
+                               "to train past them (the cosine keeps its span, then the rate holds its last value)")
+    span = int(saved["schedule_steps"])
+    if cfg.schedule_steps is not None and cfg.schedule_steps != span:
+        raise TrainConfigError(f"schedule_steps={cfg.schedule_steps} (--schedule-steps): {path} belongs to a run "
+                               f"whose schedule spans {span} steps; a resumed run keeps its schedule")
+    return dataclasses.replace(cfg, schedule_steps=span)
