@@ -224,7 +224,7 @@ def test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of(
     without_tokenizer = TrainConfig(hf_model=str(folder), steps=2, corpus_bytes=60_000).warnings()
     assert any("has no tokenizer files" in w for w in without_tokenizer)
     hf_models.add_tokenizer(folder)
-    assert TrainConfig(hf_model=str(folder), steps=2, warmup=1, corpus_bytes=60_000).warnings() == []
+    assert TrainConfig(hf_model=str(folder), steps=2, warmup=0, corpus_bytes=60_000).warnings() == []
     from orangetron.train.prepare import prepare_data  # a dataset's tokenizer wins over the folder's, silently
 
     text = hf_models.corpus_file(tmp_path / "text")
@@ -233,7 +233,7 @@ def test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of(
     assert any("its weights train on the ids of the prepared dataset's tokenizer byte, not its own" in w
                for w in on_bytes), on_bytes
     prepare_data([str(text)], tmp_path / "own", str(folder), progress=False)
-    assert TrainConfig(hf_model=str(folder), data=[str(tmp_path / "own")], steps=2, warmup=1).warnings() == []
+    assert TrainConfig(hf_model=str(folder), data=[str(tmp_path / "own")], steps=2, warmup=0).warnings() == []
     (folder / "tokenizer.json").write_text("{not json")  # the run does not use it: it warns, it does not stop
     on_bytes = TrainConfig(hf_model=str(folder), data=[str(tmp_path / "bytes")], steps=2).warnings()
     assert any("not its own" in w for w in on_bytes)

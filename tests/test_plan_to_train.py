@@ -28,7 +28,7 @@ def test_a_plans_config_trains_and_measures_what_was_predicted(tmp_path, capsys)
     assert (row["layout"]["tp"], row["layout"]["dp"]) == (2, 2)
     assert cli.main(["estimate", "--config", str(path), "--json"]) == 0
     priced = _json(capsys)
-    assert cli.main(["train", "--config", str(path), "--steps", "2", "--warmup", "1", "--corpus-bytes", "60000",
+    assert cli.main(["train", "--config", str(path), "--steps", "2", "--warmup", "0", "--corpus-bytes", "60000",
                      "--json"]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out.strip().splitlines()[-1])

@@ -164,6 +164,7 @@ def test_config_of_an_extended_run_repeats_it_bitwise(tmp_path, data, capsys) ->
     code, repeated, err = _train(capsys, "--config", str(run / "config.toml"), "--out", str(again), "--json",
                                  "--quiet")
     assert code == 0 and repeated["losses"] == extended["losses"], err
+    assert cli.main(["estimate", "--config", str(run / "config.toml")]) == 0  # a run's record, whatever it holds
     lrs = [json.loads(line)["lr"] for line in (again / "metrics.jsonl").read_text().splitlines()]
     assert lrs[3:] == [TrainConfig().lr / 10] * 3  # min_lr from step 4 on, as in the extended run
     code, _, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "8", "--schedule-steps", "7")
@@ -174,17 +175,22 @@ def test_config_of_an_extended_run_repeats_it_bitwise(tmp_path, data, capsys) ->
     assert code == 2 and "whose schedule spans 4 steps; a resumed run keeps its schedule" in err
 
 
-def test_a_warmup_that_spans_the_schedule_is_warned_of(tmp_path, data, capsys) -> None:
+def test_a_warmup_that_leaves_no_cosine_is_warned_of(tmp_path, data, capsys) -> None:
     """With the default warmup (20 steps) a 10-step run only climbs to half the peak rate and never decays; an
-    extension of it then holds that rate, not min_lr. Nothing but the rates told a user."""
+    extension of it then holds that rate, not min_lr. Nothing but the rates told a user. A cosine needs two
+    steps: a warmup of 9 of 10 steps ends at the peak and stays there."""
     code, _, err = _train(capsys, "--model", "tiny", "--data", str(data), "--steps", "10", "--seq-len", "16",
                           "--batch-size", "4", "--eval-batches", "1", "--json", "--out", str(tmp_path / "run"))
     assert code == 0
-    assert "warning: warmup=20 (--warmup) is not below the schedule's 10 steps: the rate only rises, to 0.001 " \
-        "at step 10, and never decays to min_lr" in err
+    assert "warning: warmup=20 (--warmup) leaves the schedule's 10 steps no cosine: the rate rises to 0.001 and " \
+        "never decays to min_lr" in err
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lrs[-1] == 0.001
-    code, _, err = _train(capsys, "--model", "tiny", "--data", str(data), "--steps", "10", *SMALL)
+    short = ["--model", "tiny", "--data", str(data), "--steps", "10", "--seq-len", "16", "--batch-size", "4",
+             "--eval-batches", "1"]
+    code, _, err = _train(capsys, *short, "--warmup", "9")
+    assert code == 0 and "warmup=9 (--warmup) leaves the schedule's 10 steps no cosine: the rate rises to 0.002" in err
+    code, _, err = _train(capsys, *short, "--warmup", "8")
     assert code == 0 and "warmup=" not in err
 
 
@@ -249,7 +255,7 @@ def test_inputs_that_used_to_pass_silently_are_refused(tmp_path, capsys) -> None
     assert code == 2 and "stop_after=3 (--stop-after): the run ends at --steps=3 anyway" in err
     code, _, err = _train(capsys, "--data", str(tmp_path))
     assert code == 2 and "a folder, not a text file" in err
-    code, _, err = _train(capsys, "--model", "tiny", "--steps", "2", "--warmup", "1", "--corpus-bytes", "50000",
+    code, _, err = _train(capsys, "--model", "tiny", "--steps", "2", "--warmup", "0", "--corpus-bytes", "50000",
                           "--seq-len", "16", "--batch-size", "4", "--sequence-parallel")
     assert code == 0 and "warning: sequence_parallel=True (--sequence-parallel) has no effect" in err
     start, recap = err.split("1 warning of the start, again:\n")  # the end of the summary names it once more
@@ -369,7 +375,21 @@ def test_a_resume_takes_a_copy_of_its_tokenizer_at_another_path(tmp_path, data, 
     change = json.loads((run / "changes.jsonl").read_text().splitlines()[-1])
     assert change["from_step"] == 2 and change["changed"]["tokenizer"] == [str(tok), str(copy)]
 
-    code, _, err = _train(capsys, "--out", str(packed), "--resume", "--tokenizer", str(copy))  # a prepared dataset
+    code, _, err = _train(capsys, "--out", str(packed), "--resume", "--tokenizer", str(other))  # a prepared dataset
+    assert code == 2 and f"it encodes other ids than {tok}" in err and "a resumed run keeps the tokenizer it" in err
+    old = shutil.copytree(packed, tmp_path / "packed-old")  # recorded before the record kept the ids' hash
+    record = (old / "config.toml").read_text()
+    (old / "config.toml").write_text("\n".join(line for line in record.splitlines()
+                                               if not line.startswith("tokenizer_ids_sha256")) + "\n")
+    code, _, err = _train(capsys, "--out", str(old), "--resume", "--tokenizer", str(copy))  # the dataset's hash
+    assert code == 0, err
+    code, _, err = _train(capsys, "--out", str(packed), "--resume", "--tokenizer", str(copy))
+    assert code == 0, err
+    (tmp_path / "more.txt").write_text(TEXT.upper())  # new data, prepared with the copy: its ids are the run's
+    assert cli.main(["prepare-data", str(tmp_path / "more.txt"), "-o", str(tmp_path / "ds2"), "--tokenizer",
+                     str(copy), "--quiet"]) == 0
+    code, _, err = _train(capsys, "--out", str(packed), "--resume", "--extend", "--steps", "3", "--data",
+                          str(tmp_path / "ds2"), "--new-data")
     assert code == 0, err
     code, _, err = _train(capsys, "--model", str(model), "--data", str(tmp_path / "ds"), "--tokenizer", str(other),
                           "--steps", "1", *SMALL, "--out", str(tmp_path / "new"))
@@ -399,12 +419,17 @@ def test_tokenizer_export_refuses_what_it_cannot_write(tmp_path, data, capsys) -
     assert cli.main(["tokenizer", "export", str(run), "-o", str(tmp_path / "stale")]) == 2
     assert "holds special_tokens_map.json already" in capsys.readouterr().err
     assert cli.main(["tokenizer", "export", str(run), "-o", str(run / "checkpoints" / "tok")]) == 2
-    assert "inside the run's checkpoints" in capsys.readouterr().err
+    assert f"inside {run / 'checkpoints'}, whose checkpoints' manifests list their files" in capsys.readouterr().err
+    alone = shutil.copytree(run / "checkpoints" / "step-00000001", tmp_path / "alone")  # a checkpoint on its own
+    assert cli.main(["tokenizer", "export", str(alone), "-o", str(alone / "tok")]) == 2
+    assert cli.main(["tokenizer", "export", str(alone), "-o", str(tmp_path / "beside")]) == 0
+    assert (tmp_path / "beside" / "tokenizer.json").read_text() == written
     state = run / "checkpoints" / "step-00000001" / "state.json"
     state.write_text(state.read_text().replace("<|endoftext|>", "<|endoftekst|>"))  # as corrupted on disk
     assert cli.main(["tokenizer", "export", str(run), "-o", str(tmp_path / "fresh")]) == 2
     assert "state.json: size or checksum differs from the manifest" in capsys.readouterr().err
     assert not (tmp_path / "fresh").exists()
+
 
 def test_data_moved_since_the_run_started_is_given_at_its_new_path(tmp_path, data, capsys) -> None:
     """The record keeps the data's path; moved (with the project, say), the resume names the remedy, and the
@@ -417,6 +442,7 @@ def test_data_moved_since_the_run_started_is_given_at_its_new_path(tmp_path, dat
     assert code == 2 and "no such file; a resume reads the data at the path its record holds: give --data" in err
     code, _, err = _train(capsys, "--out", str(run), "--resume", "--data", str(moved))
     assert code == 0, err
+
 
 def test_a_corrupt_latest_checkpoint_names_the_one_before_it(tmp_path, data, capsys) -> None:
     """A resume refuses a corrupt checkpoint and says how to go on from the intact one before it: moving the
@@ -433,6 +459,7 @@ def test_a_corrupt_latest_checkpoint_names_the_one_before_it(tmp_path, data, cap
     latest.rename(tmp_path / "corrupt")
     code, result, err = _train(capsys, "--out", str(run), "--resume", "--json", "--quiet")
     assert code == 0 and len(result["losses"]) == 3, err
+
 
 def test_a_run_given_relative_data_resumes_from_another_folder(tmp_path, monkeypatch, capsys) -> None:
     """The record kept `data` and `out` as typed while hf_model and tokenizer were absolute: resuming from another

@@ -113,6 +113,7 @@ def test_a_ctrl_c_while_train_imports_is_not_lost(monkeypatch, capsys) -> None:
     assert "orangetron train: interrupted" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is handler
 
+
 def test_ranks_agree_on_a_signal_one_of_them_received_outside_the_measured_traffic() -> None:
     assert run_distributed(_agree, 2, args=(1,)) == [(signal.SIGTERM, [], "all_reduce")] * 2
     assert [agreed for agreed, _, _ in run_distributed(_agree, 2, args=(-1,))] == [0, 0]

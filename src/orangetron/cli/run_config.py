@@ -47,7 +47,7 @@ _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_f
                  **TRAINER_OVERLAPS}
 # Options of a run's config file that say nothing about the step `estimate` prices. (`pack_documents` makes
 # attention cheaper than the causal sequence the planner prices; it prices no document lengths yet.)
-_RUN_ONLY = ("steps", "lr", "warmup", "min_lr", "weight_decay", "grad_clip", "seed", "eval_every",
+_RUN_ONLY = ("steps", "schedule_steps", "lr", "warmup", "min_lr", "weight_decay", "grad_clip", "seed", "eval_every",
              "eval_batches", "eval_fraction", "data", "corpus_bytes", "out", "save_every", "resume", "extend",
              "stop_after", "overwrite", "new_data", "threads", "timeout_s", "device", "deterministic", "data_record",
              "dtype", "hf_model", "tokenizer", "model_source", "pack_documents")

@@ -210,8 +210,8 @@ class TrainConfig(Layout, ParallelConfig):
                 for name, (idle, why) in unused.items() if name in changed and idle]
 
     def warnings(self) -> list[str]:
-        """What the trainer warns of before it starts: `ineffective_options`, a warmup that spans the whole
-        schedule (the rate never decays, and an extension holds the last warmup rate), and a model or tokenizer
+        """What the trainer warns of before it starts: `ineffective_options`, a warmup that leaves the schedule
+        no cosine (the rate never decays, and an extension holds the rate it reached), and a model or tokenizer
         that is probably not the one meant (a Hugging Face folder as --model trains its architecture from random
         weights; a --hf-model folder without a tokenizer trains its weights on byte ids, one with its own
         tokenizer on the ids of a prepared dataset's other one)."""
@@ -219,9 +219,10 @@ class TrainConfig(Layout, ParallelConfig):
 
         notes = self.ineffective_options()
         span = self.schedule_steps if self.schedule_steps is not None else self.steps
-        if self.warmup >= span:
-            notes.append(f"warmup={self.warmup} (--warmup) is not below the schedule's {span} steps: the rate only "
-                         f"rises, to {self.lr * span / self.warmup:g} at step {span}, and never decays to min_lr")
+        if self.warmup and span - self.warmup <= 1:  # `schedule.lr_at`: a cosine needs two steps to decay
+            reached = self.lr * min(span, self.warmup) / self.warmup
+            notes.append(f"warmup={self.warmup} (--warmup) leaves the schedule's {span} steps no cosine: the rate "
+                         f"rises to {reached:g} and never decays to min_lr")
         if isinstance(self.model, str) and is_hf_folder(self.model):
             notes.append(f"model={self.model!r} (--model) is a Hugging Face folder: only its architecture is used, "
                          f"from random weights; --hf-model {self.model} starts from its weights and tokenizer")
@@ -359,7 +360,7 @@ class TrainConfig(Layout, ParallelConfig):
                                        "tokenizer.json")
             name = str(Path(name).resolve())
         if prepared is not None:
-            _check_dataset_tokenizer(name, prepared, self.prepared_data)
+            _check_dataset_tokenizer(name, prepared, self.prepared_data, self.out if self.resume else None)
         try:
             vocab = prepared["vocab_size"] if prepared is not None else tokenizer_named(name).vocab_size
         except ValueError as err:
@@ -430,11 +431,12 @@ def _same_ids(folder: str, tokenizer: str | None) -> bool:
         return False
 
 
-def _check_dataset_tokenizer(name: str, prepared: dict[str, Any], dataset: str | None) -> None:
+def _check_dataset_tokenizer(name: str, prepared: dict[str, Any], dataset: str | None, resumed: str | None) -> None:
     """The tokenizer must encode the ids the dataset was tokenized to: a tokenizer trained again into the same
     folder gives other ids for the same text (a rewritten file that keeps every id passes: `ids_sha256`; a
     dataset of 2026-12-04 holds the hash of the tokenizer's two files instead). One at another path passes
-    where the dataset holds the hash of its ids and it encodes them (a copy, say); else it is refused."""
+    where the dataset holds the hash of its ids and it encodes them (a copy, say); else it is refused. For a
+    run resumed from folder `resumed` the fix named is the run's own tokenizer, which its checkpoints keep."""
     from orangetron.train.tokenizer import TOKENIZERS, tokenizer_named
 
     was = prepared["tokenizer"]
@@ -448,12 +450,16 @@ def _check_dataset_tokenizer(name: str, prepared: dict[str, Any], dataset: str |
         recorded, now = prepared["tokenizer_ids_sha256"], tok.ids_sha256()
     else:
         recorded, now = prepared["tokenizer_sha256"], tok.files_sha256()
-    if now != recorded:
-        why = (f"its ids changed since the prepared dataset {dataset} was tokenized with it" if name == was else
-               f"it encodes other ids than {was}, which the prepared dataset {dataset} was tokenized with")
-        fix = "prepare the data again" if name == was else "give that tokenizer or a copy of it"
-        raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {why} (sha256 {recorded[:12]} then, "
-                               f"{now[:12]} now); {fix}")
+    if now == recorded:
+        return
+    why = (f"its ids changed since the prepared dataset {dataset} was tokenized with it" if name == was else
+           f"it encodes other ids than {was}, which the prepared dataset {dataset} was tokenized with")
+    fix = "prepare the data again" if name == was else "give that tokenizer or a copy of it"
+    if resumed is not None:  # the run learnt the ids of the tokenizer it started with; its checkpoints keep it
+        fix = (f"a resumed run keeps the tokenizer it started with: give a copy of it (`orangetron tokenizer "
+               f"export {resumed} -o DIR` writes one), and data prepared with it")
+    raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {why} (sha256 {recorded[:12]} then, {now[:12]} now); "
+                           f"{fix}")
 
 
 def _field_default(name: str) -> object:

@@ -336,8 +336,11 @@ def export_tokenizer(run: str | Path, output: str | Path, overwrite: bool = Fals
                f"the checkpoint predates kept tokenizers; its tokenizer was read from {record['tokenizer']}")
         raise ValueError(f"RUN_DIR {str(run)!r}: {checkpoint} keeps no tokenizer files: {why}")
     output = Path(output).resolve()
-    if output.is_relative_to(checkpoint.parent.resolve()):
-        raise ValueError(f"-o {str(output)!r}: inside the run's checkpoints; choose another folder")
+    # A run's checkpoints folder, or a checkpoint on its own: a manifest lists every file in it
+    guarded = checkpoint.parent if checkpoint.parent.name == "checkpoints" else checkpoint
+    if output.is_relative_to(guarded.resolve()):
+        raise ValueError(f"-o {str(output)!r}: inside {guarded}, whose checkpoints' manifests list their files; "
+                         "choose another folder")
     # Every file the tokenizer reads, not only those the run had: a stale tokenizer_config.json left beside the
     # copy would change its BOS and EOS
     names = (TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)

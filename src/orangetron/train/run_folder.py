@@ -208,6 +208,9 @@ def _check_same_tokenizer(cfg: TrainConfig, given: dict[str, Any], recorded: dic
     (a copy, say: `tokenizer export` writes the checkpoint's) that encodes the same ids. The ids are compared where
     the record has their hash (text since 2026-12-05; a prepared dataset's since 2026-12-06), else the path."""
     then, now = recorded.get("tokenizer_ids_sha256"), given.get("tokenizer_ids_sha256")
+    if then is None and recorded.get("source") == given["source"] == "prepared" \
+            and recorded.get("sha256") == given["sha256"]:
+        then = now  # a record of before 2026-12-06: the same dataset.json holds the hash (`describe_data`)
     path, was = given["tokenizer"], recorded.get("tokenizer", "byte")
     if path == was and then and now != then:
         raise TrainConfigError(f"tokenizer (--tokenizer): {path} encodes other ids than when the run in {cfg.out} "
@@ -216,11 +219,18 @@ def _check_same_tokenizer(cfg: TrainConfig, given: dict[str, Any], recorded: dic
                                f"{cfg.out} -o DIR` writes the copy its checkpoint keeps, or start a new run")
     if path != was and not (then and now == then):
         other = f", which encodes other ids (sha256 {then[:12]}, this one {str(now)[:12]})" if then and now else ""
-        copy = "" if was == "byte" else (f", or a copy of it at another path that encodes the same ids (`orangetron "
-                                         f"tokenizer export {cfg.out} -o DIR` writes one)" if then else
-                                         " (its record holds no hash of the ids to compare another path by)")
         raise TrainConfigError(f"tokenizer={path!r} (--tokenizer): the run in {cfg.out} was recorded with "
-                               f"tokenizer={was!r}{other}; a resumed run keeps it{copy}")
+                               f"tokenizer={was!r}{other}; a resumed run keeps it{_copy_hint(cfg, was, then)}")
+
+
+def _copy_hint(cfg: TrainConfig, was: str, then: str | None) -> str:
+    """How a resume refused another tokenizer can go on: a copy of the run's (by its ids, where recorded)."""
+    if was == "byte":
+        return ""
+    if then is None:
+        return " (its record holds no hash of the ids to compare another path by)"
+    return (f", or a copy of it at another path that encodes the same ids (`orangetron tokenizer export {cfg.out} "
+            "-o DIR` writes one)")
 
 
 def _check_same_data(cfg: TrainConfig, given: dict[str, Any], recorded: dict[str, Any]) -> None:
