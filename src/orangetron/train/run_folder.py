@@ -9,6 +9,8 @@ config.json and safetensors index, its files' sizes and its dtype. The
 command line restores every option a resumed run does not give from the record (`cli/__init__.py`); this
 module then refuses what a resume may not change:
 - an option outside `CHANGEABLE_ON_RESUME` that differs from the record, named in one line;
+- a tokenizer that encodes other ids than the recorded one (one at another path that encodes the same, a copy
+  `tokenizer export` wrote say, is taken), with new data too;
 - data whose text differs from the record, unless `new_data` (`--new-data` with `--data`); the change is
   then appended to `changes.jsonl` with the step it took effect at, as every changed option is.
 
