@@ -171,28 +171,30 @@ def _fsync(path: Path) -> None:
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
-    """The checkpoint of the highest step under `folder`, or None.
-
-    Partial (staging) folders never match. Where an overwrite crashed after moving the old checkpoint of a
-    step aside and before the new one took its place, the aside copy is that step's checkpoint. Nothing is
-    renamed or deleted here: every rank may call this at once.
-    """
-    folder = Path(folder)
-    steps = {int(p.name[len("step-"):]): p for p in folder.glob("step-*") if p.is_dir() and _is_step_name(p.name)}
-    for aside in sorted(folder.glob(".step-*.old-*")):
-        digits = aside.name[len(".step-"):].split(".", 1)[0]
-        if aside.is_dir() and digits.isdigit() and int(digits) not in steps:
-            steps[int(digits)] = aside
+    """The checkpoint of the highest step under `folder`, or None (`_checkpoints`). Nothing is renamed or deleted
+    here: every rank may call this at once."""
+    steps = _checkpoints(Path(folder))
     return steps[max(steps)] if steps else None
 
 
 def earlier_checkpoint(path: str | Path) -> Path | None:
     """The checkpoint of the highest step below that of checkpoint `path`, beside it (unchecked), or None."""
-    path = Path(path)
-    step = int(path.name.lstrip(".")[len("step-"):].split(".")[0])  # a step's aside copy: .step-N.old-X
-    below = {int(p.name[len("step-"):]): p for p in path.parent.glob("step-*") if p.is_dir() and _is_step_name(p.name)}
-    below = {n: p for n, p in below.items() if n < step}
-    return below[max(below)] if below else None
+    steps = _checkpoints(Path(path).parent)
+    mine = [step for step, found in steps.items() if found == Path(path)]
+    below = [step for step in steps if mine and step < mine[0]]
+    return steps[max(below)] if below else None
+
+
+def _checkpoints(folder: Path) -> dict[int, Path]:
+    """The checkpoints under `folder` by step. Partial (staging) folders never match. Where an overwrite crashed
+    after moving the old checkpoint of a step aside and before the new one took its place, the aside copy is
+    that step's checkpoint."""
+    steps = {int(p.name[len("step-"):]): p for p in folder.glob("step-*") if p.is_dir() and _is_step_name(p.name)}
+    for aside in sorted(folder.glob(".step-*.old-*")):
+        digits = aside.name[len(".step-"):].split(".", 1)[0]
+        if aside.is_dir() and digits.isdigit() and int(digits) not in steps:
+            steps[int(digits)] = aside
+    return steps
 
 
 def _is_step_name(name: str) -> bool:
