@@ -2142,7 +2142,7 @@ MUTANTS = [
            (("        if isinstance(self.model, str) and is_hf_folder(self.model):", "        if False:"),),
            ("tests/test_hf_train.py::test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of",)),
     Mutant("resume_without_checkpoint_found_on_a_rank", "src/orangetron/train/run_folder.py",
-           (("        if latest_checkpoint(Path(cfg.out) / \"checkpoints\") is None:", "        if False:"),),
+           (("        if latest is None:  # before the run is announced, not after", "        if False:"),),
            ("tests/test_train.py::test_bad_input_found_on_a_rank_is_one_line_exit_2",)),
     Mutant("misplaced_run_option_not_named", "src/orangetron/train/config_file.py",
            (("    if misplaced:", "    if False:"),),
@@ -2161,16 +2161,14 @@ MUTANTS = [
            ("tests/test_outputs.py",)),
     Mutant("export_hf_claims_before_it_writes", "src/orangetron/train/export.py",
            (("        save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,\n"
-             "             base_config=source[\"config\"] if source else None, tokenizer=None if kept else "
-             "tokenizer_path,\n"
+             "             base_config=base, tokenizer=None if kept else tokenizer_path,\n"
              "             generation_config=source.get(\"generation_config\") if source else None)\n"
              "        for name, text in (kept or {}).items():  # the files the run read, not what the path holds now\n"
              "            (staging / name).write_text(text, encoding=\"utf-8\")\n"
              "        moved = claim_output(output, \"-o\", overwrite, inputs)\n",
              "        moved = claim_output(output, \"-o\", overwrite, inputs)\n"
              "        save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,\n"
-             "             base_config=source[\"config\"] if source else None, tokenizer=None if kept else "
-             "tokenizer_path,\n"
+             "             base_config=base, tokenizer=None if kept else tokenizer_path,\n"
              "             generation_config=source.get(\"generation_config\") if source else None)\n"
              "        for name, text in (kept or {}).items():  # the files the run read, not what the path holds now\n"
              "            (staging / name).write_text(text, encoding=\"utf-8\")\n"),),
@@ -2499,6 +2497,56 @@ MUTANTS = [
            (('    guarded = checkpoint.parent if checkpoint.parent.name == "checkpoints" else checkpoint',
              "    guarded = checkpoint.parent"),),
            ("tests/test_run_folder.py::test_tokenizer_export_refuses_what_it_cannot_write",)),
+    Mutant("generate_never_stops", "src/orangetron/model/generate.py",
+           (("        if stop_ids and int(token) in stop_ids:  # a read back to the host only when a stop is asked for",
+             "        if False:"),),
+           ("tests/test_hf.py::test_greedy_generation_ends_where_transformers_generate_does",
+            "tests/test_sample.py::test_sample_ends_at_the_end_of_a_document_unless_told_not_to")),
+    Mutant("generate_drops_the_stop_token", "src/orangetron/model/generate.py",
+           (("        tokens.append(token)\n        logits.append(step_logits)\n        if stop_ids and int(token) in "
+             "stop_ids:  # a read back to the host only when a stop is asked for\n            break",
+             "        if stop_ids and int(token) in stop_ids:\n            break\n        tokens.append(token)\n"
+             "        logits.append(step_logits)"),),
+           ("tests/test_hf.py::test_greedy_generation_ends_where_transformers_generate_does",
+            "tests/test_sample.py::test_sample_ends_at_the_end_of_a_document_unless_told_not_to")),
+    Mutant("sample_ignores_ignore_eos", "src/orangetron/train/sample.py",
+           (("    ends = stop_ids(saved.record, tokenizer) if stop_at_eos else frozenset()",
+             "    ends = stop_ids(saved.record, tokenizer)"),),
+           ("tests/test_sample.py::test_sample_ends_at_the_end_of_a_document_unless_told_not_to",)),
+    Mutant("sample_reports_no_eos_stop", "src/orangetron/train/sample.py",
+           (('            "stop": "eos" if tokens and tokens[-1] in ends else "length"',
+             '            "stop": "length"'),),
+           ("tests/test_sample.py::test_sample_ends_at_the_end_of_a_document_unless_told_not_to",)),
+    Mutant("sample_stops_at_tokenizer_eos_only", "src/orangetron/train/sample.py",
+           (('    if source and source.get("config"):', '    if False:'),),
+           ("tests/test_sample.py::test_an_imported_models_generation_settings_end_a_sample_too",)),
+    Mutant("eos_ids_read_config_first", "src/orangetron/hf/folder.py",
+           (('    value = (generation if generation is not None else config).get("eos_token_id")',
+             '    value = config.get("eos_token_id", (generation or {}).get("eos_token_id"))'),),
+           ("tests/test_sample.py::test_an_imported_models_generation_settings_end_a_sample_too",
+            "tests/test_hf_train.py::test_a_folder_whose_eos_id_is_not_its_tokenizers_is_warned_of")),
+    Mutant("eos_mismatch_always_warned", "src/orangetron/train/config.py",
+           (("    if eos is None or not ends or eos in ends:", "    if eos is None or not ends:"),),
+           ("tests/test_hf_train.py::test_a_folder_whose_eos_id_is_not_its_tokenizers_is_warned_of",)),
+    Mutant("eos_mismatch_never_warned", "src/orangetron/train/config.py",
+           (("            notes += _eos_mismatch(self.hf_model, self.tokenizer)", "            pass"),),
+           ("tests/test_hf_train.py::test_a_folder_whose_eos_id_is_not_its_tokenizers_is_warned_of",)),
+    Mutant("export_writes_no_token_ids", "src/orangetron/train/export.py",
+           (('    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}',
+             '    ids = {"bos_token_id": tokenizer.bos_id}'),),
+           ("tests/test_prepare_data.py::test_readme_path_tokenizer_prepare_data_train_sample",)),
+    Mutant("resume_schedule_checked_only_on_ranks", "src/orangetron/train/run_folder.py",
+           (("        _check_schedule(cfg, latest)\n", ""),),
+           ("tests/test_checkpoint.py::test_resume_keeps_the_schedule_and_extends_only_when_asked",)),
+    Mutant("estimate_takes_any_global_batch_and_nic_rate", "src/orangetron/cli/plan.py",
+           (('    for name in ("tp", "cp", "pp", "dp", "ep", "gpus", "gpus_per_node", "micro_batch", "virtual_stages", '
+             '"seq",\n                 "global_batch", "nic_gbps"):',
+             '    for name in ("tp", "cp", "pp", "dp", "ep", "gpus", "gpus_per_node", "micro_batch", "virtual_stages", '
+             '"seq"):'),),
+           ("tests/test_plan_cli.py::test_bad_input_is_one_line_and_exit_2",)),
+    Mutant("plugin_import_error_is_a_traceback", "src/orangetron/spec/variants.py",
+           (("            except ImportError as err:  # a typo", "            except KeyError as err:  # a typo"),),
+           ("tests/test_plan_cli.py::test_a_plugin_that_cannot_be_imported_is_one_line_and_exit_2",)),
 ]
 
 

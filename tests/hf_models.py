@@ -7,6 +7,8 @@ transformers computes a few things in float32 even in a float64 model: RMSNorm (
 the rotary tables (their frequencies and angles) and the Mixtral router's softmax. `float64_islands()` replaces
 those forwards with the same formulas in the model's dtype, so that the logits compare to 1e-10; the rotary
 frequencies are HF's own functions evaluated with `torch.float` standing for float64.
+
+Their configs' BOS and EOS ids are 0, the one special token of the tokenizer `add_tokenizer` trains.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def llama(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 0,
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=eps, tie_word_embeddings=tied,
-        rope_parameters=dict(LLAMA3_ROPE), initializer_range=0.3, bos_token_id=1, eos_token_id=2, **changes)
+        rope_parameters=dict(LLAMA3_ROPE), initializer_range=0.3, bos_token_id=0, eos_token_id=0, **changes)
     return _save(transformers.LlamaForCausalLM, config, folder, seed)
 
 
@@ -68,8 +70,8 @@ def qwen2(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 5,
     config = transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=eps, tie_word_embeddings=tied,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, initializer_range=0.3, bos_token_id=1,
-        eos_token_id=2, **changes)
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, initializer_range=0.3, bos_token_id=0,
+        eos_token_id=0, **changes)
     return _save(transformers.Qwen2ForCausalLM, config, folder, seed)
 
 
@@ -78,8 +80,8 @@ def qwen3(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 6,
     config = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=eps, tie_word_embeddings=tied,
-        rope_parameters={"rope_type": "default", "rope_theta": 2000.0}, initializer_range=0.3, bos_token_id=1,
-        eos_token_id=2, **changes)
+        rope_parameters={"rope_type": "default", "rope_theta": 2000.0}, initializer_range=0.3, bos_token_id=0,
+        eos_token_id=0, **changes)
     return _save(transformers.Qwen3ForCausalLM, config, folder, seed)
 
 
@@ -89,7 +91,7 @@ def mixtral(folder: Path, *, eps: float = 1e-3, seed: int = 1, **changes) -> Pat
         vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
         rms_norm_eps=eps, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3,
-        bos_token_id=1, eos_token_id=2, **changes)
+        bos_token_id=0, eos_token_id=0, **changes)
     return _save(transformers.MixtralForCausalLM, config, folder, seed)
 
 
@@ -100,8 +102,8 @@ def qwen2_moe(folder: Path, *, eps: float = 1e-3, seed: int = 4, **changes) -> P
         vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         shared_expert_intermediate_size=48, max_position_embeddings=256, rms_norm_eps=eps,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3, bos_token_id=1,
-        eos_token_id=2, **changes)
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3, bos_token_id=0,
+        eos_token_id=0, **changes)
     return _save(transformers.Qwen2MoeForCausalLM, config, folder, seed)
 
 
@@ -112,8 +114,8 @@ def qwen3_moe(folder: Path, *, eps: float = 1e-3, seed: int = 5, **changes) -> P
         vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=eps,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3, bos_token_id=1,
-        eos_token_id=2, **changes)
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3, bos_token_id=0,
+        eos_token_id=0, **changes)
     return _save(transformers.Qwen3MoeForCausalLM, config, folder, seed)
 
 
@@ -126,8 +128,8 @@ def dots1(folder: Path, *, eps: float = 1e-3, seed: int = 6, **changes) -> Path:
         num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
         moe_intermediate_size=24, n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
         routed_scaling_factor=2.5, max_position_embeddings=256, rms_norm_eps=eps,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3, bos_token_id=1,
-        eos_token_id=2, **changes)
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.3, bos_token_id=0,
+        eos_token_id=0, **changes)
     return _save(transformers.Dots1ForCausalLM, config, folder, seed)
 
 

@@ -14,6 +14,7 @@ import torch
 from trainer_reference import assert_matches_reference, reference_training, written_run
 
 from orangetron.model import model_preset
+from orangetron.train import trainer
 from orangetron.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.schedule import lr_at
@@ -239,9 +240,14 @@ def test_stopped_and_resumed_run_is_the_straight_run(tmp_path) -> None:
     assert lrs[:3] == [lr_at(s, TrainConfig(**SMALL, steps=6)) for s in range(3)]  # not a 3-step schedule
 
 
-def test_resume_keeps_the_schedule_and_extends_only_when_asked(tmp_path) -> None:
+def test_resume_keeps_the_schedule_and_extends_only_when_asked(tmp_path, monkeypatch) -> None:
     out = str(tmp_path / "run")
     _run(steps=4, stop_after=2, out=out)
+    with monkeypatch.context() as patched:  # refused before any rank starts
+        patched.setattr(trainer, "_train", lambda cfg, progress: pytest.fail("a rank started"))
+        for steps, says in ((3, "give --steps 4"), (6, "add --extend")):
+            with pytest.raises(TrainConfigError, match=says):
+                _run(steps=steps, out=out, resume=True)
     with pytest.raises(TrainConfigError, match=r"lr=0.001 \(--lr\): .* recorded with lr=0.002, and a resumed run"):
         _run(steps=4, lr=1e-3, min_lr=1e-4, out=out, resume=True)
     record = (tmp_path / "run" / "config.toml").read_text()

@@ -52,6 +52,26 @@ def test_logits_equal_transformers_in_float64(tmp_path, build):
     assert _logits_gap(folder) < 1e-10
 
 
+def test_greedy_generation_ends_where_transformers_generate_does(tmp_path):
+    """With an end-of-document id, `generate` stops after it, keeping it, as transformers' `generate` given
+    that eos_token_id does; the id is one the free continuation reaches first mid-way, so a stop one token early
+    or late, or none, shows."""
+    from orangetron.model.generate import generate
+
+    folder = hf_models.llama(tmp_path)
+    ours = hf.load(folder, dtype=torch.float64)
+    prompt = _tokens(seed=3, batch=1, seq=6)[0]
+    free = generate(ours, prompt, 16).tokens.tolist()
+    first = next(i for i in range(3, 15) if free[i] not in free[:i])
+    ended = generate(ours, prompt, 16, stop_ids={free[first]}).tokens.tolist()
+    assert ended == free[:first + 1]
+    theirs = hf_models.reference(folder)
+    with torch.no_grad(), hf_models.float64_islands(theirs):
+        out = theirs.generate(prompt[None], max_new_tokens=16, do_sample=False, eos_token_id=free[first],
+                              pad_token_id=free[first], attention_mask=torch.ones_like(prompt[None]))
+    assert out[0, prompt.numel():].tolist() == ended
+
+
 def test_sharded_safetensors_read_the_same_model(tmp_path):
     whole = hf_models.llama(tmp_path / "whole")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(whole, dtype=torch.float64)

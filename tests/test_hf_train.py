@@ -278,6 +278,29 @@ def test_a_resumed_run_needs_no_weights_from_its_source_folder(tmp_path, capsys)
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == generation
 
 
+def test_a_folder_whose_eos_id_is_not_its_tokenizers_is_warned_of(tmp_path):
+    """transformers' `generate` ends at generation_config.json's eos_token_id (config.json's without one): where
+    the tokenizer ends documents with another id, an export would run past a document's end without a word."""
+    folder = hf_models.llama(tmp_path / "llama")
+    hf_models.add_tokenizer(folder)  # its EOS is id 0, as the folder's configs say
+    generation, config = folder / "generation_config.json", folder / "config.json"
+
+    def eos_notes() -> list[str]:
+        notes = TrainConfig(hf_model=str(folder), steps=1, warmup=0, corpus_bytes=60_000).warnings()
+        return [note for note in notes if "eos_token_id" in note]
+
+    assert eos_notes() == []
+    for ids, warned in (([2], True), ([2, 0], False), (0, False), (2, True)):
+        generation.write_text(json.dumps({"eos_token_id": ids}))
+        assert bool(eos_notes()) == warned, ids
+    assert "end text at eos_token_id [2], but the tokenizer" in eos_notes()[0] and "with id 0" in eos_notes()[0]
+    generation.write_text(json.dumps({"eos_token_id": 0}))
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token_id": 2}))
+    assert eos_notes() == []  # the generation config is what generate reads
+    generation.unlink()
+    assert "eos_token_id [2]" in eos_notes()[0]
+
+
 def test_a_generation_config_is_recorded_only_when_it_is_a_json_object(tmp_path):
     """Training does not read it, so a missing or broken one stops nothing (a broken one is warned of); export
     then writes none."""

@@ -372,6 +372,12 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["estimate", "--model", "llama3-8b", "--tp", "2", "--cp", "3", "--seq", "1000"], "2*cp"),
     (["estimate", "--model", "llama3-8b", "--ep", "2", "--dp", "2"], "no experts"),
     (["estimate", "--model", "llama3-8b", "--gpus", "0"], "must be >= 1"),
+    # priced before as a negative step time, or a 0 taken for the default
+    (["estimate", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "-8"], "--global-batch=-8: must be >= 1"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "0"], "--global-batch=0: must be >= 1"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "16", "--nic-gbps", "-5"], "--nic-gbps=-5.0: must be > 0"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "-64"], "--global-batch=-64: must be >= 1"),
+    (["plan", "--model", "llama3-8b", "--gpus", "16", "--nic-gbps", "0"], "--nic-gbps=0.0: must be > 0"),
     (["estimate", "--model", "clip-vit-bigg14"], "dual encoder"),
     (["estimate", "--model", "missing.toml"], "does not exist"),
     (["plan", "--model", "llama3-405b", "--gpus", "8", "--seq", "8192"], "no layout"),
@@ -382,6 +388,26 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     err = capsys.readouterr().err.strip()
     assert needle in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_plugin_that_cannot_be_imported_is_one_line_and_exit_2():
+    """In a fresh process: the registries load their plugins once per process, when first read."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "ORANGETRON_PLUGINS": "no_such_plugin_module"}
+    done = subprocess.run([sys.executable, "-m", "orangetron", "presets"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    err = done.stderr.strip()
+    assert done.returncode == 2 and "cannot import plugin 'no_such_plugin_module'" in err and "PYTHONPATH" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_dual_encoder_given_to_train_names_the_command_that_prices_it(capsys):
+    assert run(["train", "--model", "clip-vit-bigg14", "--steps", "1"]) == 2
+    hint = capsys.readouterr().err.split("`")[1]
+    assert hint == "orangetron plan --model clip-vit-bigg14"
+    assert run([*hint.split()[1:], "--gpus", "8"]) == 0  # the command it names runs
 
 
 def test_estimate_fits_on_what_a_layout_needs_not_on_what_it_reserves_with_room(capsys):

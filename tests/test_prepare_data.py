@@ -205,6 +205,11 @@ def test_readme_path_tokenizer_prepare_data_train_sample(tmp_path, capsys, token
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     tok = HFTokenizer(tmp_path / "tok")
     assert result["text"] == tok.decode(result["tokens"]) and len(result["tokens"]) == 5
+    assert result["stop_ids"] == [tok.eos_id] == [0]  # the documents' end, which a sample stops after
+    # the export names the same end for transformers' generate, and the BOS, as config.json's token ids
+    assert main(["export", str(tmp_path / "run"), "--hf", "-o", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (tok.eos_id, tok.bos_id)
     assert main(["train", "--model", str(model), "--data", str(tmp_path / "data"), "--tokenizer", "byte"]) == 2
 
 

@@ -272,3 +272,48 @@ def test_ids_past_the_tokenizer_are_counted_and_left_out_of_the_text(trained_run
     assert narrow["tokens"] == whole["tokens"] and narrow["unknown_ids"] == past
     assert narrow["text"] == bytes(t for t in whole["tokens"] if t < 120).decode()
     assert f"warning: {past} of them are ids the tokenizer does not have (it has 120)" in err
+
+
+def test_sample_ends_at_the_end_of_a_document_unless_told_not_to(trained_run, capsys, monkeypatch) -> None:
+    """A model trained on documents ended by EOS writes EOS and then a new document: `sample` stops after the
+    tokenizer's EOS, kept, as transformers' `generate` does; --ignore-eos goes on. Bytes have no EOS."""
+    from orangetron.train import sample
+    from orangetron.train.tokenizer import ByteTokenizer
+
+    run = str(trained_run["run"])
+    free = _greedy_by_hand(_reference_model(trained_run["run"]), list(b"a stitch in"), 20)
+    first = next(i for i in range(2, 19) if free[i] not in free[:i])  # a token reached mid-way, first there
+
+    class Ending(ByteTokenizer):
+        eos_id = free[first]
+
+    argv = ["sample", run, "--prompt", "a stitch in", "--max-new-tokens", "20", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert plain["tokens"] == free and plain["stop"] == "length" and plain["stop_ids"] == []
+    monkeypatch.setattr(sample, "run_tokenizer", lambda record: Ending())
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    ended = json.loads(out.splitlines()[-1])
+    assert ended["tokens"] == free[:first + 1] and ended["stop"] == "eos" and ended["stop_ids"] == [free[first]]
+    assert f"{first + 1} tokens from" in err and f"ended by id {free[first]} (an end of document)" in err
+    assert main([*argv, "--ignore-eos"]) == 0
+    going_on = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert going_on["tokens"] == free and going_on["stop"] == "length" and going_on["stop_ids"] == []
+
+
+def test_an_imported_models_generation_settings_end_a_sample_too() -> None:
+    """For a run imported from a Hugging Face folder the ids its generation config ends at end a sample beside
+    the tokenizer's EOS; generation_config.json, where there is one, wins over config.json, as in transformers."""
+    from orangetron.train.sample import stop_ids
+    from orangetron.train.tokenizer import ByteTokenizer
+
+    class Ending(ByteTokenizer):
+        eos_id = 9
+
+    config, generation = {"eos_token_id": 2}, {"eos_token_id": [5, 7]}
+    assert stop_ids({"model_source": {"config": config, "generation_config": generation}}, Ending()) == {5, 7, 9}
+    assert stop_ids({"model_source": {"config": config}}, Ending()) == {2, 9}
+    assert stop_ids({"model_source": {"config": config, "generation_config": {}}}, ByteTokenizer()) == set()
+    assert stop_ids({"model_source": {"config": {"eos_token_id": [3, True]}}}, ByteTokenizer()) == {3}
+    assert stop_ids({}, Ending()) == {9} and stop_ids({}, ByteTokenizer()) == set()

@@ -375,8 +375,8 @@ def test_bad_input_found_on_a_rank_is_one_line_exit_2(capsys, tmp_path) -> None:
     assert cli.main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "4", "--seq-len", "16", "--quiet",
                      "--out", str(tmp_path / "run")]) == 0
     (tmp_path / "run" / "config.toml").unlink()  # only the checkpoint can tell the model apart now
-    code = cli.main(["train", "--dp", "2", "--model", "tiny-moe", "--steps", "2", "--batch-size", "4", "--quiet",
-                     "--seq-len", "16", "--out", str(tmp_path / "run"), "--resume"])
+    code = cli.main(["train", "--dp", "2", "--model", "tiny-moe", "--steps", "2", "--extend", "--batch-size", "4",
+                     "--quiet", "--seq-len", "16", "--out", str(tmp_path / "run"), "--resume"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert err[0].startswith("orangetron train: error: rank 0: resume=True (--resume):") and "holds a model" in err[0]

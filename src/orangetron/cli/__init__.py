@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Bad input prints one line on standard error and returns 2, never a traceback."""
-    parser = build_parser()
+    try:
+        parser = build_parser()  # its choices name the registered variants: plugins load here
+    except ValueError as err:
+        print(f"orangetron: error: {err}", file=sys.stderr)
+        return 2
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported by the command that was given them, whose --help lists its flags
         _owner(parser, args, sys.argv[1:] if argv is None else list(argv), unknown).error(

@@ -174,7 +174,7 @@ def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_requi
     p.add_argument("--transport", choices=("proxy", "ibgda"), default="proxy",
                    help="who posts inter-node work: a CPU proxy thread or the GPU (IBGDA)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length")
-    p.add_argument("--global-batch", type=int, default=0,
+    p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step (default: one micro-batch per replica)")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bfloat16")
     p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default="flash",
@@ -224,13 +224,14 @@ def _overhead(args: argparse.Namespace) -> MemoryOverhead:
     return fixed_overhead(args.overhead_gib, fraction)
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"--{name.replace('_', '-')}={value}: must be >= 1")
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:  # a count below 1 (or a rate at or below 0) prices nothing real
+        raise ValueError(f"--{name.replace('_', '-')}={value}: must be {'>= 1' if isinstance(value, int) else '> 0'}")
 
 
 def _degrees(args: argparse.Namespace) -> Degrees:
-    for name in ("tp", "cp", "pp", "dp", "ep", "gpus", "gpus_per_node", "micro_batch", "virtual_stages", "seq"):
+    for name in ("tp", "cp", "pp", "dp", "ep", "gpus", "gpus_per_node", "micro_batch", "virtual_stages", "seq",
+                 "global_batch", "nic_gbps"):
         _positive(name, getattr(args, name, None))
     model_par = args.tp * args.cp * args.pp
     dp = args.dp
@@ -342,7 +343,7 @@ def _no_effect_notes(model: ModelSpec, deg: Degrees, job: Job) -> list[str]:
 
 def _job(args: argparse.Namespace) -> Job:
     schedule = args.pp_schedule or ("interleaved" if args.virtual_stages > 1 else "1f1b")
-    return Job(seq_len=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
+    return Job(seq_len=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch or 0,
               sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode, ulysses_degree=args.ulysses_degree,
               dispatcher=args.dispatcher, capacity_factor=args.capacity_factor,
               ep_overlap_chunks=args.ep_overlap_chunks, zero_stage=args.zero_stage,
@@ -418,7 +419,7 @@ def format_estimate(est: Estimate) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     if args.chart:
         _require_matplotlib()
-    for name in ("gpus", "gpus_per_node", "seq", "top"):
+    for name in ("gpus", "gpus_per_node", "seq", "top", "global_batch", "nic_gbps"):
         _positive(name, getattr(args, name))
     if not args.gpus:
         raise ValueError("--gpus is required for plan")

@@ -60,3 +60,11 @@ def describe_folder(path: str | Path) -> dict[str, Any]:
     config = read_config(path)
     record["dtype"] = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     return record
+
+
+def eos_token_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> frozenset[int]:
+    """The ids transformers' `generate` ends a sequence at for a folder: `eos_token_id` (an id or a list) of its
+    generation_config.json when it has one (`generation`; transformers then reads no other), else of config.json."""
+    value = (generation if generation is not None else config).get("eos_token_id")
+    ids = value if isinstance(value, list) else [value]
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))

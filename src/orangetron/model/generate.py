@@ -7,7 +7,7 @@ against. Both choose tokens by the same `Sampling` rule from the same generator.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +27,10 @@ class Generation:
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = GREEDY, *,
-             seed: int = 0, use_cache: bool = True) -> Generation:
-    """Continue `prompt` [S] int64 (S >= 1) by `max_new_tokens` tokens chosen by `sampling`, on the model's device.
+             seed: int = 0, use_cache: bool = True, stop_ids: Collection[int] = ()) -> Generation:
+    """Continue `prompt` [S] int64 (S >= 1) by `max_new_tokens` tokens chosen by `sampling`, on the model's device,
+    or fewer: a token of `stop_ids` (an end of document) is the last, kept, as transformers' `generate` keeps its
+    eos_token_id.
 
     Deterministic: the draws come from a generator seeded with `seed`, so the same model, prompt, rule and
     seed give the same tokens (with or without the cache). ValueError when the prompt is empty or the
@@ -47,6 +49,8 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, samp
         token = next_token(step_logits, sampling, generator)  # [1]
         tokens.append(token)
         logits.append(step_logits)
+        if stop_ids and int(token) in stop_ids:  # a read back to the host only when a stop is asked for
+            break
         pending = token.view(1, 1)
     if not tokens:
         return Generation(prompt.new_zeros(0), weight.new_zeros(0, model.cfg.vocab_size))

@@ -464,8 +464,9 @@ def load_model(name_or_path: str) -> ModelSpec | DualEncoderSpec:
 
 
 def load_decoder(name_or_path: str) -> ModelSpec:
-    """Like `load_model`, but refuses dual encoders (which only `plan --distmm` prices)."""
+    """Like `load_model`, but refuses dual encoders (which only `plan` prices, as a DistMM plan)."""
     spec = load_model(name_or_path)
     if isinstance(spec, DualEncoderSpec):
-        raise ValueError(f"model {spec.name} is a dual encoder; use `orangetron plan --distmm`")
+        raise ValueError(f"model {spec.name} is a dual encoder, which only `orangetron plan --model {spec.name}` "
+                         "prices (a DistMM plan)")
     return spec

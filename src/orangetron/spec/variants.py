@@ -121,8 +121,12 @@ def load_plugins() -> None:
     names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
     for name in names:
         if name not in _PLUGINS_LOADED:
+            try:
+                importlib.import_module(name)
+            except ImportError as err:  # a typo or a folder off the path: one line, not a traceback
+                raise ValueError(f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r}: cannot import plugin {name!r} ({err}); "
+                                 "correct the name or put its folder on PYTHONPATH") from None
             _PLUGINS_LOADED.add(name)
-            importlib.import_module(name)
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if entry.value not in _PLUGINS_LOADED:
             _PLUGINS_LOADED.add(entry.value)

@@ -214,7 +214,8 @@ class TrainConfig(Layout, ParallelConfig):
         no cosine (the rate never decays, and an extension holds the rate it reached), and a model or tokenizer
         that is probably not the one meant (a Hugging Face folder as --model trains its architecture from random
         weights; a --hf-model folder without a tokenizer trains its weights on byte ids, one with its own
-        tokenizer on the ids of a prepared dataset's other one)."""
+        tokenizer on the ids of a prepared dataset's other one, or whose documents end in another id than its
+        config's eos_token_id)."""
         from orangetron.train.tokenizer import has_tokenizer
 
         notes = self.ineffective_options()
@@ -235,6 +236,8 @@ class TrainConfig(Layout, ParallelConfig):
             notes.append(f"hf_model={self.hf_model!r} (--hf-model): its weights train on the ids of the prepared "
                          f"dataset's tokenizer {self.tokenizer}, not its own; prepare the data with --tokenizer "
                          f"{self.hf_model} to train on those")
+        if self.hf_model is not None and not self.resume and Path(self.hf_model).exists():
+            notes += _eos_mismatch(self.hf_model, self.tokenizer)
         if self.hf_model is not None and not self.resume and _unreadable_generation_config(self.hf_model):
             notes.append(f"hf_model={self.hf_model!r} (--hf-model): its generation_config.json is not a JSON object; "
                          "training does not read it, and export --hf will write none")
@@ -417,6 +420,24 @@ def _unreadable_generation_config(folder: str) -> bool:
     from orangetron.hf.folder import GENERATION_FILE, read_generation_config
 
     return (Path(folder) / GENERATION_FILE).is_file() and read_generation_config(folder) is None
+
+
+def _eos_mismatch(folder: str, tokenizer: str | None) -> list[str]:
+    """A note when the run's tokenizer ends documents with an EOS id that the --hf-model folder's generation
+    settings do not end at (`hf.folder.eos_token_ids`): transformers' `generate` on an export would run past the
+    end of a document. None to say when either names no EOS."""
+    from orangetron.hf.folder import eos_token_ids, read_generation_config
+    from orangetron.spec.hf_config import read_config
+    from orangetron.train.tokenizer import tokenizer_named
+
+    eos = tokenizer_named(tokenizer).eos_id if tokenizer is not None else None
+    ends = eos_token_ids(read_config(folder), read_generation_config(folder))
+    if eos is None or not ends or eos in ends:
+        return []
+    return [f"hf_model={folder!r} (--hf-model): its generation settings end text at eos_token_id "
+            f"{sorted(ends)}, but the tokenizer {tokenizer} ends documents with id {eos}: transformers' generate on "
+            f"an export would not stop at a document's end (`orangetron sample` stops at both); set "
+            f"eos_token_id in its config.json and generation_config.json to {eos}"]
 
 
 def _same_ids(folder: str, tokenizer: str | None) -> bool:

@@ -8,7 +8,8 @@ for a bfloat16 run). The optimizer moments stay behind. torch is imported only w
 
 With `--hf`, `-o DIR` becomes a folder `transformers.AutoModelForCausalLM` loads (`orangetron.hf.save`):
 config.json with `architectures` (a run started from a Hugging Face folder keeps its source config's other
-keys), model.safetensors by HF names in the source's dtype (else the saved one; `--dtype` chooses), the
+keys; another names its tokenizer's BOS and EOS, so that `generate` ends where `orangetron sample` does),
+model.safetensors by HF names in the source's dtype (else the saved one; `--dtype` chooses), the
 run's tokenizer files when it used one (as the checkpoint keeps them: what the run read, whatever its folder
 holds now), and the source's generation_config.json as the run recorded it.
 """
@@ -159,8 +160,9 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     check_claim(output, "-o", overwrite, inputs)  # before the work; claimed after it
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
     try:  # written whole beside `output` first: a refused config moves nothing aside and leaves nothing behind
+        base = source["config"] if source else _token_ids(recorded_tokenizer(saved.record, "exporting"))
         save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,
-             base_config=source["config"] if source else None, tokenizer=None if kept else tokenizer_path,
+             base_config=base, tokenizer=None if kept else tokenizer_path,
              generation_config=source.get("generation_config") if source else None)
         for name, text in (kept or {}).items():  # the files the run read, not what the path holds now
             (staging / name).write_text(text, encoding="utf-8")
@@ -195,3 +197,9 @@ def _tokenizer_warnings(output: Path) -> list[str]:
         return []
     return [f"transformers reads a qwen2 folder's tokenizer as Qwen2Tokenizer, not the {named} this run used: it "
             "splits text by Qwen's pattern, so its ids differ from the run's (docs/models.md)"]
+
+
+def _token_ids(tokenizer: Any) -> dict[str, int] | None:
+    """config.json's bos_token_id and eos_token_id of a run's own model: its tokenizer's, where it has them."""
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    return {key: value for key, value in ids.items() if value is not None} or None

@@ -117,11 +117,13 @@ def claim(cfg: TrainConfig) -> None:
     if cfg.resume:
         from orangetron.train.checkpoint import latest_checkpoint  # torch: only when resuming
 
-        if latest_checkpoint(Path(cfg.out) / "checkpoints") is None:  # before the run is announced, not after
+        latest = latest_checkpoint(Path(cfg.out) / "checkpoints")
+        if latest is None:  # before the run is announced, not after
             raise TrainConfigError(f"resume=True (--resume): no checkpoint under {Path(cfg.out) / 'checkpoints'}")
         record = read_record(cfg.out)
         if record is not None:
             check_resume(cfg, record)
+        _check_schedule(cfg, latest)
         return
     occupant = _occupant(Path(cfg.out))
     if occupant is None:
@@ -135,6 +137,20 @@ def claim(cfg: TrainConfig) -> None:
     check_holds_no_input(Path(cfg.out), "--out", inputs)  # moving the old run aside would take them along
     if os.environ.get("RANK", "0") == "0":  # under torchrun one process moves it
         move_aside(Path(cfg.out))
+
+
+def _check_schedule(cfg: TrainConfig, checkpoint: Path) -> None:
+    """Refuse here, before any rank starts, the flags the checkpoint's schedule forbids (`continue_schedule`,
+    which the ranks apply again where they read it). A state that cannot be read is left to that load, which
+    names the checkpoint before it."""
+    from orangetron.train.checkpoint import CheckpointError, read_state
+    from orangetron.train.schedule import continue_schedule
+
+    try:
+        state = read_state(checkpoint)
+    except (CheckpointError, OSError, KeyError):
+        return
+    continue_schedule(cfg, state.get("schedule"), checkpoint)
 
 
 def _occupant(folder: Path) -> str | None:

@@ -3,7 +3,8 @@
 The checkpoint (written on any layout) is read whole, as `orangetron export` reads it (`export.read_model`),
 into the reference `Transformer` its record describes, in the dtype of its main parameters; tokens are then
 chosen greedily or drawn at a temperature from the top k (`orangetron.model.sampling`), with a key/value
-cache (`orangetron.model.decode`) unless `--no-cache`. The tokenizer is the one the run records: by name
+cache (`orangetron.model.decode`) unless `--no-cache`, up to the end of a document (`stop_ids`) unless
+`--ignore-eos`. The tokenizer is the one the run records: by name
 (`tokenizer.TOKENIZERS`), or the files of a tokenizer folder as the checkpoint keeps them, whatever became of the
 folder since (older checkpoints: the folder, if it still encodes as the run did); checkpoints written before they
 recorded one used bytes. torch is imported only when the command runs.
@@ -39,9 +40,13 @@ def add_sample_command(sub: Any) -> None:
     p.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="draw only among the K most likely tokens (default 0: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="go on past an end of document (the tokenizer's EOS, or the ids an imported model's "
+                   "generation config ends at) until --max-new-tokens")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole sequence at every step instead of caching keys and values (a check)")
-    p.add_argument("--json", action="store_true", help="print one JSON object: prompt, text, tokens, checkpoint")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: prompt, text, tokens, stop, checkpoint")
     p.set_defaults(run=_run_command)
 
 
@@ -49,8 +54,10 @@ def _run_command(args: argparse.Namespace) -> int:
     import json
 
     result = sample_run(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache)
-    print(f"orangetron sample: {len(result['tokens'])} tokens from {result['checkpoint']}", file=sys.stderr)
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache,
+                        stop_at_eos=not args.ignore_eos)
+    ended = f", ended by id {result['tokens'][-1]} (an end of document)" if result["stop"] == "eos" else ""
+    print(f"orangetron sample: {len(result['tokens'])} tokens from {result['checkpoint']}{ended}", file=sys.stderr)
     if result["unknown_ids"]:  # the model's vocabulary is wider than its tokenizer's (padding, say)
         print(f"orangetron sample: warning: {result['unknown_ids']} of them are ids the tokenizer does not have "
               f"(it has {result['tokenizer_ids']}): the text leaves them out", file=sys.stderr)
@@ -59,11 +66,13 @@ def _run_command(args: argparse.Namespace) -> int:
 
 
 def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
-               top_k: int = 0, seed: int = 0, use_cache: bool = True,
+               top_k: int = 0, seed: int = 0, use_cache: bool = True, stop_at_eos: bool = True,
                tokenizer: Tokenizer | None = None) -> dict[str, Any]:
-    """Continue `prompt` with the model of `run`'s latest checkpoint (or the checkpoint `run`).
+    """Continue `prompt` with the model of `run`'s latest checkpoint (or the checkpoint `run`), ending after a
+    token of `stop_ids` unless not `stop_at_eos`.
 
-    Returns prompt, text (the continuation alone), tokens (its token ids), checkpoint (the folder read),
+    Returns prompt, text (the continuation alone), tokens (its token ids), stop ("eos" when the last token ended
+    a document, else "length"), stop_ids (those that would have), checkpoint (the folder read),
     tokenizer_ids (the tokenizer's vocabulary size) and unknown_ids (how many tokens lie past it: a model's
     vocabulary may be wider, and nothing stops it drawing those ids, as `transformers` would; text leaves them
     out).
@@ -83,12 +92,28 @@ def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int = 200, tempe
                          f"{model.cfg.vocab_size}")
     prompt_ids = tokenizer.encode(prompt)
     check_length(model, len(prompt_ids), max_new_tokens)
+    ends = stop_ids(saved.record, tokenizer) if stop_at_eos else frozenset()
     out = generate(model, torch.tensor(prompt_ids, dtype=torch.long), max_new_tokens, sampling, seed=seed,
-                   use_cache=use_cache)
+                   use_cache=use_cache, stop_ids=ends)
     tokens = out.tokens.tolist()
     known = [t for t in tokens if t < tokenizer.vocab_size]  # the byte tokenizer refuses others
-    return {"prompt": prompt, "text": tokenizer.decode(known), "tokens": tokens, "checkpoint": str(saved.checkpoint),
-            "tokenizer_ids": tokenizer.vocab_size, "unknown_ids": len(tokens) - len(known)}
+    return {"prompt": prompt, "text": tokenizer.decode(known), "tokens": tokens,
+            "stop": "eos" if tokens and tokens[-1] in ends else "length", "stop_ids": sorted(ends),
+            "checkpoint": str(saved.checkpoint), "tokenizer_ids": tokenizer.vocab_size,
+            "unknown_ids": len(tokens) - len(known)}
+
+
+def stop_ids(record: dict[str, Any], tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids that end a document for a checkpoint's model: its tokenizer's EOS (what prepared datasets put
+    between documents) and, for a model imported from a Hugging Face folder, the ids transformers' `generate`
+    ends at (`hf.folder.eos_token_ids`). The byte tokenizer has no EOS."""
+    from orangetron.hf.folder import eos_token_ids
+
+    ends = frozenset() if tokenizer.eos_id is None else frozenset({tokenizer.eos_id})
+    source = record.get("model_source")
+    if source and source.get("config"):
+        ends |= eos_token_ids(source["config"], source.get("generation_config"))
+    return ends
 
 
 def load_model(run: str | Path) -> tuple[Transformer, SavedModel]:
