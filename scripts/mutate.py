@@ -2547,6 +2547,12 @@ MUTANTS = [
     Mutant("plugin_import_error_is_a_traceback", "src/orangetron/spec/variants.py",
            (("            except ImportError as err:  # a typo", "            except KeyError as err:  # a typo"),),
            ("tests/test_plan_cli.py::test_a_plugin_that_cannot_be_imported_is_one_line_and_exit_2",)),
+    Mutant("emit_config_writes_past_max_seq_len", "src/orangetron/cli/plan.py",
+           (("        if args.emit_config and args.seq > spec.max_seq_len:", "        if False:"),),
+           ("tests/test_plan_to_train.py::test_rows_the_trainer_does_not_run_are_passed_over_by_name",)),
+    Mutant("overhead_flags_named_by_field", "src/orangetron/cli/plan.py",
+           (("    if args.overhead_gib is not None and args.overhead_gib < 0:", "    if False:"),),
+           ("tests/test_plan_cli.py::test_bad_input_is_one_line_and_exit_2",)),
 ]
 
 

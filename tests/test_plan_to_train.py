@@ -67,6 +67,9 @@ def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys)
     assert " 1 " in out.splitlines()[2] and "fastest layouts that fit" in out  # the ranking it refused stays shown
     assert err.count("attention_kernel='eager'") == 1 and "#1, #2" in err  # one reason, the ranks it turned away
     assert not path.exists()
+    longer = [*PLAN[:PLAN.index("--seq")], "--seq", "2048", *PLAN[PLAN.index("--seq") + 2:]]  # tiny: max_seq_len 1024
+    assert cli.main([*longer, "--emit-config", str(path)]) == 2  # before: written, then refused once ranks started
+    assert "--seq 2048: longer than the model's max_seq_len=1024" in capsys.readouterr().err and not path.exists()
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "tiny"\nseq_len = 16\nwidth = 3\n')
     assert cli.main(["estimate", "--config", str(bad)]) == 2

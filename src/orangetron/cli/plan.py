@@ -218,6 +218,11 @@ def _cluster(args: argparse.Namespace, gpus: int) -> Cluster:
 def _overhead(args: argparse.Namespace) -> MemoryOverhead:
     if args.overhead_gib is None and args.overhead_fraction is None:
         return DEFAULT_OVERHEAD
+    if args.overhead_gib is not None and args.overhead_gib < 0:  # named by flag, not by MemoryOverhead's fields
+        raise ValueError(f"--overhead-gib={args.overhead_gib}: must be >= 0")
+    if args.overhead_fraction is not None and not 0 <= args.overhead_fraction < 1:
+        raise ValueError(f"--overhead-fraction={args.overhead_fraction}: must be >= 0 and < 1 (a share of the "
+                         "dynamic allocations)")
     fraction = DEFAULT_OVERHEAD.fraction if args.overhead_fraction is None else args.overhead_fraction
     if args.overhead_gib is None:
         return replace(DEFAULT_OVERHEAD, fraction=fraction)
@@ -430,6 +435,10 @@ def run_plan(args: argparse.Namespace) -> int:
     spec = load_model(args.model)
     if isinstance(spec, ModelSpec):
         _note_longer_than_the_folder("plan", args.model, spec, args.seq)
+        if args.emit_config and args.seq > spec.max_seq_len:  # the file would start ranks only to be refused
+            raise ValueError(f"--seq {args.seq}: longer than the model's max_seq_len={spec.max_seq_len}, which "
+                             "`orangetron train` refuses, so --emit-config cannot write it; give a shorter --seq or "
+                             "raise max_seq_len in a model file")
     cluster = _cluster(args, args.gpus)
     if isinstance(spec, DualEncoderSpec):
         from orangetron.plan.distmm import format_plan, plan_distmm
