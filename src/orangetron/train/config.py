@@ -425,7 +425,7 @@ def _unreadable_generation_config(folder: str) -> bool:
 def _eos_mismatch(folder: str, tokenizer: str | None) -> list[str]:
     """A note when the run's tokenizer ends documents with an EOS id that the --hf-model folder's generation
     settings do not end at (`hf.folder.eos_token_ids`): transformers' `generate` on an export would run past the
-    end of a document. None to say when either names no EOS."""
+    end of a document. Nothing when either names no EOS."""
     from orangetron.hf.folder import eos_token_ids, read_generation_config
     from orangetron.spec.hf_config import read_config
     from orangetron.train.tokenizer import tokenizer_named

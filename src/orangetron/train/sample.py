@@ -68,12 +68,12 @@ def _run_command(args: argparse.Namespace) -> int:
 def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
                top_k: int = 0, seed: int = 0, use_cache: bool = True, stop_at_eos: bool = True,
                tokenizer: Tokenizer | None = None) -> dict[str, Any]:
-    """Continue `prompt` with the model of `run`'s latest checkpoint (or the checkpoint `run`), ending after a
-    token of `stop_ids` unless not `stop_at_eos`.
+    """Continue `prompt` with the model of `run`'s latest checkpoint (or the checkpoint `run`), ending after an
+    end of document (`stop_ids`) when `stop_at_eos`.
 
     Returns prompt, text (the continuation alone), tokens (its token ids), stop ("eos" when the last token ended
-    a document, else "length"), stop_ids (those that would have), checkpoint (the folder read),
-    tokenizer_ids (the tokenizer's vocabulary size) and unknown_ids (how many tokens lie past it: a model's
+    a document, else "length"), stop_ids (the ids it ends at; none without stop_at_eos), checkpoint (the folder
+    read), tokenizer_ids (the tokenizer's vocabulary size) and unknown_ids (how many tokens lie past it: a model's
     vocabulary may be wider, and nothing stops it drawing those ids, as `transformers` would; text leaves them
     out).
     `tokenizer` None: the one the run records. ValueError for a bad rule or length, FileNotFoundError for a
