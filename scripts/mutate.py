@@ -1569,11 +1569,6 @@ MUTANTS = [
              "        from orangetron.cli.run_config import emit_config\n\n"
              "        emit_config(result.ranked, args.emit_config)\n    if args.chart:\n"),),
            ("tests/test_plan_to_train.py::test_rows_the_trainer_does_not_run_are_passed_over_by_name",)),
-    Mutant("fit_advice_zero_stage_at_dp_1", "src/orangetron/plan/fit_advice.py",
-           (("            if deg.dp * deg.cp == 1 and job.zero_stage != est.job.zero_stage:",
-             "            if False:"),),
-           ("tests/test_plan_fit_advice.py::test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_"
-            "ranks",)),
     Mutant("fit_advice_largest_with_the_reserved_overhead", "src/orangetron/plan/fit_advice.py",
            (('    memory = {**est.memory, "overhead": needed_overhead(est.memory)}', "    memory = est.memory"),),
            ("tests/test_plan_fit_advice.py::test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_"
@@ -2553,6 +2548,29 @@ MUTANTS = [
     Mutant("overhead_flags_named_by_field", "src/orangetron/cli/plan.py",
            (("    if args.overhead_gib is not None and args.overhead_gib < 0:", "    if False:"),),
            ("tests/test_plan_cli.py::test_bad_input_is_one_line_and_exit_2",)),
+    Mutant("fit_advice_batch_follows_the_new_dp", "src/orangetron/plan/fit_advice.py",
+           (("    start = replace(est.job, global_batch=batch)\n", "    start = est.job\n"),),
+           ("tests/test_plan_fit_advice.py::test_suggestions_keep_the_batch_a_default_gave_and_a_dp_that_was_given",)),
+    Mutant("fit_advice_new_dp_not_named", "src/orangetron/plan/fit_advice.py",
+           (("    if priced.degrees.dp != est.degrees.dp:\n", "    if False:\n"),),
+           ("tests/test_plan_fit_advice.py::test_suggestions_keep_the_batch_a_default_gave_and_a_dp_that_was_given",)),
+    Mutant("fit_advice_default_batch_not_named", "src/orangetron/plan/fit_advice.py",
+           (("    if not est.job.global_batch and (", "    if False and ("),),
+           ("tests/test_plan_fit_advice.py::test_suggestions_keep_the_batch_a_default_gave_and_a_dp_that_was_given",)),
+    Mutant("fit_advice_batch_named_though_given", "src/orangetron/plan/fit_advice.py",
+           (("    if not est.job.global_batch and (", "    if ("),),
+           ("tests/test_plan_fit_advice.py::test_suggestions_keep_the_batch_a_default_gave_and_a_dp_that_was_given",)),
+    Mutant("fit_advice_repeats_equal_figures", "src/orangetron/plan/fit_advice.py",
+           (("        if figures not in seen:\n", "        if True:\n"),),
+           ("tests/test_plan_fit_advice.py::test_the_distributed_optimizer_is_not_offered_zero_1_and_buckets_are_"
+            "offered",)),
+    Mutant("fit_advice_never_offers_buckets", "src/orangetron/plan/fit_advice.py",
+           (("    if job.grad_bucket_numel <= 0:", "    if False:"),),
+           ("tests/test_plan_fit_advice.py::test_the_distributed_optimizer_is_not_offered_zero_1_and_buckets_are_"
+            "offered",)),
+    Mutant("fit_advice_ties_ignore_memory", "src/orangetron/plan/fit_advice.py",
+           (('f.change.count("--"), f.estimate.memory["needed"]))', 'f.change.count("--")))'),),
+           ("tests/test_plan_fit_advice.py",)),
 ]
 
 

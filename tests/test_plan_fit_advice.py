@@ -26,26 +26,80 @@ def test_a_configuration_that_does_not_fit_names_changes_that_do(capsys) -> None
     top = sorted(("params", "grads", "main_params", "optimizer", "activations", "buffers", "overhead"),
                  key=lambda k: -gib[k])[:3]
     assert largest == ", ".join(f"{k} {gib[k]:.1f}" for k in top)
-    suggested = [line.strip() for line in err.splitlines() if line.startswith("  --")]
-    assert len(suggested) == 3
-    steps = []
-    for line in suggested:  # each suggestion, run as flags on its own, fits and costs what it says
-        flags, figures = line.split(": ", 1)
-        args = shlex.split(flags)
-        for dim in ("--tp", "--pp"):  # a larger tp or pp takes its GPUs from dp
-            if dim in args:
-                factor = int(args[args.index(dim) + 1])
-                args += ["--dp", str(8 // factor)]
-        if "--dp" not in args:
-            args += ["--dp", "8"]
-        fixed, _ = _estimate(capsys, *args)
-        assert fixed["fits"], line
-        assert figures.startswith(f"needs {fixed['memory_bytes']['needed'] / 2**30:.1f} GiB, step "
-                                  f"{fixed['step_time_s']:.3f} s"), line
-        steps.append(fixed["step_time_s"])
-    assert steps == sorted(steps)  # fastest first
+    steps = _each_suggestion_reproduced(capsys, [*BASE, "--dp", "8"], est)
+    assert len(steps) == 3
     known, _ = _estimate(capsys, "--dp", "8", "--zero-stage", "3", "--recompute", "full")  # a fit by hand
     assert known["fits"] and steps[0] <= known["step_time_s"]  # nothing faster was passed over for it
+
+
+def _each_suggestion_reproduced(capsys, command: list[str], est: dict) -> list[float]:
+    """Each suggestion, its flags added to `command` as printed, fits and costs what it says at the global batch
+    of `est` (`command`'s own estimate); its step times, in the order given."""
+    assert cli.main([*command]) == 0
+    err = capsys.readouterr().err
+    suggested = [line.strip() for line in err.splitlines() if line.startswith("  --")]
+    assert suggested and f"the same global batch ({_batch(est)} sequences)" in err
+    steps, figures_seen, ties = [], set(), []
+    for line in suggested:
+        flags, figures = line.split(": ", 1)
+        assert cli.main([*command, *shlex.split(flags), "--json"]) == 0, line
+        fixed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert fixed["fits"] and _batch(fixed) == _batch(est), line
+        assert figures.startswith(f"needs {fixed['memory_bytes']['needed'] / 2**30:.1f} GiB, step "
+                                  f"{fixed['step_time_s']:.3f} s"), line
+        assert figures not in figures_seen, line  # no suggestion repeats another's figures
+        figures_seen.add(figures)
+        steps.append(fixed["step_time_s"])
+        ties.append((fixed["step_time_s"], flags.count("--"), fixed["memory_bytes"]["needed"]))
+    assert steps == sorted(steps)  # fastest first
+    assert ties == sorted(ties)  # among equal times, fewer flags, then less memory
+    return steps
+
+
+def _batch(est: dict) -> int:
+    """Sequences per step of an `estimate --json` object."""
+    return est["job"]["num_microbatches"] * est["job"]["micro_batch"] * est["layout"]["dp"]
+
+
+LLAMA70 = ["estimate", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "64", "--tp", "8", "--pp", "2"]
+LONG_8B = ["estimate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "4", "--dp", "4", "--seq", "65536"]
+
+
+def test_suggestions_keep_the_batch_a_default_gave_and_a_dp_that_was_given(capsys) -> None:
+    """Llama 3 8B at 65536 tokens on 4 GPUs at dp 4 without --global-batch (one micro-batch per replica: 4
+    sequences): a larger tp would shrink that default batch, and so look faster, unless the suggestion names it,
+    and it names the dp it leaves (the command's --dp 4 would contradict it). Where the batch was given, only the
+    dp is named."""
+    assert cli.main([*LONG_8B, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not est["fits"] and _batch(est) == 4
+    _each_suggestion_reproduced(capsys, LONG_8B, est)
+    assert cli.main(LONG_8B) == 0
+    suggested = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --")]
+    assert "--recompute full --tp 4 --dp 1 --global-batch 4" in suggested
+    given = [*LLAMA70, "--dp", "4", "--seq", "8192", "--global-batch", "64", "--tp", "4", "--gpus", "32"]  # pp 2
+    assert cli.main([*given, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not est["fits"]
+    _each_suggestion_reproduced(capsys, given, est)
+    assert cli.main(given) == 0
+    suggested = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --")]
+    assert any("--pp 4 --dp 2" in s for s in suggested) and not any("--global-batch" in s for s in suggested)
+
+
+def test_the_distributed_optimizer_is_not_offered_zero_1_and_buckets_are_offered(capsys) -> None:
+    """ZeRO-1 beside the distributed optimizer shards the same states: it would repeat a suggestion without it.
+    Gradient buckets reduced during backward hold a bucket's wire buffer, not every gradient's: the cheapest
+    fit of Llama 3 70B at tp 4 under the distributed optimizer."""
+    command = ["estimate", "--model", "llama3-70b", "--gpu", "h100", "--gpus", "64", "--tp", "4",
+               "--distributed-optimizer", "--global-batch", "64"]
+    assert cli.main([*command, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    _each_suggestion_reproduced(capsys, command, est)
+    assert cli.main(command) == 0
+    suggested = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --")]
+    assert not [s for s in suggested if "--zero-stage 1" in s]
+    assert "--grad-bucket-numel 40000000" in suggested[0]
 
 
 def test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_ranks(capsys) -> None:
@@ -58,7 +112,8 @@ def test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_ran
     err = capsys.readouterr().err
     assert "largest: activations 304.6, optimizer 59.8, buffers 44.9 GiB" in err
     suggested = [line.split(":")[0].strip() for line in err.splitlines() if line.startswith("  --")]
-    assert "--recompute full --tp 4" in suggested and "--recompute full --zero-stage 3 --tp 2" in suggested
+    assert "--recompute full --tp 4 --dp 1" in suggested
+    assert "--recompute full --zero-stage 3 --tp 2 --dp 2" in suggested
     assert not [s for s in suggested if "--zero-stage" in s and "--tp 4" in s]
 
 
@@ -71,8 +126,8 @@ def test_no_advice_where_it_fits_and_more_gpus_where_nothing_does(capsys) -> Non
 
 
 DEEPSEEK = ["estimate", "--model", "deepseek-v3", "--gpu", "h800", "--pp", "16", "--dp", "128", "--ep", "64", "--seq",
-            "4096", "--global-batch", "15360", "--zero-stage", "1", "--dispatcher", "deepep", "--fp8",
-            "--fp8-recipe", "blockwise", "--pipeline-layout", "4x15,1"]
+            "4096", "--global-batch", "15360", "--zero-stage", "1", "--grad-bucket-numel", "40000000", "--dispatcher",
+            "deepep", "--fp8", "--fp8-recipe", "blockwise", "--pipeline-layout", "4x15,1"]
 
 
 def test_delayed_fp8_is_offered_the_blockwise_recipe_with_every_module(capsys) -> None:

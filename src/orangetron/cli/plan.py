@@ -19,7 +19,7 @@ from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.memory import busiest_stage
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
 from orangetron.plan.params import tp_sums_first
-from orangetron.plan.search import SearchSpace, divisors, search
+from orangetron.plan.search import BUCKET_NUMEL, SearchSpace, divisors, search
 from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec import rules
 from orangetron.spec.categories import ESTIMATED_TENSORS, TRANSIENT
@@ -152,7 +152,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--no-partial-recompute", action="store_true",
                       help="full recompute replays every layer (default: only as many leading layers per chunk as "
                            "the memory needs, Megatron's block method; shown as full/N)")
-    plan.add_argument("--grad-bucket-numel", type=int, default=40_000_000, metavar="N",
+    plan.add_argument("--grad-bucket-numel", type=int, default=BUCKET_NUMEL, metavar="N",
                       help="also search data-parallel layouts (not ZeRO-3) reducing gradients in buckets of N elements "
                            "during backward, shown as +b (default 40000000, Megatron-Core's; 0: reduce after the "
                            "last backward only)")

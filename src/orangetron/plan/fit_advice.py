@@ -1,10 +1,17 @@
 """Why a configuration does not fit, and the cheapest changes that would make it fit, each priced.
 
 The changes tried are the ones a user reaches for, on the same GPUs and global batch: more recompute
-(selective where scores are stored, every module the model can replay, full), a higher ZeRO stage, a larger tp
-(within a node) or pp (the data-parallel degree shrinks by as much), and a smaller micro-batch (more
-micro-batches). Up to three of them are combined; each combination is priced by `estimate` in full, and those
-that fit are ranked by step time, fewer changes first among equals.
+(selective where scores are stored, every module the model can replay, full), a higher ZeRO stage, gradient
+buckets reduced during backward, a larger tp (within a node) or pp (the data-parallel degree shrinks by as much),
+and a smaller micro-batch (more micro-batches). Up to three of them are combined; each combination is priced by
+`estimate` in full, and those that fit are ranked by step time, then fewer changes, then less memory. A combination
+priced the same as one with fewer changes (a ZeRO-1 beside the distributed optimizer, buckets under ZeRO-3, a ZeRO
+stage where no data-parallel rank is left to shard over) is left out.
+
+Each change is written as the flags that, added to the command that priced the configuration, price the change:
+a new data-parallel degree is named (`--dp`, which a user may have given), and so is the global batch where the
+command left it to its default of one step's micro-batches per replica, which a new dp or micro-batch would
+otherwise change.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, needed_overhead
+from orangetron.plan.search import BUCKET_NUMEL
 from orangetron.spec.categories import ESTIMATED_TENSORS
 from orangetron.spec.hardware import GIB
 from orangetron.spec.model import ModelSpec
@@ -38,26 +46,49 @@ def largest_categories(est: Estimate, n: int = 3) -> list[tuple[str, int]]:
 
 
 def fixes(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, most_changes: int = 3) -> list[Fix]:
-    """Changes to `est`'s configuration that fit, fastest first (none when it fits already)."""
+    """Changes to `est`'s configuration that fit at its global batch, fastest first (none when it fits already)."""
     if est.fits:
         return []
+    batch = est.job.replica_microbatches(est.degrees) * est.job.micro_batch * est.degrees.dp
+    start = replace(est.job, global_batch=batch)
     found = []
-    for moves in itertools.product(*_moves(est.model, est.degrees, est.job, est.cluster.gpus_per_node)):
+    for moves in itertools.product(*_moves(est.model, est.degrees, start, est.cluster.gpus_per_node)):
         made = [m for m in moves if m[0]]
         if not made or len(made) > most_changes:
             continue
-        deg, job = est.degrees, est.job
+        deg, job = est.degrees, start
         try:
             for _, change in made:
                 deg, job = change(deg, job)
-            if deg.dp * deg.cp == 1 and job.zero_stage != est.job.zero_stage:
-                continue  # no data-parallel ranks left to shard over: the same layout without the ZeRO change
             priced = estimate(est.model, deg, job, est.cluster, overhead=overhead)
-        except ValueError:  # a change this model or layout does not allow (heads, layers, dp left)
+        except ValueError:  # a change this model or layout does not allow (heads, layers, dp left, batch)
             continue
         if priced.fits:
-            found.append(Fix(" ".join(flag for flag, _ in made), priced))
-    return sorted(found, key=lambda f: (f.estimate.time.step_s, f.change.count("--")))
+            found.append(Fix(_flags(est, [flag for flag, _ in made], priced), priced))
+    found.sort(key=lambda f: (f.estimate.time.step_s, f.change.count("--"), f.estimate.memory["needed"]))
+    return _distinct(found)
+
+
+def _flags(est: Estimate, moves: list[str], priced: Estimate) -> str:
+    """The moves' flags, with the dp and global batch that the command's own defaults would not give."""
+    flags = list(moves)
+    if priced.degrees.dp != est.degrees.dp:
+        flags.append(f"--dp {priced.degrees.dp}")
+    if not est.job.global_batch and (priced.degrees.dp, priced.job.micro_batch) != (est.degrees.dp,
+                                                                                    est.job.micro_batch):
+        flags.append(f"--global-batch {priced.job.global_batch}")
+    return " ".join(flags)
+
+
+def _distinct(found: list[Fix]) -> list[Fix]:
+    """`found` without a fix priced exactly as an earlier one (which has as few changes or fewer)."""
+    seen, out = set(), []
+    for fix in found:
+        figures = (fix.estimate.memory["needed"], fix.estimate.time.step_s)
+        if figures not in seen:
+            seen.add(figures)
+            out.append(fix)
+    return out
 
 
 Move = tuple[str, Callable[[Degrees, Job], tuple[Degrees, Job]]]
@@ -87,10 +118,14 @@ def _moves(model: ModelSpec, deg: Degrees, job: Job, gpus_per_node: int) -> list
                    for f in (2, 4, 8) if deg.dp % f == 0 and deg.tp * f <= gpus_per_node]
     pp = [keep] + [(f"--pp {deg.pp * f}", lambda d, j, f=f: (replace(d, pp=d.pp * f, dp=d.dp // f), j))
                    for f in (2, 4, 8) if deg.dp % f == 0]
+    buckets = [keep]
+    if job.grad_bucket_numel <= 0:  # also at dp 1, where the tp sums of gradients go bucket by bucket
+        buckets.append((f"--grad-bucket-numel {BUCKET_NUMEL}",
+                        lambda d, j: (d, replace(j, grad_bucket_numel=BUCKET_NUMEL))))
     micro = [keep] + [(f"--micro-batch {job.micro_batch // f}",
                        lambda d, j, f=f: (d, replace(j, micro_batch=j.micro_batch // f)))
                       for f in (2, 4) if job.micro_batch % f == 0]
-    return [recompute, zero, tp, pp, micro]
+    return [recompute, zero, buckets, tp, pp, micro]
 
 
 def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int = 3) -> str:
@@ -100,9 +135,11 @@ def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int =
              f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; largest: {largest} GiB"]
     found = fixes(est, overhead)[:n]
     if not found:
-        lines.append("  no change of up to three of recompute, ZeRO stage, tp, pp and micro-batch fits; add GPUs")
+        lines.append("  no change of up to three of recompute, ZeRO stage, gradient buckets, tp, pp and micro-batch "
+                     "fits; add GPUs")
     else:
-        lines.append("changes that fit, fastest first (each priced in full):")
+        lines.append(f"changes that fit at the same global batch ({found[0].estimate.job.global_batch} sequences), "
+                     "fastest first (each priced in full):")
     for fix in found:
         e = fix.estimate
         lines.append(f"  {fix.change}: needs {e.memory['needed'] / GIB:.1f} GiB, step {e.time.step_s:.3f} s, "

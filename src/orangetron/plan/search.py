@@ -22,6 +22,8 @@ from orangetron.spec.parallel_config import RECOMPUTE
 from orangetron.spec.stages import longest_chunk
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
+# Megatron-Core's default gradient bucket, in elements: what `plan` searches and the fit advice offers.
+BUCKET_NUMEL = 40_000_000
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -42,9 +44,8 @@ class SearchSpace:
     # With pp > 1 each virtual-stage count takes the schedules here that suit it (chunked ones for v > 1)
     pp_schedule: tuple[str, ...] = ("1f1b", "interleaved")
     # Gradients reduced in buckets of this many elements as backward produces them (0: after the last backward):
-    # buckets hide the reduction and hold its wire buffers. 40M is Megatron-Core's default bucket. Not ZeRO-3,
-    # which reduces unit by unit.
-    grad_bucket_numel: tuple[int, ...] = (0, 40_000_000)
+    # buckets hide the reduction and hold its wire buffers. Not ZeRO-3, which reduces unit by unit.
+    grad_bucket_numel: tuple[int, ...] = (0, BUCKET_NUMEL)
 
 
 @dataclass(frozen=True)
