@@ -381,10 +381,22 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["estimate", "--model", "llama3-8b", "--overhead-gib", "-1"], "--overhead-gib=-1.0: must be >= 0"),
     (["estimate", "--model", "llama3-8b", "--overhead-fraction", "-0.5"], "--overhead-fraction=-0.5: must be >= 0"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--overhead-fraction", "1"], "--overhead-fraction=1.0: must"),
-    (["estimate", "--model", "clip-vit-bigg14"], "dual encoder"),
+    (["estimate", "--model", "clip-vit-bigg14"], "error: model clip-vit-bigg14 is a dual encoder"),
     (["estimate", "--model", "missing.toml"], "does not exist"),
     (["plan", "--model", "llama3-405b", "--gpus", "8", "--seq", "8192"], "no layout"),
     (["plan", "--model", "llama3-8b", "--gpus", "64", "--tp", "3"], "has --tp 3"),
+    # a fraction above 1 admitted layouts the GPU cannot hold
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--memory-fraction", "1.5"], "--memory-fraction=1.5: must be"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--memory-fraction", "0"], "--memory-fraction=0.0: must be"),
+    # the spec's rules name a field; estimate names the flag that sets it
+    (["estimate", "--model", "llama3-8b", "--pp", "2", "--pipeline-layout", "3,3"],
+     "pipeline_layout (--pipeline-layout) holds 6 layers"),
+    (["estimate", "--model", "llama3-8b", "--pp", "2", "--virtual-stages", "2"],
+     "microbatches=1 (--global-batch / (--micro-batch x dp)): the interleaved schedule needs a multiple of pp=2"),
+    # one chunk per rank ran 1F1B's order with more micro-batches held, unsaid
+    (["estimate", "--model", "llama3-8b", "--pp", "2", "--pp-schedule", "interleaved", "--global-batch", "8"],
+     "pp_schedule='interleaved' (--pp-schedule) with virtual_stages=1: interleaving needs 2 or more"),
+    (["schedule", "--pp", "2", "--microbatches", "4", "--schedule", "interleaved"], "needs 2 or more model chunks"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert run(argv) == 2
@@ -616,9 +628,9 @@ def test_fp8_recipe_flag_in_estimate_and_plan(capsys):
     # A recipe without --fp8 would price nothing, the default recipe included.
     for recipe in ("blockwise", "delayed"):
         assert run(argv[:-1] + ["--fp8-recipe", recipe]) == 2
-        assert f"fp8_recipe='{recipe}' needs fp8=True" in capsys.readouterr().err
+        assert f"fp8_recipe='{recipe}' (--fp8-recipe) needs fp8=True" in capsys.readouterr().err
     assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--fp8-recipe", "delayed"]) == 2
-    assert "fp8_recipe='delayed' needs fp8=True" in capsys.readouterr().err
+    assert "fp8_recipe='delayed' (--fp8-recipe) needs fp8=True" in capsys.readouterr().err
     assert run(["plan", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "64", "--fp8",
                 "--fp8-recipe", "blockwise", "--top", "2", "--json"]) == 0
     assert all(e["job"]["fp8_recipe"] == "blockwise" for e in last_json(capsys)["ranked"])

@@ -159,4 +159,4 @@ def test_cli_recompute_layers(capsys):
     assert partial["memory_bytes"]["activations"] > full["memory_bytes"]["activations"]
     assert partial["step_time_s"] < full["step_time_s"]
     assert run(["estimate", "--model", "llama3-8b", "--gpus", "8", "--recompute-layers", "4"]) == 2
-    assert "recompute_layers=4 needs recompute='full'" in capsys.readouterr().err
+    assert "recompute_layers=4 (--recompute-layers) needs recompute='full'" in capsys.readouterr().err

@@ -180,7 +180,7 @@ def test_plan_cli_pipeline_layout(capsys):
     # pace, 10 layers a little less; 17 layers and the head far more.
     assert uneven["step_time_s"] < even["step_time_s"] < heavy_last["step_time_s"]
     assert main([*args, "--pipeline-layout", "8x4,1"]) == 2
-    assert "pipeline_layout has 5 virtual stages" in capsys.readouterr().err
+    assert "pipeline_layout (--pipeline-layout) has 5 virtual stages" in capsys.readouterr().err
 
 
 def test_pipeline_layout_reaches_replay_fp8_copies_and_the_optimizer():

@@ -313,3 +313,15 @@ def test_report_in_sample_and_out_of_sample_side_by_side(scored):
     assert class_means["moe"] <= 0.39 and mean <= 0.145
     assert len(not_fitting) <= 2
     assert not oom_fitting and not peaks_not_fitting
+
+
+def test_a_tuned_virtual_stage_count_brings_its_schedule():
+    """Tuning an interleaved row's virtual stages down to one gives 1F1B (interleaving one chunk is refused), and
+    up from one gives the interleaved schedule; a knob other than virtual stages leaves the schedule."""
+    interleaved = Job(seq_len=8, pp_schedule="interleaved", virtual_stages=4)
+    one = validation._turned(interleaved, "virtual_stages", 1)
+    assert (one.pp_schedule, one.virtual_stages) == ("1f1b", 1)
+    two = validation._turned(Job(seq_len=8), "virtual_stages", 2)
+    assert (two.pp_schedule, two.virtual_stages) == ("interleaved", 2)
+    assert validation._turned(interleaved, "micro_batch", 2).pp_schedule == "interleaved"
+    assert validation._turned(Job(seq_len=8, pp_schedule="gpipe"), "virtual_stages", 1).pp_schedule == "gpipe"

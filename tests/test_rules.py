@@ -10,6 +10,8 @@ that no module outside the spec layer words a rule itself.
 
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -160,13 +162,31 @@ def _cli_error(argv: list[str], capsys) -> str:
     return lines[0]
 
 
+def _with_flag(message: str, command: str) -> str:
+    """The rule's message as `command` words it: its leading field (and value) followed by the flag of the
+    command's that sets it, where one does (estimate's micro-batches per step follow from the global batch)."""
+    from orangetron.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = commands.choices[command]._option_string_actions
+    head = re.split(r"[ :]", message, maxsplit=1)[0]
+    field = head.split("=")[0]
+    flag = "--" + field.replace("_", "-")
+    if field == "microbatches" and flag not in options:
+        flag = "--global-batch / (--micro-batch x dp)"
+    elif flag not in options or (field == head and "_" not in field):
+        return message
+    return message.replace(head, f"{head} ({flag})", 1)
+
+
 @pytest.mark.parametrize("walk", WALK, ids=lambda w: w.rule.__name__)
 def test_every_caller_refuses_with_the_rule_message(walk, model_file, capsys):
     if walk.train is not None:
-        assert _cli_error(["train", *walk.train], capsys) == f"orangetron train: error: {walk.message}"
+        got = _cli_error(["train", *walk.train], capsys)
+        assert got == f"orangetron train: error: {_with_flag(walk.message, 'train')}"
     if walk.estimate is not None:
         got = _cli_error(["estimate", "--model", model_file, "--seq", "64", *walk.estimate], capsys)
-        assert got == f"orangetron estimate: error: {walk.message}"
+        assert got == f"orangetron estimate: error: {_with_flag(walk.message, 'estimate')}"
     for caller in (walk.planner, walk.runtime):
         if callable(caller):
             with pytest.raises(rules.RuleError) as err:

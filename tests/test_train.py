@@ -110,6 +110,9 @@ def test_lr_schedule() -> None:
         ({"data": ["/no/such/file.txt"]}, r"--data\): no such file"),
         ({"param_dtype": "float16"}, r"param_dtype='float16' \(--param-dtype\)"),
         ({"lr": float("nan")}, r"lr=nan"),
+        ({"lr": 1e-3, "min_lr": 1e-2}, r"lr=0.001 \(--lr\): must be > 0 and >= min_lr=0.01 \(--min-lr\)"),
+        ({"pp": 2, "pp_schedule": "interleaved", "microbatches": 2},
+         r"pp_schedule='interleaved' with virtual_stages=1: interleaving needs 2 or more model chunks per rank"),
         # Fields of the layout and the options that the planner prices and the runtime does not run.
         ({"tp": 2, "etp": 2}, r"etp=2 expert_fold=False: the runtime shards experts with etp=1 only"),
         ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 2}, r"pp_schedule='zb-h1': priced by the planner only"),
@@ -196,7 +199,8 @@ def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
     ("flags", "needle"),
     [
         (["--steps", "0"], "--steps"),
-        (["--pp", "2", "--virtual-stages", "2"], "virtual_stages=2: needs pp_schedule 'interleaved'"),
+        (["--min-lr", "1"], "lr=0.002 (--lr): must be > 0 and >= min_lr=1.0 (--min-lr)"),  # named once
+        (["--pp", "2", "--virtual-stages", "2"], "virtual_stages=2 (--virtual-stages): needs pp_schedule"),
         (["--model", "nope"], "--model"),
         (["--data", "/no/such/file.txt"], "--data"),
     ],

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from orangetron.cli.wording import flag_named, flags_of
+
 
 class _OneLineErrors(argparse.ArgumentParser):
     """Bad flags (an unknown one, a value of the wrong type or outside its choices) are reported like every other
@@ -65,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        if isinstance(err, ValueError):  # a rule names the option's field: say which flag sets it
+            message = flag_named(str(err), flags_of(args.own_parser))
         print(f"{args.own_parser.prog}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -288,12 +288,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         model = model if isinstance(model, ModelSpec) else _decoder(model)
         job = replace(job, **_planner_only(args))  # the planner-only options, from the flags
         job = replace(job, **trainer_overlaps({name: getattr(job, name) for name in TRAINER_OVERLAPS}))
+        est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     elif args.model is None:
         raise ValueError("--model is required (or --config FILE)")
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
         _note_longer_than_the_folder("estimate", args.model, model, job.seq_len)
-    est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
+        est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     for note in _no_effect_notes(model, deg, job):
         print(f"orangetron estimate: note: {note}", file=sys.stderr)
     if not est.fits:
@@ -458,6 +459,8 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     if args.grad_bucket_numel < 0:
         raise ValueError(f"--grad-bucket-numel {args.grad_bucket_numel}: must be >= 0 (0: no buckets)")
+    if not 0 < args.memory_fraction <= 1:  # above 1 would admit layouts the GPU cannot hold
+        raise ValueError(f"--memory-fraction={args.memory_fraction}: must be > 0 and <= 1 (a share of GPU memory)")
     space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, dispatcher=(args.dispatcher,),
                         partial_recompute=not args.no_partial_recompute,
                         grad_bucket_numel=tuple(sorted({0, args.grad_bucket_numel})))

@@ -1,6 +1,33 @@
-"""How the command lines word a count: "1 document", "2 documents", "1,024 tokens"."""
+"""How the command lines word what they print: a count ("1 document", "2 documents", "1,024 tokens"), and the
+flag beside an option's field name in an error the spec raised."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_LEADING_FIELD = re.compile(r"([a-z][a-z0-9_]*)(=[^\s:]*)?")
 
 
 def counted(number: int, noun: str, plural: str | None = None) -> str:
     """`number` (with thousands separators) and `noun`, in the plural (`plural`, else noun + "s") unless one."""
     return f"{number:,} {noun if number == 1 else plural or noun + 's'}"
+
+
+def flag_named(message: str, flags: dict[str, str]) -> str:
+    """`message` with `flags[field]` in brackets after the field (and its value) it starts with: the spec's
+    rules name the option's field, which a command line user sets by a flag of another spelling. A field is
+    written `name=value`, or as an identifier with an underscore; a message that names its flag is left as is."""
+    found = _LEADING_FIELD.match(message)
+    if not found or found.group(1) not in flags or message[found.end():].startswith(" (--"):
+        return message
+    if not found.group(2) and "_" not in found.group(1):  # a plain word ("model llama is ..."), not a field
+        return message
+    return f"{message[:found.end()]} ({flags[found.group(1)]}){message[found.end():]}"
+
+
+def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """The flag of `parser` that sets each field a rule may name; where it has no --microbatches, a step's
+    micro-batches follow from the global batch."""
+    flags = {action.dest: max(action.option_strings, key=len) for action in parser._actions if action.option_strings}
+    return {"microbatches": "--global-batch / (--micro-batch x dp)", **flags}

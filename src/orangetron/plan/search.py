@@ -262,6 +262,8 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     Options dominated by a cheaper one that fits (more sharding or more recompute at the same traffic) are
     counted as considered but not priced.
     """
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction={memory_fraction}: must be > 0 and <= 1 (a share of GPU memory)")
     space = space or SearchSpace()
     base = base or Job(seq_len=seq_len)
     limit = cluster.gpu.memory_bytes * memory_fraction

@@ -17,6 +17,7 @@ from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, StepTime, ste
 from orangetron.spec.hardware import GPUSpec, load_gpu, make_cluster
 from orangetron.spec.model import ModelSpec, load_decoder
 from orangetron.spec.options import Degrees, Job, validate
+from orangetron.spec.schedules import SCHEDULES
 from orangetron.spec.stages import longest_chunk
 
 SPLITS = ("calibration", "validation")
@@ -126,8 +127,10 @@ def _fits(run: PublishedRun, job: Job, capacity: float) -> bool:
 
 
 def _turned(job: Job, knob: str, value: object) -> Job:
-    """`job` with one knob set; virtual stages come with the interleaved schedule."""
-    schedule = {"pp_schedule": "interleaved"} if knob == "virtual_stages" and value > 1 else {}
+    """`job` with one knob set; virtual stages come with the interleaved schedule, and one chunk with 1F1B."""
+    schedule = {}
+    if knob == "virtual_stages" and (value > 1 or SCHEDULES[job.pp_schedule].chunks):
+        schedule = {"pp_schedule": "interleaved" if value > 1 else "1f1b"}
     return replace(job, **{knob: value}, **schedule)
 
 

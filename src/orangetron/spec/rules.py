@@ -103,6 +103,9 @@ def reserved_sms_need_node_dispatch(reserved: bool, dispatcher: str, node_aware:
 def virtual_stages_need_chunked_schedule(virtual_stages: int, schedule: str, chunks: bool) -> None:
     if virtual_stages > 1 and not chunks:
         _fail(f"virtual_stages={virtual_stages}: needs pp_schedule 'interleaved' (not {schedule!r})")
+    if chunks and virtual_stages < 2:  # one chunk would run 1F1B's order with more micro-batches held in warmup
+        _fail(f"pp_schedule={schedule!r} with virtual_stages={virtual_stages}: interleaving needs 2 or more model "
+              "chunks per rank; give virtual_stages or choose '1f1b'")
 
 
 def microbatches_multiple_of_pp(pp: int, microbatches: int) -> None:

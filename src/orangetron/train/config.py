@@ -133,7 +133,7 @@ class TrainConfig(Layout, ParallelConfig):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise TrainConfigError(f"{name}={value!r} ({_flag(name)}): must be a finite number >= 0")
         if self.lr == 0 or self.min_lr > self.lr:
-            raise TrainConfigError(f"lr={self.lr} (--lr): must be > 0 and >= min_lr={self.min_lr}")
+            raise TrainConfigError(f"lr={self.lr} (--lr): must be > 0 and >= min_lr={self.min_lr} (--min-lr)")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise TrainConfigError(f"eval_fraction={self.eval_fraction}: must be in [0, 1)")
         if self.param_dtype not in PARAM_DTYPES:
