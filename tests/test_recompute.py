@@ -194,4 +194,4 @@ def test_the_flags_reach_the_runtime(capsys):
     assert main(["verify", "--steps", "1", "--recompute", "selective", "--json"]) == 0
     assert "recompute='selective' (--recompute) has no effect" in capsys.readouterr().err
     assert main(["verify", "--recompute", "selective", "--recompute-layers", "1"]) == 2
-    assert "recompute_layers=1 needs recompute='full'" in capsys.readouterr().err
+    assert "recompute_layers=1 (--recompute-layers) needs recompute='full'" in capsys.readouterr().err

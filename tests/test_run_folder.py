@@ -297,7 +297,8 @@ def test_verify_measures_a_dropping_dispatcher_at_a_capacity_that_drops_nothing(
     captured = capsys.readouterr()
     result = json.loads(captured.out.splitlines()[-1])
     assert code == 0 and result["ok"] and result["capacity_factor"] == 2.0
-    assert "which drops no token (dropped tokens differ from one rank by design)" in captured.err
+    assert ("--capacity-factor 2 instead of 0.5, which drops no token (dropped tokens differ from one rank by "
+            "design)") in captured.err
 
 
 def test_the_embedded_corpus_changed_on_resume_is_refused_with_a_hint_that_applies(tmp_path, capsys) -> None:

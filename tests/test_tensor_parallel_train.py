@@ -75,7 +75,7 @@ def test_verify_command_tensor_parallel(capsys):
 
 def test_train_refuses_a_layout_the_model_cannot_split(capsys):
     assert main(["train", "--model", "tiny-moe", "--tp", "3", "--steps", "1"]) == 2
-    assert "tp=3: n_heads=4 is not divisible by tp" in capsys.readouterr().err
+    assert "tp=3 (--tp): n_heads=4 is not divisible by tp" in capsys.readouterr().err
     assert main(["train", "--tp", "2", "--sequence-parallel", "--seq-len", "33", "--steps", "1"]) == 2
     assert "sequence_parallel needs seq_len/cp=33 divisible by tp" in capsys.readouterr().err
 

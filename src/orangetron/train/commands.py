@@ -262,8 +262,8 @@ def run_verify(args: argparse.Namespace) -> int:
     result = verify(cfg, args.tolerance)
     if result.get("capacity_factor") not in (None, cfg.capacity_factor):
         print(f"orangetron verify: --dispatcher capacity measured with --capacity-factor "
-              f"{result['capacity_factor']:g}, which drops no token (dropped tokens differ from one rank by "
-              "design)", file=sys.stderr)
+              f"{result['capacity_factor']:g} instead of {cfg.capacity_factor:g}, which drops no token (dropped "
+              "tokens differ from one rank by design)", file=sys.stderr)
     verdict = "ok" if result["ok"] else (f"FAILED (largest loss gap at step {result['worst_loss_step']}, largest "
                                          f"gradient gap in {result['worst_grad_param']} at step "
                                          f"{result['worst_grad_step']})")
