@@ -2586,7 +2586,7 @@ MUTANTS = [
            ((' or message[found.end():].startswith(" (--"):', ":"),),
            ("tests/test_train.py::test_cli_bad_input_exits_2_with_one_line",)),
     Mutant("flag_named_after_a_plain_word", "src/orangetron/cli/wording.py",
-           (('    if not found.group(2) and "_" not in found.group(1):', "    if False:"),),
+           (('if found and (found.group(2) or "_" in found.group(1))', "if found"),),
            ("tests/test_plan_cli.py::test_bad_input_is_one_line_and_exit_2",)),
     Mutant("flag_named_after_the_value", "src/orangetron/cli/wording.py",
            (('(=[^\\s:]*)?")', '")'),),

@@ -19,11 +19,10 @@ def flag_named(message: str, flags: dict[str, str]) -> str:
     rules name the option's field, which a command line user sets by a flag of another spelling. A field is
     written `name=value`, or as an identifier with an underscore; a message that names its flag is left as is."""
     found = _LEADING_FIELD.match(message)
-    if not found or found.group(1) not in flags or message[found.end():].startswith(" (--"):
+    field = found.group(1) if found and (found.group(2) or "_" in found.group(1)) else None  # not a plain word
+    if field not in flags or message[found.end():].startswith(" (--"):
         return message
-    if not found.group(2) and "_" not in found.group(1):  # a plain word ("model llama is ..."), not a field
-        return message
-    return f"{message[:found.end()]} ({flags[found.group(1)]}){message[found.end():]}"
+    return f"{message[:found.end()]} ({flags[field]}){message[found.end():]}"
 
 
 def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
