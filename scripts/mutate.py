@@ -2595,6 +2595,13 @@ MUTANTS = [
            (("    if knob == \"virtual_stages\" and (value > 1 or SCHEDULES[job.pp_schedule].chunks):",
              "    if knob == \"virtual_stages\" and value > 1:"),),
            ("tests/test_plan_validation.py::test_a_tuned_virtual_stage_count_brings_its_schedule",)),
+    Mutant("search_floor_counts_states_twice", "src/orangetron/plan/memory.py",
+           (("    return max(_stage_state_memory(model, deg, state_job, s)[3]",
+             "    return max(2 * _stage_state_memory(model, deg, state_job, s)[3]"),),
+           ("tests/test_plan_search_caches.py::test_the_model_state_floor_bounds_every_total_and_prunes_only_what_does_not_fit",)),
+    Mutant("equal_buckets_counted_once", "src/orangetron/plan/memory.py",
+           (("        full += count * padded_numel(numel, n)", "        full += padded_numel(numel, n)"),),
+           ("tests/test_plan_bridge.py::test_planner_equals_runtime_ledger_and_memory_for_data_parallel",)),
 ]
 
 

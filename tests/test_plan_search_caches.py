@@ -188,3 +188,30 @@ def test_hashed_once_descriptions_stay_equal_to_their_copies_and_pickles():
     del temporary
     gc.collect()
     assert key not in keys._HASHES
+
+
+def test_the_model_state_floor_bounds_every_total_and_prunes_only_what_does_not_fit(monkeypatch):
+    """The search drops a layout whose model states alone overflow before pricing its activations: the floor
+    must never exceed the busiest stage's total, and a search without it must rank the same layouts."""
+    for model, deg in _layouts():
+        for sharding in SHARDING:
+            for change in ({}, *ACTIVATION_ONLY[:4]):
+                job = replace(Job(seq_len=4096, global_batch=96, **sharding), **change)
+                total = memory.memory_per_gpu(model, deg, job)["total"]
+                assert 0 < memory.model_state_floor(model, deg, job) <= total, (model.name, deg, job)
+    model, cluster = load_model("mixtral-8x7b"), make_cluster("h100", 16)
+    space = SearchSpace(tp=(1, 2), pp=(1, 2, 4), micro_batch=(1, 2))
+    floor, pruned = memory.model_state_floor, []
+
+    def counting_floor(model, deg, job):
+        value = floor(model, deg, job)
+        pruned.append(value + search.DEFAULT_OVERHEAD.fixed_bytes(deg) > cluster.gpu.memory_bytes)
+        return value
+
+    monkeypatch.setattr(search, "model_state_floor", counting_floor)
+    _clear_caches()
+    with_floor = _search_json(model, cluster, 4096, 64, space)
+    assert any(pruned) and not all(pruned)  # the floor decided something here
+    monkeypatch.setattr(search, "model_state_floor", lambda model, deg, job: 0)
+    _clear_caches()
+    assert _search_json(model, cluster, 4096, 64, space) == with_floor

@@ -7,6 +7,7 @@ Every function is pure; bytes are integers so the runtime's ledger can be compar
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import lru_cache
 
 from orangetron.plan.activations import stage_activation_bytes
@@ -71,10 +72,11 @@ def model_state_bytes(params: StageParams, deg: Degrees, job: Job,
     """
     sharding = job.zero_stage >= 1 or job.distributed_optimizer
     full = shard = 0
-    for _, ranks, numel in segments or shard_groups(params, deg):
+    # equal gradient buckets repeat one segment hundreds of times: price each distinct one once
+    for (_, ranks, numel), count in Counter(segments or shard_groups(params, deg)).items():
         n = ranks if sharding else 1
-        full += padded_numel(numel, n)
-        shard += shard_numel(numel, n)
+        full += count * padded_numel(numel, n)
+        shard += count * shard_numel(numel, n)
     p_bytes = job.param_bytes
     main_bytes = main_param_bytes(job)  # fp32 main params and grads under mixed precision
     g_bytes = DTYPE_BYTES[job.grad_dtype] if job.mixed_precision else p_bytes
@@ -177,21 +179,22 @@ def _dp_reduction_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0
     if job.grad_accumulation_fusion:
         return 0
     segments = data_parallel_segments(model, deg, job, stage)
+    distinct = set(segments)  # equal buckets repeat one segment: a maximum needs each once
     if job.zero_stage == 3:
         return max(((padded_numel(numel, ranks) + shard_numel(numel, ranks)) * job.reduce_bytes
-                    for _, ranks, numel in segments), default=0)
+                    for _, ranks, numel in distinct), default=0)
     copies = job.wire_dtype != job.main_grad_dtype  # a wire copy of the main gradients
     sharded = job.zero_stage >= 1 or job.distributed_optimizer
     if job.grad_bucket_numel <= 0:
         return max((_unbucketed(numel, ranks, job.zero_stage == 2 or copies, sharded) * job.reduce_bytes
-                    for _, ranks, numel in segments), default=0)
+                    for _, ranks, numel in distinct), default=0)
     if not sharded:
         return sum(numel for _, _, numel in segments) * job.reduce_bytes if copies else 0
     wire = job.zero_stage == 2 or copies
     # Buckets are multiples of their ranks: the wire holds a whole one, the slice 1/ranks of it (none over one
     # rank, where the buffer is one bucket and the wire comes back as the result).
     return max((((numel if wire else 0) + (numel // ranks if ranks > 1 else 0)) * job.reduce_bytes
-                for _, ranks, numel in segments), default=0)
+                for _, ranks, numel in distinct), default=0)
 
 
 def _unbucketed(numel: int, ranks: int, wire: bool, sharded: bool) -> int:
@@ -205,6 +208,15 @@ def _unbucketed(numel: int, ranks: int, wire: bool, sharded: bool) -> int:
 def memory_per_gpu(model: ModelSpec, deg: Degrees, job: Job) -> dict[str, int]:
     """The busiest GPU's bytes by category (`busiest_stage`)."""
     return stage_memory(model, deg, job, busiest_stage(model, deg, job))
+
+
+def model_state_floor(model: ModelSpec, deg: Degrees, job: Job) -> int:
+    """A lower bound of `memory_per_gpu(...)["total"]`: the busiest stage's model states, ZeRO-3 gathers and
+    gradient buckets alone, which every micro-batch size and recompute of the same sharding share (cached),
+    so a search can drop a layout whose states cannot fit before it prices its activations."""
+    state_job = model_state_job(job)
+    return max(_stage_state_memory(model, deg, state_job, s)[3]
+               for s in distinct_stages(model, deg.pp, job.virtual_stages, job.pipeline_layout))
 
 
 def busiest_stage(model: ModelSpec, deg: Degrees, job: Job) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from orangetron.plan.estimate import Estimate
-from orangetron.plan.memory import memory_per_gpu
+from orangetron.plan.memory import memory_per_gpu, model_state_floor
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fits, with_overhead
 from orangetron.plan.params import tp_sums_first
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, check_ep_placement, group_places, step_time
@@ -215,6 +215,8 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
             check_ep_placement(deg, job, cluster)
         except ValueError:
             break  # the group shares every degree-dependent rule
+        if model_state_floor(model, deg, job) + overhead.fixed_bytes(deg) > limit:
+            continue  # its states alone overflow: `needed` is never less than this
         mem = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
         if not fits(mem, limit):
             continue
