@@ -2602,6 +2602,12 @@ MUTANTS = [
     Mutant("equal_buckets_counted_once", "src/orangetron/plan/memory.py",
            (("        full += count * padded_numel(numel, n)", "        full += padded_numel(numel, n)"),),
            ("tests/test_plan_bridge.py::test_planner_equals_runtime_ledger_and_memory_for_data_parallel",)),
+    Mutant("worker_keeps_every_tasks_groups", "src/orangetron/testing.py",
+           (("        _release_groups()  # before the reply", "        pass  # before the reply"),),
+           ("tests/test_testing.py::test_a_task_leaves_the_worker_with_the_world_group_alone",)),
+    Mutant("worker_destroys_groups_without_freeing_them", "src/orangetron/testing.py",
+           (("    gc.collect()  # meshes and their submeshes", "    pass  # meshes and their submeshes"),),
+           ("tests/test_testing.py::test_a_task_leaves_the_worker_with_the_world_group_alone",)),
 ]
 
 

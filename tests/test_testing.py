@@ -2,6 +2,7 @@
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,27 @@ def test_a_dying_rank_is_reported_and_replaced():
     with pytest.raises(DistributedError, match=r"died \(ranks \[1\]\)"):
         run_distributed(die_on_rank_one, 2, timeout=60)
     assert [r[0] for r in run_distributed(rank_and_pid, 2, args=(1,))] == [0, 1]
+
+
+def gloo_groups_and_threads(layout_fields: dict | None) -> tuple[int, int]:
+    """(process groups, gloo transport threads) of this worker, after building the mesh of `layout_fields`."""
+    import torch.distributed as dist
+
+    from orangetron.mesh import init_mesh
+    from orangetron.spec.layout import Layout
+
+    if layout_fields is not None:
+        init_mesh(Layout(**layout_fields))
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return len(dist.distributed_c10d._world.pg_map), names.count("gloo_tcp_loop")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are counted from /proc")
+def test_a_task_leaves_the_worker_with_the_world_group_alone():
+    """Each gloo group keeps a thread that wakes every few milliseconds: a pool that kept the meshes of every
+    task held hundreds, idle or not, and slowed the whole suite. The next task finds only the world group."""
+    fresh = run_distributed(gloo_groups_and_threads, 4, args=(None,))
+    built = run_distributed(gloo_groups_and_threads, 4, args=({"tp": 2, "cp": 2},))
+    after = run_distributed(gloo_groups_and_threads, 4, args=(None,))
+    assert all(groups > 1 and threads > fresh[0][1] for groups, threads in built)
+    assert after == fresh and fresh[0][0] == 1

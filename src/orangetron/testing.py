@@ -4,12 +4,14 @@ Starting ranks is the expensive part (each imports torch), so worker processes a
 world size and reused for every call: a test suite pays the launch cost a few times, not per check.
 A rank that raises surfaces with its rank and traceback; a rank that hangs fails the call after
 `timeout` seconds. Either way the workers of that world size are torn down, because a process group
-that saw a failure cannot be trusted, and the next call starts fresh ones.
+that saw a failure cannot be trusted, and the next call starts fresh ones. Between calls a worker holds the
+world group alone (`_release_groups`).
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -44,6 +46,7 @@ def _worker_main(rank: int, world_size: int, store: str, tasks: mp.Queue, result
     torch.set_num_threads(1)
     # A file store in a private folder: the ranks meet without any listening socket.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    gc.freeze()  # torch's own objects: the collections after each task need not walk them
     while (task := tasks.get()) is not _STOP:
         task_id, payload = task
         comm.reset_ledger()
@@ -52,8 +55,24 @@ def _worker_main(rank: int, world_size: int, store: str, tasks: mp.Queue, result
             reply = (task_id, rank, True, pickle.dumps(fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - everything goes back to the caller
             reply = (task_id, rank, False, f"rank {rank}:\n{traceback.format_exc()}")
+        _release_groups()  # before the reply: the next task starts with the world group alone
         results.put(reply)
     dist.destroy_process_group()
+
+
+def _release_groups() -> None:
+    """Destroy every process group but the world's, the cached meshes' included. Each gloo group keeps a thread
+    that wakes every few milliseconds; a worker that kept the groups of every layout a test suite builds held
+    hundreds of them, and idle pools took over a core of two from the tests that ran."""
+    import torch.distributed as dist
+
+    from orangetron.mesh import forget_meshes
+
+    forget_meshes()
+    for group in list(dist.distributed_c10d._world.pg_map):  # no public list of the groups there are
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+    gc.collect()  # meshes and their submeshes hold each other: only a collection frees the groups' threads
 
 
 def _context() -> mp.context.BaseContext:
