@@ -2603,11 +2603,14 @@ MUTANTS = [
            (("        full += count * padded_numel(numel, n)", "        full += padded_numel(numel, n)"),),
            ("tests/test_plan_bridge.py::test_planner_equals_runtime_ledger_and_memory_for_data_parallel",)),
     Mutant("worker_keeps_every_tasks_groups", "src/orangetron/testing.py",
-           (("        _release_groups()  # before the reply", "        pass  # before the reply"),),
+           (("            _release_groups()\n", "            pass\n"),),
            ("tests/test_testing.py::test_a_task_leaves_the_worker_with_the_world_group_alone",)),
     Mutant("worker_destroys_groups_without_freeing_them", "src/orangetron/testing.py",
            (("    gc.collect()  # meshes and their submeshes", "    pass  # meshes and their submeshes"),),
            ("tests/test_testing.py::test_a_task_leaves_the_worker_with_the_world_group_alone",)),
+    Mutant("worker_cleans_up_before_reporting_a_failure", "src/orangetron/testing.py",
+           (("        results.put(reply)\n", "        _release_groups()\n        results.put(reply)\n"),),
+           ("tests/test_testing.py::test_a_rank_that_fails_with_a_collective_in_flight_still_reports_its_traceback",)),
 ]
 
 

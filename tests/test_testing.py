@@ -1,5 +1,6 @@
 """The multi-rank harness: results in rank order, errors with rank and traceback, hangs become failures."""
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -110,7 +111,10 @@ def gloo_groups_and_threads(layout_fields: dict | None) -> tuple[int, int]:
 
     if layout_fields is not None:
         init_mesh(Layout(**layout_fields))
-    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    names = []
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended since the listing
+            names.append(Path(f"/proc/self/task/{thread}/comm").read_text().strip())
     return len(dist.distributed_c10d._world.pg_map), names.count("gloo_tcp_loop")
 
 
@@ -123,3 +127,27 @@ def test_a_task_leaves_the_worker_with_the_world_group_alone():
     after = run_distributed(gloo_groups_and_threads, 4, args=(None,))
     assert all(groups > 1 and threads > fresh[0][1] for groups, threads in built)
     assert after == fresh and fresh[0][0] == 1
+
+
+def raise_with_a_collective_in_flight() -> None:
+    """Rank 0 starts a sum over a subgroup and raises; rank 1 waits in the world group for a rank that left."""
+    import torch
+    import torch.distributed as dist
+
+    from orangetron import comm
+    from orangetron.mesh import MeshGroup
+
+    world = comm.world_group()
+    pair = MeshGroup("pair", dist.new_group([0, 1]), (0, 1), world.rank)  # a group of its own, not the world's
+    if world.rank == 0:
+        comm.all_reduce_start(torch.ones(2), pair)
+        raise ValueError("boom with a sum in flight")
+    comm.all_reduce(torch.ones(2), world)
+
+
+def test_a_rank_that_fails_with_a_collective_in_flight_still_reports_its_traceback():
+    """A failed rank replies before any clean-up: shutting its groups down would wait for a collective its
+    peers never join, and the caller would hear only that no rank answered."""
+    with pytest.raises(DistributedError, match="boom with a sum in flight") as failure:
+        run_distributed(raise_with_a_collective_in_flight, 2, timeout=60)
+    assert "rank 0:" in str(failure.value)

@@ -53,9 +53,12 @@ def _worker_main(rank: int, world_size: int, store: str, tasks: mp.Queue, result
         try:
             fn, args, kwargs = pickle.loads(payload)
             reply = (task_id, rank, True, pickle.dumps(fn(*args, **kwargs)))
+            # Before the reply, so the next task starts with the world group alone. Not after a failure: a
+            # group's shutdown waits for this rank's collectives in flight, which its peers may never join, and
+            # the caller tears a pool that failed down anyway.
+            _release_groups()
         except BaseException:  # noqa: BLE001 - everything goes back to the caller
             reply = (task_id, rank, False, f"rank {rank}:\n{traceback.format_exc()}")
-        _release_groups()  # before the reply: the next task starts with the world group alone
         results.put(reply)
     dist.destroy_process_group()
 
