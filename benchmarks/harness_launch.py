@@ -45,7 +45,7 @@ def layouts(world_size: int) -> list[Layout]:
 
 
 def build_mesh(layout: Layout) -> None:
-    init_mesh(layout)
+    init_mesh(layout)  # returns nothing: a mesh holds process groups, which cannot travel back to the caller
 
 
 def busy_loop_s(n: int = 20_000_000) -> float:
