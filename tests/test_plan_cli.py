@@ -34,7 +34,7 @@ JOB_KEYS = ["seq_len", "micro_batch", "global_batch", "num_microbatches", "bucke
             "pp_schedule", "virtual_stages", "pipeline_layout", "recompute", "recompute_layers", "attention_kernel",
             "overlap_ep", "overlap_grad_reduce", "grad_accumulation_fusion", "fp8", "fp8_recipe",
             "optimizer_state_dtype", "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss",
-            "recompute_modules", "fp8_cached_activations", "overlap_shared_experts"]
+            "recompute_modules", "fp8_cached_activations", "overlap_shared_experts", "tp_comm_overlap"]
 
 
 def test_estimate_json_job_keeps_its_published_keys(capsys):
@@ -299,6 +299,44 @@ def test_estimate_prices_the_framework_paths(tmp_path, capsys):
     assert job["overlap_grad_reduce"] is False and job["grad_accumulation_fusion"] is True  # planner-only: read
     assert run(["estimate", "--config", str(config), "--tp", "4", "--reduce-dtype", "float32"]) == 2
     assert "--tp --reduce-dtype would be ignored" in capsys.readouterr().err  # the file's: refused by name
+
+
+def test_estimate_prices_the_tensor_parallel_overlap_and_the_trainer_refuses_it(tmp_path, capsys):
+    """`--tp-comm-overlap` hides tp traffic behind the GEMMs (no other part of the step moves), prints it in
+    the job and the options line, is read by `estimate --config` from its flags, needs sequence parallelism,
+    and is a plan the trainer does not run."""
+    from orangetron.cli.run_config import emit_config
+    from orangetron.plan.estimate import estimate
+    from orangetron.spec.hardware import load_gpu, make_cluster
+    from orangetron.spec.model import load_model
+    from orangetron.spec.options import Degrees
+
+    args = ["estimate", "--model", "llama3-8b", "--tp", "4", "--sequence-parallel", "--dp", "2", "--seq", "4096",
+            "--global-batch", "8", "--json"]
+    run(args)
+    blocking = last_json(capsys)
+    run([*args, "--tp-comm-overlap"])
+    overlapped = last_json(capsys)
+    assert (blocking["job"]["tp_comm_overlap"], overlapped["job"]["tp_comm_overlap"]) == (False, True)
+    before, after = blocking["time_breakdown_s"], overlapped["time_breakdown_s"]
+    assert 0 < after["tp_s"] < 0.5 * before["tp_s"]
+    assert {k: v for k, v in after.items() if k not in ("tp_s", "step_s")} == {
+        k: v for k, v in before.items() if k not in ("tp_s", "step_s")}
+    run([*args[:-1], "--tp-comm-overlap"])
+    assert "--tp-comm-overlap" in capsys.readouterr().out.split("options: ")[1].splitlines()[0]
+    config = tmp_path / "run.toml"
+    config.write_text('model = "tiny"\nseq_len = 64\ntp = 2\ndp = 2\nsequence_parallel = true\n')
+    run(["estimate", "--config", str(config), "--tp-comm-overlap", "--json"])
+    assert last_json(capsys)["job"]["tp_comm_overlap"] is True
+    assert run(["estimate", "--model", "llama3-8b", "--tp", "4", "--dp", "2", "--tp-comm-overlap"]) == 2
+    err = capsys.readouterr().err
+    assert "tp_comm_overlap=True (--tp-comm-overlap) needs sequence_parallel=True (--sequence-parallel)" in err
+    assert len(err.strip().splitlines()) == 1
+    row = estimate(load_model("tiny"), Degrees(tp=2, dp=2), Job(seq_len=64, sequence_parallel=True,
+                                                                 tp_comm_overlap=True),
+                   make_cluster(load_gpu("h100"), 4))
+    with pytest.raises(ValueError, match="tp_comm_overlap=True: the trainer runs False only"):
+        emit_config([row], str(tmp_path / "plan.toml"))
 
 
 def test_plan_keeps_a_given_pipeline_layout(capsys):

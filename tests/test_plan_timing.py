@@ -99,6 +99,87 @@ def test_ep_window_is_the_work_that_does_not_wait_for_the_tokens():
 
 
 
+def _tp_case(job, cost, eff, blocks=2):
+    """(exposed TP seconds of one layer of Llama 3 8B's shapes at tp 4 on H100 under `job`, with `blocks` split
+    blocks, one all-gather's and one reduce-scatter's seconds) with the layer costs `cost`."""
+    from orangetron.plan.network import DEFAULT_PARAMS
+    from orangetron.plan.timing import _records_time, _tp_exposed, group_places
+    from orangetron.plan.traffic import tensor_parallel_records
+
+    model, deg = load_model("llama3-8b"), Degrees(tp=4, dp=2)
+    cluster = make_cluster(load_gpu("h100"), 8)
+    places = group_places(deg, cluster)
+    records = tensor_parallel_records(model, deg, job, blocks)
+    one = {r.op: _records_time([r], places, cluster, DEFAULT_PARAMS) for r in records}
+    return _tp_exposed(model, deg, job, cluster, cost, blocks, places, DEFAULT_PARAMS, eff), one
+
+
+def test_tp_comm_overlap_hides_the_tensor_parallel_traffic_behind_the_layers_gemms_but_the_last_chunk():
+    """A dense layer under sequence parallelism sends 3 all-gathers and 2 reduce-scatters per block (attention,
+    MLP): 6 and 4. Blocking, all of them are exposed. Overlapped, the two forward reduce-scatters follow their
+    GEMMs in 4 chunks, so a quarter of each (2 x RS / 4) waits, and the rest hides behind the layer's GEMMs
+    (hand-made: 2 s forward, 4 s backward, of which the routed experts' 0.5 and 1 are no window). Full
+    recompute adds a gather and a scatter per block, and its replayed forward's GEMMs to the window."""
+    from orangetron.plan.timing import Efficiency, LayerCost
+
+    eff = Efficiency(overlap_contention=0.0)
+    cost = LayerCost(gemm_f=2, gemm_b=4, attention_f=1, attention_b=2, elementwise=0.25, experts_f=0.5,
+                     experts_b=1)
+    blocking = Job(seq_len=8192, sequence_parallel=True)
+    exposed, one = _tp_case(blocking, cost, eff)
+    comm = 6 * one["all_gather"] + 4 * one["reduce_scatter"]
+    assert exposed == pytest.approx(comm)
+    overlapped = replace(blocking, tp_comm_overlap=True)
+    tail = 2 * one["reduce_scatter"] / 4
+    assert _tp_case(overlapped, cost, eff)[0] == pytest.approx(tail)  # a 4.5 s window hides the rest
+    small = replace(cost, gemm_f=0.5 + comm / 4, gemm_b=1 + comm / 4)  # a window of half the traffic
+    assert _tp_case(overlapped, small, eff)[0] == pytest.approx(tail + (comm - tail) - comm / 2)
+    assert _tp_case(overlapped, replace(cost, gemm_f=0.5, gemm_b=1), eff)[0] == pytest.approx(comm)  # none
+    replayed = replace(overlapped, recompute="full")
+    assert _tp_case(replayed, cost, eff)[0] == pytest.approx(4 * one["reduce_scatter"] / 4)  # 2 forwards
+    comm_full = 8 * one["all_gather"] + 6 * one["reduce_scatter"]
+    window = replace(cost, gemm_f=0.5 + comm_full / 8, gemm_b=1 + comm_full / 4)  # forward twice: half of it
+    assert _tp_case(replayed, window, eff)[0] == pytest.approx(comm_full - comm_full / 2)
+    contended = _tp_case(overlapped, cost, Efficiency(overlap_contention=0.1))[0]
+    assert contended == pytest.approx(tail + 0.1 * (comm - tail))
+    # attention alone (a MoE layer without shared experts): 3 gathers, 2 scatters, one of them forward
+    assert _tp_case(overlapped, cost, eff, blocks=1)[0] == pytest.approx(one["reduce_scatter"] / 4)
+    assert _tp_case(replayed, cost, eff, blocks=1)[0] == pytest.approx(2 * one["reduce_scatter"] / 4)
+
+
+def test_tp_comm_overlap_leaves_the_experts_tensor_parallel_traffic_exposed():
+    """Transformer Engine's grouped expert GEMMs have no userbuffers overlap: a MoE layer's expert-tensor-parallel
+    gathers and scatters stay exposed whole, beside its attention block's overlapped traffic."""
+    from orangetron.plan.network import DEFAULT_PARAMS
+    from orangetron.plan.timing import DEFAULT_EFFICIENCY, _layer_times, _records_time, group_places
+    from orangetron.plan.traffic import expert_tensor_parallel_records, tensor_parallel_records
+
+    model, deg = load_model("mixtral-8x7b"), Degrees(tp=4, cp=2, dp=8, ep=4, etp=4)
+    cluster = make_cluster(load_gpu("h100"), 64)
+    job = Job(seq_len=4096, sequence_parallel=True, tp_comm_overlap=True)
+    places = group_places(deg, cluster)
+    experts = _records_time(expert_tensor_parallel_records(model, deg, job), places, cluster, DEFAULT_PARAMS)
+    attention = _records_time(tensor_parallel_records(model, deg, job, 1), places, cluster, DEFAULT_PARAMS)
+    blocking = _layer_times(model, deg, replace(job, tp_comm_overlap=False), cluster, True, DEFAULT_PARAMS,
+                            DEFAULT_EFFICIENCY)[1]
+    overlapped = _layer_times(model, deg, job, cluster, True, DEFAULT_PARAMS, DEFAULT_EFFICIENCY)[1]
+    assert experts > 0 and blocking == pytest.approx(attention + experts)
+    assert experts < overlapped < experts + 0.3 * attention
+
+
+def test_tp_comm_overlap_needs_sequence_parallel_and_lowers_a_tensor_parallel_step():
+    with pytest.raises(ValueError, match="tp_comm_overlap=True needs sequence_parallel"):
+        Job(seq_len=4096, tp_comm_overlap=True)
+    model, deg = load_model("llama3-70b"), Degrees(tp=8, pp=2, dp=2)
+    cluster = make_cluster(load_gpu("h100"), 32)
+    job = Job(seq_len=8192, global_batch=32, sequence_parallel=True)
+    blocking = step_time(model, deg, job, cluster)
+    overlapped = step_time(model, deg, replace(job, tp_comm_overlap=True), cluster)
+    assert 0 < overlapped.tp_s < 0.2 * blocking.tp_s
+    assert blocking.step_s - overlapped.step_s > 0.5 * blocking.tp_s
+    assert overlapped.compute_s == blocking.compute_s
+
+
 def test_chunked_dispatch_hides_all_but_one_chunk_behind_the_other_chunks_experts():
     """Hand-made costs: routed experts 0.5 fwd + 1 bwd, shared experts 1 + 2, the layer 10; 6 s of all-to-all,
     no contention. One chunk: 6 - 3 (behind the shared experts) = 3 exposed. With c chunks, 6/c cannot hide

@@ -184,6 +184,23 @@ def test_megatron_moe_rows_run_their_all_to_all_as_their_flags_say():
     }
 
 
+def test_rows_overlap_tensor_parallel_traffic_where_their_configs_say():
+    """Transformer Engine's userbuffers overlap (`tp_comm_overlap`) is priced on the rows whose framework config
+    was read to turn it on (docs/planner.md, section 6, 2026-12-07): the NeMo 24.07 launcher configs of GPT-3
+    20B and 175B and Llama 3 70B (`ub_tp_comm_overlap: true`; the Llama 2 70B config read says false) and the
+    Megatron-Bridge Llama 3 70B and 3.1 405B recipes; every other row runs its TP traffic blocking."""
+    overlapped = {r.name for r in RUNS if r.job.tp_comm_overlap}
+    assert overlapped == {
+        "NeMo 24.07 GPT3-20B", "NeMo 24.07 GPT3-175B 128", "NeMo 24.07 GPT3-175B 512", "NeMo 24.07 LLAMA3-70B",
+        "Megatron-Bridge 25.11 Llama 3 70B, 64 H100, FP8-CS", "Megatron-Bridge 25.11 Llama 3.1 405B, 1024 H100, FP8-CS",
+        "Megatron-Bridge 25.11 Llama 3.1 405B, 256 GB200, FP8-CS",
+        "Megatron-Bridge 25.11 Llama 3.1 405B, 128 B200, FP8-CS",
+        "Megatron-Bridge 25.11 Llama 3.1 405B, 128 B200, FP8-MX"}
+    for run in RUNS:
+        if run.name in overlapped:
+            assert run.deg.tp > 1 and run.job.sequence_parallel and "tp_comm_overlap" in run.source
+
+
 @pytest.mark.parametrize("fitted", FITTED_EFFICIENCY, ids=lambda f: f.name)
 def test_refit_of_an_efficiency_reproduces_the_shipped_value_and_reads_the_rows(fitted):
     value = validation.refit_efficiency(fitted, RUNS)

@@ -102,6 +102,10 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--grad-accumulation-fusion", action="store_true",
                      help="price Megatron-Core's gradient path (planner only): gradients land in the main-gradient "
                           "buffer, one .grad at a time, and are reduced where they lie")
+    est.add_argument("--tp-comm-overlap", action="store_true",
+                     help="tensor-parallel traffic in chunks beside the GEMMs that produce or consume it (planner "
+                          "only; Transformer Engine's userbuffers overlap, Megatron's --tp-comm-overlap); needs "
+                          "--sequence-parallel")
     est.add_argument("--tp-sum-with-reduction", action="store_true",
                      help="price a framework that sums partial gradients over tp in the data-parallel reduction's "
                           "own pass (planner only; Megatron-Core, torchtitan): no reduction waits for the step")
@@ -373,7 +377,7 @@ def _planner_only(args: argparse.Namespace) -> dict[str, object]:
             "ep_comm_sms": args.ep_comm_sms, "ep_comm_sms_reserved": args.ep_comm_sms_reserved,
             "doc_lengths": args.doc_lengths,
             "recompute_modules": tuple(name for names in args.recompute_modules for name in names),
-            "fp8_cached_activations": args.fp8_cached_activations}
+            "fp8_cached_activations": args.fp8_cached_activations, "tp_comm_overlap": args.tp_comm_overlap}
 
 
 def _recipe_flag(args: argparse.Namespace) -> str:
@@ -552,7 +556,7 @@ def _fp8_recipe(recipe: str, cached_activations: bool) -> str:
 
 # Planner-only options that price a framework's own path (docs/planner.md, section 3, 'Framework paths')
 _FRAMEWORK_PATHS = ("grad_accumulation_fusion", "tp_sum_with_reduction", "accumulate_in_reduce_dtype",
-                    "eager_fp32_loss")
+                    "eager_fp32_loss", "tp_comm_overlap")
 
 
 def _options_line(est: Estimate) -> str:

@@ -44,6 +44,7 @@ def trainer_overlaps(asked: dict[str, bool]) -> dict[str, bool]:
 _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_fusion": False, "pipeline_layout": (),
                  "optimizer_state_dtype": None, "tp_sum_with_reduction": False, "accumulate_in_reduce_dtype": False,
                  "eager_fp32_loss": False, "recompute_modules": (), "fp8_cached_activations": False,
+                 "tp_comm_overlap": False,
                  **TRAINER_OVERLAPS}
 # Options of a run's config file that say nothing about the step `estimate` prices. (`pack_documents` makes
 # attention cheaper than the causal sequence the planner prices; it prices no document lengths yet.)

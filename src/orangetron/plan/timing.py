@@ -88,7 +88,7 @@ class Efficiency:
     overlap_contention: float = 0.10  # hidden communication still costs this share of its time (NCCL SMs, HBM)
     # Host time per operation a MoE layer issues (plan/host.py): the framework's Python, autograd, dispatch and
     # launch around it. Fitted on the calibration MoE rows (validation_runs.toml, `[[fitted_efficiency]]`).
-    host_op_s: float = 44e-6
+    host_op_s: float = 41e-6
 
 
 DEFAULT_EFFICIENCY = Efficiency()
@@ -635,10 +635,40 @@ def _layer_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe
     cp_t += _hide(_records_time(hidden, places, cluster, net), attention, eff)
     ep_t = _ep_time(model, deg, job, cluster, places["ep"], cost, run, net, eff) if moe else 0.0
     blocks = 1 if moe and not model.num_shared_experts else 2  # experts stay whole on every tp rank
-    tp_records = tensor_parallel_records(model, deg, job, blocks)
+    tp_t = _tp_exposed(model, deg, job, cluster, cost, blocks, places, net, eff)
     if moe:
-        tp_records = tp_records + expert_tensor_parallel_records(model, deg, job)
-    return run, _records_time(tp_records, places, cluster, net), cp_t, ep_t
+        tp_t += _records_time(expert_tensor_parallel_records(model, deg, job), places, cluster, net)
+    return run, tp_t, cp_t, ep_t
+
+
+# Chunks a pipelined GEMM + reduce-scatter is split into under `Job.tp_comm_overlap`: the userbuffers
+# configurations Megatron-Bridge and NeMo ship for the output projection's and FC2's forward
+# (`PipelineOverlapCfg(num_splits=4)`, src/megatron/bridge/training/comm_overlap.py)
+TP_OVERLAP_SPLITS = 4
+
+
+def _tp_exposed(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, cost: LayerCost, blocks: int,
+                places: dict[str, Placement], net: NetworkParams, eff: Efficiency) -> float:
+    """Exposed seconds of one layer's tensor-parallel traffic for one micro-batch (the routed experts' apart).
+
+    Without `tp_comm_overlap` every all-gather and reduce-scatter blocks the GEMM that needs it. With it
+    (Transformer Engine's userbuffers overlap), each runs in chunks beside a GEMM of its block: the forward
+    all-gathers and the backward's output-gradient gathers exchange one chunk per step while the previous
+    chunk's GEMM runs, the input re-gather and the input-gradient reduce-scatter run in bulk beside the
+    backward's GEMMs, and the forward reduce-scatter follows its GEMM `TP_OVERLAP_SPLITS` chunks at a time, so
+    the last chunk's transfer waits for nothing to hide behind. The layer's own GEMMs (the routed experts'
+    excluded, a replayed forward's included) are the window; what fits in it costs the generic contention."""
+    records = tensor_parallel_records(model, deg, job, blocks)
+    comm = _records_time(records, places, cluster, net)
+    if not (job.tp_comm_overlap and records):
+        return comm
+    replay = 1 if job.recompute == "full" else 0
+    scatters = [r for r in records if r.op == "reduce_scatter"]  # SP's (the option needs it): never empty here
+    forward_scatters = blocks * (1 + replay)  # one per block and forward pass (`tensor_parallel_records`)
+    tail = _records_time(scatters, places, cluster, net) * forward_scatters / len(scatters) / TP_OVERLAP_SPLITS
+    dense_f = cost.gemm_f - cost.experts_f
+    window = dense_f * (1 + replay) + cost.gemm_b - cost.experts_b
+    return tail + _hide(comm - tail, window, eff)
 
 
 def _ep_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, where: Placement, cost: LayerCost,

@@ -104,6 +104,10 @@ class Job(ParallelConfig):
     # backward and the output projection's; a MoE layer's SwiGLU inputs (gate and up) kept as FP8 casts with
     # their tile scales. Planner only
     fp8_cached_activations: bool = False
+    # Tensor-parallel traffic run in chunks beside the GEMMs that produce or consume it (Transformer Engine's
+    # userbuffers overlap: Megatron's --tp-comm-overlap, NeMo's ub_tp_comm_overlap); off: each all-gather and
+    # reduce-scatter blocks its GEMM, as the runtime runs them. Needs sequence parallelism. Planner only
+    tp_comm_overlap: bool = False
 
     __hash__ = hash_fields_once  # keys the cost caches: hashed once
 
@@ -123,6 +127,9 @@ class Job(ParallelConfig):
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
             raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
         rules.fp8_recipe_needs_fp8(self.fp8_recipe, self.fp8)
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError("tp_comm_overlap=True needs sequence_parallel=True (--sequence-parallel): the overlap "
+                             "splits sequence parallelism's all-gathers and reduce-scatters into chunks")
         if self.fp8_cached_activations and not (self.fp8 and self.fp8_recipe == "blockwise"):
             raise ValueError("fp8_cached_activations=True needs fp8=True with fp8_recipe='blockwise' (--fp8 "
                              "--fp8-recipe blockwise): the cached tensors keep one scale per 1 x 128 tile")
@@ -208,7 +215,7 @@ class Job(ParallelConfig):
 # `reduce_dtype` None prints as "" (the parameters' dtype), as it always has, and so does `optimizer_state_dtype`
 # None (the main parameters'); it and the three keys after it were added last, in that order; `drop_policy` is
 # not priced and not printed; `recompute_modules` came after them, then `fp8_cached_activations`, then
-# `overlap_shared_experts`.
+# `overlap_shared_experts`, then `tp_comm_overlap`.
 PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "grad_bucket_numel", "clip_grad",
                     "sequence_parallel", "cp_mode", "ulysses_degree", "dispatcher", "capacity_factor",
                     "ep_overlap_chunks", "ep_comm_sms", "ep_comm_sms_reserved", "zero_stage", "distributed_optimizer",
@@ -217,7 +224,7 @@ PUBLISHED_FIELDS = ("seq_len", "micro_batch", "global_batch", "microbatches", "g
                     "recompute_layers", "attention_kernel", "overlap_ep", "overlap_grad_reduce",
                     "grad_accumulation_fusion", "fp8", "fp8_recipe", "optimizer_state_dtype",
                     "tp_sum_with_reduction", "accumulate_in_reduce_dtype", "eager_fp32_loss", "recompute_modules",
-                    "fp8_cached_activations", "overlap_shared_experts")
+                    "fp8_cached_activations", "overlap_shared_experts", "tp_comm_overlap")
 PUBLISHED_AS = {"microbatches": "num_microbatches", "grad_bucket_numel": "bucket_numel"}
 _EMPTY_IS_NONE = ("reduce_dtype", "optimizer_state_dtype")  # None prints as "": the default dtype
 
@@ -262,7 +269,7 @@ def model_state_job(job: Job) -> Job:
                                  capacity_factor=1.0, drop_policy="probs", ep_overlap_chunks=1, ep_comm_sms=20,
                                  ep_comm_sms_reserved=False, recompute="none", recompute_layers=0, recompute_modules=(),
                                  attention_kernel="flash", overlap_ep=True, overlap_shared_experts=True,
-                                 overlap_grad_reduce=True))
+                                 overlap_grad_reduce=True, tp_comm_overlap=False))
 
 
 def _validate_fold(model: ModelSpec, degrees: Degrees, job: Job) -> None:
