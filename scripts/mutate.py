@@ -2653,6 +2653,9 @@ MUTANTS = [
              "        tp_t += 0.1 * _records_time(expert_tensor_parallel_records(model, deg, job), places, cluster, "
              "net)"),),
            ("tests/test_plan_timing.py::test_tp_comm_overlap_leaves_the_experts_tensor_parallel_traffic_exposed",)),
+    Mutant("rows_keep_fp32_gradients", "src/orangetron/plan/validation.py",
+           (("    values = _tuples(values)\n", "    values = {**_tuples(values), \"grad_dtype\": \"float32\"}\n"),),
+           ("tests/test_plan_validation.py::test_nemo_rows_keep_their_gradients_in_bf16_where_their_scripts_say",)),
 ]
 
 

@@ -184,6 +184,23 @@ def test_megatron_moe_rows_run_their_all_to_all_as_their_flags_say():
     }
 
 
+def test_nemo_rows_keep_their_gradients_in_bf16_where_their_scripts_say():
+    """NeMo-Framework-Launcher's H100 FP8 example scripts of GPT-3 5B, 20B and 175B, Llama 2 70B and Llama 3 8B
+    and 70B pass `grad_sync_dtype=bf16` to the distributed Adam, whose contiguous gradient buffer takes that
+    dtype (docs/planner.md, section 6, 2026-12-07); those of Llama 2 7B and 13B do not. With the buffer in bf16
+    GPT-3 20B fits, as it ran; with fp32 it would not."""
+    bf16 = {r.name for r in RUNS if r.job.grad_dtype == "bfloat16"}
+    assert bf16 == {"NeMo 24.07 GPT3-5B", "NeMo 24.07 GPT3-20B", "NeMo 24.07 GPT3-175B 128",
+                    "NeMo 24.07 GPT3-175B 512", "NeMo 24.07 LLAMA2-70B", "NeMo 24.07 LLAMA3-8B",
+                    "NeMo 24.07 LLAMA3-70B"}
+    for run in RUNS:
+        if run.name in bf16:
+            assert run.job.grad_accumulation_fusion and "grad_sync_dtype=bf16" in run.source
+    (gpt3_20b,) = [r for r in RUNS if r.name == "NeMo 24.07 GPT3-20B"]
+    assert validation.fitting_jobs(gpt3_20b)
+    assert not validation.fitting_jobs(replace(gpt3_20b, job=replace(gpt3_20b.job, grad_dtype="float32")))
+
+
 def test_rows_overlap_tensor_parallel_traffic_where_their_configs_say():
     """Transformer Engine's userbuffers overlap (`tp_comm_overlap`) is priced on the rows whose framework config
     was read to turn it on (docs/planner.md, section 6, 2026-12-07): the NeMo 24.07 launcher configs of GPT-3
@@ -319,8 +336,9 @@ def test_report_in_sample_and_out_of_sample_side_by_side(scored):
     # which may only fall from here. It fell from 19 to 5 when the fit check began to count the share of
     # fragmentation the allocator keeps when short of memory rather than the share it reserves with room to spare
     # (docs/planner.md, section 3), to 4 when DeepSeek-V3's own recompute and FP8 activations were priced, and to
-    # 2 when Llama 3's FSDP sharded gradients and optimizer states as its paper says; the 2 need 1.04x and 1.30x
-    # their GPU.
+    # 2 when Llama 3's FSDP sharded gradients and optimizer states as its paper says, and to 1 when NeMo's GPT-3
+    # 20B accumulated its gradients in bf16 as its script says; the 1 (Llama 3 405B on 8192 GPUs) needs 1.30x its
+    # GPU.
     for cls in ("fully sharded", "long context", "pipeline", "size"):
         assert class_means[cls] <= 0.20, cls
     assert validation.summary(memory, "validation")[1] <= 0.10
@@ -328,7 +346,7 @@ def test_report_in_sample_and_out_of_sample_side_by_side(scored):
     # Not met, banded where the fitted host pacing of MoE layers and the fit check left them (docs/planner.md,
     # section 6): layouts with unpublished knobs that now fit closer to the edge are priced faster.
     assert class_means["moe"] <= 0.39 and mean <= 0.145
-    assert len(not_fitting) <= 2
+    assert len(not_fitting) <= 1
     assert not oom_fitting and not peaks_not_fitting
 
 
