@@ -642,8 +642,8 @@ def _layer_times(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe
 
 
 # Chunks a pipelined GEMM + reduce-scatter is split into under `Job.tp_comm_overlap`: the userbuffers
-# configurations Megatron-Bridge and NeMo ship for the output projection's and FC2's forward
-# (`PipelineOverlapCfg(num_splits=4)`, src/megatron/bridge/training/comm_overlap.py)
+# configurations Megatron-Bridge and NeMo ship for the output projection's and FC2's forward (docs/planner.md,
+# section 6, 'Tensor-parallel overlap', names them)
 TP_OVERLAP_SPLITS = 4
 
 
