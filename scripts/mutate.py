@@ -2656,6 +2656,9 @@ MUTANTS = [
     Mutant("rows_keep_fp32_gradients", "src/orangetron/plan/validation.py",
            (("    values = _tuples(values)\n", "    values = {**_tuples(values), \"grad_dtype\": \"float32\"}\n"),),
            ("tests/test_plan_validation.py::test_nemo_rows_keep_their_gradients_in_bf16_where_their_scripts_say",)),
+    Mutant("gb300_keeps_gb200s_memory", "src/orangetron/spec/presets/gpus/gb300.toml",
+           (("memory_gib = 259.84        # 279 GB", "memory_gib = 185.03"),),
+           ("tests/test_plan_models.py::test_new_gpu_presets_and_fp8_peaks",)),
 ]
 
 

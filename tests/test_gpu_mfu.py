@@ -25,6 +25,8 @@ NAMES = [
     ("NVIDIA A800-SXM4-80GB", "a800"),
     ("NVIDIA B200", "b200"),
     ("NVIDIA GB200", "gb200"),
+    ("NVIDIA GB300", "gb300"),
+    ("NVIDIA B300", None),
     ("NVIDIA GeForce RTX 3090", "rtx3090"),
     ("NVIDIA GeForce RTX 3090 Ti", None),
     ("AMD Instinct MI300X", "mi300x"),

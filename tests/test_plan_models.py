@@ -103,6 +103,11 @@ def test_new_gpu_presets_and_fp8_peaks():
     assert h800.intra_bw_gbs == 200.0 and h800.peak_flops("float8") == pytest.approx(1978.9e12)
     assert load_gpu("gb200").gpus_per_node == 72 and load_gpu("gb200").peak_flops() == pytest.approx(2500e12)
     assert load_gpu("mi300x").peak_flops("float8") == pytest.approx(2614.9e12)
+    # GB300: GB200's dense peaks (its rack's 360 / 720 PFLOPS sparse over 72 GPUs), more memory, an 800 Gb/s NIC
+    gb300 = load_gpu("gb300")
+    assert (gb300.peak_flops(), gb300.peak_flops("float8")) == (pytest.approx(2500e12), pytest.approx(5000e12))
+    assert (gb300.gpus_per_node, gb300.nic_gbps, gb300.sms) == (72, 800.0, 160)
+    assert gb300.memory_bytes > 1.4 * load_gpu("gb200").memory_bytes
     with pytest.raises(ValueError, match="no FP8"):
         load_gpu("a100-80gb").peak_flops("float8")
 

@@ -170,7 +170,7 @@ def test_megatron_moe_rows_run_their_all_to_all_as_their_flags_say():
     calibration rows included. The model zoo's rows say each its own; DeepSeek-V3's own run pairs micro-batches
     (DualPipe)."""
     megatron = [r for r in RUNS if r.cls == "moe" and r.group in ("bridge-25.11", "gb200-guide")]
-    assert len(megatron) == 13 and sum(r.split == "calibration" for r in megatron) == 2
+    assert len(megatron) == 16 and sum(r.split == "calibration" for r in megatron) == 2  # 3 on GB300
     assert not any(r.job.overlap_ep for r in megatron)
     # the guide lists every flag, and --moe-shared-expert-overlap is not one; the Bridge's recipes are not read
     assert {r.name for r in RUNS if not r.job.overlap_shared_experts} == {
@@ -211,6 +211,7 @@ def test_rows_overlap_tensor_parallel_traffic_where_their_configs_say():
         "NeMo 24.07 GPT3-20B", "NeMo 24.07 GPT3-175B 128", "NeMo 24.07 GPT3-175B 512", "NeMo 24.07 LLAMA3-70B",
         "Megatron-Bridge 25.11 Llama 3 70B, 64 H100, FP8-CS", "Megatron-Bridge 25.11 Llama 3.1 405B, 1024 H100, FP8-CS",
         "Megatron-Bridge 25.11 Llama 3.1 405B, 256 GB200, FP8-CS",
+        "Megatron-Bridge 25.11 Llama 3.1 405B, 256 GB300, FP8-CS",
         "Megatron-Bridge 25.11 Llama 3.1 405B, 128 B200, FP8-CS",
         "Megatron-Bridge 25.11 Llama 3.1 405B, 128 B200, FP8-MX"}
     for run in RUNS:
