@@ -2659,6 +2659,12 @@ MUTANTS = [
     Mutant("gb300_keeps_gb200s_memory", "src/orangetron/spec/presets/gpus/gb300.toml",
            (("memory_gib = 259.84        # 279 GB", "memory_gib = 185.03"),),
            ("tests/test_plan_models.py::test_new_gpu_presets_and_fp8_peaks",)),
+    Mutant("estimate_config_hides_the_planner_flag", "src/orangetron/cli/run_config.py",
+           (("    flag = planner_flags().get(name)\n", "    flag = None\n"),),
+           ("tests/test_plan_to_train.py::test_rows_the_trainer_does_not_run_are_passed_over_by_name",)),
+    Mutant("global_batch_sent_to_the_planner_flag", "src/orangetron/train/config_file.py",
+           (("    if key in RUN_FILE_NAMES:\n", "    if False:\n"),),
+           ("tests/test_train_outputs.py::test_a_bad_config_file_is_one_line_naming_the_key",)),
 ]
 
 

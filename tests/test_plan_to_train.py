@@ -77,6 +77,20 @@ def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys)
     bad.write_text('model = "tiny"\nseq_len = 16\nzero-stge = 2\n')  # a near miss is named, as train names it
     assert cli.main(["estimate", "--config", str(bad)]) == 2
     assert "unknown key 'zero-stge'; did you mean 'zero_stage'?" in capsys.readouterr().err
+    # A key only the planner prices names the flag that gives it, and that command prices the file with it.
+    bad.write_text('model = "tiny"\nseq_len = 16\nbatch_size = 4\nfp8 = true\n')
+    assert cli.main(["estimate", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    hint = f"unknown key 'fp8': a planner option, which a run's config file does not hold; give it on the command " \
+           f"line (`orangetron estimate --config {bad} --fp8`)"
+    assert hint in err and len(err.splitlines()) == 1
+    bad.write_text('model = "tiny"\nseq_len = 16\nbatch_size = 4\n')
+    assert cli.main(["estimate", "--config", str(bad), "--fp8"]) == 0 and "with fp8" in capsys.readouterr().out
+    # A planner option the file owns under the trainer's name points to that name, not to a flag refused with it.
+    bad.write_text('model = "tiny"\nseq_len = 16\nglobal_batch = 4\n')
+    assert cli.main(["estimate", "--config", str(bad)]) == 2
+    assert "unknown key 'global_batch'; a run's file gives the samples per step as 'batch_size'" in \
+        capsys.readouterr().err
     bad.write_text('seq_len = 16\n[model]\nhiden_size = 32\nnum_layers = 1\nnum_heads = 2\n')
     assert cli.main(["estimate", "--config", str(bad)]) == 2
     assert "unknown key(s) hiden_size (did you mean hidden_size?)" in capsys.readouterr().err

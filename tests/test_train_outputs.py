@@ -152,6 +152,10 @@ def test_drop_policy_and_reduce_dtype_are_flags_that_reach_the_runtime_and_its_r
     ("fp8 = true\n", "unknown key 'fp8': a planner option (`orangetron estimate --fp8`), which the trainer"),
     ("recompute-modules = [\"mlp\"]\n", "unknown key 'recompute-modules': a planner option (`orangetron "
                                           "estimate --recompute-modules`)"),
+    # The planner's names for what a run's file holds under the trainer's names point to those names.
+    ("global_batch = 8\n", "unknown key 'global_batch'; a run's file gives the samples per step as 'batch_size'"),
+    ("micro_batch = 2\n", "unknown key 'micro_batch'; a run's file gives the micro-batches per step as "
+                          "'microbatches'"),
 ])
 def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, capsys, text: str, needle: str) -> None:
     path = tmp_path / "bad.toml"

@@ -179,7 +179,17 @@ def planned_gpu(path: str) -> str | None:
 
 
 def _refuse_unknown(path: str, key: str, known: list[str]) -> NoReturn:
-    close = difflib.get_close_matches(key.replace("-", "_"), known, n=1, cutoff=0.6)
+    from orangetron.train.config_file import RUN_FILE_NAMES, planner_flags
+
+    name = key.replace("-", "_")
+    if name in RUN_FILE_NAMES:
+        raise ValueError(f"--config {path}: unknown key {key!r}; a run's file gives {RUN_FILE_NAMES[name]}")
+    # A run's config file holds what the trainer runs; what only the planner prices comes on the command line.
+    flag = planner_flags().get(name)
+    if flag:
+        raise ValueError(f"--config {path}: unknown key {key!r}: a planner option, which a run's config file does "
+                         f"not hold; give it on the command line (`orangetron estimate --config {path} {flag}`)")
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     raise ValueError(f"--config {path}: unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
 
 

@@ -75,17 +75,28 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, ignored: Collec
     return defaults
 
 
+# The planner's names for what a run's file holds under other names, with what the file calls it.
+RUN_FILE_NAMES = {
+    "global_batch": "the samples per step as 'batch_size'",
+    "micro_batch": "the micro-batches per step as 'microbatches' (each batch_size / (dp x microbatches) samples)",
+}
+
+
 def _unknown_key_hint(key: str, keys: dict[str, argparse.Action]) -> str:
-    """Why `key` is refused: an option only the planner prices (its flag named), else the closest valid key."""
-    planner_flag = _planner_flags().get(key)
+    """Why `key` is refused: a planner name for a key the file names otherwise, an option only the planner prices
+    (its flag named), else the closest valid key."""
+    if key in RUN_FILE_NAMES:
+        return f"; a run's file gives {RUN_FILE_NAMES[key]}"
+    planner_flag = planner_flags().get(key)
     if planner_flag:
         return f": a planner option (`orangetron estimate {planner_flag}`), which the trainer does not run"
     close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(keys))}"
 
 
-def _planner_flags() -> dict[str, str]:
-    """`estimate`'s flag for each field of the planner's job that is not one of the trainer's options, by key."""
+def planner_flags() -> dict[str, str]:
+    """`estimate`'s flag for each field of the planner's job that is not one of the trainer's options, by key
+    (`RUN_FILE_NAMES`' keys among them)."""
     from orangetron.cli.plan import add_plan_commands
     from orangetron.spec.options import Job
     from orangetron.spec.parallel_config import ParallelConfig
