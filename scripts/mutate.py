@@ -2665,6 +2665,21 @@ MUTANTS = [
     Mutant("global_batch_sent_to_the_planner_flag", "src/orangetron/train/config_file.py",
            (("    if key in RUN_FILE_NAMES:\n", "    if False:\n"),),
            ("tests/test_train_outputs.py::test_a_bad_config_file_is_one_line_naming_the_key",)),
+    Mutant("model_file_types_unchecked", "src/orangetron/spec/model.py",
+           (("        check_scalar(f\"model {name}: {key} = {value!r}\", value, _SCALAR_TYPES[_FIELD_TYPES[key]])\n",
+             "        pass\n"),),
+           ("tests/test_plan_models.py::test_bad_model_files_raise_value_error",)),
+    Mutant("chart_replaces_a_file_unasked", "src/orangetron/cli/plan.py",
+           (("    check_claim(Path(path), flag, overwrite)\n", "    pass\n"),),
+           ("tests/test_plan_cli.py::test_chart_is_written_and_named",
+            "tests/test_plan_schedule.py::test_schedule_command")),
+    Mutant("chart_move_aside_unsaid", "src/orangetron/cli/plan.py",
+           (("    return f\" (the former file moved to {moved})\" if moved else \"\"\n", "    return \"\"\n"),),
+           ("tests/test_plan_cli.py::test_chart_is_written_and_named",)),
+    Mutant("train_overwrite_moves_silently", "src/orangetron/train/run_folder.py",
+           (("        print(f\"orangetron train: moved the former run in {cfg.out} to {aside}\", file=sys.stderr)\n",
+             ""),),
+           ("tests/test_run_folder.py::test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside",)),
 ]
 
 

@@ -578,6 +578,21 @@ def test_chart_is_written_and_named(tmp_path, capsys):
     assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3", "--chart", str(chart)]) == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"chart written to {chart}" in capsys.readouterr().err
+    # A file already there is refused before the search, as every command that writes refuses one ...
+    chart.write_text("mine")
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3", "--chart", str(chart)]) == 2
+    err = capsys.readouterr().err
+    assert "exists; choose another name, or add --overwrite" in err and "priced" not in err
+    assert chart.read_text() == "mine"
+    # ... and moved aside, saying where, with --overwrite.
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3", "--chart", str(chart), "--overwrite"]) == 0
+    aside = tmp_path / "c.png.previous-1"
+    assert f"chart written to {chart} (the former file moved to {aside})" in capsys.readouterr().err
+    assert aside.read_text() == "mine" and chart.read_bytes()[:4] == b"\x89PNG"
+    # A format no chart is written in is refused before the search, not after it.
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--chart", str(tmp_path / "c.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "no chart is written as .txt; name a .png" in err and "priced" not in err
 
 
 def test_plan_without_gpus_is_a_usage_error(capsys):

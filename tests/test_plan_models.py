@@ -71,6 +71,14 @@ def test_model_from_file(tmp_path):
     ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden_size = 8\nwidth = 3\n", "unknown key"),
     ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden_size = 8\nmlp = 'relu'\n", "mlp"),
     ("hidden_size = = 3\n", "invalid TOML"),
+    # A quoted boolean is a non-empty string, which Python reads as true: refused, not a tied or QK-normed model.
+    ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\ntied_embeddings = 'false'\n",
+     "tied_embeddings = 'false': must be true or false"),
+    ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nqk_norm = 'no'\n", "qk_norm = 'no': must be true or false"),
+    ("hidden_size = '64'\nnum_layers = 2\nnum_heads = 4\n", "hidden_size = '64': must be an integer"),
+    ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4.5\n", "num_heads = 4.5: must be an integer"),
+    ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nnorm_eps = 'x'\n", "norm_eps = 'x': must be a number"),
+    ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nmlp = 3\n", "mlp = 3: must be a string"),
 ])
 def test_bad_model_files_raise_value_error(tmp_path, text, match):
     path = tmp_path / "bad.toml"

@@ -68,6 +68,12 @@ def test_schedule_command(capsys, tmp_path):
     assert result["bubble_fraction"] == pytest.approx(3 / 11) and result["peak_in_flight"] == [4, 3, 2, 1]
     assert result["order"][3][:4] == ["F0", "B0", "F1", "B1"]
     assert chart.read_bytes()[:4] == b"\x89PNG"
+    drawn = chart.read_bytes()
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "-o", str(chart)]) == 2  # never replaced unasked
+    assert "exists; choose another name, or add --overwrite" in capsys.readouterr().err and chart.read_bytes() == drawn
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "-o", str(chart), "--overwrite"]) == 0
+    assert (tmp_path / "s.png.previous-1").read_bytes() == drawn and "the former file moved to" in \
+        capsys.readouterr().out
     assert main(["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved",
                  "--virtual-stages", "2"]) == 2
     assert "microbatches=6" in capsys.readouterr().err

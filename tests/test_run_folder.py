@@ -120,8 +120,9 @@ def test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside(tm
     code, _, err = _train(capsys, *base, "--seed", "1")
     assert code == 2 and "the folder holds another run" in err and "--overwrite" in err
     assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == first  # untouched
-    assert _train(capsys, *base, "--seed", "1", "--overwrite")[0] == 0
+    code, _, err = _train(capsys, *base, "--seed", "1", "--overwrite")
     aside = tmp_path / "run.previous-1"
+    assert code == 0 and f"moved the former run in {run} to {aside}" in err  # said, not only done
     assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == first
     assert tomllib.loads((run / "config.toml").read_text())["seed"] == 1
     assert _train(capsys, *base, "--overwrite")[0] == 0

@@ -140,6 +140,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                       help="share of GPU memory a configuration's need (tensors and the overhead the fit check "
                            "counts) may take; below 1 keeps headroom")
     plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations")
+    plan.add_argument("--overwrite", action="store_true",
+                      help="move an existing --chart file aside to FILE.previous-N instead of refusing it")
     plan.add_argument("--emit-config", metavar="FILE.toml",
                       help="write the fastest configuration the trainer runs as a run's config file, which "
                            "`train --config` starts and `estimate --config` prices")
@@ -428,7 +430,7 @@ def format_estimate(est: Estimate) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     if args.chart:
-        _require_matplotlib()
+        _check_chart_path(args.chart, "--chart", args.overwrite)
     for name in ("gpus", "gpus_per_node", "seq", "top", "global_batch", "nic_gbps"):
         _positive(name, getattr(args, name))
     if not args.gpus:
@@ -493,8 +495,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.chart:
         from orangetron.plan.chart import breakdown_chart
 
+        moved = _claim_chart(args.chart, "--chart", args.overwrite)
         breakdown_chart(result.ranked[: min(5, len(result.ranked))], args.chart)
-        print(f"chart written to {args.chart}", file=sys.stderr)
+        print(f"chart written to {args.chart}{moved}", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": spec.name, "gpu": cluster.gpu.name, "gpus": args.gpus,
                           "evaluated": result.evaluated, "considered": result.considered,
@@ -705,6 +708,8 @@ def _add_schedule_command(sub: argparse._SubParsersAction) -> None:
                    help="zb-h1 splits each backward into B and W (W = half of it here)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     p.add_argument("-o", "--output", metavar="FILE.png", help="draw the timeline")
+    p.add_argument("--overwrite", action="store_true",
+                   help="move an existing -o file aside to FILE.previous-N instead of refusing it")
     p.add_argument("--measured", action="store_true",
                    help="run the schedule for one step of a small model on --pp local CPU ranks and report (and "
                    "draw) that run's timeline instead of the simulation, with the simulated bubble beside it")
@@ -716,7 +721,7 @@ def run_schedule(args: argparse.Namespace) -> int:
     from orangetron.spec.schedule import actions, bubble_fraction, peak_in_flight, simulate
 
     if args.output:
-        _require_matplotlib()
+        _check_chart_path(args.output, "-o", args.overwrite)
     slots = simulate(args.pp, args.microbatches, args.schedule, args.virtual_stages)
     simulated = bubble_fraction(slots, args.pp)
     if args.measured:
@@ -744,8 +749,9 @@ def run_schedule(args: argparse.Namespace) -> int:
     if args.output:
         from orangetron.plan.chart import schedule_chart
 
+        moved = _claim_chart(args.output, "-o", args.overwrite)
         schedule_chart(slots, args.pp, title, args.output)
-        print(f"chart written to {args.output}", file=out)
+        print(f"chart written to {args.output}{moved}", file=out)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -761,8 +767,28 @@ def _formula_bubble(pp: int, microbatches: int, schedule: str, virtual_stages: i
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
-def _require_matplotlib() -> None:
+def _check_chart_path(path: str, flag: str, overwrite: bool) -> None:
+    """Refuse, before any work, a chart matplotlib cannot write, and a file already there unless `overwrite`
+    (every command that writes keeps that rule: train/outputs.py)."""
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise ValueError("charts need matplotlib, an orangetron dependency: pip install matplotlib") from None
+    from orangetron.train.outputs import check_claim
+
+    suffix = Path(path).suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ValueError(f"{flag} {path}: no chart is written as .{suffix}; name a .png (or one of "
+                         f"{', '.join('.' + name for name in sorted(formats))})")
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: a folder; name the chart's file")
+    check_claim(Path(path), flag, overwrite)
+
+
+def _claim_chart(path: str, flag: str, overwrite: bool) -> str:
+    """Move what is at `path` aside (checked before the work), returning the note that says where."""
+    from orangetron.train.outputs import claim_output
+
+    moved = claim_output(Path(path), flag, overwrite)
+    return f" (the former file moved to {moved})" if moved else ""

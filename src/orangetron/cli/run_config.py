@@ -226,7 +226,7 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
 def _typed(path: str, key: str, value: Any, default: Any) -> Any:
     """`value` when it has the type of the option's default (a switch, a count, a number), as `train --config`
     checks it."""
-    from orangetron.train.config_file import check_scalar
+    from orangetron.spec.toml_values import check_scalar
 
     if isinstance(default, (bool, int, float)):
         check_scalar(f"--config {path}: {key} = {value!r}", value, type(default))

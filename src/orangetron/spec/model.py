@@ -33,6 +33,7 @@ from typing import Any
 
 from orangetron.spec.keys import hash_fields_once
 from orangetron.spec.model_rules import ConfigError, check_model
+from orangetron.spec.toml_values import check_scalar
 
 _PRESET_DIR = "presets/models"
 
@@ -398,6 +399,8 @@ class DualEncoderSpec:
 
 
 _SPEC_FIELDS = {f.name for f in fields(ModelSpec)}
+_FIELD_TYPES = {f.name: f.type for f in fields(ModelSpec)}  # annotations, as strings
+_SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
 def _spec_from_table(name: str, table: dict) -> ModelSpec:
@@ -410,6 +413,8 @@ def _spec_from_table(name: str, table: dict) -> ModelSpec:
     missing = [k for k in ("hidden_size", "num_layers", "num_heads") if k not in values]
     if missing:
         raise ValueError(f"model {name}: missing key(s) {', '.join(missing)}")
+    for key, value in values.items():
+        check_scalar(f"model {name}: {key} = {value!r}", value, _SCALAR_TYPES[_FIELD_TYPES[key]])
     values.setdefault("vocab_size", 0)
     values["name"] = name
     try:

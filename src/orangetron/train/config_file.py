@@ -16,6 +16,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from orangetron.spec.toml_values import check_scalar
+
 _NOT_IN_A_FILE = ("help", "config")
 # What a run folder's config.toml records beside the options; not options.
 RECORD_TABLES = ("data_record", "model_source")
@@ -130,17 +132,6 @@ def _model_table(path: str, table: dict[str, Any]) -> Any:
     if not isinstance(spec, ModelSpec):
         raise ValueError(f"--config {path}: [model] describes a dual encoder; the trainer runs decoders")
     return spec
-
-
-def check_scalar(where: str, value: Any, kind: type) -> None:
-    """Raise unless TOML's `value` is a `kind`: bool (true or false), int (an integer, not a bool) or float (a
-    number)."""
-    if kind is bool and not isinstance(value, bool):
-        raise ValueError(f"{where}: must be true or false")
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"{where}: must be an integer")
-    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"{where}: must be a number")
 
 
 def _checked(path: str, key: str, value: Any, action: argparse.Action) -> Any:

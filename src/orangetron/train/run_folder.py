@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,8 @@ def claim(cfg: TrainConfig) -> None:
     inputs += [("the model to import", cfg.hf_model), ("the tokenizer", tokenizer)]
     check_holds_no_input(Path(cfg.out), "--out", inputs)  # moving the old run aside would take them along
     if os.environ.get("RANK", "0") == "0":  # under torchrun one process moves it
-        move_aside(Path(cfg.out))
+        aside = move_aside(Path(cfg.out))
+        print(f"orangetron train: moved the former run in {cfg.out} to {aside}", file=sys.stderr)
 
 
 def _check_schedule(cfg: TrainConfig, checkpoint: Path) -> None:
