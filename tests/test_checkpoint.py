@@ -190,7 +190,8 @@ def test_resume_needs_a_matching_checkpoint(tmp_path) -> None:
     (tmp_path / "config.toml").unlink()  # a folder without its record: the checkpoint's own record refuses
     with pytest.raises(TrainConfigError, match=r"holds a model with hidden_size=64, this run builds hidden_size=128"):
         _run(steps=4, extend=True, out=str(tmp_path), resume=True, model=NO_AUX.with_changes(hidden_size=128))
-    finished = r"^steps=2: .*step-00000002 is already at step 2; to train further, raise --steps \(with --extend"
+    finished = (r"^resume=True \(--resume\): .*step-00000002 is already at step 2 of steps=2; to train further, "
+                r"raise --steps \(with --extend")
     with pytest.raises(TrainConfigError, match=finished):
         _run(steps=2, out=str(tmp_path), resume=True)
 

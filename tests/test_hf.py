@@ -215,6 +215,13 @@ def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
     assert main(["estimate", "--model", str(not_a_model), "--gpu", "h100"]) == 2
+    # A run's file that imports the folder (no `model` key) is priced on that folder, as `train --config` runs it.
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'hf_model = "{folders[1]}"\nseq_len = 32\n')
+    assert main(["estimate", "--config", str(run_file), "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert priced["model"] == folders[1].name
+    assert priced["memory_bytes"]["params"] == 2 * hf.config(folders[1]).total_params()
 
 
 def test_a_model_trained_from_scratch_exports_as_llama(tmp_path):

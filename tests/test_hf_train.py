@@ -247,6 +247,11 @@ def test_a_truncated_weight_file_is_refused_in_one_line_before_any_rank_starts(t
     assert main(["train", "--hf-model", str(folder), "--steps", "1", "--dp", "2"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "model.safetensors is not a readable safetensors file" in err
+    # A path that is not a folder says what it is instead: missing, or the folder's config.json itself.
+    for path, why in ((tmp_path / "nope", "no such folder"),
+                      (folder / "config.json", f"a file; give the folder that holds it ({folder})")):
+        assert main(["train", "--hf-model", str(path), "--steps", "1"]) == 2
+        assert f"(--hf-model): {why}" in capsys.readouterr().err
 
 
 def test_a_resumed_run_needs_no_weights_from_its_source_folder(tmp_path, capsys):

@@ -122,7 +122,8 @@ def test_no_advice_where_it_fits_and_more_gpus_where_nothing_does(capsys) -> Non
     assert est["fits"] and "does not fit" not in err
     assert cli.main(["estimate", "--model", "llama3-405b", "--gpu", "h100", "--gpus", "8", "--tp", "8",
                      "--seq", "8192"]) == 0
-    assert "fits; add GPUs" in capsys.readouterr().err
+    assert "fits; `orangetron plan --gpus 8` searches every layout of these GPUs, else add GPUs" in \
+        capsys.readouterr().err
 
 
 DEEPSEEK = ["estimate", "--model", "deepseek-v3", "--gpu", "h800", "--pp", "16", "--dp", "128", "--ep", "64", "--seq",

@@ -77,6 +77,14 @@ def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys)
     bad.write_text('model = "tiny"\nseq_len = 16\nzero-stge = 2\n')  # a near miss is named, as train names it
     assert cli.main(["estimate", "--config", str(bad)]) == 2
     assert "unknown key 'zero-stge'; did you mean 'zero_stage'?" in capsys.readouterr().err
+    # What the file leaves out takes the trainer's defaults (small-moe, seq_len 64, batch_size 8), as train runs it.
+    bad.write_text("steps = 5\n")
+    assert cli.main(["estimate", "--config", str(bad), "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (priced["model"], priced["job"]["seq_len"], priced["job"]["global_batch"]) == ("small-moe", 64, 8)
+    bad.write_text('model = "tiny"\nseq_len = "16"\n')
+    assert cli.main(["estimate", "--config", str(bad)]) == 2
+    assert "seq_len = '16': must be an integer" in capsys.readouterr().err
     # A key only the planner prices names the flag that gives it, and that command prices the file with it.
     bad.write_text('model = "tiny"\nseq_len = 16\nbatch_size = 4\nfp8 = true\n')
     assert cli.main(["estimate", "--config", str(bad)]) == 2

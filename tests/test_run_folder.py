@@ -116,6 +116,12 @@ def test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside(tm
     run = tmp_path / "run"
     base = ["--model", "tiny", "--steps", "2", "--corpus-bytes", "50000", *SMALL, "--out", str(run)]
     assert _train(capsys, *base)[0] == 0
+    # A resume with no step left is refused in one line before any rank starts (no placement, no rank prefix).
+    for extra, why in ((), "resume=True (--resume): "), (("--steps", "5", "--extend", "--stop-after", "1"),
+                                                          "stop_after=1 (--stop-after): "):
+        code, _, err = _train(capsys, "--out", str(run), "--resume", "--dp", "2", *extra)
+        assert code == 2 and err.startswith(f"orangetron train: error: {why}") and len(err.splitlines()) == 1
+        assert "is already at step 2" in err
     first = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     code, _, err = _train(capsys, *base, "--seed", "1")
     assert code == 2 and "the folder holds another run" in err and "--overwrite" in err

@@ -152,6 +152,8 @@ def test_drop_policy_and_reduce_dtype_are_flags_that_reach_the_runtime_and_its_r
     ("fp8 = true\n", "unknown key 'fp8': a planner option (`orangetron estimate --fp8`), which the trainer"),
     ("recompute-modules = [\"mlp\"]\n", "unknown key 'recompute-modules': a planner option (`orangetron "
                                           "estimate --recompute-modules`)"),
+    # A file used again would move a run aside on every use: --overwrite is for one invocation.
+    ("overwrite = true\n", "overwrite: moves the run in --out aside, so it is given on the command line"),
     # The planner's names for what a run's file holds under the trainer's names point to those names.
     ("global_batch = 8\n", "unknown key 'global_batch'; a run's file gives the samples per step as 'batch_size'"),
     ("micro_batch = 2\n", "unknown key 'micro_batch'; a run's file gives the micro-batches per step as "

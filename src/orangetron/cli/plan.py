@@ -171,15 +171,16 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
 def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_required: bool = True) -> None:
     p.add_argument("--model", required=model_required,
                    help="preset name (see `orangetron presets`, e.g. llama3-8b) or a model .toml file")
+    from_file = "" if model_required else "; with --config, the one `plan` priced the file for"  # estimate's
     p.add_argument("--gpu", default=None, help=f"GPU preset ({', '.join(gpu_names())}) or .toml file (default "
-                   f"{DEFAULT_GPU}; with --config, the one `plan` priced the file for)")
+                   f"{DEFAULT_GPU}{from_file})")
     p.add_argument("--gpus", type=int, required=gpus_required, default=None, help="GPUs in the cluster"
                    + ("" if gpus_required else " (default: tp*cp*pp*dp)"))
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the GPU preset's node size")
     p.add_argument("--nic-gbps", type=float, default=None, help="inter-node NIC line rate per GPU, Gbit/s")
     p.add_argument("--transport", choices=("proxy", "ibgda"), default="proxy",
                    help="who posts inter-node work: a CPU proxy thread or the GPU (IBGDA)")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step (default: one micro-batch per replica)")
     p.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="bfloat16")

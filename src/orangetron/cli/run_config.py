@@ -212,15 +212,22 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
             parallel[name] = _typed(path, key, value, parallel_fields[name].default)
         elif name not in (*_RUN_ONLY, "model", "seq_len", "batch_size"):
             _refuse_unknown(path, key, [*layout_fields, *parallel_fields, *_RUN_ONLY, "model", "seq_len", "batch_size"])
-    for name in ("model", "seq_len"):
-        if name not in table:
-            raise ValueError(f"--config {path}: no {name!r}; a run's config file names its model and seq_len")
+    # A key the file leaves out takes the trainer's default, so that this prices what `train --config` runs;
+    # the model of an imported run is its Hugging Face folder.
+    trainer = _trainer_defaults()
+    seq_len, batch = (_typed(path, key, table.get(key, trainer[key]), 0) for key in ("seq_len", "batch_size"))
+    model = table.get("model", table.get("hf_model", trainer["model"]))
     deg = Degrees(**layout)
     microbatches = parallel.get("microbatches", 1)
-    batch = table.get("batch_size", deg.dp * microbatches)
-    job = Job(**parallel, seq_len=table["seq_len"], micro_batch=max(1, batch // (deg.dp * microbatches)),
+    job = Job(**parallel, seq_len=seq_len, micro_batch=max(1, batch // (deg.dp * microbatches)),
               global_batch=batch, clip_grad=True)  # the trainer's global gradient norm, every step
-    return _model(path, table["model"]), deg, job
+    return _model(path, model), deg, job
+
+
+def _trainer_defaults() -> dict[str, Any]:
+    from orangetron.train.config import TrainConfig
+
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in ("model", "seq_len", "batch_size")}
 
 
 def _typed(path: str, key: str, value: Any, default: Any) -> Any:

@@ -135,8 +135,10 @@ def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int =
              f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; largest: {largest} GiB"]
     found = fixes(est, overhead)[:n]
     if not found:
+        # The other dimensions (ep, cp, dp against tp x pp) change more than a flag: the search prices them all.
         lines.append("  no change of up to three of recompute, ZeRO stage, gradient buckets, tp, pp and micro-batch "
-                     "fits; add GPUs")
+                     f"fits; `orangetron plan --gpus {est.degrees.world_size}` searches every layout of these GPUs, "
+                     "else add GPUs")
     else:
         lines.append(f"changes that fit at the same global batch ({found[0].estimate.job.global_batch} sequences), "
                      "fastest first (each priced in full):")

@@ -403,8 +403,16 @@ _FIELD_TYPES = {f.name: f.type for f in fields(ModelSpec)}  # annotations, as st
 _SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
+# Keys of a run's config file (`train --config`, `plan --emit-config`), which no model file has.
+_RUN_FILE_KEYS = ("model", "batch_size", "steps")
+
+
 def _spec_from_table(name: str, table: dict) -> ModelSpec:
     unknown = sorted(set(table) - _SPEC_FIELDS - {"kind", "description", "source"})
+    run_keys = [key for key in _RUN_FILE_KEYS if key in unknown]
+    if run_keys:
+        raise ValueError(f"model {name}: a run's config file (it sets {', '.join(run_keys)}), not a model file: "
+                         "give it with --config")
     if unknown:
         hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, _SPEC_FIELDS, 1, 0.6))
                  else key for key in unknown]

@@ -323,8 +323,10 @@ class TrainConfig(Layout, ParallelConfig):
         if isinstance(self.model, ModelSpec) and self.resume and not folder.exists():
             return
         if not is_hf_folder(folder):
-            raise TrainConfigError(f"hf_model={self.hf_model!r} (--hf-model): not a Hugging Face model folder "
-                                   "(no config.json)")
+            why = ("no such folder" if not folder.exists() else
+                   f"a file; give the folder that holds it ({folder.parent})" if folder.is_file() else
+                   "not a Hugging Face model folder (no config.json)")
+            raise TrainConfigError(f"hf_model={self.hf_model!r} (--hf-model): {why}")
         try:
             spec = spec_from_hf(read_hf_config(folder), folder.resolve().name)
             if not self.resume:  # a resumed run reads its weights from its checkpoint

@@ -89,6 +89,17 @@ def check_same_model(record: dict[str, Any], model: ModelSpec, path: Path) -> No
                                    f"this run builds {name}={built[name]!r}")
 
 
+def check_steps_left(cfg: TrainConfig, path: Path, step: int) -> None:
+    """Refuse a resume from `path`, at `step`, that has no step left to take before --steps or --stop-after."""
+    if step >= cfg.steps:
+        # Led by --resume, not by steps (a command line would add "(--steps)"): a resume takes the run's steps
+        # from its record when none are given.
+        raise TrainConfigError(f"resume=True (--resume): {path} is already at step {step} of steps={cfg.steps}; "
+                               "to train further, raise --steps (with --extend past the run's own steps)")
+    if cfg.stop_after and cfg.stop_after <= step:
+        raise TrainConfigError(f"stop_after={cfg.stop_after} (--stop-after): {path} is already at step {step}")
+
+
 def _resume(cfg: TrainConfig, setup: RunSetup, world: MeshGroup) -> tuple[TrainConfig, Resumed]:
     path = latest_checkpoint(_checkpoint_folder(cfg))
     if path is None:
@@ -104,12 +115,7 @@ def _resume(cfg: TrainConfig, setup: RunSetup, world: MeshGroup) -> tuple[TrainC
     state = checkpoint.plain
     check_same_model(state["model"], cfg.model_config(), path)
     step = int(state["step"])
-    if step >= cfg.steps:
-        # Not "(--steps)": a resume takes the run's steps from its record when none are given.
-        raise TrainConfigError(f"steps={cfg.steps}: {path} is already at step {step}; to train further, raise "
-                               "--steps (with --extend past the run's own steps)")
-    if cfg.stop_after and cfg.stop_after <= step:
-        raise TrainConfigError(f"stop_after={cfg.stop_after} (--stop-after): {path} is already at step {step}")
+    check_steps_left(cfg, path, step)
     if state["data"]["batches"] != step:  # the loop replays one batch per step to find its place
         raise TrainConfigError(f"resume=True (--resume): {path} consumed {state['data']['batches']} batches "
                                f"in {step} steps; this trainer takes one per step")

@@ -142,16 +142,19 @@ def claim(cfg: TrainConfig) -> None:
 
 
 def _check_schedule(cfg: TrainConfig, checkpoint: Path) -> None:
-    """Refuse here, before any rank starts, the flags the checkpoint's schedule forbids (`continue_schedule`,
-    which the ranks apply again where they read it). A state that cannot be read is left to that load, which
-    names the checkpoint before it."""
+    """Refuse here, before any rank starts, a resume with no step left and the flags the checkpoint's schedule
+    forbids (`check_steps_left`, `continue_schedule`: the ranks apply both again where they read it). A state that
+    cannot be read is left to that load, which names the checkpoint before it."""
     from orangetron.train.checkpoint import CheckpointError, read_state
+    from orangetron.train.resume import check_steps_left
     from orangetron.train.schedule import continue_schedule
 
     try:
         state = read_state(checkpoint)
-    except (CheckpointError, OSError, KeyError):
+        step = int(state["step"])
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
         return
+    check_steps_left(cfg, checkpoint, step)
     continue_schedule(cfg, state.get("schedule"), checkpoint)
 
 

@@ -46,7 +46,8 @@ def add_sample_command(sub: Any) -> None:
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole sequence at every step instead of caching keys and values (a check)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object: prompt, text, tokens, stop, checkpoint")
+                   help="print one JSON object: prompt, text, tokens, stop, stop_ids, checkpoint, "
+                        "tokenizer_ids, unknown_ids")
     p.set_defaults(run=_run_command)
 
 
