@@ -2681,7 +2681,7 @@ MUTANTS = [
              ""),),
            ("tests/test_run_folder.py::test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside",)),
     Mutant("config_file_keeps_overwrite", "src/orangetron/train/config_file.py",
-           (("        if key == \"overwrite\" and key in keys:", "        if False:"),),
+           (("        if key == \"overwrite\" and value is True and key in keys:", "        if False:"),),
            ("tests/test_train_outputs.py::test_a_bad_config_file_is_one_line_naming_the_key",)),
     Mutant("estimate_config_ignores_the_trainer_defaults", "src/orangetron/cli/run_config.py",
            (("    model = table.get(\"model\", table.get(\"hf_model\", trainer[\"model\"]))\n",

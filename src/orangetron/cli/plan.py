@@ -772,13 +772,14 @@ def _check_chart_path(path: str, flag: str, overwrite: bool) -> None:
     """Refuse, before any work, a chart matplotlib cannot write, and a file already there unless `overwrite`
     (every command that writes keeps that rule: train/outputs.py)."""
     try:
-        from matplotlib.backend_bases import FigureCanvasBase
+        # The package is imported first, so that an absent one is found absent even where a submodule is loaded.
+        import matplotlib.backend_bases as backend_bases
     except ImportError:
         raise ValueError("charts need matplotlib, an orangetron dependency: pip install matplotlib") from None
     from orangetron.train.outputs import check_claim
 
     suffix = Path(path).suffix.lower().lstrip(".")
-    formats = FigureCanvasBase.get_supported_filetypes()
+    formats = backend_bases.FigureCanvasBase.get_supported_filetypes()
     if suffix and suffix not in formats:
         raise ValueError(f"{flag} {path}: no chart is written as .{suffix}; name a .png (or one of "
                          f"{', '.join('.' + name for name in sorted(formats))})")

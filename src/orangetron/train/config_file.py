@@ -68,7 +68,8 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, ignored: Collec
             check_no_run_options(path, value, keys)
             defaults["model"] = _model_table(path, value)
             continue
-        if key == "overwrite" and key in keys:  # a file used again would move a run aside on every use
+        if key == "overwrite" and value is True and key in keys:  # a file used again would move a run aside on
+            # every use (false, as a file of every option holds it, is harmless)
             raise ValueError(f"--config {path}: overwrite: moves the run in --out aside, so it is given on the "
                              "command line, for one invocation, never kept in a file")
         if key not in keys and isinstance(value, dict):
