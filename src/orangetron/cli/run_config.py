@@ -183,7 +183,7 @@ def _refuse_unknown(path: str, key: str, known: list[str]) -> NoReturn:
 
     name = key.replace("-", "_")
     if name in RUN_FILE_NAMES:
-        raise ValueError(f"--config {path}: unknown key {key!r}; a run's file gives {RUN_FILE_NAMES[name]}")
+        raise ValueError(f"--config {path}: unknown key {key!r}; {RUN_FILE_NAMES[name]}")
     # A run's config file holds what the trainer runs; what only the planner prices comes on the command line.
     flag = planner_flags().get(name)
     if flag:

@@ -81,10 +81,11 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, ignored: Collec
     return defaults
 
 
-# The planner's names for what a run's file holds under other names, with what the file calls it.
+# The planner's names for what a run's file holds under other names: what the file calls it, as a refusal says.
 RUN_FILE_NAMES = {
-    "global_batch": "the samples per step as 'batch_size'",
-    "micro_batch": "the micro-batches per step as 'microbatches' (each batch_size / (dp x microbatches) samples)",
+    "global_batch": "a run's file gives the samples per step as 'batch_size'",
+    "micro_batch": "a run's file gives the micro-batches per step as 'microbatches' (each batch_size / (dp x "
+                   "microbatches) samples)",
 }
 
 
@@ -92,7 +93,7 @@ def _unknown_key_hint(key: str, keys: dict[str, argparse.Action]) -> str:
     """Why `key` is refused: a planner name for a key the file names otherwise, an option only the planner prices
     (its flag named), else the closest valid key."""
     if key in RUN_FILE_NAMES:
-        return f"; a run's file gives {RUN_FILE_NAMES[key]}"
+        return f"; {RUN_FILE_NAMES[key]}"
     planner_flag = planner_flags().get(key)
     if planner_flag:
         return f": a planner option (`orangetron estimate {planner_flag}`), which the trainer does not run"

@@ -124,7 +124,7 @@ def claim(cfg: TrainConfig) -> None:
         record = read_record(cfg.out)
         if record is not None:
             check_resume(cfg, record)
-        _check_schedule(cfg, latest)
+        _check_checkpoint(cfg, latest)
         return
     occupant = _occupant(Path(cfg.out))
     if occupant is None:
@@ -141,7 +141,7 @@ def claim(cfg: TrainConfig) -> None:
         print(f"orangetron train: moved the former run in {cfg.out} to {aside}", file=sys.stderr)
 
 
-def _check_schedule(cfg: TrainConfig, checkpoint: Path) -> None:
+def _check_checkpoint(cfg: TrainConfig, checkpoint: Path) -> None:
     """Refuse here, before any rank starts, a resume with no step left and the flags the checkpoint's schedule
     forbids (`check_steps_left`, `continue_schedule`: the ranks apply both again where they read it). A state that
     cannot be read is left to that load, which names the checkpoint before it."""
