@@ -2690,6 +2690,12 @@ MUTANTS = [
     Mutant("finished_resume_refused_only_by_the_ranks", "src/orangetron/train/run_folder.py",
            (("    check_steps_left(cfg, checkpoint, step)\n", ""),),
            ("tests/test_run_folder.py::test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside",)),
+    Mutant("unknown_flag_names_no_near_one", "src/orangetron/cli/__init__.py",
+           (("        if close:\n            near[given] = close[0]\n", ""),),
+           ("tests/test_train.py::test_cli_bad_flag_is_one_line_exit_2_not_the_usage_block",)),
+    Mutant("quiet_run_hides_its_warnings", "src/orangetron/train/progress.py",
+           (("        self.warns = enabled or warns\n", "        self.warns = enabled\n"),),
+           ("tests/test_train.py::test_a_quiet_run_still_warns",)),
 ]
 
 

@@ -188,9 +188,10 @@ def test_cli_train_json(capsys, tmp_path) -> None:
 
 
 def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
+    """Nothing, where nothing is to be warned of (`test_a_quiet_run_still_warns`)."""
     from orangetron.cli import main
 
-    assert main(["train", *TINY_FLAGS, "--quiet"]) == 0
+    assert main(["train", *TINY_FLAGS, "--warmup", "1", "--quiet"]) == 0
     out, err = capsys.readouterr()
     assert out == "" and err == ""
 
@@ -226,6 +227,11 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: s
          "orangetron tokenizer train: error: unrecognized arguments: --bad (see orangetron tokenizer train --help)"),
         (["--bogus", "train"],  # given to orangetron itself: it was blamed on train
          "orangetron: error: unrecognized arguments: --bogus (see orangetron --help)"),
+        (["train", "--stpes", "3"],
+         "orangetron train: error: unrecognized arguments: --stpes 3; did you mean --steps? (see orangetron train "),
+        (["train", "--stpes=3", "--mdoel", "tiny"],
+         "orangetron train: error: unrecognized arguments: --stpes=3 --mdoel tiny; did you mean: --stpes -> --steps, "
+         "--mdoel -> --model? (see"),
     ],
 )
 def test_cli_bad_flag_is_one_line_exit_2_not_the_usage_block(capsys, argv: list[str], needle: str) -> None:
@@ -378,6 +384,7 @@ def test_bad_input_found_on_a_rank_is_one_line_exit_2(capsys, tmp_path) -> None:
                                  f"{tmp_path / 'none' / 'checkpoints'}"]
     assert cli.main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "4", "--seq-len", "16", "--quiet",
                      "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()  # that run's warnings
     (tmp_path / "run" / "config.toml").unlink()  # only the checkpoint can tell the model apart now
     code = cli.main(["train", "--dp", "2", "--model", "tiny-moe", "--steps", "2", "--extend", "--batch-size", "4",
                      "--quiet", "--seq-len", "16", "--out", str(tmp_path / "run"), "--resume"])
@@ -419,6 +426,7 @@ def test_cli_unusable_out_data_or_checkpoint_is_one_line_exit_2(capsys, tmp_path
 
     run = tmp_path / "run"
     assert main(["train", *TINY_FLAGS, "--quiet", "--out", str(run), "--stop-after", "2"]) == 0
+    capsys.readouterr()  # that run's warnings
     shard = run / "checkpoints" / "step-00000002" / "__0_0.distcp"
     shard.write_bytes(bytes(range(256)) * 16)
     manifest = json.loads((shard.parent / "manifest.json").read_text())
@@ -436,3 +444,24 @@ def test_stop_after_needs_out_and_stops_with_a_checkpoint(tmp_path) -> None:
     result = _run(out=str(tmp_path), stop_after=2)
     assert len(result["losses"]) == 2 and result["eval_loss"] is None and result["steps"] == 5
     assert (tmp_path / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_a_quiet_run_still_warns(capsys) -> None:
+    """`--quiet` hid the warnings with the log: an option that changes nothing went unsaid."""
+    from orangetron.cli import main
+
+    assert main(["train", *TINY_FLAGS, "--steps", "1", "--eval-every", "5", "--quiet"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert "warning: eval_every=5 (--eval-every) has no effect: is not before --steps=1: only the final evaluation " \
+        "runs" in lines
+    assert all(line.startswith("warning: ") for line in lines), lines  # no log, no bar
+
+
+def test_version_is_the_installed_package(capsys) -> None:
+    from importlib.metadata import version
+
+    from orangetron.cli import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out == f"orangetron {version('orangetron')}\n"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from orangetron import __version__
 from orangetron.cli.wording import flag_named, flags_of
 
 
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="orangetron",
         description="Train and plan long-context and MoE transformers with TP, CP, EP, DP and PP.",
     )
+    parser.add_argument("--version", action="version", version=f"orangetron {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_commands(sub)
     add_export_command(sub)
@@ -57,8 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported by the command that was given them, whose --help lists its flags
-        _owner(parser, args, sys.argv[1:] if argv is None else list(argv), unknown).error(
-            f"unrecognized arguments: {' '.join(unknown)}")
+        owner = _owner(parser, args, sys.argv[1:] if argv is None else list(argv), unknown)
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}{_near_flags(owner, unknown)}")
     try:
         args.data_given = getattr(args, "data", None) is not None  # on the command line, before any file
         takes_files = hasattr(args, "command_parser")  # train and verify; estimate reads its --config itself
@@ -85,6 +88,19 @@ def _owner(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
     (`orangetron --bogus train`), else the innermost command's."""
     command = argv.index(args.command) if args.command in argv else len(argv)
     return parser if any(arg in argv[:command] for arg in unknown) else args.own_parser
+
+
+def _near_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """"; did you mean --steps?" for each unknown flag with a close spelling among `parser`'s (`--stpes 3`)."""
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    near = {}
+    for given in (arg.split("=")[0] for arg in unknown if arg.startswith("--")):
+        close = difflib.get_close_matches(given, flags, n=1, cutoff=0.75)
+        if close:
+            near[given] = close[0]
+    if len(near) == 1:
+        return f"; did you mean {next(iter(near.values()))}?"
+    return f"; did you mean: {', '.join(f'{given} -> {flag}' for given, flag in near.items())}?" if near else ""
 
 
 def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,

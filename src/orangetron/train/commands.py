@@ -85,7 +85,8 @@ def add_train_commands(sub: Any) -> None:
                    "with --resume (needs --out; default 0: run all --steps)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the results as the last line of standard output")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or logs on standard error")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar or logs on standard error (its warnings still print there)")
     p.add_argument("--min-lr", type=float, default=None,
                    help="floor of the cosine decay, reached at the last step (default: lr/10)")
     option("--weight-decay", "AdamW weight decay, on matrices only", type=float)

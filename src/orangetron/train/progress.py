@@ -11,13 +11,15 @@ class ProgressBar:
 
     On a terminal the line is redrawn in place with `\\r`; otherwise (a log file, a pipe) one line is
     written each time another ~10% of the steps is done, plus the last step, so logs stay short.
-    A disabled bar writes nothing.
+    A disabled bar writes nothing but warnings, and those only where `warns` (on one rank of many).
     """
 
-    def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool = True, width: int = 24):
+    def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool = True, warns: bool = True,
+                 width: int = 24):
         self.total = max(total, 1)
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
+        self.warns = enabled or warns
         self.width = width
         self.tty = enabled and _isatty(self.stream)
         self._next_decile = 1
@@ -44,6 +46,13 @@ class ProgressBar:
         self._end_line()
         self.stream.write(message + "\n")
         self.stream.flush()
+
+    def warn(self, message: str) -> None:
+        """A line `log` writes, written by a quiet bar too: a quiet run hides its log, not what may be a mistake."""
+        if self.warns:
+            self._end_line()
+            self.stream.write(f"warning: {message}\n")
+            self.stream.flush()
 
     def close(self) -> None:
         """Finish the in-place line so later output starts on a fresh line."""

@@ -278,12 +278,10 @@ def _train(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
 def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     setup = setup_run(cfg)
     data, model, optimizer, rank = setup.data, setup.model, setup.optimizer, setup.rank
-    bar = ProgressBar(cfg.steps, enabled=progress)
+    bar = ProgressBar(cfg.steps, enabled=progress, warns=rank == 0)
     bar.log(f"orangetron train: {_describe(cfg, data)}")
     if cfg.layout.world_size > 1:
         _log_placement(cfg, bar)
-    for warning in cfg.warnings():
-        bar.log(f"warning: {warning}")
     start = Resumed(0, [])
     if cfg.resume:
         faults.enter("resuming")
@@ -292,8 +290,8 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     peak, peak_source = device_peak_flops(DTYPES[model.config.param_dtype], model.device)
     warnings = cfg.warnings() + ([] if peak is not None else [peak_source])
-    if peak is None:
-        bar.log(f"warning: {peak_source}")
+    for warning in warnings:  # after a resume, which can refuse the run: a refusal stays one line under --quiet
+        bar.warn(warning)
     timer = StepTimer(model.device)
     run = RunLog(cfg, bar, write=rank == 0, start=start, flops_per_step=step_flops(cfg) / cfg.layout.world_size,
                  peak_flops=peak)
@@ -385,7 +383,7 @@ def _log_placement(cfg: TrainConfig, bar: ProgressBar) -> None:
         return
     bar.log(f"placement: {cfg.layout.node_placement(per_node)}")
     if cfg.tp > 1 and not cfg.layout.inside_nodes("tp", per_node):
-        bar.log(f"warning: tp={cfg.tp} groups cross nodes of {per_node} ranks: every layer's tensor-parallel "
+        bar.warn(f"tp={cfg.tp} groups cross nodes of {per_node} ranks: every layer's tensor-parallel "
                 "collectives go over the network; use a tp that divides the ranks per node")
 
 
