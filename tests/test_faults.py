@@ -257,8 +257,8 @@ def test_cli_nan_is_one_line_naming_the_step(monkeypatch, capsys, tmp_path) -> N
     from orangetron import cli
 
     monkeypatch.setattr(step_module, "_lm_loss", _planted(3, _nan_loss))
-    code = cli.main(["train", "--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32",
-                     "--quiet", "--out", str(tmp_path)])
+    code = cli.main(["train", "--model", "tiny", "--steps", "4", "--warmup", "1", "--batch-size", "4", "--seq-len",
+                     "32", "--quiet", "--out", str(tmp_path)])  # a warmup past the steps would be warned of first
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert err[0].startswith("orangetron train: error: step 3: loss is nan; stopped before the update")
