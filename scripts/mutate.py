@@ -2696,6 +2696,26 @@ MUTANTS = [
     Mutant("quiet_run_hides_its_warnings", "src/orangetron/train/progress.py",
            (("        self.warns = enabled or warns\n", "        self.warns = enabled\n"),),
            ("tests/test_train.py::test_a_quiet_run_still_warns",)),
+    Mutant("alternate_mm_keeps_no_down_output", "src/orangetron/plan/activations.py",
+           (("    matmuls = m.num_heads * d + m.kv_heads * m.v_dim + m.ffn_hidden_size + h\n",
+             "    matmuls = m.num_heads * d + m.kv_heads * m.v_dim + m.ffn_hidden_size\n"),),
+           ("tests/test_plan_alternate_mm.py::test_a_layer_keeps_and_replays_what_torch_checkpointing_does",)),
+    Mutant("alternate_mm_replays_no_up_flops", "src/orangetron/plan/timing.py",
+           (("model.num_heads * model.v_dim + model.ffn_hidden_size)\n",
+             "model.num_heads * model.v_dim)\n"),),
+           ("tests/test_plan_alternate_mm.py::test_a_layer_keeps_and_replays_what_torch_checkpointing_does",)),
+    Mutant("alternate_mm_replays_no_memory_bound_work", "src/orangetron/plan/timing.py",
+           (("            _linear(rows, h, model.ffn_hidden_size, cluster, job)[0] + \\\n"
+             "            _elementwise_time(model, deg, job, cluster, model.ffn_hidden_size, eff)\n",
+             "            _linear(rows, h, model.ffn_hidden_size, cluster, job)[0]\n"),),
+           ("tests/test_plan_alternate_mm.py::test_a_replay_costs_three_projections_and_the_memory_bound_work",)),
+    Mutant("alternate_mm_replay_brings_back_nothing", "src/orangetron/plan/activations.py",
+           (("    if \"alternate_mm\" in job.recompute_modules and layers:  # the replay brings back the whole layer\n",
+             "    if False:\n"),),
+           ("tests/test_plan_alternate_mm.py::test_the_first_backward_brings_back_one_layer",)),
+    Mutant("alternate_mm_at_any_layout", "src/orangetron/spec/options.py",
+           (("    alternate_mm_layout(degrees, job)\n", ""),),
+           ("tests/test_plan_alternate_mm.py::test_what_the_policy_is_not_priced_for_is_refused",)),
 ]
 
 

@@ -74,7 +74,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                           f"outputs "
                           f"(planner only; Megatron-Core's --recompute-modules): {', '.join(RECOMPUTE_MODULES)}; "
                           "not with --recompute full; under --fp8, layernorm and moe_act need --fp8-recipe "
-                          "blockwise")
+                          "blockwise. alternate_mm, alone, is torchtitan's op-level selective checkpointing of a "
+                          "dense Llama layer at tp 1 and cp 1: every output replays but the fused attention's and "
+                          "every second matmul's")
     est.add_argument("--sequence-parallel", action="store_true")
     est.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
     est.add_argument("--distributed-optimizer", action="store_true")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from orangetron.plan.fp8 import ACTIVATION_TILE
@@ -214,7 +214,20 @@ def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> i
     if moe and m.router_z_loss_coef:  # the z-loss keeps the router logits (and the global count)
         ffn += x.acc * sb * m.num_experts // x.rep + (x.acc if deg.dp_cp > 1 or x.sp else 0)
     mask = sb * h // x.rep if m.dropout else 0
+    if "alternate_mm" in job.recompute_modules:
+        return alternate_mm_bytes(m, x)
     return norms + attention_bytes(m, x, job) + ffn + mask - module_replay_bytes(m, x, job, moe, deg.etp)[0]
+
+
+def alternate_mm_bytes(m: ModelSpec, x: LayerShape) -> int:
+    """What a layer keeps under torchtitan's op-level selective checkpointing (`options.RECOMPUTE_MODULES`,
+    "alternate_mm"; tp 1, cp 1): its input (the checkpoint's), and the outputs of the ops its policy saves:
+    the odd matmuls (Q, V, gate, and down, whose output no backward reads but the policy keeps) and the fused
+    attention kernel's output and log-sum-exp. Everything else (K, O, up, the norms, RoPE, SwiGLU's product)
+    replays when the layer's backward starts."""
+    sb, h, d = x.s * x.b, m.hidden_size, m.qk_head_dim
+    matmuls = m.num_heads * d + m.kv_heads * m.v_dim + m.ffn_hidden_size + h
+    return x.a * sb * (h + matmuls + m.num_heads * m.v_dim) + x.acc * x.b * m.num_heads * x.s
 
 
 def _mla_qkv_bytes(m: ModelSpec, x: LayerShape) -> int:
@@ -423,6 +436,9 @@ def _replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: 
     """Bytes backward adds while it replays a layer's forward under full recompute: the largest replayed layer's
     activations, less what the chunk's kept layers freed first (their backward runs before the replays). Replayed
     modules bring back one layer's module outputs while that layer's backward runs, before anything is freed."""
+    if "alternate_mm" in job.recompute_modules and layers:  # the replay brings back the whole layer
+        return max(layer_activation_bytes(m, deg, replace(job, recompute_modules=()), moe)
+                   - layer_activation_bytes(m, deg, job, moe) for moe in {m.is_moe_layer(i) for i in layers})
     if job.recompute_modules and layers:
         x = layer_shape(deg, job)
         return max(sum(module_replay_bytes(m, x, job, moe, deg.etp)) for moe in {m.is_moe_layer(i) for i in layers})

@@ -195,7 +195,8 @@ def layer_cost(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: 
 def _module_replay_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, moe: bool,
                         eff: Efficiency) -> float:
     """Forward seconds the replayed modules (`Job.recompute_modules`) run again in backward: MLA's
-    up-projections (and its query projection without a query latent), a dense layer's MLP; the norms that stand
+    up-projections (and its query projection without a query latent), a dense layer's MLP, alternate_mm's K, O
+    and up projections with the layer's memory-bound work; the norms that stand
     alone (`activations.module_replay_bytes`: read the input, write the output) and the experts' activation
     (read gate and up, write their product) as memory traffic."""
     modules, t = job.recompute_modules, deg.tp
@@ -214,6 +215,12 @@ def _module_replay_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Clust
         nbytes += norms * 2 * job.param_bytes * rows * model.hidden_size / rep
     if "moe_act" in modules and moe:
         nbytes += 3 * job.param_bytes * _routed_copies(model, deg, job, rows) * model.moe_ffn_hidden_size / deg.etp
+    if "alternate_mm" in modules:  # K, O and up (tp 1), and every memory-bound op of the layer
+        h = model.hidden_size
+        seconds += _linear(rows, h, model.kv_heads * model.qk_head_dim, cluster, job)[0] + \
+            _linear(rows, model.num_heads * model.v_dim, h, cluster, job)[0] + \
+            _linear(rows, h, model.ffn_hidden_size, cluster, job)[0] + \
+            _elementwise_time(model, deg, job, cluster, model.ffn_hidden_size, eff)
     return seconds + nbytes / (cluster.gpu.memory_bw_gbs * 1e9 * eff.elementwise_bw)
 
 
@@ -750,6 +757,10 @@ def _module_replay_flops(model: ModelSpec, job: Job) -> float:
     if "mlp" in job.recompute_modules:
         dense = model.num_layers - model.num_moe_layers + model.mtp_layers * mtp_dense
         flops += 2.0 * model.mlp_params(model.ffn_hidden_size) * dense
+    if "alternate_mm" in job.recompute_modules:  # K, O and up
+        h = model.hidden_size
+        replayed = h * (model.kv_heads * model.qk_head_dim + model.num_heads * model.v_dim + model.ffn_hidden_size)
+        flops += 2.0 * replayed * model.num_layers
     return flops
 
 

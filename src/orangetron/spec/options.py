@@ -29,8 +29,12 @@ FP8_RECIPES = ("delayed", "current", "blockwise")
 # --recompute-modules, beside `recompute="selective"`, its "core_attn"): "layernorm" the outputs of the norms
 # that stand alone (MLA's input norm, a MoE layer's pre-MLP norm),
 # "mla_up_proj" MLA's up-projections and RoPE (Q, K, V), "mlp" a dense layer's MLP, "moe_act" the routed
-# experts' activation (the down projection's input). Priced in plan/activations.py (module_replay_bytes)
-RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "mlp", "moe_act")
+# experts' activation (the down projection's input). Priced in plan/activations.py (module_replay_bytes).
+# "alternate_mm" is torchtitan's op-level selective checkpointing instead (its `selective_ac_option = "op"`):
+# in each layer every op's output replays except the fused attention's and every odd matmul's in the order the
+# layer runs them (Q, K, V, O, gate, up, down: K, O and up replay). Alone, on a dense SwiGLU layer with plain
+# attention, unbiased, at tp 1 and cp 1 (`alternate_mm_layout`); priced in plan/activations.py (alternate_mm_bytes)
+RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "mlp", "moe_act", "alternate_mm")
 
 
 # The planner prices the runtime's own layouts: one class, one set of rules.
@@ -150,6 +154,9 @@ class Job(ParallelConfig):
         if modules and self.recompute == "full":
             raise ValueError(f"recompute_modules={list(modules)} with recompute='full': full recompute already "
                              "replays every module of a replayed layer")
+        if "alternate_mm" in modules and (len(modules) > 1 or self.recompute != "none"):
+            raise ValueError(f"recompute_modules={list(modules)} with recompute={self.recompute!r}: alternate_mm "
+                             "decides what every op of a layer keeps, so it stands alone, with recompute='none'")
         object.__setattr__(self, "recompute_modules", modules)
 
     def _check_grad_accumulation_fusion(self) -> None:
@@ -314,16 +321,18 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
                          f"{job.micro_batch * degrees.dp}")
     schedule.check(p, job.replica_microbatches(degrees))
     _validate_recompute_modules(model, job)
+    alternate_mm_layout(degrees, job)
 
 
 def replayable_modules(model: ModelSpec, job: Job | None = None) -> tuple[str, ...]:
-    """The modules `Job.recompute_modules` may name for `model` (RECOMPUTE_MODULES in order), and under `job`'s
-    FP8 recipe: the norms that stand alone (MLA's input norm, a MoE layer's pre-MLP norm; the others are fused
-    into the GEMM after them), MLA's up-projections, a dense layer's MLP, routed experts' activation."""
+    """Megatron-Core's modules `Job.recompute_modules` may name for `model` (RECOMPUTE_MODULES in order), and under
+    `job`'s FP8 recipe: the norms that stand alone (MLA's input norm, a MoE layer's pre-MLP norm; the others are
+    fused into the GEMM after them), MLA's up-projections, a dense layer's MLP, routed experts' activation. Not
+    alternate_mm, another framework's policy, which no module list joins."""
     present = {"layernorm": model.kv_lora_rank > 0 or model.is_moe, "mla_up_proj": model.kv_lora_rank > 0,
                "mlp": model.num_layers > model.num_moe_layers, "moe_act": model.is_moe}
     refused = _recast_under_delayed(job, RECOMPUTE_MODULES) if job else []
-    return tuple(name for name in RECOMPUTE_MODULES if present[name] and name not in refused)
+    return tuple(name for name in RECOMPUTE_MODULES if present.get(name) and name not in refused)
 
 
 def _recast_under_delayed(job: Job, names: Sequence[str]) -> list[str]:
@@ -337,7 +346,8 @@ def _recast_under_delayed(job: Job, names: Sequence[str]) -> list[str]:
 
 def _validate_recompute_modules(model: ModelSpec, job: Job) -> None:
     """Each replayed module exists in the model, and FP8 can free what it replays."""
-    missing = [name for name in job.recompute_modules if name not in replayable_modules(model)]
+    replayable = replayable_modules(model) + (("alternate_mm",) if _llama_block(model) else ())
+    missing = [name for name in job.recompute_modules if name not in replayable]
     if missing:
         raise ValueError(f"recompute_modules={list(job.recompute_modules)}: model {model.name} has no "
                          f"{', '.join(_MODULE_NAMES[name] for name in missing)}")
@@ -350,7 +360,25 @@ def _validate_recompute_modules(model: ModelSpec, job: Job) -> None:
 
 _MODULE_NAMES = {"layernorm": "norm outside a fused GEMM (neither MLA nor experts)",
                  "mla_up_proj": "multi-head latent attention (kv_lora_rank 0)", "mlp": "dense layer",
-                 "moe_act": "experts"}
+                 "moe_act": "experts", "alternate_mm": "Llama block (dense SwiGLU layers with plain attention, "
+                 "no biases), whose matmuls alternate_mm counts"}
+
+
+def _llama_block(model: ModelSpec) -> bool:
+    """Layers whose matmuls run in torchtitan's Llama order, each an unbiased `mm` (a bias makes it `addmm`,
+    which its op-level checkpointing does not keep): Q, K, V, O, gate, up, down."""
+    return not (model.is_moe or model.kv_lora_rank or model.bias or model.qkv_bias) and model.mlp == "swiglu"
+
+
+def alternate_mm_layout(degrees: Degrees, job: Job) -> None:
+    """alternate_mm's layout: the matmul count is torchtitan's on whole layers, one sequence block, 16-bit
+    GEMMs and a fused attention kernel; its tensor- and context-parallel blocks save other ops."""
+    if "alternate_mm" not in job.recompute_modules:
+        return
+    if degrees.tp > 1 or degrees.cp > 1 or job.fp8 or job.attention_kernel == "eager":
+        raise ValueError(f"recompute_modules=['alternate_mm'] at tp={degrees.tp}, cp={degrees.cp}, fp8={job.fp8}, "
+                         f"attention_kernel={job.attention_kernel!r}: priced at tp 1 and cp 1 with 16-bit GEMMs "
+                         "and a fused attention kernel only, as torchtitan's Llama runs it under FSDP")
 
 
 def _validate_context_mode(model: ModelSpec, degrees: Degrees, job: Job) -> None:
