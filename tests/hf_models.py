@@ -59,9 +59,10 @@ def _spread(model: torch.nn.Module, seed: int) -> None:
 def llama(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 0, **changes) -> Path:
     """A 2-layer Llama (GQA 4:2 heads of 16, llama3 rope scaling covering every band) saved in float64."""
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=eps, tie_word_embeddings=tied,
-        rope_parameters=dict(LLAMA3_ROPE), initializer_range=0.3, bos_token_id=0, eos_token_id=0, **changes)
+        vocab_size=changes.pop("vocab_size", VOCAB), hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=eps,
+        tie_word_embeddings=tied, rope_parameters=dict(LLAMA3_ROPE), initializer_range=0.3, bos_token_id=0,
+        eos_token_id=0, **changes)
     return _save(transformers.LlamaForCausalLM, config, folder, seed)
 
 

@@ -234,6 +234,16 @@ def test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of(
                for w in on_bytes), on_bytes
     prepare_data([str(text)], tmp_path / "own", str(folder), progress=False)
     assert TrainConfig(hf_model=str(folder), data=[str(tmp_path / "own")], steps=2, warmup=0).warnings() == []
+    other = TrainConfig(hf_model=str(folder), tokenizer="byte", steps=2, warmup=0, corpus_bytes=60_000)
+    assert other.warnings() == [f"hf_model={str(folder)!r} (--hf-model): its weights train on the ids of "
+                                "tokenizer='byte' (--tokenizer), not its own; leave --tokenizer out to train on those"]
+    assert TrainConfig(hf_model=str(folder), tokenizer=str(folder), steps=2, warmup=0,
+                       corpus_bytes=60_000).warnings() == []  # the folder's own, named
+    narrow = hf_models.llama(tmp_path / "narrow", vocab_size=200)
+    hf_models.add_tokenizer(narrow)  # 300 ids
+    with pytest.raises(ValueError, match=r"\(--hf-model, the folder's\): 300 token ids, more than the model's "
+                                         r"vocab_size=200"):  # it blamed --tokenizer, which was not given
+        TrainConfig(hf_model=str(narrow), steps=2, corpus_bytes=60_000)
     (folder / "tokenizer.json").write_text("{not json")  # the run does not use it: it warns, it does not stop
     on_bytes = TrainConfig(hf_model=str(folder), data=[str(tmp_path / "bytes")], steps=2).warnings()
     assert any("not its own" in w for w in on_bytes)

@@ -167,7 +167,8 @@ def test_an_export_that_fails_moves_nothing_aside_and_leaves_nothing(run, tmp_pa
     out = tmp_path / "hf"
     assert main(["export", str(run), "--hf", "-o", str(out)]) == 0
     before = sorted(p.name for p in out.iterdir())
-    capsys.readouterr()
+    # a run on bytes exports no tokenizer: said, not left for AutoTokenizer to find
+    assert "tokenizer.json" not in before and "warning: the run trained on bytes" in capsys.readouterr().err
 
     def refuse(*args, **kwargs):
         raise HFConfigError("no family here holds it")
@@ -200,3 +201,20 @@ def test_an_export_into_a_link_writes_its_target(run, tmp_path, capsys) -> None:
     (tmp_path / "link").symlink_to(tmp_path / "target")
     assert main(["export", str(run), "--hf", "-o", str(tmp_path / "link")]) == 0  # it ended in a traceback
     assert (tmp_path / "target" / "model.safetensors").is_file() and (tmp_path / "link").is_symlink()
+
+
+def test_a_run_given_for_a_model_or_tokenizer_and_a_model_for_a_run_say_which_it_is(run, tmp_path, capsys) -> None:
+    """Each said only what the folder lacked (no config.json, no tokenizer.json, no checkpoint)."""
+    _refused(capsys, ["train", "--model", str(run), "--steps", "1"],
+             f"(--model): a run's folder, not a model: --config {run / 'config.toml'} repeats its run, --resume "
+             f"--out {run} continues it")
+    _refused(capsys, ["prepare-data", "--tokenizer", str(run), "-o", str(tmp_path / "data"), str(run / "config.toml")],
+             f"(a run's folder: `orangetron tokenizer export {run} -o DIR` writes the tokenizer its checkpoint keeps)")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    _refused(capsys, ["export", str(tmp_path / "model"), "--hf", "-o", str(tmp_path / "out")],
+             f"a Hugging Face model folder, not a run (no checkpoint under {tmp_path / 'model' / 'checkpoints'}); "
+             f"`orangetron train --hf-model {tmp_path / 'model'}` trains from it")
+    _refused(capsys, ["export", str(run), "--hf", "-o", str(tmp_path / "model.safetensors")],
+             "--hf writes a folder (config.json, model.safetensors and the tokenizer), not a file")
+    assert not (tmp_path / "model.safetensors").exists()  # it became a folder of that name

@@ -16,7 +16,7 @@ import torch
 from orangetron.cli import main
 from orangetron.cli.wording import counted
 from orangetron.train.config import TrainConfig, TrainConfigError
-from orangetron.train.corpus import stdlib_corpus
+from orangetron.train.corpus import read_text_documents, stdlib_corpus
 from orangetron.train.datasets import PreparedDataset, TokenWindows
 from orangetron.train.prepare import prepare_data, train_tokenizer
 from orangetron.train.tokenizer import ByteTokenizer, HFTokenizer
@@ -104,7 +104,7 @@ def test_prepare_data_writes_each_document_then_eos(tokenizer_dir, tmp_path):
                      overwrite=True)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object with a \"text\" field"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object with a \"text\" string"):
         prepare_data([str(bad)], tmp_path / "other", str(tokenizer_dir))
     assert not (tmp_path / "other").exists()  # nothing half written
     with pytest.raises(ValueError, match=r": a folder; give its files"):  # it said "no such file"
@@ -128,6 +128,36 @@ def test_empty_documents_are_left_out_and_counted_and_no_text_at_all_is_refused(
     assert "no text to tokenize (every document is empty)" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
     assert (counted(1, "empty one"), counted(1024, "token")) == ("1 empty one", "1,024 tokens")  # "1 documents"
+
+
+def test_train_prepare_data_and_tokenizer_train_read_a_file_alike(tmp_path):
+    """`train --data x.jsonl` trained on the file's JSON, braces and keys, where prepare-data and tokenizer train
+    read its documents; a "text" of null or a list became the text "None" or "['a']"; a byte-order mark was a
+    bad first line of JSON Lines and text of a text file."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "first doc"}\n\n{"text": "second"}\n')
+    (tmp_path / "b.txt").write_bytes(bom + "third é".encode())
+    files = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")]
+    joined = "first doc\n\n\nsecond\n\n\nthird é"
+    assert "".join(read_text_documents(files)) == joined
+    prepare_data(files, tmp_path / "data", "byte", progress=False)
+    assert bytes(np.fromfile(tmp_path / "data" / "tokens.bin", dtype="<u2").tolist()).decode() == joined + "\n\n\n"
+    bad = {"null.jsonl": b'{"text": "ok"}\n{"text": null}\n', "list.jsonl": b'{"text": ["a"]}\n',
+           "array.json": b'[\n{"text": "a"}\n]\n', "bytes.jsonl": b'{"text": "ok"}\n{"text": "\xff"}\n'}
+    said = {"null.jsonl": r'null.jsonl:2: not a JSON object with a "text" string \("text" is null\)',
+            "list.jsonl": r'list.jsonl:1: not a JSON object with a "text" string \("text" is \["a"\]\)',
+            "array.json": r"array.json:1: .* \(JSON Lines holds one object per line; this file opens a JSON array\)",
+            "bytes.jsonl": r"bytes.jsonl', line 2, is not UTF-8 text \(byte 10: b'\\xff'\)"}
+    for name, content in bad.items():
+        (tmp_path / name).write_bytes(content)
+        for read in (lambda f: read_text_documents(f), lambda f: prepare_data(f, tmp_path / "no", "byte"),
+                     lambda f: train_tokenizer(f, tmp_path / "no", 300)):
+            with pytest.raises(ValueError, match=said[name]):
+                read([str(tmp_path / name)])
+    (tmp_path / "empty.txt").write_text(" \n")
+    with pytest.raises(ValueError, match="empty.txt: no text to train on"):  # it wrote a tokenizer of bytes
+        train_tokenizer([str(tmp_path / "empty.txt")], tmp_path / "no", 300)
+    assert not (tmp_path / "no").exists()
 
 
 def test_byte_tokenizer_separates_documents_as_text_files_are_joined(tmp_path):

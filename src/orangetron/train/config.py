@@ -231,11 +231,13 @@ class TrainConfig(Layout, ParallelConfig):
                 and not has_tokenizer(self.hf_model):
             notes.append(f"hf_model={self.hf_model!r} (--hf-model) has no tokenizer files: its weights train on the "
                          "byte tokenizer's ids, not the ones it was trained on; give --tokenizer")
-        if self.hf_model is not None and self.prepared_data is not None and Path(self.hf_model).exists() \
-                and has_tokenizer(self.hf_model) and not _same_ids(self.hf_model, self.tokenizer):
+        if self.hf_model is not None and Path(self.hf_model).exists() and has_tokenizer(self.hf_model) \
+                and not _same_ids(self.hf_model, self.tokenizer):
             notes.append(f"hf_model={self.hf_model!r} (--hf-model): its weights train on the ids of the prepared "
                          f"dataset's tokenizer {self.tokenizer}, not its own; prepare the data with --tokenizer "
-                         f"{self.hf_model} to train on those")
+                         f"{self.hf_model} to train on those" if self.prepared_data is not None else
+                         f"hf_model={self.hf_model!r} (--hf-model): its weights train on the ids of tokenizer="
+                         f"{self.tokenizer!r} (--tokenizer), not its own; leave --tokenizer out to train on those")
         if self.hf_model is not None and not self.resume and Path(self.hf_model).exists():
             notes += _eos_mismatch(self.hf_model, self.tokenizer)
         if self.hf_model is not None and not self.resume and _unreadable_generation_config(self.hf_model):
@@ -346,12 +348,12 @@ class TrainConfig(Layout, ParallelConfig):
         from orangetron.train.tokenizer import TOKENIZERS, has_tokenizer, tokenizer_named  # torch, as validation is
 
         prepared = read_meta(self.prepared_data) if self.prepared_data else None
-        name = self.tokenizer
+        name, given = self.tokenizer, "--tokenizer"  # who gave it, for the errors below
         if name is None:
             if prepared is not None:
-                name = prepared["tokenizer"]
+                name, given = prepared["tokenizer"], "--data, the prepared dataset's"
             elif self.hf_model is not None and has_tokenizer(self.hf_model):
-                name = self.hf_model
+                name, given = self.hf_model, "--hf-model, the folder's"
             else:
                 name = "byte"
         if name not in TOKENIZERS:
@@ -371,9 +373,9 @@ class TrainConfig(Layout, ParallelConfig):
         except ValueError as err:
             named = f"tokenizer={name!r}: "  # how the tokenizer's own errors begin: not said twice
             why = str(err).removeprefix(named)
-            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {why}") from None
+            raise TrainConfigError(f"tokenizer={name!r} ({given}): {why}") from None
         if vocab > model.vocab_size:
-            raise TrainConfigError(f"tokenizer={name!r} (--tokenizer): {vocab} token ids, more than the model's "
+            raise TrainConfigError(f"tokenizer={name!r} ({given}): {vocab} token ids, more than the model's "
                                    f"vocab_size={model.vocab_size}")
         object.__setattr__(self, "tokenizer", name)
 
@@ -383,10 +385,14 @@ class TrainConfig(Layout, ParallelConfig):
             return self.model
         if self.model in MODEL_PRESETS:
             return model_preset(self.model)
-        if self.model in preset_names() or self.model.endswith(".toml") or Path(self.model).exists():
+        folder = Path(self.model)
+        if folder.is_dir() and not (folder / "config.json").is_file() and (folder / "config.toml").is_file():
+            raise TrainConfigError(f"model={self.model!r} (--model): a run's folder, not a model: --config "
+                                   f"{folder / 'config.toml'} repeats its run, --resume --out {folder} continues it")
+        if self.model in preset_names() or self.model.endswith(".toml") or folder.exists():
             try:
                 return load_decoder(self.model)
-            except ValueError as err:
+            except (ValueError, FileNotFoundError) as err:
                 raise TrainConfigError(f"model={self.model!r} (--model): {err}") from None
         raise TrainConfigError(f"model={self.model!r} (--model): unknown preset; choose one of "
                                f"{', '.join(MODEL_PRESETS)}, a planner preset (orangetron presets) or a .toml file")

@@ -3,13 +3,16 @@ read these names before any rank starts."""
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 DEFAULT_CORPUS_BYTES = 2_000_000
 FILE_SEPARATOR = "\n\n\n"
+JSON_LINES = (".jsonl", ".json")  # one document per line, its "text" string
 # Directories of the stdlib that are not "ordinary" library code: third-party packages, the huge
 # regression-test suites (mostly repetitive asserts) and IDLE's GUI code.
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
@@ -62,10 +65,12 @@ def read_text_files(paths: Sequence[str | os.PathLike[str]]) -> str:
 
 
 def read_text_documents(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """The UTF-8 text of each file, all but the last followed by FILE_SEPARATOR (one file: one document).
+    """The documents of the files (`file_documents`: a text file is one, a JSON Lines file one per line), all but
+    the last followed by FILE_SEPARATOR.
 
     Raises FileNotFoundError naming the first path that is missing or not a file, ValueError naming the
-    first file that is not UTF-8 text, and ValueError if `paths` is empty or all files are empty.
+    first file (and line) that is not UTF-8 text or not a document, and ValueError if `paths` is empty or
+    all files are empty.
     """
     if not paths:
         raise ValueError("no data files given")
@@ -74,16 +79,48 @@ def read_text_documents(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         path = Path(p)
         if not path.is_file():
             raise FileNotFoundError(f"data file {str(path)!r} does not exist or is not a file")
-        texts.append(_read_utf8(path))
+        texts += [text for text, _ in file_documents(path)]
     if not any(texts):
         raise ValueError(f"data files {[str(p) for p in paths]} are all empty")
     return [text + FILE_SEPARATOR for text in texts[:-1]] + texts[-1:]
 
 
-def _read_utf8(path: Path) -> str:
+def file_documents(path: Path) -> Iterator[tuple[str, int]]:
+    """(text, bytes of the file it took) for each document of one data file, as `train --data`, `prepare-data`
+    and `tokenizer train` all read it: a text file is one document; a JSON Lines file (JSON_LINES) one per
+    non-blank line, its "text" string. A byte-order mark opening the file is not text."""
+    if path.suffix not in JSON_LINES:
+        data = path.read_bytes()
+        yield _utf8(data.removeprefix(codecs.BOM_UTF8), path), len(data)
+        return
+    with open(path, "rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            text = _utf8(line.removeprefix(codecs.BOM_UTF8) if number == 1 else line, path, number)
+            if text.strip():
+                yield _text_field(text, path, number), len(line)
+
+
+def _utf8(data: bytes, path: Path, line: int = 0) -> str:
     # Strict: a binary file decoded with replacement would train the model on U+FFFD, silently.
     try:
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"data file {str(path)!r} is not UTF-8 text (byte {err.start}: "
+        where = f", line {line}," if line else ""
+        raise ValueError(f"data file {str(path)!r}{where} is not UTF-8 text (byte {err.start}: "
                          f"{err.object[err.start:err.start + 1]!r})") from None
+
+
+def _text_field(line: str, path: Path, number: int) -> str:
+    """The "text" string of one JSON Lines record; anything else (another type of "text" included, which str()
+    would have turned into Python's spelling of it: None, a list) is refused, naming the line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        record = None
+    text = record.get("text") if isinstance(record, dict) else None
+    if isinstance(text, str):
+        return text
+    why = f' ("text" is {json.dumps(text)})' if isinstance(record, dict) and "text" in record else ""
+    if number == 1 and line.lstrip().startswith("["):
+        why = " (JSON Lines holds one object per line; this file opens a JSON array)"
+    raise ValueError(f'{path}:{number}: not a JSON object with a "text" string{why}')

@@ -83,6 +83,9 @@ def find_checkpoint(run: str | Path) -> Path:
     if not run.is_dir():
         raise FileNotFoundError(f"RUN_DIR {str(run)!r}: no such folder")
     path = latest_checkpoint(run / "checkpoints")
+    if path is None and (run / "config.json").is_file():  # what a user given a model folder reaches for
+        raise FileNotFoundError(f"RUN_DIR {str(run)!r}: a Hugging Face model folder, not a run (no checkpoint "
+                                f"under {run / 'checkpoints'}); `orangetron train --hf-model {run}` trains from it")
     if path is None:
         raise FileNotFoundError(f"RUN_DIR {str(run)!r}: no checkpoint under {run / 'checkpoints'}")
     return path
@@ -143,6 +146,9 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     from orangetron.model import model_from_record
     from orangetron.train.tokenizer import recorded_tokenizer
 
+    if Path(output).suffix in (".safetensors", ".json", ".bin", ".pt") and not Path(output).is_dir():
+        raise ValueError(f"-o {str(output)!r}: --hf writes a folder (config.json, model.safetensors and the "
+                         "tokenizer), not a file; give the folder's name")
     output = Path(output).resolve()  # "." and "x/.." named, a link's target written
     saved = read_model(run)
     spec = model_from_record(saved.record["model"])
@@ -180,7 +186,11 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
         count = len(f.keys())
     return {"checkpoint": str(saved.checkpoint), "output": str(output), "tensors": count,
             "bytes": weights.stat().st_size, **({"moved_aside": str(moved)} if moved else {}),
-            "warnings": _tokenizer_warnings(output)}
+            "warnings": _tokenizer_warnings(output) + ([BYTE_IDS] if tokenizer == "byte" else [])}
+
+
+BYTE_IDS = ("the run trained on bytes (the byte tokenizer, which has no files): the folder holds no tokenizer for "
+            "transformers to load, and the model's ids are UTF-8 bytes")
 
 
 def _tokenizer_warnings(output: Path) -> list[str]:

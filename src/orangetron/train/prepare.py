@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from orangetron.cli.wording import counted
 from orangetron.spec.digest import file_record, file_sha256
-from orangetron.train.corpus import FILE_SEPARATOR
+from orangetron.train.corpus import FILE_SEPARATOR, file_documents
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, FORMAT, TOKENS_FILE, VERSION
 from orangetron.train.outputs import check_claim, claim_output, free_suffix, move_aside
 
@@ -93,25 +93,10 @@ def _source_file(name: str) -> Path:
 
 
 def documents(files: list[str]) -> Iterator[tuple[str, int]]:
-    """(text, bytes of input it took) for every document of `files` in order; ValueError naming a bad file or line."""
+    """(text, bytes of input it took) for every document of `files` in order (`corpus.file_documents`: as
+    `train --data` reads them); ValueError naming a bad file or line."""
     for name in files:
-        path = _source_file(name)
-        if path.suffix in (".jsonl", ".json"):
-            with open(path, encoding="utf-8") as lines:
-                for number, line in enumerate(lines, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise ValueError(f"{name}:{number}: not a JSON object with a \"text\" field") from None
-                    yield str(text), len(line.encode("utf-8"))
-        else:
-            try:
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"{name}: not UTF-8 text ({err})") from None
-            yield text, path.stat().st_size
+        yield from file_documents(_source_file(name))
 
 
 class ByteProgress:
@@ -265,7 +250,16 @@ def train_tokenizer(files: list[str], output: str | Path, vocab: int, overwrite:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator((text for text, _ in documents(files)), trainer=trainer)
+    read = [0]  # characters of text seen
+
+    def texts() -> Iterator[str]:
+        for text, _ in documents(files):
+            read[0] += len(text.strip())
+            yield text
+
+    tok.train_from_iterator(texts(), trainer=trainer)
+    if not read[0]:  # it wrote a tokenizer of the bytes alone, as if trained
+        raise ValueError(f"{', '.join(files)}: no text to train on")
     output = Path(output)
     _move_former(written, overwrite, moved)
     output.mkdir(parents=True, exist_ok=True)

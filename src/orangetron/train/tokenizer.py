@@ -83,7 +83,9 @@ class HFTokenizer:
         self.path = Path(path).resolve()
         self.file = self.path / TOKENIZER_JSON if self.path.is_dir() else self.path
         if not self.file.is_file():
-            raise ValueError(f"tokenizer={str(path)!r}: no {TOKENIZER_JSON} (give a tokenizer folder or file)")
+            hint = (f"a run's folder: `orangetron tokenizer export {path} -o DIR` writes the tokenizer its "
+                    "checkpoint keeps" if (self.path / "config.toml").is_file() else "give a tokenizer folder or file")
+            raise ValueError(f"tokenizer={str(path)!r}: no {TOKENIZER_JSON} ({hint})")
         try:
             self.backend = Backend.from_file(str(self.file))
         except Exception as err:  # the Rust library's own exception type

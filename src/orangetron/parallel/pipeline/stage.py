@@ -44,8 +44,9 @@ def check_pipeline(cfg: ModelSpec, pp: int, config: ParallelConfig) -> None:
     if cfg.num_layers < chunks:
         raise LayoutError(f"pp={pp}: n_layers={cfg.num_layers} < pp*virtual_stages={chunks}; every chunk needs a layer")
     if cfg.tied_embeddings:
-        raise LayoutError(f"pp={pp}: tied_embeddings would put the embedding on the first and last stages; "
-                          "untie them (tied_embeddings=False) to pipeline this model")
+        raise LayoutError(f"pp={pp}: tied_embeddings would put the embedding on the first and last stages; a "
+                          "model file unties them (tied_embeddings = false), and a model tied in its weights (a "
+                          "tied Hugging Face checkpoint) runs without --pp")
     if config.zero_stage == 3 and config.virtual_stages > 1:
         raise ParallelConfigError(f"zero_stage=3 with pp={pp} and virtual_stages={config.virtual_stages}: ZeRO-3 "
                                   "is pipelined with one model chunk per rank only; use virtual_stages 1")
