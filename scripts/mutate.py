@@ -2765,6 +2765,18 @@ MUTANTS = [
            (('    if Path(output).suffix in (".safetensors", ".json", ".bin", ".pt") and not Path(output).is_dir():\n',
              '    if False:\n'),),
            ('tests/test_outputs.py::test_a_run_given_for_a_model_or_tokenizer_and_a_model_for_a_run_say_which_it_is',)),
+    Mutant("sigint_ignored_again_after_the_imports", "src/orangetron/train/commands.py",
+           (("signal.default_int_handler if previous == signal.SIG_IGN else previous)", "previous)"),),
+           ("tests/test_stop.py::test_a_ctrl_c_before_the_ranks_start_is_not_lost_where_sigint_was_ignored",)),
+    Mutant("ranks_never_started_killed", "src/orangetron/train/launch.py",
+           (("    started = [p for p in procs if p.pid is not None]\n", "    started = procs\n"),),
+           ("tests/test_stop.py::test_ranks_not_yet_started_are_passed_over_when_the_launch_is_cut_short",)),
+    Mutant("emit_config_overwrite_ignored", "src/orangetron/cli/run_config.py",
+           (("    if target.exists() and not overwrite:", "    if target.exists():"),),
+           ("tests/test_outputs.py::test_emit_config_replaces_only_a_file_plan_wrote",)),
+    Mutant("emit_config_replaces_without_moving_aside", "src/orangetron/cli/run_config.py",
+           (("                aside = move_aside(target)\n", "                aside = target\n"),),
+           ("tests/test_outputs.py::test_emit_config_replaces_only_a_file_plan_wrote",)),
 ]
 
 

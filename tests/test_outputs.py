@@ -78,11 +78,18 @@ def test_emit_config_replaces_only_a_file_plan_wrote(tmp_path, capsys) -> None:
     edited = emitted.read_text() + "steps = 5000  # my edit\n"
     emitted.write_text(edited)  # the header still says `plan` wrote it
     capsys.readouterr()
-    _refused(capsys, [*PLAN, "--emit-config", str(emitted)], "was edited since `plan` wrote it")
+    _refused(capsys, [*PLAN, "--emit-config", str(emitted)], "was edited since `plan` wrote it; give another "
+             "name, or add --overwrite to move it aside")
     assert emitted.read_text() == edited
     older = "\n".join(line for line in edited.splitlines() if not line.startswith("# plan replaces this file"))
     emitted.write_text(older)  # an older plan's file: no hash to tell an edit by, not "edited"
     _refused(capsys, [*PLAN, "--emit-config", str(emitted)], "written by an older `plan`")
+    # --overwrite, which plan took and ignored here, moves the file aside and says where
+    assert main([*PLAN, "--emit-config", str(emitted), "--overwrite"]) == 0
+    assert (tmp_path / "p.toml.previous-1").read_text() == older and "# my edit" not in emitted.read_text()
+    assert f"wrote {emitted} (the former file moved to {tmp_path / 'p.toml.previous-1'})" in capsys.readouterr().err
+    assert main([*PLAN, "--emit-config", str(notes), "--overwrite"]) == 0
+    assert (tmp_path / "notes.txt.previous-1").read_text() == "my notes\n"
 
 
 def test_a_second_tokenizer_overwrite_moves_the_pair_to_one_suffix(tmp_path, capsys) -> None:

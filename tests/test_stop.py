@@ -114,6 +114,43 @@ def test_a_ctrl_c_while_train_imports_is_not_lost(monkeypatch, capsys) -> None:
     assert signal.getsignal(signal.SIGINT) is handler
 
 
+def test_a_ctrl_c_before_the_ranks_start_is_not_lost_where_sigint_was_ignored(monkeypatch, capsys) -> None:
+    """A background job of a script starts with SIGINT ignored. The launcher takes SIGINT as a stop request all
+    the same, but one sent between the imports and the launcher's handler was dropped: the run went on to its
+    end and exited 0. Simulated by a `train` that is sent SIGINT as it starts."""
+    import time
+
+    from orangetron.train import trainer
+
+    def interrupted_as_it_starts(cfg, progress=True):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs here
+        return {"stopped": None}
+
+    monkeypatch.setattr(trainer, "train", interrupted_as_it_starts)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert cli.main(["train", "--model", "tiny", "--steps", "1", "--seq-len", "8", "--quiet"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "orangetron train: interrupted" in capsys.readouterr().err
+
+
+def test_ranks_not_yet_started_are_passed_over_when_the_launch_is_cut_short() -> None:
+    """A Ctrl-C during the launch (before the last rank started) ended in AttributeError from killing a process
+    never started, which hid the interrupt."""
+    import multiprocessing as mp
+    import time
+
+    from orangetron.train.launch import _kill
+
+    ctx = mp.get_context("fork")
+    started, never = ctx.Process(target=time.sleep, args=(30,)), ctx.Process(target=time.sleep, args=(30,))
+    started.start()
+    _kill([started, never])
+    assert started.exitcode == -signal.SIGKILL and never.pid is None
+
+
 def test_ranks_agree_on_a_signal_one_of_them_received_outside_the_measured_traffic() -> None:
     assert run_distributed(_agree, 2, args=(1,)) == [(signal.SIGTERM, [], "all_reduce")] * 2
     assert [agreed for agreed, _, _ in run_distributed(_agree, 2, args=(-1,))] == [0, 0]

@@ -143,7 +143,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                            "counts) may take; below 1 keeps headroom")
     plan.add_argument("--chart", metavar="FILE.png", help="bar chart of the best configurations")
     plan.add_argument("--overwrite", action="store_true",
-                      help="move an existing --chart file aside to FILE.previous-N instead of refusing it")
+                      help="move an existing --chart file, or an --emit-config file that `plan` did not write "
+                           "unedited, aside to FILE.previous-N instead of refusing it")
     plan.add_argument("--emit-config", metavar="FILE.toml",
                       help="write the fastest configuration the trainer runs as a run's config file, which "
                            "`train --config` starts and `estimate --config` prices")
@@ -441,7 +442,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.emit_config:
         from orangetron.cli.run_config import check_emit_path
 
-        check_emit_path(args.emit_config)  # before the search, not after it
+        check_emit_path(args.emit_config, args.overwrite)  # before the search, not after it
     spec = load_model(args.model)
     if isinstance(spec, ModelSpec):
         _note_longer_than_the_folder("plan", args.model, spec, args.seq)
@@ -512,9 +513,11 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.emit_config:  # after the ranking, which stays on screen when the trainer runs none of it
         from orangetron.cli.run_config import emit_config
 
-        rank, passed_over = emit_config(result.ranked, args.emit_config)
+        moved: list[Path] = []
+        rank, passed_over = emit_config(result.ranked, args.emit_config, args.overwrite, moved)
         skipped = f"; the trainer does not run {'; '.join(passed_over)}" if passed_over else ""
-        print(f"wrote {args.emit_config}: configuration #{rank}{skipped}", file=sys.stderr)
+        aside = f" (the former file moved to {moved[0]})" if moved else ""
+        print(f"wrote {args.emit_config}{aside}: configuration #{rank}{skipped}", file=sys.stderr)
     return 0
 
 

@@ -27,6 +27,7 @@ from orangetron.spec.model import ModelSpec, parse_model
 from orangetron.spec.options import Degrees, Job
 from orangetron.spec.parallel_config import ParallelConfig, values_of
 from orangetron.spec.stages import chunk_layers
+from orangetron.train.outputs import move_aside
 
 # How the trainer overlaps the expert all-to-all, as the planner's switches price it. It pairs no micro-batches
 # (its overlap, `ep_overlap_chunks`, stays within one). Its shared experts run while the forward combine travels
@@ -105,35 +106,44 @@ def _unedited(text: str) -> bool:
     return header.startswith(EMITTED) and digest == _body_sha256(body)
 
 
-def check_emit_path(path: str) -> None:
-    """Refuse an --emit-config `path` whose folder is missing, or which holds a file `plan` did not write."""
+def check_emit_path(path: str, overwrite: bool = False) -> None:
+    """Refuse an --emit-config `path` whose folder is missing, or which holds a file `plan` did not write (or
+    wrote and someone edited) unless `overwrite`, which moves that file aside when the new one is written."""
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(f"--emit-config {path}: no such folder {str(target.parent)!r}")
     if target.is_dir():
         raise ValueError(f"--emit-config {path}: is a folder; give a file name")
-    if target.exists():
+    if target.exists() and not overwrite:
         text = target.read_text(encoding="utf-8", errors="replace")
         if not text.startswith(EMITTED):
             raise ValueError(f"--emit-config {path}: exists and is not a configuration `plan` wrote; give "
-                             "another name")
+                             "another name, or add --overwrite to move it aside")
         if UNEDITED not in text:
             raise ValueError(f"--emit-config {path}: written by an older `plan`, whose files carry no hash of their "
-                             "lines to tell an edit by; give another name, or remove it")
+                             "lines to tell an edit by; give another name, or add --overwrite to move it aside")
         if not _unedited(text):
-            raise ValueError(f"--emit-config {path}: was edited since `plan` wrote it; give another name, or "
-                             "remove it")
+            raise ValueError(f"--emit-config {path}: was edited since `plan` wrote it; give another name, or add "
+                             "--overwrite to move it aside")
 
 
-def emit_config(ranked: list[Estimate], path: str) -> tuple[int, list[str]]:
+def emit_config(ranked: list[Estimate], path: str, overwrite: bool = False,
+                moved: list[Path] | None = None) -> tuple[int, list[str]]:
     """Write the first row of `ranked` the trainer runs to `path`; (its 1-based rank, why earlier rows were
-    passed over). ValueError when no row runs, or when `path` may not be written (`check_emit_path`)."""
-    check_emit_path(path)
+    passed over). ValueError when no row runs, or when `path` may not be written (`check_emit_path`). A file
+    `plan` wrote and nobody edited is replaced; with `overwrite` any other moves aside first, and `moved`, when
+    given, gets where."""
+    check_emit_path(path, overwrite)
     passed_over: dict[str, list[int]] = {}  # each reason once, with the ranks it turned away
     for rank, row in enumerate(ranked, start=1):
         reason = _refusal(row)
         if reason is None:
-            _write(row, rank, Path(path))
+            target = Path(path)
+            if target.exists() and not _unedited(target.read_text(encoding="utf-8", errors="replace")):
+                aside = move_aside(target)
+                if moved is not None:
+                    moved.append(aside)
+            _write(row, rank, target)
             return rank, _by_reason(passed_over)
         passed_over.setdefault(reason, []).append(rank)
     raise ValueError(f"--emit-config {path}: the trainer runs none of the {len(ranked)} ranked configurations ("

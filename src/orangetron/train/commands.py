@@ -325,7 +325,10 @@ def _interrupt_after_imports() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # A process started with SIGINT ignored (a background job of a script) gets Python's handler, not the
+        # ignore, back: the ranks' launcher takes SIGINT as a stop request whatever came before, and one sent
+        # before it installs that was dropped while the run went on to its end.
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous == signal.SIG_IGN else previous)
     if held:
         raise KeyboardInterrupt
 

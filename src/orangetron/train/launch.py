@@ -166,10 +166,12 @@ def _watch(procs: list[Any], cells: Any) -> _Ending:
 
 
 def _kill(procs: list[Any]) -> None:
-    for p in procs:
+    """End the started ones (a Ctrl-C may come before the last starts: killing one never started raised over it)."""
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
         if p.exitcode is None:
             p.kill()
-    for p in procs:
+    for p in started:
         p.join()
 
 
