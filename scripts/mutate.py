@@ -2777,6 +2777,10 @@ MUTANTS = [
     Mutant("emit_config_replaces_without_moving_aside", "src/orangetron/cli/run_config.py",
            (("                aside = move_aside(target)\n", "                aside = target\n"),),
            ("tests/test_outputs.py::test_emit_config_replaces_only_a_file_plan_wrote",)),
+    Mutant("run_written_into_the_folder_it_imports", "src/orangetron/train/run_folder.py",
+           (("        if source is not None and Path(source).is_dir() and Path(source).resolve() == Path(cfg.out)"
+             ".resolve():", "        if False:"),),
+           ("tests/test_hf_train.py::test_export_refuses_the_folder_the_run_was_imported_from",)),
 ]
 
 

@@ -213,6 +213,12 @@ def test_export_refuses_the_folder_the_run_was_imported_from(tmp_path, capsys):
     assert main(["export", str(run), "--hf", "-o", str(tmp_path / "out")]) == 2
     assert main(["export", str(run), "--hf", "-o", str(tmp_path / "out"), "--overwrite"]) == 0
     assert (tmp_path / "out.previous-1" / "model.safetensors").is_file()
+    # a new run into the folder it imports wrote its checkpoints and record among the model's files
+    before = sorted(p.name for p in folder.iterdir())
+    assert main(["train", "--hf-model", str(folder), "--steps", "1", "--seq-len", "16", "--batch-size", "4",
+                 "--out", str(folder), "--quiet"]) == 2
+    assert "(--out): the --hf-model folder the run reads" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == before
 
 
 def test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of(tmp_path):

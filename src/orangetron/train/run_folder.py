@@ -126,6 +126,10 @@ def claim(cfg: TrainConfig) -> None:
             check_resume(cfg, record)
         _check_checkpoint(cfg, latest)
         return
+    for flag, source in (("--hf-model", cfg.hf_model), ("--tokenizer", cfg.tokenizer)):
+        if source is not None and Path(source).is_dir() and Path(source).resolve() == Path(cfg.out).resolve():
+            raise TrainConfigError(f"out={cfg.out!r} (--out): the {flag} folder the run reads; its checkpoints, "
+                                   "record and metrics would mix with those files: give the run a folder of its own")
     occupant = _occupant(Path(cfg.out))
     if occupant is None:
         return
