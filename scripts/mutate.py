@@ -2781,6 +2781,10 @@ MUTANTS = [
            (("        if source is not None and Path(source).is_dir() and Path(source).resolve() == Path(cfg.out)"
              ".resolve():", "        if False:"),),
            ("tests/test_hf_train.py::test_export_refuses_the_folder_the_run_was_imported_from",)),
+    Mutant("moved_dataset_unnamed", "src/orangetron/train/run_folder.py",
+           (("    moved = _moved_dataset(cfg.prepared_data, recorded) if cfg.prepared_data else None\n",
+             "    moved = None\n"),),
+           ("tests/test_prepare_data.py::test_a_dataset_moved_aside_is_named_by_the_resume_it_refuses",)),
 ]
 
 

@@ -272,6 +272,20 @@ def test_a_token_file_edited_in_place_is_refused_on_resume_and_a_touched_copy_is
         train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), resume=True), progress=False)
 
 
+def test_a_dataset_moved_aside_is_named_by_the_resume_it_refuses(tmp_path):
+    """`prepare-data --overwrite` into the folder a run trained on moved its dataset to DIR.previous-1: the
+    resume was refused without a word of where the run's data had gone."""
+    _, files = _corpus(tmp_path)
+    prepare_data(files, tmp_path / "data", "byte", progress=False)
+    train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), stop_after=2), progress=False)
+    prepare_data(files[:1], tmp_path / "data", "byte", progress=False, overwrite=True)
+    with pytest.raises(TrainConfigError, match=re.escape(
+            f"the run's dataset is at {tmp_path / 'data.previous-1'}, where an --overwrite moved it: give that "
+            "with --data; or to continue on other data")):
+        train(_cfg(tmp_path / "data", out=str(tmp_path / "run"), resume=True), progress=False)
+    train(_cfg(tmp_path / "data.previous-1", out=str(tmp_path / "run"), resume=True), progress=False)
+
+
 def test_a_tokenizer_trained_again_after_prepare_data_is_refused(tmp_path):
     (tmp_path / "corpus.txt").write_text(stdlib_corpus(20_000), encoding="utf-8")
     bpe = train_tokenizer([str(tmp_path / "corpus.txt")], tmp_path / "bpe", vocab=300)

@@ -268,8 +268,20 @@ def _check_same_data(cfg: TrainConfig, given: dict[str, Any], recorded: dict[str
     # The embedded corpus changes only with --corpus-bytes (or the interpreter's library): no --data names it.
     hint = ("give the recorded --corpus-bytes" if recorded.get("source") == given["source"] == "stdlib"
             else "to continue on other data give it with --data and add --new-data")
+    moved = _moved_dataset(cfg.prepared_data, recorded) if cfg.prepared_data else None
+    if moved is not None:
+        hint = f"the run's dataset is at {moved}, where an --overwrite moved it: give that with --data; or {hint}"
     raise TrainConfigError(f"data (--data): differs from the run's record in {Path(cfg.out) / CONFIG_FILE} "
                            f"(recorded {_data_summary(recorded)}; now {_data_summary(given)}); {hint}")
+
+
+def _moved_dataset(folder: str, recorded: dict[str, Any]) -> Path | None:
+    """The `FOLDER.previous-N` beside `folder` that holds the recorded dataset (`prepare-data --overwrite` moved
+    it there), if one does."""
+    for aside in sorted(Path(folder).parent.glob(f"{Path(folder).name}.previous-*")):
+        if (aside / "dataset.json").is_file() and meta_sha256(aside) == recorded.get("sha256"):
+            return aside
+    return None
 
 
 def _data_summary(record: dict[str, Any]) -> str:
