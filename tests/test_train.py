@@ -468,12 +468,13 @@ def test_version_is_the_installed_package(capsys) -> None:
 
 
 def test_a_message_that_names_its_flag_after_a_list_gets_no_second_one() -> None:
-    """`data=['d', 'd'] (--data): ...` became `data=['d', (--data) 'd'] (--data): ...`: the value's space ended
-    the field's match before the flag the message gave."""
+    """`data=['d', 'd'] (--data): ...` became `data=['d', (--data) 'd'] (--data): ...`: the list's space ended
+    the field's match before the flag the message gave (or, where it gave none, the flag went inside the list)."""
     from orangetron.cli.wording import flag_named
 
     given = "data=['d', 'd'] (--data): a prepared dataset folder comes alone"
     assert flag_named(given, {"data": "--data"}) == given
+    assert flag_named("modules=['a', 'b'] with x: no", {"modules": "--m"}) == "modules=['a', 'b'] (--m) with x: no"
     assert flag_named("steps=0: must be >= 1", {"steps": "--steps"}) == "steps=0 (--steps): must be >= 1"
     # a shared rule worded with the trainer's flag, raised under estimate, whose flag is spelled otherwise
     assert flag_named("seq_len=8 (--seq-len): too short", {"seq_len": "--seq"}) == "seq_len=8 (--seq-len): too short"

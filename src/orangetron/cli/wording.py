@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-_LEADING_FIELD = re.compile(r"([a-z][a-z0-9_]*)(=[^\s:]*)?")
+_LEADING_FIELD = re.compile(r"([a-z][a-z0-9_]*)(=\[[^\]]*\]|=[^\s:]*)?")  # a list value, spaces and all
 
 
 def counted(number: int, noun: str, plural: str | None = None) -> str:
@@ -17,12 +17,12 @@ def counted(number: int, noun: str, plural: str | None = None) -> str:
 def flag_named(message: str, flags: dict[str, str]) -> str:
     """`message` with `flags[field]` in brackets after the field (and its value) it starts with: the spec's
     rules name the option's field, which a command line user sets by a flag of another spelling. A field is
-    written `name=value`, or as an identifier with an underscore; a message that names its flag (in brackets,
-    anywhere) is left as is."""
+    written `name=value` (a list value `[...]` whole), or as an identifier with an underscore; a message that
+    names its flag is left as is."""
     found = _LEADING_FIELD.match(message)
     field = found.group(1) if found and (found.group(2) or "_" in found.group(1)) else None  # not a plain word
-    if field not in flags or message[found.end():].startswith(" (--") or f"({flags[field]})" in message:
-        return message  # a value with spaces (a list) ends the match early: the flag may follow it
+    if field not in flags or message[found.end():].startswith(" (--"):
+        return message
     return f"{message[:found.end()]} ({flags[field]}){message[found.end():]}"
 
 
