@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from orangetron.plan.fp8 import ACTIVATION_TILE
@@ -203,9 +203,15 @@ def expert_dispatch_bytes(m: ModelSpec, x: LayerShape, job: Job, ep: int) -> int
 def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> int:
     """Bytes one layer saves for backward for one micro-batch on one GPU, under `job.recompute`."""
     x = layer_shape(deg, job)
-    sb, h = x.s * x.b, m.hidden_size
     if job.recompute == "full":
-        return x.a * sb * h // x.rep  # the checkpointed layer input
+        return x.a * x.s * x.b * m.hidden_size // x.rep  # the checkpointed layer input
+    return _whole_layer_bytes(m, deg, job, moe) - module_replay_bytes(m, deg, job, moe)[0]
+
+
+def _whole_layer_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> int:
+    """What a layer keeps when nothing of it replays."""
+    x = layer_shape(deg, job)
+    sb, h = x.s * x.b, m.hidden_size
     norms = 2 * x.a * sb * h // x.rep
     ffn = moe_bytes(m, x, job, deg.etp) + expert_dispatch_bytes(m, x, job, deg.ep) if moe else \
         mlp_bytes(m, x, m.ffn_hidden_size)
@@ -214,9 +220,7 @@ def layer_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> i
     if moe and m.router_z_loss_coef:  # the z-loss keeps the router logits (and the global count)
         ffn += x.acc * sb * m.num_experts // x.rep + (x.acc if deg.dp_cp > 1 or x.sp else 0)
     mask = sb * h // x.rep if m.dropout else 0
-    if "alternate_mm" in job.recompute_modules:
-        return alternate_mm_bytes(m, x)
-    return norms + attention_bytes(m, x, job) + ffn + mask - module_replay_bytes(m, x, job, moe, deg.etp)[0]
+    return norms + attention_bytes(m, x, job) + ffn + mask
 
 
 def alternate_mm_bytes(m: ModelSpec, x: LayerShape) -> int:
@@ -237,10 +241,11 @@ def _mla_qkv_bytes(m: ModelSpec, x: LayerShape) -> int:
     return x.a * x.s * x.b * (heads * m.qk_head_dim + kv * m.qk_head_dim + kv * m.v_dim)
 
 
-def module_replay_bytes(m: ModelSpec, x: LayerShape, job: Job, moe: bool, etp: int = 1) -> tuple[int, int]:
+def module_replay_bytes(m: ModelSpec, deg: Degrees, job: Job, moe: bool) -> tuple[int, int]:
     """(bytes freed, bytes a replay brings back besides them) of one layer's replayed modules, under
     Megatron-Core's Transformer Engine layer spec: a norm fused into the GEMM after it (plain attention's QKV
-    projection, a dense MLP's first GEMM, MLA's latent norms) is not a module of its own.
+    projection, a dense MLP's first GEMM, MLA's latent norms) is not a module of its own. torchtitan's
+    "alternate_mm" frees all but `alternate_mm_bytes`, and its replay brings that back.
 
     "layernorm": the norms that stand alone: MLA's input norm, whose output the down-projections keep, and a
     MoE layer's pre-MLP norm, whose output the router keeps (16-bit) and the shared experts' first GEMM (its cast
@@ -253,7 +258,9 @@ def module_replay_bytes(m: ModelSpec, x: LayerShape, job: Job, moe: bool, etp: i
     needs beside what it brings back.
     "mlp": a dense MLP whole; its input is the pre-norm residual, kept anyway. "moe_act": the experts'
     activation output, the down projection's input (its cast under FP8)."""
-    modules = job.recompute_modules
+    x, etp, modules = layer_shape(deg, job), deg.etp, job.recompute_modules
+    if "alternate_mm" in modules:
+        return _whole_layer_bytes(m, deg, job, moe) - alternate_mm_bytes(m, x), 0
     hidden = x.s * x.b * m.hidden_size // x.rep
     cast = x.gemm_input(hidden)  # a GEMM's saved input of the hidden width
     fp8 = x.g < x.a
@@ -436,12 +443,8 @@ def _replay_transient(m: ModelSpec, deg: Degrees, job: Job, stage: int, layers: 
     """Bytes backward adds while it replays a layer's forward under full recompute: the largest replayed layer's
     activations, less what the chunk's kept layers freed first (their backward runs before the replays). Replayed
     modules bring back one layer's module outputs while that layer's backward runs, before anything is freed."""
-    if "alternate_mm" in job.recompute_modules and layers:  # the replay brings back the whole layer
-        return max(layer_activation_bytes(m, deg, replace(job, recompute_modules=()), moe)
-                   - layer_activation_bytes(m, deg, job, moe) for moe in {m.is_moe_layer(i) for i in layers})
     if job.recompute_modules and layers:
-        x = layer_shape(deg, job)
-        return max(sum(module_replay_bytes(m, x, job, moe, deg.etp)) for moe in {m.is_moe_layer(i) for i in layers})
+        return max(sum(module_replay_bytes(m, deg, job, moe)) for moe in {m.is_moe_layer(i) for i in layers})
     if job.recompute != "full" or not layers:
         return 0
     split = dict(replay_split(m.num_layers, deg.pp, job.virtual_stages, stage, job.recompute_layers, layers,

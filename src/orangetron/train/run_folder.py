@@ -36,7 +36,7 @@ from orangetron.spec.parallel_config import ParallelConfig
 from orangetron.train.config import TrainConfig, TrainConfigError, _flag
 from orangetron.train.config_file import write_resolved_config
 from orangetron.train.corpus import read_text_files, stdlib_corpus
-from orangetron.train.datasets import DOCUMENTS_FILE, TOKENS_FILE, meta_sha256, read_meta
+from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, TOKENS_FILE, meta_sha256, read_meta
 from orangetron.train.outputs import check_holds_no_input, move_aside
 
 CONFIG_FILE = "config.toml"
@@ -279,7 +279,7 @@ def _moved_dataset(folder: str, recorded: dict[str, Any]) -> Path | None:
     """The `FOLDER.previous-N` beside `folder` that holds the recorded dataset (`prepare-data --overwrite` moved
     it there), if one does."""
     for aside in sorted(Path(folder).parent.glob(f"{Path(folder).name}.previous-*")):
-        if (aside / "dataset.json").is_file() and meta_sha256(aside) == recorded.get("sha256"):
+        if (aside / DATASET_FILE).is_file() and meta_sha256(aside) == recorded.get("sha256"):
             return aside
     return None
 
