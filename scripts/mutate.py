@@ -2202,10 +2202,10 @@ MUTANTS = [
     Mutant("move_aside_gives_up_on_a_folder_taken_since", "src/orangetron/train/outputs.py",
            (("(errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR)", "(errno.EEXIST,)"),),
            ("tests/test_outputs.py::test_move_aside_never_replaces_what_another_command_moved_there_since",)),
-    Mutant("report_unit_one_step_too_small", "src/orangetron/cli/plan.py",
+    Mutant("report_unit_one_step_too_small", "src/orangetron/cli/wording.py",
            (("if largest >= 0.1 * size), units[-1])", "if largest >= size), units[-1])"),),
            ("tests/test_plan_cli.py::test_a_tiny_models_report_reads_in_units_where_its_figures_are_not_zero",)),
-    Mutant("report_always_in_gib_and_seconds", "src/orangetron/cli/plan.py",
+    Mutant("report_always_in_gib_and_seconds", "src/orangetron/cli/wording.py",
            (("    return next(((name, size) for name, size in units if largest >= 0.1 * size), units[-1])",
              "    return units[0]"),),
            ("tests/test_plan_cli.py::test_a_tiny_models_report_reads_in_units_where_its_figures_are_not_zero",)),
@@ -2784,6 +2784,12 @@ MUTANTS = [
            (("    moved = _moved_dataset(cfg.prepared_data, recorded) if cfg.prepared_data else None\n",
              "    moved = None\n"),),
            ("tests/test_prepare_data.py::test_a_dataset_moved_aside_is_named_by_the_resume_it_refuses",)),
+    Mutant("prepare_progress_always_in_mib", "src/orangetron/train/prepare.py",
+           (("self.unit = unit_for(self.total, BYTE_UNITS)", 'self.unit = ("MiB", 2**20)'),),
+           ("tests/test_prepare_data.py::test_progress_reads_in_a_unit_its_input_is_not_zero_in",)),
+    Mutant("export_keeps_the_sources_transformers_version", "src/orangetron/spec/hf_config.py",
+           (('    not_ours_to_claim = ("transformers_version",)', "    not_ours_to_claim = ()"),),
+           ("tests/test_hf.py::test_a_written_config_keeps_the_sources_token_ids_but_not_its_transformers_version",)),
 ]
 
 

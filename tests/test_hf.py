@@ -19,6 +19,7 @@ import hf_models  # noqa: E402
 
 import orangetron.hf as hf  # noqa: E402
 from orangetron.spec.hf_config import HFConfigError, hf_config_of, read_config, spec_from_hf  # noqa: E402
+from orangetron.spec.model import ModelSpec  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -146,6 +147,13 @@ def test_moe_family_configs_map_both_spellings_and_refuse_by_name(tmp_path):
         written = hf_config_of(spec, "float64", config)
         assert written["model_type"] == config["model_type"] and spec_from_hf(written) == spec
         assert spec_from_hf(hf_config_of(spec, "float64")) == spec  # without the source: the family is inferred
+
+
+def test_a_written_config_keeps_the_sources_token_ids_but_not_its_transformers_version():
+    spec = ModelSpec("tiny", hidden_size=16, num_layers=2, num_heads=4, vocab_size=64, ffn_hidden_size=32)
+    source = {**hf_config_of(spec, "float32"), "bos_token_id": 7, "transformers_version": "4.40.0"}
+    written = hf_config_of(spec, "float32", source)
+    assert written["bos_token_id"] == 7 and "transformers_version" not in written
 
 
 def test_refused_tensor_is_named(tmp_path):

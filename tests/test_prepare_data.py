@@ -18,7 +18,7 @@ from orangetron.cli.wording import counted
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.corpus import read_text_documents, stdlib_corpus
 from orangetron.train.datasets import PreparedDataset, TokenWindows
-from orangetron.train.prepare import prepare_data, train_tokenizer
+from orangetron.train.prepare import ByteProgress, prepare_data, train_tokenizer
 from orangetron.train.tokenizer import ByteTokenizer, HFTokenizer
 from orangetron.train.trainer import load_data, train
 
@@ -79,6 +79,16 @@ def _corpus(tmp_path):
     text = tmp_path / "last.txt"
     text.write_text(docs[3], encoding="utf-8")
     return docs, [str(jsonl), str(text)]
+
+
+def test_progress_reads_in_a_unit_its_input_is_not_zero_in():
+    small, large = io.StringIO(), io.StringIO()
+    bar = ByteProgress(3000, enabled=True, stream=small)
+    bar.advance(3000, 3001)
+    bar = ByteProgress(5 * 2**30, enabled=True, stream=large)
+    bar.advance(5 * 2**30, 7)
+    assert " 2.9 KiB, 3,001 tokens, " in small.getvalue()  # 3000 bytes: not "0.0 MiB"
+    assert " 5.0 GiB, 7 tokens, " in large.getvalue() and large.getvalue().rstrip().endswith(" GiB/s")
 
 
 def test_prepare_data_writes_each_document_then_eos(tokenizer_dir, tmp_path):

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from orangetron.cli.presets import add_presets_command
-from orangetron.cli.wording import counted
+from orangetron.cli.wording import BYTE_UNITS, SECOND_UNITS, counted, unit_for
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.memory import busiest_stage
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
@@ -393,20 +393,10 @@ def _recipe_flag(args: argparse.Namespace) -> str:
     return args.fp8_recipe or "delayed"
 
 
-_BYTES = (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-_SECONDS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
-
-
-def _unit(largest: float, units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
-    """The largest unit in which `largest` reads at least 0.1, so that a tiny model's figures are not all
-    0.00 (the smallest unit when none does)."""
-    return next(((name, size) for name, size in units if largest >= 0.1 * size), units[-1])
-
-
 def format_estimate(est: Estimate) -> str:
     """Human-readable report of one estimate, each table in the unit its largest tensor or step reads in."""
     d, mem, t = est.degrees, est.memory, est.time
-    unit, size = _unit(max(mem.get(k, 0) for k in ESTIMATED_TENSORS), _BYTES)
+    unit, size = unit_for(max(mem.get(k, 0) for k in ESTIMATED_TENSORS), BYTE_UNITS)
     lines = [f"{est.model.name} on {d.world_size} x {est.cluster.gpu.name} "
              f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {est.job.seq_len}, "
              f"micro-batch {est.job.micro_batch}, "
@@ -420,11 +410,11 @@ def format_estimate(est: Estimate) -> str:
                  "allocator keeps when short of memory)")
     lines.append(f"  capacity     {est.cluster.gpu.memory_bytes / size:10.2f}" + ("" if est.fits else
                                                                                    "  (does NOT fit)"))
-    unit, size = _unit(max((row["sent"] for row in est.comm.values()), default=0), _BYTES)
+    unit, size = unit_for(max((row["sent"] for row in est.comm.values()), default=0), BYTE_UNITS)
     lines.append(f"communication per step ({unit} sent by one rank of stage 0):")
     for key, row in est.comm.items():
         lines.append(f"  {key:<22} {row['sent'] / size:10.3f}  ({counted(row['calls'], 'call')})")
-    unit, size = _unit(t.step_s, _SECONDS)
+    unit, size = unit_for(t.step_s, SECOND_UNITS)
     exposed = " ".join(f"{dim} {getattr(t, dim + '_s') / size:.3f}" for dim in ("tp", "cp", "ep", "pp", "dp"))
     lines.append(f"step time {t.step_s / size:.3f} {unit}: compute {t.compute_s / size:.3f}, bubble "
                  f"{t.bubble_s / size:.3f}, exposed comm {exposed}, optimizer {t.optimizer_s / size:.3f}")
@@ -623,7 +613,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def format_ranking(ranked: list[Estimate]) -> str:
     """The ranked layouts, a row each; the step time in the unit the slowest reads in."""
-    unit, size = _unit(max((e.time.step_s for e in ranked), default=0), _SECONDS)
+    unit, size = unit_for(max((e.time.step_s for e in ranked), default=0), SECOND_UNITS)
     head = (f"{'#':>2} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>4} {'ep':>3} {'mb':>3} {'zero':<9} "
             f"{'recomp':<9} {'cp mode':<9} {'need GiB':>8} {'step ' + unit:>8} {'MFU %':>6}")
     rows = [head]

@@ -1,5 +1,5 @@
-"""How the command lines word what they print: a count ("1 document", "2 documents", "1,024 tokens"), and the
-flag beside an option's field name in an error the spec raised."""
+"""How the command lines word what they print: a count ("1 document", "2 documents", "1,024 tokens"), the unit
+a figure reads in, and the flag beside an option's field name in an error the spec raised."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ _LEADING_FIELD = re.compile(r"([a-z][a-z0-9_]*)(=\[[^\]]*\]|=[^\s:]*)?")  # a li
 def counted(number: int, noun: str, plural: str | None = None) -> str:
     """`number` (with thousands separators) and `noun`, in the plural (`plural`, else noun + "s") unless one."""
     return f"{number:,} {noun if number == 1 else plural or noun + 's'}"
+
+
+BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+SECOND_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
+
+
+def unit_for(largest: float, units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
+    """(name, size) of the largest of `units` in which `largest` reads at least 0.1, so that a small figure is
+    not 0.0 (the smallest unit when none does)."""
+    return next(((name, size) for name, size in units if largest >= 0.1 * size), units[-1])
 
 
 def flag_named(message: str, flags: dict[str, str]) -> str:

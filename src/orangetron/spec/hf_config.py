@@ -362,7 +362,10 @@ def hf_config_of(spec: ModelSpec, dtype: str, base: dict[str, Any] | None = None
                 "low_freq_factor": spec.rope_low_freq_factor, "high_freq_factor": spec.rope_high_freq_factor,
                 "original_max_position_embeddings": spec.rope_original_max_positions}
     spelled_by_family = ("rope_scaling", "torch_dtype", "num_experts", "num_local_experts", "layer_types")
-    config = {k: v for k, v in (base or {}).items() if k not in spelled_by_family}
+    # The version of transformers that wrote `base`: this file is not its writing, and it spells rope as
+    # transformers 5 does, so an older version's label would misdate it.
+    not_ours_to_claim = ("transformers_version",)
+    config = {k: v for k, v in (base or {}).items() if k not in spelled_by_family + not_ours_to_claim}
     config |= {
         "architectures": [ARCHITECTURES[family]], "model_type": family, "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from orangetron.cli.wording import counted
+from orangetron.cli.wording import BYTE_UNITS, counted, unit_for
 from orangetron.spec.digest import file_record, file_sha256
 from orangetron.train.corpus import FILE_SEPARATOR, file_documents
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, FORMAT, TOKENS_FILE, VERSION
@@ -107,6 +107,7 @@ class ByteProgress:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.next_tenth, self.started = 1, time.perf_counter()
+        self.unit = unit_for(self.total, BYTE_UNITS)  # the input's size picks it: a small file is not "0.0 MiB"
 
     def advance(self, nbytes: int, tokens: int) -> None:
         self.done += nbytes
@@ -114,8 +115,9 @@ class ByteProgress:
             return
         fraction = min(self.done / self.total, 1.0)
         seconds = time.perf_counter() - self.started
-        text = (f"[{'#' * int(24 * fraction):-<24}] {100 * fraction:5.1f}% {self.done / 2**20:,.1f} MiB, "
-                f"{tokens:,} tokens, {self.done / 2**20 / max(seconds, 1e-9):,.1f} MiB/s")
+        unit, size = self.unit
+        text = (f"[{'#' * int(24 * fraction):-<24}] {100 * fraction:5.1f}% {self.done / size:,.1f} {unit}, "
+                f"{tokens:,} tokens, {self.done / size / max(seconds, 1e-9):,.1f} {unit}/s")
         if self.tty:
             self.stream.write("\r" + text + "\x1b[K")
         elif fraction * 10 >= self.next_tenth:
