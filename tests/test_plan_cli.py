@@ -2,10 +2,12 @@
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 
 from orangetron.cli import main as run
+from orangetron.plan.chart import sharding_label
 from orangetron.spec.options import Job
 
 
@@ -407,6 +409,8 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["estimate", "--model", "llama-9000"], "unknown model preset"),
     (["estimate", "--model", "llama3-8b", "--gpu", "tpu-v9"], "unknown gpu preset"),
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"], "divisible"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "2", "--dp", "3"],
+     "--gpus=8 but tp*cp*pp*dp = 6; leave --dp out (dp then takes the GPUs tp*cp*pp leaves) or give --gpus 6"),
     (["estimate", "--model", "llama3-8b", "--tp", "2", "--cp", "3", "--seq", "1000"], "2*cp"),
     (["estimate", "--model", "llama3-8b", "--ep", "2", "--dp", "2"], "no experts"),
     (["estimate", "--model", "llama3-8b", "--gpus", "0"], "must be >= 1"),
@@ -539,6 +543,59 @@ def test_estimate_of_a_fitting_configuration_warns_nothing(capsys):
     assert json.loads(captured.out.strip().splitlines()[-1])["fits"] is True and captured.err == ""
 
 
+def test_estimate_gives_tokens_per_gpu_and_the_causal_mfu_beside_the_full_attention_one(capsys):
+    """At 65536 tokens the full s x s attention count (MFU) and its causal half differ by far; both are printed
+    and in the JSON, with the throughput per GPU the published runs state (the JSON's `tokens_per_s` is the
+    cluster's)."""
+    argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--cp", "8", "--seq", "65536", "--global-batch", "8",
+            "--zero-stage", "3", "--recompute", "full"]
+    assert run([*argv, "--json"]) == 0
+    est = last_json(capsys)
+    assert est["tokens_per_s"] == pytest.approx(8 * 65536 / est["step_time_s"], rel=1e-12)
+    assert est["tokens_per_s_per_gpu"] == pytest.approx(est["tokens_per_s"] / 8, rel=1e-12)
+    assert 0 < est["mfu_causal"] < 0.75 * est["mfu"]  # attention is most of the FLOPs at this length
+    assert run(argv) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == (f"{est['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {est['tflops_per_gpu']:.1f} TFLOP/s per "
+                    f"GPU, MFU {100 * est['mfu']:.1f}% (attention counted whole; causal half "
+                    f"{100 * est['mfu_causal']:.1f}%; HFU {100 * est['hfu']:.1f}%)")
+
+
+def test_estimate_notes_each_option_its_layout_does_not_use_and_none_it_does(capsys):
+    idle = ["--sequence-parallel", "--virtual-stages", "2", "--cp-mode", "ulysses", "--dispatcher", "deepep",
+            "--zero3-keep-params"]
+    assert run(["estimate", "--model", "llama3-8b", "--gpus", "8", "--dp", "8", *idle]) == 0
+    notes = [line.split("note: ", 1)[1] for line in capsys.readouterr().err.splitlines() if "note: " in line]
+    assert notes == ["--sequence-parallel has no effect here: needs --tp > 1",
+                     "--cp-mode has no effect here: needs --cp > 1",
+                     "--virtual-stages has no effect here: needs --pp > 1",
+                     "--dispatcher has no effect here: needs --ep > 1",
+                     "--zero3-keep-params has no effect here: needs --zero-stage 3"]
+    assert run(["estimate", "--model", "llama3-8b", "--gpus", "1", "--zero-stage", "1", "--grad-bucket-numel",
+                "1000", "--reduce-dtype", "float32", "--recompute", "full", "--recompute-layers", "40"]) == 0
+    notes = [line.split("note: ", 1)[1] for line in capsys.readouterr().err.splitlines() if "note: " in line]
+    assert notes == ["--zero-stage has no effect here: needs --dp or --cp > 1: nothing to shard",
+                     "--grad-bucket-numel has no effect here: needs --dp, --cp or --tp > 1: no gradient reduction",
+                     "--reduce-dtype has no effect here: needs --dp or --cp > 1: no gradient reduction",
+                     "--recompute-layers has no effect here: is not below the 32 layers of the longest pipeline "
+                     "chunk: every layer replays, as with 0"]
+    used = ["--tp", "2", "--sequence-parallel", "--cp", "2", "--cp-mode", "allgather", "--pp", "2",
+            "--virtual-stages", "2", "--zero-stage", "3", "--zero3-keep-params", "--recompute", "full",
+            "--recompute-layers", "3", "--grad-bucket-numel", "0", "--reduce-dtype", "float32"]
+    assert run(["estimate", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "16",
+                *used]) == 0
+    assert "no effect" not in capsys.readouterr().err
+
+
+def test_the_fp8_row_shows_where_the_json_has_it(capsys):
+    argv = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--sequence-parallel"]
+    for flags in ([], ["--fp8"]):
+        assert run([*argv, *flags, "--json"]) == 0
+        has = "fp8" in last_json(capsys)["memory_bytes"]
+        assert run([*argv, *flags]) == 0
+        assert has == bool(flags) == any(line.split()[:1] == ["fp8"] for line in capsys.readouterr().out.splitlines())
+
+
 def test_plan_ranked_table_and_json(capsys):
     argv = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "16", "--seq", "8192", "--global-batch",
             "64", "--top", "5"]
@@ -559,6 +616,42 @@ def test_plan_restricted_degrees(capsys):
                 "--tp", "2,4", "--pp", "1", "--json"]) == 0
     ranked = last_json(capsys)["ranked"]
     assert ranked and all(e["layout"]["tp"] in (2, 4) and e["layout"]["pp"] == 1 for e in ranked)
+
+
+def test_plan_says_which_rule_every_layout_broke_and_blames_memory_only_when_it_is_why(capsys):
+    """`--ep 2` on a dense model: every configuration breaks the expert rule, which is named with its flag; a
+    model too large for its GPUs is told it does not fit, and a restriction no degree meets is named."""
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--ep", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no configuration of 8 GPUs searched can run llama3-8b; the first refused: ep=2 (--ep): the model has " \
+        "no experts (n_experts=0); use ep=1" in err and "fits" not in err
+    assert run(["plan", "--model", "llama3-405b", "--gpus", "8", "--seq", "8192"]) == 2
+    assert "no layout of 8 x h100 fits llama3-405b with seq 8192" in capsys.readouterr().err
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"]) == 2
+    assert "no layout of 8 GPUs has --tp 3: tp*cp*pp must divide the GPU count" in capsys.readouterr().err
+
+
+def test_the_table_names_each_rows_schedule_and_emit_config_looks_below_the_rows_shown(tmp_path, capsys):
+    """zb-h1 (planner only) ranks above 1F1B: the table tells the rows apart by their schedule, and with --top 1
+    `--emit-config` still finds the fastest row the trainer runs, further down, and says it is not shown."""
+    argv = ["plan", "--model", "tiny", "--gpus", "4", "--seq", "64", "--global-batch", "16", "--pp", "2",
+            "--pp-schedule", "zb-h1", "--pp-schedule", "1f1b"]
+    assert run([*argv, "--top", "3"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert rows[0].split()[5] == "schedule" and [r.split()[5] for r in rows[1:]] == ["zb-h1", "zb-h1", "1f1b"]
+    from orangetron.plan.chart import _label
+    from orangetron.plan.search import search
+    from orangetron.spec.hardware import make_cluster
+    from orangetron.spec.model import load_model
+
+    best = search(load_model("tiny"), make_cluster("h100", 4), 64, 16, top=1).ranked[0]
+    assert _label(best).endswith(sharding_label(best.job)) and "+b" in sharding_label(replace(best.job,
+                                                                                               grad_bucket_numel=8))
+    path = tmp_path / "plan.toml"
+    assert run([*argv, "--top", "1", "--emit-config", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "configuration #3 (below the 1 shown); the trainer does not run #1-#2: pp_schedule='zb-h1'" in err
+    assert 'pp_schedule = "1f1b"' in path.read_text()
 
 
 def test_plan_dual_encoder_runs_distmm(capsys):

@@ -76,7 +76,7 @@ def test_suggestions_keep_the_batch_a_default_gave_and_a_dp_that_was_given(capsy
     _each_suggestion_reproduced(capsys, LONG_8B, est)
     assert cli.main(LONG_8B) == 0
     suggested = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --")]
-    assert "--recompute full --tp 4 --dp 1 --global-batch 4" in suggested
+    assert "--recompute full --tp 4 --sequence-parallel --dp 1 --global-batch 4" in suggested
     given = [*LLAMA70, "--dp", "4", "--seq", "8192", "--global-batch", "64", "--tp", "4", "--gpus", "32"]  # pp 2
     assert cli.main([*given, "--json"]) == 0
     est = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -84,7 +84,33 @@ def test_suggestions_keep_the_batch_a_default_gave_and_a_dp_that_was_given(capsy
     _each_suggestion_reproduced(capsys, given, est)
     assert cli.main(given) == 0
     suggested = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --")]
-    assert any("--pp 4 --dp 2" in s for s in suggested) and not any("--global-batch" in s for s in suggested)
+    assert any("--pp 4" in s and s.endswith("--dp 1") for s in suggested)  # tp 8 x pp 4 leaves dp 1, named
+    assert not any("--global-batch" in s for s in suggested)
+
+
+def test_sequence_parallelism_is_offered_and_comes_with_every_larger_tp(capsys) -> None:
+    """Llama 3 70B at tp 8 without sequence parallelism: turning it on splits the activations tp ways for the
+    same bytes on the wire, so a fit with it is faster than every fit without it; a larger tp is offered with it
+    too, as `plan` ranks tp > 1."""
+    command = [*LLAMA70, "--dp", "4", "--seq", "8192", "--global-batch", "64"]
+    assert cli.main([*command, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not est["fits"]
+    steps = _each_suggestion_reproduced(capsys, command, est)
+    assert cli.main(command) == 0
+    suggested = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --")]
+    assert all("--sequence-parallel" in s for s in suggested)
+    assert cli.main([*command, "--zero-stage", "2", "--recompute-modules", "mlp", "--grad-bucket-numel", "40000000",
+                     "--json"]) == 0  # the best fit without it, as offered before sequence parallelism was
+    without = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert without["fits"] and steps[0] < without["step_time_s"]
+    small = ["estimate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--dp", "8", "--seq", "8192",
+             "--global-batch", "64"]
+    assert cli.main([*small, "--json"]) == 0
+    _each_suggestion_reproduced(capsys, small, json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert cli.main(small) == 0
+    offered = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --")]
+    assert [s for s in offered if "--tp" in s] and all("--sequence-parallel" in s for s in offered if "--tp" in s)
 
 
 def test_the_distributed_optimizer_is_not_offered_zero_1_and_buckets_are_offered(capsys) -> None:
@@ -104,7 +130,7 @@ def test_the_distributed_optimizer_is_not_offered_zero_1_and_buckets_are_offered
 
 def test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_ranks(capsys) -> None:
     """Llama 3 8B at 65536 tokens on 4 GPUs: tp 4 leaves dp 1, where a ZeRO stage shards nothing, so no suggestion
-    pairs them (it would repeat the suggestion without it); ZeRO stays suggested beside a tp 2. The overhead the
+    pairs them (it would shard over one rank); ZeRO stays suggested beside a tp 2. The overhead the
     layout needs (fixed, and 2% of 350 GiB of activations and buffers) is not among its largest categories, though
     the 19% it would reserve with room to spare (68 GiB) would be."""
     assert cli.main(["estimate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "4", "--dp", "4", "--seq",
@@ -112,8 +138,8 @@ def test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_ran
     err = capsys.readouterr().err
     assert "largest: activations 304.6, optimizer 59.8, buffers 44.9 GiB" in err
     suggested = [line.split(":")[0].strip() for line in err.splitlines() if line.startswith("  --")]
-    assert "--recompute full --tp 4 --dp 1" in suggested
-    assert "--recompute full --zero-stage 3 --tp 2 --dp 2" in suggested
+    assert "--recompute full --tp 4 --sequence-parallel --dp 1" in suggested
+    assert "--recompute full --zero-stage 3 --tp 2 --sequence-parallel --dp 2" in suggested
     assert not [s for s in suggested if "--zero-stage" in s and "--tp 4" in s]
 
 
@@ -122,8 +148,11 @@ def test_no_advice_where_it_fits_and_more_gpus_where_nothing_does(capsys) -> Non
     assert est["fits"] and "does not fit" not in err
     assert cli.main(["estimate", "--model", "llama3-405b", "--gpu", "h100", "--gpus", "8", "--tp", "8",
                      "--seq", "8192"]) == 0
-    assert "fits; `orangetron plan --gpus 8` searches every layout of these GPUs, else add GPUs" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    hint = "orangetron plan --model llama3-405b --gpu h100 --gpus 8 --seq 8192 --global-batch 1"
+    assert f"fits; `{hint}` searches every layout of these GPUs, else add GPUs" in err
+    assert cli.main(hint.split()[1:]) == 2  # the command it names runs, and finds no layout of 8 GPUs either
+    assert "no layout of 8 x h100 fits llama3-405b with seq 8192 and global batch 1" in capsys.readouterr().err
 
 
 DEEPSEEK = ["estimate", "--model", "deepseek-v3", "--gpu", "h800", "--pp", "16", "--dp", "128", "--ep", "64", "--seq",

@@ -4,6 +4,7 @@ ranks, and what the ranks measure equals what the planner predicted, category by
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 
 import pytest
@@ -65,7 +66,8 @@ def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys)
     out, err = capsys.readouterr()
     assert code == 2 and "the trainer runs none of the" in err
     assert " 1 " in out.splitlines()[2] and "fastest layouts that fit" in out  # the ranking it refused stays shown
-    assert err.count("attention_kernel='eager'") == 1 and "#1, #2" in err  # one reason, the ranks it turned away
+    assert err.count("attention_kernel='eager'") == 1  # one reason, with the ranks it turned away: every one of
+    assert "none of the 15 ranked configurations (#1-#15: attention_kernel=" in err  # the 15, not only the top 10
     assert not path.exists()
     longer = [*PLAN[:PLAN.index("--seq")], "--seq", "2048", *PLAN[PLAN.index("--seq") + 2:]]  # tiny: max_seq_len 1024
     assert cli.main([*longer, "--emit-config", str(path)]) == 2  # before: written, then refused once ranks started
@@ -210,6 +212,42 @@ def test_estimate_of_a_config_refuses_a_gpu_count_its_layout_does_not_have(tmp_p
     assert cli.main(["estimate", "--config", str(path), "--gpu", "h100", "--gpus", str(gpus)]) == 0
 
 
+def test_both_commands_refuse_a_file_whose_batch_does_not_split_over_its_micro_batches(tmp_path, capsys) -> None:
+    """`estimate` once rounded the micro-batch down (batch 16 over dp 2 and 3 micro-batches priced as 2 of 2
+    rows) and priced a run `train` refuses; both now give train's one line."""
+    path = tmp_path / "plan.toml"
+    assert cli.main([*PLAN, "--emit-config", str(path)]) == 0
+    world = tomllib.loads(path.read_text())
+    dp, batch = world.get("dp", 1), world["batch_size"]
+    bad = next(m for m in range(2, 64) if batch % (dp * m))
+    path.write_text(re.sub(r"(?m)^microbatches = \d+$", f"microbatches = {bad}", path.read_text()))
+    capsys.readouterr()
+    for argv in (["train", "--config", str(path)], ["estimate", "--config", str(path), "--gpu", "h100"]):
+        assert cli.main(argv) == 2, argv
+        assert f"batch_size={batch} (--batch-size): must divide by dp*microbatches={dp * bad}" in \
+            capsys.readouterr().err, argv
+
+
+def test_both_commands_check_a_files_values_by_trains_own_options(tmp_path, capsys) -> None:
+    """`estimate --config` once allowed float16 (a dtype the planner prices) where `train` refuses it, and worded
+    the refusal apart; a value now gets the one line `train --config` gives, file and key named."""
+    path = tmp_path / "plan.toml"
+    assert cli.main([*PLAN, "--emit-config", str(path)]) == 0
+    emitted = path.read_text()
+    for value, why in (('"float16"', "param_dtype = 'float16': must be one of float32, float64, bfloat16"),
+                       ('"ringg"', "cp_mode = 'ringg': must be one of "),
+                       ("2.5", "zero_stage = 2.5: must be an integer")):
+        key = why.split(" = ")[0]
+        text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", emitted)
+        path.write_text(text if f"\n{key} = {value}" in text else f"{key} = {value}\n" + text)
+        capsys.readouterr()
+        lines = []
+        for argv in (["train", "--config", str(path)], ["estimate", "--config", str(path), "--gpu", "h100"]):
+            assert cli.main(argv) == 2, argv
+            lines.append(capsys.readouterr().err.strip().split(": error: ", 1)[1])
+        assert lines[0] == lines[1] and lines[0].startswith(f"--config {path}: {why}"), lines
+
+
 def test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs(tmp_path, capsys) -> None:
     """The trainer pairs no micro-batches and its shared experts hide the forward combine only: `plan
     --emit-config` ranks without either overlap (said on standard error), and `estimate --config` prices the file
@@ -253,3 +291,30 @@ def test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs(t
         emit_config([paired], str(tmp_path / "paired.toml"))
     dense = estimate(load_model("tiny"), Degrees(dp=4), Job(seq_len=64, global_batch=16), cluster)  # switches on
     assert emit_config([dense], str(tmp_path / "dense.toml")) == (1, [])  # no all-to-all: they price nothing
+
+
+def test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_why_they_differ() -> None:
+    """An MoE run's steps send what their routing decides: the summary says its bytes are the last step's, and
+    why the expert rows differ from the balanced prediction; a run whose steps sent the same says neither."""
+    import io
+
+    from orangetron.train.commands import _summary
+
+    def summary(steps_differ: bool, measured: int) -> str:
+        memory = {"rank": 0, "params": 10, "activations_peak": 5}
+        per_step = {"train": {"all_to_all/ep": measured}, "eval": {}, "evaluations": 0, "steps_differ": steps_differ}
+        result = {"losses": [2.0, 1.0], "memory": [memory], "eval_loss": None, "final_loss": 1.0,
+                  "final_loss_mean10": 1.5, "params": 10, "tokens_per_s": 1.0, "mfu": None, "time_s": 1.0,
+                  "comm_per_step": [per_step], "comm": [{"rank": 0}], "warnings": [],
+                  "predicted": [{"memory": {"params": 10, "activations_peak": 5},
+                                 "comm_per_step": {"all_to_all/ep": 300}}]}
+        out = io.StringIO()
+        _summary(result, out)
+        return out.getvalue()
+
+    routed = summary(True, 296)
+    assert "by op/mesh dim; the last step's: the steps differ): all_to_all/ep 296 B" in routed
+    assert "(-4)" in routed and "the planner prices it balanced" in routed
+    even = summary(False, 300)
+    assert "the steps differ" not in even and "balanced" not in even
+

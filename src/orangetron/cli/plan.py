@@ -14,7 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from orangetron.cli.presets import add_presets_command
-from orangetron.cli.wording import BYTE_UNITS, SECOND_UNITS, counted, unit_for
+from orangetron.cli.wording import BYTE_UNITS, SECOND_UNITS, counted, flag_named, flags_of, unit_for
+from orangetron.plan.chart import sharding_label
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.memory import busiest_stage
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
@@ -28,8 +29,11 @@ from orangetron.spec.hf_config import is_hf_folder
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
 from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE_MODULES, Degrees, Job
 from orangetron.spec.parallel_config import DTYPE_BYTES, RECOMPUTE
+from orangetron.spec.stages import longest_chunk
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
+# How far down the ranking `--emit-config` looks for a row the trainer runs when none of the --top rows is one.
+EMIT_DEPTH = 200
 
 def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     """Add `estimate`, `plan` and `schedule` to the `orangetron` subcommands."""
@@ -261,7 +265,8 @@ def _degrees(args: argparse.Namespace) -> Degrees:
         raise ValueError(f"--edp={args.edp}: etp x ep x edp = {args.etp * args.ep * args.edp} must equal "
                          f"tp*cp*dp = {deg.tp * deg.cp * deg.dp}, the ranks of a stage the experts fold over")
     if args.gpus and args.gpus != deg.world_size:
-        raise ValueError(f"--gpus={args.gpus} but tp*cp*pp*dp = {deg.world_size}")
+        raise ValueError(f"--gpus={args.gpus} but tp*cp*pp*dp = {deg.world_size}; leave --dp out (dp then takes "
+                         f"the GPUs tp*cp*pp leaves) or give --gpus {deg.world_size}")
     return deg
 
 
@@ -340,9 +345,36 @@ def _note_longer_than_the_folder(command: str, name: str, model: ModelSpec, seq_
               f"{model.max_seq_len}: priced as asked, but `orangetron train` refuses such a run", file=sys.stderr)
 
 
+def _idle_options(model: ModelSpec, deg: Degrees, job: Job) -> list[str]:
+    """A line for each option set away from its default for a dimension of size 1 or a variant this layout does
+    not use, as `train` warns of its own (`TrainConfig.ineffective_options`)."""
+    default = Job(seq_len=job.seq_len)
+    no_dp = deg.dp * deg.cp == 1
+    longest = longest_chunk(model.num_layers, deg.pp, job.virtual_stages, job.pipeline_layout)
+    idle = {
+        "sequence_parallel": (deg.tp == 1, "needs --tp > 1"),
+        "cp_mode": (deg.cp == 1, "needs --cp > 1"),
+        "virtual_stages": (deg.pp == 1, "needs --pp > 1"),
+        "pp_schedule": (deg.pp == 1 and job.virtual_stages == 1, "needs --pp > 1"),  # else said of the stages
+        "dispatcher": (deg.ep == 1, "needs --ep > 1"),
+        "ep_comm_sms": (deg.ep == 1, "needs --ep > 1"),
+        "ep_comm_sms_reserved": (deg.ep == 1, "needs --ep > 1"),
+        "zero_stage": (no_dp, "needs --dp or --cp > 1: nothing to shard"),
+        "distributed_optimizer": (no_dp, "needs --dp or --cp > 1: nothing to shard"),
+        "grad_bucket_numel": (no_dp and deg.tp == 1, "needs --dp, --cp or --tp > 1: no gradient reduction"),
+        "reduce_dtype": (no_dp, "needs --dp or --cp > 1: no gradient reduction"),
+        "zero3_prefetch": (job.zero_stage != 3, "needs --zero-stage 3"),
+        "zero3_keep_params": (job.zero_stage != 3, "needs --zero-stage 3"),
+        "recompute_layers": (job.recompute_layers >= longest, f"is not below the {longest} layers of the longest "
+                             "pipeline chunk: every layer replays, as with 0"),
+    }
+    return [f"--{name.replace('_', '-')} has no effect here: {why}" for name, (unused, why) in idle.items()
+            if unused and getattr(job, name) != getattr(default, name)]
+
+
 def _no_effect_notes(model: ModelSpec, deg: Degrees, job: Job) -> list[str]:
     """A line for each option asked for that changes nothing in this layout, with the reason."""
-    notes = []
+    notes = _idle_options(model, deg, job)
     if job.zero3_reduce_every_microbatch and reduce_rounds(model, deg, job) == 1:
         why = ("a replica runs one micro-batch" if job.replica_microbatches(deg) == 1 else "partial gradients "
                "summed over tp first (sequence parallelism, kv heads fewer than tp, QK-norm) hold every reduction "
@@ -403,7 +435,8 @@ def format_estimate(est: Estimate) -> str:
              f"{est.job.replica_microbatches(d)} micro-batch(es) per step",
              _options_line(est), f"memory per GPU ({unit}){_memory_stage(est)}:"]
     for key in (*ESTIMATED_TENSORS, "overhead", "total"):
-        lines.append(f"  {key:<12} {mem.get(key, 0) / size:10.2f}")
+        if key in mem:  # fp8 only under --fp8, as in the JSON
+            lines.append(f"  {key:<12} {mem[key] / size:10.2f}")
         if key == "buffers":  # the transient categories it sums, each measured on its own by the runtime
             lines += [f"    {part:<16} {mem[part] / size:8.2f}" for part in TRANSIENT if mem.get(part)]
     lines.append(f"  needed       {mem['needed'] / size:10.2f}  (what must fit: the tensors, and the overhead the "
@@ -418,7 +451,9 @@ def format_estimate(est: Estimate) -> str:
     exposed = " ".join(f"{dim} {getattr(t, dim + '_s') / size:.3f}" for dim in ("tp", "cp", "ep", "pp", "dp"))
     lines.append(f"step time {t.step_s / size:.3f} {unit}: compute {t.compute_s / size:.3f}, bubble "
                  f"{t.bubble_s / size:.3f}, exposed comm {exposed}, optimizer {t.optimizer_s / size:.3f}")
-    lines.append(f"{t.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * t.mfu:.1f}% (HFU {100 * t.hfu:.1f}%)")
+    tokens = est.tokens_per_step / t.step_s / est.degrees.world_size
+    lines.append(f"{tokens:,.0f} tokens/s per GPU, {t.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * t.mfu:.1f}% "
+                 f"(attention counted whole; causal half {100 * t.mfu_causal:.1f}%; HFU {100 * t.hfu:.1f}%)")
     return "\n".join(lines)
 
 
@@ -480,6 +515,9 @@ def run_plan(args: argparse.Namespace) -> int:
                          if getattr(args, d))
         raise ValueError(f"no layout of {args.gpus} GPUs has {asked}: tp*cp*pp must divide the GPU count and ep "
                          "the data-parallel ranks; change the restriction or the GPU count")
+    if result.refused:  # every configuration broke a rule: memory is not why none is ranked
+        raise ValueError(f"no configuration of {args.gpus} GPUs searched can run {spec.name}; the first refused: "
+                         f"{flag_named(result.refused, flags_of(args.own_parser))}")
     if not result.ranked:
         raise ValueError(f"no layout of {args.gpus} x {cluster.gpu.name} fits {spec.name} with seq {args.seq} and "
                          f"global batch {global_batch} in {args.memory_fraction:.0%} of "
@@ -501,13 +539,18 @@ def run_plan(args: argparse.Namespace) -> int:
         print(_plan_header(args, spec.name, cluster.gpu.name, global_batch, len(result.ranked), shown))
         print(format_ranking(result.ranked))
     if args.emit_config:  # after the ranking, which stays on screen when the trainer runs none of it
-        from orangetron.cli.run_config import emit_config
+        from orangetron.cli.run_config import emit_config, trainer_runs
 
+        ranked = result.ranked
+        if result.evaluated > len(ranked) and not any(trainer_runs(row) for row in ranked):
+            ranked = search(spec, cluster, args.seq, global_batch, space, base, min(result.evaluated, EMIT_DEPTH),
+                            args.memory_fraction, _overhead(args)).ranked  # further down than --top shows
         moved: list[Path] = []
-        rank, passed_over = emit_config(result.ranked, args.emit_config, args.overwrite, moved)
+        rank, passed_over = emit_config(ranked, args.emit_config, args.overwrite, moved)
         skipped = f"; the trainer does not run {'; '.join(passed_over)}" if passed_over else ""
         aside = f" (the former file moved to {moved[0]})" if moved else ""
-        print(f"wrote {args.emit_config}{aside}: configuration #{rank}{skipped}", file=sys.stderr)
+        below = f" (below the {len(result.ranked)} shown)" if rank > len(result.ranked) else ""
+        print(f"wrote {args.emit_config}{aside}: configuration #{rank}{below}{skipped}", file=sys.stderr)
     return 0
 
 
@@ -562,7 +605,7 @@ def _options_line(est: Estimate) -> str:
     """The options priced besides the degrees, in the words of the plan table and the flags."""
     d, j = est.degrees, est.job
     fp8 = f" with fp8 ({_fp8_recipe(j.fp8_recipe, j.fp8_cached_activations)})" if j.fp8 else ""
-    parts = [_sharding(j), j.param_dtype + fp8,
+    parts = [sharding_label(j), j.param_dtype + fp8,
              f"attention {j.attention_kernel}", f"recompute {_recompute(j)}"]
     if j.reduce_dtype and j.reduce_dtype != j.param_dtype:
         parts.append(f"reduce in {j.reduce_dtype}")
@@ -592,13 +635,6 @@ def _memory_stage(est: Estimate) -> str:
     return f", pipeline stage {busiest_stage(est.model, est.degrees, est.job)} of {est.degrees.pp}, the busiest"
 
 
-def _sharding(job: Job) -> str:
-    """ddp, zero1, distopt, zero2 or zero3, with -mb for ZeRO-3 reducing every micro-batch and +b for gradients
-    reduced in buckets during backward."""
-    zero = "distopt" if job.distributed_optimizer else ("ddp" if job.zero_stage == 0 else f"zero{job.zero_stage}")
-    return zero + ("-mb" if job.zero3_reduce_every_microbatch else "") + ("+b" if job.grad_bucket_numel else "")
-
-
 def _recompute(job: Job) -> str:
     """none, selective, full, or full/r: the first r layers of each chunk replayed; then +m for each replayed
     module m."""
@@ -614,13 +650,14 @@ def _names(text: str) -> tuple[str, ...]:
 def format_ranking(ranked: list[Estimate]) -> str:
     """The ranked layouts, a row each; the step time in the unit the slowest reads in."""
     unit, size = unit_for(max((e.time.step_s for e in ranked), default=0), SECOND_UNITS)
-    head = (f"{'#':>2} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>4} {'ep':>3} {'mb':>3} {'zero':<9} "
-            f"{'recomp':<9} {'cp mode':<9} {'need GiB':>8} {'step ' + unit:>8} {'MFU %':>6}")
+    head = (f"{'#':>2} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'schedule':<11} {'dp':>4} {'ep':>3} {'mb':>3} "
+            f"{'zero':<9} {'recomp':<9} {'cp mode':<9} {'need GiB':>8} {'step ' + unit:>8} {'MFU %':>6}")
     rows = [head]
     for i, e in enumerate(ranked, 1):
         d, j = e.degrees, e.job
-        zero, mode, recompute = _sharding(j), j.cp_mode if d.cp > 1 else "-", _recompute(j)
-        rows.append(f"{i:>2} {d.tp:>3} {d.cp:>3} {d.pp:>3} {j.virtual_stages:>2} {d.dp:>4} {d.ep:>3} "
+        zero, mode, recompute = sharding_label(j), j.cp_mode if d.cp > 1 else "-", _recompute(j)
+        schedule = j.pp_schedule if d.pp > 1 else "-"
+        rows.append(f"{i:>2} {d.tp:>3} {d.cp:>3} {d.pp:>3} {j.virtual_stages:>2} {schedule:<11} {d.dp:>4} {d.ep:>3} "
                     f"{j.micro_batch:>3} {zero:<9} {recompute:<9} {mode:<9} {e.memory['needed'] / GIB:>8.1f} "
                     f"{e.time.step_s / size:>8.3f} {100 * e.time.mfu:>6.1f}")
     return "\n".join(rows)

@@ -150,8 +150,24 @@ def emit_config(ranked: list[Estimate], path: str, overwrite: bool = False,
                      + "; ".join(_by_reason(passed_over)) + ")")
 
 
+def trainer_runs(row: Estimate) -> bool:
+    """Whether the trainer runs `row` as it was priced (`emit_config` writes the first such row)."""
+    return _refusal(row) is None
+
+
 def _by_reason(passed_over: dict[str, list[int]]) -> list[str]:
-    return [", ".join(f"#{rank}" for rank in ranks) + f": {reason}" for reason, ranks in passed_over.items()]
+    return [_rank_runs(ranks) + f": {reason}" for reason, ranks in passed_over.items()]
+
+
+def _rank_runs(ranks: list[int]) -> str:
+    """Ascending ranks as "#1-#4, #7": a deep ranking passes over many rows for one reason."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(f"#{run[0]}" + (f"-#{run[-1]}" if len(run) > 1 else "") for run in runs)
 
 
 def _write(row: Estimate, rank: int, path: Path) -> None:
@@ -208,14 +224,17 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     folder's config.toml): its layout, parallel options, sequence length, batch and model. The run's own
     options (steps, learning rate, data, ...) say nothing about a step's cost and are skipped; any other key
     is refused by name."""
-    from orangetron.train.config_file import read_toml
+    from orangetron.train.config import check_batch_split
+    from orangetron.train.config_file import checked_value, read_toml, train_keys
 
     table = read_toml(path)
     layout_fields = {f.name: f for f in dataclasses.fields(Layout)}
     parallel_fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
-    layout, parallel = {}, {}
+    layout, parallel, trains = {}, {}, train_keys()
     for key, value in table.items():
         name = key.replace("-", "_")
+        if name in trains and not isinstance(value, dict):  # as `train --config` checks it: type, choices
+            value = checked_value(path, key, value, trains[name])
         if name in layout_fields:
             layout[name] = _typed(path, key, value, layout_fields[name].default)
         elif name in parallel_fields:
@@ -229,6 +248,7 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     model = table.get("model", table.get("hf_model", trainer["model"]))
     deg = Degrees(**layout)
     microbatches = parallel.get("microbatches", 1)
+    check_batch_split(batch, deg.dp, microbatches)  # as train refuses it: a rounded micro-batch prices another run
     job = Job(**parallel, seq_len=seq_len, micro_batch=max(1, batch // (deg.dp * microbatches)),
               global_batch=batch, clip_grad=True)  # the trainer's global gradient norm, every step
     return _model(path, model), deg, job

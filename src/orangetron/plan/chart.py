@@ -6,16 +6,25 @@ from orangetron.plan.estimate import Estimate
 from orangetron.plan.overhead import needed_overhead
 from orangetron.spec.categories import ESTIMATED_TENSORS
 from orangetron.spec.hardware import GIB
+from orangetron.spec.options import Job
 
 MEMORY_PARTS = (*ESTIMATED_TENSORS, "overhead")
 TIME_PARTS = ("compute_s", "bubble_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s", "optimizer_s")
 
 
+def sharding_label(job: Job) -> str:
+    """ddp, zero1, distopt, zero2 or zero3, with -mb for ZeRO-3 reducing every micro-batch and +b for gradients
+    reduced in buckets during backward (`plan`'s table and the chart)."""
+    zero = "distopt" if job.distributed_optimizer else ("ddp" if job.zero_stage == 0 else f"zero{job.zero_stage}")
+    return zero + ("-mb" if job.zero3_reduce_every_microbatch else "") + ("+b" if job.grad_bucket_numel else "")
+
+
 def _label(e: Estimate) -> str:
     d, j = e.degrees, e.job
-    zero = "distopt" if j.distributed_optimizer else f"zero{j.zero_stage}"
     mode = f" {j.cp_mode}" if d.cp > 1 else ""
-    return f"tp{d.tp} cp{d.cp} pp{d.pp} v{j.virtual_stages}\ndp{d.dp} ep{d.ep} mb{j.micro_batch}\n{zero}{mode}"
+    schedule = f" {j.pp_schedule}" if d.pp > 1 else ""
+    return (f"tp{d.tp} cp{d.cp} pp{d.pp} v{j.virtual_stages}{schedule}\ndp{d.dp} ep{d.ep} mb{j.micro_batch}\n"
+            f"{sharding_label(j)}{mode}")
 
 
 def breakdown_chart(estimates: list[Estimate], path: str) -> None:

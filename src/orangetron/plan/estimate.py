@@ -47,9 +47,11 @@ class Estimate:
             "comm": self.comm,
             "step_time_s": self.time.step_s,
             "time_breakdown_s": {k: v for k, v in asdict(self.time).items() if k.endswith("_s") and k != "step_s"},
-            "tokens_per_s": self.tokens_per_step / self.time.step_s,
+            "tokens_per_s": self.tokens_per_step / self.time.step_s,  # the whole cluster's
+            "tokens_per_s_per_gpu": self.tokens_per_step / self.time.step_s / self.degrees.world_size,
             "tflops_per_gpu": self.time.tflops_per_gpu,
             "mfu": self.time.mfu,
+            "mfu_causal": self.time.mfu_causal,
             "hfu": self.time.hfu,
         }
 

@@ -2,11 +2,12 @@
 
 The changes tried are the ones a user reaches for, on the same GPUs and global batch: more recompute
 (selective where scores are stored, every module the model can replay, full), a higher ZeRO stage, gradient
-buckets reduced during backward, a larger tp (within a node) or pp (the data-parallel degree shrinks by as much),
-and a smaller micro-batch (more micro-batches). Up to three of them are combined; each combination is priced by
-`estimate` in full, and those that fit are ranked by step time, then fewer changes, then less memory. A combination
-priced the same as one with fewer changes (a ZeRO-1 beside the distributed optimizer, buckets under ZeRO-3, a ZeRO
-stage where no data-parallel rank is left to shard over) is left out.
+buckets reduced during backward, sequence parallelism, a larger tp (within a node, sequence-parallel) or pp (the
+data-parallel degree shrinks by as much), and a smaller micro-batch (more micro-batches). Up to three of them are
+combined; each combination is priced by `estimate` in full, and those that fit are ranked by step time, then fewer
+changes, then less memory. A combination priced the same as one with fewer changes (a ZeRO-1 beside the
+distributed optimizer, buckets under ZeRO-3) is left out, and so is a ZeRO stage where no data-parallel rank is
+left to shard over.
 
 Each change is written as the flags that, added to the command that priced the configuration, price the change:
 a new data-parallel degree is named (`--dp`, which a user may have given), and so is the global batch where the
@@ -25,7 +26,7 @@ from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, needed_ov
 from orangetron.plan.search import BUCKET_NUMEL
 from orangetron.spec.categories import ESTIMATED_TENSORS
 from orangetron.spec.hardware import GIB
-from orangetron.spec.model import ModelSpec
+from orangetron.spec.model import ModelSpec, preset_names
 from orangetron.spec.options import Degrees, Job, replayable_modules
 
 _CATEGORIES = (*ESTIMATED_TENSORS, "overhead")
@@ -60,6 +61,8 @@ def fixes(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, most_chang
         try:
             for _, change in made:
                 deg, job = change(deg, job)
+            if deg.dp * deg.cp == 1 and any(flag.startswith("--zero-stage") for flag, _ in made):
+                continue  # a tp or pp change left no data-parallel rank for the ZeRO stage to shard over
             priced = estimate(est.model, deg, job, est.cluster, overhead=overhead)
         except ValueError:  # a change this model or layout does not allow (heads, layers, dp left, batch)
             continue
@@ -114,8 +117,13 @@ def _moves(model: ModelSpec, deg: Degrees, job: Job, gpus_per_node: int) -> list
                                                          recompute_modules=()))))
     zero = [keep] + [(f"--zero-stage {z}", lambda d, j, z=z: (d, replace(j, zero_stage=z)))
                      for z in range(job.zero_stage + 1, 4) if deg.dp * deg.cp > 1]
-    tp = [keep] + [(f"--tp {deg.tp * f}", lambda d, j, f=f: (replace(d, tp=d.tp * f, dp=d.dp // f), j))
-                   for f in (2, 4, 8) if deg.dp % f == 0 and deg.tp * f <= gpus_per_node]
+    # tp > 1 goes with sequence parallelism, as `plan` ranks it: the same bytes on the wire, activations split
+    sp = "" if job.sequence_parallel else " --sequence-parallel"
+    tp = [keep] + ([("--sequence-parallel", lambda d, j: (d, replace(j, sequence_parallel=True)))]
+                   if sp and deg.tp > 1 else [])
+    tp += [(f"--tp {deg.tp * f}{sp}", lambda d, j, f=f: (replace(d, tp=d.tp * f, dp=d.dp // f),
+                                                         replace(j, sequence_parallel=True)))
+           for f in (2, 4, 8) if deg.dp % f == 0 and deg.tp * f <= gpus_per_node]
     pp = [keep] + [(f"--pp {deg.pp * f}", lambda d, j, f=f: (replace(d, pp=d.pp * f, dp=d.dp // f), j))
                    for f in (2, 4, 8) if deg.dp % f == 0]
     buckets = [keep]
@@ -137,8 +145,7 @@ def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int =
     if not found:
         # The other dimensions (ep, cp, dp against tp x pp) change more than a flag: the search prices them all.
         lines.append("  no change of up to three of recompute, ZeRO stage, gradient buckets, tp, pp and micro-batch "
-                     f"fits; `orangetron plan --gpus {est.degrees.world_size}` searches every layout of these GPUs, "
-                     "else add GPUs")
+                     f"fits; `{_plan_command(est)}` searches every layout of these GPUs, else add GPUs")
     else:
         lines.append(f"changes that fit at the same global batch ({found[0].estimate.job.global_batch} sequences), "
                      "fastest first (each priced in full):")
@@ -147,3 +154,12 @@ def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int =
         lines.append(f"  {fix.change}: needs {e.memory['needed'] / GIB:.1f} GiB, step {e.time.step_s:.3f} s, "
                      f"MFU {100 * e.time.mfu:.1f}%")
     return "\n".join(lines)
+
+
+def _plan_command(est: Estimate) -> str:
+    """The `plan` command that searches `est`'s GPUs for its model, sequence and batch, to paste (a model that is
+    not a preset is named as the placeholder MODEL: the file or folder it came from is not known here)."""
+    name = est.model.name if est.model.name in preset_names() else "MODEL"
+    return (f"orangetron plan --model {name} --gpu {est.cluster.gpu.name} --gpus {est.degrees.world_size} "
+            f"--seq {est.job.seq_len} --global-batch {est.job.global_batch or est.tokens_per_step // est.job.seq_len}")
+

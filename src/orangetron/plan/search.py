@@ -53,6 +53,7 @@ class SearchResult:
     ranked: list[Estimate]
     evaluated: int  # configurations priced for time
     considered: int  # configurations enumerated (valid or not)
+    refused: str = ""  # the first rule a configuration broke, where every one broke a rule (none was priced)
 
 
 def _powers_of_two(limit: int) -> tuple[int, ...]:
@@ -196,12 +197,13 @@ def _reduces_once(model: ModelSpec, deg: Degrees, job: Job) -> bool:
 
 
 def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Cluster, limit: float,
-                 overhead: MemoryOverhead, partial: bool, eff: Efficiency) -> Scored:
+                 overhead: MemoryOverhead, partial: bool, eff: Efficiency, refusals: list[str]) -> Scored:
     """The options of one group worth timing. Within a pricing class the first that fits (less recompute, then
     less sharding) is never slower than the later ones. Under partial recompute a more sharded option replays
     fewer layers, and a few replayed layers may beat selective recompute: then only no recompute closes a class,
     selective recompute closes its own options, and of the full-recompute options that fit only the smallest is
-    kept, to replay as few layers as it needs (`_replay_fewer_layers`)."""
+    kept, to replay as few layers as it needs (`_replay_fewer_layers`). A group whose degrees break a rule adds
+    the rule's message to `refusals`, and "" where its degrees passed them."""
     rows: Scored = []
     closed: set = set()
     smallest: dict[int, tuple[Job, dict[str, int]]] = {}
@@ -213,8 +215,10 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
         try:
             validate(model, deg, job)
             check_ep_placement(deg, job, cluster)
-        except ValueError:
+        except ValueError as err:
+            refusals.append(str(err))
             break  # the group shares every degree-dependent rule
+        refusals.append("")
         if model_state_floor(model, deg, job) + overhead.fixed_bytes(deg) > limit:
             continue  # its states alone overflow: `needed` is never less than this
         mem = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
@@ -270,15 +274,17 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     base = base or Job(seq_len=seq_len)
     limit = cluster.gpu.memory_bytes * memory_fraction
     scored: list[tuple[float, int, Degrees, Job, dict[str, int]]] = []
-    considered = 0
+    considered, refusals = 0, []
     for deg in candidate_degrees(model, cluster, space, seq_len):
         for group in candidate_jobs(model, deg, seq_len, global_batch, space, base):
             considered += len(group)
-            scored += _price_group(model, deg, group, cluster, limit, overhead, space.partial_recompute, eff)
+            scored += _price_group(model, deg, group, cluster, limit, overhead, space.partial_recompute, eff,
+                                   refusals)
     scored.sort(key=lambda row: (row[0], row[1]))
     if space.partial_recompute:
         scored = _replay_fewer_layers(model, cluster, scored, top, limit, overhead, eff)
     ranked = [Estimate(model, deg, job, cluster, mem,
                        summarize(step_records(model, deg, job, ep_where=group_places(deg, cluster)["ep"])),
                        step_time(model, deg, job, cluster, eff=eff)) for _, _, deg, job, mem in scored[:top]]
-    return SearchResult(ranked, len(scored), considered)
+    refused = refusals[0] if refusals and all(refusals) else ""
+    return SearchResult(ranked, len(scored), considered, refused)

@@ -358,8 +358,9 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         "memory (MiB): " + ", ".join(f"{k} {mem[k] / 2**20:.1f}" for k in mem if k != "rank"),
     ]
     per_step = result["comm_per_step"][0]
+    which = "; the last step's: the steps differ" if per_step.get("steps_differ") else ""
     lines += [
-        "comm per training step (bytes rank 0 sends, by op/mesh dim): " + _bytes_text(per_step["train"]),
+        f"comm per training step (bytes rank 0 sends, by op/mesh dim{which}): " + _bytes_text(per_step["train"]),
         f"comm per evaluation ({counted(per_step['evaluations'], 'run')}): " + _bytes_text(per_step["eval"]),
         "comm of the whole run (training and evaluation; --json `comm`): "
         + _bytes_text({k: v for k, v in result["comm"][0].items() if k != "rank"}),
@@ -370,6 +371,9 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         rows = side_by_side(result["predicted"][0], mem, per_step["train"])
         lines.append("the planner's prediction beside the measurement (bytes; memory from the first step):")
         lines.append(format_table(rows))
+        if any(want != got for _, want, got in rows if None not in (want, got)) and per_step.get("steps_differ"):
+            lines.append("  (the routing decides how many tokens each MoE layer sends and keeps, step by step; the "
+                         "planner prices it balanced, so the expert all-to-all and activation rows differ by it)")
     warnings = result.get("warnings", [])
     if warnings:  # printed as the run started too; a long log's reader finds them again here
         lines.append(f"{counted(len(warnings), 'warning')} of the start, again:")

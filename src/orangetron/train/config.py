@@ -44,6 +44,15 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def check_batch_split(batch_size: int, dp: int, microbatches: int) -> None:
+    """A step's batch splits evenly over the data-parallel ranks and the micro-batches (`train` and `estimate
+    --config` check it alike); TrainConfigError otherwise."""
+    if batch_size % (dp * microbatches):
+        raise TrainConfigError(f"batch_size={batch_size} (--batch-size): must divide by dp*microbatches="
+                               f"{dp * microbatches}, each data-parallel rank takes an equal share of every "
+                               "micro-batch")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(Layout, ParallelConfig):
     """Everything one training run needs: its layout and parallel options (the fields of `Layout` and
@@ -159,10 +168,7 @@ class TrainConfig(Layout, ParallelConfig):
         check_runnable_layout(self.layout)
         check_runnable(self.parallel_config())
         SCHEDULES[self.pp_schedule].check(self.pp, self.microbatches)
-        if self.batch_size % (self.dp * self.microbatches):
-            raise TrainConfigError(f"batch_size={self.batch_size} (--batch-size): must divide by dp*microbatches="
-                                   f"{self.dp * self.microbatches}, each data-parallel rank takes an equal share of "
-                                   "every micro-batch")
+        check_batch_split(self.batch_size, self.dp, self.microbatches)
 
     def _check_context_mode(self, model: ModelSpec) -> None:
         """The cp mode's rules, before any rank starts: its Ulysses degree and the heads it splits."""

@@ -77,7 +77,7 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, ignored: Collec
         if key not in keys:
             raise ValueError(f"--config {path}: unknown key {raw_key!r}{_unknown_key_hint(key, keys)}")
         action = keys[key]
-        defaults[action.dest] = _checked(path, raw_key, value, action)
+        defaults[action.dest] = checked_value(path, raw_key, value, action)
     return defaults
 
 
@@ -115,6 +115,16 @@ def planner_flags() -> dict[str, str]:
     return {key: flags[key] for key in planner_only if key in flags}
 
 
+def train_keys() -> dict[str, argparse.Action]:
+    """`train`'s option for each key its config file may hold (`estimate --config` checks a value as `train`
+    does, by `checked_value`)."""
+    from orangetron.train.commands import add_train_commands
+
+    commands = argparse.ArgumentParser().add_subparsers()
+    add_train_commands(commands)
+    return config_keys(commands.choices["train"])
+
+
 def check_no_run_options(path: str, table: dict[str, Any], keys: Collection[str]) -> None:
     """A run option inside [model] was written below the table (a line appended to an emitted config lands there):
     say where it belongs rather than that the model has no such field."""
@@ -139,7 +149,8 @@ def _model_table(path: str, table: dict[str, Any]) -> Any:
     return spec
 
 
-def _checked(path: str, key: str, value: Any, action: argparse.Action) -> Any:
+def checked_value(path: str, key: str, value: Any, action: argparse.Action) -> Any:
+    """`value` of `key` in the file `path` as `action` (its option's flag) takes it; ValueError naming both."""
     where = f"--config {path}: {key} = {value!r}"
     if isinstance(value, dict):
         raise ValueError(f"{where}: a table; this key takes a single value")
