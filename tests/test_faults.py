@@ -261,7 +261,8 @@ def test_cli_nan_is_one_line_naming_the_step(monkeypatch, capsys, tmp_path) -> N
                      "32", "--quiet", "--out", str(tmp_path)])  # a warmup past the steps would be warned of first
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0].startswith("orangetron train: error: step 3: loss is nan; stopped before the update")
+    assert err[0] == ("orangetron train: error: step 3: loss is nan; stopped before the update; it saved no "
+                      "checkpoint before (--save-every N saves earlier steps)")  # not "keeps the checkpoints"
 
 
 def test_nan_on_one_rank_stops_every_rank_at_that_step_keeping_the_last_checkpoint(tmp_path) -> None:
@@ -272,7 +273,8 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step_keeping_the_last_checkpoi
     cfg = TrainConfig(**{**TINY, "steps": 6, "dp": 2, "out": str(out), "save_every": 2})
     pids = tmp_path / "pids"
     pids.mkdir()
-    with pytest.raises(TrainingDiverged, match=r"^rank 0: step 5: loss is nan; stopped before the update"):
+    with pytest.raises(TrainingDiverged, match=r"^rank 0: step 5: loss is nan; stopped before the update; the run "
+                                                 r"folder keeps its checkpoints up to step-00000004$"):
         launch_local(train_with_fault, 2, args=(cfg, 1, 5, "nan", str(pids)))
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == \
         ["step-00000002", "step-00000004"]

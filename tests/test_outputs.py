@@ -47,6 +47,47 @@ def test_export_refuses_an_existing_file_and_overwrite_moves_it_aside(run, tmp_p
     assert all(torch.equal(exported[k], v) for k, v in read_model(run).state_dict.items())
 
 
+def test_an_output_whose_folder_cannot_be_written_is_one_line_before_the_work(run, tmp_path, capsys) -> None:
+    """Each was a traceback (a PermissionError, or torch's `open file failed`) after the work was done; sysfs
+    makes no file, for root too."""
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("no /sys/kernel here")
+    (tmp_path / "a.txt").write_text("some text\n")
+    for argv, flag, out in ((["export", str(run)], "-o", "/sys/kernel/m.pt"),
+                            (["export", str(run), "--hf"], "-o", "/sys/kernel/hf"),
+                            (["prepare-data", str(tmp_path / "a.txt")], "-o", "/sys/kernel/ds"),
+                            (["plan", "--model", "tiny", "--gpus", "4"], "--chart", "/sys/kernel/c.png")):
+        assert main([*argv, flag, out]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert f"error: {flag} {out!r}: cannot write there (" in err and len(err.splitlines()) == 1, argv
+    assert not list(Path("/sys/kernel").glob(".orangetron-probe-*"))
+
+
+def test_an_exported_folders_weights_are_as_readable_as_its_config(run, tmp_path, capsys) -> None:
+    """safetensors writes its file owner-only (0600) whatever the umask; the config beside it followed the umask."""
+    old = os.umask(0o022)
+    try:
+        assert main(["export", str(run), "--hf", "-o", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644
+
+
+def test_a_run_of_a_model_no_family_holds_is_told_which_export_writes_it(tmp_path, capsys) -> None:
+    """tiny-moe's ungated shared expert: the refusal named a field the user never set, and nothing to do."""
+    run = tmp_path / "moe"
+    assert main(["train", "--model", "tiny-moe", "--steps", "1", "--warmup", "0", "--seq-len", "16", "--batch-size",
+                 "4", "--out", str(run), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(run), "--hf", "-o", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("orangetron export: error: the run's model (tiny-moe) has no Hugging Face form: "
+                          "shared_expert_gate=False: ") and len(err.splitlines()) == 1
+    assert err.endswith(f"; `orangetron export {run} -o model.pt` writes its state dict")
+    assert main(["export", str(run), "-o", str(tmp_path / "model.pt")]) == 0 and not (tmp_path / "hf").exists()
+
+
 def test_tokenizer_train_refuses_a_tokenizer_already_in_its_folder(tmp_path, capsys) -> None:
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 50)

@@ -236,7 +236,8 @@ def test_both_commands_check_a_files_values_by_trains_own_options(tmp_path, caps
     emitted = path.read_text()
     for value, why in (('"float16"', "param_dtype = 'float16': must be one of float32, float64, bfloat16"),
                        ('"ringg"', "cp_mode = 'ringg': must be one of "),
-                       ("2.5", "zero_stage = 2.5: must be an integer")):
+                       ("2.5", "zero_stage = 2.5: must be an integer"),
+                       ("64.5", "hidden_size = 64.5: must be an integer")):  # in [model]: named as its table
         key = why.split(" = ")[0]
         text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", emitted)
         path.write_text(text if f"\n{key} = {value}" in text else f"{key} = {value}\n" + text)
@@ -245,7 +246,8 @@ def test_both_commands_check_a_files_values_by_trains_own_options(tmp_path, caps
         for argv in (["train", "--config", str(path)], ["estimate", "--config", str(path), "--gpu", "h100"]):
             assert cli.main(argv) == 2, argv
             lines.append(capsys.readouterr().err.strip().split(": error: ", 1)[1])
-        assert lines[0] == lines[1] and lines[0].startswith(f"--config {path}: {why}"), lines
+        table = "[model]: model tiny: " if key == "hidden_size" else ""
+        assert lines[0] == lines[1] and lines[0].startswith(f"--config {path}: {table}{why}"), lines
 
 
 def test_a_file_for_the_trainer_is_ranked_and_priced_with_the_overlaps_it_runs(tmp_path, capsys) -> None:

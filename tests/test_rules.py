@@ -57,14 +57,15 @@ class Walk:
 
 
 WALK = [
-    Walk(rules.tp_splits_heads, "tp=3: n_heads=8 is not divisible by tp", ("--tp", "3"),
+    Walk(rules.tp_splits_heads, "tp=3: n_heads=8 is not divisible by tp; tp may be 1, 2, 4, 8", ("--tp", "3"),
          ("--tp", "3", "--dp", "1"), lambda: _plan(Degrees(tp=3)), lambda: Layout(tp=3).validate(_cfg()),
          "is not divisible by tp\""),
     Walk(rules.ep_splits_experts, "ep=3: n_experts=8 is not divisible by ep",
          ("--dp", "3", "--ep", "3", "--batch-size", "9"), ("--dp", "3", "--ep", "3"),
          lambda: _plan(Degrees(dp=3, ep=3)), lambda: Layout(dp=3, ep=3).validate(_cfg()), "is not divisible by ep\""),
     Walk(rules.ep_divides_dp_cp, "ep=2: dp*cp=1 (dp=1 x cp=1) is not divisible by ep; experts shard over the dp x "
-         "cp ranks (a folded expert mesh, planner only, lifts this)", ("--ep", "2"), ("--ep", "2", "--dp", "1"),
+         "cp ranks (a folded expert mesh, planner only, lifts this): give dp x cp a multiple of 2", ("--ep", "2"),
+         ("--ep", "2", "--dp", "1"),
          lambda: Degrees(ep=2), lambda: Layout(ep=2), "experts shard over the dp x cp"),
     Walk(rules.cp_splits_sequence, "cp=3: seq_len 64 is not divisible by 2*cp=6 (head-tail chunks, or slots of "
          "packed documents)", None,

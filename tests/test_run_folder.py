@@ -112,6 +112,58 @@ def test_resume_on_changed_data_is_refused_unless_new_data_is_given(tmp_path, da
     assert new["sha256"] == hashlib.sha256(TEXT.upper().encode()).hexdigest()  # the text the model read
 
 
+def test_a_folder_another_train_runs_in_is_refused_until_it_ends(tmp_path, capsys) -> None:
+    """Two processes once trained in one folder at once (a resume started beside the running run): both wrote
+    checkpoints and metrics.jsonl, which ended torn. The running one holds the folder's lock; a resume and an
+    --overwrite are refused while it does, nothing moved, and run once it is gone."""
+    import fcntl
+    import os
+
+    run = tmp_path / "run"
+    base = ["--model", "tiny", "--steps", "2", "--corpus-bytes", "50000", *SMALL, "--out", str(run)]
+    assert _train(capsys, *base)[0] == 0
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    fd = os.open(run / ".lock", os.O_RDWR)  # as the running process holds it: its own open file
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.pwrite(fd, b"4242  \n", 0)
+        for extra in (("--resume", "--steps", "3", "--extend"), ("--seed", "1", "--overwrite")):
+            code, _, err = _train(capsys, *base, *extra)
+            assert code == 2 and err == (f"orangetron train: error: out={str(run)!r} (--out): another `orangetron "
+                                         "train` is running in this folder (process 4242); wait for it to end, or "
+                                         "stop it first\n"), extra
+            assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+            assert not (tmp_path / "run.previous-1").exists()
+    finally:
+        os.close(fd)
+    assert _train(capsys, *base, "--resume", "--steps", "3", "--extend")[0] == 0
+
+
+def test_an_out_that_cannot_be_written_is_one_line_before_any_rank_starts(capsys) -> None:
+    out = Path("/sys/kernel/orangetron-run")  # sysfs makes no folder, for root too: once rank 0's traceback
+    if not out.parent.is_dir():
+        pytest.skip("no /sys/kernel here")
+    code, _, err = _train(capsys, "--model", "tiny", "--steps", "1", "--dp", "2", *SMALL, "--out", str(out))
+    assert code == 2 and err.startswith(f"orangetron train: error: out={str(out)!r} (--out): cannot write there (")
+    assert err.endswith(("(Operation not permitted)\n", "(Permission denied)\n")) and len(err.splitlines()) == 1
+
+
+def test_a_folder_whose_run_saved_no_checkpoint_says_so_to_a_resume_and_a_new_run(tmp_path, capsys) -> None:
+    """A run stopped before its first save (a rank crash, a NaN) leaves its record and metrics: a new run was told
+    to resume it, and the resume that there was no checkpoint, round in a circle."""
+    run = tmp_path / "run"
+    base = ["--model", "tiny", "--steps", "2", "--corpus-bytes", "50000", *SMALL, "--out", str(run)]
+    assert _train(capsys, *base)[0] == 0
+    shutil.rmtree(run / "checkpoints")
+    code, _, err = _train(capsys, *base)
+    assert code == 2 and "the folder holds a run that saved no checkpoint (config.toml, metrics.jsonl), so nothing " \
+        "to resume; choose another folder, or add --overwrite to move it aside" in err and "--resume" not in err
+    code, _, err = _train(capsys, *base, "--resume")
+    assert code == 2 and err.strip().endswith("; the run there saved none: start afresh with --overwrite (it moves the "
+                                              "folder aside)")
+    assert _train(capsys, *base, "--overwrite")[0] == 0
+
+
 def test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside(tmp_path, capsys) -> None:
     run = tmp_path / "run"
     base = ["--model", "tiny", "--steps", "2", "--corpus-bytes", "50000", *SMALL, "--out", str(run)]

@@ -142,7 +142,7 @@ def test_progress_bar_without_tty_prints_every_tenth() -> None:
     bar.log("done")
     lines = stream.getvalue().splitlines()
     assert len(lines) == 11 and "\r" not in stream.getvalue()
-    assert "step  10/100" in lines[0] and "loss 4.9000" in lines[0] and "1,234 tok/s" in lines[0]
+    assert "step  10/100" in lines[0] and "loss_mean10 4.9000" in lines[0] and "1,234 tok/s" in lines[0]
     assert "step 100/100" in lines[9] and lines[10] == "done"
 
 
@@ -185,6 +185,22 @@ def test_cli_train_json(capsys, tmp_path) -> None:
     assert result["steps"] == 3 and len(result["losses"]) == 3
     assert {"layout", "final_loss", "eval_loss", "params", "tokens_per_s", "memory", "comm"} <= set(result)
     assert "orangetron train: model tiny" in err  # logs go to stderr, not stdout
+    assert err.rstrip().endswith("orangetron train: nothing was saved (no --out); give --out DIR to keep the run's "
+                                 "checkpoints, metrics and loss curve")  # a 43 s default run kept nothing, unsaid
+    assert main(["train", *TINY_FLAGS, "--data", str(data), "--out", str(tmp_path / "run")]) == 0
+    assert "nothing was saved" not in capsys.readouterr().err
+
+
+def test_the_banner_names_the_parallel_options_the_degrees_do_not(capsys) -> None:
+    """`--zero-stage 3` and `--zero-stage 1` once printed the same line: only the degrees."""
+    from orangetron.cli import main
+
+    assert main(["train", *TINY_FLAGS, "--warmup", "1", "--recompute", "full", "--microbatches", "2"]) == 0
+    banner = next(line for line in capsys.readouterr().err.splitlines() if ", layout " in line)
+    assert banner.endswith("layout tp=1 cp=1 pp=1 dp=1 ep=1 with microbatches=2, recompute='full'")
+    assert main(["train", *TINY_FLAGS, "--warmup", "1"]) == 0
+    banner = next(line for line in capsys.readouterr().err.splitlines() if ", layout " in line)
+    assert banner.endswith("layout tp=1 cp=1 pp=1 dp=1 ep=1")
 
 
 def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
@@ -389,8 +405,11 @@ def test_bad_input_found_on_a_rank_is_one_line_exit_2(capsys, tmp_path) -> None:
     code = cli.main(["train", "--dp", "2", "--model", "tiny-moe", "--steps", "2", "--extend", "--batch-size", "4",
                      "--quiet", "--seq-len", "16", "--out", str(tmp_path / "run"), "--resume"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1
-    assert err[0].startswith("orangetron train: error: rank 0: resume=True (--resume):") and "holds a model" in err[0]
+    assert code == 2 and len(err) == 2  # the refusal, and before it why it names options the command never gave
+    assert err[0] == (f"orangetron train: warning: {tmp_path / 'run' / 'config.toml'} is missing, so the run's "
+                      "options come from this command's flags and their defaults; its checkpoint refuses those that "
+                      "differ from the run's")
+    assert err[1].startswith("orangetron train: error: rank 0: resume=True (--resume):") and "holds a model" in err[1]
 
 
 def test_final_loss_and_its_mean_say_what_they_are(capsys) -> None:

@@ -76,7 +76,9 @@ def save(model: Transformer | dict[str, torch.Tensor], folder: str | Path, *, sp
     folder.mkdir(parents=True, exist_ok=True)
     config = hf_config_of(spec, DTYPE_NAMES[written], base_config)
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    save_file({k: v.cpu() for k, v in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    weights = folder / "model.safetensors"
+    save_file({k: v.cpu() for k, v in tensors.items()}, weights, metadata={"format": "pt"})
+    weights.chmod((folder / CONFIG_FILE).stat().st_mode & 0o777)  # safetensors makes it owner-only (0600)
     if tokenizer is not None:
         copy_tokenizer(tokenizer, folder)
     if generation_config is not None:

@@ -26,7 +26,8 @@ def _fail(message: str) -> None:
 def tp_splits_heads(tp: int, heads: int, kv_heads: int) -> None:
     """Attention heads split over tp; kv heads split too, or are replicated when fewer than tp."""
     if heads % tp:
-        _fail(f"tp={tp}: n_heads={heads} is not divisible by tp")
+        fits = [t for t in range(1, heads + 1) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
+        _fail(f"tp={tp}: n_heads={heads} is not divisible by tp; tp may be {', '.join(map(str, fits))}")
     if kv_heads % tp and tp % kv_heads:
         _fail(f"tp={tp}: n_kv_heads={kv_heads} must divide tp or be divisible by it (kv heads are split, or "
               "replicated across tp ranks)")
@@ -44,7 +45,7 @@ def ep_divides_dp_cp(ep: int, dp: int, cp: int) -> None:
     """Unfolded experts shard over the dp x cp ranks of a (tp, pp) position."""
     if (dp * cp) % ep:
         _fail(f"ep={ep}: dp*cp={dp * cp} (dp={dp} x cp={cp}) is not divisible by ep; experts shard over the dp x cp "
-              "ranks (a folded expert mesh, planner only, lifts this)")
+              f"ranks (a folded expert mesh, planner only, lifts this): give dp x cp a multiple of {ep}")
 
 
 # ---- layout against the sequence ----------------------------------------------------------------------

@@ -28,7 +28,7 @@ def add_train_commands(sub: Any) -> None:
     fields = TrainConfig.__dataclass_fields__
     p = sub.add_parser(
         "train",
-        help="train a model on one or more local CPU ranks",
+        help="train a model on local ranks (CPU or --device cuda), or under torchrun",
         description="Train a transformer (from scratch or from a Hugging Face folder) and report losses, memory and "
         "communication. " + DEFAULTS_NOTE + " Ctrl-C (SIGINT) or SIGTERM stops every rank after the step it is "
         "taking, checkpointed with --out, and exits 130 or 143; a second Ctrl-C aborts at once.",
@@ -125,20 +125,21 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
 
     defaults = ParallelConfig.__dataclass_fields__  # the variants' defaults live once, in the options type
     p.add_argument("--dp", type=int, default=1,
-                   help="data-parallel degree: local CPU ranks that split each batch (started for you)")
+                   help="data-parallel degree: ranks that split each batch, started for you (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel degree: local ranks that split every weight matrix (started for you)")
+                   help="tensor-parallel degree: ranks that split every weight matrix (default: %(default)s)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: norms on sequence shards, TP's all-reduces become reduce-scatter + all-gather")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel degree: local ranks that split every sequence, head-tail (packed documents: "
-                        "balanced by document) (started for you)")
+                        "balanced by document) (default: %(default)s)")
     p.add_argument("--cp-mode", default=defaults["cp_mode"].default, choices=CONTEXT_MODES.names(runtime=True),
                    help="context-parallel attention (default: %(default)s): " + _summaries(CONTEXT_MODES))
     p.add_argument("--ulysses-degree", type=int, default=1, metavar="N",
                    help="--cp-mode usp: all-to-all over N ranks, ring over cp/N (default: %(default)s)")
     p.add_argument("--pp", type=int, default=1,
-                   help="pipeline-parallel degree: local ranks that each run a contiguous share of the layers")
+                   help="pipeline-parallel degree: ranks that each run a contiguous share of the layers "
+                        "(default: %(default)s)")
     p.add_argument("--pp-schedule", default=defaults["pp_schedule"].default, choices=SCHEDULES.names(runtime=True),
                    help="pipeline schedule with --pp, as `orangetron schedule` draws it (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=1,
@@ -146,7 +147,8 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-stages", type=int, default=1,
                    help="model chunks per pipeline rank, with --pp-schedule interleaved (default: %(default)s)")
     p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel degree: the dp ranks split the routed experts into ep blocks")
+                   help="expert-parallel degree: the dp ranks split the routed experts into ep blocks "
+                        "(default: %(default)s)")
     p.add_argument("--dispatcher", default=defaults["dispatcher"].default, choices=DISPATCHERS.names(runtime=True),
                    help="expert dispatch with --ep (default: %(default)s): " + _summaries(DISPATCHERS))
     p.add_argument("--capacity-factor", type=float, default=1.0,
@@ -160,7 +162,8 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="--dispatcher ragged: dispatch in this many token chunks, one chunk's all-to-all "
                    "overlapping another's expert compute (default: 1, no overlap)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
-                   help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks)")
+                   help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks) "
+                   "(default: %(default)s)")
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="ZeRO-1 sharding with the parameter all-gather right after the step (Megatron)")
     p.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",
@@ -307,6 +310,9 @@ def run_train(args: argparse.Namespace) -> int:
         return code
     if not args.quiet:
         _summary(result, sys.stderr)
+        if cfg.out is None and not stopped:  # a stopped run has said so already
+            print("orangetron train: nothing was saved (no --out); give --out DIR to keep the run's checkpoints, "
+                  "metrics and loss curve", file=sys.stderr)
     if args.json:
         print(json.dumps(result), flush=True)
     return code

@@ -66,7 +66,7 @@ def read_config_file(path: str, parser: argparse.ArgumentParser, ignored: Collec
             continue
         if key == "model" and isinstance(value, dict):  # every field of the model, as a model file has them
             check_no_run_options(path, value, keys)
-            defaults["model"] = _model_table(path, value)
+            defaults["model"] = model_table(path, value)
             continue
         if key == "overwrite" and value is True and key in keys:  # a file used again would move a run aside on
             # every use (false, as a file of every option holds it, is harmless)
@@ -137,7 +137,8 @@ def check_no_run_options(path: str, table: dict[str, Any], keys: Collection[str]
                          "runs to the next table or the end of the file, so put it above the [model] line")
 
 
-def _model_table(path: str, table: dict[str, Any]) -> Any:
+def model_table(path: str, table: dict[str, Any]) -> Any:
+    """The `[model]` table of the file `path` as its spec; ValueError naming the file and the table."""
     from orangetron.spec.model import ModelSpec, parse_model
 
     try:

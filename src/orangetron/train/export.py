@@ -144,6 +144,7 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
 
     from orangetron.hf import save
     from orangetron.model import model_from_record
+    from orangetron.spec.hf_config import HFConfigError
     from orangetron.train.tokenizer import recorded_tokenizer
 
     if Path(output).suffix in (".safetensors", ".json", ".bin", ".pt") and not Path(output).is_dir():
@@ -167,9 +168,13 @@ def export_hf(run: str | Path, output: str | Path, dtype: str | None = None, ove
     staging = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex[:8]}")
     try:  # written whole beside `output` first: a refused config moves nothing aside and leaves nothing behind
         base = source["config"] if source else _token_ids(recorded_tokenizer(saved.record, "exporting"))
-        save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,
-             base_config=base, tokenizer=None if kept else tokenizer_path,
-             generation_config=source.get("generation_config") if source else None)
+        try:
+            save(saved.state_dict, staging, spec=spec, dtype=getattr(torch, dtype) if dtype else None,
+                 base_config=base, tokenizer=None if kept else tokenizer_path,
+                 generation_config=source.get("generation_config") if source else None)
+        except HFConfigError as err:  # a field the user may never have set: say whose it is, and what does write
+            raise HFConfigError(f"the run's model ({spec.name}) has no Hugging Face form: {err}; `orangetron export "
+                                f"{run} -o model.pt` writes its state dict") from None
         for name, text in (kept or {}).items():  # the files the run read, not what the path holds now
             (staging / name).write_text(text, encoding="utf-8")
         moved = claim_output(output, "-o", overwrite, inputs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -79,11 +80,26 @@ def check_holds_no_input(path: Path, flag: str, inputs: Inputs) -> None:
                              "an output outside it")
 
 
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse `path` as an output where the folder it would be written in cannot take a file (a probe made and
+    removed in its nearest existing folder): one line naming `flag` before the work, not a traceback after it."""
+    folder = Path(path).absolute().parent
+    while not os.path.lexists(folder):
+        folder = folder.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".orangetron-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"{flag} {str(path)!r}: cannot write there ({err.strerror})") from None
+
+
 def check_claim(path: Path, flag: str, overwrite: bool, inputs: Inputs | None = None
                 ) -> bool:
     """Refuse what `claim_output` would refuse, moving nothing (a command checks before its work, and claims
     after it); True when `path` holds something that would move aside."""
     check_holds_no_input(path, flag, inputs or ())
+    check_writable(path, flag)
     if not os.path.lexists(path) or (path.is_dir() and not any(path.iterdir())):
         return False
     if not overwrite:

@@ -7,7 +7,7 @@ from typing import TextIO
 
 
 class ProgressBar:
-    """Shows `step/total`, loss and tokens/s.
+    """Shows `step/total`, the loss (the caller's mean of the last 10 steps) and tokens/s.
 
     On a terminal the line is redrawn in place with `\\r`; otherwise (a log file, a pipe) one line is
     written each time another ~10% of the steps is done, plus the last step, so logs stay short.
@@ -69,7 +69,7 @@ class ProgressBar:
         filled = self.width * min(step, self.total) // self.total
         bar = "#" * filled + "-" * (self.width - filled)
         digits = len(str(self.total))
-        text = f"[{bar}] step {step:>{digits}}/{self.total}  loss {loss:.4f}"
+        text = f"[{bar}] step {step:>{digits}}/{self.total}  loss_mean10 {loss:.4f}"  # as the summary names it
         if tokens_per_s is not None:
             text += f"  {tokens_per_s:,.0f} tok/s"
         return text

@@ -15,17 +15,21 @@ module then refuses what a resume may not change:
   then appended to `changes.jsonl` with the step it took effect at, as every changed option is.
 
 A new run (no `resume`) into a folder that holds another run's record, metrics or checkpoints is refused,
-unless `overwrite`: the old run then moves aside to the first free `RUN.previous-N`, never deleted.
+unless `overwrite`: the old run then moves aside to the first free `RUN.previous-N`, never deleted. While a
+run runs, its folder is locked: a second `train` into it, new or resumed, is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import sys
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,7 @@ from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, TOKENS_FILE,
 from orangetron.train.outputs import check_holds_no_input, move_aside
 
 CONFIG_FILE = "config.toml"
+LOCK_FILE = ".lock"  # held (flock) by the process that runs in the folder: `held`
 CHANGES_FILE = "changes.jsonl"
 RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "checkpoints")  # any of them: the folder holds a run
 # The source folder's files a run keeps parsed in its checkpoints for export, not in config.toml (`model_source`)
@@ -111,38 +116,94 @@ def recorded_model(record: dict[str, Any]) -> ModelSpec | str | None:
     return model
 
 
-def claim(cfg: TrainConfig) -> None:
-    """Before any rank starts: refuse what the run folder forbids, and move an old run aside on `overwrite`."""
-    if cfg.out is None:
+@contextmanager
+def held(cfg: TrainConfig) -> Iterator[None]:
+    """The run folder, this run's until it ends: `claim`'s refusals, then the folder locked (`LOCK_FILE`), so a
+    second `train` into it while this one runs, a resume say, is refused in one line instead of both writing
+    its metrics and checkpoints; an old run moves aside on `overwrite` under the lock, and the new folder is
+    locked in turn. Under torchrun one process holds it."""
+    move = claim(cfg)
+    if cfg.out is None or os.environ.get("RANK", "0") != "0":
+        yield
         return
+    folder = Path(cfg.out)
+    lock = _lock(folder)
+    try:
+        if move:
+            aside = move_aside(folder)  # the lock file goes with it, still held: no run was in there
+            print(f"orangetron train: moved the former run in {cfg.out} to {aside} (the whole folder, with any "
+                  "other files it held)", file=sys.stderr)
+            lock, former = _lock(folder), lock
+            os.close(former)
+        yield
+    finally:
+        os.close(lock)
+
+
+def _lock(folder: Path) -> int:
+    """An open descriptor holding the exclusive lock of `folder` (made if missing); TrainConfigError naming
+    --out where the folder cannot be written, or where another process holds the lock."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise TrainConfigError(f"out={str(folder)!r} (--out): cannot write there ({err.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise TrainConfigError(f"out={str(folder)!r} (--out): another `orangetron train` is running in this folder "
+                               f"(process {holder}); wait for it to end, or stop it first") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def claim(cfg: TrainConfig) -> bool:
+    """Before any rank starts: refuse what the run folder forbids; whether an old run is to move aside
+    (`overwrite`), which `held` does."""
+    if cfg.out is None:
+        return False
     if cfg.resume:
         from orangetron.train.checkpoint import latest_checkpoint  # torch: only when resuming
 
         latest = latest_checkpoint(Path(cfg.out) / "checkpoints")
         if latest is None:  # before the run is announced, not after
-            raise TrainConfigError(f"resume=True (--resume): no checkpoint under {Path(cfg.out) / 'checkpoints'}")
+            saved_none = "; the run there saved none: start afresh with --overwrite (it moves the folder aside)" \
+                if _occupant(Path(cfg.out)) else ""
+            raise TrainConfigError(f"resume=True (--resume): no checkpoint under {Path(cfg.out) / 'checkpoints'}"
+                                   + saved_none)
         record = read_record(cfg.out)
         if record is not None:
             check_resume(cfg, record)
+        elif os.environ.get("RANK", "0") == "0":  # a refusal below then names flags the user never gave
+            print(f"orangetron train: warning: {Path(cfg.out) / CONFIG_FILE} is missing, so the run's options come "
+                  "from this command's flags and their defaults; its checkpoint refuses those that differ from the "
+                  "run's", file=sys.stderr)
         _check_checkpoint(cfg, latest)
-        return
+        return False
     for flag, source in (("--hf-model", cfg.hf_model), ("--tokenizer", cfg.tokenizer)):
         if source is not None and Path(source).is_dir() and Path(source).resolve() == Path(cfg.out).resolve():
             raise TrainConfigError(f"out={cfg.out!r} (--out): the {flag} folder the run reads; its checkpoints, "
                                    "record and metrics would mix with those files: give the run a folder of its own")
     occupant = _occupant(Path(cfg.out))
     if occupant is None:
-        return
+        return False
     if not cfg.overwrite:
+        from orangetron.train.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(Path(cfg.out) / "checkpoints") is None:
+            raise TrainConfigError(f"out={cfg.out!r} (--out): the folder holds a run that saved no checkpoint "
+                                   f"({occupant}), so nothing to resume; choose another folder, or add --overwrite "
+                                   "to move it aside")
         raise TrainConfigError(f"out={cfg.out!r} (--out): the folder holds another run ({occupant}); continue it "
                                "with --resume, choose another folder, or add --overwrite to move it aside")
     inputs = [("the run's data", path) for path in cfg.data or []]
     tokenizer = None if cfg.tokenizer == "byte" else cfg.tokenizer
     inputs += [("the model to import", cfg.hf_model), ("the tokenizer", tokenizer)]
     check_holds_no_input(Path(cfg.out), "--out", inputs)  # moving the old run aside would take them along
-    if os.environ.get("RANK", "0") == "0":  # under torchrun one process moves it
-        aside = move_aside(Path(cfg.out))
-        print(f"orangetron train: moved the former run in {cfg.out} to {aside}", file=sys.stderr)
+    return True
 
 
 def _check_checkpoint(cfg: TrainConfig, checkpoint: Path) -> None:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from orangetron.mesh import forget_meshes, init_mesh
 from orangetron.model import ModelSpec, Transformer
 from orangetron.parallel import ParallelModel, ShardedAdamW, parallelize
 from orangetron.parallel.config import DTYPES
+from orangetron.spec.parallel_config import ParallelConfig
 from orangetron.train import admission, faults, placement, run_folder, stopping
 from orangetron.train.accounting import predicted_for_rank
 from orangetron.train.config import TrainConfig, TrainConfigError
@@ -128,7 +130,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     the run and restored afterwards.
     """
     admission.check_fits(cfg)  # before any rank starts or anything is written: a refusal is one line
-    run_folder.claim(cfg)
+    with run_folder.held(cfg):
+        return _launch(cfg, progress)
+
+
+def _launch(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
+    """`train` once the run folder is this run's: the ranks started here, joined under torchrun, or this one."""
     world_size = cfg.layout.world_size
     torchrun_world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
     if not torch.distributed.is_initialized():
@@ -191,6 +198,18 @@ def _train_rank(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     return _train(cfg, progress and torch.distributed.get_rank() == 0)
+
+
+def _kept(cfg: TrainConfig) -> str:
+    """What a run stopped by a diverged step leaves to go back to, said after the stop."""
+    if cfg.out is None:
+        return ""
+    from orangetron.train.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(Path(cfg.out) / "checkpoints")
+    if latest is None:
+        return "; it saved no checkpoint before (--save-every N saves earlier steps)"
+    return f"; the run folder keeps its checkpoints up to {latest.name}"
 
 
 def _merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -313,8 +332,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
                     loss, grad_norm, step_mem = train_step(model, optimizer, rows, lr, cfg.grad_clip,
                                                             measure=step == start.step, labels=label_count(batch))
             except TrainingDiverged as err:  # nothing of this step was applied or written
-                kept = "; the run folder keeps the checkpoints of earlier steps" if cfg.out is not None else ""
-                raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{kept}") from None
+                raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{_kept(cfg)}") from None
             seconds = timer.stop()  # evaluation below is not training throughput
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
@@ -402,5 +420,13 @@ def _describe(cfg: TrainConfig, data: RunData) -> str:
     return (
         f"model {name}{start} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.param_dtype}), {source}{tokenizer}, "
         f"{data.n_tokens:,} tokens, {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, "
-        f"layout {cfg.layout}"
+        f"layout {cfg.layout}{_options_text(cfg)}"
     )
+
+
+def _options_text(cfg: TrainConfig) -> str:
+    """The parallel options set away from their defaults (ZeRO stage, schedule, cp mode ...), which the degrees
+    alone do not tell apart: `--zero-stage 3` and `--zero-stage 1` run the same degrees."""
+    changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in fields(ParallelConfig)
+               if f.name != "param_dtype" and getattr(cfg, f.name) != f.default]
+    return f" with {', '.join(changed)}" if changed else ""
