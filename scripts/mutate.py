@@ -2894,6 +2894,10 @@ MUTANTS = [
            ((': give dp x cp a multiple of {ep}',
              ''),),
            ('tests/test_rules.py::test_every_caller_refuses_with_the_rule_message',)),
+    Mutant('run_folder_locked_only_after_its_checks', 'src/orangetron/train/run_folder.py',
+           (('    lock = _lock(folder) if primary and _occupant(folder) else None\n',
+             '    lock = None\n'),),
+           ('tests/test_stop.py::test_ctrl_c_stops_every_rank_after_one_step_with_a_checkpoint_and_resume_is_bitwise',)),
 ]
 
 

@@ -169,6 +169,11 @@ def test_ctrl_c_stops_every_rank_after_one_step_with_a_checkpoint_and_resume_is_
         # together to count as one, so the abort they should cause is not seen every time.
         ranks = children(proc.pid)
         assert len(ranks) == 2 and all(os.getpgid(pid) not in (proc.pid, os.getpgid(0)) for pid in ranks)
+        # A resume beside the running run (which has saved no checkpoint yet) is told the run is there.
+        assert cli.main(["train", *TINY_MOE, *LONG, "--dp", "2", "--quiet", "--out", str(out), "--resume"]) == 2
+        assert capsys.readouterr().err == (f"orangetron train: error: out={str(out)!r} (--out): another `orangetron "
+                                           f"train` is running in this folder (process {proc.pid}); wait for it to "
+                                           "end, or stop it first\n")
         os.killpg(proc.pid, signal.SIGINT)
         code, _, err = finish(proc)
     assert code == 130, err[-3000:]

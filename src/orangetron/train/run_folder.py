@@ -122,13 +122,18 @@ def held(cfg: TrainConfig) -> Iterator[None]:
     second `train` into it while this one runs, a resume say, is refused in one line instead of both writing
     its metrics and checkpoints; an old run moves aside on `overwrite` under the lock, and the new folder is
     locked in turn. Under torchrun one process holds it."""
-    move = claim(cfg)
-    if cfg.out is None or os.environ.get("RANK", "0") != "0":
-        yield
-        return
-    folder = Path(cfg.out)
-    lock = _lock(folder)
+    folder = Path(cfg.out) if cfg.out is not None else None
+    primary = folder is not None and os.environ.get("RANK", "0") == "0"
+    # A folder that holds a run is locked first: a resume beside a run that has saved nothing yet is told the
+    # run is there, not that it has no checkpoint. Any other folder only once claimed: a refused --out (the
+    # model folder the run imports, say) gets no lock file.
+    lock = _lock(folder) if primary and _occupant(folder) else None
     try:
+        move = claim(cfg)
+        if not primary:
+            yield
+            return
+        lock = lock if lock is not None else _lock(folder)
         if move:
             aside = move_aside(folder)  # the lock file goes with it, still held: no run was in there
             print(f"orangetron train: moved the former run in {cfg.out} to {aside} (the whole folder, with any "
@@ -137,7 +142,8 @@ def held(cfg: TrainConfig) -> Iterator[None]:
             os.close(former)
         yield
     finally:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
 
 
 def _lock(folder: Path) -> int:
