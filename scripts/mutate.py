@@ -2898,6 +2898,9 @@ MUTANTS = [
            (('    lock = _lock(folder) if primary and _occupant(folder) else None\n',
              '    lock = None\n'),),
            ('tests/test_stop.py::test_ctrl_c_stops_every_rank_after_one_step_with_a_checkpoint_and_resume_is_bitwise',)),
+    Mutant('usp_with_one_ulysses_rank_unwarned', 'src/orangetron/train/config.py',
+           (('CONTEXT_MODES[self.cp_mode].takes_ulysses_degree and self.ulysses_degree == 1:', 'False:'),),
+           ('tests/test_run_folder.py::test_options_that_do_nothing_are_named',)),
 ]
 
 

@@ -409,6 +409,8 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["estimate", "--model", "llama-9000"], "unknown model preset"),
     (["estimate", "--model", "llama3-8b", "--gpu", "tpu-v9"], "unknown gpu preset"),
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"], "divisible"),
+    (["schedule", "--pp", "4", "--microbatches", "2", "--schedule", "interleaved"],
+     "pp_schedule='interleaved' (--schedule) with virtual_stages=1"),  # the command's own flag, not train's
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "2", "--dp", "3"],
      "--gpus=8 but tp*cp*pp*dp = 6; leave --dp out (dp then takes the GPUs tp*cp*pp leaves) or give --gpus 6"),
     (["estimate", "--model", "llama3-8b", "--tp", "2", "--cp", "3", "--seq", "1000"], "2*cp"),

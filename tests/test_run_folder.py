@@ -301,12 +301,15 @@ def test_metrics_keep_running_and_per_step_throughput_apart(tmp_path) -> None:
     (dict(zero_stage=3), "zero_stage=3 (--zero-stage) has no effect: needs --dp or --cp > 1"),
     (dict(recompute="full", recompute_layers=2),  # tiny-moe's two layers: it was accepted without a word
      "recompute_layers=2 (--recompute-layers) has no effect: is not below the 2 layers of the longest pipeline chunk"),
+    (dict(cp=2, cp_mode="usp"),  # ran as ring without a word
+     "cp_mode='usp' (--cp-mode) with ulysses_degree=1 runs as ring attention over all cp ranks"),
 ])
 def test_options_that_do_nothing_are_named(flags: dict, warning: str) -> None:
     cfg = TrainConfig(model="tiny-moe", steps=4, seq_len=16, batch_size=4, corpus_bytes=60_000, **flags)
     assert [w for w in cfg.ineffective_options() if w.startswith(warning)]
     assert TrainConfig(model="tiny", steps=4, tp=2, sequence_parallel=True).ineffective_options() == []
     assert TrainConfig(model="tiny-moe", recompute="full", recompute_layers=1).ineffective_options() == []
+    assert TrainConfig(model="tiny-moe", cp=4, cp_mode="usp", ulysses_degree=2).ineffective_options() == []
 
 
 def test_inputs_that_used_to_pass_silently_are_refused(tmp_path, capsys) -> None:

@@ -737,8 +737,8 @@ def _add_schedule_command(sub: argparse._SubParsersAction) -> None:
                                    "and a timeline chart.")
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", choices=SCHEDULES.names(), default="1f1b",
-                   help="zb-h1 splits each backward into B and W (W = half of it here)")
+    p.add_argument("--schedule", dest="pp_schedule", choices=SCHEDULES.names(), default="1f1b",
+                   help="zb-h1 splits each backward into B and W (W = half of it here) (default: %(default)s)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     p.add_argument("-o", "--output", metavar="FILE.png", help="draw the timeline")
     p.add_argument("--overwrite", action="store_true",
@@ -755,23 +755,23 @@ def run_schedule(args: argparse.Namespace) -> int:
 
     if args.output:
         _check_chart_path(args.output, "-o", args.overwrite)
-    slots = simulate(args.pp, args.microbatches, args.schedule, args.virtual_stages)
+    slots = simulate(args.pp, args.microbatches, args.pp_schedule, args.virtual_stages)
     simulated = bubble_fraction(slots, args.pp)
     if args.measured:
         from orangetron.train.timeline import measured_slots  # the runtime, only when asked for
 
-        slots = measured_slots(args.pp, args.microbatches, args.schedule, args.virtual_stages)
+        slots = measured_slots(args.pp, args.microbatches, args.pp_schedule, args.virtual_stages)
     result = {
-        "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
+        "pp": args.pp, "microbatches": args.microbatches, "schedule": args.pp_schedule,
         "virtual_stages": args.virtual_stages, "bubble_fraction": bubble_fraction(slots, args.pp),
         "measured": args.measured, "simulated_bubble_fraction": simulated,
-        "formula_bubble_fraction": _formula_bubble(args.pp, args.microbatches, args.schedule, args.virtual_stages),
+        "formula_bubble_fraction": _formula_bubble(args.pp, args.microbatches, args.pp_schedule, args.virtual_stages),
         "makespan": max(s.end for s in slots),
         "peak_in_flight": [peak_in_flight(slots, r) for r in range(args.pp)],
         "order": [[f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if args.virtual_stages > 1 else "") for a in rank]
-                  for rank in actions(args.pp, args.microbatches, args.schedule, args.virtual_stages)],
+                  for rank in actions(args.pp, args.microbatches, args.pp_schedule, args.virtual_stages)],
     }
-    title = (f"{args.schedule}, pp={args.pp}, {args.microbatches} micro-batches"
+    title = (f"{args.pp_schedule}, pp={args.pp}, {args.microbatches} micro-batches"
              + (f", {args.virtual_stages} chunks" if args.virtual_stages > 1 else "")
              + f": {'measured' if args.measured else 'simulated'} bubble {result['bubble_fraction']:.1%}"
              + (f" (simulated {simulated:.1%})" if args.measured else ""))

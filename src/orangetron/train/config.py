@@ -212,8 +212,12 @@ class TrainConfig(Layout, ParallelConfig):
             "save_every": (self.save_every >= self.steps, f"is not before --steps={self.steps}: only the final "
                            "checkpoint is written"),
         }
-        return [f"{name}={getattr(self, name)!r} ({_flag(name)}) has no effect: {why}"
-                for name, (idle, why) in unused.items() if name in changed and idle]
+        lines = [f"{name}={getattr(self, name)!r} ({_flag(name)}) has no effect: {why}"
+                 for name, (idle, why) in unused.items() if name in changed and idle]
+        if self.cp > 1 and CONTEXT_MODES[self.cp_mode].takes_ulysses_degree and self.ulysses_degree == 1:
+            lines.append(f"cp_mode={self.cp_mode!r} (--cp-mode) with ulysses_degree=1 runs as ring attention over "
+                         "all cp ranks: give --ulysses-degree N for N-way all-to-all")
+        return lines
 
     def warnings(self) -> list[str]:
         """What the trainer warns of before it starts: `ineffective_options`, a warmup that leaves the schedule
