@@ -2901,6 +2901,10 @@ MUTANTS = [
     Mutant('usp_with_one_ulysses_rank_unwarned', 'src/orangetron/train/config.py',
            (('CONTEXT_MODES[self.cp_mode].takes_ulysses_degree and self.ulysses_degree == 1:', 'False:'),),
            ('tests/test_run_folder.py::test_options_that_do_nothing_are_named',)),
+    Mutant('evaluation_options_refused_on_resume', 'src/orangetron/train/run_folder.py',
+           (('CHANGEABLE_ON_RESUME = ("steps", "save_every", "eval_every", "eval_batches", ',
+             'CHANGEABLE_ON_RESUME = ("steps", "save_every", '),),
+           ('tests/test_run_folder.py::test_a_resume_may_evaluate_more_often_and_trains_as_if_it_had_not',)),
 ]
 
 

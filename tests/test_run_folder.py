@@ -372,6 +372,22 @@ def test_the_embedded_corpus_changed_on_resume_is_refused_with_a_hint_that_appli
     assert "--new-data" not in err  # no --data names the embedded corpus
 
 
+def test_a_resume_may_evaluate_more_often_and_trains_as_if_it_had_not(tmp_path, capsys) -> None:
+    """--eval-every was refused on resume although evaluation touches no training state: a run stopped at step 2
+    and resumed evaluating every step takes the losses of the run never stopped, evaluated at its end only."""
+    base = ["--model", "tiny-moe", "--steps", "4", "--corpus-bytes", "50000", *SMALL]
+    assert _train(capsys, *base, "--out", str(tmp_path / "straight"))[0] == 0
+    assert _train(capsys, *base, "--out", str(tmp_path / "run"), "--stop-after", "2")[0] == 0
+    code, _, err = _train(capsys, "--out", str(tmp_path / "run"), "--resume", "--eval-every", "1",
+                          "--eval-batches", "2")
+    assert code == 0, err
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "straight")
+    evaluated = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evaluated if "eval_loss" in r] == [3, 4]
+    changes = [json.loads(line) for line in (tmp_path / "run" / "changes.jsonl").read_text().splitlines()]
+    assert changes[-1]["from_step"] == 3 and {"eval_every", "eval_batches"} <= set(changes[-1]["changed"])
+
+
 def test_help_refusal_and_docs_name_every_option_a_resume_may_change(capsys) -> None:
     """The list a user reads (train --help, the refusal, docs/training.md) names each non-layout option the
     resume check lets change: a flag added to CHANGEABLE_ON_RESUME and not to the text, or the reverse, fails."""

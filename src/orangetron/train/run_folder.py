@@ -52,14 +52,16 @@ PARSED_FILES = ("config", "generation_config")
 # What one invocation says about itself, never restored by the next: write-once directives.
 DIRECTIVES = ("out", "resume", "extend", "stop_after", "overwrite", "new_data")
 # Options a resumed run may change: how long (steps, checked with --extend against the checkpoint), how
-# it saves, waits and threads, and where it runs (resuming onto another layout is exact; onto another device,
-# within the dtype's rounding).
-CHANGEABLE_ON_RESUME = ("steps", "save_every", "timeout_s", "threads", "device", "deterministic",
+# it saves, evaluates (a forward of held-out rows that touches no training state), waits and threads, and
+# where it runs (resuming onto another layout is exact; onto another device, within the dtype's rounding).
+CHANGEABLE_ON_RESUME = ("steps", "save_every", "eval_every", "eval_batches", "timeout_s", "threads", "device",
+                        "deterministic",
                         *(f.name for f in dataclasses.fields(Layout)),
                         *(f.name for f in dataclasses.fields(ParallelConfig) if f.name != "param_dtype"))
 # The same list as a user reads it, in `train --help`, the refusal and docs/training.md.
-CHANGEABLE_ON_RESUME_TEXT = ("--steps with --extend, --save-every, --timeout-s, --threads, --device, --deterministic, "
-                             "and every layout and parallel flag except --param-dtype")
+CHANGEABLE_ON_RESUME_TEXT = ("--steps with --extend, --save-every, --eval-every, --eval-batches, --timeout-s, "
+                             "--threads, --device, --deterministic, and every layout and parallel flag except "
+                             "--param-dtype")
 # Compared through the data record (content, not path) and the model's fields, not as option values; the
 # tokenizer too where the record has a data record (`_check_same_tokenizer`), else as an option.
 _COMPARED_APART = ("model", "data", "corpus_bytes")
