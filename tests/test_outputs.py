@@ -56,11 +56,16 @@ def test_an_output_whose_folder_cannot_be_written_is_one_line_before_the_work(ru
     for argv, flag, out in ((["export", str(run)], "-o", "/sys/kernel/m.pt"),
                             (["export", str(run), "--hf"], "-o", "/sys/kernel/hf"),
                             (["prepare-data", str(tmp_path / "a.txt")], "-o", "/sys/kernel/ds"),
+                            (["tokenizer", "train", str(tmp_path / "a.txt"), "--vocab", "300"], "-o",
+                             "/sys/kernel/tok"),
+                            (["plan", "--model", "tiny", "--gpus", "4"], "--emit-config", "/sys/kernel/p.toml"),
                             (["plan", "--model", "tiny", "--gpus", "4"], "--chart", "/sys/kernel/c.png")):
         assert main([*argv, flag, out]) == 2, argv
         err = capsys.readouterr().err.strip()
         assert f"error: {flag} {out!r}: cannot write there (" in err and len(err.splitlines()) == 1, argv
-    assert not list(Path("/sys/kernel").glob(".orangetron-probe-*"))
+    assert main(["export", str(run), "-o", str(tmp_path / "deep" / "m.pt")]) == 0  # its probe made and removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "deep"]  # the probe was made here, as deep was not
+    assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == ["m.pt"]
 
 
 def test_an_exported_folders_weights_are_as_readable_as_its_config(run, tmp_path, capsys) -> None:

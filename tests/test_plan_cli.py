@@ -576,8 +576,8 @@ def test_estimate_notes_each_option_its_layout_does_not_use_and_none_it_does(cap
     assert run(["estimate", "--model", "llama3-8b", "--gpus", "1", "--zero-stage", "1", "--grad-bucket-numel",
                 "1000", "--reduce-dtype", "float32", "--recompute", "full", "--recompute-layers", "40"]) == 0
     notes = [line.split("note: ", 1)[1] for line in capsys.readouterr().err.splitlines() if "note: " in line]
+    # buckets are not idle at dp 1: each frees its gradients into the flat buffer early (param_grads)
     assert notes == ["--zero-stage has no effect here: needs --dp or --cp > 1: nothing to shard",
-                     "--grad-bucket-numel has no effect here: needs --dp, --cp or --tp > 1: no gradient reduction",
                      "--reduce-dtype has no effect here: needs --dp or --cp > 1: no gradient reduction",
                      "--recompute-layers has no effect here: is not below the 32 layers of the longest pipeline "
                      "chunk: every layer replays, as with 0"]
@@ -647,8 +647,11 @@ def test_the_table_names_each_rows_schedule_and_emit_config_looks_below_the_rows
     from orangetron.spec.model import load_model
 
     best = search(load_model("tiny"), make_cluster("h100", 4), 64, 16, top=1).ranked[0]
-    assert _label(best).endswith(sharding_label(best.job)) and "+b" in sharding_label(replace(best.job,
-                                                                                               grad_bucket_numel=8))
+    plain = replace(best.job, zero_stage=0, distributed_optimizer=False, zero3_reduce_every_microbatch=False,
+                    grad_bucket_numel=0)
+    assert sharding_label(replace(plain, grad_bucket_numel=8)) == "ddp+b"  # the chart's label dropped the +b
+    assert sharding_label(replace(plain, zero_stage=3, zero3_reduce_every_microbatch=True)) == "zero3-mb"
+    assert _label(replace(best, job=replace(plain, grad_bucket_numel=8))).endswith("\nddp+b")
     path = tmp_path / "plan.toml"
     assert run([*argv, "--top", "1", "--emit-config", str(path)]) == 0
     err = capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 from orangetron import cli
 
@@ -153,6 +154,26 @@ def test_no_advice_where_it_fits_and_more_gpus_where_nothing_does(capsys) -> Non
     assert f"fits; `{hint}` searches every layout of these GPUs, else add GPUs" in err
     assert cli.main(hint.split()[1:]) == 2  # the command it names runs, and finds no layout of 8 GPUs either
     assert "no layout of 8 x h100 fits llama3-405b with seq 8192 and global batch 1" in capsys.readouterr().err
+
+
+def test_the_plan_command_named_where_nothing_fits_prices_the_same_problem(tmp_path, capsys) -> None:
+    """Found by review: the named command dropped the options that change a step's cost, and named a GPU read
+    from a file by a preset name that does not exist."""
+    import orangetron.spec
+
+    h100 = (Path(orangetron.spec.__file__).parent / "presets" / "gpus" / "h100.toml").read_text()
+    gpu = tmp_path / "mygpu.toml"
+    gpu.write_text(h100.replace('name = "h100"', 'name = "mygpu"'))
+    argv = ["estimate", "--model", "llama3-405b", "--gpu", str(gpu), "--gpus", "8", "--tp", "4", "--pp", "2",
+            "--seq", "8192", "--param-dtype", "float32", "--fp8", "--fp8-recipe", "blockwise", "--gpus-per-node", "4"]
+    assert cli.main(argv) == 0
+    hint = next(line for line in capsys.readouterr().err.splitlines() if "searches every layout" in line)
+    assert "`orangetron plan --model llama3-405b --gpu GPU --gpus 8 --seq 8192 --global-batch 1 --gpus-per-node 4 " \
+        "--param-dtype float32 --fp8 --fp8-recipe blockwise`" in hint
+    edited = tmp_path / "h100.toml"  # a preset's name on other figures is not that preset either
+    edited.write_text(h100.replace("memory_gib = 79.65", "memory_gib = 80.65"))
+    assert cli.main(["estimate", "--model", "llama3-405b", "--gpu", str(edited), "--gpus", "8", "--tp", "8"]) == 0
+    assert "--gpu GPU --gpus 8" in capsys.readouterr().err
 
 
 DEEPSEEK = ["estimate", "--model", "deepseek-v3", "--gpu", "h800", "--pp", "16", "--dp", "128", "--ep", "64", "--seq",

@@ -302,14 +302,14 @@ def test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_w
 
     from orangetron.train.commands import _summary
 
-    def summary(steps_differ: bool, measured: int) -> str:
+    def summary(steps_differ: bool, measured: int, key: str = "all_to_all/ep") -> str:
         memory = {"rank": 0, "params": 10, "activations_peak": 5}
-        per_step = {"train": {"all_to_all/ep": measured}, "eval": {}, "evaluations": 0, "steps_differ": steps_differ}
+        per_step = {"train": {key: measured}, "eval": {}, "evaluations": 0, "steps_differ": steps_differ}
         result = {"losses": [2.0, 1.0], "memory": [memory], "eval_loss": None, "final_loss": 1.0,
                   "final_loss_mean10": 1.5, "params": 10, "tokens_per_s": 1.0, "mfu": None, "time_s": 1.0,
                   "comm_per_step": [per_step], "comm": [{"rank": 0}], "warnings": [],
                   "predicted": [{"memory": {"params": 10, "activations_peak": 5},
-                                 "comm_per_step": {"all_to_all/ep": 300}}]}
+                                 "comm_per_step": {key: 300}}]}
         out = io.StringIO()
         _summary(result, out)
         return out.getvalue()
@@ -317,6 +317,7 @@ def test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_w
     routed = summary(True, 296)
     assert "by op/mesh dim; the last step's: the steps differ): all_to_all/ep 296 B" in routed
     assert "(-4)" in routed and "the planner prices it balanced" in routed
+    assert "balanced" not in summary(True, 296, "send_recv/cp")  # no expert row differs: routing is not why
     even = summary(False, 300)
     assert "the steps differ" not in even and "balanced" not in even
 

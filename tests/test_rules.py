@@ -57,7 +57,7 @@ class Walk:
 
 
 WALK = [
-    Walk(rules.tp_splits_heads, "tp=3: n_heads=8 is not divisible by tp; tp may be 1, 2, 4, 8", ("--tp", "3"),
+    Walk(rules.tp_splits_heads, "tp=3: n_heads=8 is not divisible by tp; the heads allow tp 1, 2, 4, 8", ("--tp", "3"),
          ("--tp", "3", "--dp", "1"), lambda: _plan(Degrees(tp=3)), lambda: Layout(tp=3).validate(_cfg()),
          "is not divisible by tp\""),
     Walk(rules.ep_splits_experts, "ep=3: n_experts=8 is not divisible by ep",

@@ -139,6 +139,69 @@ def test_a_folder_another_train_runs_in_is_refused_until_it_ends(tmp_path, capsy
     assert _train(capsys, *base, "--resume", "--steps", "3", "--extend")[0] == 0
 
 
+def test_the_lock_holds_for_ranks_already_in_a_group_for_a_folder_still_setting_up_and_not_after_a_refusal(
+        tmp_path, capsys, monkeypatch) -> None:
+    """Found by review: ranks that call `train` inside their own process group (no RANK set) each took themselves
+    for the one to lock, and refused each other; a run still setting up (its lock only) was not named to a
+    resume beside it; and a run refused once it held a new folder left the folder behind, holding `.lock`."""
+    import fcntl
+    import os
+
+    from orangetron.train import folder_lock
+    from orangetron.train.launch import launch_local
+
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = TrainConfig(model="tiny", steps=1, seq_len=16, batch_size=4, warmup=0, corpus_bytes=50_000, dp=2,
+                      out=str(tmp_path / "group"))
+    results = launch_local(train, 2, args=(cfg, False))
+    assert len(results) == 2 and (tmp_path / "group" / "config.toml").is_file()
+    setting_up = tmp_path / "setting-up"
+    setting_up.mkdir()
+    fd = os.open(setting_up / folder_lock.LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, _, err = _train(capsys, "--model", "tiny", "--steps", "1", *SMALL, "--out", str(setting_up), "--resume")
+        assert code == 2 and "another `orangetron train` is running in this folder" in err and "checkpoint" not in err
+    finally:
+        os.close(fd)
+    (tmp_path / "few.txt").write_text("hello world\n")
+    code, _, err = _train(capsys, "--model", "tiny", "--steps", "1", "--seq-len", "64", "--batch-size", "8",
+                          "--data", str(tmp_path / "few.txt"), "--out", str(tmp_path / "refused"))
+    assert code == 2 and "only 0 samples" in err and not (tmp_path / "refused").exists()
+
+
+def test_a_lock_file_swapped_under_the_lock_is_refused_and_a_filesystem_without_locks_runs_with_a_warning(
+        tmp_path, capsys, monkeypatch) -> None:
+    """A process that opened the lock file just before the holder moved the folder aside (`--overwrite`) and
+    then locked the old file must not take the new folder; and where flock is not supported at all (ENOLCK on
+    NFS without a lock daemon) a run still runs, saying a second one would not be refused."""
+    import errno
+    import fcntl
+
+    from orangetron.train import folder_lock
+
+    folder = tmp_path / "run"
+    real_flock = fcntl.flock
+
+    def swapped(fd, op):  # the holder's move and new lock file, between this process's open and its lock
+        real_flock(fd, op)
+        (folder / folder_lock.LOCK_FILE).unlink()
+        (folder / folder_lock.LOCK_FILE).write_text("")
+
+    monkeypatch.setattr(folder_lock.fcntl, "flock", swapped)
+    with pytest.raises(folder_lock.TrainConfigError, match=r"another `orangetron train` is running in this folder "
+                                                           r"\(it took the folder just now\)"):
+        folder_lock.take(folder)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(folder_lock.fcntl, "flock", no_locks)
+    code, _, err = _train(capsys, "--model", "tiny", "--steps", "1", *SMALL, "--out", str(tmp_path / "nfs"))
+    assert code == 0 and f"warning: the filesystem of {tmp_path / 'nfs'} takes no locks (No locks available): a " \
+        "second `orangetron train` into it would not be refused" in err
+
+
 def test_an_out_that_cannot_be_written_is_one_line_before_any_rank_starts(capsys) -> None:
     out = Path("/sys/kernel/orangetron-run")  # sysfs makes no folder, for root too: once rank 0's traceback
     if not out.parent.is_dir():

@@ -32,8 +32,11 @@ from orangetron.spec.parallel_config import DTYPE_BYTES, RECOMPUTE
 from orangetron.spec.stages import longest_chunk
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
-# How far down the ranking `--emit-config` looks for a row the trainer runs when none of the --top rows is one.
+# How far down the ranking `--emit-config` looks for a row the trainer runs when none of the --top rows is one:
+# a few hundred rows price in seconds, and the rows passed over differ from a runnable one by an option or two
+# the trainer lacks (FP8, a planner-only schedule or dispatcher).
 EMIT_DEPTH = 200
+
 
 def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     """Add `estimate`, `plan` and `schedule` to the `orangetron` subcommands."""
@@ -361,7 +364,6 @@ def _idle_options(model: ModelSpec, deg: Degrees, job: Job) -> list[str]:
         "ep_comm_sms_reserved": (deg.ep == 1, "needs --ep > 1"),
         "zero_stage": (no_dp, "needs --dp or --cp > 1: nothing to shard"),
         "distributed_optimizer": (no_dp, "needs --dp or --cp > 1: nothing to shard"),
-        "grad_bucket_numel": (no_dp and deg.tp == 1, "needs --dp, --cp or --tp > 1: no gradient reduction"),
         "reduce_dtype": (no_dp, "needs --dp or --cp > 1: no gradient reduction"),
         "zero3_prefetch": (job.zero_stage != 3, "needs --zero-stage 3"),
         "zero3_keep_params": (job.zero_stage != 3, "needs --zero-stage 3"),
@@ -542,7 +544,7 @@ def run_plan(args: argparse.Namespace) -> int:
         from orangetron.cli.run_config import emit_config, trainer_runs
 
         ranked = result.ranked
-        if result.evaluated > len(ranked) and not any(trainer_runs(row) for row in ranked):
+        if len(ranked) < min(result.evaluated, EMIT_DEPTH) and not any(trainer_runs(row) for row in ranked):
             ranked = search(spec, cluster, args.seq, global_batch, space, base, min(result.evaluated, EMIT_DEPTH),
                             args.memory_fraction, _overhead(args)).ranked  # further down than --top shows
         moved: list[Path] = []

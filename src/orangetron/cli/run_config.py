@@ -27,7 +27,7 @@ from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job
 from orangetron.spec.parallel_config import ParallelConfig, values_of
 from orangetron.spec.stages import chunk_layers
-from orangetron.train.outputs import move_aside
+from orangetron.train.outputs import check_writable, move_aside
 
 # How the trainer overlaps the expert all-to-all, as the planner's switches price it. It pairs no micro-batches
 # (its overlap, `ep_overlap_chunks`, stays within one). Its shared experts run while the forward combine travels
@@ -114,6 +114,7 @@ def check_emit_path(path: str, overwrite: bool = False) -> None:
         raise ValueError(f"--emit-config {path}: no such folder {str(target.parent)!r}")
     if target.is_dir():
         raise ValueError(f"--emit-config {path}: is a folder; give a file name")
+    check_writable(target, "--emit-config")
     if target.exists() and not overwrite:
         text = target.read_text(encoding="utf-8", errors="replace")
         if not text.startswith(EMITTED):
@@ -230,11 +231,11 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     table = read_toml(path)
     layout_fields = {f.name: f for f in dataclasses.fields(Layout)}
     parallel_fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
-    layout, parallel, trains = {}, {}, train_keys()
+    layout, parallel, train_options = {}, {}, train_keys()
     for key, value in table.items():
         name = key.replace("-", "_")
-        if name in trains and not isinstance(value, dict):  # as `train --config` checks it: type, choices
-            value = checked_value(path, key, value, trains[name])
+        if name in train_options and not isinstance(value, dict):  # as `train --config` checks it: type, choices
+            value = checked_value(path, key, value, train_options[name])
         if name in layout_fields:
             layout[name] = _typed(path, key, value, layout_fields[name].default)
         elif name in parallel_fields:

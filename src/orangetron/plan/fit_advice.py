@@ -25,7 +25,7 @@ from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, needed_overhead
 from orangetron.plan.search import BUCKET_NUMEL
 from orangetron.spec.categories import ESTIMATED_TENSORS
-from orangetron.spec.hardware import GIB
+from orangetron.spec.hardware import GIB, gpu_names, load_gpu
 from orangetron.spec.model import ModelSpec, preset_names
 from orangetron.spec.options import Degrees, Job, replayable_modules
 
@@ -144,8 +144,9 @@ def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int =
     found = fixes(est, overhead)[:n]
     if not found:
         # The other dimensions (ep, cp, dp against tp x pp) change more than a flag: the search prices them all.
-        lines.append("  no change of up to three of recompute, ZeRO stage, gradient buckets, tp, pp and micro-batch "
-                     f"fits; `{_plan_command(est)}` searches every layout of these GPUs, else add GPUs")
+        lines.append("  no change of up to three of recompute, ZeRO stage, gradient buckets, sequence parallelism, tp, "
+                     f"pp and micro-batch fits; `{_plan_command(est)}` searches every layout of these GPUs, else add "
+                     "GPUs")
     else:
         lines.append(f"changes that fit at the same global batch ({found[0].estimate.job.global_batch} sequences), "
                      "fastest first (each priced in full):")
@@ -157,9 +158,22 @@ def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int =
 
 
 def _plan_command(est: Estimate) -> str:
-    """The `plan` command that searches `est`'s GPUs for its model, sequence and batch, to paste (a model that is
-    not a preset is named as the placeholder MODEL: the file or folder it came from is not known here)."""
-    name = est.model.name if est.model.name in preset_names() else "MODEL"
-    return (f"orangetron plan --model {name} --gpu {est.cluster.gpu.name} --gpus {est.degrees.world_size} "
-            f"--seq {est.job.seq_len} --global-batch {est.job.global_batch or est.tokens_per_step // est.job.seq_len}")
+    """The `plan` command that searches `est`'s GPUs for its problem, to paste: model, GPU, sequence, batch, and
+    the options that change what a step costs set away from their defaults. A model or GPU that is not a preset
+    is named by the placeholder MODEL or GPU: the file or folder it came from is not known here."""
+    job, cluster, default = est.job, est.cluster, Job(seq_len=est.job.seq_len)
+    model = est.model.name if est.model.name in preset_names() else "MODEL"
+    preset = cluster.gpu.name in gpu_names() and load_gpu(cluster.gpu.name) == cluster.gpu  # not a file's edit
+    gpu = cluster.gpu.name if preset else "GPU"
+    batch = job.global_batch or est.tokens_per_step // job.seq_len
+    flags = [f"--model {model}", f"--gpu {gpu}", f"--gpus {est.degrees.world_size}", f"--seq {job.seq_len}",
+             f"--global-batch {batch}"]
+    if cluster.gpus_per_node != cluster.gpu.gpus_per_node:
+        flags.append(f"--gpus-per-node {cluster.gpus_per_node}")
+    for name in ("param_dtype", "attention_kernel"):
+        if getattr(job, name) != getattr(default, name):
+            flags.append(f"--{name.replace('_', '-')} {getattr(job, name)}")
+    if job.fp8:
+        flags.append("--fp8" + (f" --fp8-recipe {job.fp8_recipe}" if job.fp8_recipe != default.fp8_recipe else ""))
+    return "orangetron plan " + " ".join(flags)
 

@@ -203,7 +203,7 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
     fewer layers, and a few replayed layers may beat selective recompute: then only no recompute closes a class,
     selective recompute closes its own options, and of the full-recompute options that fit only the smallest is
     kept, to replay as few layers as it needs (`_replay_fewer_layers`). A group whose degrees break a rule adds
-    the rule's message to `refusals`, and "" where its degrees passed them."""
+    the rule's message to `refusals`."""
     rows: Scored = []
     closed: set = set()
     smallest: dict[int, tuple[Job, dict[str, int]]] = {}
@@ -218,7 +218,6 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
         except ValueError as err:
             refusals.append(str(err))
             break  # the group shares every degree-dependent rule
-        refusals.append("")
         if model_state_floor(model, deg, job) + overhead.fixed_bytes(deg) > limit:
             continue  # its states alone overflow: `needed` is never less than this
         mem = with_overhead(memory_per_gpu(model, deg, job), deg, overhead)
@@ -274,10 +273,11 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     base = base or Job(seq_len=seq_len)
     limit = cluster.gpu.memory_bytes * memory_fraction
     scored: list[tuple[float, int, Degrees, Job, dict[str, int]]] = []
-    considered, refusals = 0, []
+    considered, groups, refusals = 0, 0, []
     for deg in candidate_degrees(model, cluster, space, seq_len):
         for group in candidate_jobs(model, deg, seq_len, global_batch, space, base):
             considered += len(group)
+            groups += 1
             scored += _price_group(model, deg, group, cluster, limit, overhead, space.partial_recompute, eff,
                                    refusals)
     scored.sort(key=lambda row: (row[0], row[1]))
@@ -286,5 +286,5 @@ def search(model: ModelSpec, cluster: Cluster, seq_len: int, global_batch: int, 
     ranked = [Estimate(model, deg, job, cluster, mem,
                        summarize(step_records(model, deg, job, ep_where=group_places(deg, cluster)["ep"])),
                        step_time(model, deg, job, cluster, eff=eff)) for _, _, deg, job, mem in scored[:top]]
-    refused = refusals[0] if refusals and all(refusals) else ""
+    refused = refusals[0] if refusals and len(refusals) == groups else ""  # every group broke a rule
     return SearchResult(ranked, len(scored), considered, refused)

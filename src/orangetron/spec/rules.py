@@ -27,7 +27,7 @@ def tp_splits_heads(tp: int, heads: int, kv_heads: int) -> None:
     """Attention heads split over tp; kv heads split too, or are replicated when fewer than tp."""
     if heads % tp:
         fits = [t for t in range(1, heads + 1) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
-        _fail(f"tp={tp}: n_heads={heads} is not divisible by tp; tp may be {', '.join(map(str, fits))}")
+        _fail(f"tp={tp}: n_heads={heads} is not divisible by tp; the heads allow tp {', '.join(map(str, fits))}")
     if kv_heads % tp and tp % kv_heads:
         _fail(f"tp={tp}: n_kv_heads={kv_heads} must divide tp or be divisible by it (kv heads are split, or "
               "replicated across tp ranks)")

@@ -377,7 +377,8 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         rows = side_by_side(result["predicted"][0], mem, per_step["train"])
         lines.append("the planner's prediction beside the measurement (bytes; memory from the first step):")
         lines.append(format_table(rows))
-        if any(want != got for _, want, got in rows if None not in (want, got)) and per_step.get("steps_differ"):
+        differing = [name for name, want, got in rows if None not in (want, got) and want != got]
+        if per_step.get("steps_differ") and any(name.endswith("/ep") for name in differing):
             lines.append("  (the routing decides how many tokens each MoE layer sends and keeps, step by step; the "
                          "planner prices it balanced, so the expert all-to-all and activation rows differ by it)")
     warnings = result.get("warnings", [])

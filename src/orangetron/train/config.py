@@ -201,7 +201,6 @@ class TrainConfig(Layout, ParallelConfig):
             "zero3_keep_params": (self.zero_stage != 3, "needs --zero-stage 3"),
             "distributed_optimizer": (self.dp * self.cp == 1, "needs --dp or --cp > 1: nothing to shard"),
             "zero_stage": (self.dp * self.cp == 1, "needs --dp or --cp > 1: nothing to shard"),
-            "grad_bucket_numel": (self.dp * self.cp == 1, "needs --dp or --cp > 1: no gradient reduction"),
             "recompute": (self.recompute == "selective", "every attention kernel the runtime runs already "
                           "recomputes its scores in backward, which is what selective recompute saves "
                           "(docs/runtime.md, Activation recompute)"),

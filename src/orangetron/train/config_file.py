@@ -14,9 +14,12 @@ import difflib
 import tomllib
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orangetron.spec.toml_values import check_scalar
+
+if TYPE_CHECKING:
+    from orangetron.spec.model import ModelSpec
 
 _NOT_IN_A_FILE = ("help", "config")
 # What a run folder's config.toml records beside the options; not options.
@@ -137,7 +140,7 @@ def check_no_run_options(path: str, table: dict[str, Any], keys: Collection[str]
                          "runs to the next table or the end of the file, so put it above the [model] line")
 
 
-def model_table(path: str, table: dict[str, Any]) -> Any:
+def model_table(path: str, table: dict[str, Any]) -> ModelSpec:
     """The `[model]` table of the file `path` as its spec; ValueError naming the file and the table."""
     from orangetron.spec.model import ModelSpec, parse_model
 

@@ -80,10 +80,11 @@ def check_holds_no_input(path: Path, flag: str, inputs: Inputs) -> None:
                              "an output outside it")
 
 
-def check_writable(path: Path, flag: str) -> None:
-    """Refuse `path` as an output where the folder it would be written in cannot take a file (a probe made and
-    removed in its nearest existing folder): one line naming `flag` before the work, not a traceback after it."""
-    folder = Path(path).absolute().parent
+def check_writable(path: Path, flag: str, inside: bool = False) -> None:
+    """Refuse `path` as an output where the folder it would be written in (`path` itself when `inside`, its
+    parent else) cannot take a file (a probe made and removed in its nearest existing folder): one line naming
+    `flag` before the work, not a traceback after it."""
+    folder = Path(path).absolute() if inside else Path(path).absolute().parent
     while not os.path.lexists(folder):
         folder = folder.parent
     try:

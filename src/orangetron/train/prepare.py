@@ -25,7 +25,7 @@ from orangetron.cli.wording import BYTE_UNITS, counted, unit_for
 from orangetron.spec.digest import file_record, file_sha256
 from orangetron.train.corpus import FILE_SEPARATOR, file_documents
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, FORMAT, TOKENS_FILE, VERSION
-from orangetron.train.outputs import check_claim, claim_output, free_suffix, move_aside
+from orangetron.train.outputs import check_claim, check_writable, claim_output, free_suffix, move_aside
 
 BATCH_DOCUMENTS = 256  # documents tokenized together (the tokenizers library spreads a batch over threads)
 SPECIAL_TOKENS = ("<|endoftext|>",)  # `tokenizer train`'s only special token: EOS (and BOS) of its documents
@@ -279,6 +279,7 @@ def _free_tokenizer_files(output: Path, overwrite: bool,
     the new one is written."""
     if output.exists() and not output.is_dir():
         raise ValueError(f"-o {str(output)!r}: is a file; give a folder")
+    check_writable(output, "-o", inside=True)
     written = [output / name for name in names]
     present = [path.name for path in written if path.exists()]
     if present and not overwrite:

@@ -22,10 +22,8 @@ run runs, its folder is locked: a second `train` into it, new or resumed, is ref
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
-import os
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -37,6 +35,7 @@ from orangetron.spec.digest import file_record, file_sha256
 from orangetron.spec.layout import Layout
 from orangetron.spec.model import ModelSpec, parse_model
 from orangetron.spec.parallel_config import ParallelConfig
+from orangetron.train import folder_lock
 from orangetron.train.config import TrainConfig, TrainConfigError, _flag
 from orangetron.train.config_file import write_resolved_config
 from orangetron.train.corpus import read_text_files, stdlib_corpus
@@ -44,7 +43,6 @@ from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, TOKENS_FILE,
 from orangetron.train.outputs import check_holds_no_input, move_aside
 
 CONFIG_FILE = "config.toml"
-LOCK_FILE = ".lock"  # held (flock) by the process that runs in the folder: `held`
 CHANGES_FILE = "changes.jsonl"
 RUN_FILES = (CONFIG_FILE, "metrics.jsonl", "checkpoints")  # any of them: the folder holds a run
 # The source folder's files a run keeps parsed in its checkpoints for export, not in config.toml (`model_source`)
@@ -120,52 +118,35 @@ def recorded_model(record: dict[str, Any]) -> ModelSpec | str | None:
 
 @contextmanager
 def held(cfg: TrainConfig) -> Iterator[None]:
-    """The run folder, this run's until it ends: `claim`'s refusals, then the folder locked (`LOCK_FILE`), so a
+    """The run folder, this run's until it ends: `claim`'s refusals, then the folder locked (`folder_lock`), so a
     second `train` into it while this one runs, a resume say, is refused in one line instead of both writing
     its metrics and checkpoints; an old run moves aside on `overwrite` under the lock, and the new folder is
-    locked in turn. Under torchrun one process holds it."""
+    locked in turn. The process that speaks for the run holds it (`folder_lock.primary_process`)."""
     folder = Path(cfg.out) if cfg.out is not None else None
-    primary = folder is not None and os.environ.get("RANK", "0") == "0"
-    # A folder that holds a run is locked first: a resume beside a run that has saved nothing yet is told the
-    # run is there, not that it has no checkpoint. Any other folder only once claimed: a refused --out (the
+    primary = folder is not None and folder_lock.primary_process()
+    made = folder is not None and not folder.exists()
+    # A folder that holds a run, or a run's lock, is locked first: a resume beside a run still setting up is
+    # told the run is there, not that it has no checkpoint. Any other only once claimed: a refused --out (the
     # model folder the run imports, say) gets no lock file.
-    lock = _lock(folder) if primary and _occupant(folder) else None
+    early = primary and bool(_occupant(folder) or (folder / folder_lock.LOCK_FILE).exists())
+    lock = folder_lock.take(folder) if early else None
     try:
-        move = claim(cfg)
+        moves_aside = claim(cfg)
         if not primary:
             yield
             return
-        lock = lock if lock is not None else _lock(folder)
-        if move:
+        if not early:
+            lock = folder_lock.take(folder)
+        if moves_aside:
             aside = move_aside(folder)  # the lock file goes with it, still held: no run was in there
             print(f"orangetron train: moved the former run in {cfg.out} to {aside} (the whole folder, with any "
                   "other files it held)", file=sys.stderr)
-            lock, former = _lock(folder), lock
-            os.close(former)
+            lock, former, made = folder_lock.take(folder), lock, True
+            folder_lock.release(former, aside, made=False)
         yield
     finally:
-        if lock is not None:
-            os.close(lock)
-
-
-def _lock(folder: Path) -> int:
-    """An open descriptor holding the exclusive lock of `folder` (made if missing); TrainConfigError naming
-    --out where the folder cannot be written, or where another process holds the lock."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as err:
-        raise TrainConfigError(f"out={str(folder)!r} (--out): cannot write there ({err.strerror})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise TrainConfigError(f"out={str(folder)!r} (--out): another `orangetron train` is running in this folder "
-                               f"(process {holder}); wait for it to end, or stop it first") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+        if primary:
+            folder_lock.release(lock, folder, made)
 
 
 def claim(cfg: TrainConfig) -> bool:
@@ -174,22 +155,7 @@ def claim(cfg: TrainConfig) -> bool:
     if cfg.out is None:
         return False
     if cfg.resume:
-        from orangetron.train.checkpoint import latest_checkpoint  # torch: only when resuming
-
-        latest = latest_checkpoint(Path(cfg.out) / "checkpoints")
-        if latest is None:  # before the run is announced, not after
-            saved_none = "; the run there saved none: start afresh with --overwrite (it moves the folder aside)" \
-                if _occupant(Path(cfg.out)) else ""
-            raise TrainConfigError(f"resume=True (--resume): no checkpoint under {Path(cfg.out) / 'checkpoints'}"
-                                   + saved_none)
-        record = read_record(cfg.out)
-        if record is not None:
-            check_resume(cfg, record)
-        elif os.environ.get("RANK", "0") == "0":  # a refusal below then names flags the user never gave
-            print(f"orangetron train: warning: {Path(cfg.out) / CONFIG_FILE} is missing, so the run's options come "
-                  "from this command's flags and their defaults; its checkpoint refuses those that differ from the "
-                  "run's", file=sys.stderr)
-        _check_checkpoint(cfg, latest)
+        _claim_resume(cfg)
         return False
     for flag, source in (("--hf-model", cfg.hf_model), ("--tokenizer", cfg.tokenizer)):
         if source is not None and Path(source).is_dir() and Path(source).resolve() == Path(cfg.out).resolve():
@@ -199,7 +165,7 @@ def claim(cfg: TrainConfig) -> bool:
     if occupant is None:
         return False
     if not cfg.overwrite:
-        from orangetron.train.checkpoint import latest_checkpoint
+        from orangetron.train.checkpoint import latest_checkpoint  # torch: only for a folder that holds a run
 
         if latest_checkpoint(Path(cfg.out) / "checkpoints") is None:
             raise TrainConfigError(f"out={cfg.out!r} (--out): the folder holds a run that saved no checkpoint "
@@ -212,6 +178,27 @@ def claim(cfg: TrainConfig) -> bool:
     inputs += [("the model to import", cfg.hf_model), ("the tokenizer", tokenizer)]
     check_holds_no_input(Path(cfg.out), "--out", inputs)  # moving the old run aside would take them along
     return True
+
+
+def _claim_resume(cfg: TrainConfig) -> None:
+    """`claim` for a resume: a checkpoint to resume, and the record's (or, without one, the checkpoint's) refusals
+    of what may not change."""
+    from orangetron.train.checkpoint import latest_checkpoint  # torch: only when resuming
+
+    latest = latest_checkpoint(Path(cfg.out) / "checkpoints")
+    if latest is None:  # before the run is announced, not after
+        saved_none = "; the run there saved none: start afresh with --overwrite (it moves the folder aside)" \
+            if _occupant(Path(cfg.out)) else ""
+        raise TrainConfigError(f"resume=True (--resume): no checkpoint under {Path(cfg.out) / 'checkpoints'}"
+                               + saved_none)
+    record = read_record(cfg.out)
+    if record is not None:
+        check_resume(cfg, record)
+    elif folder_lock.primary_process():  # a refusal below then names flags the user never gave
+        print(f"orangetron train: warning: {Path(cfg.out) / CONFIG_FILE} is missing, so the run's options come "
+              "from this command's flags and their defaults; its checkpoint refuses those that differ from the "
+              "run's", file=sys.stderr)
+    _check_checkpoint(cfg, latest)
 
 
 def _check_checkpoint(cfg: TrainConfig, checkpoint: Path) -> None:

@@ -200,7 +200,7 @@ def _train_rank(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     return _train(cfg, progress and torch.distributed.get_rank() == 0)
 
 
-def _kept(cfg: TrainConfig) -> str:
+def _checkpoints_kept_text(cfg: TrainConfig) -> str:
     """What a run stopped by a diverged step leaves to go back to, said after the stop."""
     if cfg.out is None:
         return ""
@@ -332,7 +332,8 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
                     loss, grad_norm, step_mem = train_step(model, optimizer, rows, lr, cfg.grad_clip,
                                                             measure=step == start.step, labels=label_count(batch))
             except TrainingDiverged as err:  # nothing of this step was applied or written
-                raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{_kept(cfg)}") from None
+                kept = _checkpoints_kept_text(cfg)
+                raise TrainingDiverged(f"step {step + 1}: {err}; stopped before the update{kept}") from None
             seconds = timer.stop()  # evaluation below is not training throughput
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
