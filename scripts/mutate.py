@@ -2711,8 +2711,8 @@ MUTANTS = [
            (("    alternate_mm_layout(degrees, job)\n", ""),),
            ("tests/test_plan_alternate_mm.py::test_what_the_policy_is_not_priced_for_is_refused",)),
     Mutant('jsonl_text_of_any_type', 'src/orangetron/train/corpus.py',
-           (('    if isinstance(text, str):\n        return text\n',
-             '    if text is not None:\n        return str(text)\n'),),
+           (('    if isinstance(text, str):\n        try:\n',
+             '    if text is not None:\n        text = str(text)\n        try:\n'),),
            ('tests/test_prepare_data.py::test_train_prepare_data_and_tokenizer_train_read_a_file_alike',)),
     Mutant('train_reads_jsonl_as_text', 'src/orangetron/train/corpus.py',
            (('    if path.suffix not in JSON_LINES:\n',
@@ -2956,6 +2956,45 @@ MUTANTS = [
              ''),),
            ('tests/test_outputs.py::'
             'test_an_output_whose_folder_cannot_be_written_is_one_line_before_the_work',)),
+    Mutant('surrogate_text_taken', 'src/orangetron/train/corpus.py',
+           (('            text.encode("utf-8")\n',
+             '            pass\n'),),
+           ('tests/test_prepare_data.py',)),
+    Mutant('prompt_not_checked_for_utf8', 'src/orangetron/train/sample.py',
+           (('        args.prompt.encode("utf-8")\n',
+             '        pass\n'),),
+           ('tests/test_sample.py::'
+            'test_sample_command_refuses_bad_input_in_one_line',)),
+    Mutant('greedy_sampling_flags_unwarned', 'src/orangetron/train/sample.py',
+           (('    if args.temperature == 0 and (args.top_k or args.seed):',
+             '    if False:'),),
+           ('tests/test_sample.py::'
+            'test_sampling_flags_at_temperature_zero_are_said_to_do_nothing',)),
+    Mutant('verify_reference_on_default_threads', 'src/orangetron/train/verify.py',
+           (('    torch.set_num_threads(cfg.threads or 1)  # as the launched',
+             '    pass  # as the launched'),),
+           ('tests/test_tensor_parallel_train.py::'
+            'test_verify_of_one_rank_is_bitwise_and_its_tolerance_follows_the_reduce_dtype',)),
+    Mutant('verify_tolerance_ignores_reduce_dtype', 'src/orangetron/train/verify.py',
+           (('for dtype in (cfg.param_dtype, cfg.reduce_dtype) if dtype',
+             'for dtype in (cfg.param_dtype,) if dtype'),),
+           ('tests/test_tensor_parallel_train.py::'
+            'test_verify_of_one_rank_is_bitwise_and_its_tolerance_follows_the_reduce_dtype',)),
+    Mutant('progress_stops_short_of_blank_lines', 'src/orangetron/train/prepare.py',
+           (('    bar.advance(bar.total - bar.done, total)  # the bytes',
+             '    pass  # the bytes'),),
+           ('tests/test_prepare_data.py::'
+            'test_progress_ends_at_the_whole_input_with_blank_lines_in_it',)),
+    Mutant('flag_prefixes_taken', 'src/orangetron/cli/__init__.py',
+           (('        kwargs.setdefault("allow_abbrev", False)\n',
+             ''),),
+           ('tests/test_train.py::'
+            'test_cli_bad_flag_is_one_line_exit_2_not_the_usage_block',)),
+    Mutant('evaluation_counted_without_held_out_rows', 'src/orangetron/train/trainer.py',
+           (('            if evaluates and len(data.eval_samples):',
+             '            if evaluates:'),),
+           ('tests/test_train.py::'
+            'test_a_run_with_no_held_out_rows_counts_no_evaluation_and_names_the_flag',)),
 ]
 
 

@@ -91,6 +91,14 @@ def test_progress_reads_in_a_unit_its_input_is_not_zero_in():
     assert " 5.0 GiB, 7 tokens, " in large.getvalue() and large.getvalue().rstrip().endswith(" GiB/s")
 
 
+def test_progress_ends_at_the_whole_input_with_blank_lines_in_it(tmp_path):
+    """Blank JSON Lines lines are read but no document takes their bytes: the bar stopped at 99.2%."""
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n\n\n{"text": "b"}\n\n')
+    bar = io.StringIO()
+    prepare_data([str(tmp_path / "a.jsonl")], tmp_path / "data", "byte", stream=bar)
+    assert bar.getvalue().splitlines()[-1].startswith("[########################] 100.0% 31.0 B, ")  # 14+1+1+14+1
+
+
 def test_prepare_data_writes_each_document_then_eos(tokenizer_dir, tmp_path):
     docs, files = _corpus(tmp_path)
     bar = io.StringIO()
@@ -153,11 +161,14 @@ def test_train_prepare_data_and_tokenizer_train_read_a_file_alike(tmp_path):
     prepare_data(files, tmp_path / "data", "byte", progress=False)
     assert bytes(np.fromfile(tmp_path / "data" / "tokens.bin", dtype="<u2").tolist()).decode() == joined + "\n\n\n"
     bad = {"null.jsonl": b'{"text": "ok"}\n{"text": null}\n', "list.jsonl": b'{"text": ["a"]}\n',
-           "array.json": b'[\n{"text": "a"}\n]\n', "bytes.jsonl": b'{"text": "ok"}\n{"text": "\xff"}\n'}
+           "array.json": b'[\n{"text": "a"}\n]\n', "bytes.jsonl": b'{"text": "ok"}\n{"text": "\xff"}\n',
+           "surrogate.jsonl": b'{"text": "a\\ud800b"}\n'}  # a tokenizer's TypeError, as a traceback
     said = {"null.jsonl": r'null.jsonl:2: not a JSON object with a "text" string \("text" is null\)',
             "list.jsonl": r'list.jsonl:1: not a JSON object with a "text" string \("text" is \["a"\]\)',
             "array.json": r"array.json:1: .* \(JSON Lines holds one object per line; this file opens a JSON array\)",
-            "bytes.jsonl": r"bytes.jsonl', line 2, is not UTF-8 text \(byte 10: b'\\xff'\)"}
+            "bytes.jsonl": r"bytes.jsonl', line 2, is not UTF-8 text \(byte 10: b'\\xff'\)",
+            "surrogate.jsonl": r'surrogate.jsonl:1: "text" holds .*, half of a UTF-16 surrogate pair, which is not '
+                               r'text'}
     for name, content in bad.items():
         (tmp_path / name).write_bytes(content)
         for read in (lambda f: read_text_documents(f), lambda f: prepare_data(f, tmp_path / "no", "byte"),

@@ -236,11 +236,20 @@ def test_sample_command_continues_the_training_text(trained_run, capsys) -> None
     (["--top-k", "-2"], "top_k=-2"),
     (["--max-new-tokens", "250"], "max_seq_len=256"),
     (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "ab\udcff"], "--prompt 'ab\\udcff': is not UTF-8 text"),  # a shell's stray byte: a traceback
 ])
 def test_sample_command_refuses_bad_input_in_one_line(trained_run, capsys, argv: list[str], message: str) -> None:
     assert main(["sample", str(trained_run["run"]), "--prompt", "a stitch in", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_sampling_flags_at_temperature_zero_are_said_to_do_nothing(trained_run, capsys) -> None:
+    argv = ["sample", str(trained_run["run"]), "--prompt", "a stitch in", "--max-new-tokens", "3"]
+    assert main([*argv, "--top-k", "5"]) == 0
+    assert "warning: --top-k and --seed have no effect at --temperature 0" in capsys.readouterr().err
+    assert main([*argv, "--top-k", "5", "--temperature", "0.5"]) == 0
+    assert "no effect" not in capsys.readouterr().err
 
 
 def test_sample_command_refuses_missing_runs_in_one_line(tmp_path, capsys) -> None:

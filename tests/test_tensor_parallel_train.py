@@ -73,6 +73,27 @@ def test_verify_command_tensor_parallel(capsys):
     assert f32["ok"] and f32["tolerance"] == 1e-5 and f32["max_grad_rel_diff"] < 1e-5
 
 
+def test_verify_of_one_rank_is_bitwise_and_its_tolerance_follows_the_reduce_dtype(capsys):
+    """The one-rank reference ran on torch's default threads while the launched rank ran on one, so one rank
+    against itself differed (9e-8 in float32); and gradients reduced in bfloat16 were held to float64's 1e-9."""
+    import subprocess
+    import sys
+
+    from signalled_runs import env
+
+    from orangetron.train.config import TrainConfig
+    from orangetron.train.verify import default_tolerance
+
+    # A command of its own, started as a user starts it: torch's default threads, not this test process's one.
+    started = {k: v for k, v in env().items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-m", "orangetron", "verify", "--param-dtype", "float32", "--json"],
+                          env=started, capture_output=True, text=True, timeout=300)
+    one = json.loads(done.stdout.strip().splitlines()[-1])
+    assert one["ok"] and one["max_grad_rel_diff"] == 0.0 and one["max_loss_rel_diff"] == 0.0
+    assert default_tolerance(TrainConfig(model="tiny", dp=2, param_dtype="float64", reduce_dtype="bfloat16")) == 5e-2
+    assert default_tolerance(TrainConfig(model="tiny", dp=2, param_dtype="float64")) == 1e-9
+
+
 def test_train_refuses_a_layout_the_model_cannot_split(capsys):
     assert main(["train", "--model", "tiny-moe", "--tp", "3", "--steps", "1"]) == 2
     assert "tp=3 (--tp): n_heads=4 is not divisible by tp" in capsys.readouterr().err

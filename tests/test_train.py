@@ -203,6 +203,17 @@ def test_the_banner_names_the_parallel_options_the_degrees_do_not(capsys) -> Non
     assert banner.endswith("layout tp=1 cp=1 pp=1 dp=1 ep=1")
 
 
+def test_a_run_with_no_held_out_rows_counts_no_evaluation_and_names_the_flag(capsys) -> None:
+    """It printed `comm per evaluation (1 run)` for an evaluation that never ran, and named the field."""
+    from orangetron.cli import main
+
+    assert main(["train", *TINY_FLAGS, "--warmup", "1", "--eval-fraction", "0", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "no held-out loss: the eval split is shorter than one sample (raise --eval-fraction)" in err
+    assert "comm per evaluation (0 runs): none" in err
+    assert json.loads(out.strip().splitlines()[-1])["comm_per_step"][0]["evaluations"] == 0
+
+
 def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
     """Nothing, where nothing is to be warned of (`test_a_quiet_run_still_warns`)."""
     from orangetron.cli import main
@@ -248,6 +259,10 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: s
         (["train", "--stpes=3", "--mdoel", "tiny"],
          "orangetron train: error: unrecognized arguments: --stpes=3 --mdoel tiny; did you mean: --stpes -> --steps, "
          "--mdoel -> --model? (see"),
+        (["prepare-data", "x.txt", "-o", "d", "--ov"],  # a prefix was taken for --overwrite: a dataset moved aside
+         "orangetron prepare-data: error: unrecognized arguments: --ov (see"),
+        (["tokenizer", "export", "run", "-o", "t", "--overw"],
+         "orangetron tokenizer export: error: unrecognized arguments: --overw"),
     ],
 )
 def test_cli_bad_flag_is_one_line_exit_2_not_the_usage_block(capsys, argv: list[str], needle: str) -> None:
@@ -471,9 +486,9 @@ def test_a_quiet_run_still_warns(capsys) -> None:
 
     assert main(["train", *TINY_FLAGS, "--steps", "1", "--eval-every", "5", "--quiet"]) == 0
     lines = capsys.readouterr().err.splitlines()
-    assert "warning: eval_every=5 (--eval-every) has no effect: is not before --steps=1: only the final evaluation " \
-        "runs" in lines
-    assert all(line.startswith("warning: ") for line in lines), lines  # no log, no bar
+    assert "orangetron train: warning: eval_every=5 (--eval-every) has no effect: is not before --steps=1: only the " \
+        "final evaluation runs" in lines
+    assert all(line.startswith("orangetron train: warning: ") for line in lines), lines  # no log, no bar
 
 
 def test_version_is_the_installed_package(capsys) -> None:

@@ -18,6 +18,12 @@ class _OneLineErrors(argparse.ArgumentParser):
     """Bad flags (an unknown one, a value of the wrong type or outside its choices) are reported like every other
     bad input: one line on standard error, exit status 2, not the usage block first."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No prefixes of flags: `prepare-data --ov` was taken for --overwrite and moved a dataset aside. A
+        # command's own parsers are made of this class too (argparse builds subparsers of the parent's type).
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 

@@ -773,7 +773,7 @@ def run_schedule(args: argparse.Namespace) -> int:
         "order": [[f"{a.kind}{a.microbatch}" + (f".{a.chunk}" if args.virtual_stages > 1 else "") for a in rank]
                   for rank in actions(args.pp, args.microbatches, args.pp_schedule, args.virtual_stages)],
     }
-    title = (f"{args.pp_schedule}, pp={args.pp}, {args.microbatches} micro-batches"
+    title = (f"{args.pp_schedule}, pp={args.pp}, {counted(args.microbatches, 'micro-batch', 'micro-batches')}"
              + (f", {args.virtual_stages} chunks" if args.virtual_stages > 1 else "")
              + f": {'measured' if args.measured else 'simulated'} bubble {result['bubble_fraction']:.1%}"
              + (f" (simulated {simulated:.1%})" if args.measured else ""))

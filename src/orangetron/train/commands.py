@@ -229,7 +229,8 @@ def _add_verify_command(sub: Any, train_keys: Collection[str]) -> None:
     p.add_argument("--param-dtype", "--dtype", dest="param_dtype", default="float64", choices=list(PARAM_DTYPES),
                    help="parameter dtype (default: %(default)s)")
     p.add_argument("--tolerance", type=float, default=None,
-                   help="largest relative difference accepted (default by dtype: "
+                   help="largest relative difference accepted: max |g - g_ref| over every element of every "
+                   "parameter, over max |g_ref| (default by the least precise of --param-dtype and --reduce-dtype: "
                    + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + ")")
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="both runs start from this Hugging Face folder's weights (its config is the model)")

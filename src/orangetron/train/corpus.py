@@ -119,6 +119,11 @@ def _text_field(line: str, path: Path, number: int) -> str:
         record = None
     text = record.get("text") if isinstance(record, dict) else None
     if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON may escape half a surrogate pair, which no tokenizer takes
+            raise ValueError(f'{path}:{number}: "text" holds {text[err.start]!r}, half of a UTF-16 surrogate pair, '
+                             "which is not text") from None
         return text
     why = f' ("text" is {json.dumps(text)})' if isinstance(record, dict) and "text" in record else ""
     if number == 1 and line.lstrip().startswith("["):

@@ -207,6 +207,7 @@ def _write_tokens(files: list[str], tok: Any, end: list[int], dtype: Any, path: 
                     offsets.append(total)
                     bar.advance(nbytes, total)
                 batch = []
+    bar.advance(bar.total - bar.done, total)  # the bytes no document took (blank lines) are read too
     bar.close()
     return offsets, empty
 

@@ -51,7 +51,7 @@ class ProgressBar:
         """A line `log` writes, written by a quiet bar too: a quiet run hides its log, not what may be a mistake."""
         if self.warns:
             self._end_line()
-            self.stream.write(f"warning: {message}\n")
+            self.stream.write(f"orangetron train: warning: {message}\n")  # named as the other commands' are
             self.stream.flush()
 
     def close(self) -> None:

@@ -54,9 +54,16 @@ def add_sample_command(sub: Any) -> None:
 def _run_command(args: argparse.Namespace) -> int:
     import json
 
+    try:  # a byte the shell passed that is not UTF-8 reaches Python as half a surrogate pair
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"--prompt {args.prompt!r}: is not UTF-8 text (check the terminal's encoding)") from None
     result = sample_run(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed, use_cache=not args.no_cache,
                         stop_at_eos=not args.ignore_eos)
+    if args.temperature == 0 and (args.top_k or args.seed):  # after the refusals, which stay one line
+        print("orangetron sample: warning: --top-k and --seed have no effect at --temperature 0 (greedy "
+              "decoding); give a temperature above 0 to sample", file=sys.stderr)
     ended = f", ended by id {result['tokens'][-1]} (an end of document)" if result["stop"] == "eos" else ""
     print(f"orangetron sample: {len(result['tokens'])} tokens from {result['checkpoint']}{ended}", file=sys.stderr)
     if result["unknown_ids"]:  # the model's vocabulary is wider than its tokenizer's (padding, say)

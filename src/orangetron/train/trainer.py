@@ -337,7 +337,8 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             seconds = timer.stop()  # evaluation below is not training throughput
             mem = mem or step_mem
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm}
-            if step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+            evaluates = step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+            if evaluates and len(data.eval_samples):  # no held-out rows: nothing runs, nothing to count
                 faults.enter("evaluation")
                 with traffic.evaluation(records):
                     eval_loss = evaluate(model, data.eval_samples, cfg.batch_size, cfg.eval_batches)
@@ -392,7 +393,7 @@ def _log_ending(bar: ProgressBar, cfg: TrainConfig, last: int, stopped: dict[str
     elif last < cfg.steps:
         bar.log(f"stopped after step {last} of {cfg.steps}; continue with --resume")
     elif eval_loss is None:
-        bar.log("no held-out loss: the eval split is shorter than one sample (raise eval_fraction)")
+        bar.log("no held-out loss: the eval split is shorter than one sample (raise --eval-fraction)")
 
 
 def _log_placement(cfg: TrainConfig, bar: ProgressBar) -> None:

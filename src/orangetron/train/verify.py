@@ -74,6 +74,12 @@ def without_drops(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, capacity_factor=max(cfg.capacity_factor, model.num_experts / model.top_k))
 
 
+def default_tolerance(cfg: TrainConfig) -> float:
+    """The tolerance of the least precise dtype the layout computes or reduces in: gradients reduced in
+    bfloat16 carry its rounding whatever the parameters' dtype."""
+    return max(DEFAULT_TOLERANCE[dtype] for dtype in (cfg.param_dtype, cfg.reduce_dtype) if dtype)
+
+
 def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     """Run `cfg` on one rank and on its layout; return the `verify --json` object. A dropping dispatcher runs
     with a capacity that drops nothing (`without_drops`); the result's capacity_factor says which."""
@@ -81,8 +87,13 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
         raise ValueError(f"tolerance={tolerance} (--tolerance): must be a finite number >= 0")
     cfg = without_drops(cfg)
     check_fits(cfg)
-    with process_group(cfg.device):
-        reference = _trace(_one_rank(cfg))
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads or 1)  # as the launched ranks run: one rank against itself is then bitwise
+    try:
+        with process_group(cfg.device):
+            reference = _trace(_one_rank(cfg))
+    finally:
+        torch.set_num_threads(previous_threads)
     traces = launch_local(_trace, cfg.layout.world_size, args=(cfg,), device=cfg.device)
     loss_gaps, grad_gaps = [], []
     for step, ref_loss in enumerate(reference["losses"]):
@@ -90,7 +101,7 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
         loss_gaps.append(abs(loss - ref_loss) / abs(ref_loss))
         grad_gaps.append(_gradient_gap(traces[0]["grads"][step], reference["grads"][step]))
     worst_grad_step = max(range(len(grad_gaps)), key=lambda step: grad_gaps[step][0])
-    tolerance = DEFAULT_TOLERANCE[cfg.param_dtype] if tolerance is None else tolerance
+    tolerance = default_tolerance(cfg) if tolerance is None else tolerance
     defaults = ParallelConfig()
     options = {name: value for name, value in values_of(ParallelConfig, cfg).items()
                if name != "param_dtype" and value != getattr(defaults, name)}
