@@ -2917,7 +2917,7 @@ MUTANTS = [
            ('tests/test_run_folder.py::'
             'test_the_lock_holds_for_ranks_already_in_a_group_for_a_folder_still_setting_up_and_not_after_a_refusal',)),
     Mutant('refused_run_leaves_its_lock_folder', 'src/orangetron/train/folder_lock.py',
-           (('        if made and [path.name for path in folder.iterdir()] == [LOCK_FILE]:\n',
+           (('        if (made or was_empty) and [path.name for path in folder.iterdir()] == [LOCK_FILE]:\n',
              '        if False:\n'),),
            ('tests/test_run_folder.py::'
             'test_the_lock_holds_for_ranks_already_in_a_group_for_a_folder_still_setting_up_and_not_after_a_refusal',)),
@@ -2995,6 +2995,16 @@ MUTANTS = [
              '            if evaluates:'),),
            ('tests/test_train.py::'
             'test_a_run_with_no_held_out_rows_counts_no_evaluation_and_names_the_flag',)),
+    Mutant('verify_warns_before_refusing_its_tolerance', 'src/orangetron/train/commands.py',
+           (('    check_tolerance(args.tolerance)  # before the warnings',
+             '    pass  # before the warnings'),),
+           ('tests/test_tensor_parallel_train.py::'
+            'test_verify_refuses_a_negative_tolerance',)),
+    Mutant('refused_run_leaves_its_lock_in_an_empty_folder', 'src/orangetron/train/folder_lock.py',
+           (('        if (made or was_empty) and [',
+             '        if made and ['),),
+           ('tests/test_run_folder.py::'
+            'test_the_lock_holds_for_ranks_already_in_a_group_for_a_folder_still_setting_up_and_not_after_a_refusal',)),
 ]
 
 

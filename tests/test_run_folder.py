@@ -168,6 +168,10 @@ def test_the_lock_holds_for_ranks_already_in_a_group_for_a_folder_still_setting_
     code, _, err = _train(capsys, "--model", "tiny", "--steps", "1", "--seq-len", "64", "--batch-size", "8",
                           "--data", str(tmp_path / "few.txt"), "--out", str(tmp_path / "refused"))
     assert code == 2 and "only 0 samples" in err and not (tmp_path / "refused").exists()
+    (tmp_path / "mine").mkdir()  # the user's own empty folder stays, empty
+    code, _, err = _train(capsys, "--model", "tiny", "--steps", "1", "--seq-len", "64", "--batch-size", "8",
+                          "--data", str(tmp_path / "few.txt"), "--out", str(tmp_path / "mine"))
+    assert code == 2 and list((tmp_path / "mine").iterdir()) == []
 
 
 def test_a_lock_file_swapped_under_the_lock_is_refused_and_a_filesystem_without_locks_runs_with_a_warning(

@@ -250,7 +250,7 @@ def _add_verify_command(sub: Any, train_keys: Collection[str]) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     """Run `orangetron verify`; returns 0 when the layout is within tolerance, 1 otherwise."""
     from orangetron.train.config import TrainConfig
-    from orangetron.train.verify import verify
+    from orangetron.train.verify import check_tolerance, verify
 
     options = _config_options(args)
     if options["model"] is None:  # the --hf-model folder's config is the model, else verify's small default
@@ -259,6 +259,7 @@ def run_verify(args: argparse.Namespace) -> int:
         else:
             options["model"] = VERIFY_MODEL
     cfg = TrainConfig(**options, warmup=0, corpus_bytes=200_000)
+    check_tolerance(args.tolerance)  # before the warnings: a refusal stays one line
     warnings = cfg.warnings()
     if cfg.layout.world_size == 1:
         warnings.append(f"layout {cfg.layout} is one rank: verify compares one rank with itself")

@@ -58,15 +58,17 @@ def take(folder: Path) -> int | None:
     return fd
 
 
-def release(fd: int | None, folder: Path, made: bool) -> None:
-    """Let the lock go; a folder this run made (`made`) that holds nothing but the lock, a run refused once it had
-    the folder, goes with it, so that it is not left as an output other commands refuse to write into."""
+def release(fd: int | None, folder: Path, made: bool, was_empty: bool = False) -> None:
+    """Let the lock go. Where the folder holds nothing but the lock (a run refused once it had the folder), the
+    lock file goes too if the folder was empty before (`was_empty`), and the folder with it if this run made it
+    (`made`): neither is left as an output other commands refuse to write into."""
     if fd is None:
         return
     try:
-        if made and [path.name for path in folder.iterdir()] == [LOCK_FILE]:
+        if (made or was_empty) and [path.name for path in folder.iterdir()] == [LOCK_FILE]:
             (folder / LOCK_FILE).unlink()
-            folder.rmdir()
+            if made:
+                folder.rmdir()
     except OSError:
         pass  # another process wrote there meanwhile: the folder is not this run's to remove
     finally:

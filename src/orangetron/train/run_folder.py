@@ -125,6 +125,7 @@ def held(cfg: TrainConfig) -> Iterator[None]:
     folder = Path(cfg.out) if cfg.out is not None else None
     primary = folder is not None and folder_lock.primary_process()
     made = folder is not None and not folder.exists()
+    was_empty = folder is not None and folder.is_dir() and not any(folder.iterdir())
     # A folder that holds a run, or a run's lock, is locked first: a resume beside a run still setting up is
     # told the run is there, not that it has no checkpoint. Any other only once claimed: a refused --out (the
     # model folder the run imports, say) gets no lock file.
@@ -146,7 +147,7 @@ def held(cfg: TrainConfig) -> Iterator[None]:
         yield
     finally:
         if primary:
-            folder_lock.release(lock, folder, made)
+            folder_lock.release(lock, folder, made, was_empty)
 
 
 def claim(cfg: TrainConfig) -> bool:

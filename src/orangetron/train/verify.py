@@ -80,11 +80,16 @@ def default_tolerance(cfg: TrainConfig) -> float:
     return max(DEFAULT_TOLERANCE[dtype] for dtype in (cfg.param_dtype, cfg.reduce_dtype) if dtype)
 
 
+def check_tolerance(tolerance: float | None) -> None:
+    """A tolerance is a finite number >= 0 (None: the dtype's default)."""
+    if tolerance is not None and not 0 <= tolerance < float("inf"):
+        raise ValueError(f"tolerance={tolerance} (--tolerance): must be a finite number >= 0")
+
+
 def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     """Run `cfg` on one rank and on its layout; return the `verify --json` object. A dropping dispatcher runs
     with a capacity that drops nothing (`without_drops`); the result's capacity_factor says which."""
-    if tolerance is not None and not 0 <= tolerance < float("inf"):
-        raise ValueError(f"tolerance={tolerance} (--tolerance): must be a finite number >= 0")
+    check_tolerance(tolerance)
     cfg = without_drops(cfg)
     check_fits(cfg)
     previous_threads = torch.get_num_threads()
