@@ -3005,6 +3005,11 @@ MUTANTS = [
              '        if made and ['),),
            ('tests/test_run_folder.py::'
             'test_the_lock_holds_for_ranks_already_in_a_group_for_a_folder_still_setting_up_and_not_after_a_refusal',)),
+    Mutant('missing_flag_hides_the_misspelt_one', 'src/orangetron/cli/__init__.py',
+           (('            message += _unknown_flags(self, getattr(self, "given", []))',
+             '            pass'),),
+           ('tests/test_train.py::'
+            'test_cli_bad_flag_is_one_line_exit_2_not_the_usage_block',)),
 ]
 
 

@@ -248,6 +248,9 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: s
         (["train", "--zero-stage", "5"], "orangetron train: error: argument --zero-stage: invalid choice: 5"),
         (["train", "--steps", "x"], "orangetron train: error: argument --steps: invalid int value: 'x'"),
         (["plan", "--model", "llama3-8b"], "orangetron plan: error: the following arguments are required: --gpus"),
+        (["schedule", "--pp", "2", "--micro-batches", "4"],  # argparse names the missing flag, not the misspelt one
+         "orangetron schedule: error: the following arguments are required: --microbatches; unrecognized arguments: "
+         "--micro-batches; did you mean --microbatches? (see"),
         (["train", "--no-such-flag"],  # it pointed to `orangetron --help`, which lists no flag of train
          "orangetron train: error: unrecognized arguments: --no-such-flag (see orangetron train --help)"),
         (["tokenizer", "train", "x.txt", "-o", "t", "--vocab", "300", "--bad"],

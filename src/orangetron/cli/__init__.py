@@ -25,11 +25,14 @@ class _OneLineErrors(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):  # argparse says so before unknown flags
+            message += _unknown_flags(self, getattr(self, "given", []))  # `--micro-batches 4` for --microbatches
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
         """Also name, as `own_parser`, the innermost (sub)command's parser: errors found after parsing are
         worded with its name ("orangetron tokenizer train") and point to its --help."""
+        self.given = list(sys.argv[1:] if args is None else args)
         namespace, extras = super().parse_known_args(args, namespace)
         if getattr(namespace, "own_parser", None) is None:  # a subcommand's parser finishes first
             namespace.own_parser = self
@@ -94,6 +97,14 @@ def _owner(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
     (`orangetron --bogus train`), else the innermost command's."""
     command = argv.index(args.command) if args.command in argv else len(argv)
     return parser if any(arg in argv[:command] for arg in unknown) else args.own_parser
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, given: list[str]) -> str:
+    """"; unrecognized arguments: --micro-batches; did you mean --microbatches?" for the flags in `given` that
+    `parser` does not take, or "" when it takes them all."""
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    unknown = [arg for arg in given if arg.startswith("--") and arg.split("=")[0] not in flags]
+    return f"; unrecognized arguments: {' '.join(unknown)}{_near_flags(parser, unknown)}" if unknown else ""
 
 
 def _near_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
