@@ -66,6 +66,16 @@ def llama(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 0,
     return _save(transformers.LlamaForCausalLM, config, folder, seed)
 
 
+def mistral(folder: Path, *, eps: float = 1e-3, seed: int = 2, **changes) -> Path:
+    """A 2-layer Mistral with no sliding window (GQA 4:2 heads of 16), saved in float64."""
+    shape = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    rope = {"rope_type": "default", "rope_theta": 700.0}
+    config = transformers.MistralConfig(**shape, rms_norm_eps=eps, sliding_window=None, rope_parameters=rope,
+                                        initializer_range=0.3, bos_token_id=0, eos_token_id=0, **changes)
+    return _save(transformers.MistralForCausalLM, config, folder, seed)
+
+
 def qwen2(folder: Path, *, tied: bool = False, eps: float = 1e-3, seed: int = 5, **changes) -> Path:
     """A 2-layer Qwen2 (q/k/v biases, GQA 4:2 heads of 16) saved in float64."""
     config = transformers.Qwen2Config(

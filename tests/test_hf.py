@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402
 
 import orangetron.hf as hf  # noqa: E402
-from orangetron.spec.hf_config import HFConfigError, hf_config_of, read_config, spec_from_hf  # noqa: E402
+from orangetron.spec.hf_config import HFConfigError, hf_config_of, hf_family, read_config, spec_from_hf  # noqa: E402
 from orangetron.spec.model import ModelSpec  # noqa: E402
 
 torch.set_num_threads(1)
@@ -38,11 +38,12 @@ def _logits_gap(folder) -> float:
     return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("build", ["llama", "llama_tied", "mixtral", "qwen2", "qwen3", "qwen3_tied", "qwen2_moe",
-                                   "qwen3_moe", "dots1"])
+@pytest.mark.parametrize("build", ["llama", "llama_tied", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_tied",
+                                   "qwen2_moe", "qwen3_moe", "dots1"])
 def test_logits_equal_transformers_in_float64(tmp_path, build):
     folder = {"llama": lambda: hf_models.llama(tmp_path),
               "llama_tied": lambda: hf_models.llama(tmp_path, tied=True, seed=3),
+              "mistral": lambda: hf_models.mistral(tmp_path),
               "mixtral": lambda: hf_models.mixtral(tmp_path),
               "qwen2": lambda: hf_models.qwen2(tmp_path),
               "qwen3": lambda: hf_models.qwen3(tmp_path),
@@ -109,7 +110,19 @@ def test_config_maps_both_spellings_and_refuses_by_name(tmp_path):
     for field, bad in refusals.items():
         with pytest.raises(HFConfigError, match=field.replace("[", r"\[")):
             spec_from_hf(bad)
-    spec_from_hf({**mixtral, "sliding_window": 4096, "use_sliding_window": False})  # inactive: accepted
+    # Mixtral's and Mistral's classes apply any window they are given (transformers' modeling_mixtral.py and
+    # modeling_mistral.py read no use_sliding_window): the switch that turns Qwen's off does not turn theirs off.
+    with pytest.raises(HFConfigError, match=r"sliding_window=4096: an active sliding window is not built \(accepted "
+                                            r"with null\)"):
+        spec_from_hf({**mixtral, "sliding_window": 4096, "use_sliding_window": False})
+    mistral = read_config(hf_models.mistral(tmp_path / "mi"))
+    dense = spec_from_hf(mistral)
+    assert (dense.num_kv_heads, dense.rope_theta, dense.max_seq_len) == (2, 700.0, 256)
+    left_out = {k: v for k, v in mistral.items() if k != "sliding_window"}  # MistralConfig's default: 4096
+    for bad in (left_out, {**mistral, "sliding_window": 4096, "use_sliding_window": False}):
+        with pytest.raises(HFConfigError, match=r"sliding_window=4096: .* \(accepted with null\)"):
+            spec_from_hf(bad)
+    assert hf_family(dense, "mistral") == "mistral" and hf_family(dense) == "llama"  # exported as it came
     assert spec_from_hf(hf_config_of(moe, "float64")) == moe  # a written config reads back the same
 
 
@@ -168,7 +181,8 @@ def test_refused_tensor_is_named(tmp_path):
 
 
 def test_untouched_import_exports_bit_equal_and_loads_in_transformers(tmp_path):
-    for name, build in (("llama", hf_models.llama), ("mixtral", hf_models.mixtral), ("qwen2", hf_models.qwen2),
+    for name, build in (("llama", hf_models.llama), ("mistral", hf_models.mistral), ("mixtral", hf_models.mixtral),
+                        ("qwen2", hf_models.qwen2),
                         ("qwen3", hf_models.qwen3), ("qwen2_moe", hf_models.qwen2_moe),
                         ("qwen3_moe", hf_models.qwen3_moe), ("dots1", hf_models.dots1)):
         source = build(tmp_path / name)

@@ -280,6 +280,14 @@ def test_a_resumed_run_needs_no_weights_from_its_source_folder(tmp_path, capsys)
     assert main([*run, "--stop-after", "1"]) == 0
     recorded = (tmp_path / "run" / "config.toml").read_text()
     generation = json.loads((folder / "generation_config.json").read_text())
+    config, record = folder / "config.json", tmp_path / "run" / "config.toml"
+    kept = config.read_text()
+    config.write_text(json.dumps(json.loads(kept) | {"rope_theta": 20000.0}))  # a repeat starts from the folder
+    capsys.readouterr()
+    assert main(["train", "--config", str(record), "--out", str(tmp_path / "again")]) == 2
+    assert f"--config {record} repeats a run that started from this folder, whose config.json differs now" in \
+        capsys.readouterr().err
+    config.write_text(kept)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     capsys.readouterr()

@@ -79,7 +79,7 @@ def test_pipeline_settings_that_cannot_run_are_refused():
     tied = ModelConfig(**{**BASE, "tied_embeddings": True})
     with pytest.raises(LayoutError, match=r"pp=2: tied_embeddings"):
         check_pipeline(tied, 2, ParallelConfig())
-    with pytest.raises(LayoutError, match=r"pp=4: n_layers=4 < pp\*virtual_stages=8"):
+    with pytest.raises(LayoutError, match=r"pp=4: num_layers=4 < pp\*virtual_stages=8"):
         check_pipeline(MODELS["dense"], 4, ParallelConfig(pp_schedule="interleaved", virtual_stages=2))
     with pytest.raises(ParallelConfigError, match=r"zero_stage=3 with pp=2 and virtual_stages=2: ZeRO-3 is "
                        r"pipelined with one model chunk per rank only"):

@@ -301,6 +301,15 @@ def test_estimate_prices_the_framework_paths(tmp_path, capsys):
     assert job["overlap_grad_reduce"] is False and job["grad_accumulation_fusion"] is True  # planner-only: read
     assert run(["estimate", "--config", str(config), "--tp", "4", "--reduce-dtype", "float32"]) == 2
     assert "--tp --reduce-dtype would be ignored" in capsys.readouterr().err  # the file's: refused by name
+    assert run(["estimate", "--config", str(config), "--param-dtype", "bfloat16", "--micro-batch=1"]) == 2
+    assert "--param-dtype --micro-batch would be ignored" in capsys.readouterr().err  # at their defaults too
+    for line, needle in (("seq_len = 64\nsteps = -5", "steps=-5 (--steps): must be a positive integer"),
+                         ("seq_len = 4096", "seq_len=4096 is longer than the model's max_seq_len=1024")):
+        bad = tmp_path / "bad.toml"  # train refuses both
+        bad.write_text(config.read_text().replace("seq_len = 64", line))
+        assert run(["estimate", "--config", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"--config {bad}: {needle}" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_estimate_prices_the_tensor_parallel_overlap_and_the_trainer_refuses_it(tmp_path, capsys):
@@ -337,7 +346,7 @@ def test_estimate_prices_the_tensor_parallel_overlap_and_the_trainer_refuses_it(
     row = estimate(load_model("tiny"), Degrees(tp=2, dp=2), Job(seq_len=64, sequence_parallel=True,
                                                                  tp_comm_overlap=True),
                    make_cluster(load_gpu("h100"), 4))
-    with pytest.raises(ValueError, match="tp_comm_overlap=True: the trainer runs False only"):
+    with pytest.raises(ValueError, match=r"tp_comm_overlap=True: the trainer runs False only \(drop --tp-comm-"):
         emit_config([row], str(tmp_path / "plan.toml"))
 
 
@@ -409,6 +418,10 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["estimate", "--model", "llama-9000"], "unknown model preset"),
     (["estimate", "--model", "llama3-8b", "--gpu", "tpu-v9"], "unknown gpu preset"),
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"], "divisible"),
+    # without --gpus: the heads rule, not "gpus=12 (--gpus) is not a multiple of gpus_per_node=8"
+    (["estimate", "--model", "tiny-moe", "--tp", "3", "--dp", "4", "--seq", "64"], "tp=3 (--tp): n_heads=4 is not"),
+    (["estimate", "--model", "llama3-8b", "--tp", "2", "--dp", "6"],
+     "the layout's 12 GPUs (tp*cp*pp*dp) are not whole nodes of 8: give degrees"),
     (["schedule", "--pp", "4", "--microbatches", "2", "--schedule", "interleaved"],
      "pp_schedule='interleaved' (--schedule) with virtual_stages=1"),  # the command's own flag, not train's
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "2", "--dp", "3"],

@@ -89,6 +89,9 @@ def test_progress_reads_in_a_unit_its_input_is_not_zero_in():
     bar.advance(5 * 2**30, 7)
     assert " 2.9 KiB, 3,001 tokens, " in small.getvalue()  # 3000 bytes: not "0.0 MiB"
     assert " 5.0 GiB, 7 tokens, " in large.getvalue() and large.getvalue().rstrip().endswith(" GiB/s")
+    empty = io.StringIO()  # a 0-byte file was read as "1.0 B"
+    ByteProgress(0, enabled=True, stream=empty).advance(0, 0)
+    assert empty.getvalue().startswith("[########################] 100.0% 0.0 B, 0 tokens, ")
 
 
 def test_progress_ends_at_the_whole_input_with_blank_lines_in_it(tmp_path):
@@ -347,3 +350,12 @@ def test_records_of_the_former_keys_are_still_checked(tmp_path):
     tokens.write_bytes(bytes(edited))
     with pytest.raises(TrainConfigError, match="tokens.bin changed after `prepare-data` wrote it"):
         train(_cfg(tmp_path / "bytes", out=str(tmp_path / "run"), resume=True), progress=False)
+
+
+def test_a_dataset_too_small_for_one_batch_is_refused_with_the_way_out(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("a few words\n")
+    prepare_data([str(tmp_path / "a.txt")], tmp_path / "data", "byte", stream=io.StringIO())
+    assert main(["train", "--model", "tiny", "--data", str(tmp_path / "data"), "--seq-len", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "the prepared dataset's training split has" in err and "only 0 samples of seq_len=32; prepare more " \
+        "text (orangetron prepare-data) or lower --batch-size / --seq-len" in err

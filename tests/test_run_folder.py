@@ -254,9 +254,15 @@ def test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside(tm
     assert (tmp_path / "run.previous-2").is_dir() and aside.is_dir()  # never deleted, never reused
     with pytest.raises(ValueError, match=r"overwrite=True \(--overwrite\): for a new run"):
         TrainConfig(out=str(run), resume=True, overwrite=True)
+    with pytest.raises(ValueError, match=r"overwrite=True \(--overwrite\): it needs --out: for a new run"):
+        TrainConfig(overwrite=True)
     (run / "corpus.txt").write_text(TEXT)  # the new run's data inside the old run: moving it aside took it along
     code, _, err = _train(capsys, *base, "--data", str(run / "corpus.txt"), "--overwrite")
     assert code == 2 and f"holds the run's data ({run / 'corpus.txt'})" in err and (run / "corpus.txt").is_file()
+    nested = run / "checkpoints" / "step-99999999"  # taken as the newest checkpoint, it broke the resume of run
+    code, _, err = _train(capsys, "--model", "tiny", "--steps", "1", *SMALL, "--out", str(nested))
+    assert code == 2 and f"inside the folder of another run, {run}, which holds that run alone" in err
+    assert not nested.exists()
 
 
 def test_config_of_a_run_repeats_a_custom_model_run_bitwise(tmp_path, data, capsys) -> None:
@@ -276,6 +282,15 @@ def test_config_of_a_run_repeats_a_custom_model_run_bitwise(tmp_path, data, caps
     state = json.loads(next((tmp_path / "a" / "checkpoints").glob("step-*/state.json")).read_text())
     assert state["tokenizer"] == "byte"  # `orangetron sample` decodes with the tokenizer the run recorded
     assert {k: v for k, v in a.items() if k != "out"} == {k: v for k, v in b.items() if k != "out"}
+    # Data edited since: the repeat would not be one (it trained on the edit, unsaid); named again, it is this run's
+    data.write_text(TEXT.replace("e", "E"))
+    code, _, err = _train(capsys, "--config", str(tmp_path / "a" / "config.toml"), "--out", str(tmp_path / "c"))
+    assert code == 2 and not (tmp_path / "c").exists()
+    assert f"repeats a run on 1 file(s), {len(TEXT):,} bytes, sha256 {a['data_record']['sha256'][:12]}; the data " \
+        "is now 1 file(s)" in err and "give --data on the command line to train on it as it is now" in err
+    code, _, err = _train(capsys, "--config", str(tmp_path / "a" / "config.toml"), "--out", str(tmp_path / "c"),
+                          "--data", str(data), "--steps", "1", "--quiet")
+    assert code == 0, err
 
 
 def test_config_of_an_extended_run_repeats_it_bitwise(tmp_path, data, capsys) -> None:
@@ -341,8 +356,25 @@ def test_comm_per_step_splits_training_from_evaluation(tmp_path) -> None:
         keys = set(total) - {"rank"}
         assert {k: 3 * split["train"].get(k, 0) + 3 * split["eval"].get(k, 0) for k in keys} == \
             {k: total[k] for k in keys}
+        assert split["train_total"] == {k: 3 * v for k, v in split["train"].items()}
+        assert split["eval_total"] == {k: 3 * v for k, v in split["eval"].items()}
     memory = result["memory"][0]
     assert memory["gathered_params"] > 0 and memory["grad_buckets"] > 0  # ZeRO-3's transients are reported
+
+
+def test_zero1_steps_differ_by_their_lazy_gather_and_the_totals_still_add_up(tmp_path) -> None:
+    """ZeRO-1 gathers parameters at the next forward: the first step sends no all-gather and the final
+    evaluation sends the last step's, so `train_steps x train` overcounts; the totals add up to `comm`."""
+    cfg = TrainConfig(model="tiny", steps=3, seq_len=16, batch_size=4, warmup=1, eval_batches=1,
+                      corpus_bytes=60_000, dp=2, zero_stage=1)
+    result = train(cfg, progress=False)
+    total, split = result["comm"][0], result["comm_per_step"][0]
+    gather = split["train"]["all_gather/dp_cp"]
+    assert split["steps_differ"] and split["eval"] == {"all_gather/dp_cp": gather}
+    assert split["train_total"]["all_gather/dp_cp"] == 2 * gather  # steps 2 and 3 gather; step 1 did not
+    keys = set(total) - {"rank"}
+    assert {k: split["train_total"].get(k, 0) + split["eval_total"].get(k, 0) for k in keys} == \
+        {k: total[k] for k in keys}
 
 
 def test_metrics_keep_running_and_per_step_throughput_apart(tmp_path) -> None:

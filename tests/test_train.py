@@ -228,9 +228,13 @@ def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
     [
         (["--steps", "0"], "--steps"),
         (["--min-lr", "1"], "lr=0.002 (--lr): must be > 0 and >= min_lr=1.0 (--min-lr)"),  # named once
+        (["--lr", "-1"], "lr=-1.0 (--lr): must be a finite number > 0"),  # said '>= 0', then lr 0 was refused
         (["--pp", "2", "--virtual-stages", "2"], "virtual_stages=2 (--virtual-stages): needs pp_schedule"),
         (["--model", "nope"], "--model"),
         (["--data", "/no/such/file.txt"], "--data"),
+        # refused as ranks started (rank 0's forward), or never under cp or pp, whose shards pass the check
+        (["--seq-len", "2048", "--cp", "2"], "seq_len=2048 (--seq-len): longer than the model's max_seq_len=1024"),
+        (["--seq-len", "2048", "--pp", "2", "--microbatches", "2"], "longer than the model's max_seq_len=1024"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(capsys, flags: list[str], needle: str) -> None:

@@ -158,6 +158,8 @@ def test_drop_policy_and_reduce_dtype_are_flags_that_reach_the_runtime_and_its_r
     ("global_batch = 8\n", "unknown key 'global_batch'; a run's file gives the samples per step as 'batch_size'"),
     ("micro_batch = 2\n", "unknown key 'micro_batch'; a run's file gives the micro-batches per step as "
                           "'microbatches'"),
+    # The emitted file's header says `--gpu h100` priced it; the GPU is no key of a run's file.
+    ("gpu = \"h100\"\n", "unknown key 'gpu'; a run's file names no GPU: train runs on the devices it finds"),
 ])
 def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, capsys, text: str, needle: str) -> None:
     path = tmp_path / "bad.toml"

@@ -73,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         owner.error(f"unrecognized arguments: {' '.join(unknown)}{_near_flags(owner, unknown)}")
     try:
         args.data_given = getattr(args, "data", None) is not None  # on the command line, before any file
+        args.hf_model_given = getattr(args, "hf_model", None) is not None
         takes_files = hasattr(args, "command_parser")  # train and verify; estimate reads its --config itself
         if takes_files and (getattr(args, "config", None) or getattr(args, "resume", False)):
             args = _with_config_file(parser, args, argv)
@@ -143,9 +144,9 @@ def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
             print(f"{args.own_parser.prog}: --config {args.config}: leaves out {', '.join(left_out)} (a training "
                   "run's own options; a check takes --steps, 3 by default)", file=sys.stderr)
     args.command_parser.set_defaults(**defaults)
-    data_given = args.data_given
+    given = {"data_given": args.data_given, "hf_model_given": args.hf_model_given}
     args = parser.parse_args(argv)
-    args.data_given = data_given
+    vars(args).update(given)
     return args
 
 

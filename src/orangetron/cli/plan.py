@@ -24,10 +24,10 @@ from orangetron.plan.search import BUCKET_NUMEL, SearchSpace, divisors, search
 from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec import rules
 from orangetron.spec.categories import ESTIMATED_TENSORS, TRANSIENT
-from orangetron.spec.hardware import GIB, Cluster, gpu_names, make_cluster
+from orangetron.spec.hardware import GIB, Cluster, gpu_names, load_gpu, make_cluster
 from orangetron.spec.hf_config import is_hf_folder
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
-from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE_MODULES, Degrees, Job
+from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE_MODULES, Degrees, Job, validate
 from orangetron.spec.parallel_config import DTYPE_BYTES, RECOMPUTE
 from orangetron.spec.stages import longest_chunk
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
@@ -137,7 +137,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                           "deferred weight gradients) is priced here only")
     # A configuration that does not fit is always reported now; the flag stays so old scripts keep working.
     est.add_argument("--allow-oom", action="store_true", help=argparse.SUPPRESS)
-    est.set_defaults(run=run_estimate, file_owned_defaults={d: est.get_default(d) for d in _FILE_OWNED})
+    est.set_defaults(run=run_estimate)
 
     plan = sub.add_parser("plan", help="search layouts for a model on a cluster and rank them",
                           description="Search tp, cp, pp, virtual stages, dp, ep, ZeRO stage, recompute, cp mode, "
@@ -229,6 +229,12 @@ DEFAULT_GPU = "h100"
 
 
 def _cluster(args: argparse.Namespace, gpus: int) -> Cluster:
+    """The cluster priced on; without --gpus its size is the layout's, and a layout that is not whole nodes is
+    said so (make_cluster's refusal names --gpus, which was not given)."""
+    per_node = args.gpus_per_node or load_gpu(args.gpu or DEFAULT_GPU).gpus_per_node
+    if args.gpus is None and gpus > per_node and gpus % per_node:
+        raise ValueError(f"the layout's {gpus} GPUs (tp*cp*pp*dp) are not whole nodes of {per_node}: give degrees "
+                         "whose product is a multiple of it, or --gpus-per-node")
     return make_cluster(args.gpu or DEFAULT_GPU, gpus, args.gpus_per_node, args.nic_gbps, args.transport)
 
 
@@ -292,26 +298,30 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.config:
         from orangetron.cli.run_config import TRAINER_OVERLAPS, estimate_job, trainer_overlaps
 
-        given = [f"--{d.replace('_', '-')}" for d, default in args.file_owned_defaults.items()
-                 if getattr(args, d) != default]
+        given = _flags_given(args.own_parser, _FILE_OWNED)
         if given:
             raise ValueError(f"--config {args.config} sets the layout and options; {' '.join(given)} would be "
                              "ignored: edit the file, or leave --config out")
         model, deg, job = estimate_job(args.config)
+        model = model if isinstance(model, ModelSpec) else _decoder(model)
+        if job.seq_len > model.max_seq_len:
+            raise ValueError(f"--config {args.config}: seq_len={job.seq_len} is longer than the model's max_seq_len="
+                             f"{model.max_seq_len}, which `orangetron train` refuses")
         if args.gpu is None:
             args.gpu = _config_gpu(args.config)
         if args.gpus is not None and args.gpus != deg.world_size:
             raise ValueError(f"--gpus {args.gpus}: the layout of --config {args.config} ({deg}) has "
                              f"{deg.world_size} GPUs; leave --gpus out, or edit the file")
-        model = model if isinstance(model, ModelSpec) else _decoder(model)
         job = replace(job, **_planner_only(args))  # the planner-only options, from the flags
         job = replace(job, **trainer_overlaps({name: getattr(job, name) for name in TRAINER_OVERLAPS}))
+        validate(model, deg, job)  # the layout's own rules before the cluster's: tp 3 is not a --gpus problem
         est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     elif args.model is None:
         raise ValueError("--model is required (or --config FILE)")
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
         _note_longer_than_the_folder("estimate", args.model, model, job.seq_len)
+        validate(model, deg, job)
         est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     for note in _no_effect_notes(model, deg, job):
         print(f"orangetron estimate: note: {note}", file=sys.stderr)
@@ -324,6 +334,14 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         print(format_estimate(est))
     return 0
+
+
+def _flags_given(parser: argparse.ArgumentParser, dests: tuple[str, ...]) -> list[str]:
+    """The flags setting `dests` that `parser`'s command line holds, whatever their values (`--micro-batch 1`
+    equals the default and was ignored unsaid)."""
+    typed = {arg.split("=")[0] for arg in getattr(parser, "given", ())}
+    return [flag for action in parser._actions if action.dest in dests for flag in action.option_strings
+            if flag in typed]
 
 
 def _config_gpu(path: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import re
 from pathlib import Path
@@ -78,12 +79,22 @@ def _refusal(row: Estimate) -> str | None:
             if value != _even_split(row.model.num_layers, len(value)):
                 return f"pipeline_layout={list(value)}: the trainer runs only the even split of the layers"
         elif value != runs:
-            return f"{name}={value!r}: the trainer runs {runs!r} only"
+            flag = _planner_flag(name)
+            how = (f" (drop {flag})" if runs is False else f" (leave {flag} out)") if flag else ""
+            return f"{name}={value!r}: the trainer runs {runs!r} only{how}"
     try:
         TrainConfig(model=row.model, **train_options(row))
     except ValueError as err:
         return str(err)
     return None
+
+
+@functools.cache
+def _planner_flag(name: str) -> str | None:
+    """The flag of `plan` that sets the planner-only option `name` (`--fp8`), if any."""
+    from orangetron.train.config_file import planner_flags
+
+    return planner_flags().get(name)
 
 
 def _even_split(num_layers: int, chunks: int) -> tuple[int, ...]:
@@ -242,6 +253,7 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
             parallel[name] = _typed(path, key, value, parallel_fields[name].default)
         elif name not in (*_RUN_ONLY, "model", "seq_len", "batch_size"):
             _refuse_unknown(path, key, [*layout_fields, *parallel_fields, *_RUN_ONLY, "model", "seq_len", "batch_size"])
+    _check_run_numbers(path, table)
     # A key the file leaves out takes the trainer's default, so that this prices what `train --config` runs;
     # the model of an imported run is its Hugging Face folder.
     trainer = _trainer_defaults()
@@ -253,6 +265,19 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     job = Job(**parallel, seq_len=seq_len, micro_batch=max(1, batch // (deg.dp * microbatches)),
               global_batch=batch, clip_grad=True)  # the trainer's global gradient norm, every step
     return _model(path, model), deg, job
+
+
+def _check_run_numbers(path: str, table: dict[str, Any]) -> None:
+    """The file's counts and rates in range as `train --config` refuses them (`steps = -5`), the trainer's
+    defaults standing in for the keys it leaves out."""
+    from orangetron.train.config import TrainConfig, TrainConfigError, check_numbers
+
+    values = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    values |= {key.replace("-", "_"): value for key, value in table.items() if not isinstance(value, dict)}
+    try:
+        check_numbers(values)
+    except TrainConfigError as err:
+        raise ValueError(f"--config {path}: {err}") from None
 
 
 def _trainer_defaults() -> dict[str, Any]:

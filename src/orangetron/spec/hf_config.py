@@ -1,7 +1,7 @@
 """A Hugging Face `config.json` <-> the one model schema, `ModelSpec`: no torch, no second mapping type.
 
-`spec_from_hf` reads a config of a family orangetron builds (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE,
-Dots1) into a `ModelSpec`, accepting
+`spec_from_hf` reads a config of a family orangetron builds (Llama, Mistral without a window, Qwen2, Qwen3,
+Mixtral, Qwen2-MoE, Qwen3-MoE, Dots1) into a `ModelSpec`, accepting
 transformers 5's spellings and the older ones (`rope_parameters` or `rope_scaling` + `rope_theta`,
 `num_local_experts` or `num_experts`); a key the file leaves out means what the family's HF class defaults
 it to. Every key is accounted for: mapped onto a field, checked to hold the one value orangetron honours, or
@@ -42,6 +42,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 4096 * 32,
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "initializer_range": 0.02,
                 "num_local_experts": 8, "num_experts_per_tok": 2},
+    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+                "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+                "initializer_range": 0.02, "sliding_window": 4096},
     "qwen2": _QWEN,
     "qwen3": {**_QWEN, "head_dim": 128},
     "qwen2_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
@@ -62,13 +66,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "moe_intermediate_size": 1408, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
               "norm_topk_prob": False, "routed_scaling_factor": 1.0, "max_window_layers": 62},
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "dots1": "Dots1ForCausalLM"}
-_LATER = ("deepseek_v3", "deepseek_v2", "mistral", "gemma")
+_LATER = ("deepseek_v3", "deepseek_v2", "gemma")
 # Keys a family's config reads beside the common ones (its defaults' keys are read too).
 _FAMILY_KEYS = {
-    "llama": set(), "mixtral": {"num_experts", "router_aux_loss_coef"}, "qwen2": set(), "qwen3": set(),
+    "llama": set(), "mistral": set(), "mixtral": {"num_experts", "router_aux_loss_coef"}, "qwen2": set(),
+    "qwen3": set(),
     "qwen2_moe": {"num_local_experts", "mlp_only_layers", "router_aux_loss_coef", "max_window_layers"},
     "qwen3_moe": {"num_local_experts", "mlp_only_layers", "router_aux_loss_coef", "head_dim"},
     "dots1": {"num_local_experts"},
@@ -253,13 +259,15 @@ def _check_window(config: dict[str, Any], family: str) -> None:
     # A key left out means the class default (Qwen2/Qwen3: window 4096, switched off); null is no window.
     given = {**_DEFAULTS[family], **{k: v for k, v in config.items() if v is not None or k == "sliding_window"}}
     window = given.get("sliding_window")
-    use = given.get("use_sliding_window", not family.startswith("qwen"))  # Mixtral, Dots1: no switch
+    switch = family.startswith("qwen")  # only the Qwen classes read use_sliding_window; Mistral's, Mixtral's and
+    use = given.get("use_sliding_window", False) if switch else True  # Dots1's apply any window they are given
     # Qwen2, Qwen3 and Dots1 slide the layers from max_window_layers on; Mixtral and the Qwen MoE families, all
     first = given.get("max_window_layers", 0) if family in ("qwen2", "qwen3", "dots1") else 0
     active = window is not None and use and first < given["num_hidden_layers"]
     if active:
+        accepted = "use_sliding_window: false, or null" if switch else "null"
         raise HFConfigError(f"sliding_window={window!r}: an active sliding window is not built (accepted with "
-                            "use_sliding_window: false, or null)")
+                            f"{accepted})")
 
 
 def _rope_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
@@ -330,7 +338,8 @@ def hf_family(spec: ModelSpec, preferred: str | None = None) -> str:
     `preferred` (an imported model's own family) when it holds the spec, else the first of MOE_FAMILIES that
     does. HFConfigError names the field that keeps the closest family from holding it."""
     if not spec.is_moe:
-        return _dense_family(spec)
+        dense = _dense_family(spec)
+        return "mistral" if preferred == "mistral" and dense == "llama" else dense  # the same network, its class
     misses = {family: _moe_mismatches(spec, family) for family in MOE_FAMILIES}
     if preferred in misses and not misses[preferred]:
         return preferred
@@ -385,6 +394,8 @@ def _family_keys(spec: ModelSpec, family: str) -> dict[str, Any]:
                 "router_jitter_noise": 0.0}
     if family == "llama":
         return {"intermediate_size": spec.ffn_hidden_size, "attention_bias": False, "mlp_bias": False}
+    if family == "mistral":  # full attention: no window
+        return {"intermediate_size": spec.ffn_hidden_size, "sliding_window": None}
     if family in _DENSE_ATTENTION:  # Qwen2, Qwen3: full attention on every layer
         dense = {"intermediate_size": spec.ffn_hidden_size, "use_sliding_window": False, "sliding_window": None,
                  "max_window_layers": spec.num_layers, "layer_types": ["full_attention"] * spec.num_layers}

@@ -169,7 +169,7 @@ class Layout:
         # The messages keep the runtime's names (ModelConfig's arguments), as `orangetron train` users write them.
         rules.tp_splits_heads(self.tp, model.num_heads, model.num_kv_heads)
         if model.num_layers < self.pp:
-            raise LayoutError(f"pp={self.pp}: n_layers={model.num_layers} < pp; every stage needs a layer")
+            raise LayoutError(f"pp={self.pp}: num_layers={model.num_layers} < pp; every stage needs a layer")
         rules.ep_splits_experts(self.ep, model.num_experts)
         for name, width in (("ffn_dim", model.ffn_hidden_size), ("shared_ffn_dim", model.shared_ffn_hidden_size)):
             if width % self.tp:

@@ -127,29 +127,7 @@ class TrainConfig(Layout, ParallelConfig):
         self._resolve_packing()
 
     def _check_numbers(self) -> None:
-        for name in ("tp", "cp", "pp", "dp", "ep", "microbatches", "virtual_stages", "steps", "seq_len", "batch_size",
-                     "eval_batches", "corpus_bytes"):
-            _check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup", "eval_every", "seed", "stop_after"):
-            _check_int(name, getattr(self, name), minimum=0)
-        if self.schedule_steps is not None:
-            _check_int("schedule_steps", self.schedule_steps, minimum=1)
-        if self.threads is not None:
-            _check_int("threads", self.threads, minimum=1)
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
-                or not 0 < self.timeout_s < math.inf:
-            raise TrainConfigError(f"timeout_s={self.timeout_s!r} (--timeout-s): must be a finite number > 0")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise TrainConfigError(f"{name}={value!r} ({_flag(name)}): must be a finite number >= 0")
-        if self.lr == 0 or self.min_lr > self.lr:
-            raise TrainConfigError(f"lr={self.lr} (--lr): must be > 0 and >= min_lr={self.min_lr} (--min-lr)")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise TrainConfigError(f"eval_fraction={self.eval_fraction}: must be in [0, 1)")
-        if self.param_dtype not in PARAM_DTYPES:
-            raise TrainConfigError(f"param_dtype={self.param_dtype!r} (--param-dtype): choose one of "
-                                   f"{', '.join(PARAM_DTYPES)}")
+        check_numbers({f.name: getattr(self, f.name) for f in fields(self)})
 
     def _check_device(self) -> None:
         from orangetron.train import placement  # torch: validation only, not the CLI's import
@@ -277,8 +255,9 @@ class TrainConfig(Layout, ParallelConfig):
             raise TrainConfigError("new_data=True (--new-data): needs --resume and the new --data; it accepts "
                                    "data that differs from the run's record")
         if self.overwrite and (self.out is None or self.resume):
-            raise TrainConfigError("overwrite=True (--overwrite): for a new run into an --out folder that holds "
-                                   "another run (not with --resume)")
+            missing = "it needs --out: " if self.out is None else ""
+            raise TrainConfigError(f"overwrite=True (--overwrite): {missing}for a new run into an --out folder that "
+                                   "holds another run (not with --resume)")
         if self.stop_after >= self.steps:
             raise TrainConfigError(f"stop_after={self.stop_after} (--stop-after): the run ends at --steps="
                                    f"{self.steps} anyway; give a step before it")
@@ -414,6 +393,11 @@ class TrainConfig(Layout, ParallelConfig):
             check_runnable(model)
         except ConfigError as err:
             raise TrainConfigError(f"model={model.name!r} (--model): {err}") from None
+        if self.seq_len > model.max_seq_len:  # before ranks start; a cp shard or a pipeline stage never checks it
+            raise TrainConfigError(f"seq_len={self.seq_len} (--seq-len): longer than the model's max_seq_len="
+                                   f"{model.max_seq_len}; give a shorter --seq-len, or a model made for longer "
+                                   "sequences (max_seq_len in a model file, max_position_embeddings in a Hugging "
+                                   "Face config)")
 
     def options(self) -> dict[str, object]:
         """The options that define this run, by flag name (as `--config` reads them back): everything but the
@@ -513,6 +497,34 @@ def _check_out_folder(out: str) -> None:
             if not path.is_dir():
                 raise TrainConfigError(f"out={out!r} (--out): {str(path)!r} is a file, not a folder")
             return
+
+
+def check_numbers(options: dict[str, Any]) -> None:
+    """The run's counts, rates and dtype each in range (`train`, and `estimate --config` for a file's values
+    over the trainer's defaults); TrainConfigError naming the flag otherwise."""
+    for name in ("tp", "cp", "pp", "dp", "ep", "microbatches", "virtual_stages", "steps", "seq_len", "batch_size",
+                 "eval_batches", "corpus_bytes"):
+        _check_int(name, options[name], minimum=1)
+    for name in ("warmup", "eval_every", "seed", "stop_after"):
+        _check_int(name, options[name], minimum=0)
+    for name in ("schedule_steps", "threads"):  # None: unset
+        if options[name] is not None:
+            _check_int(name, options[name], minimum=1)
+    timeout_s = options["timeout_s"]
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise TrainConfigError(f"timeout_s={timeout_s!r} (--timeout-s): must be a finite number > 0")
+    for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            floor = "> 0" if name == "lr" else ">= 0"  # lr 0 is refused next, as > 0: one rule, said alike
+            raise TrainConfigError(f"{name}={value!r} ({_flag(name)}): must be a finite number {floor}")
+    if options["lr"] == 0 or options["min_lr"] > options["lr"]:
+        raise TrainConfigError(f"lr={options['lr']} (--lr): must be > 0 and >= min_lr={options['min_lr']} (--min-lr)")
+    if not 0.0 <= options["eval_fraction"] < 1.0:
+        raise TrainConfigError(f"eval_fraction={options['eval_fraction']}: must be in [0, 1)")
+    if options["param_dtype"] not in PARAM_DTYPES:
+        raise TrainConfigError(f"param_dtype={options['param_dtype']!r} (--param-dtype): choose one of "
+                               f"{', '.join(PARAM_DTYPES)}")
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

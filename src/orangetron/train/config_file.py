@@ -89,6 +89,9 @@ RUN_FILE_NAMES = {
     "global_batch": "a run's file gives the samples per step as 'batch_size'",
     "micro_batch": "a run's file gives the micro-batches per step as 'microbatches' (each batch_size / (dp x "
                    "microbatches) samples)",
+    "gpu": "a run's file names no GPU: train runs on the devices it finds, and `orangetron estimate --config FILE "
+           "--gpu NAME` prices one",
+    "gpus": "a run's file gives its GPUs as the layout, tp x cp x pp x dp",
 }
 
 

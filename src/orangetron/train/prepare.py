@@ -103,17 +103,17 @@ class ByteProgress:
     """`prepare-data`'s bar: bytes read of the total, redrawn in place on a terminal, else a line per 10%."""
 
     def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
-        self.total, self.enabled, self.done = max(total, 1), enabled, 0
+        self.total, self.enabled, self.done = total, enabled, 0
         self.stream = stream if stream is not None else sys.stderr
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.next_tenth, self.started = 1, time.perf_counter()
-        self.unit = unit_for(self.total, BYTE_UNITS)  # the input's size picks it: a small file is not "0.0 MiB"
+        self.unit = unit_for(max(total, 1), BYTE_UNITS)  # the input's size picks it: a small file is not "0.0 MiB"
 
     def advance(self, nbytes: int, tokens: int) -> None:
         self.done += nbytes
         if not self.enabled:
             return
-        fraction = min(self.done / self.total, 1.0)
+        fraction = min(self.done / self.total, 1.0) if self.total else 1.0  # an empty file is read at once
         seconds = time.perf_counter() - self.started
         unit, size = self.unit
         text = (f"[{'#' * int(24 * fraction):-<24}] {100 * fraction:5.1f}% {self.done / size:,.1f} {unit}, "

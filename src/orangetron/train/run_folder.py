@@ -14,6 +14,9 @@ module then refuses what a resume may not change:
 - data whose text differs from the record, unless `new_data` (`--new-data` with `--data`); the change is
   then appended to `changes.jsonl` with the step it took effect at, as every changed option is.
 
+A new run given a run's record as its `--config` repeats that run (`check_repeat`): data or a Hugging Face
+folder that changed since the record was written is refused, unless the command line names it again.
+
 A new run (no `resume`) into a folder that holds another run's record, metrics or checkpoints is refused,
 unless `overwrite`: the old run then moves aside to the first free `RUN.previous-N`, never deleted. While a
 run runs, its folder is locked: a second `train` into it, new or resumed, is refused.
@@ -162,6 +165,10 @@ def claim(cfg: TrainConfig) -> bool:
         if source is not None and Path(source).is_dir() and Path(source).resolve() == Path(cfg.out).resolve():
             raise TrainConfigError(f"out={cfg.out!r} (--out): the {flag} folder the run reads; its checkpoints, "
                                    "record and metrics would mix with those files: give the run a folder of its own")
+    above = _run_folder_above(Path(cfg.out))
+    if above is not None:  # `--out RUN/checkpoints/step-N` made a step no checkpoint, which broke RUN's resume
+        raise TrainConfigError(f"out={cfg.out!r} (--out): inside the folder of another run, {above}, which holds "
+                               "that run alone; give a folder outside it")
     occupant = _occupant(Path(cfg.out))
     if occupant is None:
         return False
@@ -219,6 +226,15 @@ def _check_checkpoint(cfg: TrainConfig, checkpoint: Path) -> None:
     continue_schedule(cfg, state.get("schedule"), checkpoint)
 
 
+def _run_folder_above(folder: Path) -> Path | None:
+    """The nearest folder above `folder` that holds a run (its metrics, or its record beside its checkpoints)."""
+    for parent in folder.absolute().parents:
+        if (parent / "metrics.jsonl").is_file() or \
+                ((parent / "checkpoints").is_dir() and (parent / CONFIG_FILE).is_file()):
+            return parent
+    return None
+
+
 def _occupant(folder: Path) -> str | None:
     found = [name for name in RUN_FILES if (folder / name).exists()]
     return ", ".join(found) if found else None
@@ -245,6 +261,34 @@ def check_resume(cfg: TrainConfig, record: dict[str, Any]) -> None:
         _check_same_tokenizer(cfg, data, record["data_record"])  # new data or not: the ids the model learnt
         if not cfg.new_data:
             _check_same_data(cfg, data, record["data_record"])
+
+
+def check_repeat(cfg: TrainConfig, path: str, data_given: bool, hf_model_given: bool) -> None:
+    """A new run given a run's record (`train --config RUN/config.toml --out NEW`) repeats that run: refuse it
+    where the recorded data or Hugging Face folder changed since, unless the command line names them again (then
+    they are this run's own). A folder's weights are recorded by size, so one rewritten at its size passes."""
+    record = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    recorded = record.get("data_record")
+    if isinstance(recorded, dict) and "sha256" in recorded and not data_given:
+        given = describe_data(cfg)
+        if given["sha256"] != recorded["sha256"]:
+            raise TrainConfigError(f"data: --config {path} repeats a run on {_data_summary(recorded)}; the data is "
+                                   f"now {_data_summary(given)}: restore it, or give --data on the command line to "
+                                   "train on it as it is now")
+        if cfg.prepared_data and _touched_since(Path(cfg.prepared_data), recorded, given):
+            _check_prepared_files(Path(cfg.prepared_data))
+    source = record.get("model_source")
+    if isinstance(source, dict) and cfg.hf_model is not None and not hf_model_given:
+        from orangetron.hf.folder import describe_folder
+
+        now = describe_folder(cfg.hf_model)
+        parts = {"config_sha256": "config.json", "index_sha256": "safetensors index", "files": "weight files' sizes"}
+        changed = [part for key, part in parts.items() if now.get(key) != source.get(key)]
+        if changed:
+            verb = "differ" if len(changed) > 1 else "differs"
+            raise TrainConfigError(f"hf_model={cfg.hf_model!r}: --config {path} repeats a run that started from "
+                                   f"this folder, whose {' and '.join(changed)} {verb} now: restore it, or give "
+                                   "--hf-model on the command line to start from it as it is now")
 
 
 def _recorded_options(record: dict[str, Any]) -> dict[str, Any]:

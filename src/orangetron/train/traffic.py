@@ -38,9 +38,21 @@ class StepTraffic:
 
     def summary(self) -> dict[str, Any]:
         """train: bytes of one step by "op/dim" (the last step's; `steps_differ` says whether any step sent
-        other bytes), eval: bytes of one evaluation (the last one's), and how many of each were measured."""
+        other bytes), eval: bytes of one evaluation (the last one's), how many of each were measured, and the
+        sums over all of each (`train_total`, `eval_total`), which add up to the run's measured bytes whether or
+        not the steps differ (under ZeRO-1/2 the first step gathers nothing, and an evaluation after a step
+        sends that step's all-gather: `sharded.py` gathers at the next forward)."""
         last_step = self.steps[-1] if self.steps else {}
         last_eval = self.evaluations[-1] if self.evaluations else {}
         return {"train": dict(sorted(last_step.items())), "eval": dict(sorted(last_eval.items())),
                 "train_steps": len(self.steps), "evaluations": len(self.evaluations),
-                "steps_differ": any(s != last_step for s in self.steps)}
+                "steps_differ": any(s != last_step for s in self.steps),
+                "train_total": _summed(self.steps), "eval_total": _summed(self.evaluations)}
+
+
+def _summed(windows: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for window in windows:
+        for key, sent in window.items():
+            total[key] = total.get(key, 0) + sent
+    return dict(sorted(total.items()))

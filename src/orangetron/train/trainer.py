@@ -105,7 +105,8 @@ def _prepared_data(cfg: TrainConfig) -> RunData:
     windows = dataset.windows(0, n_train, cfg.seq_len, documents=cfg.pack_documents)
     if len(windows) < cfg.batch_size:
         raise TrainConfigError(f"batch_size={cfg.batch_size} (--batch-size): the prepared dataset's training split "
-                               f"has {n_train} tokens, only {len(windows)} samples of seq_len={cfg.seq_len}")
+                               f"has {n_train} tokens, only {len(windows)} samples of seq_len={cfg.seq_len}; "
+                               "prepare more text (orangetron prepare-data) or lower --batch-size / --seq-len")
     held_out = dataset.windows(n_train, len(dataset), cfg.seq_len, documents=cfg.pack_documents)
     eval_samples = held_out[: min(len(held_out), cfg.batch_size * cfg.eval_batches)]
     train = BatchIterator(windows, cfg.batch_size, seed=cfg.seed, drop_last=True)

@@ -42,7 +42,8 @@ def check_pipeline(cfg: ModelSpec, pp: int, config: ParallelConfig) -> None:
         return
     chunks = pp * config.virtual_stages
     if cfg.num_layers < chunks:
-        raise LayoutError(f"pp={pp}: n_layers={cfg.num_layers} < pp*virtual_stages={chunks}; every chunk needs a layer")
+        raise LayoutError(f"pp={pp}: num_layers={cfg.num_layers} < pp*virtual_stages={chunks}; every chunk needs a "
+                          "layer")
     if cfg.tied_embeddings:
         raise LayoutError(f"pp={pp}: tied_embeddings would put the embedding on the first and last stages; a "
                           "model file unties them (tied_embeddings = false), and a model tied in its weights (a "
