@@ -2780,7 +2780,7 @@ MUTANTS = [
              "    moved = None\n"),),
            ("tests/test_prepare_data.py::test_a_dataset_moved_aside_is_named_by_the_resume_it_refuses",)),
     Mutant("prepare_progress_always_in_mib", "src/orangetron/train/prepare.py",
-           (("self.unit = unit_for(self.total, BYTE_UNITS)", 'self.unit = ("MiB", 2**20)'),),
+           (("self.unit = unit_for(max(total, 1), BYTE_UNITS)", 'self.unit = ("MiB", 2**20)'),),
            ("tests/test_prepare_data.py::test_progress_reads_in_a_unit_its_input_is_not_zero_in",)),
     Mutant("export_keeps_the_sources_transformers_version", "src/orangetron/spec/hf_config.py",
            (('    not_ours_to_claim = ("transformers_version",)', "    not_ours_to_claim = ()"),),
@@ -3075,6 +3075,11 @@ MUTANTS = [
            (('        self.total, self.enabled, self.done = total, enabled, 0',
              '        self.total, self.enabled, self.done = max(total, 1), enabled, 0'),),
            ('tests/test_prepare_data.py::test_progress_reads_in_a_unit_its_input_is_not_zero_in',)),
+    Mutant('tiny_rates_read_as_zero_tflops', 'src/orangetron/cli/plan.py',
+           (('    rate, size = unit_for(t.tflops_per_gpu * 1e12, FLOP_RATE_UNITS)',
+             '    rate, size = "TFLOP/s", 1e12'),),
+           ('tests/test_plan_cli.py::'
+            'test_estimate_gives_tokens_per_gpu_and_the_causal_mfu_beside_the_full_attention_one',)),
 ]
 
 

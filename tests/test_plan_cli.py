@@ -574,6 +574,10 @@ def test_estimate_gives_tokens_per_gpu_and_the_causal_mfu_beside_the_full_attent
     assert line == (f"{est['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {est['tflops_per_gpu']:.1f} TFLOP/s per "
                     f"GPU, MFU {100 * est['mfu']:.1f}% (attention counted whole; causal half "
                     f"{100 * est['mfu_causal']:.1f}%; HFU {100 * est['hfu']:.1f}%)")
+    assert run(["estimate", "--model", "tiny", "--seq", "16", "--gpu", "rtx3090", "--json"]) == 0
+    small = last_json(capsys)["tflops_per_gpu"]
+    assert run(["estimate", "--model", "tiny", "--seq", "16", "--gpu", "rtx3090"]) == 0  # was "0.1 TFLOP/s"
+    assert f"tokens/s per GPU, {small * 1e3:.1f} GFLOP/s per GPU, MFU" in capsys.readouterr().out and small < 0.1
 
 
 def test_estimate_notes_each_option_its_layout_does_not_use_and_none_it_does(capsys):

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from orangetron.cli.presets import add_presets_command
-from orangetron.cli.wording import BYTE_UNITS, SECOND_UNITS, counted, flag_named, flags_of, unit_for
+from orangetron.cli.wording import BYTE_UNITS, FLOP_RATE_UNITS, SECOND_UNITS, counted, flag_named, flags_of, unit_for
 from orangetron.plan.chart import sharding_label
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.memory import busiest_stage
@@ -472,7 +472,9 @@ def format_estimate(est: Estimate) -> str:
     lines.append(f"step time {t.step_s / size:.3f} {unit}: compute {t.compute_s / size:.3f}, bubble "
                  f"{t.bubble_s / size:.3f}, exposed comm {exposed}, optimizer {t.optimizer_s / size:.3f}")
     tokens = est.tokens_per_step / t.step_s / est.degrees.world_size
-    lines.append(f"{tokens:,.0f} tokens/s per GPU, {t.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {100 * t.mfu:.1f}% "
+    rate, size = unit_for(t.tflops_per_gpu * 1e12, FLOP_RATE_UNITS)  # a tiny model's is not "0.0 TFLOP/s"
+    lines.append(f"{tokens:,.0f} tokens/s per GPU, {t.tflops_per_gpu * 1e12 / size:.1f} {rate} per GPU, "
+                 f"MFU {100 * t.mfu:.1f}% "
                  f"(attention counted whole; causal half {100 * t.mfu_causal:.1f}%; HFU {100 * t.hfu:.1f}%)")
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ def counted(number: int, noun: str, plural: str | None = None) -> str:
 
 BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 SECOND_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
+FLOP_RATE_UNITS = (("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6))
 
 
 def unit_for(largest: float, units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
