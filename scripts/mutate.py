@@ -3042,9 +3042,7 @@ MUTANTS = [
     Mutant('emit_refusal_names_no_flag', 'src/orangetron/cli/run_config.py',
            (('            how = (f" (drop {flag})" if runs is False else f" (leave {flag} out)") if flag else ""',
              '            how = ""'),),
-           ('tests/test_plan_cli.py::'
-            'test_estimate_prices_the_tensor_parallel_overlap_and_the_trainer_refuses_it',
-            'tests/test_plan_recompute_modules.py::test_the_trainer_runs_no_module_recompute')),
+           ('tests/test_plan_cli.py::test_emit_config_names_the_plan_flag_to_drop',)),
     Mutant('window_switch_honoured_where_the_class_reads_none', 'src/orangetron/spec/hf_config.py',
            (('    use = given.get("use_sliding_window", False) if switch else True',
              '    use = given.get("use_sliding_window", True)'),),
@@ -3054,11 +3052,11 @@ MUTANTS = [
              '        return dense'),),
            ('tests/test_hf.py::test_untouched_import_exports_bit_equal_and_loads_in_transformers',)),
     Mutant('repeat_trains_on_changed_data', 'src/orangetron/train/run_folder.py',
-           (('    if isinstance(recorded, dict) and "sha256" in recorded and not data_given:',
+           (('    if isinstance(recorded, dict) and "sha256" in recorded and not typed & {"data", "corpus_bytes"}:',
              '    if False:'),),
            ('tests/test_run_folder.py::test_config_of_a_run_repeats_a_custom_model_run_bitwise',)),
     Mutant('repeat_starts_from_a_changed_folder', 'src/orangetron/train/run_folder.py',
-           (('        if changed:\n            verb =', '        if False:\n            verb ='),),
+           (('    if changed:\n        verb =', '    if False:\n        verb ='),),
            ('tests/test_hf_train.py::test_a_resumed_run_needs_no_weights_from_its_source_folder',)),
     Mutant('lr_floor_said_as_zero', 'src/orangetron/train/config.py',
            (('            floor = "> 0" if name == "lr" else ">= 0"', '            floor = ">= 0"'),),
@@ -3080,6 +3078,31 @@ MUTANTS = [
              '    rate, size = "TFLOP/s", 1e12'),),
            ('tests/test_plan_cli.py::'
             'test_estimate_gives_tokens_per_gpu_and_the_causal_mfu_beside_the_full_attention_one',)),
+    Mutant('repeat_with_a_rewritten_tokenizer', 'src/orangetron/train/run_folder.py',
+           (('    if then and now and then != now and recorded.get("source") != "prepared" and not tokenizer_typed:',
+             '    if False:'),),
+           ('tests/test_run_folder.py::test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints',)),
+    Mutant('repeat_on_another_pythons_corpus_refused', 'src/orangetron/train/run_folder.py',
+           (('        if recorded.get("source") == given["source"] == "stdlib":', '        if False:'),),
+           ('tests/test_run_folder.py::'
+            'test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside',)),
+    Mutant('run_above_found_through_dot_dot', 'src/orangetron/train/run_folder.py',
+           (('    for parent in folder.resolve().parents:', '    for parent in folder.absolute().parents:'),),
+           ('tests/test_run_folder.py::'
+            'test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside',)),
+    Mutant('project_config_taken_for_a_run', 'src/orangetron/train/run_folder.py',
+           (('manifest.json")) or _holds_record(parent):',
+             'manifest.json")) or (parent / CONFIG_FILE).is_file():'),),
+           ('tests/test_run_folder.py::'
+            'test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside',)),
+    Mutant('estimate_min_lr_from_trainconfig_defaults', 'src/orangetron/cli/run_config.py',
+           (('    if not any(key.replace("-", "_") == "min_lr" for key in table):',
+             '    if False:'),),
+           ('tests/test_plan_cli.py::test_estimate_prices_the_framework_paths',)),
+    Mutant('plan_hint_names_an_estimate_only_flag', 'src/orangetron/cli/run_config.py',
+           (('    return found if found in plan_flags else None', '    return found'),),
+           ('tests/test_plan_cli.py::'
+            'test_estimate_prices_the_tensor_parallel_overlap_and_the_trainer_refuses_it',)),
 ]
 
 

@@ -310,6 +310,9 @@ def test_estimate_prices_the_framework_paths(tmp_path, capsys):
         assert run(["estimate", "--config", str(bad)]) == 2
         err = capsys.readouterr().err
         assert f"--config {bad}: {needle}" in err and len(err.strip().splitlines()) == 1, err
+    low = tmp_path / "low.toml"
+    low.write_text(config.read_text() + "lr = 1e-4\n")  # train's floor follows lr (a tenth), not min_lr's 2e-4
+    assert run(["estimate", "--config", str(low)]) == 0, capsys.readouterr().err
 
 
 def test_estimate_prices_the_tensor_parallel_overlap_and_the_trainer_refuses_it(tmp_path, capsys):
@@ -346,7 +349,7 @@ def test_estimate_prices_the_tensor_parallel_overlap_and_the_trainer_refuses_it(
     row = estimate(load_model("tiny"), Degrees(tp=2, dp=2), Job(seq_len=64, sequence_parallel=True,
                                                                  tp_comm_overlap=True),
                    make_cluster(load_gpu("h100"), 4))
-    with pytest.raises(ValueError, match=r"tp_comm_overlap=True: the trainer runs False only \(drop --tp-comm-"):
+    with pytest.raises(ValueError, match=r"tp_comm_overlap=True: the trainer runs False only\)"):  # no plan flag
         emit_config([row], str(tmp_path / "plan.toml"))
 
 
@@ -922,3 +925,13 @@ def test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer(cap
     assert capsys.readouterr().out.splitlines()[0] == (
         "small-moe on 8 x h100, seq 4096, global batch 8 sequences, bfloat16, --no-overlap-ep, "
         "--no-overlap-shared-experts: the fastest layout that fits")
+
+
+def test_emit_config_names_the_plan_flag_to_drop(tmp_path, capsys):
+    assert run(["plan", "--model", "tiny", "--gpus", "2", "--seq", "256", "--fp8", "--emit-config",
+                str(tmp_path / "f.toml")]) == 2
+    assert "fp8=True: the trainer runs False only (drop --fp8))" in capsys.readouterr().err
+    assert run(["plan", "--model", "tiny", "--gpus", "2", "--seq", "256", "--attention-kernel", "eager",
+                "--emit-config", str(tmp_path / "f.toml")]) == 2
+    assert "attention_kernel='eager': the trainer runs 'flash' only (leave --attention-kernel out))" in \
+        capsys.readouterr().err

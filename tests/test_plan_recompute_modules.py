@@ -325,6 +325,5 @@ def test_the_trainer_runs_no_module_recompute(tmp_path):
     m, deg = mla_moe(), Degrees()
     cluster = make_cluster(load_gpu("h100"), 1)
     row = estimate(m, deg, Job(seq_len=S, recompute_modules=("layernorm",)), cluster)
-    refusal = "recompute_modules=\\('layernorm',\\): the trainer runs \\(\\) only \\(leave --recompute-modules out"
-    with pytest.raises(ValueError, match=refusal):
+    with pytest.raises(ValueError, match="recompute_modules=\\('layernorm',\\): the trainer runs \\(\\) only"):
         emit_config([row], str(tmp_path / "plan.toml"))

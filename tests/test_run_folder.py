@@ -259,10 +259,26 @@ def test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside(tm
     (run / "corpus.txt").write_text(TEXT)  # the new run's data inside the old run: moving it aside took it along
     code, _, err = _train(capsys, *base, "--data", str(run / "corpus.txt"), "--overwrite")
     assert code == 2 and f"holds the run's data ({run / 'corpus.txt'})" in err and (run / "corpus.txt").is_file()
+    # A repeat on another --corpus-bytes is asked for; on another Python's library, said (no flag undoes it).
+    code, _, err = _train(capsys, "--config", str(run / "config.toml"), "--out", str(tmp_path / "fewer"),
+                          "--corpus-bytes", "40000", "--steps", "1")
+    assert code == 0 and "built-in corpus" not in err, err
+    record = (run / "config.toml").read_text()
+    sha = tomllib.loads(record)["data_record"]["sha256"]
+    (tmp_path / "other.toml").write_text(record.replace(sha, "0" * 64))
+    code, _, err = _train(capsys, "--config", str(tmp_path / "other.toml"), "--out", str(tmp_path / "py"),
+                          "--steps", "1")
+    assert code == 0 and "the built-in corpus differs from the one --config" in err and "another Python's" in err
     nested = run / "checkpoints" / "step-99999999"  # taken as the newest checkpoint, it broke the resume of run
     code, _, err = _train(capsys, "--model", "tiny", "--steps", "1", *SMALL, "--out", str(nested))
     assert code == 2 and f"inside the folder of another run, {run}, which holds that run alone" in err
     assert not nested.exists()
+    project = tmp_path / "project"  # a config.toml of one's own beside a checkpoints folder is not a run
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "config.toml").write_text("steps = 1\n")
+    for out in (project / "checkpoints" / "run1", run / ".." / "sibling"):  # `..` leaves the run's folder
+        code, _, err = _train(capsys, "--model", "tiny", "--steps", "1", *SMALL, "--out", str(out), "--quiet")
+        assert code == 0, err
 
 
 def test_config_of_a_run_repeats_a_custom_model_run_bitwise(tmp_path, data, capsys) -> None:
@@ -687,6 +703,8 @@ def test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints(tmp_
     assert (tok / "tokenizer.json.previous-1").read_text() == read["tokenizer.json"]
     code, _, err = _train(capsys, "--out", str(run), "--resume")
     assert code == 2 and "encodes other ids than when the run" in err and recorded[:12] in err
+    code, _, err = _train(capsys, "--config", str(run / "config.toml"), "--out", str(tmp_path / "again"))
+    assert code == 2 and f"repeats a run whose tokenizer {tok} encoded other ids (sha256 {recorded[:12]} then" in err
     assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf")]) == 0
     assert {name: (tmp_path / "hf" / name).read_text() for name in read} == read  # what the run read
     assert sampled() == before  # the same ids, decoded by the same tokenizer

@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         owner.error(f"unrecognized arguments: {' '.join(unknown)}{_near_flags(owner, unknown)}")
     try:
         args.data_given = getattr(args, "data", None) is not None  # on the command line, before any file
-        args.hf_model_given = getattr(args, "hf_model", None) is not None
+        args.typed = _typed(args.own_parser)
         takes_files = hasattr(args, "command_parser")  # train and verify; estimate reads its --config itself
         if takes_files and (getattr(args, "config", None) or getattr(args, "resume", False)):
             args = _with_config_file(parser, args, argv)
@@ -100,11 +100,17 @@ def _owner(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
     return parser if any(arg in argv[:command] for arg in unknown) else args.own_parser
 
 
+def _typed(parser: argparse.ArgumentParser) -> set[str]:
+    """The options (dests) `parser`'s command line gave, whatever their values: a file's may not stand in for them."""
+    dest_of = {flag: action.dest for action in parser._actions for flag in action.option_strings}
+    return {dest_of[arg.split("=")[0]] for arg in getattr(parser, "given", ()) if arg.split("=")[0] in dest_of}
+
+
 def _unknown_flags(parser: argparse.ArgumentParser, given: list[str]) -> str:
     """"; unrecognized arguments: --micro-batches; did you mean --microbatches?" for the flags in `given` that
     `parser` does not take, or "" when it takes them all."""
     flags = {flag for action in parser._actions for flag in action.option_strings}
-    unknown = [arg for arg in given if arg.startswith("--") and arg.split("=")[0] not in flags]
+    unknown = [arg for arg in given if arg.startswith("--") and arg != "--" and arg.split("=")[0] not in flags]
     return f"; unrecognized arguments: {' '.join(unknown)}{_near_flags(parser, unknown)}" if unknown else ""
 
 
@@ -144,7 +150,7 @@ def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
             print(f"{args.own_parser.prog}: --config {args.config}: leaves out {', '.join(left_out)} (a training "
                   "run's own options; a check takes --steps, 3 by default)", file=sys.stderr)
     args.command_parser.set_defaults(**defaults)
-    given = {"data_given": args.data_given, "hf_model_given": args.hf_model_given}
+    given = {"data_given": args.data_given, "typed": args.typed}
     args = parser.parse_args(argv)
     vars(args).update(given)
     return args

@@ -91,10 +91,18 @@ def _refusal(row: Estimate) -> str | None:
 
 @functools.cache
 def _planner_flag(name: str) -> str | None:
-    """The flag of `plan` that sets the planner-only option `name` (`--fp8`), if any."""
+    """The flag of `plan` that sets the planner-only option `name` (`--fp8`), if `plan` has one (`estimate` has
+    more: `--tp-comm-overlap`)."""
+    import argparse
+
+    from orangetron.cli.plan import add_plan_commands
     from orangetron.train.config_file import planner_flags
 
-    return planner_flags().get(name)
+    commands = argparse.ArgumentParser().add_subparsers()
+    add_plan_commands(commands)
+    plan_flags = {flag for action in commands.choices["plan"]._actions for flag in action.option_strings}
+    found = planner_flags().get(name)
+    return found if found in plan_flags else None
 
 
 def _even_split(num_layers: int, chunks: int) -> tuple[int, ...]:
@@ -274,6 +282,8 @@ def _check_run_numbers(path: str, table: dict[str, Any]) -> None:
 
     values = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     values |= {key.replace("-", "_"): value for key, value in table.items() if not isinstance(value, dict)}
+    if not any(key.replace("-", "_") == "min_lr" for key in table):  # as train sets it: the floor follows lr
+        values["min_lr"] = values["lr"] / 10 if isinstance(values["lr"], (int, float)) else values["min_lr"]
     try:
         check_numbers(values)
     except TrainConfigError as err:

@@ -334,7 +334,8 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "dots1")
 
 
 def hf_family(spec: ModelSpec, preferred: str | None = None) -> str:
-    """The family a spec exports as: dense "llama", "qwen2" (q/k/v biases) or "qwen3" (QK-norm); for MoE
+    """The family a spec exports as: dense "llama" ("mistral" when `preferred`, an imported model's own family, is
+    that), "qwen2" (q/k/v biases) or "qwen3" (QK-norm); for MoE
     `preferred` (an imported model's own family) when it holds the spec, else the first of MOE_FAMILIES that
     does. HFConfigError names the field that keeps the closest family from holding it."""
     if not spec.is_moe:

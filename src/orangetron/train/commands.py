@@ -303,7 +303,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.config and not cfg.resume:  # a run's record repeats that run: on its data, from its folder
         from orangetron.train.run_folder import check_repeat
 
-        check_repeat(cfg, args.config, args.data_given, args.hf_model_given)
+        check_repeat(cfg, args.config, args.typed)
     try:
         result = train(cfg, progress=not args.quiet)
     except LaunchError as err:  # a rank failed, died or hung: its message, not the launcher's traceback

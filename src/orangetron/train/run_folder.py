@@ -14,8 +14,9 @@ module then refuses what a resume may not change:
 - data whose text differs from the record, unless `new_data` (`--new-data` with `--data`); the change is
   then appended to `changes.jsonl` with the step it took effect at, as every changed option is.
 
-A new run given a run's record as its `--config` repeats that run (`check_repeat`): data or a Hugging Face
-folder that changed since the record was written is refused, unless the command line names it again.
+A new run given a run's record as its `--config` repeats that run (`check_repeat`): data, a tokenizer or a
+Hugging Face folder that changed since the record was written is refused, unless the command line names it
+again. A new run inside another run's folder is refused.
 
 A new run (no `resume`) into a folder that holds another run's record, metrics or checkpoints is refused,
 unless `overwrite`: the old run then moves aside to the first free `RUN.previous-N`, never deleted. While a
@@ -227,12 +228,19 @@ def _check_checkpoint(cfg: TrainConfig, checkpoint: Path) -> None:
 
 
 def _run_folder_above(folder: Path) -> Path | None:
-    """The nearest folder above `folder` that holds a run (its metrics, or its record beside its checkpoints)."""
-    for parent in folder.absolute().parents:
-        if (parent / "metrics.jsonl").is_file() or \
-                ((parent / "checkpoints").is_dir() and (parent / CONFIG_FILE).is_file()):
+    """The nearest folder above `folder` (`..` and links resolved) that holds a run: a checkpoint, or a record
+    of its data (a project's own config.toml beside a checkpoints folder is not one)."""
+    for parent in folder.resolve().parents:
+        if any((parent / "checkpoints").glob("step-*/manifest.json")) or _holds_record(parent):
             return parent
     return None
+
+
+def _holds_record(folder: Path) -> bool:
+    try:
+        return "data_record" in tomllib.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return False
 
 
 def _occupant(folder: Path) -> str | None:
@@ -263,32 +271,54 @@ def check_resume(cfg: TrainConfig, record: dict[str, Any]) -> None:
             _check_same_data(cfg, data, record["data_record"])
 
 
-def check_repeat(cfg: TrainConfig, path: str, data_given: bool, hf_model_given: bool) -> None:
+def check_repeat(cfg: TrainConfig, path: str, typed: set[str]) -> None:
     """A new run given a run's record (`train --config RUN/config.toml --out NEW`) repeats that run: refuse it
-    where the recorded data or Hugging Face folder changed since, unless the command line names them again (then
-    they are this run's own). A folder's weights are recorded by size, so one rewritten at its size passes."""
+    where the recorded data, tokenizer or Hugging Face folder changed since, unless the command line names them
+    (`typed`: the options it gave; then they are this run's own). A folder's weights are recorded by size, so
+    one rewritten at its size passes."""
     record = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     recorded = record.get("data_record")
-    if isinstance(recorded, dict) and "sha256" in recorded and not data_given:
-        given = describe_data(cfg)
-        if given["sha256"] != recorded["sha256"]:
-            raise TrainConfigError(f"data: --config {path} repeats a run on {_data_summary(recorded)}; the data is "
-                                   f"now {_data_summary(given)}: restore it, or give --data on the command line to "
-                                   "train on it as it is now")
-        if cfg.prepared_data and _touched_since(Path(cfg.prepared_data), recorded, given):
-            _check_prepared_files(Path(cfg.prepared_data))
+    if isinstance(recorded, dict) and "sha256" in recorded and not typed & {"data", "corpus_bytes"}:
+        _check_repeat_data(cfg, path, recorded, tokenizer_typed="tokenizer" in typed)
     source = record.get("model_source")
-    if isinstance(source, dict) and cfg.hf_model is not None and not hf_model_given:
-        from orangetron.hf.folder import describe_folder
+    if isinstance(source, dict) and cfg.hf_model is not None and "hf_model" not in typed:
+        _check_repeat_folder(cfg, path, source)
 
-        now = describe_folder(cfg.hf_model)
-        parts = {"config_sha256": "config.json", "index_sha256": "safetensors index", "files": "weight files' sizes"}
-        changed = [part for key, part in parts.items() if now.get(key) != source.get(key)]
-        if changed:
-            verb = "differ" if len(changed) > 1 else "differs"
-            raise TrainConfigError(f"hf_model={cfg.hf_model!r}: --config {path} repeats a run that started from "
-                                   f"this folder, whose {' and '.join(changed)} {verb} now: restore it, or give "
-                                   "--hf-model on the command line to start from it as it is now")
+
+def _check_repeat_data(cfg: TrainConfig, path: str, recorded: dict[str, Any], tokenizer_typed: bool) -> None:
+    given = describe_data(cfg)
+    if given["sha256"] != recorded["sha256"]:
+        if recorded.get("source") == given["source"] == "stdlib":  # this Python's library: no flag undoes it
+            print(f"orangetron train: warning: the built-in corpus differs from the one --config {path} records "
+                  f"({_data_summary(recorded)}; now {_data_summary(given)}): another Python's standard library, so "
+                  "this run does not repeat that one bit for bit", file=sys.stderr)
+            return
+        aside = _moved_dataset(cfg.prepared_data, recorded) if cfg.prepared_data else None
+        where = f"; the recorded dataset is at {aside}, where an --overwrite moved it" if aside else ""
+        raise TrainConfigError(f"data: --config {path} repeats a run on {_data_summary(recorded)}; the data is now "
+                               f"{_data_summary(given)}{where}: restore it, or give --data on the command line to "
+                               "train on it as it is now")
+    then, now = recorded.get("tokenizer_ids_sha256"), given.get("tokenizer_ids_sha256")
+    # A prepared dataset's ids are in its hash; a tokenizer the command line names is this run's own.
+    if then and now and then != now and recorded.get("source") != "prepared" and not tokenizer_typed:
+        raise TrainConfigError(f"tokenizer: --config {path} repeats a run whose tokenizer {given['tokenizer']} "
+                               f"encoded other ids (sha256 {then[:12]} then, {now[:12]} now): restore it, or give "
+                               "--tokenizer on the command line to train with it as it is now")
+    if cfg.prepared_data and _touched_since(Path(cfg.prepared_data), recorded, given):
+        _check_prepared_files(Path(cfg.prepared_data))
+
+
+def _check_repeat_folder(cfg: TrainConfig, path: str, source: dict[str, Any]) -> None:
+    from orangetron.hf.folder import describe_folder
+
+    now = describe_folder(cfg.hf_model)
+    parts = {"config_sha256": "config.json", "index_sha256": "safetensors index", "files": "weight files' sizes"}
+    changed = [part for key, part in parts.items() if now.get(key) != source.get(key)]
+    if changed:
+        verb = "differ" if len(changed) > 1 else "differs"
+        raise TrainConfigError(f"hf_model={cfg.hf_model!r}: --config {path} repeats a run that started from this "
+                               f"folder, whose {' and '.join(changed)} {verb} now: restore it, or give --hf-model "
+                               "on the command line to start from it as it is now")
 
 
 def _recorded_options(record: dict[str, Any]) -> dict[str, Any]:
