@@ -144,5 +144,6 @@ def test_node_placement_says_which_groups_stay_inside_a_node() -> None:
     assert Layout(tp=2, dp=4, ep=2).node_placement(4) == \
         "2 node(s) of 4 ranks: tp, ep inside a node; dp across nodes"  # ep groups: consecutive dp ranks
     assert Layout(dp=4).node_placement(4) == "1 node(s) of 4 ranks: dp inside a node"
+    assert Layout(tp=2).node_placement(1) == "2 node(s) of 1 rank: tp across nodes"  # was "of 1 ranks"
     with pytest.raises(LayoutError, match="ranks_per_node=3: must divide world_size=4"):
         Layout(dp=4).node_placement(3)

@@ -75,3 +75,16 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_verify_under_torchrun_speaks_once(tmp_path) -> None:
+    """Every process holds the result; it was printed (and --json's object) once per rank."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "orangetron", "verify", "--dp", "2", "--model", "tiny", "--steps", "1", "--zero-stage", "3",
+               "--sequence-parallel", "--json"]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len([line for line in done.stdout.splitlines() if line.startswith("{")]) == 1, done.stdout
+    assert done.stderr.count("orangetron verify: model tiny") == 1, done.stderr[-3000:]
+    assert done.stderr.count("orangetron verify: warning: sequence_parallel=True") == 1  # a warning once too

@@ -457,6 +457,10 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["estimate", "--model", "llama3-8b", "--pp", "2", "--pp-schedule", "interleaved", "--global-batch", "8"],
      "pp_schedule='interleaved' (--pp-schedule) with virtual_stages=1: interleaving needs 2 or more"),
     (["schedule", "--pp", "2", "--microbatches", "4", "--schedule", "interleaved"], "needs 2 or more model chunks"),
+    # matplotlib wrote NAME.png past the check of NAME (an existing NAME.png was replaced unasked)
+    (["schedule", "--pp", "2", "--microbatches", "4", "-o", "chartnoext"], "-o chartnoext: no suffix names the "),
+    # refused after the search (or the measured step) by the write, as an OS error
+    (["schedule", "--pp", "2", "--microbatches", "4", "-o", "nodir/x.png"], "-o nodir/x.png: no such folder 'nodir'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert run(argv) == 2

@@ -300,8 +300,8 @@ def test_config_of_a_run_repeats_a_custom_model_run_bitwise(tmp_path, data, caps
     assert {k: v for k, v in a.items() if k != "out"} == {k: v for k, v in b.items() if k != "out"}
     # Data edited since: the repeat would not be one (it trained on the edit, unsaid); named again, it is this run's
     data.write_text(TEXT.replace("e", "E"))
-    code, _, err = _train(capsys, "--config", str(tmp_path / "a" / "config.toml"), "--out", str(tmp_path / "c"))
-    assert code == 2 and not (tmp_path / "c").exists()
+    code, _, err = _train(capsys, "--config", str(tmp_path / "a"), "--out", str(tmp_path / "c"))  # the folder
+    assert code == 2 and not (tmp_path / "c").exists()  # stands for its config.toml (it raised IsADirectoryError)
     assert f"repeats a run on 1 file(s), {len(TEXT):,} bytes, sha256 {a['data_record']['sha256'][:12]}; the data " \
         "is now 1 file(s)" in err and "give --data on the command line to train on it as it is now" in err
     code, _, err = _train(capsys, "--config", str(tmp_path / "a" / "config.toml"), "--out", str(tmp_path / "c"),

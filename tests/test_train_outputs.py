@@ -214,3 +214,23 @@ def test_step_flops_is_the_hand_count_of_the_tiny_model() -> None:
     matmuls = 2 * tokens * layer_params * layers + 2 * tokens * dim * vocab
     attention = 2 * tokens * s * 4 * (16 + 16) * layers  # QK^T and AV over every key, 4 heads of 16
     assert step_flops(cfg) == 3 * (matmuls + attention)  # forward plus a backward of twice its cost
+
+
+def test_no_output_is_written_inside_a_runs_checkpoints(tmp_path, capsys) -> None:
+    """A folder written there as step-N was taken for the newest checkpoint: the run could be neither resumed
+    nor sampled (train --out has its own refusal, tests/test_run_folder.py)."""
+    run, text = tmp_path / "run", tmp_path / "a.txt"
+    assert cli.main(["train", "--model", "tiny", "--steps", "1", "--seq-len", "16", "--batch-size", "4",
+                     "--corpus-bytes", "50000", "--out", str(run), "--quiet"]) == 0
+    text.write_text("a few words of text to read\n" * 40)
+    inside = run / "checkpoints" / "step-99999999"
+    for argv in (["export", str(run), "--hf", "-o", str(inside)], ["export", str(run), "-o", str(inside / "m.pt")],
+                 ["tokenizer", "train", str(text), "--vocab", "300", "-o", str(inside)],
+                 ["prepare-data", str(text), "-o", str(inside)]):
+        capsys.readouterr()
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"inside {(run / 'checkpoints').resolve()}, a run's checkpoints" in err and not inside.exists(), err
+    assert cli.main(["sample", str(run), "--prompt", "a", "--max-new-tokens", "2"]) == 0
+    # the checkpoints folder itself stands for its latest (it was "no checkpoint under .../checkpoints/checkpoints")
+    assert cli.main(["sample", str(run / "checkpoints"), "--prompt", "a", "--max-new-tokens", "2"]) == 0

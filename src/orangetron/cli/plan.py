@@ -834,11 +834,14 @@ def _check_chart_path(path: str, flag: str, overwrite: bool) -> None:
 
     suffix = Path(path).suffix.lower().lstrip(".")
     formats = backend_bases.FigureCanvasBase.get_supported_filetypes()
-    if suffix and suffix not in formats:
-        raise ValueError(f"{flag} {path}: no chart is written as .{suffix}; name a .png (or one of "
-                         f"{', '.join('.' + name for name in sorted(formats))})")
     if Path(path).is_dir():
         raise ValueError(f"{flag} {path}: a folder; name the chart's file")
+    if suffix not in formats:  # none: matplotlib would write NAME.png, past the check of NAME
+        raise ValueError(f"{flag} {path}: " + (f"no chart is written as .{suffix}" if suffix else "no suffix names "
+                         "the chart's format") + f"; name a .png (or one of "
+                         f"{', '.join('.' + name for name in sorted(formats))})")
+    if not Path(path).absolute().parent.is_dir():  # found before the work, not by the write after it
+        raise ValueError(f"{flag} {path}: no such folder {str(Path(path).parent)!r}")
     check_claim(Path(path), flag, overwrite)
 
 

@@ -128,7 +128,8 @@ class Layout:
         nodes = self.world_size // ranks_per_node
         parts = [f"{', '.join(inside)} inside a node" if inside else "", f"{', '.join(across)} across nodes"
                  if across else ""]
-        return f"{nodes} node(s) of {ranks_per_node} ranks: " + ("; ".join(p for p in parts if p) or "one rank")
+        ranks = f"{ranks_per_node} rank" + ("s" if ranks_per_node != 1 else "")
+        return f"{nodes} node(s) of {ranks}: " + ("; ".join(p for p in parts if p) or "one rank")
 
     def inside_nodes(self, dim: str, ranks_per_node: int) -> bool:
         """Whether every `dim` group's ranks sit on one node."""

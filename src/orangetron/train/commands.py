@@ -263,9 +263,12 @@ def run_verify(args: argparse.Namespace) -> int:
     warnings = cfg.warnings()
     if cfg.layout.world_size == 1:
         warnings.append(f"layout {cfg.layout} is one rank: verify compares one rank with itself")
-    for warning in warnings:
+    primary = os.environ.get("RANK", "0") == "0"  # under torchrun every process holds the result: one speaks
+    for warning in warnings if primary else ():
         print(f"orangetron verify: warning: {warning}", file=sys.stderr)
     result = verify(cfg, args.tolerance)
+    if not primary:
+        return 0 if result["ok"] else 1
     if result.get("capacity_factor") not in (None, cfg.capacity_factor):
         print(f"orangetron verify: --dispatcher capacity measured with --capacity-factor "
               f"{result['capacity_factor']:g} instead of {cfg.capacity_factor:g}, which drops no token (dropped "

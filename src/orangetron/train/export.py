@@ -83,6 +83,8 @@ def find_checkpoint(run: str | Path) -> Path:
     if not run.is_dir():
         raise FileNotFoundError(f"RUN_DIR {str(run)!r}: no such folder")
     path = latest_checkpoint(run / "checkpoints")
+    if path is None and run.name == "checkpoints":  # the run's checkpoints folder itself
+        path = latest_checkpoint(run)
     if path is None and (run / "config.json").is_file():  # what a user given a model folder reaches for
         raise FileNotFoundError(f"RUN_DIR {str(run)!r}: a Hugging Face model folder, not a run (no checkpoint "
                                 f"under {run / 'checkpoints'}); `orangetron train --hf-model {run}` trains from it")

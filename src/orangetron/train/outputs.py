@@ -84,6 +84,7 @@ def check_writable(path: Path, flag: str, inside: bool = False) -> None:
     """Refuse `path` as an output where the folder it would be written in (`path` itself when `inside`, its
     parent else) cannot take a file (a probe made and removed in its nearest existing folder): one line naming
     `flag` before the work, not a traceback after it."""
+    check_outside_checkpoints(Path(path), flag)
     folder = Path(path).absolute() if inside else Path(path).absolute().parent
     while not os.path.lexists(folder):
         folder = folder.parent
@@ -93,6 +94,15 @@ def check_writable(path: Path, flag: str, inside: bool = False) -> None:
         os.unlink(probe)
     except OSError as err:
         raise ValueError(f"{flag} {str(path)!r}: cannot write there ({err.strerror})") from None
+
+
+def check_outside_checkpoints(path: Path, flag: str) -> None:
+    """Refuse `path` inside a run's checkpoints folder: a folder written there as `step-N` was taken for the
+    newest checkpoint, and the run could be neither resumed nor sampled."""
+    for folder in (path.resolve(), *path.resolve().parents):
+        if folder.name == "checkpoints" and any(folder.glob("step-*/manifest.json")):
+            raise ValueError(f"{flag} {str(path)!r}: inside {folder}, a run's checkpoints, where a folder is taken "
+                             "for a checkpoint; choose another folder")
 
 
 def check_claim(path: Path, flag: str, overwrite: bool, inputs: Inputs | None = None

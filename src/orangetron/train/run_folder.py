@@ -41,7 +41,7 @@ from orangetron.spec.model import ModelSpec, parse_model
 from orangetron.spec.parallel_config import ParallelConfig
 from orangetron.train import folder_lock
 from orangetron.train.config import TrainConfig, TrainConfigError, _flag
-from orangetron.train.config_file import write_resolved_config
+from orangetron.train.config_file import read_toml, write_resolved_config
 from orangetron.train.corpus import read_text_files, stdlib_corpus
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, TOKENS_FILE, meta_sha256, read_meta
 from orangetron.train.outputs import check_holds_no_input, move_aside
@@ -276,7 +276,7 @@ def check_repeat(cfg: TrainConfig, path: str, typed: set[str]) -> None:
     where the recorded data, tokenizer or Hugging Face folder changed since, unless the command line names them
     (`typed`: the options it gave; then they are this run's own). A folder's weights are recorded by size, so
     one rewritten at its size passes."""
-    record = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    record = read_toml(path)  # a run folder stands for its config.toml
     recorded = record.get("data_record")
     if isinstance(recorded, dict) and "sha256" in recorded and not typed & {"data", "corpus_bytes"}:
         _check_repeat_data(cfg, path, recorded, tokenizer_typed="tokenizer" in typed)

@@ -32,7 +32,7 @@ def add_sample_command(sub: Any) -> None:
         "on one rank: greedy by default, or drawn at --temperature from the --top-k most likely tokens. "
         "Prints the prompt and its continuation.",
     )
-    p.add_argument("run_dir", metavar="RUN", help="a run folder (its latest checkpoint) or a checkpoint folder")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its latest checkpoint) or a checkpoint folder")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
