@@ -3126,6 +3126,9 @@ MUTANTS = [
     Mutant('checkpoints_folder_not_taken_for_its_run', 'src/orangetron/train/export.py',
            (('    if path is None and run.name == "checkpoints":', '    if False:'),),
            ('tests/test_train_outputs.py::test_no_output_is_written_inside_a_runs_checkpoints',)),
+    Mutant('sharded_optimizer_priced_as_ddp', 'src/orangetron/plan/search.py',
+           (('    return 1 if sharded and (job.zero_stage or job.distributed_optimizer) else 0', '    return 0'),),
+           ('tests/test_plan_search.py::test_search_times_the_sharded_optimizers_apart_from_ddp',)),
 ]
 
 

@@ -225,3 +225,15 @@ def test_candidate_jobs_keep_the_base_jobs_framework_paths():
     assert full and all(j.recompute_modules == () for j in full)  # full recompute replays every module already
     assert all(getattr(j, name) == value for j in jobs for name, value in paths.items()
                if name != "recompute_modules" or j.recompute != "full")
+
+
+def test_search_times_the_sharded_optimizers_apart_from_ddp():
+    """ZeRO-1/2 and the distributed optimizer step 1/d of the parameters, DDP all of them, at the same bytes: they
+    shared DDP's pricing class and were never timed once DDP fit, so a slower DDP or ZeRO-3 row topped the plan."""
+    model, cluster = load_model("llama3-8b"), make_cluster("h100", 16)
+    result = search(model, cluster, 4096, 16, SearchSpace(tp=(2,), cp=(1,), pp=(2,)), top=50)
+    best = result.ranked[0]
+    assert best.job.zero_stage in (1, 2) or best.job.distributed_optimizer
+    ddp = estimate(model, best.degrees, replace(best.job, zero_stage=0, distributed_optimizer=False), cluster)
+    assert best.time.step_s < ddp.time.step_s  # the optimizer's step, sharded
+    assert best.time.step_s == estimate(model, best.degrees, best.job, cluster).time.step_s

@@ -67,7 +67,7 @@ def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys)
     assert code == 2 and "the trainer runs none of the" in err
     assert " 1 " in out.splitlines()[2] and "fastest layouts that fit" in out  # the ranking it refused stays shown
     assert err.count("attention_kernel='eager'") == 1  # one reason, with the ranks it turned away: every one of
-    assert "none of the 15 ranked configurations (#1-#15: attention_kernel=" in err  # the 15, not only the top 10
+    assert "none of the 21 ranked configurations (#1-#21: attention_kernel=" in err  # the 21, not only the top 10
     assert not path.exists()
     longer = [*PLAN[:PLAN.index("--seq")], "--seq", "2048", *PLAN[PLAN.index("--seq") + 2:]]  # tiny: max_seq_len 1024
     assert cli.main([*longer, "--emit-config", str(path)]) == 2  # before: written, then refused once ranks started

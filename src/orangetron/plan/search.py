@@ -149,14 +149,16 @@ def _job_group(seq_len: int, global_batch: int, mb: int, v: int, mode: str, disp
     return tuple(group)
 
 
-def _pricing_class(job: Job) -> int:
+def _pricing_class(job: Job, sharded: bool) -> int:
     # DDP, ZeRO-1/2 and the distributed optimizer move the same bytes per step and overlap them the same
     # way, and less recompute is never slower, so within a class the first option that fits (groups are
-    # ordered by recompute, then sharding) is never slower than the later ones. ZeRO-3 adds
-    # per-micro-batch gathers and is its own class; reduce-scattering every micro-batch another.
+    # ordered by recompute, then sharding) is never slower than the later ones. The sharded optimizers step
+    # 1/d of the parameters where DDP steps them all: over d > 1 ranks (`sharded`) they are a class of their
+    # own, which can be faster than DDP (it was never timed once DDP fit). ZeRO-3 adds per-micro-batch gathers
+    # and is its own class; reduce-scattering every micro-batch another.
     if job.zero_stage == 3:
         return 4 if job.zero3_reduce_every_microbatch else 3
-    return 0
+    return 1 if sharded and (job.zero_stage or job.distributed_optimizer) else 0
 
 
 def fewest_replays_that_fit(model: ModelSpec, deg: Degrees, job: Job, limit: float,
@@ -208,7 +210,7 @@ def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Clus
     closed: set = set()
     smallest: dict[int, tuple[Job, dict[str, int]]] = {}
     for job in group:
-        cls = _pricing_class(job)
+        cls = _pricing_class(job, deg.dp * deg.cp > 1)
         key = (cls, job.recompute) if partial and job.recompute != "none" else cls
         if cls in closed or key in closed or job.zero3_reduce_every_microbatch and _reduces_once(model, deg, job):
             continue  # dominated, or (one reduction a step) the same step as "zero3"
