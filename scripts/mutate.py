@@ -3129,6 +3129,17 @@ MUTANTS = [
     Mutant('sharded_optimizer_priced_as_ddp', 'src/orangetron/plan/search.py',
            (('    return 1 if sharded and (job.zero_stage or job.distributed_optimizer) else 0', '    return 0'),),
            ('tests/test_plan_search.py::test_search_times_the_sharded_optimizers_apart_from_ddp',)),
+    Mutant('distmm_replicas_past_the_batch', 'src/orangetron/plan/distmm.py',
+           (('    if dp < 1 or gpus % (tp * pp) or dp > batch:', '    if dp < 1 or gpus % (tp * pp):'),),
+           ('tests/test_plan_distmm.py::test_no_tower_gets_more_replicas_than_sequences',)),
+    Mutant('distmm_flags_taken_and_ignored', 'src/orangetron/cli/plan.py',
+           (('        if ignored:  # they were taken and ignored',
+             '        if False:  # they were taken and ignored'),),
+           ('tests/test_plan_cli.py::test_bad_input_is_one_line_and_exit_2',)),
+    Mutant('distmm_infinite_gain', 'src/orangetron/plan/distmm.py',
+           (('        return None if math.isinf(self.baseline_step_s) else self.baseline_step_s / self.step_s',
+             '        return self.baseline_step_s / self.step_s'),),
+           ('tests/test_plan_distmm.py::test_no_tower_gets_more_replicas_than_sequences',)),
 ]
 
 

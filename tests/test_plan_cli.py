@@ -457,6 +457,11 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["estimate", "--model", "llama3-8b", "--pp", "2", "--pp-schedule", "interleaved", "--global-batch", "8"],
      "pp_schedule='interleaved' (--pp-schedule) with virtual_stages=1: interleaving needs 2 or more"),
     (["schedule", "--pp", "2", "--microbatches", "4", "--schedule", "interleaved"], "needs 2 or more model chunks"),
+    # DistMM took them and ignored them, unsaid: --chart wrote nothing, --tp changed no tower
+    (["plan", "--model", "lit-b16-text-g", "--gpus", "16", "--tp", "2", "--chart", "d.png"],
+     "--model lit-b16-text-g is a dual encoder, planned by DistMM, which takes none of --chart --tp (it takes"),
+    (["plan", "--model", "lit-b16-text-g", "--gpus", "1", "--global-batch", "64"],
+     "each of its 2 towers needs GPUs of its own, no more data-parallel replicas than sequences"),
     # matplotlib wrote NAME.png past the check of NAME (an existing NAME.png was replaced unasked)
     (["schedule", "--pp", "2", "--microbatches", "4", "-o", "chartnoext"], "-o chartnoext: no suffix names the "),
     # refused after the search (or the measured step) by the write, as an OS error

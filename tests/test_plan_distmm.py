@@ -52,3 +52,11 @@ def test_lit_gives_the_text_tower_more_gpus():
 def test_impossible_batch_is_a_value_error():
     with pytest.raises(ValueError, match="no split"):
         plan_distmm(load_model("clip-vit-bigg14"), make_cluster("rtx3090", 2), 1)
+
+
+def test_no_tower_gets_more_replicas_than_sequences():
+    """At a batch of 1 a tower planned 2 replicas (and the colocated baseline 4): a replica with no sample."""
+    plan = plan_distmm(load_model("lit-b16-text-g"), make_cluster("h100", 16), 1)
+    assert all(t.dp == 1 for t in plan.towers)
+    assert plan.gain is None and plan.to_json()["predicted_gain"] is None  # no colocated layout runs 1 sequence
+    assert "no colocated layout of 16 GPUs runs 1 sequences" in format_plan(plan)

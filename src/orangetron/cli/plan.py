@@ -479,6 +479,11 @@ def format_estimate(est: Estimate) -> str:
     return "\n".join(lines)
 
 
+# The flags DistMM's plan of a dual encoder reads (`plan.distmm.plan_distmm`); it refuses the others by name.
+_DISTMM_FLAGS = ("model", "gpu", "gpus", "gpus_per_node", "nic_gbps", "transport", "global_batch", "param_dtype",
+                 "json")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     if args.chart:
         _check_chart_path(args.chart, "--chart", args.overwrite)
@@ -501,6 +506,12 @@ def run_plan(args: argparse.Namespace) -> int:
     if isinstance(spec, DualEncoderSpec):
         from orangetron.plan.distmm import format_plan, plan_distmm
 
+        ignored = _flags_given(args.own_parser, tuple(a.dest for a in args.own_parser._actions
+                                                      if a.dest not in _DISTMM_FLAGS))
+        if ignored:  # they were taken and ignored, unsaid (--chart wrote nothing, --emit-config no file)
+            takes = ", ".join("--" + dest.replace("_", "-") for dest in _DISTMM_FLAGS)
+            raise ValueError(f"--model {args.model} is a dual encoder, planned by DistMM, which takes none of "
+                             f"{' '.join(ignored)} (it takes {takes})")
         batch = args.global_batch or 32 * args.gpus
         plan = plan_distmm(spec, cluster, batch, param_dtype=args.param_dtype)
         print(json.dumps(plan.to_json()) if args.json else format_plan(plan))

@@ -16,6 +16,7 @@ GPU. Three steps, as in the paper:
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from orangetron.plan.memory import memory_per_gpu
@@ -54,15 +55,18 @@ class DistMMPlan:
     interleaved_cross_node_bytes: int
 
     @property
-    def gain(self) -> float:
-        return self.baseline_step_s / self.step_s
+    def gain(self) -> float | None:
+        """The colocated step over this one; None where no colocated layout runs the batch (JSON has no inf)."""
+        return None if math.isinf(self.baseline_step_s) else self.baseline_step_s / self.step_s
 
     def to_json(self) -> dict:
+        baseline = None if self.gain is None else self.baseline_step_s
         return {
             "model": self.model, "gpus": self.gpus, "global_batch": self.global_batch,
             "towers": [t.__dict__ for t in self.towers], "step_time_s": self.step_s,
-            "baseline_step_time_s": self.baseline_step_s, "baseline_layout": self.baseline_layout,
-            "predicted_gain": self.gain, "recommend": "distmm" if self.gain >= 1 else "colocated",
+            "baseline_step_time_s": baseline, "baseline_layout": self.baseline_layout,
+            "predicted_gain": self.gain,
+            "recommend": "colocated" if self.gain is not None and self.gain < 1 else "distmm",
             "cross_node_bytes": sum(t.cross_node_bytes for t in self.towers),
             "interleaved_cross_node_bytes": self.interleaved_cross_node_bytes,
         }
@@ -72,7 +76,7 @@ def _tower_time(tower: ModelSpec, cluster: Cluster, gpus: int, tp: int, pp: int,
                 param_dtype: str, limit: float) -> tuple[float, int, int] | None:
     """(seconds, micro-batch, memory) of the fastest micro-batch that fits, or None."""
     dp = gpus // (tp * pp)
-    if dp < 1 or gpus % (tp * pp):
+    if dp < 1 or gpus % (tp * pp) or dp > batch:  # a replica without a sample would only wait
         return None
     per_replica = -(-batch // dp)  # an uneven split runs at the pace of the largest replica batch
     sub = Cluster(cluster.gpu, gpus, min(cluster.gpus_per_node, gpus), cluster.nic_gbps, cluster.transport)
@@ -176,7 +180,9 @@ def plan_distmm(spec: DualEncoderSpec, cluster: Cluster, global_batch: int, para
             best = (slowest, plans)
     if best is None:
         raise ValueError(f"{spec.name}: no split of {cluster.num_gpus} x {cluster.gpu.name} fits global batch "
-                         f"{global_batch} (batch must divide by each tower's dp); try another --global-batch")
+                         f"{global_batch}: each of its {len(names)} towers needs GPUs of its own, no more data-"
+                         f"parallel replicas than sequences, and a layout whose memory fits in "
+                         f"{memory_fraction:.0%} of a GPU; try more GPUs or another --global-batch")
     base_s, base_layout = _colocated(spec, cluster, global_batch, param_dtype, limit)
     placed, interleaved = place(best[1], spec.towers, cluster, param_dtype)
     # The contrastive loss gathers every embedding once per step on both sides; the same in both plans.
@@ -191,9 +197,13 @@ def format_plan(plan: DistMMPlan) -> str:
     for t in plan.towers:
         lines.append(f"{t.name:<8} {t.gpus:>5} {t.first_gpu:>6} {t.tp:>3} {t.pp:>3} {t.dp:>4} {t.micro_batch:>3} "
                      f"{t.memory_bytes / GIB:>8.1f} {t.time_s:>8.3f} {t.cross_node_bytes / GIB:>15.2f}")
-    lines.append(f"step {plan.step_s:.3f} s (slowest tower) vs colocated {plan.baseline_step_s:.3f} s "
-                 f"({plan.baseline_layout}): predicted gain {plan.gain:.2f}x")
-    if plan.gain < 1:
+    if plan.gain is None:
+        lines.append(f"step {plan.step_s:.3f} s (slowest tower); no colocated layout of {plan.gpus} GPUs runs "
+                     f"{plan.global_batch} sequences (more data-parallel replicas than sequences)")
+    else:
+        lines.append(f"step {plan.step_s:.3f} s (slowest tower) vs colocated {plan.baseline_step_s:.3f} s "
+                     f"({plan.baseline_layout}): predicted gain {plan.gain:.2f}x")
+    if plan.gain is not None and plan.gain < 1:
         lines.append("the colocated layout is predicted faster for this model and cluster: keep it")
     lines.append(f"cross-node gradient traffic: {sum(t.cross_node_bytes for t in plan.towers) / GIB:.2f} GiB "
                  f"placed vs {plan.interleaved_cross_node_bytes / GIB:.2f} GiB interleaved")
