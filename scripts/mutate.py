@@ -3140,6 +3140,13 @@ MUTANTS = [
            (('        return None if math.isinf(self.baseline_step_s) else self.baseline_step_s / self.step_s',
              '        return self.baseline_step_s / self.step_s'),),
            ('tests/test_plan_distmm.py::test_no_tower_gets_more_replicas_than_sequences',)),
+    Mutant('hf_config_file_read_as_toml', 'src/orangetron/spec/model.py',
+           (('    if path.name == "config.json" and path.is_file():', '    if False:'),),
+           ('tests/test_hf.py::test_estimate_and_plan_price_the_folder_itself',)),
+    Mutant('prepare_json_without_empty_count', 'src/orangetron/train/prepare.py',
+           (('        keys = ("documents", "empty_documents_skipped", "tokens",',
+             '        keys = ("documents", "tokens",'),),
+           ('tests/test_prepare_data.py',)),
 ]
 
 

@@ -234,6 +234,9 @@ def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
     for command in (["estimate"], ["plan", "--gpus", "4"]):  # what train refuses is priced, with a note
         assert main([*command, "--model", str(folders[0]), "--gpu", "h100", "--seq", "512", "--json"]) == 0
         assert f"--seq 512 is longer than {folders[0]}'s max_position_embeddings 256" in capsys.readouterr().err
+    config = folders[0] / "config.json"  # the folder's own file stands for it (it was read as TOML)
+    assert main(["estimate", "--model", str(config), "--gpu", "h100", "--seq", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["model"] == folders[0].name
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
     assert main(["estimate", "--model", str(not_a_model), "--gpu", "h100"]) == 2

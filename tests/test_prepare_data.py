@@ -143,7 +143,8 @@ def test_empty_documents_are_left_out_and_counted_and_no_text_at_all_is_refused(
     assert bytes(tokens.tolist()).decode() == "".join(d + "\n\n\n" for d in docs)
     assert len(np.load(tmp_path / "data" / "documents.npy")) == len(docs) + 1
     captured = capsys.readouterr()
-    assert json.loads(captured.out.strip().splitlines()[-1])["documents"] == len(docs)
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["documents"] == len(docs) and summary["empty_documents_skipped"] == 2  # the text line's count
     assert f"{len(docs)} documents (2 empty ones left out), " in captured.err
     assert main(["prepare-data", "-o", str(tmp_path / "none"), str(tmp_path / "empty.txt")]) == 2
     assert "no text to tokenize (every document is empty)" in capsys.readouterr().err

@@ -180,7 +180,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
 
 def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_required: bool = True) -> None:
     p.add_argument("--model", required=model_required,
-                   help="preset name (see `orangetron presets`, e.g. llama3-8b) or a model .toml file")
+                   help="preset name (see `orangetron presets`, e.g. llama3-8b), a model .toml file, or a Hugging "
+                        "Face model folder (or its config.json)")
     from_file = "" if model_required else "; with --config, the one `plan` priced the file for"  # estimate's
     p.add_argument("--gpu", default=None, help=f"GPU preset ({', '.join(gpu_names())}) or .toml file (default "
                    f"{DEFAULT_GPU}{from_file})")

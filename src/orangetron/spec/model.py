@@ -451,6 +451,8 @@ def load_model(name_or_path: str) -> ModelSpec | DualEncoderSpec:
     """A preset name (`llama3-8b`), a path to a TOML file, or a Hugging Face model folder (its config.json,
     spec/hf_config.py); ValueError names the choices when unknown."""
     path = Path(name_or_path)
+    if path.name == "config.json" and path.is_file():  # a Hugging Face folder's own file stands for the folder
+        path = path.parent
     if path.is_dir():
         from orangetron.spec.hf_config import read_config, spec_from_hf
 

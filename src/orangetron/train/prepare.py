@@ -229,7 +229,8 @@ def _run_prepare(args: argparse.Namespace) -> int:
     print(f"orangetron prepare-data: wrote {args.output}: {counted(meta['documents'], 'document')}{left_out}, "
           f"{counted(meta['tokens'], 'token')} ({meta['dtype']}); train with --data {args.output}", file=sys.stderr)
     if args.json:
-        print(json.dumps({k: meta[k] for k in ("documents", "tokens", "dtype", "tokenizer", "vocab_size")}
+        keys = ("documents", "empty_documents_skipped", "tokens", "dtype", "tokenizer", "vocab_size")
+        print(json.dumps({k: meta[k] for k in keys}
                          | {"output": str(args.output)}))
     return 0
 
