@@ -3012,7 +3012,7 @@ MUTANTS = [
              '            pass'),),
            ('tests/test_train.py::'
             'test_cli_bad_flag_is_one_line_exit_2_not_the_usage_block',)),
-    Mutant('estimate_config_flag_at_its_value_form_ignored', 'src/orangetron/cli/plan.py',
+    Mutant('estimate_config_flag_at_its_value_form_ignored', 'src/orangetron/cli/wording.py',
            (('    typed = {arg.split("=")[0] for arg in getattr(parser, "given", ())}',
              '    typed = set(getattr(parser, "given", ()))'),),
            ('tests/test_plan_cli.py::test_estimate_prices_the_framework_paths',)),
@@ -3091,13 +3091,13 @@ MUTANTS = [
            ('tests/test_run_folder.py::'
             'test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside',)),
     Mutant('project_config_taken_for_a_run', 'src/orangetron/train/run_folder.py',
-           (('manifest.json")) or _holds_record(parent):',
-             'manifest.json")) or (parent / CONFIG_FILE).is_file():'),),
+           (('holds_checkpoints(parent / "checkpoints") or _holds_record(parent):',
+             'holds_checkpoints(parent / "checkpoints") or (parent / CONFIG_FILE).is_file():'),),
            ('tests/test_run_folder.py::'
             'test_a_folder_holding_another_run_is_refused_and_overwrite_moves_it_aside',)),
     Mutant('estimate_min_lr_from_trainconfig_defaults', 'src/orangetron/cli/run_config.py',
-           (('    if not any(key.replace("-", "_") == "min_lr" for key in table):',
-             '    if False:'),),
+           (('    values = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | {"min_lr": None}',
+             '    values = {f.name: f.default for f in dataclasses.fields(TrainConfig)}'),),
            ('tests/test_plan_cli.py::test_estimate_prices_the_framework_paths',)),
     Mutant('plan_hint_names_an_estimate_only_flag', 'src/orangetron/cli/run_config.py',
            (('    return found if found in plan_flags else None', '    return found'),),

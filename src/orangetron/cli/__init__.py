@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from orangetron import __version__
-from orangetron.cli.wording import flag_named, flags_of
+from orangetron.cli.wording import flag_named, flags_of, typed_flags
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         owner.error(f"unrecognized arguments: {' '.join(unknown)}{_near_flags(owner, unknown)}")
     try:
         args.data_given = getattr(args, "data", None) is not None  # on the command line, before any file
-        args.typed = _typed(args.own_parser)
+        args.typed = set(typed_flags(args.own_parser).values())
         takes_files = hasattr(args, "command_parser")  # train and verify; estimate reads its --config itself
         if takes_files and (getattr(args, "config", None) or getattr(args, "resume", False)):
             args = _with_config_file(parser, args, argv)
@@ -98,12 +98,6 @@ def _owner(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
     (`orangetron --bogus train`), else the innermost command's."""
     command = argv.index(args.command) if args.command in argv else len(argv)
     return parser if any(arg in argv[:command] for arg in unknown) else args.own_parser
-
-
-def _typed(parser: argparse.ArgumentParser) -> set[str]:
-    """The options (dests) `parser`'s command line gave, whatever their values: a file's may not stand in for them."""
-    dest_of = {flag: action.dest for action in parser._actions for flag in action.option_strings}
-    return {dest_of[arg.split("=")[0]] for arg in getattr(parser, "given", ()) if arg.split("=")[0] in dest_of}
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, given: list[str]) -> str:

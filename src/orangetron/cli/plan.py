@@ -14,7 +14,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from orangetron.cli.presets import add_presets_command
-from orangetron.cli.wording import BYTE_UNITS, FLOP_RATE_UNITS, SECOND_UNITS, counted, flag_named, flags_of, unit_for
+from orangetron.cli.wording import (
+    BYTE_UNITS,
+    FLOP_RATE_UNITS,
+    SECOND_UNITS,
+    counted,
+    flag_named,
+    flags_of,
+    typed_flags,
+    unit_for,
+)
 from orangetron.plan.chart import sharding_label
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.memory import busiest_stage
@@ -299,7 +308,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.config:
         from orangetron.cli.run_config import TRAINER_OVERLAPS, estimate_job, trainer_overlaps
 
-        given = _flags_given(args.own_parser, _FILE_OWNED)
+        given = [flag for flag, dest in typed_flags(args.own_parser).items() if dest in _FILE_OWNED]
         if given:
             raise ValueError(f"--config {args.config} sets the layout and options; {' '.join(given)} would be "
                              "ignored: edit the file, or leave --config out")
@@ -335,14 +344,6 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         print(format_estimate(est))
     return 0
-
-
-def _flags_given(parser: argparse.ArgumentParser, dests: tuple[str, ...]) -> list[str]:
-    """The flags setting `dests` that `parser`'s command line holds, whatever their values (`--micro-batch 1`
-    equals the default and was ignored unsaid)."""
-    typed = {arg.split("=")[0] for arg in getattr(parser, "given", ())}
-    return [flag for action in parser._actions if action.dest in dests for flag in action.option_strings
-            if flag in typed]
 
 
 def _config_gpu(path: str) -> str:
@@ -507,8 +508,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if isinstance(spec, DualEncoderSpec):
         from orangetron.plan.distmm import format_plan, plan_distmm
 
-        ignored = _flags_given(args.own_parser, tuple(a.dest for a in args.own_parser._actions
-                                                      if a.dest not in _DISTMM_FLAGS))
+        ignored = [flag for flag, dest in typed_flags(args.own_parser).items() if dest not in _DISTMM_FLAGS]
         if ignored:  # they were taken and ignored, unsaid (--chart wrote nothing, --emit-config no file)
             takes = ", ".join("--" + dest.replace("_", "-") for dest in _DISTMM_FLAGS)
             raise ValueError(f"--model {args.model} is a dual encoder, planned by DistMM, which takes none of "

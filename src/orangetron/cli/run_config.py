@@ -278,12 +278,11 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
 def _check_run_numbers(path: str, table: dict[str, Any]) -> None:
     """The file's counts and rates in range as `train --config` refuses them (`steps = -5`), the trainer's
     defaults standing in for the keys it leaves out."""
-    from orangetron.train.config import TrainConfig, TrainConfigError, check_numbers
+    from orangetron.train.config import TrainConfig, TrainConfigError, check_numbers, floor_min_lr
 
-    values = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    values = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | {"min_lr": None}  # as train: none given
     values |= {key.replace("-", "_"): value for key, value in table.items() if not isinstance(value, dict)}
-    if not any(key.replace("-", "_") == "min_lr" for key in table):  # as train sets it: the floor follows lr
-        values["min_lr"] = values["lr"] / 10 if isinstance(values["lr"], (int, float)) else values["min_lr"]
+    floor_min_lr(values)
     try:
         check_numbers(values)
     except TrainConfigError as err:

@@ -37,6 +37,13 @@ def flag_named(message: str, flags: dict[str, str]) -> str:
     return f"{message[:found.end()]} ({flags[field]}){message[found.end():]}"
 
 
+def typed_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each flag `parser`'s command line holds (`parser.given`, kept as it parses: cli/__init__.py), whatever its
+    value, with the option (dest) it sets, in the parser's order: a file's value may not stand in for it."""
+    typed = {arg.split("=")[0] for arg in getattr(parser, "given", ())}
+    return {flag: action.dest for action in parser._actions for flag in action.option_strings if flag in typed}
+
+
 def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
     """The flag of `parser` that sets each field a rule may name; where it has no --microbatches, a step's
     micro-batches follow from the global batch."""

@@ -293,15 +293,14 @@ def run_train(args: argparse.Namespace) -> int:
     1 when a rank failed, or 128 + the signal's number when SIGINT or SIGTERM stopped the run after a step."""
     with _interrupt_after_imports():
         from orangetron.train import stopping
-        from orangetron.train.config import TrainConfig
+        from orangetron.train.config import TrainConfig, floor_min_lr
         from orangetron.train.launch import LaunchError
         from orangetron.train.trainer import train
 
     options = _config_options(args)
     if args.new_data and not args.data_given:
         raise ValueError("new_data=True (--new-data): give the new data with --data on the command line")
-    if options.get("min_lr") is None:
-        options["min_lr"] = options["lr"] / 10  # the cosine floor scales with the peak, as the defaults do
+    floor_min_lr(options)
     cfg = TrainConfig(**options)
     if args.config and not cfg.resume:  # a run's record repeats that run: on its data, from its folder
         from orangetron.train.run_folder import check_repeat

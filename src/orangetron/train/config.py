@@ -499,6 +499,13 @@ def _check_out_folder(out: str) -> None:
             return
 
 
+def floor_min_lr(options: dict[str, Any]) -> None:
+    """`train`'s cosine floor where none is given (`min_lr` None): a tenth of the peak, so that it scales with
+    --lr as the defaults do (`estimate --config` checks a file's rates with the same floor)."""
+    if options.get("min_lr") is None and isinstance(options.get("lr"), (int, float)):
+        options["min_lr"] = options["lr"] / 10
+
+
 def check_numbers(options: dict[str, Any]) -> None:
     """The run's counts, rates and dtype each in range (`train`, and `estimate --config` for a file's values
     over the trainer's defaults); TrainConfigError naming the flag otherwise."""

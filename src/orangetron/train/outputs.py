@@ -96,11 +96,16 @@ def check_writable(path: Path, flag: str, inside: bool = False) -> None:
         raise ValueError(f"{flag} {str(path)!r}: cannot write there ({err.strerror})") from None
 
 
+def holds_checkpoints(folder: Path) -> bool:
+    """Whether `folder` is a run's checkpoints folder: a `step-N` folder in it with its manifest."""
+    return any(folder.glob("step-*/manifest.json"))
+
+
 def check_outside_checkpoints(path: Path, flag: str) -> None:
     """Refuse `path` inside a run's checkpoints folder: a folder written there as `step-N` was taken for the
     newest checkpoint, and the run could be neither resumed nor sampled."""
     for folder in (path.resolve(), *path.resolve().parents):
-        if folder.name == "checkpoints" and any(folder.glob("step-*/manifest.json")):
+        if folder.name == "checkpoints" and holds_checkpoints(folder):
             raise ValueError(f"{flag} {str(path)!r}: inside {folder}, a run's checkpoints, where a folder is taken "
                              "for a checkpoint; choose another folder")
 

@@ -44,7 +44,7 @@ from orangetron.train.config import TrainConfig, TrainConfigError, _flag
 from orangetron.train.config_file import read_toml, write_resolved_config
 from orangetron.train.corpus import read_text_files, stdlib_corpus
 from orangetron.train.datasets import DATASET_FILE, DOCUMENTS_FILE, TOKENS_FILE, meta_sha256, read_meta
-from orangetron.train.outputs import check_holds_no_input, move_aside
+from orangetron.train.outputs import check_holds_no_input, holds_checkpoints, move_aside
 
 CONFIG_FILE = "config.toml"
 CHANGES_FILE = "changes.jsonl"
@@ -231,7 +231,7 @@ def _run_folder_above(folder: Path) -> Path | None:
     """The nearest folder above `folder` (`..` and links resolved) that holds a run: a checkpoint, or a record
     of its data (a project's own config.toml beside a checkpoints folder is not one)."""
     for parent in folder.resolve().parents:
-        if any((parent / "checkpoints").glob("step-*/manifest.json")) or _holds_record(parent):
+        if holds_checkpoints(parent / "checkpoints") or _holds_record(parent):
             return parent
     return None
 
