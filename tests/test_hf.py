@@ -216,6 +216,42 @@ def test_a_moe_no_family_holds_is_refused_on_export(tmp_path):
         hf.save(Transformer(model_preset("tiny-moe")), tmp_path / "out")
 
 
+def test_a_plan_of_a_folder_emits_a_run_that_starts_from_its_weights(tmp_path, capsys):
+    """`plan --emit-config` on a Hugging Face folder names the folder, so `train --config` starts from its weights
+    and tokenizer as `train --hf-model` does (the `[model]` table alone trained its shape from seeded values on
+    the byte tokenizer, silently); a folder with its config.json alone still gives the shape."""
+    import shutil
+    import tomllib
+
+    from orangetron.cli import main
+
+    folder = hf_models.add_tokenizer(hf_models.llama(tmp_path / "l"))
+    text = str(hf_models.corpus_file(tmp_path / "text"))
+    emitted = tmp_path / "run.toml"
+    assert main(["plan", "--model", str(folder / "config.json"), "--gpu", "h100", "--gpus", "1", "--seq", "16",
+                 "--global-batch", "4", "--emit-config", str(emitted)]) == 0
+    assert f"the run starts from the weights of {folder.resolve()}" in capsys.readouterr().err
+    values = tomllib.loads(emitted.read_text())
+    assert values["hf_model"] == values["tokenizer"] == str(folder.resolve())
+    losses = []
+    for how in (["--config", str(emitted)],
+                ["--hf-model", str(folder), "--seq-len", "16", "--batch-size", "4", "--param-dtype",
+                 values["param_dtype"], "--microbatches", str(values["microbatches"])]):
+        assert main(["train", *how, "--steps", "1", "--data", text, "--out", str(tmp_path / f"run{len(losses)}"),
+                     "--json"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["imported"], how
+        losses.append(result["losses"])
+    assert losses[0] == losses[1]
+    shape_only = tmp_path / "shape"
+    shape_only.mkdir()
+    shutil.copy(folder / "config.json", shape_only)
+    assert main(["plan", "--model", str(shape_only), "--gpu", "h100", "--gpus", "1", "--seq", "16",
+                 "--global-batch", "4", "--emit-config", str(tmp_path / "shape.toml")]) == 0
+    assert "starts from the weights" not in capsys.readouterr().err
+    assert "hf_model" not in tomllib.loads((tmp_path / "shape.toml").read_text())
+
+
 def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
     from orangetron.cli import main
 

@@ -140,6 +140,15 @@ def test_qwen_trains_on_tp2_dp2_as_on_one_device_and_exports(tmp_path, build):
     assert (auto(text)["input_ids"] == HFTokenizer(cfg.tokenizer).encode(text)) == (build == "qwen3")  # as it warns
 
 
+def test_a_tied_qwen2_trains_on_pp2_dp2_as_on_one_device_and_exports(tmp_path):
+    """A tied checkpoint (Qwen2.5's small sizes): the last stage's head reads its own copy of the embedding,
+    read from the folder's one matrix; the checkpoint keeps the first stage's, and the export drops lm_head."""
+    folder = hf_models.qwen2(tmp_path / "qwen2", tied=True)
+    cfg, _ = _run_and_compare(tmp_path, folder, pp=2, dp=2, microbatches=2)
+    _check_export(tmp_path, cfg, tokenizer=False)
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "export").tie_word_embeddings
+
+
 def test_qwen2_moe_trains_on_tp2_dp2_ep2_as_on_one_device_and_exports(tmp_path):
     """q/k/v biases split with their weights over tp, the shared expert's sigmoid gate replicated."""
     folder = hf_models.qwen2_moe(tmp_path / "qwen2_moe")

@@ -20,12 +20,15 @@ MODELS = {
     "dense": ModelConfig(**BASE),
     "moe": ModelConfig(**{**BASE, "n_layers": 8, "n_kv_heads": 4}, n_experts=4, top_k=2, moe_ffn_dim=8,
                        n_shared_experts=1),
+    # The head reads the embedding's matrix: the last stage keeps a copy, the two gradients are summed.
+    "tied": ModelConfig(**BASE, tied_embeddings=True),
 }
 ROWS = 4  # sequences per data-parallel rank and step
 CASES = {
     2: [("dense", Layout(pp=2), {"pp_schedule": s, "microbatches": 4}) for s in ("gpipe", "1f1b")]
     + [("dense", Layout(pp=2), {"pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2}),
-       ("moe", Layout(pp=2), {"pp_schedule": "interleaved", "microbatches": 4, "virtual_stages": 2})],
+       ("moe", Layout(pp=2), {"pp_schedule": "interleaved", "microbatches": 4, "virtual_stages": 2}),
+       ("tied", Layout(pp=2), {"pp_schedule": "1f1b", "microbatches": 4})],
     4: [("dense", Layout(pp=4), {"pp_schedule": s, "microbatches": 4}) for s in ("gpipe", "1f1b")]
     + [("moe", Layout(pp=4), {"pp_schedule": "interleaved", "microbatches": 4, "virtual_stages": 2}),
        ("moe", Layout(tp=2, pp=2), {"pp_schedule": "1f1b", "microbatches": 2, "sequence_parallel": True}),
@@ -45,7 +48,13 @@ CASES = {
        ("dense", Layout(pp=2, dp=2), {"pp_schedule": "1f1b", "microbatches": 2, "zero_stage": 3,
                                       "zero3_reduce_every_microbatch": True}),
        ("moe", Layout(pp=2, dp=2, ep=2), {"pp_schedule": "gpipe", "microbatches": 2, "zero_stage": 3,
-                                          "zero3_keep_params": True})],
+                                          "zero3_keep_params": True}),
+       # Tied embeddings: the copies' sum holds every reduction to the step; pp 4 sums over the ends' own group.
+       ("tied", Layout(pp=4), {"pp_schedule": "gpipe", "microbatches": 4}),
+       ("tied", Layout(tp=2, pp=2), {"pp_schedule": "1f1b", "microbatches": 2, "sequence_parallel": True}),
+       ("tied", Layout(pp=2, dp=2), {"pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2,
+                                     "zero_stage": 2, "grad_bucket_numel": 150}),
+       ("tied", Layout(pp=2, dp=2), {"pp_schedule": "1f1b", "microbatches": 2, "zero_stage": 3})],
     8: [("moe", Layout(tp=2, cp=2, pp=2), {"pp_schedule": "1f1b", "microbatches": 2, "sequence_parallel": True,
                                              "distributed_optimizer": True}),
         ("moe", Layout(tp=2, pp=2, dp=2, ep=2), {"pp_schedule": "interleaved", "microbatches": 2,
@@ -76,9 +85,6 @@ def test_pipeline_settings_that_cannot_run_are_refused():
     from orangetron.spec.rules import RuleError
     from orangetron.train.config import TrainConfig, TrainConfigError
 
-    tied = ModelConfig(**{**BASE, "tied_embeddings": True})
-    with pytest.raises(LayoutError, match=r"pp=2: tied_embeddings"):
-        check_pipeline(tied, 2, ParallelConfig())
     with pytest.raises(LayoutError, match=r"pp=4: num_layers=4 < pp\*virtual_stages=8"):
         check_pipeline(MODELS["dense"], 4, ParallelConfig(pp_schedule="interleaved", virtual_stages=2))
     with pytest.raises(ParallelConfigError, match=r"zero_stage=3 with pp=2 and virtual_stages=2: ZeRO-3 is "
@@ -119,6 +125,38 @@ def test_checkpoints_move_between_pipelined_and_plain_layouts(tmp_path):
     shutil.rmtree(latest_checkpoint(tmp_path / "resumed" / "checkpoints"))  # keep step 2 only
     resumed = train(TrainConfig(**base, steps=3, pp=2, pp_schedule="gpipe", resume=True,
                                 out=str(tmp_path / "resumed")), progress=False)
+    torch.testing.assert_close(resumed["losses"], one["losses"], rtol=1e-9, atol=0)
+    torch.testing.assert_close(resumed["eval_loss"], one["eval_loss"], rtol=1e-9, atol=0)
+
+
+def test_a_tied_model_checkpoints_its_embedding_once_and_resumes_into_both_copies(tmp_path):
+    """Under ZeRO-3 the last stage's copy of a tied embedding shares its unit with the final norm, so its shards
+    are cut elsewhere than the first stage's: the checkpoint must take the first stage's alone (one device's
+    tensors), and a resumed run must load both copies (a head left at its seeded values would change the
+    losses)."""
+    import dataclasses
+    import shutil
+
+    import torch
+
+    from orangetron.model import model_preset
+    from orangetron.train.checkpoint import latest_checkpoint, load_checkpoint
+    from orangetron.train.trainer import TrainConfig, train
+
+    model = dataclasses.replace(model_preset("tiny"), tied_embeddings=True)
+    base = dict(model=model, seq_len=16, batch_size=4, warmup=1, eval_batches=1, corpus_bytes=200_000,
+                param_dtype="float64", microbatches=2)
+    one = train(TrainConfig(**base, steps=3, save_every=2, out=str(tmp_path / "one")), progress=False)
+    piped = train(TrainConfig(**base, steps=2, save_every=2, pp=2, dp=2, zero_stage=3, out=str(tmp_path / "pp")),
+                  progress=False)
+    torch.testing.assert_close(piped["losses"], one["losses"][:2], rtol=1e-9, atol=0)
+    saved = {name: load_checkpoint(tmp_path / name / "checkpoints" / "step-00000002") for name in ("one", "pp")}
+    for kind in ("params", "exp_avg", "exp_avg_sq"):
+        assert set(saved["pp"][kind]) == set(saved["one"][kind])
+        for key, value in saved["one"][kind].items():
+            torch.testing.assert_close(saved["pp"][kind][key], value, rtol=1e-9, atol=1e-12, msg=f"{kind} {key}")
+    shutil.rmtree(latest_checkpoint(tmp_path / "one" / "checkpoints"))  # keep step 2 only
+    resumed = train(TrainConfig(**base, steps=3, pp=2, resume=True, out=str(tmp_path / "one")), progress=False)
     torch.testing.assert_close(resumed["losses"], one["losses"], rtol=1e-9, atol=0)
     torch.testing.assert_close(resumed["eval_loss"], one["eval_loss"], rtol=1e-9, atol=0)
 

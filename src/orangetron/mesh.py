@@ -108,6 +108,7 @@ class ParallelMesh:
                    "ep": expert, "edp": expert}
         self.groups = {name: _mesh_group(source, name) for name, source in sources.items()}
         self._dense = dense
+        self._pipeline_ends: tuple[MeshGroup | None] | None = None  # built by `pipeline_ends` on first use
         self._check_against_layout()
 
     def _check_against_layout(self) -> None:
@@ -144,6 +145,26 @@ class ParallelMesh:
             self.groups[f"{names[0]}/{ulysses}"] = _mesh_group(split, names[0])
             self.groups[key] = _mesh_group(split, names[1])
         return self.groups[f"{names[0]}/{ulysses}"], self.groups[key]
+
+    def pipeline_ends(self) -> MeshGroup | None:
+        """The first and the last pipeline rank with this rank's dp, cp and tp coordinates, named "pp" (None on a
+        stage in between): a tied model's two embedding copies sum their gradients over it.
+
+        For pp = 2 it is the pp group itself; otherwise one group per (dp, cp, tp) coordinate, built on first
+        use by every rank in the same order, as torch.distributed.new_group requires: every rank must call it.
+        """
+        if self.layout.pp <= 2:
+            return self["pp"] if self.layout.pp == 2 else None
+        if self._pipeline_ends is None:
+            ranks = self._dense.mesh  # [pp, dp, cp, tp] global ranks
+            timeout = _world_timeout(2)
+            mine = None
+            for pair in torch.stack([ranks[0], ranks[-1]], dim=-1).reshape(-1, 2).tolist():
+                group = dist.new_group(pair, timeout=timeout._timeout if timeout else None)
+                if self.rank in pair:
+                    mine = MeshGroup("pp", group, tuple(pair), pair.index(self.rank))
+            self._pipeline_ends = (mine,)
+        return self._pipeline_ends[0]
 
     def device(self) -> torch.device:
         """The device every tensor a collective of this mesh touches lives on (this rank's bound GPU on cuda)."""

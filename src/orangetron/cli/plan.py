@@ -580,12 +580,28 @@ def run_plan(args: argparse.Namespace) -> int:
             ranked = search(spec, cluster, args.seq, global_batch, space, base, min(result.evaluated, EMIT_DEPTH),
                             args.memory_fraction, _overhead(args)).ranked  # further down than --top shows
         moved: list[Path] = []
-        rank, passed_over = emit_config(ranked, args.emit_config, args.overwrite, moved)
+        folder = _hf_folder(args.model)
+        rank, passed_over = emit_config(ranked, args.emit_config, args.overwrite, moved, folder)
         skipped = f"; the trainer does not run {'; '.join(passed_over)}" if passed_over else ""
+        skipped += f"; the run starts from the weights of {folder}" if folder else ""
         aside = f" (the former file moved to {moved[0]})" if moved else ""
         below = f" (below the {len(result.ranked)} shown)" if rank > len(result.ranked) else ""
         print(f"wrote {args.emit_config}{aside}: configuration #{rank}{below}{skipped}", file=sys.stderr)
     return 0
+
+
+def _hf_folder(model: str) -> str | None:
+    """The Hugging Face folder `--model` names (the folder or its config.json) when it holds weights, which an
+    emitted run then starts from; else None (a preset, a model file, a folder with its config.json alone)."""
+    from orangetron.hf.folder import weight_files
+    from orangetron.spec.hf_config import is_hf_folder
+
+    path = Path(model)
+    path = path.parent if path.name == "config.json" and path.is_file() else path
+    try:
+        return str(path.resolve()) if is_hf_folder(path) and weight_files(path) else None
+    except FileNotFoundError:  # no weights: the file trains the folder's shape from seeded values
+        return None
 
 
 def _plan_overlaps(args: argparse.Namespace, spec: ModelSpec) -> dict[str, bool]:

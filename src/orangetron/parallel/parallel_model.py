@@ -119,11 +119,11 @@ class ParallelModel(nn.Module):
         """
         return whole.full_state(self.dp_buffers, optimizer)
 
-    def sharded_state(self, optimizer: ShardedAdamW) -> dict[str, dict[str, Shards]]:
+    def sharded_state(self, optimizer: ShardedAdamW, writing: bool = False) -> dict[str, dict[str, Shards]]:
         """This rank's pieces of the whole main parameters, AdamW moments and buffers, by parameter name: views
-        of its own buffers, no copies (`orangetron.parallel.state`). A checkpoint saves them; loading writes
-        into them, followed by `state_loaded`."""
-        return state.sharded_state(self.dp_buffers, optimizer)
+        of its own buffers, no copies (`orangetron.parallel.state`). A checkpoint saves them (`writing`: a tied
+        embedding's last-stage copy names no pieces); loading writes into them, followed by `state_loaded`."""
+        return state.sharded_state(self.dp_buffers, optimizer, writing)
 
     def state_loaded(self, optimizer: ShardedAdamW, optimizer_steps: int) -> None:
         """Bring the copies derived from the main parameters in line after `sharded_state` was loaded into:

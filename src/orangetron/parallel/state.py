@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from orangetron.parallel.data.buffers import TIED
 from orangetron.parallel.data.flat import FlatPart
 
 if TYPE_CHECKING:
@@ -136,17 +137,24 @@ def part_shards(buffers: DataParallelBuffers, part: FlatPart, owned: torch.Tenso
     return out
 
 
-def sharded_state(buffers: DataParallelBuffers, optimizer: ShardedAdamW) -> dict[str, dict[str, Shards]]:
+def sharded_state(buffers: DataParallelBuffers, optimizer: ShardedAdamW,
+                  writing: bool = False) -> dict[str, dict[str, Shards]]:
     """This rank's pieces of the main parameters, both AdamW moments and the buffers, by parameter name.
 
     Views, not copies: saving reads them, loading writes into them (follow a load with the model's
     `state_loaded`). A pipeline stage names only its own layers; the stages together name the whole model.
+    `writing`: a tied embedding's last-stage copy names no pieces. Its flat layout is not the first stage's,
+    so its boxes would overlap the first stage's without matching them, which a checkpoint refuses; loading
+    fills both copies.
     """
     state: dict[str, dict[str, Shards]] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for part, adamw in zip(buffers.parts, optimizer.adamws, strict=True):
         state["params"] |= part_shards(buffers, part, part.main_params)
         state["exp_avg"] |= part_shards(buffers, part, adamw.exp_avg)
         state["exp_avg_sq"] |= part_shards(buffers, part, adamw.exp_avg_sq)
+    if writing and buffers.tied_copy:
+        for kind in state.values():
+            kind[TIED] = Shards(kind[TIED].shape, kind[TIED].dtype, ())
     # Buffers (the routers' balancing biases) are whole and the same on every rank of a stage.
     state["buffers"] = {name: Shards.whole(b) for name, b in buffers.module.named_buffers()}
     return state

@@ -9,7 +9,7 @@ order (the order of the flat buffers), and accumulates later micro-batches into 
 | bucketed DDP, ZeRO-1, distributed optimizer | at once: added into the full main-gradient buffer |
 | bucketed ZeRO-2 | when every bucket it overlaps is complete and copied to its wire buffer |
 | ZeRO-3 | when every parameter of its unit has its gradient (the unit is reduce-scattered) |
-| unbucketed, or partial gradients first summed over tp | at the step |
+| unbucketed, or gradients first summed over tp or a tied embedding's stages | at the step |
 
 Inside `no_sync` (every backward of a step but a chunk's last) ZeRO-2 and ZeRO-3 only accumulate. The peak
 is found by replaying one step's backward passes (the pipeline schedule's, or the trainer's micro-batches).
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from orangetron.plan.params import _ceil_div, _layer_params, routing_params, stage_params, tp_sums_first
+from orangetron.plan.params import _ceil_div, _layer_params, routing_params, stage_params, sums_first
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job, model_state_job
 from orangetron.spec.schedule import actions
@@ -127,11 +127,12 @@ def _backward_passes(deg: Degrees, job: Job, stage: int, m: int) -> list[tuple[i
 
 
 def held_to_step(model: ModelSpec, deg: Degrees, job: Job) -> bool:
-    """Unbucketed reductions, and partial gradients that are first summed over tp (sequence parallel, kv heads
-    fewer than tp), keep every `.grad` until the step, and reduce after the last backward."""
+    """Unbucketed reductions, and gradients first summed over tp (sequence parallel, kv heads fewer than tp) or
+    over a tied embedding's two stages (`params.sums_first`), keep every `.grad` until the step, and reduce after
+    the last backward."""
     if job.grad_accumulation_fusion:  # Megatron-Core sums and reduces inside the main-gradient buffer
         return False
-    return tp_sums_first(model, deg, job) or (job.zero_stage != 3 and job.grad_bucket_numel <= 0)
+    return sums_first(model, deg, job) or (job.zero_stage != 3 and job.grad_bucket_numel <= 0)
 
 
 def param_grad_bytes(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0) -> int:

@@ -12,7 +12,7 @@ from functools import lru_cache
 from orangetron.plan.estimate import Estimate
 from orangetron.plan.memory import memory_per_gpu, model_state_floor
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fits, with_overhead
-from orangetron.plan.params import tp_sums_first
+from orangetron.plan.params import sums_first
 from orangetron.plan.timing import DEFAULT_EFFICIENCY, Efficiency, check_ep_placement, group_places, step_time
 from orangetron.plan.traffic import step_records, summarize
 from orangetron.spec.hardware import Cluster
@@ -195,7 +195,7 @@ Scored = list[tuple[float, int, Degrees, Job, dict[str, int]]]
 def _reduces_once(model: ModelSpec, deg: Degrees, job: Job) -> bool:
     """One gradient reduction a step whatever `zero3_reduce_every_microbatch` says: one micro-batch, or partial
     gradients summed over tp first."""
-    return job.replica_microbatches(deg) == 1 or tp_sums_first(model, deg, job)
+    return job.replica_microbatches(deg) == 1 or sums_first(model, deg, job)
 
 
 def _price_group(model: ModelSpec, deg: Degrees, group: list[Job], cluster: Cluster, limit: float,

@@ -51,7 +51,7 @@ from orangetron.plan.network import (
 )
 from orangetron.plan.packed import document_keys
 from orangetron.plan.param_grads import held_to_step
-from orangetron.plan.params import stage_params, tp_sums_first, zero3_unit_contents
+from orangetron.plan.params import stage_params, sums_first, zero3_unit_contents
 from orangetron.plan.traffic import (
     context_parallel_records,
     data_parallel_records,
@@ -61,6 +61,7 @@ from orangetron.plan.traffic import (
     reduce_rounds,
     routed_tokens,
     tensor_parallel_records,
+    tied_embedding_records,
     zero3_unit_records,
 )
 from orangetron.spec.hardware import Cluster, GPUSpec
@@ -781,6 +782,9 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
     heavy = max(range(len(kinds)), key=lambda k: stage_params(model, deg, kinds[k], job.virtual_stages,
                                                               job.pipeline_layout).total)
     dp = _dp_exposed(model, deg, job, cluster, stages[heavy].total, m, net, eff, kinds[heavy])
+    # A tied embedding's two copies are summed once a step after the last backward, exposed (Megatron-Core's
+    # `_allreduce_word_embedding_grads` in `finalize_model_grads`; the runtime's `sum_partials`).
+    dp += _records_time(tied_embedding_records(model, deg, job, 0), group_places(deg, cluster), cluster, net)
     optimizer = _optimizer_time(model, deg, job, cluster, eff, kinds[heavy])
     step = m * slow.total + bubble + dp + optimizer
     sequences = m * job.micro_batch * deg.dp
@@ -839,7 +843,7 @@ def _zero3_exposed(model: ModelSpec, deg: Degrees, job: Job, dp_job: Job, cluste
     forward_order, backward_order = _zero3_units(model, deg, dp_job, cluster, net, stage, job.seq_len)
     rounds = reduce_rounds(model, deg, dp_job)
     forward = t_mb / (3.0 + replayed_share(model, deg, job))
-    overlap = job.overlap_grad_reduce and not tp_sums_first(model, deg, job)
+    overlap = job.overlap_grad_reduce and not sums_first(model, deg, job)
     exposed = zero3_exposure.step_exposed(list(forward_order), list(backward_order), forward, t_mb - forward, m,
                                           rounds, job.zero3_prefetch, job.zero3_keep_params, overlap,
                                           eff.overlap_contention)

@@ -23,7 +23,8 @@ runtime's conventions (docs/runtime.md's ledger, docs/data_parallel.md's tables)
   the global balancing loss's all-reduce; with clipping, the experts' squared norm summed over ep. With
   etp = tp the experts' tp collectives on the received rows (`expert_tensor_parallel_records`).
 - PP per micro-batch and model chunk: activations forward and their gradients backward, one record for the
-  sending side and one for the receiving side; with clipping, the squared norm summed over pp once a step.
+  sending side and one for the receiving side; with clipping, the squared norm summed over pp once a step;
+  with tied embeddings, the two copies' gradients summed over the first and last stage once a step.
 """
 
 from __future__ import annotations
@@ -36,7 +37,15 @@ from orangetron.plan import node_dispatch
 from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.network import Placement
 from orangetron.plan.packed import ring_steps
-from orangetron.plan.params import shard_groups, stage_params, tp_grad_sum_numel, tp_sums_first, zero3_unit_contents
+from orangetron.plan.params import (
+    head_weights,
+    shard_groups,
+    stage_params,
+    sums_first,
+    tied_across_stages,
+    tp_grad_sum_numel,
+    zero3_unit_contents,
+)
 from orangetron.spec import collectives as cf
 from orangetron.spec.collectives import CommRecord, send_recv_records
 from orangetron.spec.context_modes import kv_bytes, ulysses_kv_heads
@@ -115,8 +124,9 @@ def zero3_unit_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0)
 
 def reduce_rounds(model: ModelSpec, deg: Degrees, job: Job) -> int:
     """Gradient reductions per step: one, or one per micro-batch under ZeRO-3 with
-    `zero3_reduce_every_microbatch` (unless partial gradients are first summed over tp: then all at the step)."""
-    if job.zero_stage == 3 and job.zero3_reduce_every_microbatch and not tp_sums_first(model, deg, job):
+    `zero3_reduce_every_microbatch` (unless gradients are first summed, `params.sums_first`: then all at the
+    step)."""
+    if job.zero_stage == 3 and job.zero3_reduce_every_microbatch and not sums_first(model, deg, job):
         return job.replica_microbatches(deg)
     return 1
 
@@ -350,8 +360,21 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
         per_mb += _mtp_records(model, deg, job, ep_where) * model.mtp_layers
         moe += model.mtp_layers * model.is_moe_layer(model.mtp_layer_index)
     per_step = tensor_parallel_grad_records(model, deg, job, stage) + data_parallel_records(model, deg, job, stage)
-    per_step += pipeline_grad_records(deg, job) + router_bias_records(model, deg, job, moe)
+    per_step += pipeline_grad_records(deg, job) + tied_embedding_records(model, deg, job, stage)
+    per_step += router_bias_records(model, deg, job, moe)
     return per_mb * m + per_step
+
+
+def tied_embedding_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:
+    """Once per step on the first and last stage of a tied model under pp: the all-reduce that sums the
+    embedding's two copies' gradients (this rank's vocab shard) over those two stages. The runtime sums each
+    stage's `.grad` (parameter dtype) before the data-parallel reduction; a framework that sums after it
+    (`Job.tp_sum_with_reduction`, as Megatron-Core's `finalize_model_grads`) sends its main gradients."""
+    if not tied_across_stages(model, deg.pp) or stage not in (0, deg.pp - 1):
+        return []
+    main = 4 if job.mixed_precision else job.param_bytes
+    nbytes = head_weights(model, deg.tp, deg.pp) * (main if job.tp_sum_with_reduction else job.param_bytes)
+    return [_gather("all_reduce", "pp", nbytes, 2)]
 
 
 def _mtp_records(model: ModelSpec, deg: Degrees, job: Job, ep_where: Placement | None) -> list[CommRecord]:

@@ -50,9 +50,11 @@ def _rng_name(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
-def _tensors(setup: RunSetup) -> dict[str, Any]:
-    """This rank's pieces of the run's tensors (views of its buffers), nested as the checkpoint names them."""
-    return {**setup.model.sharded_state(setup.optimizer), "rng": {_rng_name(setup.rank): torch.get_rng_state()}}
+def _tensors(setup: RunSetup, writing: bool = False) -> dict[str, Any]:
+    """This rank's pieces of the run's tensors (views of its buffers), nested as the checkpoint names them;
+    `writing`: without the copies a checkpoint keeps once (a tied embedding's on the last stage)."""
+    state = setup.model.sharded_state(setup.optimizer, writing=writing)
+    return {**state, "rng": {_rng_name(setup.rank): torch.get_rng_state()}}
 
 
 def save(cfg: TrainConfig, setup: RunSetup, step: int, losses: list[float]) -> Path | None:
@@ -68,7 +70,8 @@ def _write_checkpoint(cfg: TrainConfig, setup: RunSetup, step: int, losses: list
              "tokenizer": cfg.tokenizer or "byte", **setup.tokenizer}  # losses: the global batch's, on every rank
     if cfg.hf_model is not None:  # export --hf writes the model back in its source's config and dtype
         plain["model_source"] = model_source(cfg)
-    path = save_checkpoint(_checkpoint_folder(cfg), step, {**_tensors(setup), **plain}, comm.world_group())
+    tensors = _tensors(setup, writing=True)
+    path = save_checkpoint(_checkpoint_folder(cfg), step, {**tensors, **plain}, comm.world_group())
     return path if setup.rank == 0 else None
 
 

@@ -60,12 +60,12 @@ class GradBuckets(_Arrivals):
     """Hooks every parameter of `buffers` and launches one asynchronous all-reduce per full bucket.
 
     Each flat buffer (dense over dp x cp, experts over edp) has its own buckets. When partial gradients must
-    first be summed over tp (`buffers.tp_partials`), the buckets wait for the step and go out there (same
-    records, no overlap).
+    first be summed (over tp, or a tied embedding's over the pipeline's ends: `buffers.held_to_step`), the
+    buckets wait for the step and go out there (same records, no overlap).
     """
 
     def __init__(self, buffers: DataParallelBuffers, bucket_numel: int) -> None:
-        self.buffers, self.defer = buffers, buffers.tp_partials
+        self.buffers, self.defer = buffers, buffers.held_to_step
         self.bounds: list[tuple[FlatPart, int, int]] = []  # (part, start, end) of each bucket
         self.spans: list[tuple[FlatPart, int, torch.Tensor]] = []  # (part, offset, parameter)
         self.names: list[str] = []
@@ -98,7 +98,7 @@ class GradBuckets(_Arrivals):
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         if self.defer:
-            return  # .grad waits for the tp sum at the step
+            return  # .grad waits for `sum_partials` at the step
         self._add(index)
         if not self.sync:
             return
@@ -117,7 +117,7 @@ class GradBuckets(_Arrivals):
         """Launch what backward did not (buckets of unused parameters; all of them when deferred, after the tp
         sum), wait for all, in bucket order."""
         if self.defer:
-            self.buffers.sum_tp_partials()
+            self.buffers.sum_partials()
             for index, (_, _, p) in enumerate(self.spans):
                 if p.grad is not None:
                     self._add(index)
@@ -137,12 +137,13 @@ class GradBuckets(_Arrivals):
 class ShardedGradBuckets(_Arrivals):
     """Hooks every parameter of `buffers` and launches one asynchronous reduce-scatter per full bucket.
 
-    When partial gradients must first be summed over tp (sequence parallel, replicated kv heads), the buckets
-    wait for the step and go out one after another there (the same records, no overlap).
+    When partial gradients must first be summed (`buffers.held_to_step`: over tp under sequence parallelism or
+    replicated kv heads, a tied embedding's over the pipeline's ends), the buckets wait for the step and go out
+    one after another there (the same records, no overlap).
     """
 
     def __init__(self, buffers: DataParallelBuffers) -> None:
-        self.buffers, self.defer = buffers, buffers.tp_partials
+        self.buffers, self.defer = buffers, buffers.held_to_step
         self.in_place = buffers.config.zero_stage < 2  # ZeRO-1 / distributed optimizer: a full main-gradient buffer
         self.buckets: list[tuple[FlatPart, Segment]] = [
             (part, seg) for part in buffers.parts for seg in part.segments]
@@ -176,7 +177,7 @@ class ShardedGradBuckets(_Arrivals):
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         if self.defer:
-            return  # .grad waits for the tp sum at the step
+            return  # .grad waits for `sum_partials` at the step
         if self.in_place:
             part, at, _ = self.params[index]
             part.main_grads[at:at + param.numel()].add_(param.grad.reshape(-1))
@@ -230,9 +231,9 @@ class ShardedGradBuckets(_Arrivals):
         self.in_flight = []
 
     def finish(self) -> None:
-        """Launch what backward did not (all of them when deferred, after the tp sum), wait for the last."""
+        """Launch what backward did not (all of them when deferred, after `sum_partials`), wait for the last."""
         if self.defer:
-            self.buffers.sum_tp_partials()
+            self.buffers.sum_partials()
             if self.in_place:
                 for part, at, p in self.params:
                     if p.grad is not None:

@@ -23,10 +23,11 @@ def decay_mask(part: FlatPart) -> torch.Tensor:
 
 def norm_mask(buffers: DataParallelBuffers, part: FlatPart) -> torch.Tensor | None:
     """True for the owned elements that enter the global gradient norm on this rank (None: all of them);
-    under tensor parallelism each distinct element counts on exactly one tp rank."""
-    if buffers.tp is None:
+    under tensor parallelism each distinct element counts on exactly one tp rank, and a tied embedding on the
+    first pipeline stage only (`DataParallelBuffers.counts_in_norm`)."""
+    if buffers.tp is None and not buffers.tied_copy:
         return None
-    return part.owned_mask(lambda name, p: buffers.placements[name].counts_in_norm(buffers.tp.rank))
+    return part.owned_mask(lambda name, p: buffers.counts_in_norm(name))
 
 
 class ShardedAdamW:
@@ -86,7 +87,7 @@ class ShardedAdamW:
         total = None
         for part, mask in zip(self.buffers.parts, self.norm_masks, strict=True):
             counted = part.owned_grads().square()
-            if mask is not None:  # tensor parallel: each distinct element once over tp
+            if mask is not None:  # each distinct element once (over tp, and a tied embedding's two stages)
                 counted.masked_fill_(~mask, 0)
             squares = counted.sum().reshape(1)
             if part.shards > 1:

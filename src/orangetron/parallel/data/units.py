@@ -93,7 +93,7 @@ class Zero3Schedule:
                 unit.enter.register_forward_pre_hook(partial(self._enter_forward, unit.index))
                 unit.enter.register_forward_hook(partial(self._leave_forward, unit.index))
         self.sync = True
-        self.defer = buffers.tp_partials  # the units' reduce-scatters wait for the tp sum at the step
+        self.defer = buffers.held_to_step  # the units' reduce-scatters wait for `sum_partials` at the step
         self._end_backward()
 
     # ---- gathering --------------------------------------------------------------------------------

@@ -64,4 +64,8 @@ def _module_buffers(buffers: DataParallelBuffers) -> dict[str, torch.Tensor]:
 def _every_stage(buffers: DataParallelBuffers, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if buffers.pp is None:
         return mine
-    return {name: t for stage in comm.all_gather_objects(mine, buffers.pp) for name, t in stage.items()}
+    out: dict[str, torch.Tensor] = {}
+    for stage in comm.all_gather_objects(mine, buffers.pp):
+        for name, t in stage.items():
+            out.setdefault(name, t)  # a tied embedding's copy on the last stage equals the first stage's
+    return out

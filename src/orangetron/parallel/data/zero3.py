@@ -51,8 +51,8 @@ class Zero3Strategy(DataParallelStrategy):
             self.schedule.sync = True
 
     def reduce(self) -> None:
-        if self.schedule.defer:  # partial tp gradients are summed first, then every unit goes
-            self.buffers.sum_tp_partials()
+        if self.schedule.defer:  # partial gradients are summed first, then every unit goes
+            self.buffers.sum_partials()
             self.schedule.reduce_all()
         self.schedule.retire()  # most units were reduce-scattered during backward
         for part in self.buffers.parts:

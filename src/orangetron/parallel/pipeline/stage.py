@@ -2,7 +2,9 @@
 
 With pp ranks and v virtual stages the layers form pp * v contiguous chunks, split as the planner splits
 them (`plan.stages.chunk_layers`); rank r runs chunks r, r + pp, ... (virtual stage g = chunk * pp + r).
-The embedding lives on virtual stage 0, the final norm, output projection and loss on the last one.
+The embedding lives on virtual stage 0, the final norm, output projection and loss on the last one. A
+tied model's last stage keeps the embedding too, for its head: the two copies start equal and receive the
+same summed gradient each step (`DataParallelBuffers.sum_partials`), so they stay equal.
 Parameters keep their reference names (`layers.5.attention.wq.weight`), so checkpoints and whole
 gradients are the same on every layout. The parts a rank does not run are emptied with `replace_module`
 (`orangetron/parallel/replace.py`), like every other change a dimension makes to the model.
@@ -44,10 +46,6 @@ def check_pipeline(cfg: ModelSpec, pp: int, config: ParallelConfig) -> None:
     if cfg.num_layers < chunks:
         raise LayoutError(f"pp={pp}: num_layers={cfg.num_layers} < pp*virtual_stages={chunks}; every chunk needs a "
                           "layer")
-    if cfg.tied_embeddings:
-        raise LayoutError(f"pp={pp}: tied_embeddings would put the embedding on the first and last stages; a "
-                          "model file unties them (tied_embeddings = false), and a model tied in its weights (a "
-                          "tied Hugging Face checkpoint) runs without --pp")
     if config.zero_stage == 3 and config.virtual_stages > 1:
         raise ParallelConfigError(f"zero_stage=3 with pp={pp} and virtual_stages={config.virtual_stages}: ZeRO-3 "
                                   "is pipelined with one model chunk per rank only; use virtual_stages 1")
@@ -65,7 +63,9 @@ def split_stages(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int) -
         chunks.append(Chunk(g, c, tuple(ranges[g]), g == 0, g == pp * virtual_stages - 1))
     kept = [i for chunk in chunks for i in chunk.layers]
     replace_module(model, "layers", nn.ModuleDict({str(i): model.layers[i] for i in kept}))
-    dropped = ([] if chunks[0].first else ["tok_embeddings"]) + ([] if chunks[-1].last else ["norm", "output"])
+    # A tied head reads the embedding's matrix: the last stage keeps its own copy (`tied_copy`).
+    embeds = chunks[0].first or (chunks[-1].last and model.cfg.tied_embeddings)
+    dropped = ([] if embeds else ["tok_embeddings"]) + ([] if chunks[-1].last else ["norm", "output"])
     for name in dropped:
         replace_module(model, name, None)
     return chunks
