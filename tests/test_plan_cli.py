@@ -593,12 +593,13 @@ def test_estimate_gives_tokens_per_gpu_and_the_causal_mfu_beside_the_full_attent
 
 
 def test_estimate_notes_each_option_its_layout_does_not_use_and_none_it_does(capsys):
-    idle = ["--sequence-parallel", "--virtual-stages", "2", "--cp-mode", "ulysses", "--dispatcher", "deepep",
-            "--zero3-keep-params"]
+    idle = ["--sequence-parallel", "--virtual-stages", "2", "--cp-mode", "usp", "--ulysses-degree", "2",
+            "--dispatcher", "deepep", "--zero3-keep-params"]
     assert run(["estimate", "--model", "llama3-8b", "--gpus", "8", "--dp", "8", *idle]) == 0
     notes = [line.split("note: ", 1)[1] for line in capsys.readouterr().err.splitlines() if "note: " in line]
     assert notes == ["--sequence-parallel has no effect here: needs --tp > 1",
                      "--cp-mode has no effect here: needs --cp > 1",
+                     "--ulysses-degree has no effect here: needs --cp > 1",
                      "--virtual-stages has no effect here: needs --pp > 1",
                      "--dispatcher has no effect here: needs --ep > 1",
                      "--zero3-keep-params has no effect here: needs --zero-stage 3"]
@@ -615,6 +616,15 @@ def test_estimate_notes_each_option_its_layout_does_not_use_and_none_it_does(cap
             "--recompute-layers", "3", "--grad-bucket-numel", "0", "--reduce-dtype", "float32"]
     assert run(["estimate", "--model", "llama3-8b", "--gpus", "16", "--seq", "8192", "--global-batch", "16",
                 *used]) == 0
+    assert "no effect" not in capsys.readouterr().err
+    # ZeRO-3 on one replica still gathers and frees unit by unit: priced apart from DDP, so not idle
+    assert run(["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--zero-stage", "3"]) == 0
+    assert "no effect" not in capsys.readouterr().err
+    # a capacity factor only a padding dispatcher reads (train warns of it alike)
+    assert run(["estimate", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--capacity-factor", "2"]) == 0
+    assert "--capacity-factor has no effect here: needs --dispatcher capacity with --ep" in capsys.readouterr().err
+    assert run(["estimate", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--dispatcher", "capacity",
+                "--capacity-factor", "2"]) == 0
     assert "no effect" not in capsys.readouterr().err
 
 

@@ -154,6 +154,24 @@ def test_estimate_prices_a_run_folders_record(tmp_path, capsys) -> None:
     assert priced["memory_bytes"]["activations"] == measured["activations_peak"]
 
 
+def test_estimate_prices_a_runs_sequence_padded_as_train_pads_it(tmp_path, capsys) -> None:
+    """Under cp a seq_len that 2*cp does not divide trains padded at its end; `estimate --config` of such a run
+    refused it (`seq_len 32 is not divisible by 2*cp=6`) and now prices the padded length, as train predicts it;
+    the options the file leaves out take the trainer's defaults (float32 parameters, not the planner's bfloat16)."""
+    from orangetron.train.accounting import predicted_for_rank
+    from orangetron.train.config import TrainConfig
+
+    path = tmp_path / "run.toml"
+    path.write_text('model = "tiny"\ncp = 3\nseq_len = 32\nbatch_size = 4\n')
+    assert cli.main(["estimate", "--config", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "note: seq_len=32 runs padded to 36 under cp=3, as train pads it" in captured.err
+    priced = json.loads(captured.out.strip().splitlines()[-1])
+    train_predicts = predicted_for_rank(TrainConfig(model="tiny", cp=3, seq_len=32, batch_size=4), stage=0)
+    assert priced["comm_bytes"] == train_predicts["comm_per_step"]
+    assert priced["memory_bytes"]["activations"] == train_predicts["memory"]["activations_peak"]
+
+
 def test_every_rank_is_predicted_on_its_own_stage_and_padded_sequence() -> None:
     """pp 2 x cp 2: each rank's prediction is its own pipeline stage's, on the sequence padded to 2*cp."""
     from orangetron.train.config import TrainConfig

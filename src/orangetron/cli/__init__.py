@@ -108,12 +108,19 @@ def _unknown_flags(parser: argparse.ArgumentParser, given: list[str]) -> str:
     return f"; unrecognized arguments: {' '.join(unknown)}{_near_flags(parser, unknown)}" if unknown else ""
 
 
+# The same quantity under the trainer's name and the planner's: a flag of one given to the other's command.
+_OTHER_NAMES = {"--seq-len": "--seq", "--batch-size": "--global-batch", "--seq": "--seq-len",
+                "--global-batch": "--batch-size"}
+
+
 def _near_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
-    """"; did you mean --steps?" for each unknown flag with a close spelling among `parser`'s (`--stpes 3`)."""
+    """"; did you mean --steps?" for each unknown flag with a close spelling among `parser`'s (`--stpes 3`), or
+    its name on this command (`estimate --seq-len` is `--seq`)."""
     flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
     near = {}
     for given in (arg.split("=")[0] for arg in unknown if arg.startswith("--")):
-        close = difflib.get_close_matches(given, flags, n=1, cutoff=0.75)
+        close = [_OTHER_NAMES[given]] if _OTHER_NAMES.get(given) in flags else \
+            difflib.get_close_matches(given, flags, n=1, cutoff=0.75)
         if close:
             near[given] = close[0]
     if len(near) == 1:

@@ -38,6 +38,7 @@ from orangetron.spec.hf_config import is_hf_folder
 from orangetron.spec.model import DualEncoderSpec, ModelSpec, load_model
 from orangetron.spec.options import ATTENTION_KERNELS, FP8_RECIPES, RECOMPUTE_MODULES, Degrees, Job, validate
 from orangetron.spec.parallel_config import DTYPE_BYTES, RECOMPUTE
+from orangetron.spec.sharding import cp_padded_len
 from orangetron.spec.stages import longest_chunk
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
@@ -317,6 +318,11 @@ def run_estimate(args: argparse.Namespace) -> int:
         if job.seq_len > model.max_seq_len:
             raise ValueError(f"--config {args.config}: seq_len={job.seq_len} is longer than the model's max_seq_len="
                              f"{model.max_seq_len}, which `orangetron train` refuses")
+        padded = cp_padded_len(job.seq_len, deg.cp, deg.tp, job.sequence_parallel)
+        if padded != job.seq_len:  # the trainer pads it (train/step.py), and its prediction prices the padded length
+            print(f"orangetron estimate: note: seq_len={job.seq_len} runs padded to {padded} under cp={deg.cp}, as "
+                  "train pads it (ignored labels at its end)", file=sys.stderr)
+            job = replace(job, seq_len=padded)
         if args.gpu is None:
             args.gpu = _config_gpu(args.config)
         if args.gpus is not None and args.gpus != deg.world_size:
@@ -377,12 +383,15 @@ def _idle_options(model: ModelSpec, deg: Degrees, job: Job) -> list[str]:
     idle = {
         "sequence_parallel": (deg.tp == 1, "needs --tp > 1"),
         "cp_mode": (deg.cp == 1, "needs --cp > 1"),
+        "ulysses_degree": (deg.cp == 1, "needs --cp > 1"),
         "virtual_stages": (deg.pp == 1, "needs --pp > 1"),
         "pp_schedule": (deg.pp == 1 and job.virtual_stages == 1, "needs --pp > 1"),  # else said of the stages
         "dispatcher": (deg.ep == 1, "needs --ep > 1"),
+        "capacity_factor": (deg.ep == 1 or not DISPATCHERS[job.dispatcher].pads,
+                            "needs --dispatcher capacity with --ep"),
         "ep_comm_sms": (deg.ep == 1, "needs --ep > 1"),
         "ep_comm_sms_reserved": (deg.ep == 1, "needs --ep > 1"),
-        "zero_stage": (no_dp, "needs --dp or --cp > 1: nothing to shard"),
+        "zero_stage": (no_dp and job.zero_stage != 3, "needs --dp or --cp > 1: nothing to shard"),  # as train says
         "distributed_optimizer": (no_dp, "needs --dp or --cp > 1: nothing to shard"),
         "reduce_dtype": (no_dp, "needs --dp or --cp > 1: no gradient reduction"),
         "zero3_prefetch": (job.zero_stage != 3, "needs --zero-stage 3"),
@@ -594,7 +603,6 @@ def _hf_folder(model: str) -> str | None:
     """The Hugging Face folder `--model` names (the folder or its config.json) when it holds weights, which an
     emitted run then starts from; else None (a preset, a model file, a folder with its config.json alone)."""
     from orangetron.hf.folder import weight_files
-    from orangetron.spec.hf_config import is_hf_folder
 
     path = Path(model)
     path = path.parent if path.name == "config.json" and path.is_file() else path

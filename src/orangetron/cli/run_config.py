@@ -271,7 +271,9 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     seq_len, batch = (_typed(path, key, table.get(key, trainer[key]), 0) for key in ("seq_len", "batch_size"))
     model = table.get("model", table.get("hf_model", trainer["model"]))
     deg = Degrees(**layout)
-    microbatches = parallel.get("microbatches", 1)
+    # The trainer's parallel defaults, not the planner's (Job prices bfloat16 where the trainer runs float32).
+    parallel = {name: getattr(ParallelConfig(), name) for name in parallel_fields} | parallel
+    microbatches = parallel["microbatches"]
     check_batch_split(batch, deg.dp, microbatches)  # as train refuses it: a rounded micro-batch prices another run
     job = Job(**parallel, seq_len=seq_len, micro_batch=max(1, batch // (deg.dp * microbatches)),
               global_batch=batch, clip_grad=True)  # the trainer's global gradient norm, every step

@@ -30,6 +30,21 @@ def bucket_layout(numel: int, bucket_numel: int, shards: int) -> tuple[int, int]
     return count, padded_numel(-(-numel // count), shards)
 
 
+def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """The multiple a sequence must be under context parallelism: 2*cp head-tail chunks, each split over tp
+    under SP (1 without cp)."""
+    if cp == 1:
+        return 1
+    return 2 * cp * (tp if sequence_parallel and tp > 1 else 1)
+
+
+def cp_padded_len(seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> int:
+    """The length a sequence runs at under context parallelism: padded at its end to `sequence_multiple`
+    (ignored labels), as the trainer pads it."""
+    multiple = sequence_multiple(cp, tp, sequence_parallel)
+    return -(-seq_len // multiple) * multiple
+
+
 def token_chunks(tokens: int, chunks: int) -> list[int]:
     """Tokens per overlap chunk: `chunks` contiguous ranges, the first `tokens % chunks` one token longer."""
     base, extra = divmod(tokens, chunks)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from orangetron.spec.sharding import cp_padded_len
 from orangetron.train.config import TrainConfig
 
 # measured name -> predicted name, in the order the table shows them
@@ -28,11 +29,9 @@ def predicted_for_rank(cfg: TrainConfig, stage: int, cp_rank: int = 0) -> dict[s
     """{"memory": bytes by measured category name, "comm_per_step": bytes sent by "op/dim"} for a rank of
     pipeline `stage` and context-parallel index `cp_rank`."""
     from orangetron.comm import bytes_by_key
-    from orangetron.parallel.context import shard_multiple
     from orangetron.plan.bridge import predicted_step
 
-    multiple = shard_multiple(cfg.layout, cfg.sequence_parallel) if cfg.cp > 1 else 1
-    seq_len = -(-cfg.seq_len // multiple) * multiple
+    seq_len = cp_padded_len(cfg.seq_len, cfg.cp, cfg.tp, cfg.sequence_parallel)
     documents = (seq_len,) if cfg.pack_documents else ()  # one document per sequence (module docstring)
     records, memory = predicted_step(cfg.model_config(), cfg.layout, cfg.parallel_config(), seq_len=seq_len,
                                      micro_batch=cfg.batch_size // (cfg.dp * cfg.microbatches), stage=stage,

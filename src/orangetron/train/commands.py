@@ -283,6 +283,8 @@ def run_verify(args: argparse.Namespace) -> int:
           f"one rank: max relative loss difference {result['max_loss_rel_diff']:.2e}, max relative gradient "
           f"difference {result['max_grad_rel_diff']:.2e} (tolerance {result['tolerance']:g}): {verdict}",
           file=sys.stderr)
+    if result["note"]:
+        print(f"orangetron verify: note: {result['note']}", file=sys.stderr)
     if args.json:
         print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1

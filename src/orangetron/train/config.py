@@ -171,6 +171,7 @@ class TrainConfig(Layout, ParallelConfig):
         unused = {
             "sequence_parallel": (self.tp == 1, "needs --tp > 1"),
             "cp_mode": (self.cp == 1, "needs --cp > 1"),
+            "ulysses_degree": (self.cp == 1, "needs --cp > 1"),
             "pp_schedule": (self.pp == 1, "needs --pp > 1"),
             "dispatcher": (self.ep == 1, "needs --ep > 1"),
             "capacity_factor": (not dispatcher.pads or self.ep == 1, "needs --dispatcher capacity with --ep"),
@@ -180,7 +181,8 @@ class TrainConfig(Layout, ParallelConfig):
             "zero3_prefetch": (self.zero_stage != 3, "needs --zero-stage 3"),
             "zero3_keep_params": (self.zero_stage != 3, "needs --zero-stage 3"),
             "distributed_optimizer": (self.dp * self.cp == 1, "needs --dp or --cp > 1: nothing to shard"),
-            "zero_stage": (self.dp * self.cp == 1, "needs --dp or --cp > 1: nothing to shard"),
+            # ZeRO-3 at dp x cp = 1 still gathers, frees and reduces unit by unit: its memory differs from DDP's
+            "zero_stage": (self.dp * self.cp == 1 and self.zero_stage != 3, "needs --dp or --cp > 1: nothing to shard"),
             "recompute": (self.recompute == "selective", "every attention kernel the runtime runs already "
                           "recomputes its scores in backward, which is what selective recompute saves "
                           "(docs/runtime.md, Activation recompute)"),

@@ -18,6 +18,7 @@ from orangetron.mesh import ParallelMesh
 from orangetron.parallel.context import calls
 from orangetron.spec import rules
 from orangetron.spec.layout import Layout, LayoutError
+from orangetron.spec.sharding import sequence_multiple
 
 
 def _chunk_len(seq_len: int, cp: int) -> int:
@@ -81,9 +82,11 @@ def unshard(x_local: torch.Tensor, mesh: ParallelMesh, seq_dim: int = 1,
 
 
 def shard_multiple(layout: Layout, sequence_parallel: bool = False) -> int:
-    """The multiple a sequence must be for `layout`: 2*cp head-tail chunks, each split over tp under SP."""
-    cp_part = 2 * layout.cp if layout.cp > 1 else 1
-    return cp_part * (layout.tp if sequence_parallel and layout.tp > 1 else 1)
+    """The multiple a sequence must be for `layout`: 2*cp head-tail chunks, each split over tp under SP
+    (`spec.sharding.sequence_multiple`; without cp, tp under SP)."""
+    if layout.cp == 1:
+        return layout.tp if sequence_parallel and layout.tp > 1 else 1
+    return sequence_multiple(layout.cp, layout.tp, sequence_parallel)
 
 
 def pad_sequence(inputs: torch.Tensor, labels: torch.Tensor, multiple: int,
