@@ -147,11 +147,26 @@ def layout_run(cfg: ModelConfig, layout: Layout, pc: ParallelConfig, seq: int = 
             out["ledger"] = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in records)
             peak = meter.peak_bytes
     out["memory"] = memory.model_state_bytes(dp, opt) | {"activations": peak}
+    out["tied"] = _tied_embedding(dp)
     state = dp.full_state(opt)
     out["params"] = state["params"] | state["buffers"]
     if mesh.rank != 0:  # whole tensors are the same on every rank; send them once
         out["grads"] = out["params"] = None
     return out
+
+
+def _tied_embedding(dp) -> torch.Tensor | None:
+    """This stage's whole copy of a tied embedding (first and last pipeline stage), else None: the two must end
+    equal (whole tensors name the first stage's only)."""
+    from orangetron.parallel.data.whole import _whole
+
+    buffers = dp.dp_buffers
+    if buffers.tied is None:
+        return None
+    mine = {}
+    for part in buffers.parts:
+        mine |= _whole(buffers, part, part.gather_owned(part.main_params))
+    return mine["tok_embeddings.weight"]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -188,6 +203,9 @@ def check_layout(per_rank: list[dict], cfg: ModelConfig, layout: Layout, pc: Par
     assert_equals_reference(losses, per_rank[0]["grads"], per_rank[0]["params"], cfg, layout.dp, where, seq, rows,
                             doc_lengths)
     assert not balanced_routing or cfg.top_k == cfg.n_experts, "balanced routing needs top_k = n_experts"
+    copies = [r["tied"] for r in per_rank if r.get("tied") is not None]
+    assert all(torch.equal(c, copies[0]) for c in copies), f"{where}: the tied embedding's copies differ"
+    assert bool(copies) == (cfg.tied_embeddings and layout.pp > 1), where
     for rank, result in enumerate(per_rank):
         stage = layout.coordinates(rank).pp
         want_records, want_mem = predicted_step(cfg, layout, pc, seq_len=seq, micro_batch=rows // pc.microbatches,

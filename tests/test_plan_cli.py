@@ -189,7 +189,7 @@ def test_estimate_says_when_reducing_every_micro_batch_changes_nothing(capsys):
             "--global-batch", "16", "--zero3-reduce-every-microbatch", "--json"]
     run([*args, "--sequence-parallel"])
     err = capsys.readouterr().err
-    assert "zero3_reduce_every_microbatch has no effect" in err and "partial gradients summed over tp" in err
+    assert "zero3_reduce_every_microbatch has no effect" in err and "partial ones over tp under sequence" in err
     run(args)
     assert "no effect" not in capsys.readouterr().err
     run([a if a != "16" else "4" for a in args])  # one micro-batch a replica
@@ -286,6 +286,16 @@ def test_estimate_prices_the_framework_paths(tmp_path, capsys):
     assert "--tp-sum-with-reduction has no effect here" in capsys.readouterr().err  # tp 1: nothing to sum
     run([*args, "--tp-sum-with-reduction"])
     assert "has no effect" not in capsys.readouterr().err
+    # a tied embedding under pp: the copies' sum moves after the reduction, priced in the main gradients' dtype
+    tied = ["estimate", "--model", "gpt3-175b", "--gpus", "64", "--tp", "8", "--pp", "8", "--global-batch", "64",
+            "--grad-bucket-numel", "40000000", "--json"]
+    run(tied)
+    held = last_json(capsys)
+    run([*tied, "--tp-sum-with-reduction"])
+    after = last_json(capsys)
+    assert "has no effect" not in capsys.readouterr().err
+    assert after["comm_bytes"]["all_reduce/pp"] == 2 * held["comm_bytes"]["all_reduce/pp"]  # fp32, not bf16
+    assert after["memory_bytes"]["param_grads"] < held["memory_bytes"]["param_grads"]  # bucketed: no .grad waits
     config = tmp_path / "run.toml"
     config.write_text('model = "tiny"\nseq_len = 64\ntp = 2\ndp = 2\nsequence_parallel = true\n'
                       'grad_bucket_numel = 4096\n')

@@ -132,4 +132,3 @@ def test_verify_refuses_a_negative_tolerance(capsys):
     assert main(["verify", "--tolerance", "-1"]) == 2  # one rank: its warning came first, the refusal second
     assert capsys.readouterr().err == "orangetron verify: error: tolerance=-1.0 (--tolerance): must be a finite " \
         "number >= 0\n"
-

@@ -28,7 +28,7 @@ from orangetron.plan.chart import sharding_label
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.memory import busiest_stage
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
-from orangetron.plan.params import tp_sums_first
+from orangetron.plan.params import sums_first
 from orangetron.plan.search import BUCKET_NUMEL, SearchSpace, divisors, search
 from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec import rules
@@ -127,7 +127,8 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                           "--sequence-parallel")
     est.add_argument("--tp-sum-with-reduction", action="store_true",
                      help="price a framework that sums partial gradients over tp in the data-parallel reduction's "
-                          "own pass (planner only; Megatron-Core, torchtitan): no reduction waits for the step")
+                          "own pass, and a tied embedding's two pipeline copies after it (planner only; "
+                          "Megatron-Core, torchtitan): no reduction waits for the step")
     est.add_argument("--accumulate-in-reduce-dtype", action="store_true",
                      help="gradients waiting across micro-batches accumulate in --reduce-dtype (planner only; "
                           "FSDP2; no effect when that is the parameters' dtype)")
@@ -407,13 +408,14 @@ def _no_effect_notes(model: ModelSpec, deg: Degrees, job: Job) -> list[str]:
     """A line for each option asked for that changes nothing in this layout, with the reason."""
     notes = _idle_options(model, deg, job)
     if job.zero3_reduce_every_microbatch and reduce_rounds(model, deg, job) == 1:
-        why = ("a replica runs one micro-batch" if job.replica_microbatches(deg) == 1 else "partial gradients "
-               "summed over tp first (sequence parallelism, kv heads fewer than tp, QK-norm) hold every reduction "
-               "to the step (unless --tp-sum-with-reduction)")
+        why = ("a replica runs one micro-batch" if job.replica_microbatches(deg) == 1 else "gradients summed "
+               "first (partial ones over tp under sequence parallelism, kv heads fewer than tp or QK-norm, or a tied "
+               "embedding's two pipeline copies) hold every reduction to the step (unless --tp-sum-with-reduction)")
         notes.append(f"zero3_reduce_every_microbatch has no effect here: {why}")
-    if job.tp_sum_with_reduction and not tp_sums_first(model, deg, replace(job, tp_sum_with_reduction=False)):
-        notes.append("--tp-sum-with-reduction has no effect here: no partial gradients are summed over tp (it "
-                     "needs tp > 1 with sequence parallelism, QK-norm or kv heads fewer than tp)")
+    if job.tp_sum_with_reduction and not sums_first(model, deg, replace(job, tp_sum_with_reduction=False)):
+        notes.append("--tp-sum-with-reduction has no effect here: no gradients are summed before the reduction (it "
+                     "needs tp > 1 with sequence parallelism, QK-norm or kv heads fewer than tp, or a tied embedding "
+                     "under --pp)")
     if job.accumulate_in_reduce_dtype and job.wire_dtype == job.param_dtype:
         notes.append(f"--accumulate-in-reduce-dtype has no effect here: gradients are reduced in the parameters' "
                      f"dtype ({job.param_dtype}); FSDP2 upcasts only to a wider --reduce-dtype")

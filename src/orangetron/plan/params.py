@@ -181,18 +181,19 @@ def _layers_with_mtp(model: ModelSpec, pp: int, virtual_stages: int, stage: int,
     return layers + ((model.mtp_layer_index,) * model.mtp_layers if stage == pp - 1 else ())
 
 
-def tied_across_stages(model: ModelSpec, pp: int) -> bool:
-    """A tied embedding under pipeline parallelism: the first stage embeds with it, the last stage's head reads a
-    copy of it (`head_weights`), and the two copies' gradients are summed once a step."""
-    return model.tied_embeddings and pp > 1 and not model.patch_size
+def embedding_at_both_ends(model: ModelSpec, pp: int) -> bool:
+    """The last pipeline stage holds a copy of the embedding, whose gradient is summed with the first stage's
+    once a step: a tied head reads it (`head_weights`), or multi-token-prediction modules embed with it
+    (Megatron-Core's embedding group holds both ends in either case)."""
+    return pp > 1 and not model.patch_size and (model.tied_embeddings or model.mtp_layers > 0)
 
 
 def sums_first(model: ModelSpec, deg: Degrees, job: Job) -> bool:
     """Gradients summed before the data-parallel reduction: partial ones over tp (`tp_sums_first`), and a tied
-    embedding's two pipeline copies (`tied_across_stages`). The runtime then holds every reduction, and each
+    embedding's two pipeline copies (`embedding_at_both_ends`). The runtime then holds every reduction, and each
     `.grad`, to the step, on every stage. Not where the framework sums them in or after the reduction's own pass
     (`Job.tp_sum_with_reduction`; Megatron-Core sums the embedding's copies after it, in `finalize_model_grads`)."""
-    tied = tied_across_stages(model, deg.pp) and not job.tp_sum_with_reduction
+    tied = embedding_at_both_ends(model, deg.pp) and not job.tp_sum_with_reduction
     return tp_sums_first(model, deg, job) or tied
 
 

@@ -193,8 +193,8 @@ Scored = list[tuple[float, int, Degrees, Job, dict[str, int]]]
 
 
 def _reduces_once(model: ModelSpec, deg: Degrees, job: Job) -> bool:
-    """One gradient reduction a step whatever `zero3_reduce_every_microbatch` says: one micro-batch, or partial
-    gradients summed over tp first."""
+    """One gradient reduction a step whatever `zero3_reduce_every_microbatch` says: one micro-batch, or gradients
+    summed first (`params.sums_first`)."""
     return job.replica_microbatches(deg) == 1 or sums_first(model, deg, job)
 
 

@@ -782,17 +782,17 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
     heavy = max(range(len(kinds)), key=lambda k: stage_params(model, deg, kinds[k], job.virtual_stages,
                                                               job.pipeline_layout).total)
     dp = _dp_exposed(model, deg, job, cluster, stages[heavy].total, m, net, eff, kinds[heavy])
-    # A tied embedding's two copies are summed once a step after the last backward, exposed (Megatron-Core's
-    # `_allreduce_word_embedding_grads` in `finalize_model_grads`; the runtime's `sum_partials`).
-    dp += _records_time(tied_embedding_records(model, deg, job, 0), group_places(deg, cluster), cluster, net)
+    # A tied embedding's two copies are summed over the pipeline's ends once a step after the last backward,
+    # exposed (Megatron-Core's `_allreduce_word_embedding_grads` in `finalize_model_grads`; `sum_partials`).
+    tied = _records_time(tied_embedding_records(model, deg, job, 0), group_places(deg, cluster), cluster, net)
     optimizer = _optimizer_time(model, deg, job, cluster, eff, kinds[heavy])
-    step = m * slow.total + bubble + dp + optimizer
+    step = m * slow.total + bubble + dp + tied + optimizer
     sequences = m * job.micro_batch * deg.dp
     flops = model_flops_per_step(model, job, sequences)
     hardware = _hardware_flops(model, job, sequences, replayed_share(model, deg, job))
     causal = model_flops_per_step(model, job, sequences, causal_attention=True)
     peak = cluster.gpu.peak_flops(job.param_dtype) * deg.world_size
-    return StepTime(step, m * slow.compute, bubble, m * slow.tp, m * slow.cp, m * slow.ep, m * slow.pp, dp,
+    return StepTime(step, m * slow.compute, bubble, m * slow.tp, m * slow.cp, m * slow.ep, m * slow.pp + tied, dp,
                     optimizer, flops, hardware, flops / step / deg.world_size / 1e12, flops / step / peak,
                     hardware / step / peak, causal / step / peak)
 

@@ -38,11 +38,10 @@ from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.network import Placement
 from orangetron.plan.packed import ring_steps
 from orangetron.plan.params import (
-    head_weights,
+    embedding_at_both_ends,
     shard_groups,
     stage_params,
     sums_first,
-    tied_across_stages,
     tp_grad_sum_numel,
     zero3_unit_contents,
 )
@@ -366,14 +365,16 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
 
 
 def tied_embedding_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:
-    """Once per step on the first and last stage of a tied model under pp: the all-reduce that sums the
-    embedding's two copies' gradients (this rank's vocab shard) over those two stages. The runtime sums each
+    """Once per step on the first and last stage where the last holds a copy of the embedding (a tied head, or
+    MTP modules: `params.embedding_at_both_ends`): the all-reduce that sums the two copies' gradients (this rank's
+    vocab shard) over those two stages. The runtime sums each
     stage's `.grad` (parameter dtype) before the data-parallel reduction; a framework that sums after it
     (`Job.tp_sum_with_reduction`, as Megatron-Core's `finalize_model_grads`) sends its main gradients."""
-    if not tied_across_stages(model, deg.pp) or stage not in (0, deg.pp - 1):
+    if not embedding_at_both_ends(model, deg.pp) or stage not in (0, deg.pp - 1):
         return []
     main = 4 if job.mixed_precision else job.param_bytes
-    nbytes = head_weights(model, deg.tp, deg.pp) * (main if job.tp_sum_with_reduction else job.param_bytes)
+    copy = -(-model.vocab_size * model.hidden_size // deg.tp)  # this rank's vocab shard (`head_weights`)
+    nbytes = copy * (main if job.tp_sum_with_reduction else job.param_bytes)
     return [_gather("all_reduce", "pp", nbytes, 2)]
 
 

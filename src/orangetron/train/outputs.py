@@ -106,8 +106,8 @@ def check_outside_checkpoints(path: Path, flag: str) -> None:
     newest checkpoint, and the run could be neither resumed nor sampled."""
     for folder in (path.resolve(), *path.resolve().parents):
         if folder.name == "checkpoints" and holds_checkpoints(folder):
-            raise ValueError(f"{flag} {str(path)!r}: inside {folder}, a run's checkpoints, where a folder is taken "
-                             "for a checkpoint; choose another folder")
+            raise ValueError(f"{flag} {str(path)!r}: inside {folder}, a run's checkpoints folder, which holds its "
+                             "checkpoints alone (a folder written there is taken for one); write elsewhere")
 
 
 def check_claim(path: Path, flag: str, overwrite: bool, inputs: Inputs | None = None

@@ -16,8 +16,10 @@ every distinct element once across tp, and whole tensors gather the tp slices ba
 A tied model under pipeline parallelism keeps its embedding on the first stage and a copy for the head on the
 last (`parallel.pipeline.stage`). Each copy's `.grad` holds its stage's share; `sum_partials` adds them over the
 two stages (`ParallelMesh.pipeline_ends`) before the data-parallel reduction, so both copies get the one-device
-gradient and, from equal values, the same update. The copy is left out of the gradient norm and of what a
-checkpoint writes (`counts_in_norm`, `parallel.state.sharded_state`); a checkpoint loads into both.
+gradient and, from equal values, the same update (up to the order in which each stage's reduction adds: with 3
+or more replicas the two flat layouts can round differently, docs/pipeline_parallel.md). The copy is left out
+of the gradient norm and of what a checkpoint writes (`counts_in_norm`, `parallel.state.sharded_state`); a
+checkpoint loads into both.
 """
 
 from __future__ import annotations

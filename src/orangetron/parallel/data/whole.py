@@ -67,5 +67,5 @@ def _every_stage(buffers: DataParallelBuffers, mine: dict[str, torch.Tensor]) ->
     out: dict[str, torch.Tensor] = {}
     for stage in comm.all_gather_objects(mine, buffers.pp):
         for name, t in stage.items():
-            out.setdefault(name, t)  # a tied embedding's copy on the last stage equals the first stage's
+            out.setdefault(name, t)  # a tied embedding: the first stage's, which a checkpoint keeps
     return out

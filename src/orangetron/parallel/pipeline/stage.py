@@ -4,7 +4,8 @@ With pp ranks and v virtual stages the layers form pp * v contiguous chunks, spl
 them (`plan.stages.chunk_layers`); rank r runs chunks r, r + pp, ... (virtual stage g = chunk * pp + r).
 The embedding lives on virtual stage 0, the final norm, output projection and loss on the last one. A
 tied model's last stage keeps the embedding too, for its head: the two copies start equal and receive the
-same summed gradient each step (`DataParallelBuffers.sum_partials`), so they stay equal.
+same summed gradient each step (`DataParallelBuffers.sum_partials`), up to the rounding of each stage's own
+data-parallel reduction (docs/pipeline_parallel.md).
 Parameters keep their reference names (`layers.5.attention.wq.weight`), so checkpoints and whole
 gradients are the same on every layout. The parts a rank does not run are emptied with `replace_module`
 (`orangetron/parallel/replace.py`), like every other change a dimension makes to the model.
@@ -64,8 +65,8 @@ def split_stages(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int) -
     kept = [i for chunk in chunks for i in chunk.layers]
     replace_module(model, "layers", nn.ModuleDict({str(i): model.layers[i] for i in kept}))
     # A tied head reads the embedding's matrix: the last stage keeps its own copy (`tied_copy`).
-    embeds = chunks[0].first or (chunks[-1].last and model.cfg.tied_embeddings)
-    dropped = ([] if embeds else ["tok_embeddings"]) + ([] if chunks[-1].last else ["norm", "output"])
+    keeps_embedding = chunks[0].first or (chunks[-1].last and model.cfg.tied_embeddings)
+    dropped = ([] if keeps_embedding else ["tok_embeddings"]) + ([] if chunks[-1].last else ["norm", "output"])
     for name in dropped:
         replace_module(model, name, None)
     return chunks
