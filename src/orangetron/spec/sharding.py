@@ -31,16 +31,16 @@ def bucket_layout(numel: int, bucket_numel: int, shards: int) -> tuple[int, int]
 
 
 def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
-    """The multiple a sequence must be under context parallelism: 2*cp head-tail chunks, each split over tp
-    under SP (1 without cp)."""
-    if cp == 1:
-        return 1
-    return 2 * cp * (tp if sequence_parallel and tp > 1 else 1)
+    """The multiple a sequence must be: 2*cp head-tail chunks under context parallelism, each split over tp
+    under SP."""
+    return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel and tp > 1 else 1)
 
 
 def cp_padded_len(seq_len: int, cp: int, tp: int, sequence_parallel: bool) -> int:
-    """The length a sequence runs at under context parallelism: padded at its end to `sequence_multiple`
-    (ignored labels), as the trainer pads it."""
+    """The length a sequence runs at: under context parallelism padded at its end to `sequence_multiple`
+    (ignored labels), as the trainer pads it; without it as given (train refuses what SP cannot split)."""
+    if cp == 1:
+        return seq_len
     multiple = sequence_multiple(cp, tp, sequence_parallel)
     return -(-seq_len // multiple) * multiple
 

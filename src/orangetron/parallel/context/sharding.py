@@ -82,10 +82,7 @@ def unshard(x_local: torch.Tensor, mesh: ParallelMesh, seq_dim: int = 1,
 
 
 def shard_multiple(layout: Layout, sequence_parallel: bool = False) -> int:
-    """The multiple a sequence must be for `layout`: 2*cp head-tail chunks, each split over tp under SP
-    (`spec.sharding.sequence_multiple`; without cp, tp under SP)."""
-    if layout.cp == 1:
-        return layout.tp if sequence_parallel and layout.tp > 1 else 1
+    """The multiple a sequence must be for `layout` (`spec.sharding.sequence_multiple`)."""
     return sequence_multiple(layout.cp, layout.tp, sequence_parallel)
 
 

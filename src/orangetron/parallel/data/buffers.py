@@ -77,7 +77,7 @@ class DataParallelBuffers:
         self.tp_partials = self.tp is not None and any(p.needs_sync() for p in self.placements.values())
         tied = self.pp is not None and bool(getattr(getattr(module, "cfg", None), "tied_embeddings", False))
         self.tied_group = mesh.pipeline_ends() if tied else None  # every rank builds it, even between the ends
-        self.tied = {n: p for n, p in self.named if n == TIED}.get(TIED) if self.tied_group is not None else None
+        self.tied = dict(self.named).get(TIED) if self.tied_group is not None else None
         self.tied_copy = self.tied is not None and mesh["pp"].rank != 0  # the last stage's copy
         self.held_to_step = self.tp_partials or tied
 
