@@ -840,8 +840,8 @@ MUTANTS = [
            (("    if tp > 1 and (seq_len // cp) % tp:", "    if False:"),),
            ("tests/test_rules.py",)),
     Mutant("train_skips_the_heads_split", "src/orangetron/train/config.py",
-           (("        if split > 1:\n            rules.heads_split_by_all_to_all",
-             "        if split > 99:\n            rules.heads_split_by_all_to_all"),),
+           (("        if split > 1:\n            heads, kv_heads = model.num_heads // self.tp",
+             "        if split > 99:\n            heads, kv_heads = model.num_heads // self.tp"),),
            ("tests/test_rules.py",)),
     # ---- pipeline transfers in one order ------------------------------------------------------------
     Mutant("pipeline_transfers_ordered_by_microbatch_not_by_time", "src/orangetron/spec/transfers.py",
@@ -3223,6 +3223,15 @@ MUTANTS = [
            (('    state = model.sharded_state(optimizer)\n',
              '    state = model.sharded_state(optimizer, writing=True)\n'),),
            ('tests/test_hf_train.py::test_a_tied_qwen2_trains_on_pp2_dp2_as_on_one_device_and_exports',)),
+    Mutant('ulysses_refusal_lists_heads_kv_cannot_split', 'src/orangetron/spec/rules.py',
+           (('heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]', 'heads % d == 0 and kv_heads % d == 0]'),),
+           ('tests/test_context_attention.py::test_ulysses_names_heads_it_cannot_split',)),
+    Mutant('ulysses_refusal_names_the_wrong_option', 'src/orangetron/spec/variants.py',
+           (('return "ulysses_degree" if self.takes_ulysses_degree else "cp"', 'return "ulysses_degree"'),),
+           ('tests/test_rules.py',)),
+    Mutant('typed_value_called_set_by_the_file', 'src/orangetron/cli/wording.py',
+           (('field not in file_fields or field in typed or', 'field not in file_fields or'),),
+           ('tests/test_train.py::test_a_refused_value_that_a_config_file_set_names_the_file',)),
 ]
 
 

@@ -176,9 +176,11 @@ def test_every_mode_equals_one_device(cp):
 def test_ulysses_names_heads_it_cannot_split():
     from orangetron.spec.rules import RuleError, heads_split_by_all_to_all
 
-    with pytest.raises(RuleError, match=r"ulysses degree 4: needs heads per tp rank \(6\) divisible by it and kv heads "
-                       r"per tp rank \(2\)"):
+    with pytest.raises(RuleError, match=r"cp=4: the Ulysses all-to-all splits heads over 4 ranks, and needs heads "
+                       r"per tp rank \(6\) divisible by it and kv heads per tp rank \(2\).*allow cp 1, 2, 6$"):
         heads_split_by_all_to_all(4, 6, 2)
+    with pytest.raises(RuleError, match=r"^ulysses_degree=3: .*these heads allow ulysses_degree 1, 2, 4, 8$"):
+        heads_split_by_all_to_all(3, 8, 2, "ulysses_degree")
     with pytest.raises(RuleError, match=r"kv heads per tp rank \(3\) divisible by it or dividing it"):
         heads_split_by_all_to_all(2, 8, 3)
     heads_split_by_all_to_all(4, 8, 2)  # kv heads dividing the degree: replicated

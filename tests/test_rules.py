@@ -83,8 +83,9 @@ WALK = [
          ("--cp", "3", "--cp-mode", "usp", "--ulysses-degree", "2", "--seq-len", "96"),
          ("--cp", "3", "--dp", "1", "--cp-mode", "usp", "--ulysses-degree", "2", "--seq", "96"),
          lambda: _plan(Degrees(cp=3), seq_len=96, cp_mode="usp", ulysses_degree=2), "mesh", "(usp is Ulysses x ring)"),
-    Walk(rules.heads_split_by_all_to_all, "ulysses degree 3: needs heads per tp rank (8) divisible by it and kv "
-         "heads per tp rank (4) divisible by it or dividing it",
+    Walk(rules.heads_split_by_all_to_all, "cp=3: the Ulysses all-to-all splits heads over 3 ranks, and needs heads "
+         "per tp rank (8) divisible by it and kv heads per tp rank (4) divisible by it or dividing it; these heads "
+         "allow cp 1, 2, 4, 8",
          ("--cp", "3", "--cp-mode", "ulysses", "--seq-len", "96"),
          ("--cp", "3", "--dp", "1", "--cp-mode", "ulysses", "--seq", "96"),
          lambda: _plan(Degrees(cp=3), seq_len=96, cp_mode="ulysses"), "mesh", "divisible by it or dividing it"),

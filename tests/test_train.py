@@ -527,6 +527,28 @@ def test_a_message_that_names_its_flag_after_a_list_gets_no_second_one() -> None
     assert flag_named("seq_len=8 (--seq-len): too short", {"seq_len": "--seq"}) == "seq_len=8 (--seq-len): too short"
 
 
+def test_a_refused_value_that_a_config_file_set_names_the_file(tmp_path, capsys) -> None:
+    """`train --config FILE` refused `tp=3 (--tp)`, and a resume `lr=0.5 (--lr)`, though nobody typed the flag:
+    the user looked for it on the command line. A value the file set says so; a typed one, which overrides the
+    file, does not."""
+    from orangetron.cli import main
+    from orangetron.cli.wording import set_by_file
+
+    config = tmp_path / "bad.toml"
+    config.write_text("tp = 3\nlr = 0.5\n")
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.endswith(f"error: tp=3 (--tp, set by --config {config}): n_heads=8 is not "
+                                            "divisible by tp; the heads allow tp 1, 2, 4, 8\n")
+    assert main(["train", "--config", str(config), "--tp", "3", "--out", str(tmp_path / "run")]) == 2
+    assert "error: tp=3 (--tp): n_heads=8" in capsys.readouterr().err
+    flags = {"lr": "--lr", "tp": "--tp"}
+    said = "lr=0.5 (--lr): the run was recorded with lr=0.002"
+    assert set_by_file(said, flags, set(), "f.toml", {"lr"}) == said.replace("(--lr)", "(--lr, set by --config f.toml)")
+    assert set_by_file(said, flags, {"lr"}, "f.toml", {"lr"}) == said  # typed: the command line set it
+    assert set_by_file(said, flags, set(), "f.toml", {"tp"}) == said  # the file does not give it
+    assert set_by_file(said, flags, set(), None, {"lr"}) == said
+
+
 def test_a_routed_model_that_diverges_after_a_matching_first_step_is_explained():
     """In float32 a tiny MoE model on dp 2 matched one rank at step 1 (2.8e-7) and failed at step 2 (3.1e-5),
     while the same model routing every token to every expert stayed at 4e-7: a near tie in the router flipped

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from orangetron import __version__
-from orangetron.cli.wording import flag_named, flags_of, typed_flags
+from orangetron.cli.wording import flag_named, flags_of, set_by_file, typed_flags
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -82,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         if isinstance(err, ValueError):  # a rule names the option's field: say which flag sets it
             message = flag_named(str(err), flags_of(args.own_parser))
+            message = set_by_file(message, flags_of(args.own_parser), args.typed, getattr(args, "config", None),
+                                  _file_fields(getattr(args, "config", None)))
         print(f"{args.own_parser.prog}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -90,6 +92,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader (`| head`) left: what it did not read is not an error to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 141
+
+
+def _file_fields(config: str | None) -> set[str]:
+    """The fields a --config file gives (none when there is no file, or it cannot be read: its own error says
+    so)."""
+    from orangetron.train.config_file import read_toml
+
+    try:
+        return {key.replace("-", "_") for key in read_toml(config)} if config else set()
+    except (OSError, ValueError):
+        return set()
 
 
 def _owner(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],

@@ -37,6 +37,17 @@ def flag_named(message: str, flags: dict[str, str]) -> str:
     return f"{message[:found.end()]} ({flags[field]}){message[found.end():]}"
 
 
+def set_by_file(message: str, flags: dict[str, str], typed: set[str], config: str | None,
+                file_fields: set[str]) -> str:
+    """`message` with "(--flag)" after its leading field told "(--flag, set by --config FILE)" when the command
+    line did not type the flag and the file gave the field: the user looks in the file, not at the command."""
+    found = _LEADING_FIELD.match(message)
+    field = found.group(1) if found else None
+    if not config or field not in file_fields or field in typed or field not in flags:
+        return message
+    return message.replace(f" ({flags[field]})", f" ({flags[field]}, set by --config {config})", 1)
+
+
 def typed_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Each flag `parser`'s command line holds (`parser.given`, kept as it parses: cli/__init__.py), whatever its
     value, with the option (dest) it sets, in the parser's order: a file's value may not stand in for it."""

@@ -90,7 +90,7 @@ def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str, ulysses_de
         if degree > 1:
             heads = attention.wq.weight.shape[0] // attention.head_dim
             kv_heads = attention.wk.weight.shape[0] // attention.head_dim
-            rules.heads_split_by_all_to_all(degree, heads, kv_heads)
+            rules.heads_split_by_all_to_all(degree, heads, kv_heads, record.head_split_field)
         core = context.ContextParallelAttention(mesh, mode, ulysses_degree if record.takes_ulysses_degree else None,
                                                 impl=attention.core_attention.impl)
         replace_module(model, f"layers.{i}.attention.core_attention", core)

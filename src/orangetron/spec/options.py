@@ -387,4 +387,5 @@ def _validate_context_mode(model: ModelSpec, degrees: Degrees, job: Job) -> None
     rules.ulysses_degree_divides_cp(job.ulysses_degree, c)
     split = mode.head_split(c, job.ulysses_degree)
     if split > 1:
-        rules.heads_split_by_all_to_all(split, model.num_heads // degrees.tp, max(1, model.kv_heads // degrees.tp))
+        heads, kv_heads = model.num_heads // degrees.tp, max(1, model.kv_heads // degrees.tp)
+        rules.heads_split_by_all_to_all(split, heads, kv_heads, mode.head_split_field)

@@ -74,12 +74,15 @@ def ulysses_degree_divides_cp(ulysses_degree: int, cp: int) -> None:
         _fail(f"ulysses_degree={ulysses_degree}: must divide cp={cp} (usp is Ulysses x ring)")
 
 
-def heads_split_by_all_to_all(degree: int, heads: int, kv_heads: int) -> None:
+def heads_split_by_all_to_all(degree: int, heads: int, kv_heads: int, field: str = "cp") -> None:
     """An all-to-all to head shards over `degree` ranks needs this tp rank's heads divisible by it, and its kv
-    heads divisible by it or dividing it (replicated up to one per rank)."""
+    heads divisible by it or dividing it (replicated up to one per rank). `field` names the option that set the
+    degree: cp under cp_mode ulysses, ulysses_degree under usp."""
     if heads % degree or (kv_heads % degree and degree % kv_heads):
-        _fail(f"ulysses degree {degree}: needs heads per tp rank ({heads}) divisible by it and kv heads per tp "
-              f"rank ({kv_heads}) divisible by it or dividing it")
+        fits = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        _fail(f"{field}={degree}: the Ulysses all-to-all splits heads over {degree} ranks, and needs heads per tp "
+              f"rank ({heads}) divisible by it and kv heads per tp rank ({kv_heads}) divisible by it or dividing "
+              f"it; these heads allow {field} {', '.join(map(str, fits))}")
 
 
 # ---- expert parallelism -------------------------------------------------------------------------------

@@ -164,6 +164,11 @@ class ContextMode(Variant):
     # packed documents, the blocks no later member sees (plan/traffic.py); None: priced as one sequence
     packed_ring: Callable[..., tuple[int, str]] | None = None
 
+    @property
+    def head_split_field(self) -> str:
+        """The option whose value is the head split's degree, for a refusal to name."""
+        return "ulysses_degree" if self.takes_ulysses_degree else "cp"
+
 
 @dataclass(frozen=True)
 class Dispatcher(Variant):

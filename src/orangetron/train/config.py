@@ -159,7 +159,8 @@ class TrainConfig(Layout, ParallelConfig):
             rules.ulysses_degree_divides_cp(self.ulysses_degree, self.cp)
         split = mode.head_split(self.cp, self.ulysses_degree)
         if split > 1:
-            rules.heads_split_by_all_to_all(split, model.num_heads // self.tp, max(1, model.num_kv_heads // self.tp))
+            heads, kv_heads = model.num_heads // self.tp, max(1, model.num_kv_heads // self.tp)
+            rules.heads_split_by_all_to_all(split, heads, kv_heads, mode.head_split_field)
 
     def ineffective_options(self) -> list[str]:
         """One line for each option set away from its default that does nothing on this run: a flag for a

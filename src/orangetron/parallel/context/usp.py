@@ -34,7 +34,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple[M
     `impl` is the block kernel and `documents` those of packed rows (`blocks.attend`)."""
     ring_group, ulysses_group = groups
     u, cp = ulysses_group.size, ring_group.size * ulysses_group.size
-    rules.heads_split_by_all_to_all(u, q.shape[2], k.shape[2])
+    rules.heads_split_by_all_to_all(u, q.shape[2], k.shape[2], "ulysses_degree")
     kv = pack(k, v)
     if kv.shape[2] < u:
         kv = expand_kv(kv, u)  # one kv head per Ulysses rank
