@@ -1493,7 +1493,7 @@ MUTANTS = [
            (("    cast = CAST_OPS[job.fp8_recipe] if job.fp8 else 0", "    cast = 0"),),
            ("tests/test_plan_host.py::test_operations_by_hand",)),
     Mutant("host_op_time_back_to_the_set_10us", "src/orangetron/plan/timing.py",
-           (("    host_op_s: float = 41e-6", "    host_op_s: float = 10e-6"),),
+           (("    host_op_s: float = 37e-6", "    host_op_s: float = 10e-6"),),
            ("tests/test_plan_validation.py::test_host_operation_time_is_fitted_on_every_calibration_moe_row_and_shipped",)),
     Mutant("valid_refit_ignores_the_published_figures", "src/orangetron/plan/validation.py",
            (("        loss += log_error(run, gpu) ** 2", "        loss += math.log(predict(run, gpu)) ** 2"),),
@@ -3232,6 +3232,16 @@ MUTANTS = [
     Mutant('typed_value_called_set_by_the_file', 'src/orangetron/cli/wording.py',
            (('field not in file_fields or field in typed or', 'field not in file_fields or'),),
            ('tests/test_train.py::test_a_refused_value_that_a_config_file_set_names_the_file',)),
+    Mutant('host_counts_no_qk_norm', 'src/orangetron/plan/host.py',
+           (('    shared = LAYER_FORWARD_OPS + (QK_NORM_OPS if model.qk_norm else 0)\n',
+             '    shared = LAYER_FORWARD_OPS\n'),),
+           ('tests/test_plan_host.py::test_operations_by_hand',)),
+    Mutant('qwen3_preset_without_qk_norm', 'src/orangetron/spec/presets/models/qwen3-30b-a3b.toml',
+           (('qk_norm = true', 'qk_norm = false'),),
+           ('tests/test_hf.py::test_a_preset_is_the_import_of_the_config_it_names',)),
+    Mutant('llama3_preset_at_the_default_max_seq_len', 'src/orangetron/spec/presets/models/llama3-70b.toml',
+           (('max_seq_len = 8192  # max_position_embeddings\n', ''),),
+           ('tests/test_hf.py::test_a_preset_is_the_import_of_the_config_it_names',)),
 ]
 
 

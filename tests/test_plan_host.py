@@ -15,24 +15,26 @@ QWEN = load_model("qwen3-30b-a3b")  # 128 experts, top 8: 16 local experts over 
 
 
 def test_operations_by_hand():
-    """36 shared forward operations, 72 backward; per local expert 2 GEMMs forward and 4 backward (dgrad and
-    wgrad of each projection), plus one FP8 cast per GEMM input forward and per output gradient backward."""
-    deg = Degrees(dp=8, ep=8)
-    assert host.layer_ops(QWEN, deg, Job(seq_len=4096)) == (36 + 16 * 2, 72 + 16 * 4)
-    assert host.layer_ops(QWEN, deg, Job(seq_len=4096, fp8=True)) == (36 + 16 * 4, 72 + 16 * 6)
+    """36 shared forward operations (38 with Qwen3's QK-norm: a norm over the query heads and one over the key
+    heads), twice as many backward; per local expert 2 GEMMs forward and 4 backward (dgrad and wgrad of each
+    projection), plus one FP8 cast per GEMM input forward and per output gradient backward."""
+    deg, shared = Degrees(dp=8, ep=8), 36 + 2
+    assert host.layer_ops(QWEN, deg, Job(seq_len=4096)) == (shared + 16 * 2, 2 * shared + 16 * 4)
+    assert host.layer_ops(replace(QWEN, qk_norm=False), deg, Job(seq_len=4096)) == (36 + 16 * 2, 72 + 16 * 4)
+    assert host.layer_ops(QWEN, deg, Job(seq_len=4096, fp8=True)) == (shared + 16 * 4, 2 * shared + 16 * 6)
     # A blockwise cast is one kernel too; current scaling issues three per cast (amax, scale, cast).
     assert host.layer_ops(QWEN, deg, Job(seq_len=4096, fp8=True, fp8_recipe="blockwise")) == \
-        (36 + 16 * 4, 72 + 16 * 6)
+        (shared + 16 * 4, 2 * shared + 16 * 6)
     assert host.layer_ops(QWEN, deg, Job(seq_len=4096, fp8=True, fp8_recipe="current")) == \
-        (36 + 16 * 2 * (1 + 3), 72 + 16 * 2 * (2 + 3))
+        (shared + 16 * 2 * (1 + 3), 2 * shared + 16 * 2 * (2 + 3))
     # Chunked dispatch runs each chunk's experts as their own GEMMs; ep 1 holds every expert.
-    assert host.layer_ops(QWEN, deg, Job(seq_len=4096, ep_overlap_chunks=2)) == (36 + 32 * 2, 72 + 32 * 4)
-    assert host.layer_ops(QWEN, Degrees(dp=8), Job(seq_len=4096)) == (36 + 128 * 2, 72 + 128 * 4)
+    assert host.layer_ops(QWEN, deg, Job(seq_len=4096, ep_overlap_chunks=2)) == (shared + 32 * 2, 2 * shared + 32 * 4)
+    assert host.layer_ops(QWEN, Degrees(dp=8), Job(seq_len=4096)) == (shared + 128 * 2, 2 * shared + 128 * 4)
 
 
 def test_each_pass_takes_the_slower_of_gpu_and_host():
     deg, job, op = Degrees(dp=8, ep=8), Job(seq_len=4096), 10e-6
-    forward, backward = 68 * op, 136 * op
+    forward, backward = 70 * op, 140 * op
     assert host.paced_seconds(1.0, 2.0, QWEN, deg, job, op) == 3.0  # GPU-bound: untouched
     assert host.paced_seconds(0.0, 0.0, QWEN, deg, job, op) == pytest.approx(forward + backward)
     # A GPU-bound forward does not lend its slack to a host-bound backward.

@@ -171,11 +171,12 @@ def test_partial_recompute_reaches_the_top_from_far_behind():
     compute model is idealized so that this holds by a margin: a host that is never the bottleneck (`host_op_s` 0;
     host pacing hides part of a replay's cost) and hidden communication that costs nothing (`overlap_contention` 0;
     the fastest layout that replays nothing is a ZeRO-3 one, whose hidden gathers would add their contention; with
-    the shipped contention the premise falls just short, 1.49 times)."""
+    the shipped contention the premise falls just short, 1.49 times). The memory bound was set for the preset
+    without its QK-norm, which the test keeps off (its saved inputs move the layouts that fit)."""
     from orangetron.plan.timing import DEFAULT_EFFICIENCY
     from orangetron.spec.hardware import GIB
 
-    model, cluster = load_model("qwen3-30b-a3b"), make_cluster("h100", 32)
+    model, cluster = replace(load_model("qwen3-30b-a3b"), qk_norm=False), make_cluster("h100", 32)
     space = SearchSpace(tp=(2,), cp=(8, 16), pp=(1,), zero=("distopt", "zero3"), micro_batch=(1,),
                         virtual_stages=(1,), cp_mode=("ring", "allgather"), recompute=("none", "full"))
     fraction = 35.2 * GIB / cluster.gpu.memory_bytes

@@ -242,7 +242,8 @@ def test_both_commands_refuse_a_file_whose_batch_does_not_split_over_its_micro_b
     capsys.readouterr()
     for argv in (["train", "--config", str(path)], ["estimate", "--config", str(path), "--gpu", "h100"]):
         assert cli.main(argv) == 2, argv
-        assert f"batch_size={batch} (--batch-size): must divide by dp*microbatches={dp * bad}" in \
+        flag = f"--batch-size, set by --config {path}" if argv[0] == "train" else "--batch-size"
+        assert f"batch_size={batch} ({flag}): must divide by dp*microbatches={dp * bad}" in \
             capsys.readouterr().err, argv
 
 

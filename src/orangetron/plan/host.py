@@ -13,7 +13,8 @@ the time its host takes to issue it. The backward, with no such read, is paced t
 of alike layers takes the longer of the two sums.
 
 Counted per MoE layer and micro-batch on one GPU (`layer_ops`), forward: `FORWARD_OPS`, the operations that do
-not repeat per expert, as Megatron-Core issues them with Transformer Engine, the all-to-all dispatcher and the
+not repeat per expert (and a norm over the query and the key heads where the model has QK-norm), as
+Megatron-Core issues them with Transformer Engine, the all-to-all dispatcher and the
 unfused permutation (`moe_utils.permute` / `unpermute`); plus, per local expert, `EXPERT_GEMMS` GEMMs (up and
 down projection) and an FP8 cast of each GEMM input (`CAST_OPS` operations, by recipe). Backward:
 `BACKWARD_OPS_RATIO` times the forward's shared operations (an autograd node launches about one kernel per input
@@ -36,6 +37,7 @@ FORWARD_OPS = {
     "combine": 5,  # unsort, all-to-all, unpermutation (zeros, scatter-add), residual
 }
 LAYER_FORWARD_OPS = sum(FORWARD_OPS.values())
+QK_NORM_OPS = 2  # a norm over each query head and each key head (Qwen3), before RoPE
 BACKWARD_OPS_RATIO = 2  # backward operations per forward one (an autograd node: one kernel per input gradient)
 EXPERT_GEMMS = 2  # up (gate and up fused) and down projection per expert
 # Operations a MoE layer's backward issues again per replayed module (`Job.recompute_modules`): the pre-MLP norm
@@ -55,8 +57,9 @@ def layer_ops(model: ModelSpec, deg: Degrees, job: Job) -> tuple[int, int]:
     excluded."""
     experts = max(1, model.num_experts // deg.ep) * job.ep_overlap_chunks
     cast = CAST_OPS[job.fp8_recipe] if job.fp8 else 0  # per GEMM input (forward) and output gradient (backward)
-    forward = LAYER_FORWARD_OPS + experts * EXPERT_GEMMS * (1 + cast)
-    backward = BACKWARD_OPS_RATIO * LAYER_FORWARD_OPS + experts * EXPERT_GEMMS * (2 + cast)
+    shared = LAYER_FORWARD_OPS + (QK_NORM_OPS if model.qk_norm else 0)
+    forward = shared + experts * EXPERT_GEMMS * (1 + cast)
+    backward = BACKWARD_OPS_RATIO * shared + experts * EXPERT_GEMMS * (2 + cast)
     return forward, backward
 
 

@@ -89,7 +89,7 @@ class Efficiency:
     overlap_contention: float = 0.10  # hidden communication still costs this share of its time (NCCL SMs, HBM)
     # Host time per operation a MoE layer issues (plan/host.py): the framework's Python, autograd, dispatch and
     # launch around it. Fitted on the calibration MoE rows (validation_runs.toml, `[[fitted_efficiency]]`).
-    host_op_s: float = 41e-6
+    host_op_s: float = 37e-6
 
 
 DEFAULT_EFFICIENCY = Efficiency()
