@@ -314,5 +314,33 @@ def test_dispatcher_configuration_errors():
         Dispatcher(group, 3)
     with pytest.raises(RuleError, match=r"dispatcher='dense': must be one of ragged, capacity, allgather$"):
         Dispatcher(group, 4, mode="dense")
-    with pytest.raises(ParallelConfigError, match=r"capacity_factor=0: must be positive"):
+    with pytest.raises(ParallelConfigError, match=r"capacity_factor=0: must be positive and finite"):
         Dispatcher(group, 4, mode="capacity", capacity_factor=0)
+    with pytest.raises(ParallelConfigError, match=r"capacity_factor=inf: must be positive and finite"):
+        Dispatcher(group, 4, mode="capacity", capacity_factor=float("inf"))
+
+
+def test_a_huge_capacity_factor_keeps_every_token_instead_of_overflowing():
+    """`--capacity-factor 1e300`, a way to ask that nothing drop, overflowed the int64 compare of each
+    assignment's place in its expert against the slots (a rank died mid-step); an expert takes each token once
+    at most, so its slots stop at the tokens, in the runtime and the planner alike."""
+    from orangetron.parallel.expert.capacity import capacity, kept_slots
+    from orangetron.spec.dispatchers import capacity_slots
+
+    assert capacity(10, 2, 4, 1e300) == 10 and capacity(10, 2, 4, 1.0) == 5 and capacity(10, 2, 4, 1.5) == 8
+    spec = ModelSpec(name="t", hidden_size=DIM, num_layers=1, num_heads=1, vocab_size=8, num_experts=4, top_k=2,
+                     moe_ffn_hidden_size=HIDDEN)
+    assert capacity_slots(spec, 10, Job(seq_len=8, capacity_factor=1e300)) == 10
+    assert capacity_slots(spec, 10, Job(seq_len=8, capacity_factor=1.5)) == 8
+    idx = torch.tensor([[0, 1]] * 10)
+    keep = kept_slots(idx, torch.rand(10, 2), 4, capacity(10, 2, 4, 1e300), "probs")
+    assert bool(keep.all())
+    # The planner's padded expert rows stop where the slots do: from num_experts / top_k up, one price.
+    from orangetron.plan.timing import step_time
+    from orangetron.spec.hardware import make_cluster
+    from orangetron.spec.model import load_model
+
+    mixtral, cluster, deg = load_model("mixtral-8x7b"), make_cluster("h100", 8), Degrees(dp=8, ep=8)
+    times = [step_time(mixtral, deg, Job(seq_len=4096, dispatcher="capacity", capacity_factor=f), cluster).step_s
+             for f in (2.0, 4.0, 8.0, 1e300)]
+    assert times[0] < times[1] == times[2] == times[3]

@@ -254,6 +254,11 @@ def test_a_folder_given_as_the_architecture_or_without_a_tokenizer_is_warned_of(
                                 "tokenizer='byte' (--tokenizer), not its own; leave --tokenizer out to train on those"]
     assert TrainConfig(hf_model=str(folder), tokenizer=str(folder), steps=2, warmup=0,
                        corpus_bytes=60_000).warnings() == []  # the folder's own, named
+    # A resume trains the checkpoint's weights on its record's tokenizer (a copy `tokenizer export` wrote, after
+    # the folder's own was retrained, say): the folder's tokenizer says nothing about them.
+    resumed = TrainConfig(hf_model=str(folder), tokenizer="byte", steps=2, warmup=0, corpus_bytes=60_000,
+                          out=str(tmp_path / "run"), resume=True)
+    assert resumed.warnings() == []
     narrow = hf_models.llama(tmp_path / "narrow", vocab_size=200)
     hf_models.add_tokenizer(narrow)  # 300 ids
     with pytest.raises(ValueError, match=r"\(--hf-model, the folder's\): 300 token ids, more than the model's "

@@ -128,6 +128,9 @@ def test_folded_expert_degrees_and_errors():
     layout = Layout(tp=4, cp=2, dp=2, ep=4, etp=2, expert_fold=True)
     assert layout.edp == 2 and layout.expert_mesh_shape() == (1, 2, 4, 2)
     assert str(layout) == "tp=4 cp=2 pp=1 dp=2 ep=4 etp=2 edp=2 (folded)"
+    # experts split over tp without folding price apart from whole ones: estimate's header read alike for both
+    assert str(Layout(tp=2, dp=4, ep=4, etp=2)) == "tp=2 cp=1 pp=1 dp=4 ep=4 etp=2"
+    assert str(Layout(tp=2, dp=4, ep=4)) == "tp=2 cp=1 pp=1 dp=4 ep=4"
     with pytest.raises(LayoutError, match=r"ep=3 x etp=1: must divide the tp\*cp\*dp=8 ranks"):
         Layout(tp=4, dp=2, ep=3, expert_fold=True)
     with pytest.raises(LayoutError, match="needs ep or etp above 1"):

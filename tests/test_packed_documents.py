@@ -217,3 +217,22 @@ def test_packed_attention_keeps_what_one_causal_call_keeps():
             model(tokens, position_ids=torch.arange(16), documents=documents).sum().backward()
         peaks.append(meter.peak_bytes)
     assert peaks[0] > 0 and peaks[1] == peaks[0]
+
+
+def test_a_planned_run_packs_a_prepared_dataset_as_a_plain_run_does(tmp_path, capsys):
+    """`plan --emit-config` wrote `pack_documents = false` (resolved with no data), so `train --config plan.toml
+    --data DATASET` trained across the dataset's document boundaries, unsaid, where `train --data DATASET`
+    packs. The file leaves packing to the data."""
+    from orangetron import cli
+
+    (tmp_path / "a.txt").write_text("first document\n\n\nsecond one, longer " * 40)
+    prepare_data([str(tmp_path / "a.txt")], tmp_path / "ds", "byte", progress=False)
+    plan = tmp_path / "plan.toml"
+    assert cli.main(["plan", "--model", "tiny", "--gpus", "1", "--seq", "32", "--global-batch", "2",
+                     "--param-dtype", "float64", "--emit-config", str(plan)]) == 0
+    assert "pack_documents" not in plan.read_text()
+    capsys.readouterr()
+    assert cli.main(["train", "--config", str(plan), "--data", str(tmp_path / "ds"), "--steps", "1",
+                     "--out", str(tmp_path / "run")]) == 0
+    assert "pack_documents = true" in (tmp_path / "run" / "config.toml").read_text()
+    assert f"prepared dataset {tmp_path / 'ds'} in packed documents, " in capsys.readouterr().err  # said at start

@@ -449,6 +449,11 @@ def test_estimate_from_toml_file(tmp_path, capsys):
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "-64"], "--global-batch=-64: must be >= 1"),
     (["plan", "--model", "llama3-8b", "--gpus", "16", "--nic-gbps", "0"], "--nic-gbps=0.0: must be > 0"),
     (["estimate", "--model", "llama3-8b", "--overhead-gib", "-1"], "--overhead-gib=-1.0: must be >= 0"),
+    # infinity gave a traceback, NaN a message without the flag
+    (["estimate", "--model", "llama3-8b", "--overhead-gib", "inf"], "--overhead-gib=inf: must be >= 0 and finite"),
+    (["estimate", "--model", "llama3-8b", "--overhead-gib", "nan"], "--overhead-gib=nan: must be >= 0 and finite"),
+    (["estimate", "--model", "mixtral-8x7b", "--gpus", "8", "--ep", "8", "--dispatcher", "capacity",
+      "--capacity-factor", "inf"], "capacity_factor=inf (--capacity-factor): must be positive and finite"),
     (["estimate", "--model", "llama3-8b", "--overhead-fraction", "-0.5"], "--overhead-fraction=-0.5: must be >= 0"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--overhead-fraction", "1"], "--overhead-fraction=1.0: must"),
     (["estimate", "--model", "clip-vit-bigg14"], "error: model clip-vit-bigg14 is a dual encoder"),

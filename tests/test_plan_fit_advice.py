@@ -77,7 +77,7 @@ def test_suggestions_keep_the_batch_a_default_gave_and_a_dp_that_was_given(capsy
     _each_suggestion_reproduced(capsys, LONG_8B, est)
     assert cli.main(LONG_8B) == 0
     suggested = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --")]
-    assert "--recompute full --tp 4 --sequence-parallel --dp 1 --global-batch 4" in suggested
+    assert "--recompute full --recompute-layers 20 --tp 4 --sequence-parallel --dp 1 --global-batch 4" in suggested
     given = [*LLAMA70, "--dp", "4", "--seq", "8192", "--global-batch", "64", "--tp", "4", "--gpus", "32"]  # pp 2
     assert cli.main([*given, "--json"]) == 0
     est = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -109,8 +109,15 @@ def test_sequence_parallelism_is_offered_and_comes_with_every_larger_tp(capsys) 
              "--global-batch", "64"]
     assert cli.main([*small, "--json"]) == 0
     _each_suggestion_reproduced(capsys, small, json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert cli.main(small) == 0
-    offered = [line.split(":")[0].strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --")]
+    # every change that fits, beyond the three printed (ZeRO-3 stands first there)
+    from orangetron.plan.estimate import estimate
+    from orangetron.plan.fit_advice import fixes
+    from orangetron.spec.hardware import make_cluster
+    from orangetron.spec.model import load_model
+    from orangetron.spec.options import Degrees, Job
+
+    est = estimate(load_model("llama3-8b"), Degrees(dp=8), Job(seq_len=8192, global_batch=64), make_cluster("h100", 8))
+    offered = [fix.change for fix in fixes(est)]
     assert [s for s in offered if "--tp" in s] and all("--sequence-parallel" in s for s in offered if "--tp" in s)
 
 
@@ -139,8 +146,8 @@ def test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_ran
     err = capsys.readouterr().err
     assert "largest: activations 304.6, optimizer 59.8, buffers 44.9 GiB" in err
     suggested = [line.split(":")[0].strip() for line in err.splitlines() if line.startswith("  --")]
-    assert "--recompute full --tp 4 --sequence-parallel --dp 1" in suggested
-    assert "--recompute full --zero-stage 3 --tp 2 --sequence-parallel --dp 2" in suggested
+    assert "--recompute full --recompute-layers 20 --tp 4 --sequence-parallel --dp 1" in suggested
+    assert "--recompute full --recompute-layers 30 --zero-stage 3 --tp 2 --sequence-parallel --dp 2" in suggested
     assert not [s for s in suggested if "--zero-stage" in s and "--tp 4" in s]
 
 
@@ -215,7 +222,31 @@ def test_module_recompute_is_suggested_and_full_recompute_replaces_it(capsys) ->
     plain = _suggestions(capsys)
     assert list(plain)[0] == f"--recompute-modules {modules}"
     assert plain[f"--recompute-modules {modules}"].startswith(_priced(capsys, "--recompute-modules", modules))
-    assert plain["--recompute full"].startswith(_priced(capsys, "--recompute", "full"))
+    # full recompute fits on the first 2 layers of each chunk, as plan ranks it: fewer replays are never slower
+    partial = "--recompute full --recompute-layers 2"
+    assert plain[partial].startswith(_priced(capsys, "--recompute", "full", "--recompute-layers", "2"))
     some = _suggestions(capsys, "--recompute-modules", "mla_up_proj")
-    assert some["--recompute full (no --recompute-modules)"] == plain["--recompute full"]
+    assert some[f"{partial} (no --recompute-modules)"] == plain[partial]
     assert some[f"--recompute-modules {modules}"] == plain[f"--recompute-modules {modules}"]
+
+
+def test_the_advice_reaches_the_layout_plan_ranks_first(capsys) -> None:
+    """Qwen3-30B-A3B on 8 H100 at ep 8 and 8192 tokens: the advice said no change of up to three fits and to add
+    GPUs, while `plan`'s first row ran these very degrees with ZeRO-3 reducing every micro-batch and full
+    recompute of 42 of the 48 layers. It now tries both (the reduction, and full recompute on the fewest layers
+    that fit), and its first suggestion is that row."""
+    command = ["estimate", "--model", "qwen3-30b-a3b", "--gpu", "h100", "--gpus", "8", "--ep", "8", "--seq", "8192",
+               "--global-batch", "64"]
+    assert cli.main([*command, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    steps = _each_suggestion_reproduced(capsys, command, est)
+    assert cli.main(["plan", *command[1:], "--ep", "8", "--tp", "1", "--pp", "1", "--cp", "1", "--top", "1",
+                     "--json"]) == 0
+    top = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ranked"][0]
+    job = top["job"]
+    assert (job["zero_stage"], job["zero3_reduce_every_microbatch"], job["recompute"]) == (3, True, "full")
+    assert cli.main(command) == 0
+    first = next(line.strip() for line in capsys.readouterr().err.splitlines() if line.startswith("  --"))
+    assert first.startswith(f"--recompute full --recompute-layers {job['recompute_layers']} --zero-stage 3 "
+                            "--zero3-reduce-every-microbatch:")
+    assert steps[0] == top["step_time_s"]

@@ -73,7 +73,8 @@ def test_model_from_file(tmp_path):
     ("hidden_size = = 3\n", "invalid TOML"),
     # A run's config file given as the model says so, rather than listing its keys as near misses of a model's.
     ("model = 'tiny'\nseq_len = 16\nbatch_size = 4\ndp = 2\n[model_source]\nx = 1\n",
-     "a run's config file \\(it sets model, batch_size\\), not a model file: give it with --config"),
+     "a run's config file \\(it sets model, batch_size\\), not a model file: `train --config` and `estimate "
+     "--config` take it, and --model the model it names"),
     # A quoted boolean is a non-empty string, which Python reads as true: refused, not a tied or QK-normed model.
     ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\ntied_embeddings = 'false'\n",
      "tied_embeddings = 'false': must be true or false"),

@@ -96,6 +96,17 @@ def test_rows_the_trainer_does_not_run_are_passed_over_by_name(tmp_path, capsys)
     assert hint in err and len(err.splitlines()) == 1
     bad.write_text('model = "tiny"\nseq_len = 16\nbatch_size = 4\n')
     assert cli.main(["estimate", "--config", str(bad), "--fp8"]) == 0 and "with fp8" in capsys.readouterr().out
+    # So for the expert mesh beyond ep, which estimate --config priced from a file train refuses.
+    moe = 'model = "tiny-moe"\nseq_len = 16\nbatch_size = 4\ntp = 2\ndp = 2\nep = 2\nsequence_parallel = true\n'
+    bad.write_text(moe + "etp = 2\n")
+    assert cli.main(["estimate", "--config", str(bad)]) == 2
+    assert "unknown key 'etp': a planner option, which a run's config file does not hold; give it on the command " \
+        f"line (`orangetron estimate --config {bad} --etp`)" in capsys.readouterr().err
+    bad.write_text(moe)
+    assert cli.main(["estimate", "--config", str(bad), "--etp", "2"]) == 0
+    assert "tp=2 cp=1 pp=1 dp=2 ep=2 etp=2," in capsys.readouterr().out
+    assert cli.main(["estimate", "--config", str(bad), "--etp", "2", "--edp", "1"]) == 0
+    assert "ep=2 etp=2 edp=1 (folded)," in capsys.readouterr().out
     # A planner option the file owns under the trainer's name points to that name, not to a flag refused with it.
     bad.write_text('model = "tiny"\nseq_len = 16\nglobal_batch = 4\n')
     assert cli.main(["estimate", "--config", str(bad)]) == 2

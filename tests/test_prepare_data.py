@@ -360,3 +360,39 @@ def test_a_dataset_too_small_for_one_batch_is_refused_with_the_way_out(tmp_path,
     err = capsys.readouterr().err
     assert "the prepared dataset's training split has" in err and "only 0 samples of seq_len=32; prepare more " \
         "text (orangetron prepare-data) or lower --batch-size / --seq-len" in err
+
+
+def test_a_json_lines_suffix_in_capitals_or_ndjson_is_read_as_json_lines(tmp_path):
+    """`C.JSONL` (and `.ndjson`) was read as one text document: its braces and keys became training text."""
+    from orangetron.train.corpus import file_documents
+
+    for name in ("C.JSONL", "c.Json", "c.ndjson"):
+        path = tmp_path / name
+        path.write_text('{"text": "first"}\n{"text": "second"}\n')
+        assert [text for text, _ in file_documents(path)] == ["first", "second"], name
+
+
+def test_train_data_leaves_out_an_empty_record_as_prepare_data_does(tmp_path):
+    """`train --data` read `{"text": ""}` as a document of the separator alone, where `prepare-data` skips it: the
+    two read one file apart, though the docs say they read it alike."""
+    from orangetron.train.corpus import FILE_SEPARATOR, read_text_documents
+
+    (tmp_path / "e.jsonl").write_text('{"text": "aaa"}\n{"text": ""}\n{"text": "bbb"}\n')
+    (tmp_path / "empty.txt").write_text("")
+    files = [str(tmp_path / "e.jsonl"), str(tmp_path / "empty.txt")]
+    assert read_text_documents(files) == ["aaa" + FILE_SEPARATOR, "bbb"]
+    prepare_data(files, tmp_path / "data", "byte", stream=io.StringIO())
+    meta = json.loads((tmp_path / "data" / "dataset.json").read_text())
+    assert meta["empty_documents_skipped"] == 2 and meta["documents"] == 2
+
+
+def test_a_run_into_its_own_dataset_folder_is_refused(tmp_path, capsys):
+    """`train --data DS --out DS` wrote the run's record, metrics and checkpoints among the dataset's files (a run
+    into its --hf-model or --tokenizer folder was refused), and then its --overwrite was refused too."""
+    (tmp_path / "a.txt").write_text("some text to train on. " * 300)
+    prepare_data([str(tmp_path / "a.txt")], tmp_path / "ds", "byte", stream=io.StringIO())
+    before = sorted(p.name for p in (tmp_path / "ds").iterdir())
+    assert main(["train", "--model", "tiny", "--data", str(tmp_path / "ds"), "--seq-len", "16", "--batch-size", "2",
+                 "--steps", "1", "--out", str(tmp_path / "ds"), "--quiet"]) == 2
+    assert "(--out): the --data folder the run reads" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == before

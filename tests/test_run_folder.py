@@ -743,3 +743,19 @@ def test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints(tmp_
     assert sampled()["checkpoint"].endswith("step-00000003")
     assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf-3")]) == 0
     assert {name: (tmp_path / "hf-3" / name).read_text() for name in read} == read
+
+
+def test_a_resume_by_a_moved_runs_record_continues_that_run(tmp_path, capsys) -> None:
+    """`train --config OLD/config.toml --resume` continued the run at the `out` OLD's record names, not OLD: after
+    `--overwrite` moved a run aside, it trained the new run in the old place, and a moved folder resumed the run
+    left at its old path. The record's own folder is the run it resumes; a move is said."""
+    run, aside = tmp_path / "run", tmp_path / "run.previous-1"
+    base = ["--model", "tiny", "--steps", "3", "--save-every", "1", "--corpus-bytes", "50000", *SMALL]
+    assert _train(capsys, *base, "--out", str(run), "--stop-after", "2")[0] == 0
+    assert _train(capsys, *base, "--out", str(run), "--stop-after", "1", "--overwrite")[0] == 0  # the old one aside
+    newer = sorted(p.name for p in (run / "checkpoints").iterdir())
+    code, _, err = _train(capsys, "--config", str(aside / "config.toml"), "--resume", "--quiet", "--json")
+    assert code == 0 and f"continues the run in {aside}; its record names out={run}" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == newer  # the newer run untouched
+    assert _train(capsys, *base, "--out", str(tmp_path / "whole"))[0] == 0
+    assert _losses(aside) == _losses(tmp_path / "whole")  # the moved run went on as if never stopped

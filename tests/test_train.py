@@ -409,6 +409,41 @@ def test_verify_names_the_step_and_parameter_of_the_largest_gaps(monkeypatch) ->
     assert (result["worst_loss_step"], result["worst_grad_step"], result["worst_grad_param"]) == (3, 2, "b")
 
 
+def test_verify_in_bfloat16_judges_a_gap_past_the_tolerance_against_float64(monkeypatch, capsys) -> None:
+    """An exact layout in bfloat16 failed verify at longer sequences (tiny-moe at 256 tokens on dp 2: 9.0e-2 from
+    one rank, past 5e-2): both runs round, more as a gradient sums more tokens. Against one rank in float64 the
+    layout is no further off than one rank in bfloat16 is, and passes; a layout off by more than rounding fails,
+    and a tolerance given is the whole rule."""
+    from orangetron import cli
+    from orangetron.train import verify as verify_module
+    from orangetron.train.config import TrainConfig
+
+    assert cli.main(["verify", "--model", "tiny-moe", "--seq-len", "256", "--param-dtype", "bfloat16", "--dp", "2",
+                     "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["max_grad_rel_diff"] > result["tolerance"] == 5e-2  # past the fixed tolerance
+    gaps = result["float64_gaps"]
+    assert result["ok"] and gaps["layout"] <= 2 * gaps["one_rank"] and gaps["spread"] == 2
+    assert "ok, judged against float64 (below)" in captured.err
+    assert cli.main(["verify", "--model", "tiny-moe", "--seq-len", "256", "--param-dtype", "bfloat16", "--dp", "2",
+                     "--tolerance", "0.05"]) == 1  # the tolerance given: no float64 judgement
+
+    def trace(shift: float) -> dict:  # one step; the float64 run at shift 0
+        return {"losses": [2.0], "grads": [{"a": torch.tensor([1.0 + shift, -4.0], dtype=torch.float64)}]}
+
+    def runs(one_rank: float, layout: float) -> dict:
+        traces = iter([trace(one_rank), trace(0.0)])  # the one-rank reference, then the float64 one
+        monkeypatch.setattr(verify_module, "_trace", lambda cfg: next(traces))
+        monkeypatch.setattr(verify_module, "launch_local", lambda *args, **kwargs: [trace(layout)] * 2)
+        return verify_module.verify(TrainConfig(model="tiny", dp=2, steps=1, param_dtype="bfloat16"))
+
+    rounding = runs(one_rank=0.3, layout=-0.2)  # 0.5 / 4 apart, past 5e-2; 0.2 against 0.3 from float64
+    assert rounding["ok"] and rounding["float64_gaps"]["layout"] == pytest.approx(0.2 / 4)
+    wrong = runs(one_rank=0.1, layout=-0.3)  # 0.3 from float64 against one rank's 0.1: beyond rounding
+    assert not wrong["ok"] and wrong["float64_gaps"]["one_rank"] == pytest.approx(0.1 / 4)
+
+
 def test_verify_gradient_gap_is_relative_to_the_largest_reference_gradient() -> None:
     from orangetron.train.verify import _gradient_gap
 

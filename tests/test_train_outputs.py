@@ -152,6 +152,9 @@ def test_drop_policy_and_reduce_dtype_are_flags_that_reach_the_runtime_and_its_r
     ("fp8 = true\n", "unknown key 'fp8': a planner option (`orangetron estimate --fp8`), which the trainer"),
     ("recompute-modules = [\"mlp\"]\n", "unknown key 'recompute-modules': a planner option (`orangetron "
                                           "estimate --recompute-modules`)"),
+    # the expert mesh beyond ep was suggested as 'tp' and 'ep'
+    ("etp = 2\n", "unknown key 'etp': a planner option (`orangetron estimate --etp`), which the trainer"),
+    ("edp = 2\n", "unknown key 'edp': a planner option (`orangetron estimate --edp`), which the trainer"),
     # A file used again would move a run aside on every use: --overwrite is for one invocation.
     ("overwrite = true\n", "overwrite: moves the run in --out aside, so it is given on the command line"),
     # The planner's names for what a run's file holds under the trainer's names point to those names.

@@ -94,6 +94,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
 
 
+def _resumed_run(prog: str, config: str, recorded: str | None) -> dict[str, str]:
+    """`--config DIR/config.toml --resume` resumes the run in DIR, the folder whose record the file is, wherever
+    the record says it ran (a run moved, or moved aside by `--overwrite`, left its old `out` in its record, and a
+    resume continued the run found there); a file outside a run folder keeps its own `out`."""
+    from orangetron.train.outputs import holds_checkpoints
+    from orangetron.train.run_folder import CONFIG_FILE
+
+    path = Path(config)
+    folder = (path if path.is_dir() else path.parent).resolve()
+    if not (path.is_dir() or path.name == CONFIG_FILE) or not holds_checkpoints(folder / "checkpoints"):
+        return {}
+    if recorded is not None and Path(recorded).resolve() != folder:
+        print(f"{prog}: note: --config {config} --resume continues the run in {folder}; its record names "
+              f"out={recorded}, where it ran before it moved", file=sys.stderr)
+    return {"out": str(folder)}
+
+
 def _file_fields(config: str | None) -> set[str]:
     """The fields a --config file gives (none when there is no file, or it cannot be read: its own error says
     so)."""
@@ -159,6 +176,8 @@ def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if args.config:
         ignored = getattr(args, "config_ignores", ())
         defaults |= read_config_file(args.config, args.command_parser, ignored)
+        if getattr(args, "resume", False) and "out" not in args.typed:
+            defaults |= _resumed_run(args.own_parser.prog, args.config, defaults.get("out"))
         left_out = [key for key in read_toml(args.config) if key.replace("-", "_") in ignored]
         if left_out:
             print(f"{args.own_parser.prog}: --config {args.config}: leaves out {', '.join(left_out)} (a training "

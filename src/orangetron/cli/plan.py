@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -253,8 +254,8 @@ def _cluster(args: argparse.Namespace, gpus: int) -> Cluster:
 def _overhead(args: argparse.Namespace) -> MemoryOverhead:
     if args.overhead_gib is None and args.overhead_fraction is None:
         return DEFAULT_OVERHEAD
-    if args.overhead_gib is not None and args.overhead_gib < 0:  # named by flag, not by MemoryOverhead's fields
-        raise ValueError(f"--overhead-gib={args.overhead_gib}: must be >= 0")
+    if args.overhead_gib is not None and not 0 <= args.overhead_gib < math.inf:  # named by flag, not by field
+        raise ValueError(f"--overhead-gib={args.overhead_gib}: must be >= 0 and finite")
     if args.overhead_fraction is not None and not 0 <= args.overhead_fraction < 1:
         raise ValueError(f"--overhead-fraction={args.overhead_fraction}: must be >= 0 and < 1 (a share of the "
                          "dynamic allocations)")
@@ -280,14 +281,21 @@ def _degrees(args: argparse.Namespace) -> Degrees:
         if gpus % model_par:
             raise ValueError(f"--gpus={gpus} is not divisible by tp*cp*pp={model_par}")
         dp = gpus // model_par
-    deg = Degrees(tp=args.tp, cp=args.cp, pp=args.pp, dp=dp, ep=args.ep, etp=args.etp,
-                  expert_fold=getattr(args, "edp", None) is not None)
-    if deg.expert_fold and args.edp * deg.ep * deg.etp != deg.tp * deg.cp * deg.dp:
-        raise ValueError(f"--edp={args.edp}: etp x ep x edp = {args.etp * args.ep * args.edp} must equal "
-                         f"tp*cp*dp = {deg.tp * deg.cp * deg.dp}, the ranks of a stage the experts fold over")
+    deg = _expert_mesh(args, {"tp": args.tp, "cp": args.cp, "pp": args.pp, "dp": dp, "ep": args.ep})
     if args.gpus and args.gpus != deg.world_size:
         raise ValueError(f"--gpus={args.gpus} but tp*cp*pp*dp = {deg.world_size}; leave --dp out (dp then takes "
                          f"the GPUs tp*cp*pp leaves) or give --gpus {deg.world_size}")
+    return deg
+
+
+def _expert_mesh(args: argparse.Namespace, dims: dict[str, int]) -> Degrees:
+    """The degrees `dims` with the flags' expert tensor parallelism (`--etp`) and fold (`--edp`): planner-only
+    degrees, which a run's config file does not hold, so `estimate --config` takes them from its command line."""
+    fold = getattr(args, "edp", None) is not None
+    deg = Degrees(**dims, etp=args.etp, expert_fold=fold)
+    if fold and args.edp * deg.ep * deg.etp != deg.tp * deg.cp * deg.dp:
+        raise ValueError(f"--edp={args.edp}: etp x ep x edp = {deg.etp * deg.ep * args.edp} must equal "
+                         f"tp*cp*dp = {deg.tp * deg.cp * deg.dp}, the ranks of a stage the experts fold over")
     return deg
 
 
@@ -299,7 +307,7 @@ def _decoder(name: str) -> ModelSpec:
 
 
 # `estimate`'s flags for what a run's config file holds: with --config the file sets them.
-_FILE_OWNED = ("model", "seq", "global_batch", "param_dtype", "tp", "cp", "pp", "dp", "ep", "etp", "edp",
+_FILE_OWNED = ("model", "seq", "global_batch", "param_dtype", "tp", "cp", "pp", "dp", "ep",
                "virtual_stages", "micro_batch", "recompute", "recompute_layers", "sequence_parallel", "zero_stage",
                "distributed_optimizer", "cp_mode", "ulysses_degree", "capacity_factor", "ep_overlap_chunks",
                "dispatcher", "reduce_dtype", "zero3_reduce_every_microbatch", "zero3_prefetch", "zero3_keep_params",
@@ -315,6 +323,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ValueError(f"--config {args.config} sets the layout and options; {' '.join(given)} would be "
                              "ignored: edit the file, or leave --config out")
         model, deg, job = estimate_job(args.config)
+        deg = _expert_mesh(args, deg.degrees())
         model = model if isinstance(model, ModelSpec) else _decoder(model)
         if job.seq_len > model.max_seq_len:
             raise ValueError(f"--config {args.config}: seq_len={job.seq_len} is longer than the model's max_seq_len="

@@ -200,8 +200,8 @@ def _write(row: Estimate, rank: int, path: Path, hf_model: str | None) -> None:
     # options(): the flags' keys, as a record has them (with `hf_model`, the folder's tokenizer when it has one)
     cfg = TrainConfig(model=row.model, hf_model=hf_model, **train_options(row))
     # The device is the training machine's to choose (its default: cuda where torch sees a GPU), not the one
-    # this plan was made on.
-    options = {k: v for k, v in cfg.options().items() if k not in (*DIRECTIVES, "model", "device")}
+    # this plan was made on; packing is the data's (on for a prepared dataset, which the plan has none of).
+    options = {k: v for k, v in cfg.options().items() if k not in (*DIRECTIVES, "model", "device", "pack_documents")}
     write_resolved_config(path, options, {"model": dataclasses.asdict(row.model)})
     gpu = row.cluster.gpu.name
     # A GPU read from a file may share a preset's name (a copy with another NIC, say): only a preset is named bare,
@@ -258,7 +258,7 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
         name = key.replace("-", "_")
         if name in train_options and not isinstance(value, dict):  # as `train --config` checks it: type, choices
             value = checked_value(path, key, value, train_options[name])
-        if name in layout_fields:
+        if name in layout_fields and name in train_options:  # etp and the fold: planner only, on the command line
             layout[name] = _typed(path, key, value, layout_fields[name].default)
         elif name in parallel_fields:
             parallel[name] = _typed(path, key, value, parallel_fields[name].default)

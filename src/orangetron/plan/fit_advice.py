@@ -1,7 +1,9 @@
 """Why a configuration does not fit, and the cheapest changes that would make it fit, each priced.
 
 The changes tried are the ones a user reaches for, on the same GPUs and global batch: more recompute
-(selective where scores are stored, every module the model can replay, full), a higher ZeRO stage, gradient
+(selective where scores are stored, every module the model can replay, full, which a change that fits then
+replays on the fewest layers of each chunk that fit, as `plan` ranks it), a higher ZeRO stage (ZeRO-3 reducing
+every micro-batch among them, which holds one unit's gradient at a time), gradient
 buckets reduced during backward, sequence parallelism, a larger tp (within a node, sequence-parallel) or pp (the
 data-parallel degree shrinks by as much), and a smaller micro-batch (more micro-batches). Up to three of them are
 combined; each combination is priced by `estimate` in full, and those that fit are ranked by step time, then fewer
@@ -23,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, needed_overhead
-from orangetron.plan.search import BUCKET_NUMEL
+from orangetron.plan.search import BUCKET_NUMEL, fewest_replays_that_fit
 from orangetron.spec.categories import ESTIMATED_TENSORS
 from orangetron.spec.hardware import GIB, gpu_names, load_gpu
 from orangetron.spec.model import ModelSpec, preset_names
@@ -67,9 +69,26 @@ def fixes(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, most_chang
         except ValueError:  # a change this model or layout does not allow (heads, layers, dp left, batch)
             continue
         if priced.fits:
-            found.append(Fix(_flags(est, [flag for flag, _ in made], priced), priced))
+            flags = [flag for flag, _ in made]
+            priced, flags = _fewest_replays(priced, flags, overhead)
+            found.append(Fix(_flags(est, flags, priced), priced))
     found.sort(key=lambda f: (f.estimate.time.step_s, f.change.count("--"), f.estimate.memory["needed"]))
     return _distinct(found)
+
+
+def _fewest_replays(priced: Estimate, flags: list[str], overhead: MemoryOverhead) -> tuple[Estimate, list[str]]:
+    """A fitting change to full recompute made to replay only the first r layers of each chunk, for the fewest r
+    that fit (`search.fewest_replays_that_fit`, as `plan` ranks it): fewer replays are never slower."""
+    job = priced.job
+    if job.recompute != "full" or job.recompute_layers or not any(f.startswith("--recompute full") for f in flags):
+        return priced, flags
+    partial = fewest_replays_that_fit(priced.model, priced.degrees, job, priced.cluster.gpu.memory_bytes, overhead,
+                                      priced.memory["needed"])
+    if not partial.recompute_layers:
+        return priced, flags
+    layers = f"--recompute full --recompute-layers {partial.recompute_layers}"
+    flags = [f.replace("--recompute full", layers, 1) for f in flags]
+    return estimate(priced.model, priced.degrees, partial, priced.cluster, overhead=overhead), flags
 
 
 def _flags(est: Estimate, moves: list[str], priced: Estimate) -> str:
@@ -117,6 +136,9 @@ def _moves(model: ModelSpec, deg: Degrees, job: Job, gpus_per_node: int) -> list
                                                          recompute_modules=()))))
     zero = [keep] + [(f"--zero-stage {z}", lambda d, j, z=z: (d, replace(j, zero_stage=z)))
                      for z in range(job.zero_stage + 1, 4) if deg.dp * deg.cp > 1]
+    if not job.zero3_reduce_every_microbatch and job.replica_microbatches(deg) > 1:  # one unit's .grad at a time
+        flag = ("" if job.zero_stage == 3 else "--zero-stage 3 ") + "--zero3-reduce-every-microbatch"
+        zero.append((flag, lambda d, j: (d, replace(j, zero_stage=3, zero3_reduce_every_microbatch=True))))
     # tp > 1 goes with sequence parallelism, as `plan` ranks it: the same bytes on the wire, activations split
     sp = "" if job.sequence_parallel else " --sequence-parallel"
     tp = [keep] + ([("--sequence-parallel", lambda d, j: (d, replace(j, sequence_parallel=True)))]

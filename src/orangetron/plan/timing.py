@@ -315,14 +315,15 @@ def _swiglu_cache_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluste
 
 
 def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int, gathered: bool = True) -> int:
-    """Token copies this GPU's experts receive on balance (capacity pads them to the factor). Under SP with
-    experts split over tp (etp = tp), each tp rank runs its expert slices on the copies all tp ranks received
-    (`gathered`); the routing permutation happens before that gather."""
+    """Token copies this GPU's experts receive on balance (capacity pads them to the factor, and each expert to no
+    more than the tokens, where `spec.dispatchers.capacity_slots` stops: from the factor num_experts / top_k up).
+    Under SP with experts split over tp (etp = tp), each tp rank runs its expert slices on the copies all tp ranks
+    received (`gathered`); the routing permutation happens before that gather."""
     sp = job.sequence_parallel and deg.tp > 1
-    routed = rows // (deg.tp if sp else 1) * model.top_k
-    if gathered and sp:
-        routed *= deg.etp
-    return int(routed * job.capacity_factor) if DISPATCHERS[job.dispatcher].pads else routed
+    tokens = rows // (deg.tp if sp else 1) * (deg.etp if gathered and sp else 1)
+    routed = tokens * model.top_k
+    padded = min(int(routed * job.capacity_factor), tokens * model.num_experts)
+    return padded if DISPATCHERS[job.dispatcher].pads else routed
 
 
 def _permute_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, rows: int, eff: Efficiency) -> float:

@@ -28,8 +28,9 @@ from orangetron.spec.variants import DISPATCHERS, Dispatcher
 
 
 def capacity_slots(model: Any, tokens: int, job: Any) -> int:
-    """Slots per expert for one rank's `tokens` (the runtime's `parallel.expert.capacity.capacity`)."""
-    return math.ceil(tokens * model.top_k / model.num_experts * job.capacity_factor)
+    """Slots per expert for one rank's `tokens` (the runtime's `parallel.expert.capacity.capacity`): no more than
+    the tokens, of which an expert takes each once at most."""
+    return min(math.ceil(tokens * model.top_k / model.num_experts * job.capacity_factor), tokens)
 
 
 def _capacity_rows(model: Any, tokens: int, job: Any, ep: int) -> int:

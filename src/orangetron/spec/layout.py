@@ -96,7 +96,9 @@ class Layout:
 
     def __str__(self) -> str:
         text = " ".join(f"{name}={getattr(self, name)}" for name in DIMS)
-        return text + (f" etp={self.etp} edp={self.edp} (folded)" if self.expert_fold else "")
+        if self.expert_fold:
+            return f"{text} etp={self.etp} edp={self.edp} (folded)"
+        return f"{text} etp={self.etp}" if self.etp > 1 else text  # experts split over tp: priced apart
 
     # ---- rank <-> coordinates -------------------------------------------------------------------
 

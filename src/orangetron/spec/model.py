@@ -412,7 +412,7 @@ def _spec_from_table(name: str, table: dict) -> ModelSpec:
     run_keys = [key for key in _RUN_FILE_KEYS if key in unknown]
     if run_keys:
         raise ValueError(f"model {name}: a run's config file (it sets {', '.join(run_keys)}), not a model file: "
-                         "give it with --config")
+                         "`train --config` and `estimate --config` take it, and --model the model it names")
     if unknown:
         hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, _SPEC_FIELDS, 1, 0.6))
                  else key for key in unknown]

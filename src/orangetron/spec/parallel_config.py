@@ -9,6 +9,7 @@ under ZeRO-3) is `orangetron.parallel.config.check_runnable`, which the runtime 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,6 +23,13 @@ DROP_POLICIES = ("probs", "position")
 
 class ParallelConfigError(ValueError):
     """A parallel option that cannot run; the message names the field, the value and the rule."""
+
+
+def check_capacity_factor(value: float) -> None:
+    """A capacity factor is a positive finite multiple of an expert's fair share."""
+    if not 0 < value < math.inf:
+        raise ParallelConfigError(f"capacity_factor={value!r}: must be positive and finite (from num_experts / "
+                                  "top_k up, no token is dropped)")
 
 
 @dataclass(frozen=True)
@@ -86,8 +94,7 @@ class ParallelConfig:
             check_int(name, getattr(self, name), minimum=1)
         for name in ("grad_bucket_numel", "recompute_layers"):
             check_int(name, getattr(self, name), minimum=0)
-        if not self.capacity_factor > 0:
-            raise ParallelConfigError(f"capacity_factor={self.capacity_factor!r}: must be positive")
+        check_capacity_factor(self.capacity_factor)
 
     @property
     def shards_optimizer(self) -> bool:

@@ -219,18 +219,19 @@ class TrainConfig(Layout, ParallelConfig):
         if isinstance(self.model, str) and is_hf_folder(self.model):
             notes.append(f"model={self.model!r} (--model) is a Hugging Face folder: only its architecture is used, "
                          f"from random weights; --hf-model {self.model} starts from its weights and tokenizer")
-        if self.hf_model is not None and self.tokenizer == "byte" and Path(self.hf_model).exists() \
-                and not has_tokenizer(self.hf_model):
+        # A resumed run's weights come from its checkpoints, its tokenizer from its record (checked there): the
+        # folder's own tokenizer, retrained since say, says nothing about them.
+        fresh_hf = self.hf_model is not None and not self.resume and Path(self.hf_model).exists()
+        if fresh_hf and self.tokenizer == "byte" and not has_tokenizer(self.hf_model):
             notes.append(f"hf_model={self.hf_model!r} (--hf-model) has no tokenizer files: its weights train on the "
                          "byte tokenizer's ids, not the ones it was trained on; give --tokenizer")
-        if self.hf_model is not None and Path(self.hf_model).exists() and has_tokenizer(self.hf_model) \
-                and not _same_ids(self.hf_model, self.tokenizer):
+        if fresh_hf and has_tokenizer(self.hf_model) and not _same_ids(self.hf_model, self.tokenizer):
             notes.append(f"hf_model={self.hf_model!r} (--hf-model): its weights train on the ids of the prepared "
                          f"dataset's tokenizer {self.tokenizer}, not its own; prepare the data with --tokenizer "
                          f"{self.hf_model} to train on those" if self.prepared_data is not None else
                          f"hf_model={self.hf_model!r} (--hf-model): its weights train on the ids of tokenizer="
                          f"{self.tokenizer!r} (--tokenizer), not its own; leave --tokenizer out to train on those")
-        if self.hf_model is not None and not self.resume and Path(self.hf_model).exists():
+        if fresh_hf:
             notes += _eos_mismatch(self.hf_model, self.tokenizer)
         if self.hf_model is not None and not self.resume and _unreadable_generation_config(self.hf_model):
             notes.append(f"hf_model={self.hf_model!r} (--hf-model): its generation_config.json is not a JSON object; "

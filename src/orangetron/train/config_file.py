@@ -118,6 +118,7 @@ def planner_flags() -> dict[str, str]:
     add_plan_commands(commands)
     flags = {key: action.option_strings[0] for key, action in config_keys(commands.choices["estimate"]).items()}
     planner_only = {f.name for f in dataclasses.fields(Job)} - {f.name for f in dataclasses.fields(ParallelConfig)}
+    planner_only |= {"etp", "edp"}  # the expert mesh beyond ep, which the runtime does not build
     return {key: flags[key] for key in planner_only if key in flags}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 DEFAULT_CORPUS_BYTES = 2_000_000
 FILE_SEPARATOR = "\n\n\n"
-JSON_LINES = (".jsonl", ".json")  # one document per line, its "text" string
+JSON_LINES = (".jsonl", ".json", ".ndjson")  # one document per line, its "text" string; any case
 # Directories of the stdlib that are not "ordinary" library code: third-party packages, the huge
 # regression-test suites (mostly repetitive asserts) and IDLE's GUI code.
 SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
@@ -66,7 +66,8 @@ def read_text_files(paths: Sequence[str | os.PathLike[str]]) -> str:
 
 def read_text_documents(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     """The documents of the files (`file_documents`: a text file is one, a JSON Lines file one per line), all but
-    the last followed by FILE_SEPARATOR.
+    the last followed by FILE_SEPARATOR. An empty one is left out, as `prepare-data` leaves it out: it would be a
+    separator alone.
 
     Raises FileNotFoundError naming the first path that is missing or not a file, ValueError naming the
     first file (and line) that is not UTF-8 text or not a document, and ValueError if `paths` is empty or
@@ -79,8 +80,8 @@ def read_text_documents(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         path = Path(p)
         if not path.is_file():
             raise FileNotFoundError(f"data file {str(path)!r} does not exist or is not a file")
-        texts += [text for text, _ in file_documents(path)]
-    if not any(texts):
+        texts += [text for text, _ in file_documents(path) if text]
+    if not texts:
         raise ValueError(f"data files {[str(p) for p in paths]} are all empty")
     return [text + FILE_SEPARATOR for text in texts[:-1]] + texts[-1:]
 
@@ -89,7 +90,7 @@ def file_documents(path: Path) -> Iterator[tuple[str, int]]:
     """(text, bytes of the file it took) for each document of one data file, as `train --data`, `prepare-data`
     and `tokenizer train` all read it: a text file is one document; a JSON Lines file (JSON_LINES) one per
     non-blank line, its "text" string. A byte-order mark opening the file is not text."""
-    if path.suffix not in JSON_LINES:
+    if path.suffix.lower() not in JSON_LINES:
         data = path.read_bytes()
         yield _utf8(data.removeprefix(codecs.BOM_UTF8), path), len(data)
         return

@@ -2,10 +2,11 @@
 dataset (`train/datasets.py`), a byte-level BPE tokenizer trained offline, and the tokenizer a run's checkpoint
 keeps written back out as files.
 
-Inputs are documents: a text file is one document; a JSONL file (`.jsonl`, `.json`) is one document per line,
-its `"text"` field. `prepare-data` writes each document's ids followed by the tokenizer's EOS (the byte
-tokenizer has none and puts "\\n\\n\\n" between documents, as text files are joined) into tokens.bin, streaming,
-with a progress bar on standard error by bytes read. torch is imported only when a command runs.
+Inputs are documents: a text file is one document; a JSONL file (`.jsonl`, `.json`, `.ndjson`, in any case) is
+one document per line, its `"text"` field. `prepare-data` writes each document's ids followed by the tokenizer's
+EOS (the byte tokenizer has none and puts "\\n\\n\\n" between documents, as text files are joined) into
+tokens.bin, streaming, with a progress bar on standard error by bytes read. torch is imported only when a command
+runs.
 """
 
 from __future__ import annotations

@@ -162,7 +162,8 @@ def claim(cfg: TrainConfig) -> bool:
     if cfg.resume:
         _claim_resume(cfg)
         return False
-    for flag, source in (("--hf-model", cfg.hf_model), ("--tokenizer", cfg.tokenizer)):
+    sources = [("--hf-model", cfg.hf_model), ("--tokenizer", cfg.tokenizer), *(("--data", d) for d in cfg.data or [])]
+    for flag, source in sources:
         if source is not None and Path(source).is_dir() and Path(source).resolve() == Path(cfg.out).resolve():
             raise TrainConfigError(f"out={cfg.out!r} (--out): the {flag} folder the run reads; its checkpoints, "
                                    "record and metrics would mix with those files: give the run a folder of its own")

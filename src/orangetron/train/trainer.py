@@ -420,8 +420,10 @@ def _describe(cfg: TrainConfig, data: RunData) -> str:
         source = f"prepared dataset {cfg.prepared_data}"
     start = f" from {cfg.hf_model}" if cfg.hf_model is not None else ""
     tokenizer = "" if cfg.tokenizer in (None, "byte") else f", tokenizer {cfg.tokenizer}"
+    packed = " in packed documents" if cfg.pack_documents else ""  # a default the data settles: said, as it runs
     return (
-        f"model {name}{start} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.param_dtype}), {source}{tokenizer}, "
+        f"model {name}{start} ({_model_parameters(cfg) / 1e6:.2f}M params, {cfg.param_dtype}), {source}{packed}"
+        f"{tokenizer}, "
         f"{data.n_tokens:,} tokens, {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, "
         f"layout {cfg.layout}{_options_text(cfg)}"
     )

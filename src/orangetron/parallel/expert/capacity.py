@@ -39,8 +39,9 @@ class CapacityOptions(Protocol):
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Slots per expert on one rank: ceil(tokens * top_k / experts * capacity_factor)."""
-    return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
+    """Slots per expert on one rank: ceil(tokens * top_k / experts * capacity_factor), and no more than the
+    tokens, of which an expert takes each once at most (a huge factor, asking that nothing drop, stays a count)."""
+    return min(math.ceil(num_tokens * top_k / num_experts * capacity_factor), num_tokens)
 
 
 def kept_slots(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, slots: int,

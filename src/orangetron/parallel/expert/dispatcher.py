@@ -37,6 +37,7 @@ from orangetron.parallel.config import DROP_POLICIES, ParallelConfigError
 from orangetron.parallel.expert import overlap
 from orangetron.parallel.expert.routing import InFlight, sum_rows
 from orangetron.spec import rules
+from orangetron.spec.parallel_config import check_capacity_factor
 from orangetron.spec.variants import DISPATCHERS
 
 
@@ -50,8 +51,7 @@ class Dispatcher(nn.Module):
         record = DISPATCHERS.runtime_record(mode)
         if drop_policy not in DROP_POLICIES:
             raise ParallelConfigError(f"drop_policy={drop_policy!r}: must be one of {', '.join(DROP_POLICIES)}")
-        if not capacity_factor > 0:
-            raise ParallelConfigError(f"capacity_factor={capacity_factor!r}: must be positive")
+        check_capacity_factor(capacity_factor)
         if num_experts < 1 or num_experts % self.group.size:
             raise ParallelConfigError(f"num_experts={num_experts}: must be a positive multiple of ep="
                                       f"{self.group.size} (experts sit in equal blocks per ep rank)")
