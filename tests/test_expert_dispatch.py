@@ -8,6 +8,7 @@ of one batch and the experts in contiguous blocks.
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -328,6 +329,7 @@ def test_a_huge_capacity_factor_keeps_every_token_instead_of_overflowing():
     from orangetron.spec.dispatchers import capacity_slots
 
     assert capacity(10, 2, 4, 1e300) == 10 and capacity(10, 2, 4, 1.0) == 5 and capacity(10, 2, 4, 1.5) == 8
+    assert capacity(4096, 8, 128, sys.float_info.max) == 4096  # not multiplied out: 1e305 overflowed
     spec = ModelSpec(name="t", hidden_size=DIM, num_layers=1, num_heads=1, vocab_size=8, num_experts=4, top_k=2,
                      moe_ffn_hidden_size=HIDDEN)
     assert capacity_slots(spec, 10, Job(seq_len=8, capacity_factor=1e300)) == 10
@@ -342,5 +344,5 @@ def test_a_huge_capacity_factor_keeps_every_token_instead_of_overflowing():
 
     mixtral, cluster, deg = load_model("mixtral-8x7b"), make_cluster("h100", 8), Degrees(dp=8, ep=8)
     times = [step_time(mixtral, deg, Job(seq_len=4096, dispatcher="capacity", capacity_factor=f), cluster).step_s
-             for f in (2.0, 4.0, 8.0, 1e300)]
-    assert times[0] < times[1] == times[2] == times[3]
+             for f in (2.0, 4.0, 8.0, 1e300, sys.float_info.max)]
+    assert times[0] < times[1] == times[2] == times[3] == times[4]

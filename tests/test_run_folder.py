@@ -759,3 +759,8 @@ def test_a_resume_by_a_moved_runs_record_continues_that_run(tmp_path, capsys) ->
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == newer  # the newer run untouched
     assert _train(capsys, *base, "--out", str(tmp_path / "whole"))[0] == 0
     assert _losses(aside) == _losses(tmp_path / "whole")  # the moved run went on as if never stopped
+    # A moved run that saved no checkpoint is refused as its own, not continued at its record's old place.
+    shutil.rmtree(aside / "checkpoints")
+    code, _, err = _train(capsys, "--config", str(aside / "config.toml"), "--resume", "--quiet", "--json")
+    assert code == 2 and f"no checkpoint under {aside / 'checkpoints'}" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == newer

@@ -244,6 +244,16 @@ def test_sample_command_refuses_bad_input_in_one_line(trained_run, capsys, argv:
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_the_default_length_stops_where_the_model_does(trained_run, capsys) -> None:
+    """Without --max-new-tokens, a prompt and 200 new tokens past the model's max_seq_len was refused: every sample
+    of a 128-position model failed unless told a length. The default now generates what the model holds."""
+    prompt = SENTENCES[:100]  # 100 byte tokens, with 156 of the 256 positions left
+    assert main(["sample", str(trained_run["run"]), "--prompt", prompt, "--ignore-eos", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 256 - 100
+    assert main(["sample", str(trained_run["run"]), "--prompt", "a", "--ignore-eos", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 200  # the default where the model holds it
+
+
 def test_sampling_flags_at_temperature_zero_are_said_to_do_nothing(trained_run, capsys) -> None:
     argv = ["sample", str(trained_run["run"]), "--prompt", "a stitch in", "--max-new-tokens", "3"]
     assert main([*argv, "--top-k", "5"]) == 0

@@ -95,15 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _resumed_run(prog: str, config: str, recorded: str | None) -> dict[str, str]:
-    """`--config DIR/config.toml --resume` resumes the run in DIR, the folder whose record the file is, wherever
-    the record says it ran (a run moved, or moved aside by `--overwrite`, left its old `out` in its record, and a
-    resume continued the run found there); a file outside a run folder keeps its own `out`."""
-    from orangetron.train.outputs import holds_checkpoints
-    from orangetron.train.run_folder import CONFIG_FILE
+    """`--config DIR/config.toml --resume` resumes the run in DIR (`run_folder.record_folder`), wherever the
+    record says it ran: a run moved, or moved aside by `--overwrite`, left its old `out` in its record, and a
+    resume continued the run found there. A file that is no run's record keeps its own `out`."""
+    from orangetron.train.run_folder import record_folder
 
-    path = Path(config)
-    folder = (path if path.is_dir() else path.parent).resolve()
-    if not (path.is_dir() or path.name == CONFIG_FILE) or not holds_checkpoints(folder / "checkpoints"):
+    folder = record_folder(config)
+    if folder is None:
         return {}
     if recorded is not None and Path(recorded).resolve() != folder:
         print(f"{prog}: note: --config {config} --resume continues the run in {folder}; its record names "

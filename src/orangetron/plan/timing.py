@@ -322,7 +322,8 @@ def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int, gathered
     sp = job.sequence_parallel and deg.tp > 1
     tokens = rows // (deg.tp if sp else 1) * (deg.etp if gathered and sp else 1)
     routed = tokens * model.top_k
-    padded = min(int(routed * job.capacity_factor), tokens * model.num_experts)
+    every = job.capacity_factor >= model.num_experts / model.top_k  # each expert padded to all the tokens
+    padded = tokens * model.num_experts if every else min(int(routed * job.capacity_factor), tokens * model.num_experts)
     return padded if DISPATCHERS[job.dispatcher].pads else routed
 
 

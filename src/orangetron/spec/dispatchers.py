@@ -27,10 +27,18 @@ from orangetron.spec.sharding import token_chunks
 from orangetron.spec.variants import DISPATCHERS, Dispatcher
 
 
+def slots_per_expert(tokens: int, top_k: int, experts: int, factor: float) -> int:
+    """ceil(tokens * top_k / experts * factor), and no more than the tokens, of which an expert takes each once
+    at most: from the factor experts / top_k up, every token keeps its experts (and a factor of 1e305 is not
+    multiplied out, where it would overflow). The runtime's and the planner's one formula."""
+    if factor >= experts / top_k:
+        return tokens
+    return math.ceil(tokens * top_k / experts * factor)  # below tokens: the product is under tokens
+
+
 def capacity_slots(model: Any, tokens: int, job: Any) -> int:
-    """Slots per expert for one rank's `tokens` (the runtime's `parallel.expert.capacity.capacity`): no more than
-    the tokens, of which an expert takes each once at most."""
-    return min(math.ceil(tokens * model.top_k / model.num_experts * job.capacity_factor), tokens)
+    """Slots per expert for one rank's `tokens` (the runtime's `parallel.expert.capacity.capacity`)."""
+    return slots_per_expert(tokens, model.top_k, model.num_experts, job.capacity_factor)
 
 
 def _capacity_rows(model: Any, tokens: int, job: Any, ep: int) -> int:

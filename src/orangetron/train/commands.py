@@ -284,17 +284,25 @@ def run_verify(args: argparse.Namespace) -> int:
           f"one rank: max relative loss difference {result['max_loss_rel_diff']:.2e}, max relative gradient "
           f"difference {result['max_grad_rel_diff']:.2e} (tolerance {result['tolerance']:g}): {verdict}",
           file=sys.stderr)
-    gaps = result.get("float64_gaps")
-    if gaps:
-        print(f"orangetron verify: against one rank in float64, the layout's gradients are {gaps['layout']:.2e} off "
-              f"and one rank's in {cfg.param_dtype} {gaps['one_rank']:.2e} ({'within' if result['ok'] else 'beyond'} "
-              f"{gaps['spread']:g} times): {cfg.param_dtype} rounding at this size exceeds the fixed tolerance, "
-              f"{'not the layout' if result['ok'] else 'and the layout parts by more'}", file=sys.stderr)
+    if result.get("float64_gaps"):
+        print(f"orangetron verify: {_float64_judgement(result)}", file=sys.stderr)
     if result["note"]:
         print(f"orangetron verify: note: {result['note']}", file=sys.stderr)
     if args.json:
         print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
+
+
+def _float64_judgement(result: dict) -> str:
+    """The line on a bfloat16 check judged against float64 (`verify._float64_gaps`)."""
+    gaps = result["float64_gaps"]
+    judged = ("within it: bfloat16 rounding at this size exceeds the fixed tolerance, not the layout"
+              if result["ok"] else "within it, but the losses part by more than the tolerance"
+              if gaps["ratio"] <= gaps["spread"] else
+              "beyond it: the layout parts from float64 by more than rounding explains")
+    return (f"against one rank in float64, parameter by parameter, the layout's gradients are at most "
+            f"{gaps['ratio']:.2f} times as far off as one rank's in bfloat16 ({gaps['param']} at step {gaps['step']}: "
+            f"{gaps['layout']:.2e} against {gaps['one_rank']:.2e}; allowed {gaps['spread']:g} times), {judged}")
 
 
 def run_train(args: argparse.Namespace) -> int:

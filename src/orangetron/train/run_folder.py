@@ -237,6 +237,16 @@ def _run_folder_above(folder: Path) -> Path | None:
     return None
 
 
+def record_folder(config: str) -> Path | None:
+    """The run folder a `--config` path is the record of (DIR, or DIR/config.toml, whose file a run wrote), or
+    None for any other file: a plan's, or a project's own config.toml."""
+    path = Path(config)
+    folder = path if path.is_dir() else path.parent
+    if (path.is_dir() or path.name == CONFIG_FILE) and _holds_record(folder):
+        return folder.resolve()
+    return None
+
+
 def _holds_record(folder: Path) -> bool:
     try:
         return "data_record" in tomllib.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))

@@ -34,7 +34,9 @@ def add_sample_command(sub: Any) -> None:
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its latest checkpoint) or a checkpoint folder")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens to generate (default {DEFAULT_NEW_TOKENS}, or as many as the model's max_seq_len "
+                        "leaves after the prompt)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 (the default): greedy; > 0: draw from softmax(logits / T)")
     p.add_argument("--top-k", type=int, default=0, metavar="K",
@@ -73,7 +75,12 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.0,
+# Tokens `sample` generates unless told: fewer where the model's max_seq_len leaves fewer after the prompt (a
+# model of 128 positions refused every sample at the default otherwise).
+DEFAULT_NEW_TOKENS = 200
+
+
+def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int | None = None, temperature: float = 0.0,
                top_k: int = 0, seed: int = 0, use_cache: bool = True, stop_at_eos: bool = True,
                tokenizer: Tokenizer | None = None) -> dict[str, Any]:
     """Continue `prompt` with the model of `run`'s latest checkpoint (or the checkpoint `run`), ending after an
@@ -84,6 +91,7 @@ def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int = 200, tempe
     read), tokenizer_ids (the tokenizer's vocabulary size) and unknown_ids (how many tokens lie past it: a model's
     vocabulary may be wider, and nothing stops it drawing those ids, as `transformers` would; text leaves them
     out).
+    `max_new_tokens` None: DEFAULT_NEW_TOKENS, or as many as the model's max_seq_len leaves after the prompt.
     `tokenizer` None: the one the run records. ValueError for a bad rule or length, FileNotFoundError for a
     missing folder or checkpoint, each in one line, before any token is generated.
     """
@@ -99,6 +107,8 @@ def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int = 200, tempe
         raise ValueError(f"tokenizer: {tokenizer.vocab_size} token ids, more than the model's vocab_size="
                          f"{model.cfg.vocab_size}")
     prompt_ids = tokenizer.encode(prompt)
+    if max_new_tokens is None:
+        max_new_tokens = max(0, min(DEFAULT_NEW_TOKENS, model.cfg.max_seq_len - len(prompt_ids)))
     check_length(model, len(prompt_ids), max_new_tokens)
     ends = stop_ids(saved.record, tokenizer) if stop_at_eos else frozenset()
     out = generate(model, torch.tensor(prompt_ids, dtype=torch.long), max_new_tokens, sampling, seed=seed,

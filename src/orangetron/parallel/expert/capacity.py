@@ -10,7 +10,6 @@ different token counts (or none) stay safe.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -29,6 +28,7 @@ from orangetron.parallel.expert.routing import (
     split_received,
     tokens_per_local_expert,
 )
+from orangetron.spec.dispatchers import slots_per_expert
 
 
 class CapacityOptions(Protocol):
@@ -39,9 +39,9 @@ class CapacityOptions(Protocol):
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Slots per expert on one rank: ceil(tokens * top_k / experts * capacity_factor), and no more than the
-    tokens, of which an expert takes each once at most (a huge factor, asking that nothing drop, stays a count)."""
-    return min(math.ceil(num_tokens * top_k / num_experts * capacity_factor), num_tokens)
+    """Slots per expert on one rank (`spec.dispatchers.slots_per_expert`: ceil(tokens * top_k / experts *
+    capacity_factor), and no more than the tokens)."""
+    return slots_per_expert(num_tokens, top_k, num_experts, capacity_factor)
 
 
 def kept_slots(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, slots: int,
