@@ -3314,6 +3314,9 @@ MUTANTS = [
     Mutant('capacity_factor_multiplied_out', 'src/orangetron/spec/dispatchers.py',
            (('    if factor >= experts / top_k:\n        return tokens\n', ''),),
            ('tests/test_expert_dispatch.py::test_a_huge_capacity_factor_keeps_every_token_instead_of_overflowing',)),
+    Mutant('resume_packing_refusal_unexplained', 'src/orangetron/train/config.py',
+           (('"comes prepared, with --new-data)") if self.resume else ""', '"comes") if False else ""'),),
+           ('tests/test_packed_documents.py::test_packing_is_on_by_default_for_prepared_data_only',)),
 ]
 
 

@@ -185,6 +185,12 @@ def test_packing_is_on_by_default_for_prepared_data_only(tmp_path):
     with pytest.raises(TrainConfigError, match="--pack-documents.*not the byte tokenizer"):  # BPE: bytes are not tokens
         TrainConfig(model=ModelConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=24),
                     data=[str(tmp_path / "a.txt")], tokenizer=str(bpe), pack_documents=True)
+    # A resume restores packing from a run on a prepared dataset: text given to it is refused for what it is.
+    with pytest.raises(TrainConfigError, match=r"keeps its record's packing: it trained on a prepared dataset, so new "
+                                               r"data comes prepared, with --new-data\)$"):
+        TrainConfig(model=ModelConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=24),
+                    data=[str(tmp_path / "a.txt")], tokenizer=str(bpe), pack_documents=True, resume=True,
+                    out=str(tmp_path / "run"))
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=2, sequence_parallel=True), dict(dp=2, ep=2),

@@ -306,9 +306,12 @@ class TrainConfig(Layout, ParallelConfig):
         if not pack:
             return
         if self.prepared_data is None and self.tokenizer != "byte":
+            # A resume restores packing from its record: the run trained on a prepared dataset, and is given text.
+            resumed = (" (a resumed run keeps its record's packing: it trained on a prepared dataset, so new data "
+                       "comes prepared, with --new-data)") if self.resume else ""
             raise TrainConfigError(f"pack_documents=True (--pack-documents): text files are cut into documents by "
                                    f"bytes, and tokenizer={self.tokenizer!r} is not the byte tokenizer; prepare the "
-                                   "data with `orangetron prepare-data`, which keeps a document index")
+                                   f"data with `orangetron prepare-data`, which keeps a document index{resumed}")
 
     def _resolve_hf_model(self) -> None:
         """With `hf_model`, its config is the model: `model` becomes that spec (a resumed run's recorded spec stands
