@@ -2838,7 +2838,7 @@ MUTANTS = [
              '            f"zero{j.zero_stage}{mode}")'),),
            ('tests/test_plan_cli.py::test_the_table_names_each_rows_schedule_and_emit_config_looks_below_the_rows_shown',)),
     Mutant('closing_table_leaves_the_routing_unsaid', 'src/orangetron/train/commands.py',
-           (('        if per_step.get("steps_differ") and any(name.endswith("/ep") for name in differing):',
+           (('        if result.get("layout", {}).get("ep", 1) > 1 and routed:',
              '        if False:'),),
            ('tests/test_plan_to_train.py::test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_why_they_differ',)),
     Mutant('fp8_row_shown_without_fp8', 'src/orangetron/cli/plan.py',
@@ -2935,8 +2935,8 @@ MUTANTS = [
            ('tests/test_run_folder.py::'
             'test_a_lock_file_swapped_under_the_lock_is_refused_and_a_filesystem_without_locks_runs_with_a_warning',)),
     Mutant('closing_note_for_any_differing_row', 'src/orangetron/train/commands.py',
-           ((' and any(name.endswith("/ep") for name in differing):',
-             ':'),),
+           (('        if result.get("layout", {}).get("ep", 1) > 1 and routed:',
+             '        if routed:'),),
            ('tests/test_plan_to_train.py::'
             'test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_why_they_differ',)),
     Mutant('plan_command_drops_fp8', 'src/orangetron/plan/fit_advice.py',
@@ -3317,6 +3317,13 @@ MUTANTS = [
     Mutant('resume_packing_refusal_unexplained', 'src/orangetron/train/config.py',
            (('"comes prepared, with --new-data)") if self.resume else ""', '"comes") if False else ""'),),
            ('tests/test_packed_documents.py::test_packing_is_on_by_default_for_prepared_data_only',)),
+    Mutant('routing_note_only_where_bytes_differ', 'src/orangetron/train/commands.py',
+           (('if name.endswith("/ep") or name == "memory activations_peak"]', 'if name.endswith("/ep")]'),),
+           ('tests/test_plan_to_train.py::'
+            'test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_why_they_differ',)),
+    Mutant('checkpoint_folder_called_damaged', 'src/orangetron/train/checkpoint.py',
+           (('        if latest is not None:  # a run folder', '        if False:  # a run folder'),),
+           ('tests/test_checkpoint.py::test_checkpoint_round_trip_and_refusals',)),
 ]
 
 

@@ -129,6 +129,13 @@ def test_checkpoint_round_trip_and_refusals(tmp_path) -> None:
     assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "manifest.json", "state.json"]
     (tmp_path / ".step-00000009.partial-abcd").mkdir()  # what a crash mid-save leaves: never picked
     assert latest_checkpoint(tmp_path) == path
+    # A run folder or its checkpoints folder given for a checkpoint was called incomplete, as if damaged.
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: a folder of checkpoints, not one; its latest is {path}$"):
+        load_checkpoint(tmp_path)
+    run = tmp_path / "run"
+    in_run = save_checkpoint(run / "checkpoints", 2, state)
+    with pytest.raises(CheckpointError, match=rf"{run}: a folder of checkpoints, not one; its latest is {in_run}$"):
+        load_checkpoint(run)
 
     shard = path / "__0_0.distcp"
     blob = bytearray(shard.read_bytes())

@@ -332,10 +332,10 @@ def test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_w
 
     from orangetron.train.commands import _summary
 
-    def summary(steps_differ: bool, measured: int, key: str = "all_to_all/ep") -> str:
-        memory = {"rank": 0, "params": 10, "activations_peak": 5}
+    def summary(steps_differ: bool, measured: int, key: str = "all_to_all/ep", ep: int = 2, peak: int = 5) -> str:
+        memory = {"rank": 0, "params": 10, "activations_peak": peak}
         per_step = {"train": {key: measured}, "eval": {}, "evaluations": 0, "steps_differ": steps_differ}
-        result = {"losses": [2.0, 1.0], "memory": [memory], "eval_loss": None, "final_loss": 1.0,
+        result = {"layout": {"ep": ep}, "losses": [2.0, 1.0], "memory": [memory], "eval_loss": None, "final_loss": 1.0,
                   "final_loss_mean10": 1.5, "params": 10, "tokens_per_s": 1.0, "mfu": None, "time_s": 1.0,
                   "comm_per_step": [per_step], "comm": [{"rank": 0}], "warnings": [],
                   "predicted": [{"memory": {"params": 10, "activations_peak": 5},
@@ -350,4 +350,9 @@ def test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_w
     assert "balanced" not in summary(True, 296, "send_recv/cp")  # no expert row differs: routing is not why
     even = summary(False, 300)
     assert "the steps differ" not in even and "balanced" not in even
+    # allgather (or a capacity that drops nothing) sends what the planner prices, and keeps what the routing
+    # decides: the activations alone differ, and the note says why (it said nothing)
+    gathered = summary(False, 300, peak=7)
+    assert "(+2)" in gathered and "the planner prices it balanced" in gathered
+    assert "balanced" not in summary(False, 300, ep=1, peak=7)  # no expert parallelism: routing is not why
 

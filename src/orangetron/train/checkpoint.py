@@ -219,6 +219,9 @@ class Checkpoint:
 def _manifest(path: Path) -> dict[str, dict[str, Any]]:
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
+        latest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+        if latest is not None:  # a run folder, or its checkpoints folder: not damage
+            raise CheckpointError(f"{path}: a folder of checkpoints, not one; its latest is {latest}")
         raise CheckpointError(f"{path}: no {MANIFEST_FILE}; not a complete checkpoint")
     try:
         manifest = json.loads(manifest_path.read_text())

@@ -231,7 +231,9 @@ def _add_verify_command(sub: Any, train_keys: Collection[str]) -> None:
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative difference accepted: max |g - g_ref| over every element of every "
                    "parameter, over max |g_ref| (default by the least precise of --param-dtype and --reduce-dtype: "
-                   + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + ")")
+                   + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + "; at the default, bfloat16 "
+                   "gradients past it are judged against one rank in float64, parameter by parameter, which a "
+                   "tolerance given turns off)")
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="both runs start from this Hugging Face folder's weights (its config is the model)")
     _add_data_flags(p)
@@ -403,7 +405,10 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         lines.append("the planner's prediction beside the measurement (bytes; memory from the first step):")
         lines.append(format_table(rows))
         differing = [name for name, want, got in rows if None not in (want, got) and want != got]
-        if per_step.get("steps_differ") and any(name.endswith("/ep") for name in differing):
+        # What the routing moves: the expert all-to-all's bytes (ragged), and under ep the experts' activations
+        # (a dispatcher whose bytes do not follow the routing, allgather or a capacity, moves only those).
+        routed = [name for name in differing if name.endswith("/ep") or name == "memory activations_peak"]
+        if result.get("layout", {}).get("ep", 1) > 1 and routed:
             lines.append("  (the routing decides how many tokens each MoE layer sends and keeps, step by step; the "
                          "planner prices it balanced, so the expert all-to-all and activation rows differ by it)")
     warnings = result.get("warnings", [])
