@@ -323,7 +323,7 @@ def _routed_copies(model: ModelSpec, deg: Degrees, job: Job, rows: int, gathered
     tokens = rows // (deg.tp if sp else 1) * (deg.etp if gathered and sp else 1)
     routed = tokens * model.top_k
     every = job.capacity_factor >= model.num_experts / model.top_k  # each expert padded to all the tokens
-    padded = tokens * model.num_experts if every else min(int(routed * job.capacity_factor), tokens * model.num_experts)
+    padded = tokens * model.num_experts if every else int(routed * job.capacity_factor)  # below: under E x tokens
     return padded if DISPATCHERS[job.dispatcher].pads else routed
 
 

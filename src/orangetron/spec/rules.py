@@ -23,11 +23,16 @@ def _fail(message: str) -> None:
 
 
 # ---- layout against the model -------------------------------------------------------------------------
+def _head_splits(heads: int, kv_heads: int) -> str:
+    """The degrees that split `heads` evenly, with `kv_heads` split too or replicated, as a refusal lists them."""
+    return ", ".join(str(d) for d in range(1, heads + 1)
+                     if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0))
+
+
 def tp_splits_heads(tp: int, heads: int, kv_heads: int) -> None:
     """Attention heads split over tp; kv heads split too, or are replicated when fewer than tp."""
     if heads % tp:
-        fits = [t for t in range(1, heads + 1) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
-        _fail(f"tp={tp}: n_heads={heads} is not divisible by tp; the heads allow tp {', '.join(map(str, fits))}")
+        _fail(f"tp={tp}: n_heads={heads} is not divisible by tp; the heads allow tp {_head_splits(heads, kv_heads)}")
     if kv_heads % tp and tp % kv_heads:
         _fail(f"tp={tp}: n_kv_heads={kv_heads} must divide tp or be divisible by it (kv heads are split, or "
               "replicated across tp ranks)")
@@ -79,10 +84,9 @@ def heads_split_by_all_to_all(degree: int, heads: int, kv_heads: int, field: str
     heads divisible by it or dividing it (replicated up to one per rank). `field` names the option that set the
     degree: cp under cp_mode ulysses, ulysses_degree under usp."""
     if heads % degree or (kv_heads % degree and degree % kv_heads):
-        fits = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
         _fail(f"{field}={degree}: the Ulysses all-to-all splits heads over {degree} ranks, and needs heads per tp "
               f"rank ({heads}) divisible by it and kv heads per tp rank ({kv_heads}) divisible by it or dividing "
-              f"it; these heads allow {field} {', '.join(map(str, fits))}")
+              f"it; these heads allow {field} {_head_splits(heads, kv_heads)}")
 
 
 # ---- expert parallelism -------------------------------------------------------------------------------

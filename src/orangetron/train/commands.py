@@ -298,10 +298,12 @@ def run_verify(args: argparse.Namespace) -> int:
 def _float64_judgement(result: dict) -> str:
     """The line on a bfloat16 check judged against float64 (`verify._float64_gaps`)."""
     gaps = result["float64_gaps"]
-    judged = ("within it: bfloat16 rounding at this size exceeds the fixed tolerance, not the layout"
-              if result["ok"] else "within it, but the losses part by more than the tolerance"
-              if gaps["ratio"] <= gaps["spread"] else
-              "beyond it: the layout parts from float64 by more than rounding explains")
+    if result["ok"]:
+        judged = "within it: bfloat16 rounding at this size exceeds the fixed tolerance, not the layout"
+    elif gaps["ratio"] <= gaps["spread"]:
+        judged = "within it, but the losses part by more than the tolerance"
+    else:
+        judged = "beyond it: the layout parts from float64 by more than rounding explains"
     return (f"against one rank in float64, parameter by parameter, the layout's gradients are at most "
             f"{gaps['ratio']:.2f} times as far off as one rank's in bfloat16 ({gaps['param']} at step {gaps['step']}: "
             f"{gaps['layout']:.2e} against {gaps['one_rank']:.2e}; allowed {gaps['spread']:g} times), {judged}")
