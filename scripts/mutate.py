@@ -3325,6 +3325,9 @@ MUTANTS = [
     Mutant('checkpoint_folder_called_damaged', 'src/orangetron/train/checkpoint.py',
            (('        if latest is not None:  # a run folder', '        if False:  # a run folder'),),
            ('tests/test_checkpoint.py::test_checkpoint_round_trip_and_refusals',)),
+    Mutant('dense_ep_refused_for_dp_first', 'src/orangetron/train/config.py',
+           (('        rules.ep_splits_experts(self.ep, model.num_experts)\n', ''),),
+           ('tests/test_train.py::test_config_rejects_bad_values',)),
 ]
 
 

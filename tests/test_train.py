@@ -104,6 +104,8 @@ def test_lr_schedule() -> None:
     [
         ({"pp": 2, "virtual_stages": 2}, r"virtual_stages=2: needs pp_schedule 'interleaved' \(not '1f1b'\)"),
         ({"ep": 4}, r"ep=4: dp\*cp=1 \(dp=1 x cp=1\) is not divisible by ep"),
+        # A dense model's --ep is refused for its experts, not for dp x cp (whose advice, more ranks, would not do).
+        ({"model": "tiny", "ep": 2}, r"ep=2: the model has no experts"),
         ({"steps": 0}, r"steps=0 \(--steps\)"),
         ({"seq_len": -1}, r"seq_len=-1 \(--seq-len\)"),
         ({"model": "huge"}, r"model='huge' \(--model\): unknown preset"),

@@ -109,11 +109,12 @@ class TrainConfig(Layout, ParallelConfig):
 
     def __post_init__(self) -> None:
         self._check_numbers()
-        self._check_device()
         self._check_checkpointing()
-        self._check_parallel()
         self._resolve_hf_model()
+        # Before the layout's rules: an --ep for a model without experts is told so, not to add ranks.
         self._check_model()
+        self._check_device()
+        self._check_parallel()
         model = self.model_config()
         self.layout.validate(model)
         self._check_context_mode(model)
@@ -400,6 +401,7 @@ class TrainConfig(Layout, ParallelConfig):
             check_runnable(model)
         except ConfigError as err:
             raise TrainConfigError(f"model={model.name!r} (--model): {err}") from None
+        rules.ep_splits_experts(self.ep, model.num_experts)
         if self.seq_len > model.max_seq_len:  # before ranks start; a cp shard or a pipeline stage never checks it
             raise TrainConfigError(f"seq_len={self.seq_len} (--seq-len): longer than the model's max_seq_len="
                                    f"{model.max_seq_len}; give a shorter --seq-len, or a model made for longer "
