@@ -3328,6 +3328,16 @@ MUTANTS = [
     Mutant('dense_ep_refused_for_dp_first', 'src/orangetron/train/config.py',
            (('        rules.ep_splits_experts(self.ep, model.num_experts)\n', ''),),
            ('tests/test_train.py::test_config_rejects_bad_values',)),
+    Mutant('recorded_switch_cannot_be_turned_off', 'src/orangetron/train/commands.py',
+           (('p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=False,',
+             'p.add_argument("--distributed-optimizer", action="store_true",'),),
+           ('tests/test_train_outputs.py::test_a_switch_a_file_or_a_record_turned_on_is_turned_off_by_its_negation',)),
+    Mutant('switch_named_by_its_negation', 'src/orangetron/cli/wording.py',
+           (('[flag for flag in option_strings if flag not in negated]', 'option_strings'),),
+           ('tests/test_train_outputs.py::test_a_switch_a_file_or_a_record_turned_on_is_turned_off_by_its_negation',)),
+    Mutant('idle_switch_hides_its_negation', 'src/orangetron/train/config.py',
+           (('if getattr(self, name) is True else ""', 'if False else ""'),),
+           ('tests/test_train_outputs.py::test_a_switch_a_file_or_a_record_turned_on_is_turned_off_by_its_negation',)),
 ]
 
 

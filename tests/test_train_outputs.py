@@ -49,6 +49,34 @@ def test_config_file_sets_options_and_the_command_line_overrides_it(monkeypatch,
     assert _cli_config(monkeypatch, ["--config", str(path), "--zero3-prefetch"]).zero3_prefetch is True
 
 
+
+SWITCHES = ("sequence_parallel", "distributed_optimizer", "zero3_keep_params", "zero3_reduce_every_microbatch",
+            "deterministic")
+
+
+def test_a_switch_a_file_or_a_record_turned_on_is_turned_off_by_its_negation(monkeypatch, tmp_path) -> None:
+    """A resume reads its record as a --config file does: a switch it holds on (sequence parallelism kept from a
+    tp 2 run resumed at tp 1, warned of at every start) must be one the command line can turn off."""
+    from orangetron.cli.wording import flags_of
+
+    # The distributed optimizer is ZeRO-1's, the other two ZeRO-3's: two files hold every switch.
+    zero3 = ("sequence_parallel", "zero3_keep_params", "zero3_reduce_every_microbatch", "deterministic")
+    for switches, stage in ((zero3, 3), (("distributed_optimizer",), 1)):
+        path = tmp_path / "run.toml"
+        path.write_text("".join(f"{name} = true\n" for name in switches) + f"tp = 2\ndp = 2\nzero_stage = {stage}\n")
+        on = _cli_config(monkeypatch, ["--config", str(path)])
+        assert all(getattr(on, name) is True for name in switches)
+        negations = [f"--no-{name.replace('_', '-')}" for name in switches]
+        off = _cli_config(monkeypatch, ["--config", str(path), *negations])
+        assert not any(getattr(off, name) for name in switches)
+    # A rule's message names the flag that turns the switch on, not its negation.
+    flags = flags_of(cli.build_parser()._subparsers._group_actions[0].choices["train"])
+    assert [flags[name] for name in SWITCHES] == [f"--{name.replace('_', '-')}" for name in SWITCHES]
+    idle = TrainConfig(**{**TINY, "sequence_parallel": True}).ineffective_options()
+    assert idle == ["sequence_parallel=True (--sequence-parallel) has no effect: needs --tp > 1 "
+                    "(--no-sequence-parallel turns it off)"]
+
+
 # config.toml as a run folder held it before `dtype` became `param_dtype` (the flag `--dtype` still names it).
 OLD_RESOLVED_CONFIG = """# The resolved options of this run: `orangetron train --config` on this file repeats it.
 model = "tiny-moe"

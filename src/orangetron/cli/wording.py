@@ -57,6 +57,14 @@ def typed_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 def flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
     """The flag of `parser` that sets each field a rule may name; where it has no --microbatches, a step's
-    micro-batches follow from the global batch."""
-    flags = {action.dest: max(action.option_strings, key=len) for action in parser._actions if action.option_strings}
+    micro-batches follow from the global batch. A switch is named by its flag that turns it on (`--x`, not the
+    `--no-x` that `argparse.BooleanOptionalAction` adds)."""
+    flags = {action.dest: _positive_flag(action.option_strings) for action in parser._actions if action.option_strings}
     return {"microbatches": "--global-batch / (--micro-batch x dp)", **flags}
+
+
+def _positive_flag(option_strings: list[str]) -> str:
+    """The longest of an option's flags, leaving out a switch's negation where it has the flag it negates."""
+    negated = {"--no-" + flag[2:] for flag in option_strings}
+    return max([flag for flag in option_strings if flag not in negated], key=len)
+

@@ -94,7 +94,7 @@ def add_train_commands(sub: Any) -> None:
     option("--eval-batches", "batches of held-out data per evaluation", type=int)
     option("--eval-fraction", "share of the token stream, from its end, held out for evaluation", type=float)
     option("--corpus-bytes", "bytes of the stdlib corpus to train on when --data is not given", type=int)
-    p.add_argument("--deterministic", action="store_true",
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="torch's deterministic algorithms (and cuBLAS's on cuda), so a rerun is bitwise equal; an op "
                    "without a deterministic kernel then stops the run naming it")
     _add_device_flag(p)
@@ -128,7 +128,7 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
                    help="data-parallel degree: ranks that split each batch, started for you (default: %(default)s)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: ranks that split every weight matrix (default: %(default)s)")
-    p.add_argument("--sequence-parallel", action="store_true",
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
                    help="with --tp: norms on sequence shards, TP's all-reduces become reduce-scatter + all-gather")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel degree: local ranks that split every sequence, head-tail (packed documents: "
@@ -164,17 +164,17 @@ def _add_layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: DDP; 1: shard optimizer state; 2: and gradients; 3: and parameters (over dp ranks) "
                    "(default: %(default)s)")
-    p.add_argument("--distributed-optimizer", action="store_true",
+    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=False,
                    help="ZeRO-1 sharding with the parameter all-gather right after the step (Megatron)")
     p.add_argument("--grad-bucket-numel", type=int, default=0, metavar="N",
                    help="reduce gradients in buckets of about N elements during backward: DDP all-reduces them, "
                    "ZeRO-1/2 and --distributed-optimizer reduce-scatter them (default: once after backward)")
     p.add_argument("--zero3-prefetch", action=argparse.BooleanOptionalAction, default=True,
                    help="--zero-stage 3: gather the next unit while the current one computes (default: on)")
-    p.add_argument("--zero3-keep-params", action="store_true",
+    p.add_argument("--zero3-keep-params", action=argparse.BooleanOptionalAction, default=False,
                    help="--zero-stage 3: keep forward's gathered units until their backward (no second gather, "
                    "more memory)")
-    p.add_argument("--zero3-reduce-every-microbatch", action="store_true",
+    p.add_argument("--zero3-reduce-every-microbatch", action=argparse.BooleanOptionalAction, default=False,
                    help="--zero-stage 3: reduce-scatter every micro-batch's gradients into the sharded main buffer "
                    "(one unit's .grad at a time, m times the reduce-scatters; default: accumulate whole in .grad)")
     p.add_argument("--recompute", default=defaults["recompute"].default, choices=RECOMPUTE,

@@ -195,7 +195,9 @@ class TrainConfig(Layout, ParallelConfig):
             "save_every": (self.save_every >= self.steps, f"is not before --steps={self.steps}: only the final "
                            "checkpoint is written"),
         }
+        # A switch a resume or a --config file turned on is turned off by its negation, which the line names.
         lines = [f"{name}={getattr(self, name)!r} ({_flag(name)}) has no effect: {why}"
+                 + (f" ({_flag('no_' + name)} turns it off)" if getattr(self, name) is True else "")
                  for name, (idle, why) in unused.items() if name in changed and idle]
         if self.cp > 1 and CONTEXT_MODES[self.cp_mode].takes_ulysses_degree and self.ulysses_degree == 1:
             lines.append(f"cp_mode={self.cp_mode!r} (--cp-mode) with ulysses_degree=1 runs as ring attention over "
