@@ -106,6 +106,13 @@ def test_config_maps_both_spellings_and_refuses_by_name(tmp_path):
         "model_type='gemma'": {**config, "model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
         "some_new_key": {**config, "some_new_key": 1},
         "output_router_logits": {**mixtral, "output_router_logits": True},
+        # Kinds, as transformers' strict config classes refuse them: a quoted or a float count failed in arithmetic
+        # with a traceback, and a quoted "no" tied the embeddings.
+        "num_hidden_layers='2': must be an integer": {**config, "num_hidden_layers": "2"},
+        "num_hidden_layers=2.0: must be an integer": {**config, "num_hidden_layers": 2.0},
+        "tie_word_embeddings='no': must be true or false": {**config, "tie_word_embeddings": "no"},
+        "rms_norm_eps='1e-5': must be a number": {**config, "rms_norm_eps": "1e-5"},
+        "vocab_size=0: a llama model embeds tokens": {**config, "vocab_size": 0},
     }
     for field, bad in refusals.items():
         with pytest.raises(HFConfigError, match=field.replace("[", r"\[")):
@@ -265,6 +272,12 @@ def test_estimate_and_plan_price_the_folder_itself(tmp_path, capsys):
         captured = capsys.readouterr()
         priced = json.loads(captured.out.strip().splitlines()[-1])
         assert priced["model"] == folder.name and priced["memory_bytes"]["params"] == 2 * spec.total_params()
+        # The parameters transformers builds, and of a MoE model those one token runs through: a layer's experts
+        # all but top_k of each num_experts.
+        reference = hf_models.reference(folder)
+        experts = sum(p.numel() for name, p in reference.named_parameters() if ".experts." in name)
+        idle = experts * (spec.num_experts - spec.top_k) // spec.num_experts if spec.num_experts else 0
+        assert (priced["params"], priced["active_params"]) == (spec.total_params(), spec.total_params() - idle)
         assert main(["plan", "--model", str(folder), "--gpu", "h100", "--gpus", "4", "--seq", "64", "--json"]) == 0
         assert "note" not in captured.err + capsys.readouterr().err  # 64 tokens: within the folder's 256
     for command in (["estimate"], ["plan", "--gpus", "4"]):  # what train refuses is priced, with a note

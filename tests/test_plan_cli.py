@@ -685,6 +685,26 @@ def test_plan_says_which_rule_every_layout_broke_and_blames_memory_only_when_it_
     assert "no layout of 8 x h100 fits llama3-405b with seq 8192" in capsys.readouterr().err
     assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"]) == 2
     assert "no layout of 8 GPUs has --tp 3: tp*cp*pp must divide the GPU count" in capsys.readouterr().err
+    # Degrees that exist but split no batch: the batch is named, not the divisibility of degrees that hold.
+    assert run(["plan", "--model", "llama3-8b", "--gpus", "64", "--global-batch", "32", "--tp", "1", "--cp", "1",
+                "--pp", "1"]) == 2
+    assert "no layout of 64 GPUs with --tp 1 --cp 1 --pp 1 splits the global batch of 32 sequences over its dp " \
+        "(64): each data-parallel rank takes whole micro-batches; give --global-batch a multiple of 64" \
+        in capsys.readouterr().err
+
+
+def test_a_sequence_past_a_stated_length_is_noted_and_the_header_counts_the_parameters(capsys):
+    """A preset that states its length (llama3-8b's config.json, 8192) notes a longer --seq, which train refuses;
+    one that states none (gpt3-175b keeps the schema's default) does not. The header counts the parameters."""
+    assert run(["estimate", "--model", "llama3-8b", "--seq", "16384", "--global-batch", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "note: --seq 16384 is longer than llama3-8b's max_seq_len 8192" in captured.err
+    assert captured.out.startswith("llama3-8b (8.0B parameters) on 1 x h100")
+    assert run(["estimate", "--model", "mixtral-8x7b", "--seq", "4096", "--global-batch", "8"]) == 0
+    assert capsys.readouterr().out.startswith("mixtral-8x7b (46.7B parameters, 12.9B active) on 1 x h100")
+    assert run(["estimate", "--model", "gpt3-175b", "--seq", "8192", "--gpus", "64", "--tp", "8", "--pp", "8",
+                "--global-batch", "64"]) == 0
+    assert "note" not in capsys.readouterr().err
 
 
 def test_the_table_names_each_rows_schedule_and_emit_config_looks_below_the_rows_shown(tmp_path, capsys):
@@ -958,7 +978,7 @@ def test_plan_ranks_layouts_for_a_framework_that_overlaps_no_expert_transfer(cap
     assert run(["plan", *args[:-1], "--top", "1"]) == 0  # the text says what it ranked for
     assert capsys.readouterr().out.splitlines()[0] == (
         "small-moe on 8 x h100, seq 4096, global batch 8 sequences, bfloat16, --no-overlap-ep, "
-        "--no-overlap-shared-experts: the fastest layout that fits")
+        "--no-overlap-shared-experts: the fastest layout that fits (sequence parallel where tp > 1)")
 
 
 def test_emit_config_names_the_plan_flag_to_drop(tmp_path, capsys):

@@ -83,6 +83,9 @@ def test_model_from_file(tmp_path):
     ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4.5\n", "num_heads = 4.5: must be an integer"),
     ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nnorm_eps = 'x'\n", "norm_eps = 'x': must be a number"),
     ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nmlp = 3\n", "mlp = 3: must be a string"),
+    # A routing width without experts was priced as a dense model without a word.
+    ("hidden_size = 64\nnum_layers = 2\nnum_heads = 4\nffn_hidden_size = 8\nvocab_size = 10\ntop_k = 2\n",
+     "top_k=2: requires num_experts > 0"),
 ])
 def test_bad_model_files_raise_value_error(tmp_path, text, match):
     path = tmp_path / "bad.toml"
@@ -135,3 +138,40 @@ def test_gpu_file_optional_keys_and_unknown_keys(tmp_path):
     base.write_text(text + "tensor_cores = 4\n")
     with pytest.raises(ValueError, match="unknown key"):
         load_gpu(str(base))
+
+
+GPU_FILE = ('name = "x"\nsms = 10\nbf16_tflops = 100.0\nfp32_tflops = 10.0\nmemory_gib = 16.0\nmemory_bw_gbs = 500.0\n'
+            'intra_node = "pcie"\nintra_bw_gbs = 20.0\nnvls = false\ngpus_per_node = 4\nnic_gbps = 100.0\n'
+            'gemm_efficiency = 0.7\n')
+
+
+@pytest.mark.parametrize(("line", "match"), [
+    # Each was priced before: a zero divided the step time (a traceback), a negative bandwidth made it negative,
+    # an efficiency typed as a percent put MFU past 100%, a quoted "false" read as true, an unknown link as NVSwitch.
+    ("bf16_tflops = 0.0", r"bf16_tflops=0.0: must be a finite number > 0"),
+    ("memory_bw_gbs = -1.0", r"memory_bw_gbs=-1.0: must be a finite number > 0"),
+    ("nic_gbps = 0", r"nic_gbps=0: must be a finite number > 0"),
+    ("intra_bw_gbs = inf", r"intra_bw_gbs=inf: must be a finite number > 0"),
+    ("memory_gib = -16.0", r"memory_gib=-16.0: must be a finite number > 0"),
+    ("gemm_efficiency = 70.0", r"gemm_efficiency=70.0: a share of peak, at most 1 \(0.7, not 70\)"),
+    ("gemm_efficiency = 0.0", r"gemm_efficiency=0.0: must be a finite number > 0"),
+    ("sms = 0", r"sms=0: must be >= 1"),
+    ("sms = 10.5", r"sms=10.5: must be an integer"),
+    ("gpus_per_node = 0", r"gpus_per_node=0: must be >= 1"),
+    ('memory_gib = "16GiB"', r"memory_gib='16GiB': must be a number"),
+    ('nvls = "false"', r"nvls='false': must be true or false"),
+    ('intra_node = "nvlinkk"', r"intra_node='nvlinkk': must be one of nvswitch, nvlink, pcie"),
+    ("fp8_tflops = -1.0", r"fp8_tflops=-1.0: must be a finite number >= 0"),
+    ("attention_fwd_efficiency = 1.7", r"attention_fwd_efficiency=1.7: a share of peak, at most 1"),
+    ("intra_bw_gbps = 20.0", r"unknown key\(s\) intra_bw_gbps \(did you mean intra_bw_gbs\?\)"),
+])
+def test_a_gpu_files_wrong_value_is_refused_naming_its_key(tmp_path, line: str, match: str) -> None:
+    key = line.split(" = ")[0]
+    path = tmp_path / "gpu.toml"
+    kept = [row for row in GPU_FILE.splitlines() if row.split(" = ")[0] != key]
+    path.write_text("\n".join([*kept, line]) + "\n")
+    with pytest.raises(ValueError, match=rf"^gpu {path}: {match}"):
+        load_gpu(str(path))
+    path.write_text("\n".join([*kept, line.split(" = ")[0] + " = = 1"]) + "\n")
+    with pytest.raises(ValueError, match=rf"^gpu {path}: "):  # its TOML syntax too, naming the file
+        load_gpu(str(path))

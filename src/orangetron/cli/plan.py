@@ -13,8 +13,9 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
-from orangetron.cli.presets import add_presets_command
+from orangetron.cli.presets import add_presets_command, count_params
 from orangetron.cli.wording import (
     BYTE_UNITS,
     FLOP_RATE_UNITS,
@@ -30,7 +31,7 @@ from orangetron.plan.estimate import Estimate, estimate
 from orangetron.plan.memory import busiest_stage
 from orangetron.plan.overhead import DEFAULT_OVERHEAD, MemoryOverhead, fixed_overhead
 from orangetron.plan.params import sums_first
-from orangetron.plan.search import BUCKET_NUMEL, SearchSpace, divisors, search
+from orangetron.plan.search import BUCKET_NUMEL, SearchSpace, candidate_degrees, divisors, search
 from orangetron.plan.traffic import reduce_rounds
 from orangetron.spec import rules
 from orangetron.spec.categories import ESTIMATED_TENSORS, TRANSIENT
@@ -346,7 +347,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         raise ValueError("--model is required (or --config FILE)")
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
-        _note_longer_than_the_folder("estimate", args.model, model, job.seq_len)
+        _note_longer_than_the_model("estimate", args.model, model, job.seq_len)
         validate(model, deg, job)
         est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     for note in _no_effect_notes(model, deg, job):
@@ -376,12 +377,23 @@ def _config_gpu(path: str) -> str:
     return planned or DEFAULT_GPU
 
 
-def _note_longer_than_the_folder(command: str, name: str, model: ModelSpec, seq_len: int) -> None:
+_MAX_SEQ_LEN_DEFAULT = ModelSpec.__dataclass_fields__["max_seq_len"].default
+
+
+def _note_longer_than_the_model(command: str, name: str, model: ModelSpec, seq_len: int) -> None:
     """A Hugging Face folder states the longest sequence its model was made for (max_position_embeddings, the
-    runtime's max_seq_len, which `train` enforces); a preset's default is not such a statement."""
-    if is_hf_folder(name) and seq_len > model.max_seq_len:
-        print(f"orangetron {command}: note: --seq {seq_len} is longer than {name}'s max_position_embeddings "
-              f"{model.max_seq_len}: priced as asked, but `orangetron train` refuses such a run", file=sys.stderr)
+    runtime's max_seq_len, which `train` enforces), as does a preset or model file that sets max_seq_len; the
+    schema's default is not such a statement."""
+    if seq_len <= model.max_seq_len:
+        return
+    if is_hf_folder(name):
+        stated = f"{name}'s max_position_embeddings"
+    elif model.max_seq_len != _MAX_SEQ_LEN_DEFAULT:
+        stated = f"{model.name}'s max_seq_len"
+    else:
+        return
+    print(f"orangetron {command}: note: --seq {seq_len} is longer than {stated} {model.max_seq_len}: priced as "
+          "asked, but `orangetron train` and `plan --emit-config` refuse such a run", file=sys.stderr)
 
 
 def _idle_options(model: ModelSpec, deg: Degrees, job: Job) -> list[str]:
@@ -467,11 +479,18 @@ def _recipe_flag(args: argparse.Namespace) -> str:
     return args.fp8_recipe or "delayed"
 
 
+def _parameters(model: ModelSpec | DualEncoderSpec) -> str:
+    """"8.0B parameters", with a MoE model's "1.2B active" (those one token runs through)."""
+    total = model.total_params()
+    active = model.active_params() if isinstance(model, ModelSpec) and model.is_moe else total
+    return f"{count_params(total)} parameters" + (f", {count_params(active)} active" if active != total else "")
+
+
 def format_estimate(est: Estimate) -> str:
     """Human-readable report of one estimate, each table in the unit its largest tensor or step reads in."""
     d, mem, t = est.degrees, est.memory, est.time
     unit, size = unit_for(max(mem.get(k, 0) for k in ESTIMATED_TENSORS), BYTE_UNITS)
-    lines = [f"{est.model.name} on {d.world_size} x {est.cluster.gpu.name} "
+    lines = [f"{est.model.name} ({_parameters(est.model)}) on {d.world_size} x {est.cluster.gpu.name} "
              f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {est.job.seq_len}, "
              f"micro-batch {est.job.micro_batch}, "
              f"{est.job.replica_microbatches(d)} micro-batch(es) per step",
@@ -506,6 +525,22 @@ _DISTMM_FLAGS = ("model", "gpu", "gpus", "gpus_per_node", "nic_gbps", "transport
                  "json")
 
 
+def _refuse_empty_search(args: argparse.Namespace, spec: ModelSpec, cluster: Cluster, space: SearchSpace,
+                         global_batch: int) -> NoReturn:
+    """Why no configuration was enumerated: no degrees the restrictions allow, or degrees whose data-parallel
+    ranks cannot split the global batch into whole micro-batches."""
+    asked = " ".join(f"--{d} {','.join(map(str, getattr(args, d)))}" for d in ("tp", "cp", "pp", "ep")
+                     if getattr(args, d))
+    dps = sorted({deg.dp for deg in candidate_degrees(spec, cluster, space, args.seq)})
+    if dps and all(global_batch % dp for dp in dps):
+        raise ValueError(f"no layout of {args.gpus} GPUs{' with ' + asked if asked else ''} splits the global batch "
+                         f"of {global_batch} sequences over its dp ({', '.join(map(str, dps))}): each data-parallel "
+                         f"rank takes whole micro-batches; give --global-batch a multiple of {dps[0]}, or allow a "
+                         "larger tp, cp or pp")
+    raise ValueError(f"no layout of {args.gpus} GPUs has {asked}: tp*cp*pp must divide the GPU count and ep "
+                     "the data-parallel ranks; change the restriction or the GPU count")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     if args.chart:
         _check_chart_path(args.chart, "--chart", args.overwrite)
@@ -519,7 +554,7 @@ def run_plan(args: argparse.Namespace) -> int:
         check_emit_path(args.emit_config, args.overwrite)  # before the search, not after it
     spec = load_model(args.model)
     if isinstance(spec, ModelSpec):
-        _note_longer_than_the_folder("plan", args.model, spec, args.seq)
+        _note_longer_than_the_model("plan", args.model, spec, args.seq)
         if args.emit_config and args.seq > spec.max_seq_len:  # the file would start ranks only to be refused
             raise ValueError(f"--seq {args.seq}: longer than the model's max_seq_len={spec.max_seq_len}, which "
                              "`orangetron train` refuses, so --emit-config cannot write it; give a shorter --seq or "
@@ -565,10 +600,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     _overhead(args))
     elapsed = time.perf_counter() - start
     if not result.considered:
-        asked = " ".join(f"--{d} {','.join(map(str, getattr(args, d)))}" for d in ("tp", "cp", "pp", "ep")
-                         if getattr(args, d))
-        raise ValueError(f"no layout of {args.gpus} GPUs has {asked}: tp*cp*pp must divide the GPU count and ep "
-                         "the data-parallel ranks; change the restriction or the GPU count")
+        _refuse_empty_search(args, spec, cluster, space, global_batch)
     if result.refused:  # every configuration broke a rule: memory is not why none is ranked
         raise ValueError(f"no configuration of {args.gpus} GPUs searched can run {spec.name}; the first refused: "
                          f"{flag_named(result.refused, flags_of(args.own_parser))}")
@@ -651,7 +683,7 @@ def _plan_header(args: argparse.Namespace, model: str, gpu: str, global_batch: i
     no_overlaps = "".join(f", {flag}" for flag in _no_overlap_flags(**overlaps))
     fastest = "the fastest layout that fits" if rows == 1 else f"the {rows} fastest layouts that fit"
     return (f"{model} on {args.gpus} x {gpu}, seq {args.seq}, global batch {global_batch} sequences, "
-            f"{args.param_dtype}{fp8}{layout or ''}{no_overlaps}: {fastest}")
+            f"{args.param_dtype}{fp8}{layout or ''}{no_overlaps}: {fastest} (sequence parallel where tp > 1)")
 
 
 def _no_overlap_flags(overlap_ep: bool, overlap_shared_experts: bool) -> list[str]:

@@ -52,8 +52,8 @@ def run_presets(args: argparse.Namespace) -> int:
         print(f"  {m['name']:<16} {m['params'] / 1e6:8.2f}M params, {m['layers']} layers, hidden {m['hidden']}{moe}")
     print("estimate / plan --model:")
     for m in table["plan_models"]:
-        active = f" ({_count(m['active_params'])} active)" if m.get("kind") == "moe" else ""
-        print(f"  {m['name']:<16} {_count(m['params']):>9} params{active}, {m['kind']}")
+        active = f" ({count_params(m['active_params'])} active)" if m.get("kind") == "moe" else ""
+        print(f"  {m['name']:<16} {count_params(m['params']):>9} params{active}, {m['kind']}")
     print("estimate / plan --gpu:")
     for g in table["gpus"]:
         fp8 = f", fp8 {g['fp8_tflops']:g}" if g["fp8_tflops"] else ""
@@ -62,6 +62,6 @@ def run_presets(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count(params: int) -> str:
+def count_params(params: int) -> str:
     """A parameter count in billions, or in millions below one billion (tiny presets would print 0.0B)."""
     return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"

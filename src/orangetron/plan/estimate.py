@@ -34,6 +34,9 @@ class Estimate:
         """The `estimate --json` object (its keys: docs/planner.md)."""
         return {
             "model": self.model.name,
+            "params": self.model.total_params(),
+            "active_params": self.model.active_params() if isinstance(self.model, ModelSpec) else
+            self.model.total_params(),
             "gpu": self.cluster.gpu.name,
             "gpus": self.degrees.world_size,
             "gpus_per_node": self.cluster.gpus_per_node,

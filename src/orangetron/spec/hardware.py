@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import math
 import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 
 from orangetron.spec.keys import hash_fields_once
+from orangetron.spec.toml_values import check_scalar
 
 _PRESET_DIR = "presets/gpus"
 GIB = 1024**3
@@ -38,6 +41,9 @@ class GPUSpec:
     flash2_fwd_efficiency: float = 0.0  # FlashAttention-2's share where it differs from the best kernel's
     flash2_bwd_efficiency: float = 0.0  # (Hopper); 0: the same as attention_*_efficiency
     fp8_blockwise_gemm_efficiency: float = 0.0  # gemm_efficiency of blockwise-scaled FP8; 0: gemm_efficiency
+
+    def __post_init__(self) -> None:
+        check_gpu_fields(self)
 
     def attention_efficiency(self, kernel: str) -> tuple[float, float]:
         """(forward, backward) long-sequence share of peak of the fused attention `kernel` on this GPU (0: use
@@ -74,6 +80,36 @@ class GPUSpec:
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * GIB
+
+
+INTRA_NODE_LINKS = ("nvswitch", "nvlink", "pcie")
+_POSITIVE_FIELDS = ("bf16_tflops", "fp32_tflops", "memory_gib", "memory_bw_gbs", "intra_bw_gbs", "nic_gbps")
+_SHARE_FIELDS = ("attention_fwd_efficiency", "attention_bwd_efficiency", "flash2_fwd_efficiency",
+                 "flash2_bwd_efficiency", "fp8_blockwise_gemm_efficiency")  # 0: the default the field names
+
+
+def check_gpu_fields(gpu: GPUSpec) -> None:
+    """Refuse a field of the wrong kind or out of range, naming it: a GPU file's zero divided the step time, a
+    negative bandwidth made it negative, an efficiency typed as a percent put MFU past 100%, and a quoted
+    `"false"` read as true."""
+    check_scalar(f"name={gpu.name!r}", gpu.name, str)
+    check_scalar(f"nvls={gpu.nvls!r}", gpu.nvls, bool)
+    check_scalar(f"intra_node={gpu.intra_node!r}", gpu.intra_node, str)
+    if gpu.intra_node not in INTRA_NODE_LINKS:
+        raise ValueError(f"intra_node={gpu.intra_node!r}: must be one of {', '.join(INTRA_NODE_LINKS)}")
+    for name in ("sms", "gpus_per_node"):
+        value = getattr(gpu, name)
+        check_scalar(f"{name}={value!r}", value, int)
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1")
+    for name in (*_POSITIVE_FIELDS, "gemm_efficiency", "fp8_tflops", *_SHARE_FIELDS):
+        value = getattr(gpu, name)
+        check_scalar(f"{name}={value!r}", value, float)
+        zero_allowed = name == "fp8_tflops" or name in _SHARE_FIELDS
+        if not math.isfinite(value) or value < 0 or value == 0 and not zero_allowed:
+            raise ValueError(f"{name}={value}: must be a finite number {'>= 0' if zero_allowed else '> 0'}")
+        if value > 1 and (name == "gemm_efficiency" or name in _SHARE_FIELDS):
+            raise ValueError(f"{name}={value}: a share of peak, at most 1 (0.7, not 70)")
 
 
 @dataclass(frozen=True)
@@ -120,16 +156,24 @@ def load_gpu(name_or_path: str) -> GPUSpec:
         if key not in gpu_names():
             raise ValueError(f"unknown gpu preset {name_or_path!r}; choose one of {', '.join(gpu_names())}")
         text = resources.files("orangetron.spec").joinpath(_PRESET_DIR, f"{key}.toml").read_text()
-    table = tomllib.loads(text)
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"gpu {name_or_path}: {err}") from None
     names = {f.name for f in fields(GPUSpec)}
     required = {f.name for f in fields(GPUSpec) if f.default is MISSING}
+    unknown = sorted(set(table) - names)
+    if unknown:
+        hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, names, 1, 0.6))
+                 else key for key in unknown]
+        raise ValueError(f"gpu {name_or_path}: unknown key(s) {', '.join(hints)}")
     missing = sorted(required - set(table))
     if missing:
         raise ValueError(f"gpu {name_or_path}: missing key(s) {', '.join(missing)}")
-    unknown = sorted(set(table) - names)
-    if unknown:
-        raise ValueError(f"gpu {name_or_path}: unknown key(s) {', '.join(unknown)}")
-    return GPUSpec(**{k: table[k] for k in names if k in table})
+    try:
+        return GPUSpec(**{k: table[k] for k in names if k in table})
+    except ValueError as err:
+        raise ValueError(f"gpu {name_or_path}: {err}") from None
 
 
 def make_cluster(gpu: str | GPUSpec, num_gpus: int, gpus_per_node: int | None = None,

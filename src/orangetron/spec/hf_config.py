@@ -20,6 +20,7 @@ from typing import Any
 
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.model_rules import ConfigError
+from orangetron.spec.toml_values import check_scalar
 
 CONFIG_FILE = "config.json"
 
@@ -160,6 +161,7 @@ def spec_from_hf(config: dict[str, Any], name: str = "hf") -> ModelSpec:
     cannot honour. The spec's `aux_loss_coef` is 0 (HF trains these families without the balancing loss
     unless `output_router_logits`, which is refused)."""
     family = family_of(config)
+    _check_kinds(config)
     _check_keys(config, family)
     given = {**_DEFAULTS[family], **{k: v for k, v in config.items() if v is not None}}
     heads = given["num_attention_heads"]
@@ -182,6 +184,8 @@ def spec_from_hf(config: dict[str, Any], name: str = "hf") -> ModelSpec:
         fields |= _dots1_fields(given)
     else:
         fields |= {"ffn_hidden_size": given["intermediate_size"], **_DENSE_ATTENTION.get(family, {})}
+    if fields["vocab_size"] < 1:  # the schema's 0 is a vision tower's; every family here is a language model
+        raise HFConfigError(f"vocab_size={fields['vocab_size']}: a {family} model embeds tokens; give its vocabulary")
     try:
         return ModelSpec(**fields)
     except ConfigError as err:
@@ -224,6 +228,29 @@ def _dots1_fields(given: dict[str, Any]) -> dict[str, Any]:
             "moe_ffn_hidden_size": given["moe_intermediate_size"], "num_shared_experts": given["n_shared_experts"],
             "first_dense_layers": given["first_k_dense_replace"], "ffn_hidden_size": given["intermediate_size"],
             "qk_norm": True}
+
+
+# The JSON kind of each key read as a number or a switch: a quoted "24", a 24.0 or a "no" is refused by name, as
+# transformers' own config classes refuse them, rather than failing in arithmetic or reading "no" as true.
+_KINDS: dict[str, type] = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings", "head_dim", "num_local_experts", "num_experts",
+                     "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "decoder_sparse_step", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group",
+                     "topk_group", "max_window_layers", "sliding_window"), int),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "initializer_range", "routed_scaling_factor",
+                     "router_aux_loss_coef"), float),
+    **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "qkv_bias", "use_sliding_window"), bool),
+}
+
+
+def _check_kinds(config: dict[str, Any]) -> None:
+    for key, value in config.items():
+        if key in _KINDS and value is not None:
+            try:
+                check_scalar(f"{key}={value!r}", value, _KINDS[key])
+            except ValueError as err:
+                raise HFConfigError(str(err)) from None
 
 
 def _check_keys(config: dict[str, Any], family: str) -> None:

@@ -82,9 +82,12 @@ def _check_experts(spec: ModelSpec) -> None:
         _require(spec.moe_ffn_hidden_size > 0, "moe_ffn_hidden_size", spec.moe_ffn_hidden_size,
                 "must be positive for a MoE model")
     else:
-        # Shared experts live inside MoE layers; with none they would be dropped without a word.
+        # Shared experts live inside MoE layers; with none they, and a routing width, would be dropped without a
+        # word.
         _require(spec.num_shared_experts == 0, "num_shared_experts", spec.num_shared_experts,
                 "requires num_experts > 0")
+        _require(spec.top_k == 0, "top_k", spec.top_k, "requires num_experts > 0 (a model without experts routes "
+                 "nothing)")
     if spec.shared_expert_gate:
         _require(spec.num_shared_experts > 0, "shared_expert_gate", True, "requires num_shared_experts > 0")
 
