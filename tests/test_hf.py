@@ -8,6 +8,7 @@ swapped, the wrong norm epsilon, norm_topk_prob ignored); each fails a parity te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -174,6 +175,17 @@ def test_a_written_config_keeps_the_sources_token_ids_but_not_its_transformers_v
     source = {**hf_config_of(spec, "float32"), "bos_token_id": 7, "transformers_version": "4.40.0"}
     written = hf_config_of(spec, "float32", source)
     assert written["bos_token_id"] == 7 and "transformers_version" not in written
+
+
+def test_a_written_moe_config_keeps_the_balancing_coefficient_the_run_trained_with():
+    """A Mixtral trained with aux_loss_coef 0.01 exported no router_aux_loss_coef, so transformers read its own
+    default, 0.001, into a fine-tune of the export. An import's 0 (HF trains without the loss unless asked)
+    leaves its source's value."""
+    spec = ModelSpec("m", hidden_size=16, num_layers=2, num_heads=4, vocab_size=64, num_experts=4, top_k=2,
+                     moe_ffn_hidden_size=8, norm_topk_prob=True, aux_loss_coef=0.01)
+    assert hf_config_of(spec, "float32")["router_aux_loss_coef"] == 0.01
+    source = {**hf_config_of(dataclasses.replace(spec, aux_loss_coef=0.0), "float32"), "router_aux_loss_coef": 0.001}
+    assert hf_config_of(spec_from_hf(source), "float32", source)["router_aux_loss_coef"] == 0.001
 
 
 def test_refused_tensor_is_named(tmp_path):

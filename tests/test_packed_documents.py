@@ -5,6 +5,7 @@ packed row against the same documents run one by one."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -15,11 +16,14 @@ from orangetron.model import ModelConfig, Transformer, model_preset
 from orangetron.model.attention import document_attention
 from orangetron.model.documents import DocumentIdsError, Documents
 from orangetron.parallel.recompute import apply_recompute
+from orangetron.plan.timing import model_flops_per_step
+from orangetron.spec.options import Job
 from orangetron.train.config import TrainConfig, TrainConfigError
 from orangetron.train.data import document_ids, pack_documents, packed_inputs
 from orangetron.train.datasets import PreparedDataset
+from orangetron.train.mfu import batch_flops, step_flops
 from orangetron.train.prepare import prepare_data, train_tokenizer
-from orangetron.train.trainer import train
+from orangetron.train.trainer import load_data, train
 
 HEAD_DIM = 4
 # Two rows of 16 tokens with different boundaries: one-token documents, short ones and a long one.
@@ -173,6 +177,29 @@ def test_one_rank_packed_training_matches_plain_torch_with_dense_masks(tmp_path)
     assert "pack_documents = true" in (tmp_path / "run" / "config.toml").read_text()
     plain = train(TrainConfig(**options, pack_documents=False), progress=False)
     assert abs(plain["losses"][0] - result["losses"][0]) > 1e-3
+    # MFU counts the attention the run computed: each document's own, batch by batch (the FLOPs a step's
+    # `step_mfu` and `step_tokens_per_s` imply), not the window's 16 x 16.
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    batches = load_data(cfg).train.from_sample(0)
+    tokens = cfg.batch_size * cfg.seq_len
+    for record, batch in zip(records, batches, strict=False):
+        implied = record["step_mfu"] / record["step_tokens_per_s"] * tokens * result["peak_flops"]
+        assert implied == pytest.approx(batch_flops(cfg, batch), rel=1e-9) and implied < step_flops(cfg)
+    timed = records[1:]  # the first step also measures memory: the running figure leaves it out
+    seconds = [tokens / r["step_tokens_per_s"] for r in timed]
+    flops = [r["step_mfu"] * s * result["peak_flops"] for r, s in zip(timed, seconds, strict=True)]
+    assert records[-1]["mfu"] == pytest.approx(sum(flops) / sum(seconds) / result["peak_flops"], rel=1e-9)
+
+
+def test_a_packed_batchs_flops_count_each_documents_own_attention():
+    """By hand: rows of pieces 4 + 4 and 8 tokens, Σ n^2 / tokens = (16 + 16 + 64) / 16 = 6 keys per query on
+    average, so the step's FLOPs per token are those of 6-token sequences."""
+    cfg = TrainConfig(model="tiny", seq_len=8, batch_size=2, steps=2, warmup=1, corpus_bytes=60_000)
+    ids = torch.tensor([[5, 5, 5, 5, 6, 6, 6, 6, 6], [6, 6, 6, 6, 6, 6, 6, 6, 7]])  # a document continued
+    batch = torch.stack([torch.zeros_like(ids), ids], dim=-1)
+    six = model_flops_per_step(cfg.model_config(), Job(seq_len=6), 1) / 6
+    assert batch_flops(cfg, batch) / 16 == pytest.approx(six, rel=1e-12)
+    assert batch_flops(cfg, batch[..., 0]) == step_flops(cfg)  # unpacked rows: the window's s x s
 
 
 def test_packing_is_on_by_default_for_prepared_data_only(tmp_path):

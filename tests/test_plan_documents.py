@@ -123,3 +123,27 @@ def test_ring_traffic_over_packed_documents_is_the_ledgers(cp):
     job = Job(seq_len=seq, global_batch=1, param_dtype="float32", doc_lengths=lengths)
     planned = sum(r.bytes_received for r in context_parallel_records(model, Degrees(cp=cp), job))
     assert planned == max(forward + backward for forward, backward in per_rank)
+
+
+def test_model_flops_count_each_documents_own_attention_so_mfu_stays_below_the_peak(tmp_path, capsys):
+    """The step time prices only a document's own keys, so model FLOPs must too: counting s x s over 2,048-token
+    documents in 131,072-token sequences read MFU 185.6% and 1,836 TFLOP/s per GPU on an H100 (peak 989)."""
+    from orangetron.plan.timing import model_flops_per_step
+    from orangetron.spec.model import load_model
+    from orangetron.spec.options import Job
+
+    model = load_model("llama3-8b")
+    # By hand: pieces of 1024, 512 and 512 tokens fill a 2,048-token sequence; a token sees its whole piece,
+    # (1024^2 + 2 x 512^2) / 2048 = 768 keys on average: per token, the FLOPs of 768-token sequences.
+    packed = model_flops_per_step(model, Job(seq_len=2048, doc_lengths=(1024, 512, 512)), 3) / (3 * 2048)
+    assert packed == pytest.approx(model_flops_per_step(model, Job(seq_len=768), 5) / (5 * 768), rel=1e-12)
+    causal = model_flops_per_step(model, Job(seq_len=2048, doc_lengths=(1024, 512, 512)), 3, causal_attention=True)
+    half = model_flops_per_step(model, Job(seq_len=768), 5, causal_attention=True) / (5 * 768)  # 384 keys
+    assert causal / (3 * 2048) == pytest.approx(half, rel=1e-12) and half < packed
+    (tmp_path / "short.txt").write_text("2048 64\n")
+    assert cli.main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tp", "2", "--cp", "8", "--seq", "131072",
+                     "--global-batch", "1", "--sequence-parallel", "--zero-stage", "3", "--doc-lengths",
+                     str(tmp_path / "short.txt"), "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert 0 < priced["mfu_causal"] < priced["mfu"] <= priced["hfu"] < 1
+    assert priced["tflops_per_gpu"] < 989.4

@@ -332,10 +332,12 @@ def test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_w
 
     from orangetron.train.commands import _summary
 
-    def summary(steps_differ: bool, measured: int, key: str = "all_to_all/ep", ep: int = 2, peak: int = 5) -> str:
+    def summary(steps_differ: bool, measured: int, key: str = "all_to_all/ep", ep: int = 2, peak: int = 5,
+                packed: bool = False) -> str:
         memory = {"rank": 0, "params": 10, "activations_peak": peak}
         per_step = {"train": {key: measured}, "eval": {}, "evaluations": 0, "steps_differ": steps_differ}
-        result = {"layout": {"ep": ep}, "losses": [2.0, 1.0], "memory": [memory], "eval_loss": None, "final_loss": 1.0,
+        result = {"layout": {"ep": ep}, "pack_documents": packed, "losses": [2.0, 1.0], "memory": [memory],
+                  "eval_loss": None, "final_loss": 1.0,
                   "final_loss_mean10": 1.5, "params": 10, "tokens_per_s": 1.0, "mfu": None, "time_s": 1.0,
                   "comm_per_step": [per_step], "comm": [{"rank": 0}], "warnings": [],
                   "predicted": [{"memory": {"params": 10, "activations_peak": 5},
@@ -355,4 +357,32 @@ def test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_w
     gathered = summary(False, 300, peak=7)
     assert "(+2)" in gathered and "the planner prices it balanced" in gathered
     assert "balanced" not in summary(False, 300, ep=1, peak=7)  # no expert parallelism: routing is not why
+    # A packed ring follows each batch's documents: a one-step run that sent more than the prediction was not
+    # marked (its only step cannot differ from another), and the note now says why.
+    assert "one document per sequence" in summary(False, 310, "send_recv/cp", ep=1, packed=True)
+    assert "one document per sequence" not in summary(False, 310, "send_recv/cp", ep=1)  # not packed
+    assert "one document per sequence" not in summary(False, 300, "send_recv/cp", ep=1, packed=True)  # equal
 
+
+def test_estimate_and_plan_price_a_given_sequence_padded_as_train_pads_it(tmp_path, capsys) -> None:
+    """`estimate --seq 32 --cp 3` and `plan` refused what train runs padded (`not divisible by 2*cp=6`); both now
+    price the padded 36 tokens, and a plan's file keeps the 32 asked, which train pads again."""
+    flags = ["--model", "tiny", "--gpus", "3", "--param-dtype", "float32", "--global-batch", "4"]
+    assert cli.main(["estimate", *flags, "--cp", "3", "--seq", "32", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "note: --seq 32 runs padded to 36 under cp=3, as train pads it" in captured.err
+    padded = json.loads(captured.out.strip().splitlines()[-1])
+    assert cli.main(["estimate", *flags, "--cp", "3", "--seq", "36", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == padded
+    path = tmp_path / "plan.toml"
+    assert cli.main(["plan", *flags, "--cp", "3", "--seq", "32", "--emit-config", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "note: --seq 32 runs padded to 36 on the rows whose cp ranks cannot split it" in captured.err
+    first = json.loads(captured.out.strip().splitlines()[-1])["ranked"][0]
+    assert first["layout"]["cp"] == 3 and first["job"]["seq_len"] == 36
+    assert 'seq_len = 32\n' in path.read_text()
+    assert cli.main(["estimate", "--config", str(path), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["memory_bytes"] == first["memory_bytes"] and again["job"]["seq_len"] == 36
+    # The file adds the trainer's gradient clipping: one 4-byte norm all-reduce, nothing else.
+    assert {k: v for k, v in again["comm_bytes"].items() if k != "all_reduce/dp_cp"} == first["comm_bytes"]

@@ -434,6 +434,9 @@ def test_options_that_do_nothing_are_named(flags: dict, warning: str) -> None:
 def test_inputs_that_used_to_pass_silently_are_refused(tmp_path, capsys) -> None:
     code, _, err = _train(capsys, "--steps", "3", "--stop-after", "3", "--out", str(tmp_path / "r"))
     assert code == 2 and "stop_after=3 (--stop-after): the run ends at --steps=3 anyway" in err
+    for empty in ("", " "):  # an unset $RUN_DIR: the run was written into the current folder
+        code, _, err = _train(capsys, "--steps", "3", "--out", empty)
+        assert code == 2 and f"error: out (--out): {empty!r} is an empty path; give the run's folder" in err
     code, _, err = _train(capsys, "--data", str(tmp_path))
     assert code == 2 and "a folder, not a text file" in err
     code, _, err = _train(capsys, "--model", "tiny", "--steps", "2", "--warmup", "0", "--corpus-bytes", "50000",
@@ -519,7 +522,7 @@ def test_help_refusal_and_docs_name_every_option_a_resume_may_change(capsys) -> 
     others = [_flag(name) for name in CHANGEABLE_ON_RESUME if name not in layout_and_parallel]
     assert "--deterministic" in others and "--device" in others
     named = {word.strip(",") for word in CHANGEABLE_ON_RESUME_TEXT.split() if word.startswith("--")}
-    assert named == {*others, "--extend", "--param-dtype"}
+    assert named == {*others, "--extend", "--param-dtype", "--microbatches"}
     docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
     paragraph = docs[docs.index("one a resume may change"):docs.index("`--quiet` and `--json` are not options")]
     for flag in others:
@@ -527,6 +530,78 @@ def test_help_refusal_and_docs_name_every_option_a_resume_may_change(capsys) -> 
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
     assert "--deterministic" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_moe_run_keeps_its_micro_batches_on_resume_and_a_dense_one_need_not(tmp_path, capsys) -> None:
+    """A MoE balancing loss is a product of means over each micro-batch's tokens: a resume at --microbatches 2 of
+    a run at 1 trained another objective (5.1e-6 apart in float64 by step 12) without a word, logged as a layout
+    change. It is refused, naming the recorded value; a dense model's split changes only the sums' order."""
+    flags = ["--steps", "3", "--warmup", "1", "--seq-len", "16", "--batch-size", "4", "--corpus-bytes", "60000",
+             "--quiet", "--stop-after", "1"]
+    for model in ("tiny-moe", "tiny"):
+        assert _train(capsys, "--model", model, *flags, "--out", str(tmp_path / model))[0] == 0
+    code, _, err = _train(capsys, "--out", str(tmp_path / "tiny-moe"), "--resume", "--microbatches", "2")
+    assert code == 2 and "microbatches=2 (--microbatches): the run in" in err
+    assert "was recorded with microbatches=1, and its MoE balancing loss (aux_loss_coef=0.01) is computed per " \
+        "micro-batch, so another split trains another objective; resume with --microbatches 1" in err
+    assert _train(capsys, "--out", str(tmp_path / "tiny"), "--resume", "--microbatches", "2")[0] == 0
+    changes = (tmp_path / "tiny" / "changes.jsonl").read_text()
+    assert '"microbatches": [1, 2]' in changes
+
+
+def test_a_checkpoint_refuses_what_a_missing_or_edited_record_would_let_change(tmp_path, capsys) -> None:
+    """With config.toml deleted, a resume took another seq-len, batch size, seed and corpus from its flags, and
+    rewrote the record; an edited batch_size resumed too. The checkpoint now holds the run's options and refuses
+    a change the record would have refused; the same flags resume."""
+    flags = ["--model", "tiny", "--steps", "3", "--warmup", "1", "--seq-len", "16", "--batch-size", "4",
+             "--corpus-bytes", "60000", "--quiet"]
+    run = tmp_path / "run"
+    assert _train(capsys, *flags, "--stop-after", "1", "--out", str(run))[0] == 0
+    record = (run / "config.toml").read_text()
+    (run / "config.toml").unlink()
+    for changed in (["--seq-len", "32"], ["--seed", "3"], ["--corpus-bytes", "70000"], ["--grad-clip", "0.0"]):
+        code, _, err = _train(capsys, *flags, *changed, "--out", str(run), "--resume")
+        field = changed[0][2:].replace("-", "_")
+        assert code == 2 and f"{field}={changed[1]}" in err and "step-00000001 was written by a run with" in err, err
+    (run / "config.toml").write_text(record.replace("batch_size = 4", "batch_size = 8"))
+    code, _, err = _train(capsys, "--out", str(run), "--resume")
+    assert code == 2 and f"batch_size=8 (--batch-size, set by the run's record {run / 'config.toml'}): " in err
+    (run / "config.toml").unlink()
+    code, result, err = _train(capsys, *flags, "--out", str(run), "--resume", "--json")
+    assert code == 0 and len(result["losses"]) == 3 and "cannot tell whether the data's text changed" in err
+
+
+@pytest.mark.parametrize("dp", (1, 2))
+def test_a_disk_that_refuses_a_write_ends_the_run_in_one_line(tmp_path, capsys, monkeypatch, dp) -> None:
+    """A checkpoint folder made read-only mid-run gave 30 to 51 lines of traceback (one rank: the CLI's own; two:
+    the failing rank's). An OSError is the machine's, not the code's: one line naming it, exit 1."""
+    from orangetron.train import resume
+
+    def refused(folder, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(folder))
+
+    monkeypatch.setattr(resume, "save_checkpoint", refused)  # forked ranks inherit it
+    code, _, err = _train(capsys, "--model", "tiny", "--steps", "2", "--warmup", "1", "--seq-len", "16",
+                          "--batch-size", "4", "--corpus-bytes", "60000", "--quiet", "--dp", str(dp),
+                          "--out", str(tmp_path / "run"))
+    assert code == 1 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    rank = "rank 0 failed: " if dp > 1 else ""
+    assert lines == [f"orangetron train: error: {rank}PermissionError: [Errno 1] Operation not permitted: "
+                     f"'{tmp_path / 'run' / 'checkpoints'}'"], err
+
+
+def test_a_killed_saves_staging_folder_is_removed_by_the_next_save(tmp_path, capsys) -> None:
+    """`kill -9` during a save left `checkpoints/.step-N.partial-XXXX` (40 MB) for good; no resume reads it."""
+    flags = ["--model", "tiny", "--steps", "2", "--warmup", "1", "--seq-len", "16", "--batch-size", "4",
+             "--corpus-bytes", "60000", "--quiet", "--out", str(tmp_path / "run")]
+    assert _train(capsys, *flags, "--stop-after", "1")[0] == 0
+    dead = tmp_path / "run" / "checkpoints" / ".step-00000002.partial-0badf00d"
+    dead.mkdir()
+    (dead / "__0_0.distcp").write_bytes(b"half")
+    assert _train(capsys, *flags, "--resume")[0] == 0
+    assert not dead.exists()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
 
 
 LLAMA_TOML = ("hidden_size = 32\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nvocab_size = 320\n"
@@ -734,11 +809,13 @@ def test_a_rewritten_tokenizer_is_refused_on_resume_and_kept_by_checkpoints(tmp_
         "it there" in err
     tok.mkdir()  # there, but empty: named once
     code, _, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "4")
-    assert code == 2 and err.count("tokenizer=") == 1 and "(--tokenizer): no tokenizer.json" in err
+    assert code == 2 and err.count("tokenizer=") == 1  # the record gave it: the message says so
+    assert f"(--tokenizer, set by the run's record {run / 'config.toml'}): no tokenizer.json" in err
     (tok / "tokenizer.json").write_text(read["tokenizer.json"])  # a config that is not JSON: the option named
     (tok / "tokenizer_config.json").write_text("not json")
     code, _, err = _train(capsys, "--out", str(run), "--resume", "--extend", "--steps", "4")
-    assert code == 2 and err.count("tokenizer=") == 1 and "(--tokenizer): " in err and "not a JSON file" in err
+    assert code == 2 and err.count("tokenizer=") == 1 and "(--tokenizer, set by the run's record" in err
+    assert "not a JSON file" in err
     shutil.rmtree(tok)
     assert sampled()["checkpoint"].endswith("step-00000003")
     assert cli.main(["export", str(run), "--hf", "-o", str(tmp_path / "hf-3")]) == 0

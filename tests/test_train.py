@@ -213,7 +213,11 @@ def test_a_run_with_no_held_out_rows_counts_no_evaluation_and_names_the_flag(cap
     out, err = capsys.readouterr()
     assert "no held-out loss: the eval split is shorter than one sample (raise --eval-fraction)" in err
     assert "comm per evaluation (0 runs): none" in err
-    assert json.loads(out.strip().splitlines()[-1])["comm_per_step"][0]["evaluations"] == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["comm_per_step"][0]["evaluations"] == 0 and result["eval_loss"] is None
+    # A --json reader is told why too: it is known before the first step, a warning of the start.
+    assert result["warnings"] == ["no held-out loss: the eval split is shorter than one sample (raise "
+                                  "--eval-fraction)"]
 
 
 def test_cli_train_quiet_writes_nothing_to_stderr(capsys) -> None:
@@ -493,6 +497,12 @@ def test_bad_input_found_on_a_rank_is_one_line_exit_2(capsys, tmp_path) -> None:
     code = cli.main(["train", "--dp", "2", "--model", "tiny", "--steps", "2", "--batch-size", "4", "--quiet",
                      "--out", str(tmp_path / "none"), "--resume"])
     err = capsys.readouterr().err.strip().splitlines()  # found before any rank starts, before the run's banner
+    assert code == 2 and err == [f"orangetron train: error: resume=True (--resume): there is no run folder "
+                                 f"{tmp_path / 'none'} to resume"]  # a mistyped --out: not "no checkpoint"
+    (tmp_path / "none").mkdir()
+    code = cli.main(["train", "--dp", "2", "--model", "tiny", "--steps", "2", "--batch-size", "4", "--quiet",
+                     "--out", str(tmp_path / "none"), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"orangetron train: error: resume=True (--resume): no checkpoint under "
                                  f"{tmp_path / 'none' / 'checkpoints'}"]
     assert cli.main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "4", "--seq-len", "16", "--quiet",
@@ -505,7 +515,7 @@ def test_bad_input_found_on_a_rank_is_one_line_exit_2(capsys, tmp_path) -> None:
     assert code == 2 and len(err) == 2  # the refusal, and before it why it names options the command never gave
     assert err[0] == (f"orangetron train: warning: {tmp_path / 'run' / 'config.toml'} is missing, so the run's "
                       "options come from this command's flags and their defaults; its checkpoint refuses those that "
-                      "differ from the run's")
+                      "differ from the run's, but cannot tell whether the data's text changed")
     assert err[1].startswith("orangetron train: error: rank 0: resume=True (--resume):") and "holds a model" in err[1]
 
 
@@ -610,11 +620,21 @@ def test_a_refused_value_that_a_config_file_set_names_the_file(tmp_path, capsys)
                                             "divisible by tp; the heads allow tp 1, 2, 4, 8\n")
     assert main(["train", "--config", str(config), "--tp", "3", "--out", str(tmp_path / "run")]) == 2
     assert "error: tp=3 (--tp): n_heads=8" in capsys.readouterr().err
+    # A resume takes its record's options the same way: a recorded Ulysses degree that a new cp mode refuses was
+    # named as if typed.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('model = "tiny"\nseq_len = 32\nbatch_size = 4\ncp = 4\ncp_mode = "usp"\n'
+                                     'ulysses_degree = 2\n')
+    assert main(["train", "--out", str(run), "--resume", "--cp", "2", "--cp-mode", "rsa"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: ulysses_degree=2 (--ulysses-degree, set by the run's record "
+                                            f"{run / 'config.toml'}): only cp_mode usp takes it, not 'rsa'\n")
     flags = {"lr": "--lr", "tp": "--tp"}
     said = "lr=0.5 (--lr): the run was recorded with lr=0.002"
-    assert set_by_file(said, flags, set(), "f.toml", {"lr"}) == said.replace("(--lr)", "(--lr, set by --config f.toml)")
-    assert set_by_file(said, flags, {"lr"}, "f.toml", {"lr"}) == said  # typed: the command line set it
-    assert set_by_file(said, flags, set(), "f.toml", {"tp"}) == said  # the file does not give it
+    source = "--config f.toml"
+    assert set_by_file(said, flags, set(), source, {"lr"}) == said.replace("(--lr)", "(--lr, set by --config f.toml)")
+    assert set_by_file(said, flags, {"lr"}, source, {"lr"}) == said  # typed: the command line set it
+    assert set_by_file(said, flags, set(), source, {"tp"}) == said  # the file does not give it
     assert set_by_file(said, flags, set(), None, {"lr"}) == said
 
 

@@ -82,8 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         if isinstance(err, ValueError):  # a rule names the option's field: say which flag sets it
             message = flag_named(str(err), flags_of(args.own_parser))
-            message = set_by_file(message, flags_of(args.own_parser), args.typed, getattr(args, "config", None),
-                                  _file_fields(getattr(args, "config", None)))
+            for source, fields in _option_files(args):  # --config first: its values override the record's
+                message = set_by_file(message, flags_of(args.own_parser), args.typed, source, fields)
         print(f"{args.own_parser.prog}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -107,6 +107,19 @@ def _resumed_run(prog: str, config: str, recorded: str | None) -> dict[str, str]
         print(f"{prog}: note: --config {config} --resume continues the run in {folder}; its record names "
               f"out={recorded}, where it ran before it moved", file=sys.stderr)
     return {"out": str(folder)}
+
+
+def _option_files(args: argparse.Namespace) -> list[tuple[str, set[str]]]:
+    """The files that gave this command options, as a message names each, with the fields each gave: a --config
+    file, then a resumed run's record."""
+    from orangetron.train.run_folder import CONFIG_FILE
+
+    config, out = getattr(args, "config", None), getattr(args, "out", None)
+    files = [(f"--config {config}", _file_fields(config))] if config else []
+    record = Path(out, CONFIG_FILE) if getattr(args, "resume", False) and out is not None else None
+    if record is not None and record.is_file():
+        files.append((f"the run's record {record}", _file_fields(str(record))))
+    return files
 
 
 def _file_fields(config: str | None) -> set[str]:

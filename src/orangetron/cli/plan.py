@@ -329,11 +329,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         if job.seq_len > model.max_seq_len:
             raise ValueError(f"--config {args.config}: seq_len={job.seq_len} is longer than the model's max_seq_len="
                              f"{model.max_seq_len}, which `orangetron train` refuses")
-        padded = cp_padded_len(job.seq_len, deg.cp, deg.tp, job.sequence_parallel)
-        if padded != job.seq_len:  # the trainer pads it (train/step.py), and its prediction prices the padded length
-            print(f"orangetron estimate: note: seq_len={job.seq_len} runs padded to {padded} under cp={deg.cp}, as "
-                  "train pads it (ignored labels at its end)", file=sys.stderr)
-            job = replace(job, seq_len=padded)
+        job = _padded_as_train_pads(job, deg, "seq_len")
         if args.gpu is None:
             args.gpu = _config_gpu(args.config)
         if args.gpus is not None and args.gpus != deg.world_size:
@@ -348,6 +344,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
         _note_longer_than_the_model("estimate", args.model, model, job.seq_len)
+        job = _padded_as_train_pads(job, deg, "--seq")
         validate(model, deg, job)
         est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
     for note in _no_effect_notes(model, deg, job):
@@ -361,6 +358,18 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         print(format_estimate(est))
     return 0
+
+
+def _padded_as_train_pads(job: Job, deg: Degrees, name: str) -> Job:
+    """`job` at the length its sequences run at under cp: the trainer pads one that the cp ranks cannot split
+    (train/step.py), and prices the padded length; said on standard error."""
+    padded = cp_padded_len(job.seq_len, deg.cp, deg.tp, job.sequence_parallel)
+    if padded == job.seq_len:
+        return job
+    given = f"{name} {job.seq_len}" if name.startswith("--") else f"{name}={job.seq_len}"
+    print(f"orangetron estimate: note: {given} runs padded to {padded} under cp={deg.cp}, as train pads it "
+          "(ignored labels at its end)", file=sys.stderr)
+    return replace(job, seq_len=padded)
 
 
 def _config_gpu(path: str) -> str:
@@ -610,6 +619,11 @@ def run_plan(args: argparse.Namespace) -> int:
                          f"{cluster.gpu.memory_gib:.0f} GiB; add GPUs or shorten the sequence")
     print(f"priced {result.evaluated} fitting of {result.considered} configurations in {elapsed:.2f} s",
           file=sys.stderr)
+    padded = sorted({row.job.seq_len for row in result.ranked} - {args.seq})
+    if padded:  # `search.candidate_jobs`: cp ranks that cannot split the sequence run it padded
+        print(f"orangetron plan: note: --seq {args.seq} runs padded to {' or '.join(map(str, padded))} on the rows "
+              "whose cp ranks cannot split it, as train pads it (ignored labels at its end), and is priced so",
+              file=sys.stderr)
     if args.chart:
         from orangetron.plan.chart import breakdown_chart
 
@@ -633,7 +647,7 @@ def run_plan(args: argparse.Namespace) -> int:
                             args.memory_fraction, _overhead(args)).ranked  # further down than --top shows
         moved: list[Path] = []
         folder = _hf_folder(args.model)
-        rank, passed_over = emit_config(ranked, args.emit_config, args.overwrite, moved, folder)
+        rank, passed_over = emit_config(ranked, args.emit_config, args.overwrite, moved, folder, args.seq)
         skipped = f"; the trainer does not run {'; '.join(passed_over)}" if passed_over else ""
         skipped += f"; the run starts from the weights of {folder}" if folder else ""
         aside = f" (the former file moved to {moved[0]})" if moved else ""

@@ -37,15 +37,18 @@ def flag_named(message: str, flags: dict[str, str]) -> str:
     return f"{message[:found.end()]} ({flags[field]}){message[found.end():]}"
 
 
-def set_by_file(message: str, flags: dict[str, str], typed: set[str], config: str | None,
+def set_by_file(message: str, flags: dict[str, str], typed: set[str], source: str | None,
                 file_fields: set[str]) -> str:
-    """`message` with "(--flag)" after its leading field told "(--flag, set by --config FILE)" when the command
-    line did not type the flag and the file gave the field: the user looks in the file, not at the command."""
+    """`message` with "(--flag)" after its leading field told "(--flag, set by SOURCE)" when the command line did
+    not type the flag and the file `source` names ("--config FILE", a resumed run's record) gave the field: the
+    user looks in the file, not at the command."""
     found = _LEADING_FIELD.match(message)
     field = found.group(1) if found else None
-    if not config or field not in file_fields or field in typed or field not in flags:
+    if not source or field not in file_fields or field in typed or field not in flags:
         return message
-    return message.replace(f" ({flags[field]})", f" ({flags[field]}, set by --config {config})", 1)
+    if source.split()[-1] in message:  # the message names the file itself ("differs from the run's record in")
+        return message
+    return message.replace(f" ({flags[field]})", f" ({flags[field]}, set by {source})", 1)
 
 
 def typed_flags(parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -44,6 +44,16 @@ def windows(doc_lengths: tuple[int, ...], seq: int) -> list[tuple[tuple[Piece, .
     return list(counts.items())
 
 
+def document_square_keys(doc_lengths: tuple[int, ...], seq: int) -> float:
+    """Keys per query when each document piece counts all its own keys (the s x s convention of model FLOPs, per
+    document): the mean over the tokens of the length of the piece that holds each."""
+    squares = tokens = 0
+    for window, count in windows(doc_lengths, seq):
+        squares += count * sum((b - a) ** 2 for a, b in window)
+        tokens += count * seq
+    return squares / tokens
+
+
 def _rank_runs(window: tuple[Piece, ...], seq: int, cp: int) -> list[tuple[tuple[int, int], ...]]:
     """Each rank's runs, none across a document's start (one rank: the pieces themselves)."""
     if cp == 1:

@@ -19,6 +19,7 @@ from orangetron.spec.hardware import Cluster
 from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Degrees, Job, validate, without_recompute
 from orangetron.spec.parallel_config import RECOMPUTE
+from orangetron.spec.sharding import cp_padded_len
 from orangetron.spec.stages import longest_chunk
 from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES
 
@@ -103,7 +104,9 @@ def _folded_eps(model: ModelSpec, stage_ranks: int, dp_cp: int, space: SearchSpa
 def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: int, space: SearchSpace,
                    base: Job) -> Iterator[list[Job]]:
     """Groups of training options for one layout, each group in order of preference: the same micro-batch,
-    schedule, cp mode and dispatcher with less sharding and less recompute first."""
+    schedule, cp mode and dispatcher with less sharding and less recompute first. Under cp a sequence its ranks
+    cannot split is priced at the length the trainer pads it to (`cp_padded_len`), as `estimate` prices it."""
+    seq_len = cp_padded_len(seq_len, deg.cp, deg.tp, deg.tp > 1)
     vs = space.virtual_stages if deg.pp > 1 else (1,)
     if base.pipeline_layout:  # a given layout fixes the chunks per pipeline rank
         chunks, rest = divmod(len(base.pipeline_layout), deg.pp)

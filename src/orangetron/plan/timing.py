@@ -49,7 +49,7 @@ from orangetron.plan.network import (
     collective_time,
     p2p_time,
 )
-from orangetron.plan.packed import document_keys
+from orangetron.plan.packed import document_keys, document_square_keys
 from orangetron.plan.param_grads import held_to_step
 from orangetron.plan.params import stage_params, sums_first, zero3_unit_contents
 from orangetron.plan.traffic import (
@@ -404,19 +404,29 @@ def _fwd_bwd(c: LayerCost, job: Job) -> tuple[float, float]:
 @lru_cache(maxsize=4096)
 def model_flops_per_step(model: ModelSpec, job: Job, sequences: int, causal_attention: bool = False) -> float:
     """Model FLOPs of one step (forward + backward, no recompute). Attention counts the full s x s products
-    (Megatron's and PaLM's convention) unless `causal_attention`, which counts the unmasked half."""
-    s = job.seq_len
-    tokens = sequences * s
+    (Megatron's and PaLM's convention), each packed document's own n x n under `doc_lengths`, unless
+    `causal_attention`, which counts the unmasked half (`model_keys`)."""
+    tokens = sequences * job.seq_len
     layer_params = model.all_layer_params()
     if model.is_moe:
         idle = (model.num_experts - model.top_k) * model.mlp_params(model.moe_ffn_hidden_size)
         layer_params -= idle * model.num_moe_layers
-    keys = s / 2 if (causal_attention and model.causal) else s
-    attention = _attention_flops(model, tokens, keys, model.num_heads)
+    attention = _attention_flops(model, tokens, model_keys(model, job, causal_attention), model.num_heads)
     head = 2.0 * tokens * model.hidden_size * model.vocab_size
     mtp = model.mtp_layers * (2.0 * tokens * (_active_layer_params(model, model.mtp_layer_index)
                                               + 2 * model.hidden_size**2) + attention + head)
     return 3.0 * (2.0 * tokens * layer_params + attention * model.num_layers + head + mtp)
+
+
+def model_keys(model: ModelSpec, job: Job, causal_attention: bool = False) -> float:
+    """Keys per query that model FLOPs count: the whole sequence, or under `doc_lengths` the whole document
+    piece holding the query (a token of a packed document attends to no other document, and the step time
+    prices only that work: counting s keys put MFU past 100% at short documents); half of either with
+    `causal_attention`."""
+    keys = float(job.seq_len)
+    if job.doc_lengths and model.causal:
+        keys = document_square_keys(job.doc_lengths, job.seq_len)
+    return keys / 2 if causal_attention and model.causal else keys
 
 
 def _active_layer_params(model: ModelSpec, index: int) -> int:
@@ -613,14 +623,14 @@ def replayed_share(model: ModelSpec, deg: Degrees, job: Job) -> float:
         return 1.0
     replayed = set().union(*(replayed_layers(model.num_layers, deg.pp, job.virtual_stages, s, job.recompute_layers,
                                              job.pipeline_layout) for s in range(deg.pp)))
-    flops = [_layer_forward_flops(model, i, job.seq_len) for i in range(model.num_layers)]
+    flops = [_layer_forward_flops(model, i, model_keys(model, job)) for i in range(model.num_layers)]
     return sum(f for i, f in enumerate(flops) if i in replayed) / sum(flops)
 
 
-def _layer_forward_flops(model: ModelSpec, index: int, seq_len: int) -> float:
+def _layer_forward_flops(model: ModelSpec, index: int, keys: float) -> float:
     """Forward FLOPs of layer `index` per token: its active parameters (a MoE layer's idle experts excluded) and
-    its attention over `seq_len` keys, counted as `model_flops_per_step` does."""
-    return 2.0 * _active_layer_params(model, index) + _attention_flops(model, 1, seq_len, model.num_heads)
+    its attention over `keys` keys, counted as `model_flops_per_step` does."""
+    return 2.0 * _active_layer_params(model, index) + _attention_flops(model, 1, keys, model.num_heads)
 
 
 @lru_cache(maxsize=16384)
@@ -739,12 +749,14 @@ def _hardware_flops(model: ModelSpec, job: Job, sequences: int, replayed: float)
     flops = model_flops_per_step(model, job, sequences)
     if job.recompute == "full":  # one more forward of every replayed layer (an MTP module's only if all replay)
         tokens = sequences * job.seq_len
-        decoder = sum(_layer_forward_flops(model, i, job.seq_len) for i in range(model.num_layers))
+        keys = model_keys(model, job)
+        decoder = sum(_layer_forward_flops(model, i, keys) for i in range(model.num_layers))
         mtp = 0.0 if job.partial_recompute else \
-            model.mtp_layers * _layer_forward_flops(model, model.mtp_layer_index, job.seq_len)
+            model.mtp_layers * _layer_forward_flops(model, model.mtp_layer_index, keys)
         flops += tokens * (decoder * replayed + mtp)
     elif job.recompute == "selective" and job.attention_kernel == "eager":
-        flops += _attention_flops(model, sequences * job.seq_len, job.seq_len, model.num_heads) * model.num_layers
+        flops += _attention_flops(model, sequences * job.seq_len, model_keys(model, job), model.num_heads) \
+            * model.num_layers
     return flops + sequences * job.seq_len * _module_replay_flops(model, job)
 
 

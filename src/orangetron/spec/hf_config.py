@@ -416,6 +416,15 @@ def hf_config_of(spec: ModelSpec, dtype: str, base: dict[str, Any] | None = None
 
 def _family_keys(spec: ModelSpec, family: str) -> dict[str, Any]:
     """The keys of `family`'s config that hold the spec's feed-forward, router and attention variants."""
+    keys = _variant_keys(spec, family)
+    if spec.aux_loss_coef > 0 and family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        # The coefficient the run trained with, where transformers would read its own default (0.001) in; an
+        # import's 0 (HF trains without the loss unless asked) leaves its source's value.
+        keys["router_aux_loss_coef"] = spec.aux_loss_coef
+    return keys
+
+
+def _variant_keys(spec: ModelSpec, family: str) -> dict[str, Any]:
     if family == "mixtral":
         return {"intermediate_size": spec.moe_ffn_hidden_size, "num_local_experts": spec.num_experts,
                 "num_experts_per_tok": spec.top_k, "sliding_window": None, "output_router_logits": False,

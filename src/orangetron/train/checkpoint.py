@@ -135,6 +135,10 @@ def _put_in_place(staging: Path, final: Path, step: int) -> None:
     _fsync(final.parent)  # the renames themselves reach the disk
     for aside in _aside_copies(final.parent, step):
         shutil.rmtree(aside)  # superseded: the new checkpoint of this step is in place
+    # A save killed before its rename left its staging folder; the folder is this run's (its lock), so every
+    # staging folder left now is a dead one, which no resume reads: it only held the disk.
+    for stale in final.parent.glob(".*.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _agreed(value: Any, group: MeshGroup | None) -> Any:

@@ -332,6 +332,11 @@ def run_train(args: argparse.Namespace) -> int:
     except LaunchError as err:  # a rank failed, died or hung: its message, not the launcher's traceback
         print(f"orangetron train: error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # one rank, in this process: a full disk or a folder made read-only, in one line
+        if isinstance(err, FileNotFoundError):  # a missing input: bad input, which cli reports (exit 2)
+            raise
+        print(f"orangetron train: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     # A run that a signal stopped after a step exits as the signal would have ended it (130, 143).
     stopped = result.get("stopped")
     code = stopping.exit_code(stopped["signal"]) if stopped else 0
@@ -413,6 +418,10 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         if result.get("layout", {}).get("ep", 1) > 1 and routed:
             lines.append("  (the routing decides how many tokens each MoE layer sends and keeps, step by step; the "
                          "planner prices it balanced, so the expert all-to-all and activation rows differ by it)")
+        if result.get("pack_documents") and any(name.startswith("sent send_recv/cp") for name in differing):
+            lines.append("  (the ring passes on only the keys a later rank's documents see, batch by batch; the "
+                         "planner prices one document per sequence, the most when a micro-batch's rows share "
+                         "their boundaries: rows with other boundaries can send more, docs/training.md)")
     warnings = result.get("warnings", [])
     if warnings:  # printed as the run started too; a long log's reader finds them again here
         lines.append(f"{counted(len(warnings), 'warning')} of the start, again:")

@@ -502,6 +502,8 @@ def _field_default(name: str) -> object:
 
 
 def _check_out_folder(out: str) -> None:
+    if not str(out).strip():  # Path("") is ".": an unset $RUN_DIR trained into whatever folder the job ran in
+        raise TrainConfigError(f"out (--out): {out!r} is an empty path; give the run's folder (`.` for this one)")
     # The nearest existing ancestor must be a folder, or creating the run folder fails mid-setup.
     for path in (Path(out), *Path(out).absolute().parents):
         if path.exists():

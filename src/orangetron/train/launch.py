@@ -13,8 +13,8 @@ Failures end every rank, never a hang. This process watches its ranks; once one 
 on a rank) is raised again as that error naming the rank; a rank that dies is named with its signal or exit
 code and what it was doing (`rank 2 died (signal 9) during step 5 (backward)`); a rank that hangs makes its
 peers' collectives time out after `timeout_s`, and is named as the one still running
-(`rank 1 stopped responding during step 3 (backward)`); anything else is a `LaunchError` with the rank's
-traceback.
+(`rank 1 stopped responding during step 3 (backward)`); an OSError (a full disk, a folder made read-only) is a
+`LaunchError` with its message, anything else one with the rank's traceback.
 
 Signals: the ranks run in process groups of their own, as torchrun's workers do, so a terminal's Ctrl-C reaches
 this process alone, and a rank whose parent dies gets SIGTERM (Linux). With `relay_signals` (the trainer), each
@@ -139,6 +139,8 @@ def _failure(err: BaseException) -> tuple[str, Any]:
         return ("value_error", (type(err), str(err)))
     if faults.is_collective_failure(err):
         return ("collective", message)
+    if isinstance(err, OSError):  # the machine's, not the code's: a full disk, a folder made read-only
+        return ("error", message)
     return ("error", f"{message}\n{traceback.format_exc()}")
 
 

@@ -1,13 +1,14 @@
 """Model FLOPs utilization of a training step: the planner's FLOP count over a peak, and the step's seconds.
 
 The FLOPs are `plan.timing.model_flops_per_step` for the model this run builds (forward and backward, no
-recompute; attention counted as full s x s products, Megatron's and PaLM's convention), split evenly over the
-ranks. On a GPU the peak is its datasheet's, from the preset (`spec/presets/gpus`) whose name matches
-`torch.cuda.get_device_name`; a GPU no preset matches gets no MFU rather than a guess. On a CPU it is what this
-rank reaches on a large square matmul in the run's parameter dtype, measured once at start: there is no
-datasheet number that holds for one thread among many processes, and a measured peak makes MFU say how far
-the step is from this process's own best GEMM. Steps are timed with CUDA events on a GPU (the device's clock,
-from the step's first kernel to its last), with the host clock elsewhere.
+recompute; attention counted as full s x s products, Megatron's and PaLM's convention, each packed document's
+own n x n on packed data, `batch_flops`), split evenly over the ranks. On a GPU the peak is its datasheet's,
+from the preset (`spec/presets/gpus`) whose name matches `torch.cuda.get_device_name`; a GPU no preset matches
+gets no MFU rather than a guess. On a CPU it is what this rank reaches on a large square matmul in the run's
+parameter dtype, measured once at start: there is no datasheet number that holds for one thread among many
+processes, and a measured peak makes MFU say how far the step is from this process's own best GEMM. Steps are
+timed with CUDA events on a GPU (the device's clock, from the step's first kernel to its last), with the host
+clock elsewhere.
 """
 
 from __future__ import annotations
@@ -34,6 +35,22 @@ def step_flops(cfg: TrainConfig) -> float:
     """Model FLOPs of one optimizer step over the whole batch (every rank together)."""
     job = Job(seq_len=cfg.seq_len, global_batch=cfg.batch_size, param_dtype=cfg.param_dtype)
     return model_flops_per_step(cfg.model_config(), job, cfg.batch_size)
+
+
+def batch_flops(cfg: TrainConfig, batch: torch.Tensor) -> float:
+    """Model FLOPs of one step over `batch` (every rank together): `step_flops`, except that packed rows ([B,
+    S + 1, 2], token and document id pairs) count each document's own attention, which is all the runtime's
+    per-document kernels compute (`model/attention.py`), as the planner counts `doc_lengths`. Counting s x s
+    there put MFU above what the step ran."""
+    if batch.dim() != 3:
+        return step_flops(cfg)
+    pieces: list[int] = []
+    for ids in batch[:, : cfg.seq_len, 1]:  # the inputs' documents; a row restarts the one it continues
+        starts = torch.nonzero(torch.diff(ids, prepend=ids[:1] - 1)).flatten().tolist() + [ids.numel()]
+        pieces += [stop - start for start, stop in zip(starts, starts[1:], strict=False)]
+    job = Job(seq_len=cfg.seq_len, global_batch=cfg.batch_size, param_dtype=cfg.param_dtype, doc_lengths=tuple(pieces))
+    # Uncached: every batch has its own documents, and the cache would keep them all.
+    return model_flops_per_step.__wrapped__(cfg.model_config(), job, cfg.batch_size)
 
 
 def measured_peak_flops(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:

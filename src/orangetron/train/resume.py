@@ -34,7 +34,7 @@ from orangetron.train.checkpoint import (
     save_checkpoint,
 )
 from orangetron.train.config import TrainConfig, TrainConfigError
-from orangetron.train.run_folder import model_source
+from orangetron.train.run_folder import DIRECTIVES, model_source
 from orangetron.train.runlog import Resumed
 from orangetron.train.schedule import continue_schedule, schedule_of
 
@@ -67,7 +67,9 @@ def _write_checkpoint(cfg: TrainConfig, setup: RunSetup, step: int, losses: list
     plain = {"step": step, "losses": list(losses), "model": dataclasses.asdict(cfg.model_config()),
              "schedule": schedule_of(cfg), "optimizer_steps": setup.optimizer.steps,
              "data": {"batches": step, "samples": step * cfg.batch_size}, "layout": cfg.layout.degrees(),
-             "tokenizer": cfg.tokenizer or "byte", **setup.tokenizer}  # losses: the global batch's, on every rank
+             "tokenizer": cfg.tokenizer or "byte", **setup.tokenizer,  # losses: the global batch's, on every rank
+             # What the run is, beside config.toml: a resume checks it where the record is gone or was edited.
+             "options": {k: v for k, v in cfg.options().items() if k not in DIRECTIVES}}
     if cfg.hf_model is not None:  # export --hf writes the model back in its source's config and dtype
         plain["model_source"] = model_source(cfg)
     tensors = _tensors(setup, writing=True)

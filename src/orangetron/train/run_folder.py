@@ -63,7 +63,7 @@ CHANGEABLE_ON_RESUME = ("steps", "save_every", "eval_every", "eval_batches", "ti
 # The same list as a user reads it, in `train --help`, the refusal and docs/training.md.
 CHANGEABLE_ON_RESUME_TEXT = ("--steps with --extend, --save-every, --eval-every, --eval-batches, --timeout-s, "
                              "--threads, --device, --deterministic, and every layout and parallel flag except "
-                             "--param-dtype")
+                             "--param-dtype, and --microbatches of a MoE model with a balancing loss")
 # Compared through the data record (content, not path) and the model's fields, not as option values; the
 # tokenizer too where the record has a data record (`_check_same_tokenizer`), else as an option.
 _COMPARED_APART = ("model", "data", "corpus_bytes")
@@ -195,6 +195,8 @@ def _claim_resume(cfg: TrainConfig) -> None:
     of what may not change."""
     from orangetron.train.checkpoint import latest_checkpoint  # torch: only when resuming
 
+    if not Path(cfg.out).is_dir():  # a mistyped --out, rather than a run that saved nothing
+        raise TrainConfigError(f"resume=True (--resume): there is no run folder {cfg.out} to resume")
     latest = latest_checkpoint(Path(cfg.out) / "checkpoints")
     if latest is None:  # before the run is announced, not after
         saved_none = "; the run there saved none: start afresh with --overwrite (it moves the folder aside)" \
@@ -207,7 +209,7 @@ def _claim_resume(cfg: TrainConfig) -> None:
     elif folder_lock.primary_process():  # a refusal below then names flags the user never gave
         print(f"orangetron train: warning: {Path(cfg.out) / CONFIG_FILE} is missing, so the run's options come "
               "from this command's flags and their defaults; its checkpoint refuses those that differ from the "
-              "run's", file=sys.stderr)
+              "run's, but cannot tell whether the data's text changed", file=sys.stderr)
     _check_checkpoint(cfg, latest)
 
 
@@ -226,6 +228,28 @@ def _check_checkpoint(cfg: TrainConfig, checkpoint: Path) -> None:
         return
     check_steps_left(cfg, checkpoint, step)
     continue_schedule(cfg, state.get("schedule"), checkpoint)
+    _check_checkpoint_options(cfg, checkpoint, state.get("options"))
+
+
+# Left to the record's data and tokenizer comparison, which reads their content: a copy at another path resumes.
+_PATHS = ("data", "tokenizer", "hf_model")
+
+
+def _check_checkpoint_options(cfg: TrainConfig, checkpoint: Path, written: dict[str, Any] | None) -> None:
+    """Refuse an option the checkpoint was written with (checkpoints before 2026-12-07 hold none) that this resume
+    changes and may not: with config.toml gone, or edited, the record's checks see only this command's values."""
+    if not isinstance(written, dict):
+        return
+    given = cfg.options()
+    free = (*CHANGEABLE_ON_RESUME, *DIRECTIVES, *_PATHS, "model", *(("corpus_bytes",) if cfg.new_data else ()))
+    for name, value in written.items():
+        now = given.get(name)
+        if name in free or name not in given or now == value or isinstance(now, tuple) and list(now) == value:
+            continue
+        raise TrainConfigError(f"{name}={now!r} ({_flag(name)}): {checkpoint} was written by a run with "
+                               f"{name}={value!r}, and a resumed run keeps it (changeable: "
+                               f"{CHANGEABLE_ON_RESUME_TEXT})")
+    _check_same_split(cfg, written)
 
 
 def _run_folder_above(folder: Path) -> Path | None:
@@ -274,12 +298,26 @@ def check_resume(cfg: TrainConfig, record: dict[str, Any]) -> None:
             raise TrainConfigError(f"{name}={given[name]!r} ({_flag(name)}): the run in {cfg.out} was recorded with "
                                    f"{name}={value!r}, and a resumed run keeps it (changeable: "
                                    f"{CHANGEABLE_ON_RESUME_TEXT})")
+    _check_same_split(cfg, recorded)
     _check_same_model(cfg, record)
     if "data_record" in record:
         data = describe_data(cfg)
         _check_same_tokenizer(cfg, data, record["data_record"])  # new data or not: the ids the model learnt
         if not cfg.new_data:
             _check_same_data(cfg, data, record["data_record"])
+
+
+def _check_same_split(cfg: TrainConfig, recorded: dict[str, Any]) -> None:
+    """A MoE model's balancing loss is computed micro-batch by micro-batch (each over that micro-batch's tokens on
+    every rank, docs/pipeline_parallel.md): a product of means, which another split changes. Another
+    `--microbatches` would train another objective, unsaid, so only a model without that loss may change it."""
+    model, then = cfg.model_config(), recorded.get("microbatches")
+    if then is None or then == cfg.microbatches or not (model.is_moe and model.aux_loss_coef > 0):
+        return
+    raise TrainConfigError(f"microbatches={cfg.microbatches} (--microbatches): the run in {cfg.out} was recorded with "
+                           f"microbatches={then}, and its MoE balancing loss (aux_loss_coef={model.aux_loss_coef}) is "
+                           "computed per micro-batch, so another split trains another objective; resume with "
+                           f"--microbatches {then}")
 
 
 def check_repeat(cfg: TrainConfig, path: str, typed: set[str]) -> None:

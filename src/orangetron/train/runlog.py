@@ -45,7 +45,7 @@ class RunLog:
         self.flops_per_step = flops_per_step  # this rank's share of the model FLOPs of one step
         self.peak_flops = peak_flops
         self.losses: list[float] = [] if start is None else list(start.losses)
-        self.timed_s, self.timed_tokens = 0.0, 0
+        self.timed_s, self.timed_tokens, self.timed_flops = 0.0, 0, 0.0
         self.started = time.perf_counter()
         self.file = None
 
@@ -84,22 +84,25 @@ class RunLog:
         """Model FLOPs utilization over the timed steps (the first, which also measures memory, left out)."""
         if not (self.peak_flops and self.timed_s > 0):
             return None
-        return self.flops_per_step * (self.timed_tokens / self.tokens_per_step) / self.timed_s / self.peak_flops
+        return self.timed_flops / self.timed_s / self.peak_flops
 
-    def step(self, record: dict[str, Any], seconds: float) -> None:
+    def step(self, record: dict[str, Any], seconds: float, flops: float | None = None) -> None:
+        """Log one step that took `seconds`; `flops`: this rank's share of its model FLOPs where they are its
+        own (packed documents), else `flops_per_step`."""
+        flops = self.flops_per_step if flops is None else flops
         self.losses.append(record["loss"])
         step = record["step"]
         if step > self.first_step or self.cfg.steps == self.first_step:
             self.timed_s += seconds
             self.timed_tokens += self.tokens_per_step
+            self.timed_flops += flops
         record["tokens"] = step * self.tokens_per_step
         # Running figures (every timed step so far) and this step's alone, side by side; the first step
         # measures memory, so the running ones start at the second (None before).
         record["tokens_per_s"] = self.tokens_per_s()
         record["mfu"] = self.mfu()
         record["step_tokens_per_s"] = self.tokens_per_step / seconds if seconds > 0 else None
-        record["step_mfu"] = self.flops_per_step / seconds / self.peak_flops if self.peak_flops and seconds > 0 \
-            else None
+        record["step_mfu"] = flops / seconds / self.peak_flops if self.peak_flops and seconds > 0 else None
         # Single-batch losses are noisy; the bar shows the mean of the last 10 so the trend reads.
         recent = self.losses[-10:]
         self.bar.update(step, sum(recent) / len(recent), record["tokens_per_s"])

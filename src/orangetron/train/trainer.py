@@ -44,7 +44,7 @@ from orangetron.train.data import (
 )
 from orangetron.train.datasets import PreparedDataset
 from orangetron.train.launch import LaunchError, launch_local, process_group
-from orangetron.train.mfu import StepTimer, allocator_peak, device_peak_flops, step_flops
+from orangetron.train.mfu import StepTimer, allocator_peak, batch_flops, device_peak_flops, step_flops
 from orangetron.train.progress import ProgressBar
 from orangetron.train.resume import resume, save
 from orangetron.train.runlog import Resumed, RunLog, final_losses
@@ -310,6 +310,8 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     last = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     peak, peak_source = device_peak_flops(DTYPES[model.config.param_dtype], model.device)
     warnings = cfg.warnings() + ([] if peak is not None else [peak_source])
+    if not len(data.eval_samples):  # known before the first step: a --json reader finds it among the warnings
+        warnings.append("no held-out loss: the eval split is shorter than one sample (raise --eval-fraction)")
     for warning in warnings:  # after a resume, which can refuse the run: a refusal stays one line under --quiet
         bar.warn(warning)
     timer = StepTimer(model.device)
@@ -349,7 +351,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             if signum:
                 stopped = {"signal": stopping.name(signum), "step": step + 1}
                 record["stopped_by"] = stopped["signal"]
-            run.step(record, seconds)
+            run.step(record, seconds, batch_flops(cfg, batch) / cfg.layout.world_size if cfg.pack_documents else None)
             if cfg.out is not None and (stopped or _checkpoint_due(cfg, step + 1, last)):
                 faults.enter("checkpoint")
                 written = save(cfg, setup, step + 1, run.losses)
@@ -357,9 +359,10 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
                     bar.log(f"wrote checkpoint {written}")
             if stopped:
                 break
-    _log_ending(bar, cfg, last, stopped, eval_loss)
+    _log_ending(bar, cfg, last, stopped)
     return {
         "layout": cfg.layout.degrees(),
+        "pack_documents": cfg.pack_documents,
         "steps": cfg.steps,
         "losses": run.losses,
         **final_losses(run.losses),
@@ -386,15 +389,12 @@ def _checkpoint_due(cfg: TrainConfig, step: int, last: int) -> bool:
     return step == last or bool(cfg.save_every and step % cfg.save_every == 0)
 
 
-def _log_ending(bar: ProgressBar, cfg: TrainConfig, last: int, stopped: dict[str, Any] | None,
-                eval_loss: float | None) -> None:
+def _log_ending(bar: ProgressBar, cfg: TrainConfig, last: int, stopped: dict[str, Any] | None) -> None:
     if stopped is not None:
         then = "continue with --resume" if cfg.out is not None else "nothing was saved (no --out)"
         bar.log(f"stopped by {stopped['signal']} after step {stopped['step']}; {then}")
     elif last < cfg.steps:
         bar.log(f"stopped after step {last} of {cfg.steps}; continue with --resume")
-    elif eval_loss is None:
-        bar.log("no held-out loss: the eval split is shorter than one sample (raise --eval-fraction)")
 
 
 def _log_placement(cfg: TrainConfig, bar: ProgressBar) -> None:
