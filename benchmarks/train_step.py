@@ -38,7 +38,7 @@ def step_seconds(cfg: ModelSpec, batch: int, seq_len: int, *, warmup: int = 2, r
 
 def dense_twin(cfg: ModelSpec) -> ModelSpec:
     """The same model with every MoE layer replaced by a dense SwiGLU of width ffn_dim."""
-    return dataclasses.replace(cfg, num_experts=0, num_shared_experts=0)
+    return dataclasses.replace(cfg, num_experts=0, top_k=0, num_shared_experts=0)
 
 
 def main() -> None:

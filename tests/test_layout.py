@@ -36,7 +36,7 @@ def test_degree_rules(kwargs, pattern):
         (Layout(tp=8, dp=1), model(hidden_size=192, num_heads=24, num_kv_heads=3), r"n_kv_heads=3 must divide tp"),
         (Layout(pp=3), model(num_layers=4), None),  # two, one and one layers, as the planner splits them
         (Layout(pp=5), model(num_layers=4), r"pp=5: num_layers=4 < pp; every stage needs a layer"),
-        (Layout(dp=2, ep=2), model(num_experts=0), r"ep=2: the model has no experts"),
+        (Layout(dp=2, ep=2), model(num_experts=0, top_k=0), r"ep=2: the model has no experts"),
         (Layout(dp=4, ep=4), model(num_experts=6), r"ep=4: n_experts=6 is not divisible by ep"),
         (Layout(tp=2), model(vocab_size=255, num_heads=8), r"tp=2: vocab_size=255 is not divisible by tp"),
     ],
