@@ -2807,7 +2807,7 @@ MUTANTS = [
              '            if False:\n'),),
            ('tests/test_plan_fit_advice.py::test_no_zero_stage_is_suggested_where_the_change_leaves_no_data_parallel_ranks',)),
     Mutant('fit_advice_hint_without_the_model', 'src/orangetron/plan/fit_advice.py',
-           (('f"pp and micro-batch fits; `{_plan_command(est)}` searches',
+           (('f"pp and micro-batch fits; `{_plan_command(est, seq_len)}` searches',
              'f"pp and micro-batch fits; `orangetron plan --gpus {est.degrees.world_size}` searches'),),
            ('tests/test_plan_fit_advice.py::test_no_advice_where_it_fits_and_more_gpus_where_nothing_does',)),
     Mutant('estimate_json_causal_mfu_is_the_full_one', 'src/orangetron/plan/estimate.py',
@@ -3446,6 +3446,13 @@ MUTANTS = [
     Mutant('hf_export_drops_the_balancing_coefficient', 'src/orangetron/spec/hf_config.py',
            (('    if spec.aux_loss_coef > 0 and family in', '    if False and family in'),),
            ('tests/test_hf.py::test_a_written_moe_config_keeps_the_balancing_coefficient_the_run_trained_with',)),
+    Mutant('idle_corpus_size_refused_on_resume', 'src/orangetron/train/run_folder.py',
+           (('    idle_corpus = cfg.new_data or written.get("data") is not None\n',
+             '    idle_corpus = cfg.new_data\n'),),
+           ('tests/test_run_folder.py::test_a_checkpoint_refuses_what_a_missing_or_edited_record_would_let_change',)),
+    Mutant('fit_advice_plans_the_padded_length', 'src/orangetron/plan/fit_advice.py',
+           (('f"--seq {seq_len or job.seq_len}"', 'f"--seq {job.seq_len}"'),),
+           ('tests/test_plan_to_train.py::test_estimate_and_plan_price_a_given_sequence_padded_as_train_pads_it',)),
 ]
 
 

@@ -384,5 +384,10 @@ def test_estimate_and_plan_price_a_given_sequence_padded_as_train_pads_it(tmp_pa
     assert cli.main(["estimate", "--config", str(path), "--json"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["memory_bytes"] == first["memory_bytes"] and again["job"]["seq_len"] == 36
+    # The advice's command to paste plans the length asked, not the padded one (it said --seq 8004).
+    assert cli.main(["estimate", "--model", "llama3-405b", "--gpus", "3", "--cp", "3", "--seq", "8000",
+                     "--global-batch", "3"]) == 0
+    advice = capsys.readouterr().err
+    assert "runs padded to 8004" in advice and "--seq 8000 --global-batch 3" in advice and "--seq 8004" not in advice
     # The file adds the trainer's gradient clipping: one 4-byte norm all-reduce, nothing else.
     assert {k: v for k, v in again["comm_bytes"].items() if k != "all_reduce/dp_cp"} == first["comm_bytes"]

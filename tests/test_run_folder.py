@@ -569,6 +569,12 @@ def test_a_checkpoint_refuses_what_a_missing_or_edited_record_would_let_change(t
     (run / "config.toml").unlink()
     code, result, err = _train(capsys, *flags, "--out", str(run), "--resume", "--json")
     assert code == 0 and len(result["losses"]) == 3 and "cannot tell whether the data's text changed" in err
+    # A run on files reads no built-in corpus: its size, typed or from a shared --config file, changes nothing.
+    text = tmp_path / "text.txt"
+    text.write_text("hello world " * 5000)
+    files = [*flags[:-3], "--data", str(text), "--quiet"]
+    assert _train(capsys, *files, "--stop-after", "1", "--out", str(tmp_path / "files"))[0] == 0
+    assert _train(capsys, "--out", str(tmp_path / "files"), "--resume", "--corpus-bytes", "70000")[0] == 0
 
 
 @pytest.mark.parametrize("dp", (1, 2))

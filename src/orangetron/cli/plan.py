@@ -329,6 +329,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         if job.seq_len > model.max_seq_len:
             raise ValueError(f"--config {args.config}: seq_len={job.seq_len} is longer than the model's max_seq_len="
                              f"{model.max_seq_len}, which `orangetron train` refuses")
+        asked = job.seq_len
         job = _padded_as_train_pads(job, deg, "seq_len")
         if args.gpu is None:
             args.gpu = _config_gpu(args.config)
@@ -344,6 +345,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
         _note_longer_than_the_model("estimate", args.model, model, job.seq_len)
+        asked = job.seq_len
         job = _padded_as_train_pads(job, deg, "--seq")
         validate(model, deg, job)
         est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
@@ -352,7 +354,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if not est.fits:
         from orangetron.plan.fit_advice import explain
 
-        print(f"orangetron estimate: warning: {explain(est, _overhead(args))}", file=sys.stderr)
+        print(f"orangetron estimate: warning: {explain(est, _overhead(args), seq_len=asked)}", file=sys.stderr)
     if args.json:
         print(json.dumps(est.to_json()))
     else:
@@ -368,7 +370,7 @@ def _padded_as_train_pads(job: Job, deg: Degrees, name: str) -> Job:
         return job
     given = f"{name} {job.seq_len}" if name.startswith("--") else f"{name}={job.seq_len}"
     print(f"orangetron estimate: note: {given} runs padded to {padded} under cp={deg.cp}, as train pads it "
-          "(ignored labels at its end)", file=sys.stderr)
+          "(ignored labels at its end), and is priced so: tokens/s and MFU count the padding", file=sys.stderr)
     return replace(job, seq_len=padded)
 
 
@@ -622,7 +624,8 @@ def run_plan(args: argparse.Namespace) -> int:
     padded = sorted({row.job.seq_len for row in result.ranked} - {args.seq})
     if padded:  # `search.candidate_jobs`: cp ranks that cannot split the sequence run it padded
         print(f"orangetron plan: note: --seq {args.seq} runs padded to {' or '.join(map(str, padded))} on the rows "
-              "whose cp ranks cannot split it, as train pads it (ignored labels at its end), and is priced so",
+              "whose cp ranks cannot split it, as train pads it (ignored labels at its end), and is priced so: "
+              "tokens/s and MFU count the padding",
               file=sys.stderr)
     if args.chart:
         from orangetron.plan.chart import breakdown_chart

@@ -241,7 +241,9 @@ def _check_checkpoint_options(cfg: TrainConfig, checkpoint: Path, written: dict[
     if not isinstance(written, dict):
         return
     given = cfg.options()
-    free = (*CHANGEABLE_ON_RESUME, *DIRECTIVES, *_PATHS, "model", *(("corpus_bytes",) if cfg.new_data else ()))
+    # The corpus size names the data only where the run read the built-in corpus, and new data replaces it.
+    idle_corpus = cfg.new_data or written.get("data") is not None
+    free = (*CHANGEABLE_ON_RESUME, *DIRECTIVES, *_PATHS, "model", *(("corpus_bytes",) if idle_corpus else ()))
     for name, value in written.items():
         now = given.get(name)
         if name in free or name not in given or now == value or isinstance(now, tuple) and list(now) == value:
