@@ -67,9 +67,9 @@ WALK = [
          "cp ranks (a folded expert mesh, planner only, lifts this): give dp x cp a multiple of 2", ("--ep", "2"),
          ("--ep", "2", "--dp", "1"),
          lambda: Degrees(ep=2), lambda: Layout(ep=2), "experts shard over the dp x cp"),
+    # train, estimate and plan's search pad such a sequence as the run does (tests/test_plan_to_train.py)
     Walk(rules.cp_splits_sequence, "cp=3: seq_len 64 is not divisible by 2*cp=6 (head-tail chunks, or slots of "
-         "packed documents)", None,
-         ("--cp", "3", "--dp", "1", "--seq", "64"), lambda: _plan(Degrees(cp=3)),
+         "packed documents)", None, None, lambda: _plan(Degrees(cp=3)),
          lambda: Layout(cp=3).validate(seq_len=64), "(head-tail chunks)"),
     Walk(rules.sp_splits_shard, "tp=2: sequence_parallel needs seq_len/cp=63 divisible by tp",
          ("--tp", "2", "--sequence-parallel", "--seq-len", "63"),
