@@ -373,13 +373,26 @@ def test_estimate_and_plan_price_a_given_sequence_padded_as_train_pads_it(tmp_pa
     assert "note: --seq 32 runs padded to 36 under cp=3, as train pads it" in captured.err
     padded = json.loads(captured.out.strip().splitlines()[-1])
     assert cli.main(["estimate", *flags, "--cp", "3", "--seq", "36", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == padded
+    whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # Time, memory and bytes are the padded sequence's; tokens/s and model FLOPs its 32 tokens' (counting the
+    # padding read 12.5% more than the trainer counts), and the hardware's FLOPs the 36 it computes.
+    same = ("step_time_s", "memory_bytes", "comm_bytes", "job", "hfu")
+    assert {k: padded[k] for k in same} == {k: whole[k] for k in same}
+    assert padded["tokens_per_s"] == pytest.approx(whole["tokens_per_s"] * 32 / 36, rel=1e-12)
+    from orangetron.plan.timing import model_flops_per_step
+    from orangetron.spec.model import load_model
+    from orangetron.spec.options import Job
+
+    ratio = model_flops_per_step(load_model("tiny"), Job(seq_len=32), 4) / model_flops_per_step(
+        load_model("tiny"), Job(seq_len=36), 4)
+    assert padded["mfu"] == pytest.approx(whole["mfu"] * ratio, rel=1e-12) and ratio < 32 / 36 + 1e-3
     path = tmp_path / "plan.toml"
     assert cli.main(["plan", *flags, "--cp", "3", "--seq", "32", "--emit-config", str(path), "--json"]) == 0
     captured = capsys.readouterr()
     assert "note: --seq 32 runs padded to 36 on the rows whose cp ranks cannot split it" in captured.err
     first = json.loads(captured.out.strip().splitlines()[-1])["ranked"][0]
     assert first["layout"]["cp"] == 3 and first["job"]["seq_len"] == 36
+    assert first["tokens_per_s"] == pytest.approx(first["job"]["global_batch"] * 32 / first["step_time_s"])
     assert 'seq_len = 32\n' in path.read_text()
     assert cli.main(["estimate", "--config", str(path), "--json"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -370,8 +370,9 @@ def _padded_as_train_pads(job: Job, deg: Degrees, name: str) -> Job:
         return job
     given = f"{name} {job.seq_len}" if name.startswith("--") else f"{name}={job.seq_len}"
     print(f"orangetron estimate: note: {given} runs padded to {padded} under cp={deg.cp}, as train pads it "
-          "(ignored labels at its end), and is priced so: tokens/s and MFU count the padding", file=sys.stderr)
-    return replace(job, seq_len=padded)
+          "(ignored labels at its end): time and memory are priced padded, tokens/s and MFU count its "
+          f"{job.seq_len} tokens", file=sys.stderr)
+    return replace(job, seq_len=padded, data_seq_len=job.seq_len)
 
 
 def _config_gpu(path: str) -> str:
@@ -497,12 +498,17 @@ def _parameters(model: ModelSpec | DualEncoderSpec) -> str:
     return f"{count_params(total)} parameters" + (f", {count_params(active)} active" if active != total else "")
 
 
+def _seq_text(job: Job) -> str:
+    """The sequence length as priced: "250 (run padded to 256)" where cp pads it."""
+    return f"{job.data_tokens} (run padded to {job.seq_len})" if job.data_seq_len else str(job.seq_len)
+
+
 def format_estimate(est: Estimate) -> str:
     """Human-readable report of one estimate, each table in the unit its largest tensor or step reads in."""
     d, mem, t = est.degrees, est.memory, est.time
     unit, size = unit_for(max(mem.get(k, 0) for k in ESTIMATED_TENSORS), BYTE_UNITS)
     lines = [f"{est.model.name} ({_parameters(est.model)}) on {d.world_size} x {est.cluster.gpu.name} "
-             f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {est.job.seq_len}, "
+             f"({est.cluster.nodes} node(s) of {est.cluster.gpus_per_node}): {d}, seq {_seq_text(est.job)}, "
              f"micro-batch {est.job.micro_batch}, "
              f"{est.job.replica_microbatches(d)} micro-batch(es) per step",
              _options_line(est), f"memory per GPU ({unit}){_memory_stage(est)}:"]
@@ -624,8 +630,8 @@ def run_plan(args: argparse.Namespace) -> int:
     padded = sorted({row.job.seq_len for row in result.ranked} - {args.seq})
     if padded:  # `search.candidate_jobs`: cp ranks that cannot split the sequence run it padded
         print(f"orangetron plan: note: --seq {args.seq} runs padded to {' or '.join(map(str, padded))} on the rows "
-              "whose cp ranks cannot split it, as train pads it (ignored labels at its end), and is priced so: "
-              "tokens/s and MFU count the padding",
+              "whose cp ranks cannot split it, as train pads it (ignored labels at its end): time and memory are "
+              f"priced padded, tokens/s and MFU count its {args.seq} tokens",
               file=sys.stderr)
     if args.chart:
         from orangetron.plan.chart import breakdown_chart

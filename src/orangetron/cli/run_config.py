@@ -200,7 +200,7 @@ def _write(row: Estimate, rank: int, path: Path, hf_model: str | None, seq_len: 
     from orangetron.train.run_folder import DIRECTIVES
 
     # options(): the flags' keys, as a record has them (with `hf_model`, the folder's tokenizer when it has one)
-    given = {**train_options(row), "seq_len": seq_len or row.job.seq_len}
+    given = {**train_options(row), "seq_len": seq_len or row.job.data_tokens}
     cfg = TrainConfig(model=row.model, hf_model=hf_model, **given)
     # The device is the training machine's to choose (its default: cuda where torch sees a GPU), not the one
     # this plan was made on; packing is the data's (on for a prepared dataset, which the plan has none of).

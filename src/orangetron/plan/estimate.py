@@ -61,7 +61,7 @@ class Estimate:
     @property
     def tokens_per_step(self) -> int:
         job = self.job
-        return job.replica_microbatches(self.degrees) * job.micro_batch * self.degrees.dp * job.seq_len
+        return job.replica_microbatches(self.degrees) * job.micro_batch * self.degrees.dp * job.data_tokens
 
 
 def check_cluster(deg: Degrees, cluster: Cluster) -> None:

@@ -189,9 +189,9 @@ def _plan_command(est: Estimate, seq_len: int | None = None) -> str:
     model = est.model.name if est.model.name in preset_names() else "MODEL"
     preset = cluster.gpu.name in gpu_names() and load_gpu(cluster.gpu.name) == cluster.gpu  # not a file's edit
     gpu = cluster.gpu.name if preset else "GPU"
-    batch = job.global_batch or est.tokens_per_step // job.seq_len
-    flags = [f"--model {model}", f"--gpu {gpu}", f"--gpus {est.degrees.world_size}", f"--seq {seq_len or job.seq_len}",
-             f"--global-batch {batch}"]
+    batch = job.global_batch or est.tokens_per_step // job.data_tokens
+    flags = [f"--model {model}", f"--gpu {gpu}", f"--gpus {est.degrees.world_size}",
+             f"--seq {seq_len or job.data_tokens}", f"--global-batch {batch}"]
     if cluster.gpus_per_node != cluster.gpu.gpus_per_node:
         flags.append(f"--gpus-per-node {cluster.gpus_per_node}")
     for name in ("param_dtype", "attention_kernel"):

@@ -106,7 +106,8 @@ def candidate_jobs(model: ModelSpec, deg: Degrees, seq_len: int, global_batch: i
     """Groups of training options for one layout, each group in order of preference: the same micro-batch,
     schedule, cp mode and dispatcher with less sharding and less recompute first. Under cp a sequence its ranks
     cannot split is priced at the length the trainer pads it to (`cp_padded_len`), as `estimate` prices it."""
-    seq_len = cp_padded_len(seq_len, deg.cp, deg.tp, deg.tp > 1)
+    padded = cp_padded_len(seq_len, deg.cp, deg.tp, deg.tp > 1)
+    base, seq_len = (replace(base, data_seq_len=seq_len), padded) if padded != seq_len else (base, seq_len)
     vs = space.virtual_stages if deg.pp > 1 else (1,)
     if base.pipeline_layout:  # a given layout fixes the chunks per pipeline rank
         chunks, rest = divmod(len(base.pipeline_layout), deg.pp)

@@ -802,9 +802,10 @@ def step_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster, net: N
     optimizer = _optimizer_time(model, deg, job, cluster, eff, kinds[heavy])
     step = m * slow.total + bubble + dp + tied + optimizer
     sequences = m * job.micro_batch * deg.dp
-    flops = model_flops_per_step(model, job, sequences)
+    data = replace(job, seq_len=job.data_tokens, data_seq_len=0)  # cp's padding is computed, not model work
+    flops = model_flops_per_step(model, data, sequences)
     hardware = _hardware_flops(model, job, sequences, replayed_share(model, deg, job))
-    causal = model_flops_per_step(model, job, sequences, causal_attention=True)
+    causal = model_flops_per_step(model, data, sequences, causal_attention=True)
     peak = cluster.gpu.peak_flops(job.param_dtype) * deg.world_size
     return StepTime(step, m * slow.compute, bubble, m * slow.tp, m * slow.cp, m * slow.ep, m * slow.pp + tied, dp,
                     optimizer, flops, hardware, flops / step / deg.world_size / 1e12, flops / step / peak,

@@ -83,6 +83,10 @@ class Job(ParallelConfig):
     # Packed documents' lengths in tokens, in the order they are packed into sequences of seq_len (a document
     # continued into the next sequence restarts there); empty: one document per sequence. Planner only
     doc_lengths: tuple[int, ...] = ()
+    # The tokens of each sequence that are data where seq_len is that length padded at its end for cp, as the
+    # trainer pads it (ignored labels); 0: all seq_len are. Time and memory are the padded sequence's, tokens/s and
+    # model FLOPs these tokens' (`data_tokens`). Planner only
+    data_seq_len: int = 0
     # Adam's two moments kept in this dtype (Megatron-Core's precision-aware optimizer, `--exp-avg-dtype bf16
     # --exp-avg-sq-dtype bf16`); None: the main parameters' dtype, as the runtime keeps them. Planner only
     optimizer_state_dtype: str | None = None
@@ -126,6 +130,8 @@ class Job(ParallelConfig):
         object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))  # a list from JSON or TOML
         object.__setattr__(self, "doc_lengths", tuple(self.doc_lengths))
         self._check_recompute_modules()
+        if isinstance(self.data_seq_len, bool) or not isinstance(self.data_seq_len, int) or self.data_seq_len < 0:
+            raise ValueError(f"data_seq_len={self.data_seq_len!r}: must be an integer >= 0 (0: all seq_len)")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.doc_lengths):
             raise ValueError("doc_lengths: document lengths must be integers >= 1")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
@@ -198,6 +204,11 @@ class Job(ParallelConfig):
         if not self.global_batch:
             return self.microbatches
         return self.global_batch // (self.micro_batch * degrees.dp)
+
+    @property
+    def data_tokens(self) -> int:
+        """Tokens of each sequence that are data: `data_seq_len`, else the whole `seq_len`."""
+        return self.data_seq_len or self.seq_len
 
     def to_json(self) -> dict[str, Any]:
         """The `job` object of `estimate --json` and of each `plan --json` row (`PUBLISHED_FIELDS`)."""
