@@ -329,7 +329,6 @@ def run_estimate(args: argparse.Namespace) -> int:
         if job.seq_len > model.max_seq_len:
             raise ValueError(f"--config {args.config}: seq_len={job.seq_len} is longer than the model's max_seq_len="
                              f"{model.max_seq_len}, which `orangetron train` refuses")
-        asked = job.seq_len
         job = _padded_as_train_pads(job, deg, "seq_len")
         if args.gpu is None:
             args.gpu = _config_gpu(args.config)
@@ -345,7 +344,6 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         model, deg, job = _decoder(args.model), _degrees(args), _job(args)
         _note_longer_than_the_model("estimate", args.model, model, job.seq_len)
-        asked = job.seq_len
         job = _padded_as_train_pads(job, deg, "--seq")
         validate(model, deg, job)
         est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
@@ -354,7 +352,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if not est.fits:
         from orangetron.plan.fit_advice import explain
 
-        print(f"orangetron estimate: warning: {explain(est, _overhead(args), seq_len=asked)}", file=sys.stderr)
+        print(f"orangetron estimate: warning: {explain(est, _overhead(args))}", file=sys.stderr)
     if args.json:
         print(json.dumps(est.to_json()))
     else:
@@ -656,7 +654,7 @@ def run_plan(args: argparse.Namespace) -> int:
                             args.memory_fraction, _overhead(args)).ranked  # further down than --top shows
         moved: list[Path] = []
         folder = _hf_folder(args.model)
-        rank, passed_over = emit_config(ranked, args.emit_config, args.overwrite, moved, folder, args.seq)
+        rank, passed_over = emit_config(ranked, args.emit_config, args.overwrite, moved, folder)
         skipped = f"; the trainer does not run {'; '.join(passed_over)}" if passed_over else ""
         skipped += f"; the run starts from the weights of {folder}" if folder else ""
         aside = f" (the former file moved to {moved[0]})" if moved else ""

@@ -58,9 +58,9 @@ _RUN_ONLY = ("steps", "schedule_steps", "lr", "warmup", "min_lr", "weight_decay"
 
 def train_options(row: Estimate) -> dict[str, Any]:
     """The `train` options (by field name) of a ranked configuration: its layout, parallel options, sequence
-    length, global batch and micro-batches."""
+    length (the one asked, where cp pads it: the trainer pads it again), global batch and micro-batches."""
     deg, job = row.degrees, row.job
-    options = {"seq_len": job.seq_len, "batch_size": job.micro_batch * deg.dp * job.replica_microbatches(deg),
+    options = {"seq_len": job.data_tokens, "batch_size": job.micro_batch * deg.dp * job.replica_microbatches(deg),
                "tp": deg.tp, "cp": deg.cp, "pp": deg.pp, "dp": deg.dp, "ep": deg.ep,
                "etp": deg.etp, "expert_fold": deg.expert_fold, **values_of(ParallelConfig, job)}
     options["microbatches"] = job.replica_microbatches(deg)
@@ -148,15 +148,14 @@ def check_emit_path(path: str, overwrite: bool = False) -> None:
 
 
 def emit_config(ranked: list[Estimate], path: str, overwrite: bool = False,
-                moved: list[Path] | None = None, hf_model: str | None = None,
-                seq_len: int | None = None) -> tuple[int, list[str]]:
+                moved: list[Path] | None = None, hf_model: str | None = None) -> tuple[int, list[str]]:
     """Write the first row of `ranked` the trainer runs to `path`; (its 1-based rank, why earlier rows were
     passed over). ValueError when no row runs, or when `path` may not be written (`check_emit_path`). A file
     `plan` wrote and nobody edited is replaced; with `overwrite` any other moves aside first, and `moved`, when
     given, gets where. `hf_model`: the Hugging Face folder the model was read from, which the file names so
     that the run starts from its weights and tokenizer (the `[model]` table alone would train its shape from
-    seeded values on the byte tokenizer). `seq_len`: the length asked for, which the file keeps where a row
-    priced it padded under cp (the trainer pads it again)."""
+    seeded values on the byte tokenizer). A row priced padded under cp keeps the length asked, which the trainer
+    pads again."""
     check_emit_path(path, overwrite)
     passed_over: dict[str, list[int]] = {}  # each reason once, with the ranks it turned away
     for rank, row in enumerate(ranked, start=1):
@@ -167,7 +166,7 @@ def emit_config(ranked: list[Estimate], path: str, overwrite: bool = False,
                 aside = move_aside(target)
                 if moved is not None:
                     moved.append(aside)
-            _write(row, rank, target, hf_model, seq_len)
+            _write(row, rank, target, hf_model)
             return rank, _by_reason(passed_over)
         passed_over.setdefault(reason, []).append(rank)
     raise ValueError(f"--emit-config {path}: the trainer runs none of the {len(ranked)} ranked configurations ("
@@ -194,14 +193,13 @@ def _rank_runs(ranks: list[int]) -> str:
     return ", ".join(f"#{run[0]}" + (f"-#{run[-1]}" if len(run) > 1 else "") for run in runs)
 
 
-def _write(row: Estimate, rank: int, path: Path, hf_model: str | None, seq_len: int | None = None) -> None:
+def _write(row: Estimate, rank: int, path: Path, hf_model: str | None) -> None:
     from orangetron.train.config import TrainConfig
     from orangetron.train.config_file import write_resolved_config
     from orangetron.train.run_folder import DIRECTIVES
 
     # options(): the flags' keys, as a record has them (with `hf_model`, the folder's tokenizer when it has one)
-    given = {**train_options(row), "seq_len": seq_len or row.job.data_tokens}
-    cfg = TrainConfig(model=row.model, hf_model=hf_model, **given)
+    cfg = TrainConfig(model=row.model, hf_model=hf_model, **train_options(row))
     # The device is the training machine's to choose (its default: cuda where torch sees a GPU), not the one
     # this plan was made on; packing is the data's (on for a prepared dataset, which the plan has none of).
     options = {k: v for k, v in cfg.options().items() if k not in (*DIRECTIVES, "model", "device", "pack_documents")}

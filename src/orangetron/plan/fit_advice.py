@@ -158,10 +158,8 @@ def _moves(model: ModelSpec, deg: Degrees, job: Job, gpus_per_node: int) -> list
     return [recompute, zero, buckets, tp, pp, micro]
 
 
-def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int = 3, seq_len: int | None = None
-            ) -> str:
-    """One paragraph: the largest categories and up to `n` changes that fit, with their memory and step time.
-    `seq_len`: the length asked, which a command to paste names where `est` prices it padded under cp."""
+def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int = 3) -> str:
+    """One paragraph: the largest categories and up to `n` changes that fit, with their memory and step time."""
     largest = ", ".join(f"{k} {v / GIB:.1f}" for k, v in largest_categories(est))
     lines = [f"{est.model.name} does not fit: needs {est.memory['needed'] / GIB:.1f} GiB per GPU > "
              f"{est.cluster.gpu.memory_gib:.1f} GiB on {est.cluster.gpu.name}; largest: {largest} GiB"]
@@ -169,7 +167,7 @@ def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int =
     if not found:
         # The other dimensions (ep, cp, dp against tp x pp) change more than a flag: the search prices them all.
         lines.append("  no change of up to three of recompute, ZeRO stage, gradient buckets, sequence parallelism, tp, "
-                     f"pp and micro-batch fits; `{_plan_command(est, seq_len)}` searches every layout of these GPUs, "
+                     f"pp and micro-batch fits; `{_plan_command(est)}` searches every layout of these GPUs, "
                      "else add GPUs")
     else:
         lines.append(f"changes that fit at the same global batch ({found[0].estimate.job.global_batch} sequences), "
@@ -181,7 +179,7 @@ def explain(est: Estimate, overhead: MemoryOverhead = DEFAULT_OVERHEAD, n: int =
     return "\n".join(lines)
 
 
-def _plan_command(est: Estimate, seq_len: int | None = None) -> str:
+def _plan_command(est: Estimate) -> str:
     """The `plan` command that searches `est`'s GPUs for its problem, to paste: model, GPU, sequence, batch, and
     the options that change what a step costs set away from their defaults. A model or GPU that is not a preset
     is named by the placeholder MODEL or GPU: the file or folder it came from is not known here."""
@@ -191,7 +189,7 @@ def _plan_command(est: Estimate, seq_len: int | None = None) -> str:
     gpu = cluster.gpu.name if preset else "GPU"
     batch = job.global_batch or est.tokens_per_step // job.data_tokens
     flags = [f"--model {model}", f"--gpu {gpu}", f"--gpus {est.degrees.world_size}",
-             f"--seq {seq_len or job.data_tokens}", f"--global-batch {batch}"]
+             f"--seq {job.data_tokens}", f"--global-batch {batch}"]
     if cluster.gpus_per_node != cluster.gpu.gpus_per_node:
         flags.append(f"--gpus-per-node {cluster.gpus_per_node}")
     for name in ("param_dtype", "attention_kernel"):
