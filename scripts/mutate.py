@@ -3410,7 +3410,7 @@ MUTANTS = [
            ('tests/test_plan_to_train.py::'
             'test_the_closing_table_says_when_its_measured_bytes_are_the_last_steps_and_why_they_differ',)),
     Mutant('trainer_mfu_counts_the_packed_window', 'src/orangetron/train/trainer.py',
-           (('cfg.layout.world_size if cfg.pack_documents else None)', 'cfg.layout.world_size if False else None)'),),
+           (('cfg.layout.world_size if cfg.pack_documents else None\n', 'cfg.layout.world_size if False else None\n'),),
            ('tests/test_packed_documents.py::test_one_rank_packed_training_matches_plain_torch_with_dense_masks',)),
     Mutant('running_mfu_ignores_the_steps_flops', 'src/orangetron/train/runlog.py',
            (('            self.timed_flops += flops\n', '            self.timed_flops += self.flops_per_step\n'),),

@@ -20,6 +20,7 @@ import torch
 
 from orangetron.plan.timing import model_flops_per_step
 from orangetron.spec.hardware import GPUSpec, gpu_names, load_gpu
+from orangetron.spec.model import ModelSpec
 from orangetron.spec.options import Job
 from orangetron.train.config import TrainConfig
 
@@ -37,11 +38,12 @@ def step_flops(cfg: TrainConfig) -> float:
     return model_flops_per_step(cfg.model_config(), job, cfg.batch_size)
 
 
-def batch_flops(cfg: TrainConfig, batch: torch.Tensor) -> float:
+def batch_flops(cfg: TrainConfig, batch: torch.Tensor, model: ModelSpec | None = None) -> float:
     """Model FLOPs of one step over `batch` (every rank together): `step_flops`, except that packed rows ([B,
     S + 1, 2], token and document id pairs) count each document's own attention, which is all the runtime's
     per-document kernels compute (`model/attention.py`), as the planner counts `doc_lengths`. Counting s x s
-    there put MFU above what the step ran."""
+    there put MFU above what the step ran. `model`: the run's, resolved once by a caller that asks every step
+    (`cfg.model_config()` reads a model file anew)."""
     if batch.dim() != 3:
         return step_flops(cfg)
     pieces: list[int] = []
@@ -50,7 +52,7 @@ def batch_flops(cfg: TrainConfig, batch: torch.Tensor) -> float:
         pieces += [stop - start for start, stop in zip(starts, starts[1:], strict=False)]
     job = Job(seq_len=cfg.seq_len, global_batch=cfg.batch_size, param_dtype=cfg.param_dtype, doc_lengths=tuple(pieces))
     # Uncached: every batch has its own documents, and the cache would keep them all.
-    return model_flops_per_step.__wrapped__(cfg.model_config(), job, cfg.batch_size)
+    return model_flops_per_step.__wrapped__(model or cfg.model_config(), job, cfg.batch_size)
 
 
 def measured_peak_flops(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:

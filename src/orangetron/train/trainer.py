@@ -315,6 +315,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     for warning in warnings:  # after a resume, which can refuse the run: a refusal stays one line under --quiet
         bar.warn(warning)
     timer = StepTimer(model.device)
+    spec = cfg.model_config()  # once: a model file is read anew on each call
     run = RunLog(cfg, bar, write=rank == 0, start=start, flops_per_step=step_flops(cfg) / cfg.layout.world_size,
                  peak_flops=peak)
     eval_loss: float | None = None
@@ -351,7 +352,8 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
             if signum:
                 stopped = {"signal": stopping.name(signum), "step": step + 1}
                 record["stopped_by"] = stopped["signal"]
-            run.step(record, seconds, batch_flops(cfg, batch) / cfg.layout.world_size if cfg.pack_documents else None)
+            flops = batch_flops(cfg, batch, spec) / cfg.layout.world_size if cfg.pack_documents else None
+            run.step(record, seconds, flops)
             if cfg.out is not None and (stopped or _checkpoint_due(cfg, step + 1, last)):
                 faults.enter("checkpoint")
                 written = save(cfg, setup, step + 1, run.losses)
