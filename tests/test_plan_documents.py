@@ -12,41 +12,63 @@ import torch
 from orangetron import cli
 from orangetron.parallel.context.sharding import shard_indices
 from orangetron.plan.compute import ATTN_BLOCK, causal_keys
-from orangetron.plan.packed import document_keys, windows
+from orangetron.plan.packed import batches, document_keys, windows
 
 
-def brute_keys(lengths: list[int], seq: int, cp: int) -> float:
-    """Per whole sequence the packed documents fill (lengths repeated until one is full), each query's keys:
-    itself and the earlier tokens of its document in that sequence, plus half its piece's diagonal block less
-    one (a block is computed whole); the busiest rank's mean per query, averaged over the sequences."""
-    stream = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths * max(1, -(-seq // sum(lengths))))])
+def packed_rows(lengths: list[int], seq: int, rows: int) -> list[torch.Tensor]:
+    """Document ids [rows, seq] of each micro-batch of `rows` consecutive whole sequences the documents fill
+    (lengths repeated until they fill one micro-batch; a short last one left out), packed here by plain torch."""
+    copies = max(1, -(-rows * seq // sum(lengths)))
+    stream = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths * copies)])
+    sequences = stream[:stream.numel() // seq * seq].view(-1, seq)
+    return [sequences[i:i + rows] for i in range(0, sequences.shape[0] - rows + 1, rows)]
+
+
+def brute_keys(lengths: list[int], seq: int, cp: int, rows: int = 1) -> float:
+    """Per micro-batch, each query's keys: itself and the earlier tokens of its document in its row, plus half its
+    piece's diagonal block less one (a block is computed whole); the rows sharded together, cut at every row's
+    document starts (the runtime's `shard_indices`); the busiest rank's mean per query and row, averaged over
+    the micro-batches."""
     busiest = []
-    for w in range(stream.numel() // seq):
-        ids = stream[w * seq:(w + 1) * seq]
-        keys = torch.zeros(seq, dtype=torch.float64)
-        for d in ids.unique():
-            where = (ids == d).nonzero().flatten()
-            n = where.numel()
-            keys[where] = torch.arange(1, n + 1, dtype=torch.float64) + (min(n, ATTN_BLOCK) - 1) / 2
-        cuts = tuple(int(i) for i in torch.nonzero(torch.diff(ids, prepend=ids[:1] - 1)).flatten())
+    for batch in packed_rows(lengths, seq, rows):
+        keys = torch.zeros(batch.shape, dtype=torch.float64)
+        for r, ids in enumerate(batch):
+            for d in ids.unique():
+                where = (ids == d).nonzero().flatten()
+                n = where.numel()
+                keys[r, where] = torch.arange(1, n + 1, dtype=torch.float64) + (min(n, ATTN_BLOCK) - 1) / 2
+        starts = torch.diff(batch, dim=1, prepend=batch[:, :1] - 1) != 0
+        cuts = tuple(int(i) for i in torch.nonzero(starts.any(dim=0)).flatten())
         ranks = [shard_indices(seq, cp, r, cuts) for r in range(cp)] if cp > 1 else [torch.arange(seq)]
-        busiest.append(max(float(keys[r].sum()) for r in ranks))
+        busiest.append(max(float(keys[:, r].sum()) for r in ranks) / rows)
     return sum(busiest) / len(busiest) / (seq // cp)
 
 
 @pytest.mark.parametrize("cp", (1, 2, 4))
 @pytest.mark.parametrize("lengths", [[1, 300, 17, 2000, 5, 700], [4096], [100] * 7, [3000, 40, 40, 200]])
 def test_document_keys_are_the_busiest_ranks_visible_keys(cp, lengths):
-    assert document_keys(tuple(lengths), 1024, cp) == pytest.approx(brute_keys(lengths, 1024, cp), rel=1e-12)
+    assert document_keys(batches(tuple(lengths), 1024, 1), 1024, cp) == \
+        pytest.approx(brute_keys(lengths, 1024, cp), rel=1e-12)
+
+
+@pytest.mark.parametrize("rows", (2, 3))
+def test_a_micro_batchs_rows_are_sharded_together_at_all_their_boundaries(rows):
+    """Rows with other boundaries are cut at every row's document starts, as the runtime shards a micro-batch:
+    the busiest rank's keys are those of all its rows under that sharding."""
+    lengths = [1, 300, 17, 2000, 5, 700, 90, 90]
+    for cp in (2, 4):
+        priced = batches(tuple(lengths), 1024, rows)
+        assert [batch for batch, _ in priced][0] == tuple(windows(tuple(lengths), 1024)[i][0] for i in range(rows))
+        assert document_keys(priced, 1024, cp) == pytest.approx(brute_keys(lengths, 1024, cp, rows), rel=1e-12)
 
 
 def test_one_document_per_sequence_is_the_causal_price_and_the_balanced_sharding_keeps_its_balance():
     for cp in (1, 4):
-        assert document_keys((4096,), 4096, cp) == causal_keys(4096)
+        assert document_keys(batches((4096,), 4096, 1), 4096, cp) == causal_keys(4096)
     # A long document at the end (head-tail over the row would give its tail chunks most of it): every document
     # a multiple of 2*cp tokens, so every rank does exactly 1/cp of the work.
-    lengths = (256,) * 8 + (2048,)
-    assert document_keys(lengths, 4096, 4) == pytest.approx(document_keys(lengths, 4096, 1), rel=1e-12)
+    priced = batches((256,) * 8 + (2048,), 4096, 1)
+    assert document_keys(priced, 4096, 4) == pytest.approx(document_keys(priced, 4096, 1), rel=1e-12)
 
 
 def test_estimate_prices_packed_documents_from_a_file(tmp_path, capsys):
@@ -72,25 +94,26 @@ def test_estimate_prices_packed_documents_from_a_file(tmp_path, capsys):
 def test_a_document_of_any_length_costs_the_same_to_price():
     """Each whole sequence of a long document was listed one by one: 10^20 tokens ran out of memory. Every
     sequence of one document alone is its causal sequence, whatever the document's length."""
-    assert document_keys((10**20,), 4096, 4) == causal_keys(4096)
+    assert document_keys(batches((10**20,), 4096, 1), 4096, 4) == causal_keys(4096)
     assert windows((10**20,), 4096) == [(((0, 4096),), 10**20 // 4096)]
+    assert batches((1, 10**20), 4096, 3) == (((((0, 1), (1, 4096)), ((0, 4096),), ((0, 4096),)), 1),
+                                             ((((0, 4096),),) * 3, ((10**20 + 1) // 4096 - 3) // 3))
     # after a short one too: the shortcut held only for a document that began a sequence
     assert windows((1, 10**20), 4096) == [(((0, 1), (1, 4096)), 1), (((0, 4096),), (10**20 + 1) // 4096 - 1)]
 
 
-def ring_ledger(lengths: tuple[int, ...]) -> tuple[int, int]:
-    """Bytes this rank received in one ring attention's forward and in its backward, over one row of packed
-    documents of `lengths` (two query heads, one kv head of 4, float32)."""
+def ring_ledger(ids: torch.Tensor) -> tuple[int, int]:
+    """Bytes this rank received in one ring attention's forward and in its backward, over rows of packed
+    documents `ids` [rows, seq] (two query heads, one kv head of 4, float32)."""
     from orangetron import comm
     from orangetron.mesh import init_mesh
     from orangetron.model.documents import Documents
     from orangetron.parallel import context
     from orangetron.spec.layout import Layout
 
-    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]).unsqueeze(0)
     documents = Documents.from_ids(ids)
     mesh = init_mesh(Layout(cp=torch.distributed.get_world_size()))
-    q, k, v = (torch.randn(1, ids.shape[1], h, 4) for h in (2, 1, 1))
+    q, k, v = (torch.randn(ids.shape[0], ids.shape[1], h, 4) for h in (2, 1, 1))
     q, k, v = (context.shard(t, mesh, cuts=documents.cuts).requires_grad_() for t in (q, k, v))
     with comm.measure() as forward:
         out = context.attention(q, k, v, mesh, mode="ring", documents=documents)
@@ -103,26 +126,77 @@ def ring_ledger(lengths: tuple[int, ...]) -> tuple[int, int]:
 def test_ring_traffic_over_packed_documents_is_the_ledgers(cp):
     """Documents one token long, shorter than 2*cp (some ranks hold none of them, so a run passes through members
     that do not see it), and long: each rank's forward K,V bytes are the planner's tokens for it, and the busiest
-    rank's forward and backward are the planner's cp records (the dK,dV accumulators whole, cp hops)."""
+    rank's forward and backward are the planner's cp records (the dK,dV accumulators whole, cp hops). Two rows
+    with other boundaries, sharded together at all of them, receive more than either row alone would."""
     from orangetron.plan.packed import ring_received_tokens
     from orangetron.plan.traffic import context_parallel_records
     from orangetron.spec.model import ModelSpec
     from orangetron.spec.options import Degrees, Job
     from orangetron.testing import run_distributed
 
-    lengths = (1, cp + 1, 9 * cp + 1, 1, 2, 14 * cp - 6)
-    seq = sum(lengths)
+    lengths = (1, cp + 1, 9 * cp + 1, 1, 2, 14 * cp - 6, 5, 2 * cp)
+    seq = sum(lengths[:6])
     assert seq % (2 * cp) == 0
-    per_rank = run_distributed(ring_ledger, cp, args=(lengths,))
-    token_bytes = 2 * 4 * 4  # K and V of one kv head of 4, float32
-    tokens = ring_received_tokens(lengths, seq, cp)
-    assert [forward for forward, _ in per_rank] == [round(t * token_bytes) for t in tokens]
-    assert len(set(tokens)) > 1 and min(tokens) < (cp - 1) * seq / cp  # ranks differ; some keys stay home
     model = ModelSpec(name="tiny", hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=16,
                       ffn_hidden_size=16)
-    job = Job(seq_len=seq, global_batch=1, param_dtype="float32", doc_lengths=lengths)
-    planned = sum(r.bytes_received for r in context_parallel_records(model, Degrees(cp=cp), job))
-    assert planned == max(forward + backward for forward, backward in per_rank)
+    token_bytes = 2 * 4 * 4  # K and V of one kv head of 4, float32
+    alone = []
+    for rows in (1, 2):
+        ids = packed_rows(list(lengths), seq, rows)[0]
+        per_rank = run_distributed(ring_ledger, cp, args=(ids,))
+        first = batches(lengths, seq, rows)[0]
+        tokens = ring_received_tokens((first,), seq, cp)
+        assert [forward for forward, _ in per_rank] == [round(t * rows * token_bytes) for t in tokens], rows
+        assert len(set(tokens)) > 1 and min(tokens) < (cp - 1) * seq / cp  # ranks differ; some keys stay home
+        job = Job(seq_len=seq, global_batch=rows, micro_batch=rows, param_dtype="float32",
+                  doc_batches=(first[0],))
+        planned = sum(r.bytes_received for r in context_parallel_records(model, Degrees(cp=cp), job))
+        assert planned == max(forward + backward for forward, backward in per_rank), rows
+        alone.append(max(tokens))
+    assert alone[1] > alone[0]  # the second row's boundaries cut the first's runs: more of them travel
+
+
+def ring_records_of_micro_batches(micro_batches: list[torch.Tensor]) -> list[tuple]:
+    """Every record this rank's ring attention issued, forward and backward, over each micro-batch of packed
+    document ids [rows, seq] in turn (two query heads, one kv head of 4, float32)."""
+    from orangetron import comm
+    from orangetron.mesh import init_mesh
+    from orangetron.model.documents import Documents
+    from orangetron.parallel import context
+    from orangetron.spec.layout import Layout
+
+    mesh = init_mesh(Layout(cp=torch.distributed.get_world_size()))
+    with comm.measure() as records:
+        for ids in micro_batches:
+            documents = Documents.from_ids(ids)
+            q, k, v = (torch.randn(ids.shape[0], ids.shape[1], h, 4) for h in (2, 1, 1))
+            q, k, v = (context.shard(t, mesh, cuts=documents.cuts).requires_grad_() for t in (q, k, v))
+            context.attention(q, k, v, mesh, mode="ring", documents=documents).sum().backward()
+    return sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received) for r in records)
+
+
+def test_each_micro_batch_of_a_step_rings_its_own_documents_record_for_record():
+    """A step whose micro-batches hold other documents (`Job.doc_batches`, as a run's closing table prices its
+    last step): each micro-batch's ring transfers are its own, record for record on every rank, not their mean
+    times the micro-batches."""
+    from orangetron.plan.traffic import step_records
+    from orangetron.spec.model import ModelSpec
+    from orangetron.spec.options import Degrees, Job
+    from orangetron.testing import run_distributed
+
+    cp, lengths = 3, (1, 4, 28, 1, 2, 36, 5, 6)
+    seq = 72
+    ids = packed_rows(list(lengths), seq, 2)[0]
+    per_rank = run_distributed(ring_records_of_micro_batches, cp, args=([ids[:1], ids[1:]],))
+    first, second = batches(lengths, seq, 2)[0][0]
+    assert first != second
+    model = ModelSpec(name="tiny", hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=16,
+                      ffn_hidden_size=16)
+    job = Job(seq_len=seq, microbatches=2, param_dtype="float32", doc_batches=((first,), (second,)))
+    for rank, got in enumerate(per_rank):
+        want = sorted((r.op, r.dim, r.payload_bytes, r.bytes_sent, r.bytes_received)
+                      for r in step_records(model, Degrees(cp=cp), job, cp_rank=rank) if r.dim == "cp")
+        assert got == want, rank
 
 
 def test_model_flops_count_each_documents_own_attention_so_mfu_stays_below_the_peak(tmp_path, capsys):
@@ -147,3 +221,21 @@ def test_model_flops_count_each_documents_own_attention_so_mfu_stays_below_the_p
     priced = json.loads(capsys.readouterr().out)
     assert 0 < priced["mfu_causal"] < priced["mfu"] <= priced["hfu"] < 1
     assert priced["tflops_per_gpu"] < 989.4
+
+
+def test_a_micro_batchs_named_documents_must_cover_its_rows_and_name_every_micro_batch():
+    """`Job.doc_batches` prices a run's own step: a row with a gap, an overlap, an empty document or a short end
+    would price other documents than the run's, and a step's micro-batches each need theirs."""
+    from orangetron.plan.traffic import step_records
+    from orangetron.spec.model import ModelSpec
+    from orangetron.spec.options import Degrees, Job
+
+    Job(seq_len=8, doc_batches=((((0, 3), (3, 8)),),))
+    for row in (((0, 3), (4, 8)), ((0, 4), (3, 8)), ((0, 3), (3, 7)), ((1, 8),), ((0, 0), (0, 8))):
+        with pytest.raises(ValueError, match=r"must cover \[0, seq_len=8\)"):
+            Job(seq_len=8, doc_batches=((row,),))
+    model = ModelSpec(name="tiny", hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=16,
+                      ffn_hidden_size=16)
+    job = Job(seq_len=8, microbatches=2, param_dtype="float32", doc_batches=((((0, 8),),),))
+    with pytest.raises(ValueError, match="doc_batches names 1 micro-batches; the step runs 2"):
+        step_records(model, Degrees(cp=2), job)

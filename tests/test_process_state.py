@@ -83,6 +83,18 @@ def _frozen_classes(trees: list[ast.Module]) -> set[str]:
     return frozen | {alias for alias, name in aliases.items() if name in frozen}
 
 
+def _immutable_aliases(trees: list[ast.Module], immutable: set[str]) -> set[str]:
+    """`immutable` and the module-level type aliases built of such names only (`Row = tuple[Piece, ...]` where
+    `Piece = tuple[int, int]`), to a fixed point."""
+    aliases = {node.targets[0].id: _annotation_names(node.value) for tree in trees for node in tree.body
+               if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
+               and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)}
+    known = set(immutable)
+    while more := {alias for alias, names in aliases.items() if names <= known} - known:
+        known |= more
+    return known
+
+
 def _mutable_arguments(node: ast.FunctionDef, immutable: set[str]) -> list[str]:
     args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
     return [f"{node.name}({a.arg}: {ast.unparse(a.annotation) if a.annotation else '?'})" for a in args
@@ -101,7 +113,7 @@ def scan(src: Path) -> tuple[set[tuple[str, str]], list[str]]:
     found, mutable = set(), []
     trees = {path.relative_to(src).as_posix(): ast.parse(path.read_text(), str(path))
              for path in sorted(src.rglob("*.py"))}
-    immutable = IMMUTABLE | _frozen_classes(list(trees.values()))
+    immutable = _immutable_aliases(list(trees.values()), IMMUTABLE | _frozen_classes(list(trees.values())))
     for rel, tree in trees.items():
         found |= {(rel, name) for name in _module_containers(tree) & _changed_names(tree)}
         for node in ast.walk(tree):

@@ -324,7 +324,7 @@ def _stage_activation_bytes(m: ModelSpec, deg: Degrees, job: Job, stage: int) ->
     if stage == 0 and m.dropout:
         total += int(sb * h // x.rep * in_flight(deg, job, 0))  # embedding-dropout mask
     if _counts_small_buffers(m):
-        ids, rope, mask = _small_stage_buffers(m, x, stage, len(layers), moe_layers, bool(job.doc_lengths))
+        ids, rope, mask = _small_stage_buffers(m, x, stage, len(layers), moe_layers, job.packed)
         chunk_mbs = in_flight(deg, job, stage) * job.virtual_stages  # (chunk, micro-batch) pairs
         mbs = _microbatches_in_flight(deg, job, stage)
         total += int(ids * mbs + rope * chunk_mbs + mask * (chunk_mbs if x.rep > 1 else mbs))
@@ -493,7 +493,7 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
     weights, masked, mask = [], [], 0
     for c in range(v):
         layers, moe_layers = stage_layer_counts(m, p * v, 1, stage + c * p, job.pipeline_layout)
-        ids, rope, mask_c = _small_stage_buffers(m, x, stage, layers, moe_layers, bool(job.doc_lengths))
+        ids, rope, mask_c = _small_stage_buffers(m, x, stage, layers, moe_layers, job.packed)
         saved = _saved_bytes(m, deg, job, stage, stage_layers(m.num_layers, p * v, 1, stage + c * p,
                                                               job.pipeline_layout))
         weights.append(saved + rope + (mask_c if x.rep > 1 else 0))

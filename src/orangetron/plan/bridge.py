@@ -23,10 +23,11 @@ def degrees_from_layout(layout: object) -> Degrees:
 def predicted_step(
     model: ModelSpec, layout: object, parallel_config: ParallelConfig, seq_len: int, micro_batch: int,
     stage: int = 0, clip_grad: bool = False, doc_lengths: tuple[int, ...] = (), cp_rank: int | None = None,
+    doc_batches: tuple = (),
 ) -> tuple[list[CommRecord], dict[str, int]]:
     """(CommRecords of one step, bytes by memory category) predicted for one rank of pipeline `stage`, every
-    micro-batch holding `micro_batch` sequences of `seq_len` (packed documents of `doc_lengths`, if given; the
-    rank's cp index `cp_rank` then sets its ring's sizes).
+    micro-batch holding `micro_batch` sequences of `seq_len` (packed documents of `doc_lengths`, or those each
+    micro-batch holds, `doc_batches` (`Job`), if given; the rank's cp index `cp_rank` then sets its ring's sizes).
 
     Gradient buckets are the runtime's (`grad_bucket_numel`): fixed slices of the flat buffer under DDP, equal
     buckets each sharded on its own under ZeRO-1/2 and the distributed optimizer, or one reduction of the
@@ -34,5 +35,5 @@ def predicted_step(
     """
     deg = degrees_from_layout(layout)
     job = Job(**values_of(ParallelConfig, parallel_config), seq_len=seq_len, micro_batch=micro_batch,
-              clip_grad=clip_grad, doc_lengths=doc_lengths)
+              clip_grad=clip_grad, doc_lengths=doc_lengths, doc_batches=doc_batches)
     return step_records(model, deg, job, stage, cp_rank=cp_rank), stage_memory(model, deg, job, stage)

@@ -49,7 +49,7 @@ from orangetron.plan.network import (
     collective_time,
     p2p_time,
 )
-from orangetron.plan.packed import document_keys, document_square_keys
+from orangetron.plan.packed import document_keys, document_square_keys, priced_batches
 from orangetron.plan.param_grads import held_to_step
 from orangetron.plan.params import stage_params, sums_first, zero3_unit_contents
 from orangetron.plan.traffic import (
@@ -256,8 +256,8 @@ def _attention_time(model: ModelSpec, deg: Degrees, job: Job, cluster: Cluster,
     # Head-tail CP keeps every rank's causal work equal to 1/cp of the whole sequence's; packed documents are
     # sharded in balance instead, and their busiest rank sets the time.
     keys = causal_keys(job.seq_len) if model.causal else float(job.seq_len)
-    if job.doc_lengths and model.causal:
-        keys = document_keys(job.doc_lengths, job.seq_len, deg.cp)
+    if job.packed and model.causal:
+        keys = document_keys(priced_batches(job), job.seq_len, deg.cp)
     flops = _attention_flops(model, rows * b, keys, heads)
     ctas = b * heads * -(-rows // ATTN_QUERY_TILE)
     peak = gpu.peak_flops(job.param_dtype)  # attention stays in 16-bit under FP8 training (as TE does)
@@ -424,8 +424,8 @@ def model_keys(model: ModelSpec, job: Job, causal_attention: bool = False) -> fl
     prices only that work: counting s keys put MFU past 100% at short documents); half of either with
     `causal_attention`."""
     keys = float(job.seq_len)
-    if job.doc_lengths and model.causal:
-        keys = document_square_keys(job.doc_lengths, job.seq_len)
+    if job.packed and model.causal:  # each piece's own square: how rows group into micro-batches changes nothing
+        keys = document_square_keys(priced_batches(job, rows=1), job.seq_len)
     return keys / 2 if causal_attention and model.causal else keys
 
 

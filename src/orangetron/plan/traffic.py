@@ -31,12 +31,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import replace
 from functools import lru_cache
 
 from orangetron.plan import node_dispatch
 from orangetron.plan.memory import data_parallel_segments
 from orangetron.plan.network import Placement
-from orangetron.plan.packed import ring_steps
+from orangetron.plan.packed import priced_batches, ring_steps
 from orangetron.plan.params import (
     embedding_at_both_ends,
     shard_groups,
@@ -191,13 +192,13 @@ def tensor_parallel_grad_records(model: ModelSpec, deg: Degrees, job: Job, stage
 
 def context_parallel_records(model: ModelSpec, deg: Degrees, job: Job, cp_rank: int | None = None) -> list[CommRecord]:
     """CP collectives of one layer, one micro-batch, forward + backward (+ replayed forward): what the job's
-    cp mode registers (spec/context_modes.py). Ring attention over packed documents (`job.doc_lengths`) sends
+    cp mode registers (spec/context_modes.py). Ring attention over packed documents (`job.packed`) sends
     each cp rank its own sizes: those of `cp_rank`, or (None) of the rank that receives the most."""
     if deg.cp == 1:
         return []
     passes = 2 if job.recompute == "full" else 1
     mode = CONTEXT_MODES[job.cp_mode]
-    if job.doc_lengths and model.causal and mode.packed_ring:
+    if job.packed and model.causal and mode.packed_ring:
         return _packed_ring_records(model, deg, job, passes, cp_rank, *mode.packed_ring(deg, job))
     return mode.records(model, deg, job, passes)
 
@@ -214,7 +215,7 @@ def _packed_ring_records(model: ModelSpec, deg: Degrees, job: Job, passes: int, 
         return others
     home = kv_bytes(model, deg, job, heads=ulysses_kv_heads(model, deg, u))  # u = 1: this rank's own kv heads
     per_token = home / (u * (job.seq_len // deg.cp))
-    steps = ring_steps(job.doc_lengths, job.seq_len, deg.cp, u)
+    steps = ring_steps(priced_batches(job), job.seq_len, deg.cp, u)
     member = max(range(members), key=lambda m: sum(got for _, got in steps[m])) if cp_rank is None else cp_rank // u
     one_pass = []
     for sent, got in steps[member]:
@@ -346,9 +347,11 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
     moe = sum(model.is_moe_layer(i) for i in layers)
     m = job.replica_microbatches(deg)
     per_mb: list[CommRecord] = []
+    cp_step: list[CommRecord] = []  # every micro-batch's cp records
     for layer_job, mine in _replay_groups(model, deg, job, stage, layers):
         n_moe = sum(model.is_moe_layer(i) for i in mine)
-        per_mb += context_parallel_records(model, deg, layer_job, cp_rank) * len(mine)
+        for batch_job, times in _micro_batch_jobs(layer_job, m):
+            cp_step += context_parallel_records(model, deg, batch_job, cp_rank) * len(mine) * times
         per_mb += (expert_parallel_records(model, deg, layer_job, ep_where)
                    + expert_tensor_parallel_records(model, deg, layer_job)
                    + balancing_loss_records(model, deg, layer_job)) * n_moe
@@ -361,7 +364,18 @@ def step_records(model: ModelSpec, deg: Degrees, job: Job, stage: int = 0,
     per_step = tensor_parallel_grad_records(model, deg, job, stage) + data_parallel_records(model, deg, job, stage)
     per_step += pipeline_grad_records(deg, job) + tied_embedding_records(model, deg, job, stage)
     per_step += router_bias_records(model, deg, job, moe)
-    return per_mb * m + per_step
+    return cp_step + per_mb * m + per_step
+
+
+def _micro_batch_jobs(job: Job, m: int) -> list[tuple[Job, int]]:
+    """(a job, how many of the step's `m` micro-batches run as it): `job` for all of them, or, where the job names
+    the documents of each micro-batch (`doc_batches`), one job per micro-batch with its own documents:
+    a packed ring's transfers are each micro-batch's own."""
+    if not job.doc_batches:
+        return [(job, m)]
+    if len(job.doc_batches) != m:
+        raise ValueError(f"doc_batches names {len(job.doc_batches)} micro-batches; the step runs {m}")
+    return [(replace(job, doc_batches=(batch,)), 1) for batch in job.doc_batches]
 
 
 def tied_embedding_records(model: ModelSpec, deg: Degrees, job: Job, stage: int) -> list[CommRecord]:

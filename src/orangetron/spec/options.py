@@ -83,6 +83,10 @@ class Job(ParallelConfig):
     # Packed documents' lengths in tokens, in the order they are packed into sequences of seq_len (a document
     # continued into the next sequence restarts there); empty: one document per sequence. Planner only
     doc_lengths: tuple[int, ...] = ()
+    # The documents of a step's micro-batches, one entry per micro-batch of this rank: per row, the [start, stop)
+    # of each document, from 0 to seq_len (the end-of-run table prices a run's own last step so); empty: priced
+    # from doc_lengths. Planner only
+    doc_batches: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] = ()
     # The tokens of each sequence that are data where seq_len is that length padded at its end for cp, as the
     # trainer pads it (ignored labels); 0: all seq_len are. Time and memory are the padded sequence's, tokens/s and
     # model FLOPs these tokens' (`data_tokens`). Planner only
@@ -129,11 +133,14 @@ class Job(ParallelConfig):
         self._check_grad_accumulation_fusion()
         object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))  # a list from JSON or TOML
         object.__setattr__(self, "doc_lengths", tuple(self.doc_lengths))
+        object.__setattr__(self, "doc_batches", tuple(tuple(tuple(tuple(piece) for piece in row) for row in batch)
+                                                      for batch in self.doc_batches))  # hashable, as lists are not
         self._check_recompute_modules()
         if isinstance(self.data_seq_len, bool) or not isinstance(self.data_seq_len, int) or self.data_seq_len < 0:
             raise ValueError(f"data_seq_len={self.data_seq_len!r}: must be an integer >= 0 (0: all seq_len)")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.doc_lengths):
             raise ValueError("doc_lengths: document lengths must be integers >= 1")
+        self._check_doc_batches()
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
             raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
         rules.fp8_recipe_needs_fp8(self.fp8_recipe, self.fp8)
@@ -204,6 +211,21 @@ class Job(ParallelConfig):
         if not self.global_batch:
             return self.microbatches
         return self.global_batch // (self.micro_batch * degrees.dp)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the sequences hold packed documents (`doc_lengths` or `doc_batches`)."""
+        return bool(self.doc_lengths or self.doc_batches)
+
+    def _check_doc_batches(self) -> None:
+        """Each row of `doc_batches` covers [0, seq_len) with documents in order, none empty."""
+        for batch in self.doc_batches:
+            for row in batch:
+                ends = [0] + [stop for _, stop in row]
+                if [start for start, _ in row] != ends[:-1] or ends[-1] != self.seq_len or \
+                        any(a >= b for a, b in zip(ends, ends[1:], strict=False)):
+                    raise ValueError(f"doc_batches: a row's documents {row[:4]}{'...' if len(row) > 4 else ''} "
+                                     f"must cover [0, seq_len={self.seq_len}) in order, none empty")
 
     @property
     def data_tokens(self) -> int:
@@ -282,7 +304,7 @@ def model_state_job(job: Job) -> Job:
     """`job` with every option reset that only sets activations, compute or the micro-batch count (sequence,
     micro-batch, global batch, recompute, cp, dispatcher, kernel): the key for the model states, their padding
     and gradient buckets. FP8 stays: a search never varies it, and its recipe is checked against it."""
-    return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, microbatches=1,
+    return canonical_job(replace(job, seq_len=1, micro_batch=1, global_batch=0, microbatches=1, doc_batches=(),
                                  sequence_parallel=False, cp_mode="ring", ulysses_degree=1, dispatcher="ragged",
                                  capacity_factor=1.0, drop_policy="probs", ep_overlap_chunks=1, ep_comm_sms=20,
                                  ep_comm_sms_reserved=False, recompute="none", recompute_layers=0, recompute_modules=(),

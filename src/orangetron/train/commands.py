@@ -418,10 +418,6 @@ def _summary(result: dict[str, Any], stream: Any) -> None:
         if result.get("layout", {}).get("ep", 1) > 1 and routed:
             lines.append("  (the routing decides how many tokens each MoE layer sends and keeps, step by step; the "
                          "planner prices it balanced, so the expert all-to-all and activation rows differ by it)")
-        if result.get("pack_documents") and any(name.startswith("sent send_recv/cp") for name in differing):
-            lines.append("  (the ring passes on only the keys a later rank's documents see, batch by batch; the "
-                         "planner prices one document per sequence, the most when a micro-batch's rows share "
-                         "their boundaries: rows with other boundaries can send more, docs/training.md)")
     warnings = result.get("warnings", [])
     if warnings:  # printed as the run started too; a long log's reader finds them again here
         lines.append(f"{counted(len(warnings), 'warning')} of the start, again:")

@@ -39,7 +39,7 @@ def _rank_share(model: ParallelModel, samples: torch.Tensor) -> RankShare:
         if documents is None:  # head-tail, global positions
             positions, cuts = context.position_ids(inputs.shape[1], model.mesh), None
         else:  # the whole (padded) sequence's documents, balanced; positions in them
-            documents = _padded_documents(documents, inputs.shape[1])
+            documents = padded_documents(documents, inputs.shape[1])
             cuts = documents.cuts
             positions = context.shard(documents.positions(), model.mesh, cuts=cuts)
         valid = int((labels != IGNORE_INDEX).sum())
@@ -50,7 +50,7 @@ def _rank_share(model: ParallelModel, samples: torch.Tensor) -> RankShare:
     return RankShare(inputs, labels, positions, share, documents)
 
 
-def _padded_documents(documents: Documents, seq_len: int) -> Documents:
+def padded_documents(documents: Documents, seq_len: int) -> Documents:
     """`documents` of a sequence padded at its end to `seq_len`: the padding is a document of its own."""
     ids = documents.ids
     extra = seq_len - ids.shape[1]

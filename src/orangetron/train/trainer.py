@@ -322,6 +322,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
     stopped: dict[str, Any] | None = None
     mem: dict[str, int] = {}
     traffic = StepTraffic()
+    rows: list[torch.Tensor] | None = None  # the last step's micro-batches, whose traffic the run reports
     with comm.measure() as records, run:
         batches: Iterator[torch.Tensor] = data.train.from_sample(start.samples)  # after the checkpointed steps
         for step in range(start.step, last):
@@ -379,7 +380,7 @@ def _run(cfg: TrainConfig, progress: bool) -> dict[str, Any]:
         "memory": [{"rank": rank, **mem, **allocator_peak(model.device)}],  # the allocator's: the whole run's peak
         "comm": [{"rank": rank, **dict(sorted(comm.bytes_by_key(records).items()))}],
         "comm_per_step": [{"rank": rank, **traffic.summary()}],
-        "predicted": [{"rank": rank, **predicted_for_rank(cfg, model.mesh["pp"].rank, model.mesh["cp"].rank)}],
+        "predicted": [{"rank": rank, **predicted_for_rank(cfg, model.mesh["pp"].rank, model.mesh["cp"].rank, rows)}],
         "warnings": warnings,
         "imported": [] if setup.imported_bytes is None else [{"rank": rank, "bytes_read": setup.imported_bytes}],
         "time_s": time.perf_counter() - run.started,
