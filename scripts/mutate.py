@@ -3481,8 +3481,8 @@ MUTANTS = [
              '    return tuple(a for a, _ in batch[0])'),),
            ('tests/test_plan_documents.py',)),
     Mutant('packed_plan_ring_reads_the_first_row_only', 'src/orangetron/plan/packed.py',
-           (('            pieces = [(r, _piece_of(row, lo)) for r, row in enumerate(batch)]',
-             '            pieces = [(r, _piece_of(row, lo)) for r, row in enumerate(batch[:1])]'),),
+           (('            pieces = [(r, piece_of(r, lo)) for r in rows]',
+             '            pieces = [(r, piece_of(r, lo)) for r in rows[:1]]'),),
            ('tests/test_plan_documents.py::test_ring_traffic_over_packed_documents_is_the_ledgers',)),
     Mutant('packed_plan_micro_batch_counts_its_opening_rows_twice', 'src/orangetron/plan/packed.py',
            (('        whole, left = divmod(repeat - take, rows)', '        whole, left = divmod(repeat, rows)'),),
@@ -3494,6 +3494,10 @@ MUTANTS = [
            (('        self._check_doc_batches()\n', ''),),
            ('tests/test_plan_documents.py::'
             'test_a_micro_batchs_named_documents_must_cover_its_rows_and_name_every_micro_batch',)),
+    Mutant('doc_lengths_booleans_counted_as_lengths', 'src/orangetron/spec/options.py',
+           (('(set(map(type, self.doc_lengths)) != {int} or',
+             '(not set(map(type, self.doc_lengths)) <= {int, bool} or'),),
+           ('tests/test_plan_documents.py::test_document_lengths_must_be_positive_integers',)),
 ]
 
 

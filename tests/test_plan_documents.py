@@ -239,3 +239,12 @@ def test_a_micro_batchs_named_documents_must_cover_its_rows_and_name_every_micro
     job = Job(seq_len=8, microbatches=2, param_dtype="float32", doc_batches=((((0, 8),),),))
     with pytest.raises(ValueError, match="doc_batches names 1 micro-batches; the step runs 2"):
         step_records(model, Degrees(cp=2), job)
+
+
+def test_document_lengths_must_be_positive_integers():
+    from orangetron.spec.options import Job
+
+    assert Job(seq_len=8, doc_lengths=[3, 5]).doc_lengths == (3, 5)
+    for lengths in ((3, 0), (3, True), (3, 2.0), (-1,)):
+        with pytest.raises(ValueError, match="document lengths must be integers >= 1"):
+            Job(seq_len=8, doc_lengths=lengths)

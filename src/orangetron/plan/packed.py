@@ -84,6 +84,7 @@ def priced_batches(job: Job, rows: int | None = None) -> tuple[tuple[Batch, int]
     return batches(job.doc_lengths, job.seq_len, job.micro_batch if rows is None else rows)
 
 
+@functools.lru_cache(maxsize=64)  # model FLOPs are counted again for each candidate the planner weighs
 def document_square_keys(priced: tuple[tuple[Batch, int], ...], seq: int) -> float:
     """Keys per query when each document piece counts all its own keys (the s x s convention of model FLOPs, per
     document): the mean over the tokens of the length of the piece that holds each."""
@@ -107,8 +108,10 @@ def _rank_runs(batch: Batch, seq: int, cp: int) -> list[tuple[tuple[int, int], .
     return [shard_runs(seq, cp, r, cuts) for r in range(cp)]
 
 
-def _piece_of(row: Row, position: int) -> Piece:
-    return row[bisect.bisect_right([a for a, _ in row], position) - 1]
+def _piece_finder(batch: Batch):
+    """(row index, position) -> the piece of that row holding the position (each row's starts listed once)."""
+    starts = [[a for a, _ in row] for row in batch]
+    return lambda r, position: batch[r][bisect.bisect_right(starts[r], position) - 1]
 
 
 def piece_keys(a: int, b: int, lo: int, hi: int) -> float:
@@ -127,7 +130,8 @@ def document_keys(priced: tuple[tuple[Batch, int], ...], seq: int, cp: int) -> f
     query sees the earlier keys of its own document, and the step waits for the rank with the most."""
     busiest, sequences = 0.0, 0
     for batch, count in priced:
-        per_rank = [sum(piece_keys(*_piece_of(row, lo), lo, hi) for row in batch for lo, hi in runs)
+        piece_of = _piece_finder(batch)
+        per_rank = [sum(piece_keys(*piece_of(r, lo), lo, hi) for r in range(len(batch)) for lo, hi in runs)
                     for runs in _rank_runs(batch, seq, cp)]
         busiest += count * max(per_rank)
         sequences += count * len(batch)
@@ -162,17 +166,18 @@ def _reach(batch: Batch, seq: int, cp: int, u: int) -> list[list[tuple[int, int]
     it)."""
     ranks = _rank_runs(batch, seq, cp)
     runs = [tuple(run for rank in ranks[m * u:(m + 1) * u] for run in rank) for m in range(cp // u)]
+    piece_of, rows = _piece_finder(batch), range(len(batch))
     last = [{} for _ in runs]  # per member: its last position in each (row, piece) it holds
     for member, held in enumerate(runs):
         for lo, hi in held:
-            for r, row in enumerate(batch):
-                piece = (r, _piece_of(row, lo))
+            for r in rows:
+                piece = (r, piece_of(r, lo))
                 last[member][piece] = max(last[member].get(piece, -1), hi - 1)
     reach, members = [], len(runs)
     for owner, held in enumerate(runs):
         mine = []
         for lo, hi in held:
-            pieces = [(r, _piece_of(row, lo)) for r, row in enumerate(batch)]
+            pieces = [(r, piece_of(r, lo)) for r in rows]
             seen = [hop for hop in range(1, members)
                     if any(last[(owner + hop) % members].get(piece, -1) >= lo for piece in pieces)]
             mine.append((hi - lo, max(seen, default=0)))

@@ -138,7 +138,8 @@ class Job(ParallelConfig):
         self._check_recompute_modules()
         if isinstance(self.data_seq_len, bool) or not isinstance(self.data_seq_len, int) or self.data_seq_len < 0:
             raise ValueError(f"data_seq_len={self.data_seq_len!r}: must be an integer >= 0 (0: all seq_len)")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.doc_lengths):
+        # in C: a Job is copied for every candidate the planner weighs, with up to 1,000,000 lengths
+        if self.doc_lengths and (set(map(type, self.doc_lengths)) != {int} or min(self.doc_lengths) < 1):
             raise ValueError("doc_lengths: document lengths must be integers >= 1")
         self._check_doc_batches()
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
