@@ -786,8 +786,8 @@ MUTANTS = [
              "    optimizer = _optimizer_time(model, deg, job, cluster, eff, 0)"),),
            ("tests/test_plan_stages.py",)),
     Mutant("replay_transient_of_the_first_chunk_only", "src/orangetron/plan/activations.py",
-           (("    transient = max(_stage_replay_transient(m, deg, job, stage, layers) for layers in chunks)",
-             "    transient = _stage_replay_transient(m, deg, job, stage, next(chunks))"),),
+           (("    transients = [_stage_replay_transient(m, deg, job, stage, layers) for layers in chunks]",
+             "    transients = [_stage_replay_transient(m, deg, job, stage, chunks[0])] * v"),),
            ("tests/test_plan_stages.py",)),
     Mutant("mtp_replay_transient_forgotten", "src/orangetron/plan/activations.py",
            (("    return max(mtp, _replay_transient(m, deg, job, stage, layers))",
@@ -3498,6 +3498,15 @@ MUTANTS = [
            (('(set(map(type, self.doc_lengths)) != {int} or',
              '(not set(map(type, self.doc_lengths)) <= {int, bool} or'),),
            ('tests/test_plan_documents.py::test_document_lengths_must_be_positive_integers',)),
+    Mutant('interleaved_every_backward_frees_the_head', 'src/orangetron/plan/activations.py',
+           (('            seen.add((act.chunk, *chunks, masks))', '            seen.add((v - 1, *chunks, masks))'),),
+           ('tests/test_recompute.py::test_recompute_matches_one_device_and_the_planner',)),
+    Mutant('interleaved_replay_priced_after_its_backward', 'src/orangetron/plan/activations.py',
+           (('        if not forward:  # what the backward\'s replay finds held; after it, less is\n'
+             '            seen.add((act.chunk, *chunks, masks))\n', ''),
+            ('        if forward:\n            seen.add((-1, *chunks, masks))',
+             '        seen.add((-1 if forward else act.chunk, *chunks, masks))')),
+           ('tests/test_plan_search_caches.py::test_interleaved_holdings_give_the_peak_of_a_walk_over_the_whole_schedule',)),
 ]
 
 

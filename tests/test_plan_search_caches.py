@@ -129,8 +129,11 @@ def test_data_parallel_time_cached_by_model_states_equals_a_plain_sum_over_each_
 
 @pytest.mark.parametrize("pp,v", [(2, 2), (3, 2), (4, 3)])
 def test_interleaved_holdings_give_the_peak_of_a_walk_over_the_whole_schedule(pp, v):
-    """For any non-negative sizes, the largest dot product with the kept holdings is the peak of the walk of
-    every action of the full schedule (not only its prefix)."""
+    """For any non-negative sizes, and a replay transient of each chunk's own that comes on top of what its
+    backward finds held, the largest value of the kept holdings is the peak of the walk of every action of the
+    full schedule (not only its prefix). A transient added to the largest holding of all instead missed a peak
+    while an earlier chunk's backward replayed with fewer later chunks held (trial I: 32 bytes, one micro-batch's
+    padding mask, on the last stage of an interleaved MoE run at m = 2 pp)."""
     rng = random.Random(pp * 10 + v)
     for m in (pp, 3 * pp, 40 * pp + pp):  # the last is longer than the prefix the holdings walk
         full = actions(pp, m, "interleaved", v)
@@ -139,16 +142,21 @@ def test_interleaved_holdings_give_the_peak_of_a_walk_over_the_whole_schedule(pp
                 held = _interleaved_holdings(pp, m, v, stage, masked)
                 for _ in range(5):
                     sizes = [rng.randrange(0, 1000) for _ in range(v + 1)]
+                    replays = [rng.randrange(0, 3000) for _ in range(v)]
                     chunks, holders, peak = [0] * v, [0] * m, 0
                     for act in full[stage]:
+                        live = sum(n * s for n, s in zip(chunks, sizes, strict=False))
+                        if act.kind != "F":
+                            peak = max(peak, live + sizes[v] * sum(h > 0 for h in holders) + replays[act.chunk])
                         sign = 1 if act.kind == "F" else -1
                         chunks[act.chunk] += sign
                         if masked[act.chunk]:
                             holders[act.microbatch] += sign
                         live = sum(n * s for n, s in zip(chunks, sizes, strict=False))
                         peak = max(peak, live + sizes[v] * sum(h > 0 for h in holders))
-                    best = max(sum(n * s for n, s in zip(h, sizes, strict=True)) for h in held)
-                    assert best == peak, (pp, v, m, stage, masked, sizes)
+                    best = max(sum(n * s for n, s in zip(counts, sizes, strict=True))
+                               + (replays[tag] if tag >= 0 else 0) for tag, *counts in held)
+                    assert best == peak, (pp, v, m, stage, masked, sizes, replays)
 
 
 def _search_json(model, cluster, seq_len, global_batch, space):

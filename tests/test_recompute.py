@@ -2,13 +2,14 @@
 
 Every mode trains float64 steps through `ot.parallelize` on tp2 x cp2 x pp2 (every schedule, four cp modes, SP,
 ZeRO-1/2/3 and the distributed optimizer), with experts over data parallelism (dp2 x ep2, dp4 x ep2 and
-tp2 x dp2 x ep2; every dispatcher, overlap chunks, ZeRO-1/2/3, gradient buckets), on cp4 with USP and on an
-interleaved pp2 x dp2 that keeps a layer of each chunk: losses, every gradient, the
-final parameters and the routers' biases must equal the plain single-device model to 1e-9 (`layout_check`), and
-every rank's ledger (the replayed forward's collectives included) and model states must equal
-`plan.bridge.predicted_step`, and so must the activation peak, to the byte, in every mode: under full recompute
-the replay runs on the kept layer input itself, and on the last stage the loss's backward frees the output
-layer's buffers before any layer replays (the planner counts both so).
+tp2 x dp2 x ep2; every dispatcher, overlap chunks, ZeRO-1/2/3, gradient buckets), on cp4 with USP,
+on an interleaved pp2 x dp2 that keeps a layer of each chunk and on an interleaved pp2 of four micro-batches:
+losses, every gradient, the final parameters and the routers' biases must equal the plain single-device model
+to 1e-9 (`layout_check`), and every rank's ledger (the replayed forward's collectives included) and model states
+must equal `plan.bridge.predicted_step`, and so must the activation peak, to the byte, in every mode: under full
+recompute the replay runs on the kept layer input itself, and on the last stage the loss's backward frees the
+output layer's buffers before any layer replays (the planner counts both so, and each chunk's replay on what its
+backward finds held).
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ CASES = {
         ("dense", Layout(tp=2, cp=2, pp=2), {"recompute": "full", "cp_mode": "rsa", "sequence_parallel": True,
                                              "pp_schedule": "interleaved", "virtual_stages": 2, "microbatches": 2,
                                              "zero_stage": 1})],
-    2: [("moe-ep", Layout(dp=2, ep=2), {"recompute": "full", "dispatcher": "ragged", "zero_stage": 3})],
+    2: [("moe-ep", Layout(dp=2, ep=2), {"recompute": "full", "dispatcher": "ragged", "zero_stage": 3}),
+        # More micro-batches than stages: the last stage's peak is an earlier chunk's replay, before the head's
+        # chunk holds any micro-batch (the planner read it 32 bytes short, one micro-batch's padding mask).
+        ("moe", Layout(pp=2), {"recompute": "full", "pp_schedule": "interleaved", "virtual_stages": 2,
+                               "microbatches": 4})],
     4: [("moe-ep", Layout(dp=4, ep=2), {"recompute": "selective", "dispatcher": "ragged", "zero_stage": 1}),
         ("moe-ep", Layout(dp=4, ep=2), {"recompute": "full", "dispatcher": "ragged", "ep_overlap_chunks": 2,
                                         "zero_stage": 3}),

@@ -505,22 +505,32 @@ def _interleaved_peak(m: ModelSpec, deg: Degrees, job: Job, stage: int, x: Layer
         head = _head_bytes(m, x)
         weights[-1] += head + m.mtp_layers * (sum(_mtp_layer_bytes(m, deg, job)) + head)
     weights.append(mask)
-    peak = max(sum(w * n for w, n in zip(weights, held, strict=True))
-               for held in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
-    chunks = (stage_layers(m.num_layers, p * v, 1, stage + c * p, job.pipeline_layout) for c in range(v))
-    transient = max(_stage_replay_transient(m, deg, job, stage, layers) for layers in chunks)
+    chunks = [stage_layers(m.num_layers, p * v, 1, stage + c * p, job.pipeline_layout) for c in range(v)]
+    transients = [_stage_replay_transient(m, deg, job, stage, layers) for layers in chunks]
     loss = _eager_loss_bytes(m, x, job) if stage == p - 1 else 0
-    if stage == p - 1 and transient > 0 and not m.mtp_layers:  # the loss's backward frees the head first
-        return peak - head + max(head + loss, transient)
-    return peak + transient + loss
+    frees_head = stage == p - 1 and not m.mtp_layers  # the loss's backward frees the head before any replay
+
+    def during(entry: tuple[int, ...]) -> int:
+        """Bytes held at `entry` of the walk: after a forward, or while a backward of chunk `tag` replays."""
+        tag, *held = entry
+        live = sum(w * n for w, n in zip(weights, held, strict=True))
+        if tag < 0:
+            return live
+        if tag == v - 1 and frees_head and transients[tag] > 0:
+            return live - head + max(head + loss, transients[tag])
+        return live + transients[tag] + (loss if tag == v - 1 else 0)
+
+    return max(during(entry) for entry in _interleaved_holdings(p, mbs, v, stage, tuple(masked)))
 
 
 def _interleaved_holdings(p: int, microbatches: int, v: int, stage: int,
                           masked: tuple[bool, ...]) -> tuple[tuple[int, ...], ...]:
-    """What an interleaved stage holds after each action, as counts: (chunk-micro-batch pairs of chunk 0, ...,
-    of chunk v-1, micro-batches some `masked` chunk holds). Bytes held are these counts times non-negative sizes,
-    so only the counts no other one covers in every entry can be the peak: those are returned (a handful,
-    priced per configuration, while the walk is shared by every model and layout with the same schedule)."""
+    """What an interleaved stage holds after each forward and before each backward, as counts tagged by what
+    comes with them: (-1 after a forward, else the chunk whose backward runs then, with its replay; chunk-micro-batch
+    pairs of chunk 0, ..., of chunk v-1, micro-batches some `masked` chunk holds). Bytes held are these counts times
+    non-negative sizes, so of each tag only the counts no other one covers in every entry can be the peak: those are
+    returned (a handful, priced per configuration, while the walk is shared by every model and layout with the same
+    schedule)."""
     enough = p * math.ceil((2 * p + v * p + 16 * p * v) / (v * p))  # as in `_interleaved_prefix`
     return _walk_holdings(p, min(microbatches, enough), v, stage, masked)
 
@@ -533,14 +543,21 @@ def _walk_holdings(p: int, microbatches: int, v: int, stage: int,
     # After the warmup the list repeats every p*v forwards with micro-batches p further on, so what is held
     # repeats too: the peak lies within the warmup and a few periods (m can be thousands in a search).
     for act in _interleaved_prefix(p, microbatches, v, stage):
-        sign = 1 if act.kind == "F" else -1
+        forward = act.kind == "F"
+        if not forward:  # what the backward's replay finds held; after it, less is
+            seen.add((act.chunk, *chunks, masks))
+        sign = 1 if forward else -1
         chunks[act.chunk] += sign
         if masked[act.chunk]:
             before = holders[act.microbatch]
             holders[act.microbatch] += sign
             masks += (holders[act.microbatch] > 0) - (before > 0)
-        seen.add((*chunks, masks))
-    return _not_covered(seen)
+        if forward:
+            seen.add((-1, *chunks, masks))
+    by_tag: dict[int, set[tuple[int, ...]]] = {}
+    for tag, *counts in seen:
+        by_tag.setdefault(tag, set()).add(tuple(counts))
+    return tuple((tag, *counts) for tag, group in sorted(by_tag.items()) for counts in _not_covered(group))
 
 
 def _not_covered(counts: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
