@@ -127,3 +127,43 @@ def test_every_dimension_keeps_the_root_and_replaces_only_seams():
                 assert ("tok_embeddings" in types) == (rank == 0) and ("norm" in types) == (rank == 1), where
             if layout == Layout(dp=2):
                 assert types["io"] == "TokenIO" and types["layers.0.feed_forward"] == "SwiGLU", where
+
+
+def _misuse_on_tp2() -> list[str]:
+    """What each misuse of the library raises on a tp 2 rank ('' where nothing was raised)."""
+    from orangetron.spec.parallel_config import ParallelConfigError
+
+    mesh = init_mesh(Layout(tp=2))
+    caught = []
+
+    def attempt(action) -> None:
+        try:
+            action()
+            caught.append("")
+        except (ParallelConfigError, IndexError) as err:
+            caught.append(f"{type(err).__name__}: {err}")
+
+    model = Transformer(MODELS["dense"], seed=0)
+    parallel = parallelize(model, mesh, ParallelConfig(sequence_parallel=True))
+    attempt(lambda: parallelize(model, mesh, ParallelConfig(sequence_parallel=True)))  # shards the shards
+    attempt(lambda: parallelize(Transformer(MODELS["dense"], seed=0, dtype=torch.float64), mesh))
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    attempt(lambda: parallel(tokens.masked_fill(tokens == tokens[0, 3], 40)))  # one rank: IndexError
+    logits = parallel(tokens)
+    attempt(lambda: parallel.module.loss_from_logits(logits, tokens.masked_fill(tokens == tokens[0, 3], 999)))
+    attempt(lambda: parallel.module.loss_from_logits(logits, tokens.masked_fill(tokens == tokens[0, 3], -100)))
+    return caught
+
+
+def test_misuse_that_one_rank_refuses_is_refused_on_tp_ranks_too():
+    """A trial of the library found three silent misuses: a model parallelized twice (the second pass sharded the
+    shards, breaking both), a float64 model rounded to the default float32 unsaid, and under tp a token id or
+    label past the vocabulary, which every rank found off its own slice (finite logits, a loss of 5.5) where one
+    rank raises IndexError."""
+    for caught in run_distributed(_misuse_on_tp2, 2):
+        assert caught[0].startswith("ParallelConfigError: this model was parallelized already"), caught[0]
+        assert caught[1].startswith("ParallelConfigError: param_dtype='float32': the model's parameters are "
+                                    "float64"), caught[1]
+        assert caught[2] == "IndexError: token id 40 lies outside the vocabulary [0, 32)"
+        assert caught[3] == "IndexError: label 999 lies outside the vocabulary [0, 32)"
+        assert caught[4] == ""  # the ignored label

@@ -107,3 +107,67 @@ def test_plugins_match_one_device_and_their_registered_costs():
     done = _run([str(TESTS / "plugin_checks.py")], timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ok ") == 3, done.stdout
+
+
+def test_a_plugin_reads_a_built_in_record_whichever_module_imports_the_registry_first(tmp_path):
+    """A dispatcher plugin that copies a built-in's costs when it loads found the registry empty: the built-in
+    module's first registration loaded the plugins before the module's other built-ins were registered
+    (`dispatcher='allgather': must be one of `, with nothing listed), and `--help` listed the plugin first."""
+    (tmp_path / "copying_plugin.py").write_text(
+        "from orangetron.spec.variants import DISPATCHERS, Dispatcher\n"
+        "DISPATCHERS.register(Dispatcher(name='allgather-copy', runtime='orangetron.parallel.expert.allgather',\n"
+        "                                records=DISPATCHERS['allgather'].records))\n")
+    env = {**_env(plugins=False), "ORANGETRON_PLUGINS": "copying_plugin",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), _env(plugins=False)["PYTHONPATH"]])}
+    script = ("import orangetron.plan.activations\n"  # imports the dispatchers' module first, as the CLI does
+              "from orangetron.spec.variants import DISPATCHERS\n"
+              "print(','.join(DISPATCHERS.names()))\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ragged,capacity,allgather,deepep,allgather-copy"]
+    flags = ["estimate", "--model", "tiny-moe", "--gpus", "2", "--ep", "2", "--json", "--dispatcher"]
+    priced = [subprocess.run([sys.executable, "-m", "orangetron", *flags, name], env=env, capture_output=True,
+                             text=True, timeout=120) for name in ("allgather", "allgather-copy")]
+    assert [p.returncode for p in priced] == [0, 0], priced[1].stderr
+    copy, built_in = (json.loads(p.stdout.splitlines()[-1])["comm_bytes"] for p in reversed(priced))
+    assert copy == built_in and any(key.endswith("/ep") for key in copy)
+
+
+def test_a_record_that_cannot_work_is_refused_when_it_registers():
+    """A schedule without actions crashed the planner (IndexError in plan/activations.py), a cp mode without
+    records was priced as sending nothing (the closing table then read `predicted 0 / measured 32,768`), and
+    names no command line can give ('' or 'has space') were listed in --help."""
+    import pytest
+
+    from orangetron.spec.rules import RuleError
+    from orangetron.spec.variants import CONTEXT_MODES, DISPATCHERS, SCHEDULES, ContextMode, Dispatcher, Schedule
+
+    refusals = [(SCHEDULES, Schedule(name="empty", runtime="x"), "a schedule lists each rank's actions"),
+                (CONTEXT_MODES, ContextMode(name="silent", runtime="x"), "a cp mode names the records"),
+                (DISPATCHERS, Dispatcher(name="silent", runtime="x"), "a dispatcher names the records"),
+                (CONTEXT_MODES, ContextMode(name="", records=lambda *a: []), "a variant's name is letters"),
+                (CONTEXT_MODES, ContextMode(name="has space", records=lambda *a: []), "a variant's name is letters"),
+                (CONTEXT_MODES, ContextMode(name="ring", records=lambda *a: []),
+                 r"already registered \(by orangetron.spec.context_modes\); (tests\.)?test_plugins cannot")]
+    for registry, record, why in refusals:
+        with pytest.raises(RuleError, match=why):
+            registry.register(record)
+    assert "silent" not in DISPATCHERS and "empty" not in SCHEDULES
+    with DISPATCHERS.temporarily(Dispatcher(name="node-wise", node_aware=True)):  # priced from its placement
+        assert "node-wise" in DISPATCHERS
+    with pytest.raises(RuleError, match=r"'missing': its runtime 'no_such_module_xyz' cannot be loaded \(No module"):
+        Schedule(name="missing", runtime="no_such_module_xyz", actions=lambda *a: [[]]).load()
+    with pytest.raises(RuleError, match=r"runtime 'orangetron.spec.variants:nothing' cannot be loaded"):
+        Schedule(name="missing", runtime="orangetron.spec.variants:nothing").load()
+
+
+def test_a_plugin_whose_own_import_fails_is_not_called_missing(tmp_path):
+    (tmp_path / "broken_plugin.py").write_text("import no_such_dependency_abc\n")
+    env = {**_env(plugins=False), "ORANGETRON_PLUGINS": "broken_plugin",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), _env(plugins=False)["PYTHONPATH"]])}
+    done = subprocess.run([sys.executable, "-m", "orangetron", "presets"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    err = done.stderr.strip()
+    assert done.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "plugin 'broken_plugin' was found but its own import failed (No module named 'no_such_dependency_abc')" \
+        in err and "PYTHONPATH" not in err

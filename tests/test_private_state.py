@@ -22,6 +22,9 @@ ALLOWED = {
     # class itself cannot update views of one flat shard in place with per-run weight decay. Read with getattr so
     # that a torch without it takes the unfused update instead.
     "data/optim.py": {"getattr(torch, '_fused_adamw_', None)"},
+    # torch has no public device-side assert that does not wait: checking token ids on the host would make the GPU
+    # wait for it at every forward (`refuse_outside_vocab`; on CPU the check is made on the host).
+    "tensor.py": {"torch._assert_async"},
 }
 ATTRIBUTE_FUNCTIONS = ("getattr", "setattr", "hasattr", "delattr")
 

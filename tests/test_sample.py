@@ -130,6 +130,17 @@ def test_token_probs_are_softmax_of_logits_over_temperature_within_the_top_k() -
         assert ((probs > 0).sum(-1) == (k or 40)).all()
 
 
+def test_a_tiny_temperature_draws_the_most_likely_token() -> None:
+    """1e-45 (float32) and 1e-300 (float64) overflowed every logit to +-inf: softmax gave nan and multinomial a
+    traceback. They draw the largest logit, splitting a tie evenly."""
+    for dtype, temperature in ((torch.float32, 1e-45), (torch.float64, 1e-300)):
+        logits = torch.tensor([[0.5, 2.0, -1.0], [3.0, 1.0, 3.0]], dtype=dtype)
+        probs = token_probs(logits, Sampling(temperature))
+        assert probs.tolist() == [[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]]
+        drawn = next_token(logits[:1].expand(50, 3), Sampling(temperature), torch.Generator().manual_seed(0))
+        assert drawn.tolist() == [1] * 50
+
+
 def test_draws_follow_the_distribution() -> None:
     """4000 draws from logits (0, log 3): the second token about 3/4 of the time (4 sigma: 0.0274)."""
     logits = torch.tensor([[0.0, math.log(3.0)]]).expand(4000, 2)
@@ -252,6 +263,13 @@ def test_the_default_length_stops_where_the_model_does(trained_run, capsys) -> N
     assert len(json.loads(capsys.readouterr().out)["tokens"]) == 256 - 100
     assert main(["sample", str(trained_run["run"]), "--prompt", "a", "--ignore-eos", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["tokens"]) == 200  # the default where the model holds it
+    # A prompt that fills the model blamed --max-new-tokens, never given, and one of exactly 256 tokens continued
+    # with nothing, exit 0: both now say the prompt leaves no room.
+    for length in (256, 300):
+        assert main(["sample", str(trained_run["run"]), "--prompt", (SENTENCES * 4)[:length]]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"prompt: its {length} tokens leave no room for a new one within the model's "
+                            "max_seq_len=256; shorten it") and len(err.splitlines()) == 1, err
 
 
 def test_sampling_flags_at_temperature_zero_are_said_to_do_nothing(trained_run, capsys) -> None:

@@ -38,7 +38,10 @@ def token_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     float64), 0 outside the top k (ties at the k-th value go to the lower token id). Needs temperature > 0."""
     if sampling.greedy:
         raise ValueError("temperature=0: greedy decoding draws nothing; use next_token")
-    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature  # [B, V]
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    # Shifted by each row's largest first: a tiny temperature then sends the others to -inf, not every logit to
+    # +-inf (1e-45 gave inf - inf = nan in softmax and a traceback from multinomial).
+    scaled = (wide - wide.max(-1, keepdim=True).values) / sampling.temperature  # [B, V]
     if 0 < sampling.top_k < scaled.shape[-1]:
         kept = top_indices(scaled, sampling.top_k)  # [B, k]
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, kept, scaled.gather(-1, kept))

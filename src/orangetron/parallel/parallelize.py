@@ -20,11 +20,12 @@ on entry):
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from orangetron.mesh import ParallelMesh
 from orangetron.parallel import context, pipeline
-from orangetron.parallel.config import ParallelConfig, check_runnable
+from orangetron.parallel.config import ParallelConfig, ParallelConfigError, check_runnable
 from orangetron.parallel.contract import check_model
 from orangetron.parallel.expert import expert_parallel
 from orangetron.parallel.expert.balance import balance_globally
@@ -47,13 +48,17 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     replay their forward in backward), then pipeline parallelism over pp (this rank keeps its stage's chunks; run a
     step with `pipeline.run_pipeline`), then data parallelism over dp x cp (experts over edp) with the ZeRO stage of
     `config`. Returns the `ParallelModel`: call it like the model, and build the optimizer with
-    `.optimizer(lr=...)`. Every rank must build `model` from the same seed. A model that lacks what the parallel
+    `.optimizer(lr=...)`. Every rank must build `model` from the same seed, and a fresh one for each call (a model
+    parallelized before, or a float64 one `config.param_dtype` would round down, raises ParallelConfigError;
+    `_check_fresh`). Under tp a token id or label outside the vocabulary raises IndexError, as on one rank
+    (`tensor.refuse_outside_vocab`). A model that lacks what the parallel
     code relies on raises `ModelContractError`; dimensions the runtime does not run yet raise `LayoutError`, and
     options it does not run (`parallel.config.check_runnable`) `ParallelConfigError` or `RuleError`.
     """
     check_model(model)
     config = config or ParallelConfig()
     check_runnable(config)
+    _check_fresh(model, config)
     layout = mesh.layout
     layout.validate(model.cfg, sequence_parallel=config.sequence_parallel)
     pipeline.check_pipeline(model.cfg, layout.pp, config)
@@ -70,6 +75,21 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     if layout.pp > 1:  # last: the other dimensions walk every layer of the whole model
         chunks = pipeline.split_stages(model, layout.pp, mesh["pp"].rank, config.virtual_stages)
     return ParallelModel(model, mesh, config, chunks)
+
+
+def _check_fresh(model: nn.Module, config: ParallelConfig) -> None:
+    """Refuse a model parallelized before (its layers are sharded in place: a second pass shards the shards and
+    breaks the first `ParallelModel` too), and a float64 model that `config.param_dtype` would round down unsaid.
+    A float32 model trained in bfloat16 is cast by the flat buffers, as the trainer asks."""
+    if getattr(model, "orangetron_parallelized", False):
+        raise ParallelConfigError("this model was parallelized already (its layers are sharded in place): build "
+                                  "a new one from the same seed for another layout")
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float64 and config.param_dtype != "float64":
+        raise ParallelConfigError(f"param_dtype={config.param_dtype!r}: the model's parameters are float64 and would "
+                                  "be rounded to it; pass ParallelConfig(param_dtype='float64'), or build the model "
+                                  "in float32")
+    model.orangetron_parallelized = True  # from here on it is being sharded
 
 
 def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str, ulysses_degree: int = 1) -> None:

@@ -271,6 +271,19 @@ class ParallelSwiGLU(nn.Module):
         return row_output(F.linear(swiglu_activation(gate, up), self.w2.weight), self.group, self.sp)
 
 
+def refuse_outside_vocab(ids: torch.Tensor, vocab: int, what: str, ignore_index: int | None = None) -> None:
+    """IndexError for an id outside [0, vocab) (but `ignore_index`), as one rank's embedding and cross entropy
+    raise: sharded over the vocabulary, every rank would only find it off its slice, and a wrong output would
+    follow unsaid. On a GPU the check runs on the device, without waiting for it."""
+    bad = (ids < 0) | (ids >= vocab)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if ids.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"a {what} lies outside the vocabulary [0, {vocab})")
+    elif bad.any():
+        raise IndexError(f"{what} {int(ids[bad][0])} lies outside the vocabulary [0, {vocab})")
+
+
 class VocabParallelEmbedding(nn.Module):
     """Token embedding split over the vocabulary: tokens [B, S] -> [B, S/tp, dim] (SP) or [B, S, dim]."""
 
@@ -284,6 +297,7 @@ class VocabParallelEmbedding(nn.Module):
         seq_len = tokens.shape[1]
         if self.sp and seq_len % self.group.size:
             raise LayoutError(f"tp={self.group.size}: sequence_parallel needs seq_len {seq_len} divisible by tp")
+        refuse_outside_vocab(tokens, self.weight.shape[0] * self.group.size, "token id")
         partial = _VocabEmbedding.apply(tokens, self.weight, self.start)  # [B, S, dim], zeros off-slice
         return row_output(partial, self.group, self.sp)
 
@@ -316,6 +330,7 @@ class TensorParallelIO(TokenIO):
         """Vocabulary-parallel mean cross entropy: logits [B, S, V/tp], labels [B, S]."""
         logits = logits.to(accumulate_dtype(logits.dtype)).flatten(0, 1)  # [B*S, V/tp]
         start = self.group.rank * logits.shape[-1]
+        refuse_outside_vocab(labels, logits.shape[-1] * self.group.size, "label", ignore_index)
         return _VocabParallelCrossEntropy.apply(logits, labels.reshape(-1), ignore_index, start, self.group)
 
 

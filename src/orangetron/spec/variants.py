@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from orangetron.spec.rules import RuleError
 
 PLUGINS_ENV = "ORANGETRON_PLUGINS"
 ENTRY_POINT_GROUP = "orangetron.plugins"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # what a command-line choice can be
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,31 @@ class Variant:
     runtime: str | None = None
 
     def load(self) -> Any:
-        """The runtime object the import path names."""
+        """The runtime object the import path names; a path that names nothing is refused in one line."""
         module_name, _, attribute = self.runtime.partition(":")
-        module = importlib.import_module(module_name)
-        return getattr(module, attribute) if attribute else module
+        try:
+            module = importlib.import_module(module_name)
+            return getattr(module, attribute) if attribute else module
+        except (ImportError, AttributeError) as err:
+            raise RuleError(f"{self.name!r}: its runtime {self.runtime!r} cannot be loaded ({err})") from None
+
+    def check_usable(self) -> None:
+        """Refuse a record that cannot work: a name the command line cannot give, or a cost left at its default
+        where the planner needs it (each kind says which, `_missing`)."""
+        if not NAME.fullmatch(self.name):
+            raise RuleError(f"{self.name!r}: a variant's name is letters, digits and . _ + - (not starting with "
+                            "one of these), as a command-line choice")
+        missing = self._missing()
+        if missing:
+            raise RuleError(f"{self.name!r}: {missing}")
+
+    def _missing(self) -> str:
+        return ""
+
+
+def _given(record: Variant, field: str) -> bool:
+    """Whether `record` sets `field` rather than keeping its class's default."""
+    return getattr(record, field) is not type(record).__dataclass_fields__[field].default
 
 
 V = TypeVar("V", bound=Variant)
@@ -57,14 +81,21 @@ class Registry(Generic[V]):
         self.field = field  # the option that names a variant of this kind, e.g. "cp_mode"
         self._builtins = builtins  # the module that registers the built-in records
         self._records: dict[str, V] = {}
+        self._origins: dict[str, str] = {}  # by name: the module that registered it
         self._loaded = False
 
     def register(self, record: V) -> V:
-        """Add `record`; a second record of the same name is refused."""
-        self._load()
+        """Add `record` (`Variant.check_usable`); a second record of the same name is refused, naming the first's
+        module. Plugins are not loaded here: the built-in module registers through this while it imports, and a plugin
+        may read any built-in record."""
+        self._import_builtins()
+        record.check_usable()
+        origin = _caller_module()
         if record.name in self._records:
-            raise RuleError(f"{self.field}={record.name!r}: a variant of that name is already registered")
+            raise RuleError(f"{self.field}={record.name!r}: a variant of that name is already registered (by "
+                            f"{self._origins[record.name]}); {origin} cannot register another")
         self._records[record.name] = record
+        self._origins[record.name] = origin
         return record
 
     @contextmanager
@@ -105,12 +136,25 @@ class Registry(Generic[V]):
                             f"{', '.join(self.names(runtime=True))}")
         return record
 
+    def _import_builtins(self) -> None:
+        importlib.import_module(self._builtins)  # while it imports, the module it has so far: it registers here
+
     def _load(self) -> None:
+        """Every kind's built-ins, then the plugins (once per process), before the first read."""
         if self._loaded:
             return
         self._loaded = True  # before the imports: they register into this registry
-        importlib.import_module(self._builtins)
+        for registry in (CONTEXT_MODES, DISPATCHERS, SCHEDULES):
+            registry._import_builtins()
         load_plugins()
+
+
+def _caller_module() -> str:
+    """The module that called `Registry.register` (through `temporarily`, the test's)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    return frame.f_globals.get("__name__", "?") if frame is not None else "?"
 
 
 _PLUGINS_LOADED: set[str] = set()  # process-wide by design: a plugin registers its variants once per process
@@ -124,6 +168,9 @@ def load_plugins() -> None:
             try:
                 importlib.import_module(name)
             except ImportError as err:  # a typo or a folder off the path: one line, not a traceback
+                if getattr(err, "name", None) not in (name, name.split(".")[0]):  # found, but it imports what is not
+                    raise ValueError(f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r}: plugin {name!r} was found but its "
+                                     f"own import failed ({err})") from None
                 raise ValueError(f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r}: cannot import plugin {name!r} ({err}); "
                                  "correct the name or put its folder on PYTHONPATH") from None
             _PLUGINS_LOADED.add(name)
@@ -164,6 +211,9 @@ class ContextMode(Variant):
     # packed documents, the blocks no later member sees (plan/traffic.py); None: priced as one sequence
     packed_ring: Callable[..., tuple[int, str]] | None = None
 
+    def _missing(self) -> str:
+        return "" if _given(self, "records") else "a cp mode names the records of its traffic (`records`)"
+
     @property
     def head_split_field(self) -> str:
         """The option whose value is the head split's degree, for a refusal to name."""
@@ -187,6 +237,11 @@ class Dispatcher(Variant):
     # Pads every expert to capacity_factor x its fair share (capacity slots): ranks compute equal padded loads
     pads: bool = False
 
+    def _missing(self) -> str:
+        if self.node_aware or _given(self, "records"):  # a node-aware one is priced from its placement
+            return ""
+        return "a dispatcher names the records of its traffic (`records`), unless it is node-aware"
+
 
 @dataclass(frozen=True)
 class Schedule(Variant):
@@ -205,6 +260,9 @@ class Schedule(Variant):
     # (pp, microbatches) -> micro-batches whose last-stage output and loss wait for their backward; None: read
     # off the last rank's actions of the last chunk
     held_outputs: Callable[[int, int], int] | None = None
+
+    def _missing(self) -> str:
+        return "" if _given(self, "actions") else "a schedule lists each rank's actions (`actions`)"
 
 
 CONTEXT_MODES: Registry[ContextMode] = Registry("cp_mode", "orangetron.spec.context_modes")

@@ -86,7 +86,8 @@ def add_train_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the results as the last line of standard output")
     p.add_argument("--quiet", action="store_true",
-                   help="no progress bar or logs on standard error (its warnings still print there)")
+                   help="no progress bar or logs on standard error (its warnings, and a stopped run's way to "
+                        "continue, still print there)")
     p.add_argument("--min-lr", type=float, default=None,
                    help="floor of the cosine decay, reached at the last step (default: lr/10)")
     option("--weight-decay", "AdamW weight decay, on matrices only", type=float)
@@ -275,10 +276,13 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"orangetron verify: --dispatcher capacity measured with --capacity-factor "
               f"{result['capacity_factor']:g} instead of {cfg.capacity_factor:g}, which drops no token (dropped "
               "tokens differ from one rank by design)", file=sys.stderr)
-    ok = "ok, judged against float64 (below)" if result.get("float64_gaps") else "ok"
+    gaps = result.get("float64_gaps")
+    ok = "ok, judged against float64 (below)" if gaps else "ok"
     verdict = ok if result["ok"] else (f"FAILED (largest loss gap at step {result['worst_loss_step']}, largest "
                                        f"gradient gap in {result['worst_grad_param']} at step "
                                        f"{result['worst_grad_step']})")
+    if not result["ok"] and gaps and gaps["ratio"] > gaps["spread"]:
+        verdict = "FAILED, judged against float64 (below)"
     options = "".join(f", {key}={value}" for key, value in result["options"].items())
     options += ", packed documents" if result.get("pack_documents") else ""
     steps = f"{cfg.steps} step" + ("s" if cfg.steps != 1 else "")
@@ -299,7 +303,9 @@ def _float64_judgement(result: dict) -> str:
     """The line on a bfloat16 check judged against float64 (`verify._float64_gaps`)."""
     gaps = result["float64_gaps"]
     if result["ok"]:
-        judged = "within it: bfloat16 rounding at this size exceeds the fixed tolerance, not the layout"
+        past = result["max_grad_rel_diff"] > result["tolerance"]
+        judged = "within it" + (": bfloat16 rounding at this size exceeds the fixed tolerance, not the layout"
+                                if past else "")
     elif gaps["ratio"] <= gaps["spread"]:
         judged = "within it, but the losses part by more than the tolerance"
     else:

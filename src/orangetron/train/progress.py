@@ -54,6 +54,15 @@ class ProgressBar:
             self.stream.write(f"orangetron train: warning: {message}\n")  # named as the other commands' are
             self.stream.flush()
 
+    def notice(self, message: str) -> None:
+        """A line `log` writes, written by a quiet bar too, where `warns`: what the user must do next (a stopped
+        run's way to continue), which a quiet run's exit status alone does not say."""
+        if self.enabled:
+            self.log(message)
+        elif self.warns:
+            self.stream.write(f"orangetron train: {message}\n")
+            self.stream.flush()
+
     def close(self) -> None:
         """Finish the in-place line so later output starts on a fresh line."""
         if self.enabled:

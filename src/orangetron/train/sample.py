@@ -108,7 +108,11 @@ def sample_run(run: str | Path, prompt: str, *, max_new_tokens: int | None = Non
                          f"{model.cfg.vocab_size}")
     prompt_ids = tokenizer.encode(prompt)
     if max_new_tokens is None:
-        max_new_tokens = max(0, min(DEFAULT_NEW_TOKENS, model.cfg.max_seq_len - len(prompt_ids)))
+        room = model.cfg.max_seq_len - len(prompt_ids)
+        if room < 1:  # blaming --max-new-tokens, which was not given, or continuing with nothing, said neither
+            raise ValueError(f"prompt: its {len(prompt_ids)} tokens leave no room for a new one within the model's "
+                             f"max_seq_len={model.cfg.max_seq_len}; shorten it")
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
     check_length(model, len(prompt_ids), max_new_tokens)
     ends = stop_ids(saved.record, tokenizer) if stop_at_eos else frozenset()
     out = generate(model, torch.tensor(prompt_ids, dtype=torch.long), max_new_tokens, sampling, seed=seed,

@@ -395,9 +395,9 @@ def _checkpoint_due(cfg: TrainConfig, step: int, last: int) -> bool:
 def _log_ending(bar: ProgressBar, cfg: TrainConfig, last: int, stopped: dict[str, Any] | None) -> None:
     if stopped is not None:
         then = "continue with --resume" if cfg.out is not None else "nothing was saved (no --out)"
-        bar.log(f"stopped by {stopped['signal']} after step {stopped['step']}; {then}")
+        bar.notice(f"stopped by {stopped['signal']} after step {stopped['step']}; {then}")
     elif last < cfg.steps:
-        bar.log(f"stopped after step {last} of {cfg.steps}; continue with --resume")
+        bar.notice(f"stopped after step {last} of {cfg.steps}; continue with --resume")
 
 
 def _log_placement(cfg: TrainConfig, bar: ProgressBar) -> None:

@@ -8,10 +8,11 @@ whole batch, as one device does. A dispatcher that drops tokens past a capacity 
 that drops none: drops differ from one device by design, and the capacity path is what is checked.
 
 In bfloat16 the two runs part by rounding that grows with the tokens a gradient sums (a small MoE model at 128
-tokens passed 5e-2 on an exact layout). Where the fixed tolerance is the dtype's default and the gradients pass
-it, both are compared with one rank in float64, parameter by parameter in the norm: the layout passes when no
-parameter's gradient is further from float64's than `ROUNDING_SPREAD` times one rank's in bfloat16, and its
-losses stay within the tolerance.
+tokens passed 5e-2 on an exact layout), and a gap relative to the model's largest gradient hides a small
+parameter's (a router's gradients 42% to 56% wrong gave 1.4e-2). Where the tolerance is the dtype's default, both
+are compared with one rank in float64, parameter by parameter in the norm: the layout passes when no parameter's
+gradient is further from float64's than `ROUNDING_SPREAD` times one rank's in bfloat16, and its losses stay
+within the tolerance.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def check_tolerance(tolerance: float | None) -> None:
 def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     """Run `cfg` on one rank and on its layout; return the `verify --json` object. A dropping dispatcher runs
     with a capacity that drops nothing (`without_drops`); the result's capacity_factor says which. In bfloat16
-    at the dtype's default tolerance, gradients past it are judged against float64 (`_float64_gaps`)."""
+    at the dtype's default tolerance, the gradients are judged against float64 (`_float64_gaps`)."""
     check_tolerance(tolerance)
     dtype_default = tolerance is None  # a tolerance given is the check's whole rule
     cfg = without_drops(cfg)
@@ -132,11 +133,15 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
               "capacity_factor": cfg.capacity_factor if DISPATCHERS[cfg.dispatcher].pads else None}
     result["ok"] = result["max_loss_rel_diff"] <= tolerance and result["max_grad_rel_diff"] <= tolerance
     result["float64_gaps"] = None
-    if not result["ok"] and dtype_default and cfg.param_dtype == "bfloat16":  # the loss still within tolerance
+    # Past the fixed tolerance or within it: a gap relative to the largest gradient of the model hides a small
+    # parameter's (a router's gradients 42% to 56% wrong passed at 1.4e-2), so every parameter is judged.
+    if dtype_default and cfg.param_dtype == "bfloat16":
         result["float64_gaps"] = _float64_gaps(cfg, reference, traces[0])
         losses_ok = result["max_loss_rel_diff"] <= tolerance
         result["ok"] = losses_ok and result["float64_gaps"]["ratio"] <= ROUNDING_SPREAD
-    result["note"] = None if result["ok"] else _diverged_routing(cfg, tolerance, loss_gaps[0], grad_gaps[0][0])
+    judged_wrong = result["float64_gaps"] is not None and result["float64_gaps"]["ratio"] > ROUNDING_SPREAD
+    result["note"] = None if result["ok"] or judged_wrong else _diverged_routing(cfg, tolerance, loss_gaps[0],
+                                                                                 grad_gaps[0][0])
     return result
 
 
