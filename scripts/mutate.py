@@ -3515,14 +3515,14 @@ MUTANTS = [
            (('        if not NAME.fullmatch(self.name):', '        if False:'),),
            ('tests/test_plugins.py::test_a_record_that_cannot_work_is_refused_when_it_registers',)),
     Mutant('schedule_without_actions_accepted', 'src/orangetron/spec/variants.py',
-           (('        return "" if _given(self, "actions") else', '        return "" if True else'),),
+           (('        return "" if _given(self, "actions", Schedule) else', '        return "" if True else'),),
            ('tests/test_plugins.py::test_a_record_that_cannot_work_is_refused_when_it_registers',)),
     Mutant('variant_runtime_error_traceback', 'src/orangetron/spec/variants.py',
            (('        except (ImportError, AttributeError) as err:\n            raise RuleError(f"{self.name!r}: its',
              '        except OSError as err:\n            raise RuleError(f"{self.name!r}: its'),),
            ('tests/test_plugins.py::test_a_record_that_cannot_work_is_refused_when_it_registers',)),
     Mutant('plugin_dependency_called_missing', 'src/orangetron/spec/variants.py',
-           (('                if getattr(err, "name", None) not in (name, name.split(".")[0]):',
+           (('                if not (missing and (name == missing or name.startswith(missing + "."))):',
              '                if False:'),),
            ('tests/test_plugins.py::test_a_plugin_whose_own_import_fails_is_not_called_missing',)),
     Mutant('parallelize_twice_accepted', 'src/orangetron/parallel/parallelize.py',
@@ -3558,6 +3558,21 @@ MUTANTS = [
            (('        bar.notice(f"stopped after step {last} of {cfg.steps}; continue with --resume")',
              '        bar.log(f"stopped after step {last} of {cfg.steps}; continue with --resume")'),),
            ('tests/test_run_folder.py::test_resume_restores_the_record_and_refuses_what_may_not_change',)),
+    Mutant('bfloat16_drift_judged_past_step_one', 'src/orangetron/train/verify.py',
+           (('first_step_only=result["ok"])', 'first_step_only=False)'),),
+           ('tests/test_train.py::test_a_dense_check_within_the_fixed_tolerance_is_judged_at_its_first_step',)),
+    Mutant('refused_layout_marks_the_model', 'src/orangetron/parallel/parallelize.py',
+           (('    layout.validate(model.cfg, sequence_parallel=config.sequence_parallel)\n'
+             '    pipeline.check_pipeline(model.cfg, layout.pp, config)\n'
+             '    model.orangetron_parallelized = True',
+             '    model.orangetron_parallelized = True\n'
+             '    layout.validate(model.cfg, sequence_parallel=config.sequence_parallel)\n'
+             '    pipeline.check_pipeline(model.cfg, layout.pp, config)'),),
+           ('tests/test_parallelize_contract.py::test_misuse_that_one_rank_refuses_is_refused_on_tp_ranks_too',)),
+    Mutant('plugin_middle_package_called_found', 'src/orangetron/spec/variants.py',
+           (('(name == missing or name.startswith(missing + "."))',
+             '(name == missing or name.split(".")[0] == missing)'),),
+           ('tests/test_plugins.py::test_a_plugin_path_missing_a_middle_package_is_called_missing',)),
 ]
 
 

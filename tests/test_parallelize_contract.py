@@ -131,6 +131,7 @@ def test_every_dimension_keeps_the_root_and_replaces_only_seams():
 
 def _misuse_on_tp2() -> list[str]:
     """What each misuse of the library raises on a tp 2 rank ('' where nothing was raised)."""
+    from orangetron.spec.layout import LayoutError
     from orangetron.spec.parallel_config import ParallelConfigError
 
     mesh = init_mesh(Layout(tp=2))
@@ -140,7 +141,7 @@ def _misuse_on_tp2() -> list[str]:
         try:
             action()
             caught.append("")
-        except (ParallelConfigError, IndexError) as err:
+        except (ParallelConfigError, IndexError, LayoutError) as err:
             caught.append(f"{type(err).__name__}: {err}")
 
     model = Transformer(MODELS["dense"], seed=0)
@@ -152,6 +153,11 @@ def _misuse_on_tp2() -> list[str]:
     logits = parallel(tokens)
     attempt(lambda: parallel.module.loss_from_logits(logits, tokens.masked_fill(tokens == tokens[0, 3], 999)))
     attempt(lambda: parallel.module.loss_from_logits(logits, tokens.masked_fill(tokens == tokens[0, 3], -100)))
+    # A layout refused before any change leaves the model fresh: the corrected call goes through.
+    staged, pp = Transformer(MODELS["dense"], seed=0), init_mesh(Layout(pp=2))
+    attempt(lambda: parallelize(staged, pp, ParallelConfig(pp_schedule="interleaved", virtual_stages=3,
+                                                           microbatches=2)))
+    attempt(lambda: parallelize(staged, pp, ParallelConfig(microbatches=2)))
     return caught
 
 
@@ -167,3 +173,4 @@ def test_misuse_that_one_rank_refuses_is_refused_on_tp_ranks_too():
         assert caught[2] == "IndexError: token id 40 lies outside the vocabulary [0, 32)"
         assert caught[3] == "IndexError: label 999 lies outside the vocabulary [0, 32)"
         assert caught[4] == ""  # the ignored label
+        assert caught[5].startswith("LayoutError") and caught[6] == "", caught[5:]

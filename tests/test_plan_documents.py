@@ -234,6 +234,8 @@ def test_a_micro_batchs_named_documents_must_cover_its_rows_and_name_every_micro
     for row in (((0, 3), (4, 8)), ((0, 4), (3, 8)), ((0, 3), (3, 7)), ((1, 8),), ((0, 0), (0, 8))):
         with pytest.raises(ValueError, match=r"must cover \[0, seq_len=8\)"):
             Job(seq_len=8, doc_batches=((row,),))
+    with pytest.raises(ValueError, match="a micro-batch holds at least one row"):
+        Job(seq_len=8, doc_batches=((),))
     model = ModelSpec(name="tiny", hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=16,
                       ffn_hidden_size=16)
     job = Job(seq_len=8, microbatches=2, param_dtype="float32", doc_batches=((((0, 8),),),))

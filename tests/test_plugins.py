@@ -137,6 +137,8 @@ def test_a_record_that_cannot_work_is_refused_when_it_registers():
     """A schedule without actions crashed the planner (IndexError in plan/activations.py), a cp mode without
     records was priced as sending nothing (the closing table then read `predicted 0 / measured 32,768`), and
     names no command line can give ('' or 'has space') were listed in --help."""
+    import dataclasses
+
     import pytest
 
     from orangetron.spec.rules import RuleError
@@ -155,6 +157,13 @@ def test_a_record_that_cannot_work_is_refused_when_it_registers():
     assert "silent" not in DISPATCHERS and "empty" not in SCHEDULES
     with DISPATCHERS.temporarily(Dispatcher(name="node-wise", node_aware=True)):  # priced from its placement
         assert "node-wise" in DISPATCHERS
+
+    @dataclasses.dataclass(frozen=True)
+    class OwnDefault(Schedule):  # a kind of the plugin's own whose default lists actions
+        actions: object = lambda pp, m, v: [[] for _ in range(pp)]
+
+    with SCHEDULES.temporarily(OwnDefault(name="own-default")):
+        assert "own-default" in SCHEDULES
     with pytest.raises(RuleError, match=r"'missing': its runtime 'no_such_module_xyz' cannot be loaded \(No module"):
         Schedule(name="missing", runtime="no_such_module_xyz", actions=lambda *a: [[]]).load()
     with pytest.raises(RuleError, match=r"runtime 'orangetron.spec.variants:nothing' cannot be loaded"):
@@ -171,3 +180,14 @@ def test_a_plugin_whose_own_import_fails_is_not_called_missing(tmp_path):
     assert done.returncode == 2 and len(err.splitlines()) == 1, err
     assert "plugin 'broken_plugin' was found but its own import failed (No module named 'no_such_dependency_abc')" \
         in err and "PYTHONPATH" not in err
+
+
+def test_a_plugin_path_missing_a_middle_package_is_called_missing(monkeypatch):
+    """`os.nothere.x` was said to be found with its own import failing: the missing `os.nothere` is its path."""
+    import pytest
+
+    from orangetron.spec import variants
+
+    monkeypatch.setenv("ORANGETRON_PLUGINS", "os.nothere.x")
+    with pytest.raises(ValueError, match=r"cannot import plugin 'os.nothere.x' \(No module named 'os.nothere'"):
+        variants.load_plugins()

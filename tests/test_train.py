@@ -503,6 +503,32 @@ def test_a_small_parameters_wrong_gradient_fails_bfloat16_within_the_fixed_toler
     assert result["float64_gaps"]["ratio"] == pytest.approx(0.5 / 2**-8)
 
 
+def test_a_dense_check_within_the_fixed_tolerance_is_judged_at_its_first_step(monkeypatch) -> None:
+    """Within the fixed tolerance, later steps measure how far both runs drifted from float64's parameters by their
+    own rounding, not the layout: an exact tp 2 layout read 2.9 times one rank's at step 20 and failed."""
+    from orangetron.train import verify as verify_module
+    from orangetron.train.config import TrainConfig
+
+    def trace(*shifts: float) -> dict:  # a step per shift of the one parameter's gradient
+        return {"losses": [2.0] * len(shifts), "grads": [{"a": torch.tensor([1.0 + shift, -4.0], dtype=torch.float64)}
+                                                         for shift in shifts]}
+
+    asked = []
+
+    def traced(cfg) -> dict:
+        asked.append(cfg.steps)
+        return trace(0.01, 0.01) if len(asked) == 1 else trace(*[0.0] * cfg.steps)  # one rank, then float64
+
+    monkeypatch.setattr(verify_module, "_trace", traced)
+    monkeypatch.setattr(verify_module, "launch_local", lambda *args, **kwargs: [trace(0.015, 0.05)] * 2)
+    result = verify_module.verify(TrainConfig(model="tiny", dp=2, steps=2, param_dtype="bfloat16"))
+    assert result["max_grad_rel_diff"] < 5e-2 and result["ok"]  # step 2's 3.1 bfloat16 units are not judged
+    # judged against one bfloat16 unit, 2^-8 of the norm, which one rank's 0.01 is below
+    assert result["float64_gaps"]["step"] == 1 and result["float64_gaps"]["ratio"] == pytest.approx(
+        0.015 / 17**0.5 / 2**-8)
+    assert asked == [2, 1]  # the float64 run takes the one step judged
+
+
 def test_verify_gradient_gap_is_relative_to_the_largest_reference_gradient() -> None:
     from orangetron.train.verify import _gradient_gap
 

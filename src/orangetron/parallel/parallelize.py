@@ -62,6 +62,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig | N
     layout = mesh.layout
     layout.validate(model.cfg, sequence_parallel=config.sequence_parallel)
     pipeline.check_pipeline(model.cfg, layout.pp, config)
+    model.orangetron_parallelized = True  # checked: from here on it is sharded (`_check_fresh`)
     if layout.tp > 1:
         model = tensor_parallel(model, mesh, config.sequence_parallel)
     if layout.cp > 1:
@@ -89,7 +90,6 @@ def _check_fresh(model: nn.Module, config: ParallelConfig) -> None:
         raise ParallelConfigError(f"param_dtype={config.param_dtype!r}: the model's parameters are float64 and would "
                                   "be rounded to it; pass ParallelConfig(param_dtype='float64'), or build the model "
                                   "in float32")
-    model.orangetron_parallelized = True  # from here on it is being sharded
 
 
 def context_parallel(model: nn.Module, mesh: ParallelMesh, mode: str, ulysses_degree: int = 1) -> None:

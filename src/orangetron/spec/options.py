@@ -219,8 +219,11 @@ class Job(ParallelConfig):
         return bool(self.doc_lengths or self.doc_batches)
 
     def _check_doc_batches(self) -> None:
-        """Each row of `doc_batches` covers [0, seq_len) with documents in order, none empty."""
+        """Each micro-batch of `doc_batches` holds rows, each covering [0, seq_len) with documents in order, none
+        empty."""
         for batch in self.doc_batches:
+            if not batch:
+                raise ValueError("doc_batches: a micro-batch holds at least one row")
             for row in batch:
                 ends = [0] + [stop for _, stop in row]
                 if [start for start, _ in row] != ends[:-1] or ends[-1] != self.seq_len or \

@@ -18,9 +18,9 @@ see the same variants. A plugin module registers its records at import:
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,9 +66,10 @@ class Variant:
         return ""
 
 
-def _given(record: Variant, field: str) -> bool:
-    """Whether `record` sets `field` rather than keeping its class's default."""
-    return getattr(record, field) is not type(record).__dataclass_fields__[field].default
+def _given(record: Variant, field: str, kind: type) -> bool:
+    """Whether `record` sets `field` rather than keeping the default of its `kind` (a subclass's own default
+    counts as set)."""
+    return getattr(record, field) is not kind.__dataclass_fields__[field].default
 
 
 V = TypeVar("V", bound=Variant)
@@ -151,7 +152,7 @@ class Registry(Generic[V]):
 
 def _caller_module() -> str:
     """The module that called `Registry.register` (through `temporarily`, the test's)."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
     while frame is not None and frame.f_globals.get("__name__") == __name__:
         frame = frame.f_back
     return frame.f_globals.get("__name__", "?") if frame is not None else "?"
@@ -168,7 +169,8 @@ def load_plugins() -> None:
             try:
                 importlib.import_module(name)
             except ImportError as err:  # a typo or a folder off the path: one line, not a traceback
-                if getattr(err, "name", None) not in (name, name.split(".")[0]):  # found, but it imports what is not
+                missing = getattr(err, "name", None) or ""
+                if not (missing and (name == missing or name.startswith(missing + "."))):  # found; its import failed
                     raise ValueError(f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r}: plugin {name!r} was found but its "
                                      f"own import failed ({err})") from None
                 raise ValueError(f"{PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r}: cannot import plugin {name!r} ({err}); "
@@ -212,7 +214,7 @@ class ContextMode(Variant):
     packed_ring: Callable[..., tuple[int, str]] | None = None
 
     def _missing(self) -> str:
-        return "" if _given(self, "records") else "a cp mode names the records of its traffic (`records`)"
+        return "" if _given(self, "records", ContextMode) else "a cp mode names the records of its traffic (`records`)"
 
     @property
     def head_split_field(self) -> str:
@@ -238,7 +240,7 @@ class Dispatcher(Variant):
     pads: bool = False
 
     def _missing(self) -> str:
-        if self.node_aware or _given(self, "records"):  # a node-aware one is priced from its placement
+        if self.node_aware or _given(self, "records", Dispatcher):  # a node-aware one is priced from its placement
             return ""
         return "a dispatcher names the records of its traffic (`records`), unless it is node-aware"
 
@@ -262,7 +264,7 @@ class Schedule(Variant):
     held_outputs: Callable[[int, int], int] | None = None
 
     def _missing(self) -> str:
-        return "" if _given(self, "actions") else "a schedule lists each rank's actions (`actions`)"
+        return "" if _given(self, "actions", Schedule) else "a schedule lists each rank's actions (`actions`)"
 
 
 CONTEXT_MODES: Registry[ContextMode] = Registry("cp_mode", "orangetron.spec.context_modes")

@@ -233,8 +233,8 @@ def _add_verify_command(sub: Any, train_keys: Collection[str]) -> None:
                    help="largest relative difference accepted: max |g - g_ref| over every element of every "
                    "parameter, over max |g_ref| (default by the least precise of --param-dtype and --reduce-dtype: "
                    + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TOLERANCE.items()) + "; at the default, bfloat16 "
-                   "gradients past it are judged against one rank in float64, parameter by parameter, which a "
-                   "tolerance given turns off)")
+                   "gradients are also judged against one rank in float64, parameter by parameter (at the first "
+                   "step where they pass it), which a tolerance given turns off)")
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="both runs start from this Hugging Face folder's weights (its config is the model)")
     _add_data_flags(p)

@@ -10,9 +10,9 @@ that drops none: drops differ from one device by design, and the capacity path i
 In bfloat16 the two runs part by rounding that grows with the tokens a gradient sums (a small MoE model at 128
 tokens passed 5e-2 on an exact layout), and a gap relative to the model's largest gradient hides a small
 parameter's (a router's gradients 42% to 56% wrong gave 1.4e-2). Where the tolerance is the dtype's default, both
-are compared with one rank in float64, parameter by parameter in the norm: the layout passes when no parameter's
-gradient is further from float64's than `ROUNDING_SPREAD` times one rank's in bfloat16, and its losses stay
-within the tolerance.
+are compared with one rank in float64, parameter by parameter in the norm (at the first step where the fixed
+tolerance holds): the layout passes when no parameter's gradient is further from float64's than
+`ROUNDING_SPREAD` times one rank's in bfloat16, and its losses stay within the tolerance.
 """
 
 from __future__ import annotations
@@ -134,9 +134,11 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
     result["ok"] = result["max_loss_rel_diff"] <= tolerance and result["max_grad_rel_diff"] <= tolerance
     result["float64_gaps"] = None
     # Past the fixed tolerance or within it: a gap relative to the largest gradient of the model hides a small
-    # parameter's (a router's gradients 42% to 56% wrong passed at 1.4e-2), so every parameter is judged.
+    # parameter's (a router's gradients 42% to 56% wrong passed at 1.4e-2), so every parameter is judged. Within
+    # it, at the first step only: later both runs have drifted from float64's parameters by their own rounding,
+    # which an exact dense layout can exceed twice over (2.9 times at step 20 on tp 2).
     if dtype_default and cfg.param_dtype == "bfloat16":
-        result["float64_gaps"] = _float64_gaps(cfg, reference, traces[0])
+        result["float64_gaps"] = _float64_gaps(cfg, reference, traces[0], first_step_only=result["ok"])
         losses_ok = result["max_loss_rel_diff"] <= tolerance
         result["ok"] = losses_ok and result["float64_gaps"]["ratio"] <= ROUNDING_SPREAD
     judged_wrong = result["float64_gaps"] is not None and result["float64_gaps"]["ratio"] > ROUNDING_SPREAD
@@ -156,14 +158,18 @@ ROUNDING_SPREAD = 2.0
 BFLOAT16_UNIT = 2.0**-8
 
 
-def _float64_gaps(cfg: TrainConfig, reference: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
+def _float64_gaps(cfg: TrainConfig, reference: dict[str, Any], layout: dict[str, Any],
+                  first_step_only: bool = False) -> dict[str, Any]:
     """Against one rank in float64 from the same seed and batches: the parameter and step where the layout's
     gradient is off the most, in the norm relative to float64's, for its distance from one rank's in bfloat16.
     A routed model is judged at its first step: from the second, rounding has moved the parameters and a token
     whose router scores nearly tie can pick another expert in either run, which moves whole gradients (small-moe
-    at 128 tokens on dp 2: 1.06 times one rank's at step 1, 2.9 at step 3 in one expert's weights)."""
-    exact = _trace_here(dataclasses.replace(_one_rank(cfg), param_dtype="float64"))
-    judged = exact["grads"][:1] if cfg.model_config().num_experts else exact["grads"]
+    at 128 tokens on dp 2: 1.06 times one rank's at step 1, 2.9 at step 3 in one expert's weights); so is any
+    model with `first_step_only`. The float64 run then takes that one step."""
+    first_only = first_step_only or bool(cfg.model_config().num_experts)
+    exact = _trace_here(dataclasses.replace(_one_rank(cfg), param_dtype="float64",
+                                            steps=1 if first_only else cfg.steps))
+    judged = exact["grads"][:1] if first_only else exact["grads"]
     worst: tuple[float, float, float, str, int] = (0.0, 0.0, 0.0, "", 0)
     for step, truth in enumerate(judged):
         for name, want in truth.items():
