@@ -3573,6 +3573,13 @@ MUTANTS = [
            (('(name == missing or name.startswith(missing + "."))',
              '(name == missing or name.split(".")[0] == missing)'),),
            ('tests/test_plugins.py::test_a_plugin_path_missing_a_middle_package_is_called_missing',)),
+    Mutant('typed_schedule_keeps_the_recorded_stages', 'src/orangetron/cli/__init__.py',
+           (('        defaults = _stages_of_the_typed_schedule(args, defaults, str(record))\n', ''),),
+           ('tests/test_run_folder.py::test_a_resume_that_types_a_schedule_without_chunks_leaves_the_recorded_stages',)),
+    Mutant('typed_stages_overridden_by_the_typed_schedule', 'src/orangetron/cli/__init__.py',
+           (('    if "pp_schedule" not in args.typed or "virtual_stages" in args.typed or chunked or',
+             '    if "pp_schedule" not in args.typed or chunked or'),),
+           ('tests/test_run_folder.py::test_a_resume_that_types_a_schedule_without_chunks_leaves_the_recorded_stages',)),
 ]
 
 

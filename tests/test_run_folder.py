@@ -849,3 +849,26 @@ def test_a_resume_by_a_moved_runs_record_continues_that_run(tmp_path, capsys) ->
     code, _, err = _train(capsys, "--config", str(aside / "config.toml"), "--resume", "--quiet", "--json")
     assert code == 2 and f"no checkpoint under {aside / 'checkpoints'}" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == newer
+
+
+def test_a_resume_that_types_a_schedule_without_chunks_leaves_the_recorded_stages(tmp_path, data, capsys) -> None:
+    """A run recorded at pp 2 interleaved with 2 virtual stages, resumed with `--pp 1 --pp-schedule 1f1b`, was
+    refused until `--virtual-stages 1` was added too (a trial's finding): the recorded stages were the
+    interleaved schedule's. Typed, they are still checked."""
+    model = tmp_path / "four.toml"
+    model.write_text(CUSTOM_MODEL.replace("num_layers = 2", "num_layers = 4").replace("aux_loss_coef = 0.02",
+                                                                                      "aux_loss_coef = 0.0"))
+    run = str(tmp_path / "run")
+    options = ["--model", str(model), "--data", str(data), "--steps", "4", "--microbatches", "2", *SMALL]
+    code, _, _ = _train(capsys, *options, "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
+                        "--out", run, "--stop-after", "2")
+    assert code == 0
+    code, _, err = _train(capsys, "--resume", "--out", run, "--pp", "1", "--pp-schedule", "1f1b", "--quiet",
+                          "--virtual-stages", "2")
+    assert code == 2 and "virtual_stages=2 (--virtual-stages): needs pp_schedule 'interleaved'" in err
+    assert "sets to 1" not in err  # the typed value is the run's, not the record's
+    code, result, err = _train(capsys, "--resume", "--out", run, "--pp", "1", "--pp-schedule", "1f1b", "--quiet",
+                               "--json")
+    assert code == 0 and result["steps"] == 4, err
+    assert "holds virtual_stages=2, which this run sets to 1" in err
+    assert "virtual_stages = 1" in Path(run, "config.toml").read_text()

@@ -184,6 +184,7 @@ def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
         defaults = {k: v for k, v in defaults.items() if k not in DIRECTIVES}
         if hasattr(args, "pack_documents"):  # a run recorded before packing existed trained unpacked
             defaults.setdefault("pack_documents", False)
+        defaults = _stages_of_the_typed_schedule(args, defaults, str(record))
     if args.config:
         ignored = getattr(args, "config_ignores", ())
         defaults |= read_config_file(args.config, args.command_parser, ignored)
@@ -198,6 +199,21 @@ def _with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
     args = parser.parse_args(argv)
     vars(args).update(given)
     return args
+
+
+def _stages_of_the_typed_schedule(args: argparse.Namespace, recorded: dict, record: str) -> dict:
+    """A resume that types a schedule without model chunks (`--pp-schedule 1f1b`) leaves the record's
+    `virtual_stages` behind, unless it types `--virtual-stages` too: the recorded stages were the interleaved
+    schedule's, and keeping them refused the run until `--virtual-stages 1` was added."""
+    from orangetron.spec.variants import SCHEDULES
+
+    chunked = "pp_schedule" in args.typed and args.pp_schedule in SCHEDULES and SCHEDULES[args.pp_schedule].chunks
+    if "pp_schedule" not in args.typed or "virtual_stages" in args.typed or chunked or \
+            recorded.get("virtual_stages", 1) == 1:
+        return recorded
+    print(f"{args.own_parser.prog}: note: --pp-schedule {args.pp_schedule} runs no model chunks: the run's record "
+          f"{record} holds virtual_stages={recorded['virtual_stages']}, which this run sets to 1", file=sys.stderr)
+    return {**recorded, "virtual_stages": 1}
 
 
 if __name__ == "__main__":
