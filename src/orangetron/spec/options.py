@@ -81,7 +81,8 @@ class Job(ParallelConfig):
     fp8: bool = False  # FP8 linear layers (Transformer Engine style); planner only
     fp8_recipe: str = "delayed"  # how FP8 tensors are scaled (FP8_RECIPES)
     # Packed documents' lengths in tokens, in the order they are packed into sequences of seq_len (a document
-    # continued into the next sequence restarts there); empty: one document per sequence. Planner only
+    # continued into the next sequence restarts there), micro_batch consecutive sequences a micro-batch, whose
+    # rows the runtime shards together (plan/packed.py); empty: one document per sequence. Planner only
     doc_lengths: tuple[int, ...] = ()
     # The documents of a step's micro-batches, one entry per micro-batch of this rank: per row, the [start, stop)
     # of each document, from 0 to seq_len (the end-of-run table prices a run's own last step so); empty: priced
