@@ -3465,7 +3465,7 @@ MUTANTS = [
     Mutant('packed_table_prices_one_document_per_sequence', 'src/orangetron/train/accounting.py',
            (('batches = tuple(step_documents(rows, seq_len) for rows in step_rows) if cfg.pack_documents and step_rows',
              'batches = tuple(step_documents(rows, seq_len) for rows in step_rows) if False'),
-            ('    documents = (seq_len,) if cfg.pack_documents and step_rows is None else ()',
+            ('    documents = (seq_len,) if cfg.pack_documents and not batches else ()',
              '    documents = (seq_len,) if cfg.pack_documents else ()')),
            ('tests/test_plan_to_train.py::test_a_packed_run_is_predicted_with_its_rows_own_positions_and_documents',)),
     Mutant('packed_table_documents_not_padded', 'src/orangetron/train/accounting.py',
@@ -3577,8 +3577,8 @@ MUTANTS = [
            (('        defaults = _stages_of_the_typed_schedule(args, defaults, str(record))\n', ''),),
            ('tests/test_run_folder.py::test_a_resume_that_types_a_schedule_without_chunks_leaves_the_recorded_stages',)),
     Mutant('typed_stages_overridden_by_the_typed_schedule', 'src/orangetron/cli/__init__.py',
-           (('    if "pp_schedule" not in args.typed or "virtual_stages" in args.typed or chunked or',
-             '    if "pp_schedule" not in args.typed or chunked or'),),
+           (('    if "pp_schedule" not in args.typed or "virtual_stages" in args.typed or recorded.get(',
+             '    if "pp_schedule" not in args.typed or recorded.get('),),
            ('tests/test_run_folder.py::test_a_resume_that_types_a_schedule_without_chunks_leaves_the_recorded_stages',)),
 ]
 

@@ -207,9 +207,9 @@ def _stages_of_the_typed_schedule(args: argparse.Namespace, recorded: dict, reco
     schedule's, and keeping them refused the run until `--virtual-stages 1` was added."""
     from orangetron.spec.variants import SCHEDULES
 
-    chunked = "pp_schedule" in args.typed and args.pp_schedule in SCHEDULES and SCHEDULES[args.pp_schedule].chunks
-    if "pp_schedule" not in args.typed or "virtual_stages" in args.typed or chunked or \
-            recorded.get("virtual_stages", 1) == 1:
+    if "pp_schedule" not in args.typed or "virtual_stages" in args.typed or recorded.get("virtual_stages", 1) == 1:
+        return recorded
+    if args.pp_schedule not in SCHEDULES or SCHEDULES[args.pp_schedule].chunks:  # an unknown name is refused later
         return recorded
     print(f"{args.own_parser.prog}: note: --pp-schedule {args.pp_schedule} runs no model chunks: the run's record "
           f"{record} holds virtual_stages={recorded['virtual_stages']}, which this run sets to 1", file=sys.stderr)

@@ -38,8 +38,8 @@ def predicted_for_rank(cfg: TrainConfig, stage: int, cp_rank: int = 0,
     from orangetron.plan.bridge import predicted_step
 
     seq_len = cp_padded_len(cfg.seq_len, cfg.cp, cfg.tp, cfg.sequence_parallel)
-    documents = (seq_len,) if cfg.pack_documents and step_rows is None else ()
     batches = tuple(step_documents(rows, seq_len) for rows in step_rows) if cfg.pack_documents and step_rows else ()
+    documents = (seq_len,) if cfg.pack_documents and not batches else ()  # no step: one document per sequence
     records, memory = predicted_step(cfg.model_config(), cfg.layout, cfg.parallel_config(), seq_len=seq_len,
                                      micro_batch=cfg.batch_size // (cfg.dp * cfg.microbatches), stage=stage,
                                      clip_grad=True,  # the global norm is computed every step, clipping or not
