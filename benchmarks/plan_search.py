@@ -3,6 +3,8 @@
 - plan_search: configurations per second of `orangetron plan`'s search (cold caches) vs pricing the same
   space one `estimate()` call at a time (ratio = search / one-by-one; search_time against the one-by-one
   time extrapolated from a sample).
+- plan_search_documents: the search over packed documents (`plan --doc-lengths`: 20,000 lengths of 1 to
+  3,000 tokens, seeded) vs the same search priced one document per sequence (ratio = packed / whole).
 - plan_published: predicted vs published figure of the calibration rows of src/orangetron/plan/validation_runs.toml
   (ratio = predicted / published).
 - plan_validation: the same for its validation rows (never fitted on).
@@ -62,6 +64,21 @@ def bench_search() -> None:
         emit("plan_search", config, "search_time", elapsed, "s", result.considered / naive)
 
 
+def bench_search_documents() -> None:
+    import random
+
+    rng = random.Random(0)
+    lengths = tuple(rng.randint(1, 3000) for _ in range(20_000))
+    spec, cluster, seq, batch = load_model("llama3-8b"), make_cluster("h100", 16), 32768, 16
+    seconds = []
+    for base in (Job(seq_len=seq), Job(seq_len=seq, doc_lengths=lengths)):
+        start = time.process_time()
+        result = search(spec, cluster, seq, batch, base=base)
+        seconds.append(time.process_time() - start)
+    config = f"llama3-8b 16xh100 seq={seq} batch={batch} configs={result.considered} documents={len(lengths)}"
+    emit("plan_search_documents", config, "search_time", seconds[1], "s", seconds[0])
+
+
 def bench_published() -> None:
     """Every row of src/orangetron/plan/validation_runs.toml: calibration rows as plan_published, validation rows
     as plan_validation."""
@@ -98,6 +115,7 @@ def bench_ibgda() -> None:
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     bench_search()
+    bench_search_documents()
     bench_published()
     bench_reserved()
     bench_ibgda()

@@ -67,6 +67,20 @@ def test_balanced_sharding_by_hand():
     assert context.shard_indices(12, 2, 1, cuts).tolist() == [0, 1, 6, 7, 8, 11]
 
 
+def test_balanced_runs_join_a_ranks_touching_slots_within_a_document_only():
+    """A rank's two slots of a document with nothing between them are one run (a ring carries it whole), an
+    empty slot is no run, and runs of two documents stay apart however they touch. cp 2 over documents of 8,
+    3 and 5 tokens: slots (2,2,2,2), (1,1,1,0) and (1,1,1,2)."""
+    from orangetron.spec.sharding import balanced_runs, document_runs
+
+    cuts = (0, 8, 11)
+    assert document_runs(16, 2, 0, cuts) == ((2, 6), (9, 11), (12, 14))
+    assert document_runs(16, 2, 1, cuts) == ((0, 2), (6, 8), (8, 9), (11, 12), (14, 16))
+    start, stop, rank = balanced_runs(16, 2, cuts)
+    assert list(zip(start.tolist(), stop.tolist(), rank.tolist(), strict=True)) == [
+        (2, 6, 0), (9, 11, 0), (12, 14, 0), (0, 2, 1), (6, 8, 1), (8, 9, 1), (11, 12, 1), (14, 16, 1)]
+
+
 def test_balanced_sharding_gives_remainders_round_the_slots():
     # cp 2 (4 slots), documents of 5, 6 and 5 tokens: remainders 1, 2, 1 go to slots 0; 1, 2; 3 in turn, so
     # slot sizes are (2,1,1,1), (1,2,2,1), (1,1,1,2) and each rank ends with 8 tokens.

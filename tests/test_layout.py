@@ -38,6 +38,9 @@ def test_degree_rules(kwargs, pattern):
         (Layout(pp=5), model(num_layers=4), r"pp=5: num_layers=4 < pp; every stage needs a layer"),
         (Layout(dp=2, ep=2), model(num_experts=0, top_k=0), r"ep=2: the model has no experts"),
         (Layout(dp=4, ep=4), model(num_experts=6), r"ep=4: n_experts=6 is not divisible by ep"),
+        # experts that no layer holds (every layer dense): ep would split nothing
+        (Layout(dp=2, ep=2), model(num_experts=4, first_dense_layers=8), r"ep=2: no layer of the model has its"),
+        (Layout(dp=2, ep=2), model(num_experts=4, moe_layer_freq=9), r"ep=2: no layer of the model has its"),
         (Layout(tp=2), model(vocab_size=255, num_heads=8), r"tp=2: vocab_size=255 is not divisible by tp"),
     ],
 )

@@ -687,6 +687,9 @@ def test_plan_says_which_rule_every_layout_broke_and_blames_memory_only_when_it_
     assert "no layout of 8 x h100 fits llama3-405b with seq 8192" in capsys.readouterr().err
     assert run(["plan", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"]) == 2
     assert "no layout of 8 GPUs has --tp 3: tp*cp*pp must divide the GPU count" in capsys.readouterr().err
+    # An ep the experts cannot split: the experts are named, not the GPU count
+    assert run(["plan", "--model", "tiny-moe", "--gpus", "4", "--seq", "16", "--global-batch", "4", "--ep", "3"]) == 2
+    assert "no layout of 4 GPUs has --ep 3: ep=3: n_experts=4 is not divisible by ep" in capsys.readouterr().err
     # Degrees that exist but split no batch: the batch is named, not the divisibility of degrees that hold.
     assert run(["plan", "--model", "llama3-8b", "--gpus", "64", "--global-batch", "32", "--tp", "1", "--cp", "1",
                 "--pp", "1"]) == 2

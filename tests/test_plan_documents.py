@@ -5,6 +5,7 @@ receives, against the ledger of a real ring."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def test_a_document_of_any_length_costs_the_same_to_price():
     sequence of one document alone is its causal sequence, whatever the document's length."""
     assert document_keys(batches((10**20,), 4096, 1), 4096, 4) == causal_keys(4096)
     assert windows((10**20,), 4096) == [(((0, 4096),), 10**20 // 4096)]
-    assert batches((1, 10**20), 4096, 3) == (((((0, 1), (1, 4096)), ((0, 4096),), ((0, 4096),)), 1),
+    assert batches((1, 10**20), 4096, 3).batches == (((((0, 1), (1, 4096)), ((0, 4096),), ((0, 4096),)), 1),
                                              ((((0, 4096),),) * 3, ((10**20 + 1) // 4096 - 3) // 3))
     # after a short one too: the shortcut held only for a document that began a sequence
     assert windows((1, 10**20), 4096) == [(((0, 1), (1, 4096)), 1), (((0, 4096),), (10**20 + 1) // 4096 - 1)]
@@ -128,7 +129,7 @@ def test_ring_traffic_over_packed_documents_is_the_ledgers(cp):
     that do not see it), and long: each rank's forward K,V bytes are the planner's tokens for it, and the busiest
     rank's forward and backward are the planner's cp records (the dK,dV accumulators whole, cp hops). Two rows
     with other boundaries, sharded together at all of them, receive more than either row alone would."""
-    from orangetron.plan.packed import ring_received_tokens
+    from orangetron.plan.packed import Priced, ring_received_tokens
     from orangetron.plan.traffic import context_parallel_records
     from orangetron.spec.model import ModelSpec
     from orangetron.spec.options import Degrees, Job
@@ -144,8 +145,8 @@ def test_ring_traffic_over_packed_documents_is_the_ledgers(cp):
     for rows in (1, 2):
         ids = packed_rows(list(lengths), seq, rows)[0]
         per_rank = run_distributed(ring_ledger, cp, args=(ids,))
-        first = batches(lengths, seq, rows)[0]
-        tokens = ring_received_tokens((first,), seq, cp)
+        first = batches(lengths, seq, rows).batches[0]
+        tokens = ring_received_tokens(Priced((first,)), seq, cp)
         assert [forward for forward, _ in per_rank] == [round(t * rows * token_bytes) for t in tokens], rows
         assert len(set(tokens)) > 1 and min(tokens) < (cp - 1) * seq / cp  # ranks differ; some keys stay home
         job = Job(seq_len=seq, global_batch=rows, micro_batch=rows, param_dtype="float32",
@@ -188,7 +189,7 @@ def test_each_micro_batch_of_a_step_rings_its_own_documents_record_for_record():
     seq = 72
     ids = packed_rows(list(lengths), seq, 2)[0]
     per_rank = run_distributed(ring_records_of_micro_batches, cp, args=([ids[:1], ids[1:]],))
-    first, second = batches(lengths, seq, 2)[0][0]
+    first, second = batches(lengths, seq, 2).batches[0][0]
     assert first != second
     model = ModelSpec(name="tiny", hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=16,
                       ffn_hidden_size=16)
@@ -250,3 +251,83 @@ def test_document_lengths_must_be_positive_integers():
     for lengths in ((3, 0), (3, True), (3, 2.0), (-1,)):
         with pytest.raises(ValueError, match="document lengths must be integers >= 1"):
             Job(seq_len=8, doc_lengths=lengths)
+
+
+def test_plan_ranks_on_the_documents_it_is_given(tmp_path, capsys):
+    """`plan --doc-lengths` prices every row on those documents: each row is what `estimate` gives its layout
+    and job over them, and short documents make the fastest row faster than one document per sequence."""
+    from dataclasses import replace
+
+    from orangetron.plan.estimate import estimate
+    from orangetron.spec.hardware import make_cluster
+    from orangetron.spec.model import load_decoder
+    from orangetron.spec.options import Degrees, Job
+
+    (tmp_path / "lengths.txt").write_text("512 7\n64 8\n3000 1\n")
+    lengths = (512,) * 7 + (64,) * 8 + (3000,)
+    flags = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--cp", "2,4", "--top", "3", "--json"]
+    assert cli.main(flags) == 0
+    whole = json.loads(capsys.readouterr().out.splitlines()[-1])["ranked"]
+    assert cli.main([*flags, "--doc-lengths", str(tmp_path / "lengths.txt")]) == 0
+    packed = json.loads(capsys.readouterr().out.splitlines()[-1])["ranked"]
+    assert packed[0]["step_time_s"] < 0.9 * whole[0]["step_time_s"]
+    for row in packed:
+        deg = Degrees(**{k: row["layout"][k] for k in ("tp", "cp", "pp", "dp", "ep")})
+        job = replace(Job.from_json(row["job"]), doc_lengths=lengths)
+        alone = estimate(load_decoder("llama3-8b"), deg, job, make_cluster("h100", 8))
+        assert row["step_time_s"] == alone.time.step_s
+        assert row["comm"] == alone.to_json()["comm"]
+
+
+def _packed_run_file(tmp_path, texts: list[str], **options) -> str:
+    """A run's config file (as `train --config` reads one) training `tiny` at cp 2 on these text files."""
+    paths = []
+    for i, text in enumerate(texts):
+        paths.append(tmp_path / f"doc{i:02}.txt")
+        paths[-1].write_text(text)
+    lines = ['model = "tiny"', "cp = 2", "seq_len = 30", "batch_size = 2", "eval_fraction = 0.25",
+             f"data = [{', '.join(json.dumps(str(p)) for p in paths)}]",
+             *(f"{key} = {json.dumps(value)}" for key, value in options.items())]
+    (tmp_path / "run.toml").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / "run.toml")
+
+
+def _estimate_json(capsys, *flags: str) -> tuple[dict, str]:
+    assert cli.main(["estimate", "--gpu", "h100", "--json", *flags]) == 0
+    out, err = capsys.readouterr()
+    return json.loads(out.splitlines()[-1]), err
+
+
+def test_estimate_of_a_run_that_packs_documents_prices_its_documents(tmp_path, capsys):
+    """`estimate --config` of a run packing text files prices the training split's documents as `train` packs
+    them: one a file, its bytes and the three-byte separator after it, the last quarter of the stream held
+    out. The same prices as `--doc-lengths` with those lengths written by hand."""
+    texts = ["a" * n for n in range(1, 38, 4)]  # with their separators 220 tokens, of which 55 held out
+    config = _packed_run_file(tmp_path, texts, pack_documents=True)
+    by_run, note = _estimate_json(capsys, "--config", config)
+    assert "priced on the 9 training documents of the run's text files (4 to 32 tokens)" in note
+    (tmp_path / "lengths.txt").write_text("4 8 12 16 20 24 28 32 21".replace(" ", "\n"))  # 144 + 21 of 36: 165
+    by_hand, _ = _estimate_json(capsys, "--config", config, "--doc-lengths", str(tmp_path / "lengths.txt"))
+    assert by_run == by_hand
+    unpacked, note = _estimate_json(capsys, "--config", _packed_run_file(tmp_path, texts, pack_documents=False))
+    assert "packs documents" not in note
+    assert unpacked["comm"]["send_recv/cp"]["sent"] > by_run["comm"]["send_recv/cp"]["sent"]
+
+
+def test_estimate_of_a_run_on_a_prepared_dataset_prices_its_documents(tmp_path, capsys):
+    """A prepared dataset packs by default: `estimate --config` prices its training split's documents, each
+    its tokens and the separator after it (three bytes for the byte tokenizer)."""
+    texts = ["b" * n for n in range(2, 60, 3)]  # 20 documents, 670 tokens with separators: 167 held out
+    config = _packed_run_file(tmp_path, texts)
+    files = [str(tmp_path / f"doc{i:02}.txt") for i in range(len(texts))]
+    assert cli.main(["prepare-data", "--quiet", "-o", str(tmp_path / "ds"), *files]) == 0
+    text = Path(config).read_text().replace(f"data = [{', '.join(json.dumps(f) for f in files)}]",
+                                            f"data = [{json.dumps(str(tmp_path / 'ds'))}]")
+    Path(config).write_text(text)
+    capsys.readouterr()
+    by_run, note = _estimate_json(capsys, "--config", config)
+    assert f"priced on the 18 training documents of the prepared dataset {tmp_path / 'ds'} (5 to 53 tokens)" in note
+    lengths = [n + 3 for n in range(2, 51, 3)] + [10]  # 17 whole (493 tokens), then 10 of the 18th: 503
+    (tmp_path / "lengths.txt").write_text("\n".join(map(str, lengths)))
+    by_hand, _ = _estimate_json(capsys, "--config", config, "--doc-lengths", str(tmp_path / "lengths.txt"))
+    assert by_run == by_hand

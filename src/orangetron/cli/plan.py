@@ -79,11 +79,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                           "K stages of N, as Megatron's --pipeline-model-parallel-layout places them (planner "
                           "only; default: the even split). DeepSeek-V3 at pp 16 as Megatron-Bridge: 4x15,1")
     est.add_argument("--micro-batch", type=int, default=1)
-    est.add_argument("--doc-lengths", type=_doc_lengths, default=(), metavar="FILE",
-                     help="packed documents: a file of document lengths in tokens, one per line, or LENGTH COUNT "
-                          "(a histogram; at most 1,000,000 documents); attention and the ring are priced on the "
-                          "busiest cp rank of the sharding packed batches get, balanced by document (default: one "
-                          "document per sequence)")
+    _doc_lengths_flag(est, "; with --config, a run that packs documents: those of its data")
     est.add_argument("--recompute", choices=RECOMPUTE, default="none")
     est.add_argument("--recompute-layers", type=int, default=0, metavar="N",
                      help="--recompute full: replay only the first N layers of each pipeline chunk (Megatron's "
@@ -158,6 +154,7 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
                                       "Dual-encoder models get a DistMM plan instead.")
     _common(plan, gpus_required=True)
     plan.add_argument("--top", type=int, default=10, help="rows to show")
+    _doc_lengths_flag(plan, "")
     plan.add_argument("--memory-fraction", type=float, default=1.0,
                       help="share of GPU memory a configuration's need (tensors and the overhead the fit check "
                            "counts) may take; below 1 keeps headroom")
@@ -189,6 +186,14 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
         plan.add_argument(f"--{dim}", type=_int_list, default=None, metavar="N[,N...]",
                           help=f"only these {dim} degrees (default: every sensible value)")
     plan.set_defaults(run=run_plan)
+
+
+def _doc_lengths_flag(p: argparse.ArgumentParser, default_with_config: str) -> None:
+    p.add_argument("--doc-lengths", type=_doc_lengths, default=(), metavar="FILE",
+                   help="packed documents: a file of document lengths in tokens, one per line, or LENGTH COUNT "
+                        "(a histogram; at most 1,000,000 documents); attention and the ring are priced on the "
+                        "busiest cp rank of the sharding packed batches get, balanced by document (default: one "
+                        f"document per sequence{default_with_config})")
 
 
 def _common(p: argparse.ArgumentParser, gpus_required: bool = False, model_required: bool = True) -> None:
@@ -336,6 +341,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ValueError(f"--gpus {args.gpus}: the layout of --config {args.config} ({deg}) has "
                              f"{deg.world_size} GPUs; leave --gpus out, or edit the file")
         job = replace(job, **_planner_only(args))  # the planner-only options, from the flags
+        if not args.doc_lengths:
+            job = _run_documents(args.config, job)
         job = replace(job, **trainer_overlaps({name: getattr(job, name) for name in TRAINER_OVERLAPS}))
         validate(model, deg, job)  # the layout's own rules before the cluster's: tp 3 is not a --gpus problem
         est = estimate(model, deg, job, _cluster(args, deg.world_size), overhead=_overhead(args))
@@ -358,6 +365,20 @@ def run_estimate(args: argparse.Namespace) -> int:
     else:
         print(format_estimate(est))
     return 0
+
+
+def _run_documents(path: str, job: Job) -> Job:
+    """`job` priced on the documents the run of `path` packs (`run_config.packed_documents`), said on standard
+    error; as it is where the run packs none."""
+    from orangetron.cli.run_config import packed_documents
+
+    found = packed_documents(path, MAX_DOCUMENTS)
+    if found is None:
+        return job
+    lengths, named = found
+    print(f"orangetron estimate: note: the run packs documents: priced on {named} ({min(lengths):,} to "
+          f"{max(lengths):,} tokens); --doc-lengths FILE prices others", file=sys.stderr)
+    return replace(job, doc_lengths=lengths)
 
 
 def _padded_as_train_pads(job: Job, deg: Degrees, name: str) -> Job:
@@ -546,6 +567,9 @@ def _refuse_empty_search(args: argparse.Namespace, spec: ModelSpec, cluster: Clu
     ranks cannot split the global batch into whole micro-batches."""
     asked = " ".join(f"--{d} {','.join(map(str, getattr(args, d)))}" for d in ("tp", "cp", "pp", "ep")
                      if getattr(args, d))
+    experts_refuse = [_ep_refusal(ep, spec) for ep in args.ep or ()]
+    if experts_refuse and all(experts_refuse):  # the model's experts, not the GPUs, rule out every ep asked
+        raise ValueError(f"no layout of {args.gpus} GPUs has {asked}: {experts_refuse[0]}")
     dps = sorted({deg.dp for deg in candidate_degrees(spec, cluster, space, args.seq)})
     if dps and all(global_batch % dp for dp in dps):
         raise ValueError(f"no layout of {args.gpus} GPUs{' with ' + asked if asked else ''} splits the global batch "
@@ -554,6 +578,15 @@ def _refuse_empty_search(args: argparse.Namespace, spec: ModelSpec, cluster: Clu
                          "larger tp, cp or pp")
     raise ValueError(f"no layout of {args.gpus} GPUs has {asked}: tp*cp*pp must divide the GPU count and ep "
                      "the data-parallel ranks; change the restriction or the GPU count")
+
+
+def _ep_refusal(ep: int, spec: ModelSpec) -> str:
+    """Why the model's experts cannot split over `ep` ranks, or "" where they can."""
+    try:
+        rules.ep_splits_experts(ep, spec.num_experts, spec.num_moe_layers)
+    except rules.RuleError as err:
+        return str(err)
+    return ""
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -593,7 +626,7 @@ def run_plan(args: argparse.Namespace) -> int:
                fp8_recipe=_recipe_flag(args), fp8_cached_activations=args.fp8_cached_activations,
                dispatcher=args.dispatcher, ep_comm_sms=args.ep_comm_sms,
                ep_comm_sms_reserved=args.ep_comm_sms_reserved, pipeline_layout=args.pipeline_layout,
-               **overlaps)
+               doc_lengths=args.doc_lengths, **overlaps)
     if args.fp8:
         cluster.gpu.peak_flops("float8")  # ValueError when the GPU has no FP8 tensor cores
     if args.grad_bucket_numel < 0:

@@ -48,8 +48,8 @@ _RUNTIME_RUNS = {"fp8": False, "attention_kernel": "flash", "grad_accumulation_f
                  "eager_fp32_loss": False, "recompute_modules": (), "fp8_cached_activations": False,
                  "tp_comm_overlap": False,
                  **TRAINER_OVERLAPS}
-# Options of a run's config file that say nothing about the step `estimate` prices. (`pack_documents` makes
-# attention cheaper than the causal sequence the planner prices; it prices no document lengths yet.)
+# Options of a run's config file that say nothing about the step `estimate` prices but through its documents
+# (`pack_documents` and the data: `packed_documents`).
 _RUN_ONLY = ("steps", "schedule_steps", "lr", "warmup", "min_lr", "weight_decay", "grad_clip", "seed", "eval_every",
              "eval_batches", "eval_fraction", "data", "corpus_bytes", "out", "save_every", "resume", "extend",
              "stop_after", "overwrite", "new_data", "threads", "timeout_s", "device", "deterministic", "data_record",
@@ -279,6 +279,49 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     job = Job(**parallel, seq_len=seq_len, micro_batch=max(1, batch // (deg.dp * microbatches)),
               global_batch=batch, clip_grad=True)  # the trainer's global gradient norm, every step
     return _model(path, model), deg, job
+
+
+def packed_documents(path: str, limit: int) -> tuple[tuple[int, ...], str] | None:
+    """The lengths, in tokens, of the training split's documents a run's file packs, as `train` packs them (the
+    first `limit` of them), and a phrase naming them; None where the run does not pack documents, or packs text
+    with a tokenizer other than bytes (which `train` refuses)."""
+    from orangetron.train.config import TrainConfig
+    from orangetron.train.config_file import read_toml
+    from orangetron.train.corpus import read_text_documents, stdlib_documents
+    from orangetron.train.datasets import PreparedDataset, is_prepared_dataset
+
+    table = read_toml(path)
+    data = table.get("data")
+    data = [data] if isinstance(data, str) else data
+    prepared = data[0] if data and len(data) == 1 and is_prepared_dataset(data[0]) else None
+    if not table.get("pack_documents", prepared is not None):
+        return None
+    fraction = table.get("eval_fraction", TrainConfig.eval_fraction)
+    if prepared is not None:
+        dataset = PreparedDataset.open(prepared)
+        lengths = dataset.document_lengths(len(dataset) - int(len(dataset) * fraction)).tolist()
+        where = f"the prepared dataset {prepared}"
+    elif table.get("tokenizer", "byte") != "byte" or "hf_model" in table:
+        return None
+    else:  # one document a file (or a JSON Lines record), its bytes its tokens
+        texts = read_text_documents(data) if data else stdlib_documents(table.get("corpus_bytes",
+                                                                                  TrainConfig.corpus_bytes))
+        lengths = _head([len(text.encode("utf-8")) for text in texts], fraction)
+        where = "the run's text files" if data else "the standard library's sources"
+    count = f"{len(lengths):,}" if len(lengths) <= limit else f"first {limit:,} of {len(lengths):,}"
+    return tuple(lengths[:limit]), f"the {count} training documents of {where}"
+
+
+def _head(lengths: list[int], fraction: float) -> list[int]:
+    """The lengths of a stream's documents before the last int(total * fraction) tokens, held out."""
+    left = sum(lengths) - int(sum(lengths) * fraction)
+    kept = []
+    for length in lengths:
+        if left <= 0:
+            break
+        kept.append(min(length, left))
+        left -= length
+    return kept
 
 
 def _check_run_numbers(path: str, table: dict[str, Any]) -> None:

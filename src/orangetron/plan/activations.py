@@ -184,16 +184,17 @@ def expert_dispatch_bytes(m: ModelSpec, x: LayerShape, job: Job, ep: int) -> int
     """What an expert-parallel dispatcher keeps besides the single-device MoE's tensors, with balanced routing.
 
     Each of this rank's T tokens travels as one row to each of `routed_ranks(ep)` ranks (R rows out, as many in),
-    and the rank's experts receive T * top_k copies (C). ragged keeps each row's token (int64 [R]) and the
-    mask of its slots on the destination (bool [R, k]); allgather keeps the rows it serves (int64 [R]) and
-    the mask over the gathered slots (bool [ep * T, k]); capacity, ragged's with every destination padded
-    to min(E/ep * capacity, T) rows. Every mode keeps each copy's row and slot (two int64 [C]) to put the
-    copies in expert order and sum them back. Overlap chunks split the same tensors.
+    and the rank's experts receive T * top_k copies (C; capacity's kept ones, at most E * capacity). ragged
+    keeps each row's token (int64 [R]) and the mask of its slots on the destination (bool [R, k]); allgather
+    keeps the rows it serves (int64 [R]) and the mask over the gathered slots (bool [ep * T, k]); capacity,
+    ragged's with every destination padded to min(E/ep * capacity, T) rows. Every mode keeps each copy's row
+    and slot (two int64 [C]) to put the copies in expert order and sum them back. Overlap chunks split the same
+    tensors.
     """
     if ep == 1:
         return 0
-    tokens, k = x.s * x.b // x.rep, m.top_k
-    copies = tokens * k
+    tokens = x.s * x.b // x.rep
+    copies = _routed_rows(m, x, job, 1)  # capacity's kept ones: a dropped copy has no row or slot
     dispatcher = DISPATCHERS[job.dispatcher]
     rows = dispatcher.rows(m, tokens, job, ep)
     return 8 * rows + dispatcher.mask_bytes(m, tokens, job, ep, rows) + 16 * copies

@@ -3,7 +3,7 @@
 A job with `doc_lengths` packs those documents into sequences of `seq` tokens, in order, repeated until they
 fill a micro-batch; a document cut by a sequence's end starts again at 0 in the next. A micro-batch is
 `micro_batch` consecutive sequences, whose rows have boundaries of their own. The runtime shards a micro-batch's
-sequence in balance at every row's document starts (`orangetron/spec/sharding.py`, `document_runs`), and its
+sequence in balance at every row's document starts (`orangetron/spec/sharding.py`, `balanced_runs`), and its
 ring passes a run of keys on only while a member it has still to visit sees some of it in some row
 (`orangetron/parallel/context/ring.py`). Both are priced here from the same sharding, each as the mean over the
 micro-batches of the busiest rank. A job may instead name its micro-batches' documents (`Job.doc_batches`): the
@@ -12,18 +12,34 @@ end-of-run table prices a run's last step so, from the documents it trained on (
 
 from __future__ import annotations
 
-import bisect
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
 
 from orangetron.plan.compute import ATTN_BLOCK
+from orangetron.spec.keys import hash_fields_once
 from orangetron.spec.options import Job
-from orangetron.spec.sharding import shard_runs
+from orangetron.spec.sharding import balanced_runs
 
 Piece = tuple[int, int]
 Row = tuple[Piece, ...]  # one sequence's document pieces, [start, stop) in order from 0 to its length
 Batch = tuple[Row, ...]  # the rows of one micro-batch: the runtime shards them together
 Transfer = tuple[float, float]  # tokens of K,V (sent, received)
+
+
+@dataclass(frozen=True)
+class Priced:
+    """The micro-batches a packed job is priced on, each with how many there are (its weight). It keys the
+    caches below, hashed once (`orangetron/spec/keys.py`): it holds every piece of every document."""
+
+    batches: tuple[tuple[Batch, int], ...]
+
+    __hash__ = hash_fields_once
+
+    def __iter__(self) -> Iterator[tuple[Batch, int]]:
+        return iter(self.batches)
 
 
 def _window_runs(doc_lengths: tuple[int, ...], seq: int, fill: int) -> Iterator[tuple[Row, int]]:
@@ -57,7 +73,7 @@ def windows(doc_lengths: tuple[int, ...], seq: int) -> list[tuple[Row, int]]:
 
 
 @functools.lru_cache(maxsize=64)  # the planner prices one job's documents again for each candidate it weighs
-def batches(doc_lengths: tuple[int, ...], seq: int, rows: int) -> tuple[tuple[Batch, int], ...]:
+def batches(doc_lengths: tuple[int, ...], seq: int, rows: int) -> Priced:
     """The distinct micro-batches of `rows` consecutive sequences the documents pack into, each with how many
     there are (a last one short of `rows` sequences left out): a micro-batch's rows have boundaries of their own,
     and the runtime shards them at all of them (`document_runs`)."""
@@ -73,19 +89,19 @@ def batches(doc_lengths: tuple[int, ...], seq: int, rows: int) -> tuple[tuple[Ba
         if whole:
             counts[(row,) * rows] = counts.get((row,) * rows, 0) + whole
         current += [row] * left
-    return tuple(counts.items())
+    return Priced(tuple(counts.items()))
 
 
-def priced_batches(job: Job, rows: int | None = None) -> tuple[tuple[Batch, int], ...]:
+def priced_batches(job: Job, rows: int | None = None) -> Priced:
     """The micro-batches a packed job is priced on, each with its weight: the job's own (`doc_batches`), else its
     `doc_lengths` packed in order, `rows` (default `micro_batch`) consecutive sequences a micro-batch."""
     if job.doc_batches:
-        return tuple((batch, 1) for batch in job.doc_batches)
+        return Priced(tuple((batch, 1) for batch in job.doc_batches))
     return batches(job.doc_lengths, job.seq_len, job.micro_batch if rows is None else rows)
 
 
 @functools.lru_cache(maxsize=64)  # model FLOPs are counted again for each candidate the planner weighs
-def document_square_keys(priced: tuple[tuple[Batch, int], ...], seq: int) -> float:
+def document_square_keys(priced: Priced, seq: int) -> float:
     """Keys per query when each document piece counts all its own keys (the s x s convention of model FLOPs, per
     document): the mean over the tokens of the length of the piece that holds each."""
     squares = tokens = 0
@@ -100,46 +116,54 @@ def _cuts(batch: Batch) -> tuple[int, ...]:
     return tuple(sorted({a for row in batch for a, _ in row}))
 
 
-def _rank_runs(batch: Batch, seq: int, cp: int) -> list[tuple[tuple[int, int], ...]]:
-    """Each rank's runs, none across any row's document start (one rank: the segments between them)."""
-    cuts = _cuts(batch)
+@functools.lru_cache(maxsize=4096)  # document_keys and ring_steps shard each micro-batch alike
+def _rank_runs(batch: Batch, seq: int, cp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every rank's runs, none across any row's document start (one rank: the segments between them), rank by
+    rank in order, as arrays: (start, stop, rank) of each run."""
+    cuts = np.array(_cuts(batch), dtype=np.int64)
     if cp == 1:
-        return [tuple(zip(cuts, (*cuts[1:], seq), strict=True))]
-    return [shard_runs(seq, cp, r, cuts) for r in range(cp)]
+        runs = (cuts, np.append(cuts[1:], seq), np.zeros_like(cuts))
+    else:
+        runs = balanced_runs(seq, cp, tuple(cuts.tolist()))
+    for array in runs:
+        array.flags.writeable = False  # cached: shared by every caller
+    return runs
 
 
-def _piece_finder(batch: Batch):
-    """(row index, position) -> the piece of that row holding the position (each row's starts listed once)."""
-    starts = [[a for a, _ in row] for row in batch]
-    return lambda r, position: batch[r][bisect.bisect_right(starts[r], position) - 1]
+def _row_pieces(batch: Batch, position: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per row, the (start, stop) of its piece holding each of `position` (each row's starts listed once)."""
+    found = []
+    for row in batch:
+        starts, stops = (np.array(ends, dtype=np.int64) for ends in zip(*row, strict=True))
+        at = np.searchsorted(starts, position, side="right") - 1
+        found.append((starts[at], stops[at]))
+    return found
 
 
-def piece_keys(a: int, b: int, lo: int, hi: int) -> float:
-    """Keys the queries in [lo, hi) of a document piece [a, b) are computed against: each sees the piece's
-    keys up to itself, and the diagonal block of at most ATTN_BLOCK keys is computed whole."""
-    x, y = max(a, lo), min(b, hi)
-    if x >= y:
-        return 0.0
-    n = y - x
-    return n * (x - a) + n * (n + 1) / 2 + n * (min(b - a, ATTN_BLOCK) - 1) / 2
+def piece_keys(a: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Keys the queries in [lo, hi) of a document piece [a, b) are computed against, element by element: each
+    sees the piece's keys up to itself, and the diagonal block of at most ATTN_BLOCK keys is computed whole."""
+    x, y = np.maximum(a, lo), np.minimum(b, hi)
+    n = np.maximum(y - x, 0)
+    return n * (x - a) + n * (n + 1) / 2 + n * (np.minimum(b - a, ATTN_BLOCK) - 1) / 2
 
 
 @functools.lru_cache(maxsize=64)  # the planner prices one job's documents again for each candidate it weighs
-def document_keys(priced: tuple[tuple[Batch, int], ...], seq: int, cp: int) -> float:
+def document_keys(priced: Priced, seq: int, cp: int) -> float:
     """Keys a query of the busiest cp rank is computed against on average, whole diagonal blocks included: a
     query sees the earlier keys of its own document, and the step waits for the rank with the most."""
     busiest, sequences = 0.0, 0
     for batch, count in priced:
-        piece_of = _piece_finder(batch)
-        per_rank = [sum(piece_keys(*piece_of(r, lo), lo, hi) for r in range(len(batch)) for lo, hi in runs)
-                    for runs in _rank_runs(batch, seq, cp)]
-        busiest += count * max(per_rank)
+        lo, hi, rank_of = _rank_runs(batch, seq, cp)
+        keys = sum(piece_keys(a, b, lo, hi) for a, b in _row_pieces(batch, lo))
+        per_rank = np.bincount(rank_of, weights=keys, minlength=cp)
+        busiest += count * float(max(per_rank))
         sequences += count * len(batch)
     return busiest / sequences / (seq // cp)
 
 
 @functools.lru_cache(maxsize=64)
-def ring_steps(priced: tuple[tuple[Batch, int], ...], seq: int, cp: int,
+def ring_steps(priced: Priced, seq: int, cp: int,
                u: int = 1) -> tuple[tuple[Transfer, ...], ...]:
     """Per ring member, per transfer of one ring pass (after steps 0 .. members-2): (tokens of K,V it sends,
     tokens it receives) of every row of a micro-batch at once (a run travels for all of them), mean over the
@@ -149,42 +173,38 @@ def ring_steps(priced: tuple[tuple[Batch, int], ...], seq: int, cp: int,
     run's start)."""
     members = cp // u
     batches_priced = sum(count for _, count in priced)
-    steps = [[(0.0, 0.0)] * (members - 1) for _ in range(members)]
+    member, step = np.arange(members)[:, None], np.arange(members - 1)[None, :]
+    sent, got = np.zeros((members, members - 1)), np.zeros((members, members - 1))
     for batch, count in priced:
-        reach, share = _reach(batch, seq, cp, u), count / batches_priced
-        for member in range(members):
-            for step in range(members - 1):
-                sent = sum(n for n, far in reach[(member - step) % members] if far > step)
-                got = sum(n for n, far in reach[(member - 1 - step) % members] if far > step)
-                before = steps[member][step]
-                steps[member][step] = (before[0] + sent * share, before[1] + got * share)
-    return tuple(tuple(member) for member in steps)
+        tokens, owner, far = _reach(batch, seq, cp, u)
+        carried = np.zeros((members, members))  # [owner, hops]: tokens of the runs carried that far
+        np.add.at(carried, (owner, far), tokens)
+        beyond = carried[:, ::-1].cumsum(axis=1)[:, ::-1]  # [owner, h]: tokens of the runs carried h hops or more
+        share = count / batches_priced
+        sent += beyond[(member - step) % members, step + 1] * share  # after step s, member m passes on block m - s
+        got += beyond[(member - 1 - step) % members, step + 1] * share
+    return tuple(tuple(zip(sent[m].tolist(), got[m].tolist(), strict=True)) for m in range(members))
 
 
-def _reach(batch: Batch, seq: int, cp: int, u: int) -> list[list[tuple[int, int]]]:
-    """Per member, each of its runs as (tokens, how many hops its block carries it: the last member that sees
-    it)."""
-    ranks = _rank_runs(batch, seq, cp)
-    runs = [tuple(run for rank in ranks[m * u:(m + 1) * u] for run in rank) for m in range(cp // u)]
-    piece_of, rows = _piece_finder(batch), range(len(batch))
-    last = [{} for _ in runs]  # per member: its last position in each (row, piece) it holds
-    for member, held in enumerate(runs):
-        for lo, hi in held:
-            for r in rows:
-                piece = (r, piece_of(r, lo))
-                last[member][piece] = max(last[member].get(piece, -1), hi - 1)
-    reach, members = [], len(runs)
-    for owner, held in enumerate(runs):
-        mine = []
-        for lo, hi in held:
-            pieces = [(r, piece_of(r, lo)) for r in rows]
-            seen = [hop for hop in range(1, members)
-                    if any(last[(owner + hop) % members].get(piece, -1) >= lo for piece in pieces)]
-            mine.append((hi - lo, max(seen, default=0)))
-        reach.append(mine)
-    return reach
+def _reach(batch: Batch, seq: int, cp: int, u: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every run of the micro-batch as (tokens, its member, how many hops its block carries it: to the last
+    member that sees it)."""
+    lo, hi, rank_of = _rank_runs(batch, seq, cp)
+    owner, members = rank_of // u, cp // u
+    # Each row's piece of each run, numbered over the whole micro-batch: [rows, runs]
+    where = np.stack([r * seq + a for r, (a, _) in enumerate(_row_pieces(batch, lo))])
+    pieces, ids = np.unique(where, return_inverse=True)
+    ids = ids.reshape(where.shape)
+    last = np.full((members, pieces.size), -1)  # per member: its last position in each piece it holds
+    for row_ids in ids:
+        np.maximum.at(last, (owner, row_ids), hi - 1)
+    seen = np.zeros((members, lo.size), dtype=bool)  # [member, run]: it holds the run's document at or after it
+    for row_ids in ids:
+        seen |= last[:, row_ids] >= lo
+    hops = (np.arange(members)[:, None] - owner) % members
+    return hi - lo, owner, np.where(seen, hops, 0).max(axis=0, initial=0)
 
 
-def ring_received_tokens(priced: tuple[tuple[Batch, int], ...], seq: int, cp: int, u: int = 1) -> list[float]:
+def ring_received_tokens(priced: Priced, seq: int, cp: int, u: int = 1) -> list[float]:
     """Tokens of K,V each ring member receives in one pass of the ring (`ring_steps`)."""
     return [sum(got for _, got in member) for member in ring_steps(priced, seq, cp, u)]

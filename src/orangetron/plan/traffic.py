@@ -269,7 +269,7 @@ def _received_rows(model: ModelSpec, deg: Degrees, job: Job) -> int:
     e, tokens = deg.ep, routed_tokens(deg, job)
     if e == 1:
         return tokens
-    return DISPATCHERS[job.dispatcher].rows(model, tokens, job, e) // e * e
+    return DISPATCHERS[job.dispatcher].rows(model, tokens, job, e)
 
 
 def expert_tensor_parallel_records(model: ModelSpec, deg: Degrees, job: Job) -> list[CommRecord]:

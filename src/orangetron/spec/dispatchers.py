@@ -63,7 +63,7 @@ def _all_to_all_records(rows_of: Any) -> Any:
     def records(model: Any, deg: Any, job: Any, tokens: int) -> list[CommRecord]:
         e = deg.ep
         row, ids, weights = _row_sizes(model, job)
-        chunk_rows = [rows_of(model, n, job, e) // e * e for n in token_chunks(tokens, job.ep_overlap_chunks)]
+        chunk_rows = [rows_of(model, n, job, e) for n in token_chunks(tokens, job.ep_overlap_chunks)]
         forward = [all_to_all_record("ep", count_exchange_bytes(model, e, len(chunk_rows)), e)]
         forward += [all_to_all_record("ep", rows * b, e) for rows in chunk_rows for b in (row, ids, weights, row)]
         backward = [all_to_all_record("ep", rows * b, e) for rows in chunk_rows for b in (row, weights, row)]

@@ -173,7 +173,7 @@ class Layout:
         rules.tp_splits_heads(self.tp, model.num_heads, model.num_kv_heads)
         if model.num_layers < self.pp:
             raise LayoutError(f"pp={self.pp}: num_layers={model.num_layers} < pp; every stage needs a layer")
-        rules.ep_splits_experts(self.ep, model.num_experts)
+        rules.ep_splits_experts(self.ep, model.num_experts, model.num_moe_layers)
         for name, width in (("ffn_dim", model.ffn_hidden_size), ("shared_ffn_dim", model.shared_ffn_hidden_size)):
             if width % self.tp:
                 raise LayoutError(f"tp={self.tp}: {name}={width} is not divisible by tp (SwiGLU split on its width)")

@@ -41,6 +41,22 @@ RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "mlp", "moe_act", "alternate_mm
 Degrees = Layout
 
 
+class DocLengths(tuple):
+    """Packed documents' lengths, checked (integers >= 1) when made and hashed once: a Job is copied for every
+    candidate the planner weighs, with up to 1,000,000 lengths."""
+
+    def __new__(cls, lengths: Sequence[int] = ()) -> DocLengths:
+        made = super().__new__(cls, lengths)
+        if made and (set(map(type, made)) != {int} or min(made) < 1):  # in C
+            raise ValueError("doc_lengths: document lengths must be integers >= 1")
+        return made
+
+    def __hash__(self) -> int:
+        if "hash" not in self.__dict__:
+            self.__dict__["hash"] = super().__hash__()
+        return self.__dict__["hash"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job(ParallelConfig):
     """Training options that change memory, traffic or time: the shared `ParallelConfig` fields, and the
@@ -133,15 +149,13 @@ class Job(ParallelConfig):
             check_choice("optimizer_state_dtype", self.optimizer_state_dtype, tuple(DTYPE_BYTES))
         self._check_grad_accumulation_fusion()
         object.__setattr__(self, "pipeline_layout", tuple(self.pipeline_layout))  # a list from JSON or TOML
-        object.__setattr__(self, "doc_lengths", tuple(self.doc_lengths))
+        if type(self.doc_lengths) is not DocLengths:  # a copy of a Job keeps its lengths, checked and hashed once
+            object.__setattr__(self, "doc_lengths", DocLengths(self.doc_lengths))
         object.__setattr__(self, "doc_batches", tuple(tuple(tuple(tuple(piece) for piece in row) for row in batch)
                                                       for batch in self.doc_batches))  # hashable, as lists are not
         self._check_recompute_modules()
         if isinstance(self.data_seq_len, bool) or not isinstance(self.data_seq_len, int) or self.data_seq_len < 0:
             raise ValueError(f"data_seq_len={self.data_seq_len!r}: must be an integer >= 0 (0: all seq_len)")
-        # in C: a Job is copied for every candidate the planner weighs, with up to 1,000,000 lengths
-        if self.doc_lengths and (set(map(type, self.doc_lengths)) != {int} or min(self.doc_lengths) < 1):
-            raise ValueError("doc_lengths: document lengths must be integers >= 1")
         self._check_doc_batches()
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.pipeline_layout):
             raise ValueError(f"pipeline_layout={self.pipeline_layout}: layers per virtual stage must be integers >= 0")
@@ -353,7 +367,7 @@ def validate(model: ModelSpec, degrees: Degrees, job: Job) -> None:
     rules.node_dispatch_needs_whole_experts(degrees.etp, job.dispatcher, dispatcher.node_aware)
     if degrees.expert_fold:
         _validate_fold(model, degrees, job)
-    rules.ep_splits_experts(degrees.ep, model.num_experts if model.is_moe else 0)
+    rules.ep_splits_experts(degrees.ep, model.num_experts if model.is_moe else 0, model.num_moe_layers)
     if job.global_batch and job.global_batch % (job.micro_batch * degrees.dp):
         raise ValueError(f"global_batch={job.global_batch} is not divisible by micro_batch*dp="
                          f"{job.micro_batch * degrees.dp}")

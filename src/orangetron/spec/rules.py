@@ -38,10 +38,13 @@ def tp_splits_heads(tp: int, heads: int, kv_heads: int) -> None:
               "replicated across tp ranks)")
 
 
-def ep_splits_experts(ep: int, experts: int) -> None:
-    """Routed experts sit in equal blocks per ep rank; ep > 1 needs experts."""
+def ep_splits_experts(ep: int, experts: int, moe_layers: int = 1) -> None:
+    """Routed experts sit in equal blocks per ep rank; ep > 1 needs experts, in some layer."""
     if ep > 1 and experts == 0:
         _fail(f"ep={ep}: the model has no experts (n_experts=0); use ep=1")
+    if ep > 1 and moe_layers == 0:
+        _fail(f"ep={ep}: no layer of the model has its n_experts={experts} experts (every layer is dense by "
+              "first_dense_layers and moe_layer_freq); use ep=1")
     if experts and experts % ep:
         _fail(f"ep={ep}: n_experts={experts} is not divisible by ep")
 

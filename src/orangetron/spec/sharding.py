@@ -3,6 +3,8 @@ planner share."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from orangetron.spec import rules
 from orangetron.spec.layout import LayoutError
 
@@ -67,45 +69,55 @@ def head_tail_runs(seq_len: int, cp: int, rank: int) -> tuple[tuple[int, int], .
 def document_runs(seq_len: int, cp: int, rank: int, cuts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """Runs of cp rank `rank` under the balanced sharding of packed documents: every segment between
     consecutive `cuts` (the increasing global positions where some row's document begins, 0 first) is cut
-    into 2*cp slots, and rank r keeps slots cp-1-r and cp+r of each, in increasing order.
+    into 2*cp slots, and rank r keeps slots cp-1-r and cp+r of each, in increasing order (`balanced_runs`)."""
+    if not 0 <= rank < cp:
+        raise LayoutError(f"cp_rank={rank}: must lie in [0, cp={cp})")
+    start, stop, rank_of = balanced_runs(seq_len, cp, cuts)
+    mine = rank_of == rank
+    return tuple(zip(start[mine].tolist(), stop[mine].tolist(), strict=True))
+
+
+def balanced_runs(seq_len: int, cp: int, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every cp rank's runs under the balanced sharding of packed documents (`document_runs`), rank by rank,
+    each rank's in increasing order, as arrays: (start, stop, rank) of each run.
 
     Head-tail within each document gives every rank the same visible pairs of that document, wherever it
     lies. The slots are mirrored (rank 0 holds the middle ones) so that a ring block, which visits ranks
     r+1, r+2, ... first, meets first the ranks that see its tail slots, and can leave them behind once they
     are served (`orangetron/parallel/context/ring.py`). A segment not divisible by 2*cp gives its remainder
     tokens one each to the slots after the previous segment's last; the sequence is divisible by 2*cp, so
-    every slot ends with the same total and every rank with seq_len / cp tokens. One pass over the segments.
-    """
-    if not 0 <= rank < cp:
-        raise LayoutError(f"cp_rank={rank}: must lie in [0, cp={cp})")
+    every slot ends with the same total and every rank with seq_len / cp tokens. A rank's two slots of a
+    segment that touch (nothing between them) are one run; runs of two segments never are: a ring trims by
+    document."""
     if cp == 1:
-        return ((0, seq_len),)
+        return np.array([0]), np.array([seq_len]), np.array([0])
     rules.cp_splits_sequence(cp, seq_len)
     increasing = all(a < b for a, b in zip(cuts, cuts[1:], strict=False))
     if not cuts or cuts[0] != 0 or not increasing or cuts[-1] >= seq_len:
         raise LayoutError(f"cuts {cuts[:8]}{'...' if len(cuts) > 8 else ''}: must start at 0 and increase "
                           f"below seq_len={seq_len}")
-    slots, first = 2 * cp, 0
-    mine = (cp - 1 - rank, cp + rank)
-    runs: list[tuple[int, int]] = []
-    for start, stop in zip(cuts, (*cuts[1:], seq_len), strict=True):
-        base, extra = divmod(stop - start, slots)
-        pieces = []
-        for slot in mine:
-            begin = start + slot * base + _extras_before(slot, first, extra, slots)
-            pieces.append((begin, begin + base + (1 if (slot - first) % slots < extra else 0)))
-        runs.extend(_joined(pieces))  # within a document only: a ring trims by document
-        first = (first + extra) % slots
-    return tuple(runs)
+    bounds = _slot_bounds(seq_len, cp, np.asarray(cuts, dtype=np.int64))  # [segments, 2*cp + 1]
+    ranks = np.arange(cp)
+    head, tail = cp - 1 - ranks, cp + ranks
+    head_start, head_stop = bounds[:, head].T, bounds[:, head + 1].T  # each [ranks, segments]
+    tail_start, tail_stop = bounds[:, tail].T, bounds[:, tail + 1].T
+    touching = head_stop == tail_start
+    # Per rank and segment, a first run and a second one: (head, tail), or (head and tail joined, nothing)
+    start = np.stack((head_start, np.where(touching, tail_stop, tail_start)), axis=-1)
+    stop = np.stack((np.where(touching, tail_stop, head_stop), tail_stop), axis=-1)
+    rank_of = np.broadcast_to(ranks[:, None, None], start.shape)
+    kept = stop > start
+    return start[kept], stop[kept], rank_of[kept]
 
 
-def _extras_before(slot: int, first: int, extra: int, slots: int) -> int:
-    """How many of the slots before `slot` take one of `extra` remainder tokens, given to slots first,
-    first+1, ... (mod slots)."""
-    end = first + extra
-    if end <= slots:
-        return max(0, min(slot, end) - first)
-    return max(0, slot - first) + min(slot, end - slots)
+def _slot_bounds(seq_len: int, cp: int, cuts: np.ndarray) -> np.ndarray:
+    """[segments, 2*cp + 1]: where each slot of each segment begins, and the segment's end last. A segment's
+    remainder tokens go one each to the slots after those the previous segments' remainders ended at."""
+    slots = 2 * cp
+    base, extra = np.divmod(np.diff(cuts, append=seq_len), slots)
+    first = np.concatenate(([0], np.cumsum(extra)[:-1])) % slots  # the slot this segment's remainder starts at
+    sizes = base[:, None] + ((np.arange(slots) - first[:, None]) % slots < extra[:, None])
+    return cuts[:, None] + np.concatenate((np.zeros((cuts.size, 1), dtype=np.int64), sizes.cumsum(axis=1)), axis=1)
 
 
 def shard_runs(seq_len: int, cp: int, rank: int, cuts: tuple[int, ...] | None = None) -> tuple[tuple[int, int], ...]:
@@ -114,14 +126,3 @@ def shard_runs(seq_len: int, cp: int, rank: int, cuts: tuple[int, ...] | None = 
     if cuts is None:
         return head_tail_runs(seq_len, cp, rank)
     return document_runs(seq_len, cp, rank, cuts)
-
-
-def _joined(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The non-empty pieces, in order, touching ones joined."""
-    joined: list[tuple[int, int]] = []
-    for start, stop in pieces:
-        if joined and joined[-1][1] == start:
-            joined[-1] = (joined[-1][0], stop)
-        elif stop > start:
-            joined.append((start, stop))
-    return joined

@@ -90,8 +90,9 @@ def add_train_commands(sub: Any) -> None:
                         "continue, still print there)")
     p.add_argument("--min-lr", type=float, default=None,
                    help="floor of the cosine decay, reached at the last step (default: lr/10)")
-    option("--weight-decay", "AdamW weight decay, on matrices only", type=float)
-    option("--grad-clip", "largest global gradient norm; 0 disables clipping", type=float)
+    option("--weight-decay", "AdamW weight decay, on matrices only (betas 0.9 and 0.95, eps 1e-8)", type=float)
+    option("--grad-clip", "largest global gradient norm (gradients scaled by clip / (norm + 1e-6), as "
+           "torch.nn.utils.clip_grad_norm_); 0 disables clipping", type=float)
     option("--eval-batches", "batches of held-out data per evaluation", type=int)
     option("--eval-fraction", "share of the token stream, from its end, held out for evaluation", type=float)
     option("--corpus-bytes", "bytes of the stdlib corpus to train on when --data is not given", type=int)

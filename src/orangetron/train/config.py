@@ -403,7 +403,7 @@ class TrainConfig(Layout, ParallelConfig):
             check_runnable(model)
         except ConfigError as err:
             raise TrainConfigError(f"model={model.name!r} (--model): {err}") from None
-        rules.ep_splits_experts(self.ep, model.num_experts)
+        rules.ep_splits_experts(self.ep, model.num_experts, model.num_moe_layers)
         if self.seq_len > model.max_seq_len:  # before ranks start; a cp shard or a pipeline stage never checks it
             raise TrainConfigError(f"seq_len={self.seq_len} (--seq-len): longer than the model's max_seq_len="
                                    f"{model.max_seq_len}; give a shorter --seq-len, or a model made for longer "

@@ -80,6 +80,14 @@ class PreparedDataset:
         """The windows of tokens[start:stop]; with `documents`, packed: each token with its document's index."""
         return TokenWindows(self.tokens, start, stop, seq_len, self.document_offsets() if documents else None)
 
+    def document_lengths(self, stop: int) -> np.ndarray:
+        """Tokens of each document in tokens[:stop] (of the one `stop` cuts, those before it), as windows pack
+        them: every document ends with its separator."""
+        import numpy as np
+
+        lengths = np.diff(np.minimum(self.document_offsets(), stop))
+        return lengths[lengths > 0]
+
     def document_offsets(self) -> np.ndarray:
         """documents.npy: each document's first token, and the token count last (int64 [documents + 1])."""
         import numpy as np

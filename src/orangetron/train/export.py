@@ -213,7 +213,7 @@ def _tokenizer_warnings(output: Path) -> list[str]:
     if named.removesuffix("Fast") == "Qwen2Tokenizer":
         return []
     return [f"transformers reads a qwen2 folder's tokenizer as Qwen2Tokenizer, not the {named} this run used: it "
-            "splits text by Qwen's pattern, so its ids differ from the run's (docs/models.md)"]
+            "splits text by Qwen's pattern, so its ids can differ from the run's (docs/models.md)"]
 
 
 def _token_ids(tokenizer: Any) -> dict[str, int] | None:
