@@ -16,22 +16,25 @@ from orangetron.plan.compute import ATTN_BLOCK, causal_keys
 from orangetron.plan.packed import batches, document_keys, windows
 
 
-def packed_rows(lengths: list[int], seq: int, rows: int) -> list[torch.Tensor]:
-    """Document ids [rows, seq] of each micro-batch of `rows` consecutive whole sequences the documents fill
-    (lengths repeated until they fill one micro-batch; a short last one left out), packed here by plain torch."""
+def packed_rows(lengths: list[int], seq: int, rows: int, padding: int = 0) -> list[torch.Tensor]:
+    """Document ids [rows, seq + padding] of each micro-batch of `rows` consecutive whole sequences the documents
+    fill (lengths repeated until they fill one micro-batch; a short last one left out), each row then padded by
+    `padding` tokens of a document of their own, packed here by plain torch."""
     copies = max(1, -(-rows * seq // sum(lengths)))
     stream = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths * copies)])
     sequences = stream[:stream.numel() // seq * seq].view(-1, seq)
+    sequences = torch.nn.functional.pad(sequences, (0, padding), value=len(lengths) * copies)
     return [sequences[i:i + rows] for i in range(0, sequences.shape[0] - rows + 1, rows)]
 
 
-def brute_keys(lengths: list[int], seq: int, cp: int, rows: int = 1) -> float:
+def brute_keys(lengths: list[int], seq: int, cp: int, rows: int = 1, padding: int = 0) -> float:
     """Per micro-batch, each query's keys: itself and the earlier tokens of its document in its row, plus half its
     piece's diagonal block less one (a block is computed whole); the rows sharded together, cut at every row's
     document starts (the runtime's `shard_indices`); the busiest rank's mean per query and row, averaged over
     the micro-batches."""
     busiest = []
-    for batch in packed_rows(lengths, seq, rows):
+    seq += padding
+    for batch in packed_rows(lengths, seq - padding, rows, padding):
         keys = torch.zeros(batch.shape, dtype=torch.float64)
         for r, ids in enumerate(batch):
             for d in ids.unique():
@@ -61,6 +64,21 @@ def test_a_micro_batchs_rows_are_sharded_together_at_all_their_boundaries(rows):
         priced = batches(tuple(lengths), 1024, rows)
         assert [batch for batch, _ in priced][0] == tuple(windows(tuple(lengths), 1024)[i][0] for i in range(rows))
         assert document_keys(priced, 1024, cp) == pytest.approx(brute_keys(lengths, 1024, cp, rows), rel=1e-12)
+
+
+@pytest.mark.parametrize("rows", (1, 2))
+def test_a_padded_sequence_packs_its_data_and_ends_with_its_padding_as_a_document(rows):
+    """Under cp a sequence the ranks cannot split runs padded, and its padding is a document of its own: the
+    documents pack into the data's 30 tokens, not the 32 the sequence runs at (which priced 10% more keys on
+    the busiest rank), and every rank's keys and ring are those of the padded rows."""
+    from orangetron.plan.packed import priced_batches
+    from orangetron.spec.options import Job
+
+    lengths = [4, 8, 12, 16, 20, 24, 28, 32, 21]
+    job = Job(seq_len=32, data_seq_len=30, micro_batch=rows, doc_lengths=lengths)
+    priced = priced_batches(job)
+    assert all(row[-1] == (30, 32) for batch, _ in priced for row in batch)
+    assert document_keys(priced, 32, 2) == pytest.approx(brute_keys(lengths, 30, 2, rows, padding=2), rel=1e-12)
 
 
 def test_one_document_per_sequence_is_the_causal_price_and_the_balanced_sharding_keeps_its_balance():
@@ -277,6 +295,11 @@ def test_plan_ranks_on_the_documents_it_is_given(tmp_path, capsys):
         alone = estimate(load_decoder("llama3-8b"), deg, job, make_cluster("h100", 8))
         assert row["step_time_s"] == alone.time.step_s
         assert row["comm"] == alone.to_json()["comm"]
+    # An emitted file names no data: it leaves packing to the run's, and says so
+    emit = ["plan", "--model", "tiny", "--gpus", "2", "--seq", "1024", "--emit-config", str(tmp_path / "run.toml")]
+    assert cli.main([*emit, "--doc-lengths", str(tmp_path / "lengths.txt")]) == 0
+    assert "the file leaves packing to the run's data" in capsys.readouterr().err
+    assert "pack_documents" not in (tmp_path / "run.toml").read_text()
 
 
 def _packed_run_file(tmp_path, texts: list[str], **options) -> str:
@@ -331,3 +354,33 @@ def test_estimate_of_a_run_on_a_prepared_dataset_prices_its_documents(tmp_path, 
     (tmp_path / "lengths.txt").write_text("\n".join(map(str, lengths)))
     by_hand, _ = _estimate_json(capsys, "--config", config, "--doc-lengths", str(tmp_path / "lengths.txt"))
     assert by_run == by_hand
+
+
+def test_estimate_of_a_run_reads_its_documents_as_train_settles_them(tmp_path, capsys):
+    """Dashed keys as `train --config` takes them; a Hugging Face folder without a tokenizer trains on bytes,
+    and packs text files (one with a tokenizer.json does not: `train` refuses it); data this machine does not
+    hold is priced one document per sequence, said."""
+    import hf_models
+
+    texts = ["a" * n for n in range(1, 38, 4)]
+    config = _packed_run_file(tmp_path, texts, pack_documents=True)
+    by_run, _ = _estimate_json(capsys, "--config", config)
+    dashed = Path(config).read_text().replace("pack_documents", "pack-documents").replace("seq_len", "seq-len")
+    Path(config).write_text(dashed.replace("batch_size", "batch-size").replace("eval_fraction", "eval-fraction"))
+    assert _estimate_json(capsys, "--config", config)[0] == by_run
+
+    folder = hf_models.llama(tmp_path / "hf")
+    text = Path(config).read_text().replace('model = "tiny"', f"hf_model = {json.dumps(str(folder))}")
+    Path(config).write_text(text)
+    _, note = _estimate_json(capsys, "--config", config)
+    assert "priced on the 9 training documents of the run's text files" in note
+    hf_models.add_tokenizer(folder)
+    assert "packs documents" not in _estimate_json(capsys, "--config", config)[1]
+
+    missing = _packed_run_file(tmp_path, texts, pack_documents=True).replace("run.toml", "gone.toml")
+    Path(missing).write_text(Path(tmp_path / "run.toml").read_text().replace("doc00.txt", "gone.txt"))
+    priced, note = _estimate_json(capsys, "--config", missing)
+    assert f"the run may pack documents, but its data {tmp_path / 'gone.txt'} is not here: priced one document " \
+        "per sequence" in note
+    unpacked, _ = _estimate_json(capsys, "--config", _packed_run_file(tmp_path, texts, pack_documents=False))
+    assert priced == unpacked

@@ -376,6 +376,10 @@ def _run_documents(path: str, job: Job) -> Job:
     if found is None:
         return job
     lengths, named = found
+    if not lengths:
+        print(f"orangetron estimate: note: the run may pack documents, but {named}: priced one document per "
+              "sequence; --doc-lengths FILE prices its documents", file=sys.stderr)
+        return job
     print(f"orangetron estimate: note: the run packs documents: priced on {named} ({min(lengths):,} to "
           f"{max(lengths):,} tokens); --doc-lengths FILE prices others", file=sys.stderr)
     return replace(job, doc_lengths=lengths)
@@ -693,6 +697,10 @@ def run_plan(args: argparse.Namespace) -> int:
         aside = f" (the former file moved to {moved[0]})" if moved else ""
         below = f" (below the {len(result.ranked)} shown)" if rank > len(result.ranked) else ""
         print(f"wrote {args.emit_config}{aside}: configuration #{rank}{below}{skipped}", file=sys.stderr)
+        if args.doc_lengths:  # the file names no data: packing is the data's, as train settles it
+            print("orangetron plan: note: ranked on the packed documents of --doc-lengths; the file leaves packing "
+                  "to the run's data: a prepared dataset packs its documents, text files need --pack-documents",
+                  file=sys.stderr)
     return 0
 
 

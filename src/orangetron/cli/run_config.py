@@ -268,9 +268,9 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
     _check_run_numbers(path, table)
     # A key the file leaves out takes the trainer's default, so that this prices what `train --config` runs;
     # the model of an imported run is its Hugging Face folder.
-    trainer = _trainer_defaults()
-    seq_len, batch = (_typed(path, key, table.get(key, trainer[key]), 0) for key in ("seq_len", "batch_size"))
-    model = table.get("model", table.get("hf_model", trainer["model"]))
+    trainer, named = _trainer_defaults(), {key.replace("-", "_"): value for key, value in table.items()}
+    seq_len, batch = (_typed(path, key, named.get(key, trainer[key]), 0) for key in ("seq_len", "batch_size"))
+    model = named.get("model", named.get("hf_model", trainer["model"]))
     deg = Degrees(**layout)
     # The trainer's parallel defaults, not the planner's (Job prices bfloat16 where the trainer runs float32).
     parallel = {name: getattr(ParallelConfig(), name) for name in parallel_fields} | parallel
@@ -283,16 +283,20 @@ def estimate_job(path: str) -> tuple[ModelSpec | str, Degrees, Job]:
 
 def packed_documents(path: str, limit: int) -> tuple[tuple[int, ...], str] | None:
     """The lengths, in tokens, of the training split's documents a run's file packs, as `train` packs them (the
-    first `limit` of them), and a phrase naming them; None where the run does not pack documents, or packs text
-    with a tokenizer other than bytes (which `train` refuses)."""
+    first `limit` of them), and a phrase naming them; no lengths, and why, where the run may pack documents this
+    machine does not hold; None where the run does not pack documents, or packs text with a tokenizer other than
+    bytes (which `train` refuses)."""
     from orangetron.train.config import TrainConfig
     from orangetron.train.config_file import read_toml
     from orangetron.train.corpus import read_text_documents, stdlib_documents
     from orangetron.train.datasets import PreparedDataset, is_prepared_dataset
 
-    table = read_toml(path)
+    table = {key.replace("-", "_"): value for key, value in read_toml(path).items()}  # as train --config reads it
     data = table.get("data")
     data = [data] if isinstance(data, str) else data
+    missing = [name for name in data or () if not Path(name).exists()]
+    if missing:  # a prepared dataset would pack by default, text files only when asked
+        return None if table.get("pack_documents") is False else ((), f"its data {missing[0]} is not here")
     prepared = data[0] if data and len(data) == 1 and is_prepared_dataset(data[0]) else None
     if not table.get("pack_documents", prepared is not None):
         return None
@@ -301,15 +305,23 @@ def packed_documents(path: str, limit: int) -> tuple[tuple[int, ...], str] | Non
         dataset = PreparedDataset.open(prepared)
         lengths = dataset.document_lengths(len(dataset) - int(len(dataset) * fraction)).tolist()
         where = f"the prepared dataset {prepared}"
-    elif table.get("tokenizer", "byte") != "byte" or "hf_model" in table:
+    elif _run_tokenizer(table) != "byte":
         return None
-    else:  # one document a file (or a JSON Lines record), its bytes its tokens
+    else:  # one document a text file or a JSON Lines record, its bytes (and the separator after it) its tokens
         texts = read_text_documents(data) if data else stdlib_documents(table.get("corpus_bytes",
                                                                                   TrainConfig.corpus_bytes))
         lengths = _head([len(text.encode("utf-8")) for text in texts], fraction)
         where = "the run's text files" if data else "the standard library's sources"
     count = f"{len(lengths):,}" if len(lengths) <= limit else f"first {limit:,} of {len(lengths):,}"
     return tuple(lengths[:limit]), f"the {count} training documents of {where}"
+
+
+def _run_tokenizer(table: dict[str, Any]) -> str:
+    """The tokenizer a run of text files uses, as train settles it (train/config.py, `_resolve_tokenizer`):
+    the one given, else its Hugging Face folder's tokenizer.json, else bytes."""
+    folder = table.get("hf_model")
+    own = str(folder) if folder and (Path(folder) / "tokenizer.json").is_file() else "byte"
+    return table.get("tokenizer") or own
 
 
 def _head(lengths: list[int], fraction: float) -> list[int]:

@@ -1,8 +1,9 @@
 """Packed documents in the cost model: the attention work and the ring traffic of the busiest cp rank.
 
-A job with `doc_lengths` packs those documents into sequences of `seq` tokens, in order, repeated until they
-fill a micro-batch; a document cut by a sequence's end starts again at 0 in the next. A micro-batch is
-`micro_batch` consecutive sequences, whose rows have boundaries of their own. The runtime shards a micro-batch's
+A job with `doc_lengths` packs those documents into sequences of its data's tokens, in order, repeated until they
+fill a micro-batch; a document cut by a sequence's end starts again at 0 in the next, and a sequence padded under
+cp ends with its padding, a document of its own. A micro-batch is `micro_batch` consecutive sequences, whose rows
+have boundaries of their own. The runtime shards a micro-batch's
 sequence in balance at every row's document starts (`orangetron/spec/sharding.py`, `balanced_runs`), and its
 ring passes a run of keys on only while a member it has still to visit sees some of it in some row
 (`orangetron/parallel/context/ring.py`). Both are priced here from the same sharding, each as the mean over the
@@ -73,13 +74,16 @@ def windows(doc_lengths: tuple[int, ...], seq: int) -> list[tuple[Row, int]]:
 
 
 @functools.lru_cache(maxsize=64)  # the planner prices one job's documents again for each candidate it weighs
-def batches(doc_lengths: tuple[int, ...], seq: int, rows: int) -> Priced:
+def batches(doc_lengths: tuple[int, ...], seq: int, rows: int, padded: int = 0) -> Priced:
     """The distinct micro-batches of `rows` consecutive sequences the documents pack into, each with how many
     there are (a last one short of `rows` sequences left out): a micro-batch's rows have boundaries of their own,
-    and the runtime shards them at all of them (`document_runs`)."""
+    and the runtime shards them at all of them (`document_runs`). A sequence padded to `padded` tokens (under
+    cp) ends with its padding, a document of its own (`train/step.py`, `padded_documents`)."""
     counts: dict[Batch, int] = {}
     current: list[Row] = []
-    for row, repeat in _window_runs(doc_lengths, seq, rows):
+    padding = ((seq, padded),) if padded > seq else ()
+    for pieces, repeat in _window_runs(doc_lengths, seq, rows):
+        row = pieces + padding
         take = min(repeat, rows - len(current)) if current else 0  # complete the open micro-batch first
         current += [row] * take
         if current and len(current) == rows:
@@ -97,7 +101,7 @@ def priced_batches(job: Job, rows: int | None = None) -> Priced:
     `doc_lengths` packed in order, `rows` (default `micro_batch`) consecutive sequences a micro-batch."""
     if job.doc_batches:
         return Priced(tuple((batch, 1) for batch in job.doc_batches))
-    return batches(job.doc_lengths, job.seq_len, job.micro_batch if rows is None else rows)
+    return batches(job.doc_lengths, job.data_tokens, job.micro_batch if rows is None else rows, job.seq_len)
 
 
 @functools.lru_cache(maxsize=64)  # model FLOPs are counted again for each candidate the planner weighs
