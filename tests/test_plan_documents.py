@@ -380,7 +380,7 @@ def test_estimate_of_a_run_reads_its_documents_as_train_settles_them(tmp_path, c
     missing = _packed_run_file(tmp_path, texts, pack_documents=True).replace("run.toml", "gone.toml")
     Path(missing).write_text(Path(tmp_path / "run.toml").read_text().replace("doc00.txt", "gone.txt"))
     priced, note = _estimate_json(capsys, "--config", missing)
-    assert f"the run may pack documents, but its data {tmp_path / 'gone.txt'} is not here: priced one document " \
+    assert f"the run packs documents, but its data {tmp_path / 'gone.txt'} is not here: priced one document " \
         "per sequence" in note
     unpacked, _ = _estimate_json(capsys, "--config", _packed_run_file(tmp_path, texts, pack_documents=False))
     assert priced == unpacked

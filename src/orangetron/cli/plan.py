@@ -377,8 +377,8 @@ def _run_documents(path: str, job: Job) -> Job:
         return job
     lengths, named = found
     if not lengths:
-        print(f"orangetron estimate: note: the run may pack documents, but {named}: priced one document per "
-              "sequence; --doc-lengths FILE prices its documents", file=sys.stderr)
+        print(f"orangetron estimate: note: {named}: priced one document per sequence; --doc-lengths FILE "
+              "prices its documents", file=sys.stderr)
         return job
     print(f"orangetron estimate: note: the run packs documents: priced on {named} ({min(lengths):,} to "
           f"{max(lengths):,} tokens); --doc-lengths FILE prices others", file=sys.stderr)

@@ -296,7 +296,9 @@ def packed_documents(path: str, limit: int) -> tuple[tuple[int, ...], str] | Non
     data = [data] if isinstance(data, str) else data
     missing = [name for name in data or () if not Path(name).exists()]
     if missing:  # a prepared dataset would pack by default, text files only when asked
-        return None if table.get("pack_documents") is False else ((), f"its data {missing[0]} is not here")
+        packs = {True: "packs documents", None: "may pack documents (a prepared dataset does)"}
+        pack = table.get("pack_documents")
+        return None if pack is False else ((), f"the run {packs[pack]}, but its data {missing[0]} is not here")
     prepared = data[0] if data and len(data) == 1 and is_prepared_dataset(data[0]) else None
     if not table.get("pack_documents", prepared is not None):
         return None
