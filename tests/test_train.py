@@ -398,6 +398,22 @@ def test_verify_exits_1_past_tolerance(monkeypatch, capsys) -> None:
                                                     "blocks.0.mlp.w1 at step 1)")
 
 
+NO_ROUTES = torch.zeros(4, dtype=torch.int64)  # a faked trace's expert choices: the same in every run
+
+
+def layout_scaled(exact_trace):
+    """`verify._trace` with a planted bug: ranks fork from this process, and the layout's scale their gradients
+    by 1.1 (a wrong share), while one rank does not."""
+    import torch.distributed as dist
+
+    def scaled(cfg) -> dict:
+        trace = exact_trace(cfg)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            trace["grads"] = [{name: g * 1.1 for name, g in step.items()} for step in trace["grads"]]
+        return trace
+    return scaled
+
+
 def test_verify_names_the_step_and_parameter_of_the_largest_gaps(monkeypatch) -> None:
     from orangetron.train import verify as verify_module
     from orangetron.train.config import TrainConfig
@@ -406,7 +422,7 @@ def test_verify_names_the_step_and_parameter_of_the_largest_gaps(monkeypatch) ->
         grads = [{"a": torch.tensor([1.0, -4.0], dtype=torch.float64),
                   "b": torch.tensor([0.5 + (step == 1) * grad_shift], dtype=torch.float64)}
                  for step in range(3)]
-        return {"losses": [2.0, 1.5, 1.2 + loss_shift], "grads": grads}
+        return {"losses": [2.0, 1.5, 1.2 + loss_shift], "grads": grads, "routes": NO_ROUTES}
 
     monkeypatch.setattr(verify_module, "_trace", lambda cfg: trace(0.0, 0.0))  # the one-rank reference
     monkeypatch.setattr(verify_module, "launch_local", lambda *args, **kwargs: [trace(1e-6, 1e-6)] * 2)
@@ -421,7 +437,6 @@ def test_verify_in_bfloat16_judges_a_gap_past_the_tolerance_against_float64(monk
     parameter by parameter in the norm, the layout is no further off than one rank in bfloat16 and passes. The same
     layout with its gradients scaled by 1.1 (a wrong share, as a planted bug) fails: a first form of this judgement,
     on the largest element, let a scale of 1.2 pass. A tolerance given is the whole rule."""
-    import torch.distributed as dist
 
     from orangetron import cli
     from orangetron.train import verify as verify_module
@@ -433,14 +448,7 @@ def test_verify_in_bfloat16_judges_a_gap_past_the_tolerance_against_float64(monk
     assert result["ok"]
     assert result["float64_gaps"]["ratio"] <= 2 and "ok, judged against float64 (below)" in captured.err
     exact_trace = verify_module._trace
-
-    def scaled(cfg) -> dict:  # ranks fork from this process: the layout's ranks scale, one rank does not
-        trace = exact_trace(cfg)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            trace["grads"] = [{name: g * 1.1 for name, g in step.items()} for step in trace["grads"]]
-        return trace
-
-    monkeypatch.setattr(verify_module, "_trace", scaled)
+    monkeypatch.setattr(verify_module, "_trace", layout_scaled(exact_trace))
     assert cli.main(argv) == 1
     captured = capsys.readouterr()
     wrong = json.loads(captured.out.strip().splitlines()[-1])
@@ -452,6 +460,53 @@ def test_verify_in_bfloat16_judges_a_gap_past_the_tolerance_against_float64(monk
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["float64_gaps"] is None
 
 
+def test_a_router_that_flips_in_bfloat16_is_judged_in_float32(monkeypatch, capsys) -> None:
+    """tiny-moe on tp 2, seed 3: at the first step a near tie routes a token elsewhere than one rank does, which
+    moves whole gradients, 6.65 times one rank's rounding from float64, and the exact layout failed (about one
+    seed in ten on tp or cp). Where its routing differs from one rank's, the layout is judged in float32 instead
+    (9e-8): ok; with its gradients scaled by 1.1 (a planted bug), FAILED. Without a flip the choices counted on a
+    layout equal one rank's: tp ranks that route the same tokens count once, cp padding not at all, a pipeline
+    stage its own layers."""
+
+    from orangetron import cli
+    from orangetron.train import verify as verify_module
+
+    argv = ["verify", "--param-dtype", "bfloat16", "--steps", "1", "--json"]
+
+    def run(*flags: str) -> tuple[dict, str]:
+        cli.main([*argv, *flags])
+        captured = capsys.readouterr()
+        return json.loads(captured.out.strip().splitlines()[-1]), captured.err
+
+    flipped, err = run("--tp", "2", "--seed", "3")
+    assert flipped["float64_gaps"]["ratio"] > 2 and flipped["float64_gaps"]["routes_moved"] >= 1
+    assert flipped["ok"] and flipped["float32_check"]["ok"] and "ok, judged in float32 (below)" in err
+    for flags in (["--tp", "2"], ["--dp", "2"]):  # no flip at this seed
+        result, _ = run(*flags)
+        assert result["float64_gaps"]["routes_moved"] == 0 and result["float32_check"] is None, flags
+    monkeypatch.setattr(verify_module, "_trace", layout_scaled(verify_module._trace))
+    wrong, err = run("--tp", "2", "--seed", "3")
+    assert not wrong["ok"] and not wrong["float32_check"]["ok"] and "FAILED, judged in float32 (below)" in err
+
+
+def test_the_expert_choices_counted_on_a_layout_are_one_ranks() -> None:
+    """In float32, where no tie flips, the experts a layout's routers choose at the first step, summed over its
+    ranks, are one rank's: tp ranks that route the same tokens count once, with sequence parallelism each its
+    own; cp padding not at all; a pipeline stage its own layers, each micro-batch once; a replayed block once."""
+    from orangetron.train import verify as verify_module
+    from orangetron.train.config import TrainConfig
+    from orangetron.train.launch import launch_local
+
+    for layout in ({"tp": 2}, {"tp": 2, "sequence_parallel": True}, {"cp": 2, "seq_len": 30},
+                   {"pp": 2, "microbatches": 2}, {"dp": 2, "recompute": "full"}):
+        cfg = TrainConfig(model="tiny-moe", steps=1, batch_size=8, param_dtype="float32",
+                          **{"seq_len": 32, **layout})
+        one_rank = verify_module._trace_here(verify_module._one_rank(cfg))["routes"]
+        traces = launch_local(verify_module._trace, cfg.layout.world_size, args=(cfg,))
+        assert one_rank.sum() == 2 * cfg.seq_len * cfg.batch_size * 2  # 2 MoE layers, top-2, no padding
+        assert torch.equal(sum(trace["routes"] for trace in traces), one_rank), layout
+
+
 def test_the_float64_judgement_compares_each_parameter_with_one_ranks_rounding(monkeypatch) -> None:
     """Per parameter, in the norm: off by less than twice one rank's rounding (or one bfloat16 unit) passes."""
     from orangetron.train import verify as verify_module
@@ -459,7 +514,7 @@ def test_the_float64_judgement_compares_each_parameter_with_one_ranks_rounding(m
 
     def trace(shift: float, loss: float = 2.0) -> dict:  # one step; the float64 run at shift 0
         return {"losses": [loss], "grads": [{"a": torch.tensor([1.0 + shift, -4.0], dtype=torch.float64),
-                                             "b": torch.tensor([3.0], dtype=torch.float64)}]}
+                                             "b": torch.tensor([3.0], dtype=torch.float64)}], "routes": NO_ROUTES}
 
     def runs(one_rank: float, layout: float, layout_loss: float = 2.0) -> dict:
         traces = iter([trace(one_rank), trace(0.0)])  # the one-rank reference, then the float64 one
@@ -491,7 +546,8 @@ def test_a_small_parameters_wrong_gradient_fails_bfloat16_within_the_fixed_toler
 
     def trace(router: float) -> dict:
         return {"losses": [2.0], "grads": [{"big": torch.tensor([1.0, -4.0], dtype=torch.float64),
-                                            "router": torch.tensor([router], dtype=torch.float64)}]}
+                                            "router": torch.tensor([router], dtype=torch.float64)}],
+                "routes": NO_ROUTES}
 
     traces = iter([trace(0.01), trace(0.01)])  # one rank in bfloat16, then in float64
     monkeypatch.setattr(verify_module, "_trace", lambda cfg: next(traces))
@@ -511,7 +567,7 @@ def test_a_dense_check_within_the_fixed_tolerance_is_judged_at_its_first_step(mo
 
     def trace(*shifts: float) -> dict:  # a step per shift of the one parameter's gradient
         return {"losses": [2.0] * len(shifts), "grads": [{"a": torch.tensor([1.0 + shift, -4.0], dtype=torch.float64)}
-                                                         for shift in shifts]}
+                                                         for shift in shifts], "routes": NO_ROUTES}
 
     asked = []
 
