@@ -225,8 +225,8 @@ def _float64_gaps(cfg: TrainConfig, reference: dict[str, Any], layout: dict[str,
 
 
 def _float32_check(cfg: TrainConfig) -> dict[str, Any]:
-    """The first step verified in float32 at its default tolerance: the layout's arithmetic, where bfloat16's
-    routing parted from float64's."""
+    """The first step verified in float32 at its default tolerance: the layout's arithmetic, where its routers
+    chose other experts than one rank's in bfloat16."""
     checked = verify(dataclasses.replace(cfg, param_dtype="float32", steps=1))
     return {key: checked[key] for key in ("ok", "max_loss_rel_diff", "max_grad_rel_diff", "worst_grad_param",
                                           "tolerance")}
