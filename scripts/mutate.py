@@ -3642,7 +3642,8 @@ MUTANTS = [
            (('        if args.doc_lengths:  # the file names no data', '        if False:  # the file names no data'),),
            ('tests/test_plan_documents.py::test_plan_ranks_on_the_documents_it_is_given',)),
     Mutant('verify_router_flip_judged_in_bfloat16', 'src/orangetron/train/verify.py',
-           (('        if not result["ok"] and result["float64_gaps"]["routes_moved"]:', '        if False:'),),
+           (('        if losses_ok and not result["ok"] and result["float64_gaps"]["routes_moved"]:',
+             '        if False:'),),
            ('tests/test_train.py::test_a_router_that_flips_in_bfloat16_is_judged_in_float32',)),
     Mutant('verify_float32_check_passes_anything', 'src/orangetron/train/verify.py',
            (('            result["ok"] = result["float32_check"]["ok"]', '            result["ok"] = True'),),
@@ -3659,6 +3660,13 @@ MUTANTS = [
            (('        out = route(router, x, token_mask)\n        if torch.is_grad_enabled():',
              '        out = route(router, x, token_mask)\n        if True:'),),
            ('tests/test_train.py::test_the_expert_choices_counted_on_a_layout_are_one_ranks',)),
+    Mutant('verify_float32_check_rescues_failed_losses', 'src/orangetron/train/verify.py',
+           (('        if losses_ok and not result["ok"] and result["float64_gaps"]["routes_moved"]:',
+             '        if not result["ok"] and result["float64_gaps"]["routes_moved"]:'),),
+           ('tests/test_train.py::test_a_router_flip_leaves_the_losses_judged_and_judges_in_float32_throughout',)),
+    Mutant('verify_float32_check_keeps_a_bfloat16_reduction', 'src/orangetron/train/verify.py',
+           (('param_dtype="float32", reduce_dtype=None, steps=1)', 'param_dtype="float32", steps=1)'),),
+           ('tests/test_train.py::test_a_router_flip_leaves_the_losses_judged_and_judges_in_float32_throughout',)),
 ]
 
 

@@ -489,6 +489,31 @@ def test_a_router_that_flips_in_bfloat16_is_judged_in_float32(monkeypatch, capsy
     assert not wrong["ok"] and not wrong["float32_check"]["ok"] and "FAILED, judged in float32 (below)" in err
 
 
+def test_a_router_flip_leaves_the_losses_judged_and_judges_in_float32_throughout(monkeypatch) -> None:
+    """The float32 judgement of a flipped router stands for the gradients only: losses past the tolerance still
+    fail (a tp layout updating at 10 times the rate passed at 9.2e-2 once one route moved); and it reduces in
+    float32 too, where a bfloat16 reduction set bfloat16's tolerance (a router's gradient 1.5 times too large
+    passed at 3.8e-3)."""
+    from orangetron.train import verify as verify_module
+    from orangetron.train.config import TrainConfig
+
+    def trace(loss: float, shift: float, routes: list[int]) -> dict:
+        return {"losses": [2.0, loss], "grads": [{"a": torch.tensor([1.0 + shift, -4.0], dtype=torch.float64)}] * 2,
+                "routes": torch.tensor(routes)}
+
+    traces = iter([trace(2.0, 0.01, [4, 4]), trace(2.0, 0.0, [4, 4])])  # one rank in bfloat16, then float64
+    monkeypatch.setattr(verify_module, "_trace", lambda cfg: next(traces))
+    monkeypatch.setattr(verify_module, "launch_local", lambda *args, **kwargs: [trace(2.2, 0.1, [3, 1])] * 2)
+    result = verify_module.verify(TrainConfig(model="tiny-moe", dp=2, steps=2, param_dtype="bfloat16"))
+    assert result["float64_gaps"]["routes_moved"] == 2 and result["float64_gaps"]["ratio"] > 2
+    assert not result["ok"] and result["float32_check"] is None  # the losses part by 10%: no float32 rescue
+    asked = []
+    monkeypatch.setattr(verify_module, "verify", lambda cfg: asked.append(cfg) or {
+        "ok": True, "max_loss_rel_diff": 0.0, "max_grad_rel_diff": 0.0, "worst_grad_param": "a", "tolerance": 1e-5})
+    verify_module._float32_check(TrainConfig(model="tiny-moe", dp=2, param_dtype="bfloat16", reduce_dtype="bfloat16"))
+    assert (asked[0].param_dtype, asked[0].reduce_dtype, asked[0].steps) == ("float32", None, 1)
+
+
 def test_the_expert_choices_counted_on_a_layout_are_one_ranks() -> None:
     """In float32, where no tie flips, the experts a layout's routers choose at the first step, summed over its
     ranks, are one rank's: tp ranks that route the same tokens count once, with sequence parallelism each its

@@ -313,8 +313,8 @@ def _float64_judgement(result: dict) -> str:
     gaps = result["float64_gaps"]
     if result.get("float32_check"):
         moved = counted(gaps["routes_moved"], "expert choice")
-        judged = (f"beyond it, but its first step routed at least {moved} otherwise than one rank: a near tie "
-                  "flipped in bfloat16, which moves whole gradients, so the layout is judged in float32")
+        judged = (f"beyond it, but its first step routed at least {moved} otherwise than one rank (as a near tie "
+                  "flipping in bfloat16 does), which moves whole gradients, so its gradients are judged in float32")
     elif result["ok"]:
         past = result["max_grad_rel_diff"] > result["tolerance"]
         judged = "within it" + (": bfloat16 rounding at this size exceeds the fixed tolerance, not the layout"

@@ -176,10 +176,10 @@ def verify(cfg: TrainConfig, tolerance: float | None = None) -> dict[str, Any]:
         result["float64_gaps"]["routes_moved"] = int(moved.abs().sum()) // 2
         losses_ok = result["max_loss_rel_diff"] <= tolerance
         result["ok"] = losses_ok and result["float64_gaps"]["ratio"] <= ROUNDING_SPREAD
-        if not result["ok"] and result["float64_gaps"]["routes_moved"]:
+        if losses_ok and not result["ok"] and result["float64_gaps"]["routes_moved"]:
             # A near tie routed a token elsewhere than one rank does: whole gradients move, which no rounding
-            # spread bounds (tp 2 on tiny-moe, seed 3: 6.65 times one rank's). The arithmetic is then judged in
-            # float32, where such a tie does not flip.
+            # spread bounds (tp 2 on tiny-moe, seed 3: 6.65 times one rank's). The gradients are then judged in
+            # float32, where such a tie does not flip; the losses stand judged as they are.
             result["float32_check"] = _float32_check(cfg)
             result["ok"] = result["float32_check"]["ok"]
     judged_wrong = result["float64_gaps"] is not None and result["float64_gaps"]["ratio"] > ROUNDING_SPREAD
@@ -227,7 +227,9 @@ def _float64_gaps(cfg: TrainConfig, reference: dict[str, Any], layout: dict[str,
 def _float32_check(cfg: TrainConfig) -> dict[str, Any]:
     """The first step verified in float32 at its default tolerance: the layout's arithmetic, where its routers
     chose other experts than one rank's in bfloat16."""
-    checked = verify(dataclasses.replace(cfg, param_dtype="float32", steps=1))
+    # Reduced in float32 too: a bfloat16 reduction would set bfloat16's tolerance, which a router's gradient 1.5
+    # times too large passed at 3.8e-3
+    checked = verify(dataclasses.replace(cfg, param_dtype="float32", reduce_dtype=None, steps=1))
     return {key: checked[key] for key in ("ok", "max_loss_rel_diff", "max_grad_rel_diff", "worst_grad_param",
                                           "tolerance")}
 
