@@ -124,11 +124,10 @@ def _cuts(batch: Batch) -> tuple[int, ...]:
 def _rank_runs(batch: Batch, seq: int, cp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every rank's runs, none across any row's document start (one rank: the segments between them), rank by
     rank in order, as arrays: (start, stop, rank) of each run."""
+    if cp > 1:
+        return balanced_runs(seq, cp, _cuts(batch))
     cuts = np.array(_cuts(batch), dtype=np.int64)
-    if cp == 1:
-        runs = (cuts, np.append(cuts[1:], seq), np.zeros_like(cuts))
-    else:
-        runs = balanced_runs(seq, cp, tuple(cuts.tolist()))
+    runs = (cuts, np.append(cuts[1:], seq), np.zeros_like(cuts))
     for array in runs:
         array.flags.writeable = False  # cached: shared by every caller
     return runs

@@ -3,6 +3,8 @@ planner share."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from orangetron.spec import rules
@@ -77,6 +79,7 @@ def document_runs(seq_len: int, cp: int, rank: int, cuts: tuple[int, ...]) -> tu
     return tuple(zip(start[mine].tolist(), stop[mine].tolist(), strict=True))
 
 
+@functools.lru_cache(maxsize=64)  # each rank's `document_runs`, and each ring member's, read one batch's at once
 def balanced_runs(seq_len: int, cp: int, cuts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every cp rank's runs under the balanced sharding of packed documents (`document_runs`), rank by rank,
     each rank's in increasing order, as arrays: (start, stop, rank) of each run.
@@ -90,7 +93,7 @@ def balanced_runs(seq_len: int, cp: int, cuts: tuple[int, ...]) -> tuple[np.ndar
     segment that touch (nothing between them) are one run; runs of two segments never are: a ring trims by
     document."""
     if cp == 1:
-        return np.array([0]), np.array([seq_len]), np.array([0])
+        return np.array([0]), np.array([seq_len]), np.array([0])  # rank 0 holds everything
     rules.cp_splits_sequence(cp, seq_len)
     increasing = all(a < b for a, b in zip(cuts, cuts[1:], strict=False))
     if not cuts or cuts[0] != 0 or not increasing or cuts[-1] >= seq_len:
@@ -107,7 +110,10 @@ def balanced_runs(seq_len: int, cp: int, cuts: tuple[int, ...]) -> tuple[np.ndar
     stop = np.stack((np.where(touching, tail_stop, head_stop), tail_stop), axis=-1)
     rank_of = np.broadcast_to(ranks[:, None, None], start.shape)
     kept = stop > start
-    return start[kept], stop[kept], rank_of[kept]
+    runs = start[kept], stop[kept], rank_of[kept]
+    for array in runs:
+        array.flags.writeable = False  # cached: shared by every caller
+    return runs
 
 
 def _slot_bounds(seq_len: int, cp: int, cuts: np.ndarray) -> np.ndarray:
